@@ -1,0 +1,41 @@
+"""dmuon_compile: a compiler-first distributed Muon optimizer for PyTorch.
+
+``import dmuon_compile as dmuon`` gives the API of the DMuon troubleshooting page:
+``dmuon.Muon``, ``dmuon.NewtonSchulz``, ``dmuon.get_ns_backend`` and (with the distributed
+runtime) ``dmuon.dedicate_params`` and its diagnostics.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+try:
+    import torch as _torch
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "dmuon_compile needs PyTorch (>= 2.11). Install it first, e.g. pip install 'torch>=2.11'"
+    ) from _exc
+
+from dmuon_compile._compat import check_torch_version as _check_torch_version
+
+_check_torch_version(_torch.__version__)
+
+from dmuon_compile import coefficients  # noqa: E402
+from dmuon_compile.functional import lr_scale  # noqa: E402
+from dmuon_compile.newton_schulz import (  # noqa: E402
+    NewtonSchulz,
+    get_ns_backend,
+    matrix_view,
+)
+from dmuon_compile.optimizer import Muon, default_muon_predicate  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "Muon",
+    "NewtonSchulz",
+    "coefficients",
+    "default_muon_predicate",
+    "get_ns_backend",
+    "lr_scale",
+    "matrix_view",
+]

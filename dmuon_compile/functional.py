@@ -1,0 +1,130 @@
+"""Functional core of the optimizer step (the eager reference the compiled step is tested against).
+
+``muon_update`` and ``adamw_update`` work on lists of tensors and know nothing about models,
+meshes or owners; ``Muon`` (``optimizer.py``) gathers the lists and calls them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dmuon_compile.newton_schulz import NewtonSchulz, matrix_view
+
+ADJUST_LR_FNS = ("match_rms_adamw", "original", "none")
+
+
+def lr_scale(shape: Sequence[int], adjust_lr_fn: str | None) -> float:
+    """Per-matrix learning-rate multiplier.
+
+    - ``"match_rms_adamw"`` (default; the seed's "internal scaling"): 0.2·√max(m, n), so the
+      update's RMS matches AdamW's and AdamW-tuned learning rates carry over;
+    - ``"original"`` (Keller Jordan's, torch.optim.Muon's default): √max(1, m/n);
+    - ``"none"``: 1.
+
+    ``m, n`` are the first two dims, as torch.optim.Muon uses them.
+
+    >>> lr_scale((1024, 4096), "match_rms_adamw")
+    12.8
+    """
+    m, n = shape[0], shape[1]
+    if adjust_lr_fn in (None, "match_rms_adamw"):
+        return 0.2 * math.sqrt(max(m, n))
+    if adjust_lr_fn == "original":
+        return math.sqrt(max(1.0, m / n))
+    if adjust_lr_fn == "none":
+        return 1.0
+    raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
+
+
+def momentum_update(grads: list[Tensor], bufs: list[Tensor], momentum: float, nesterov: bool) -> list[Tensor]:
+    """buf ← μ·buf + g; returns g + μ·buf (Nesterov) or buf. Updates ``bufs`` in place."""
+    if not grads:
+        return []
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    if nesterov:
+        return torch._foreach_add(grads, bufs, alpha=momentum)
+    return list(bufs)
+
+
+def orthogonalize(updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: bool = True) -> list[Tensor]:
+    """NS(u) for every update; same-shape matrices are stacked into one batched call."""
+    out: list[Tensor | None] = [None] * len(updates)
+    if not batch_same_shape:
+        return [ns(matrix_view(u)).reshape(u.shape) for u in updates]
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for i, u in enumerate(updates):
+        buckets[(tuple(u.shape), u.dtype, u.device)].append(i)
+    for idx in buckets.values():
+        mats = [matrix_view(updates[i]) for i in idx]
+        if len(mats) == 1:
+            results = [ns(mats[0])]
+        else:
+            results = ns(torch.stack(mats)).unbind(0)
+        for i, r in zip(idx, results):
+            out[i] = r.reshape(updates[i].shape)
+    return out  # type: ignore[return-value]
+
+
+def apply_muon_update(
+    params: list[Tensor], ortho: list[Tensor], lr: float, weight_decay: float, adjust_lr_fn: str | None
+) -> None:
+    """W ← (1 − lr·wd)·W − lr·scale(W)·O, in place."""
+    for p, o in zip(params, ortho):
+        if weight_decay != 0.0:
+            p.mul_(1.0 - lr * weight_decay)
+        p.add_(o.to(p.dtype), alpha=-lr * lr_scale(matrix_view(p).shape, adjust_lr_fn))
+
+
+def muon_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns: NewtonSchulz,
+    adjust_lr_fn: str | None = "match_rms_adamw",
+) -> None:
+    """One Muon step on whole matrices (eager reference)."""
+    updates = momentum_update(grads, bufs, momentum, nesterov)
+    ortho = orthogonalize(updates, ns)
+    apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn)
+
+
+def adamw_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """Decoupled-weight-decay Adam (torch.optim.AdamW's math), in place; ``steps`` are 0-d CPU tensors."""
+    if not params:
+        return
+    beta1, beta2 = betas
+    torch._foreach_add_(steps, 1.0)
+    if weight_decay != 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    # Step counters live on the CPU (as torch.optim.AdamW keeps them by default): no device sync.
+    for p, m, v, step in zip(params, exp_avgs, exp_avg_sqs, steps):
+        t = float(step.item())
+        bias1 = 1.0 - beta1**t
+        bias2 = 1.0 - beta2**t
+        denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bias1)

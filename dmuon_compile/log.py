@@ -1,0 +1,57 @@
+"""Logging: rank-tagged progress lines and the ``TORCH_LOGS`` artifact of the compiler pass.
+
+- :func:`rank_tag` gives ``[DMuon][rank=0/8]`` so startup stalls (autotune, compiles) are
+  visible per rank in cluster logs.
+- :func:`progress` prints such a line to stderr unless its environment switch is ``0``.
+- ``logger`` is the ``dmuon_compile`` logger; ``TORCH_LOGS="+dmuon"`` (or ``"dmuon"``) turns it
+  on through torch's logging system once :func:`register_torch_logs` ran (at import).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger("dmuon_compile")
+
+
+def rank_tag() -> str:
+    """``[DMuon][rank=R/W]`` from torch.distributed (or RANK/WORLD_SIZE before init)."""
+    rank, world = 0, 1
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank = int(os.environ.get("RANK", 0))
+            world = int(os.environ.get("WORLD_SIZE", 1))
+    except Exception:  # pragma: no cover - logging must never raise
+        pass
+    return f"[DMuon][rank={rank}/{world}]"
+
+
+def env_flag(name: str, default: bool = True) -> bool:
+    """Read a boolean environment switch: ``0/false/no/off`` → False."""
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def progress(message: str, switch: str | None = None) -> None:
+    """Print a rank-tagged progress line to stderr (silenced when ``switch`` is set to 0)."""
+    if switch is not None and not env_flag(switch, True):
+        return
+    print(f"{rank_tag()} {message}", file=sys.stderr, flush=True)
+
+
+def register_torch_logs() -> None:
+    """Register ``dmuon`` with ``torch._logging`` so ``TORCH_LOGS="+dmuon"`` controls it."""
+    try:
+        from torch._logging._internal import register_log
+
+        register_log("dmuon", "dmuon_compile")
+    except Exception:  # pragma: no cover - private API; logging stays usable via logging.getLogger
+        logger.debug("could not register the 'dmuon' TORCH_LOGS alias")

@@ -1,0 +1,366 @@
+"""Newton–Schulz orthogonalisation: the eager reference every fast path is tested against.
+
+Two algorithms (see ARCHITECTURE.md §3), both for X of shape (m, n) with m ≤ n (tall inputs are
+transposed) or batched (batch, m, n):
+
+- **direct**: per step A = X·Xᵀ, B = b·A + c·A², X ← a·X + B·X.
+- **gram**: every odd polynomial of X is Q·X with Q a polynomial of R = X·Xᵀ, so the iteration
+  runs on m×m matrices and only the first X·Xᵀ and the final Q·X touch the long side:
+  Z = b·R + c·R²; Q ← Q·Z + a·Q (Q = Z + a·I on a segment's first step);
+  RZ = R·Z + a·R; R ← Z·RZ + a·RZ. Half precision lets tiny negative eigenvalues of R grow, so
+  the iteration *restarts* (X ← Q·X, R recomputed, Q reset) at ``restart_iterations``.
+
+The matrix products go through a :class:`_Primitives` object: ``TorchPrimitives`` issues plain
+``mm``/``addmm`` (cuBLAS on GPU) — the graph the compiler pass pattern-matches — and
+``CustomOpPrimitives`` calls ``torch.ops.dmuon.*`` (Triton on CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dmuon_compile import coefficients as coeffs
+from dmuon_compile.kernels.availability import device_tag, triton_status
+
+EPS = 1e-7
+BACKENDS = ("gram", "direct")
+KERNELS = ("auto", "triton", "cublas")
+# Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS (ARCHITECTURE.md §3).
+DEFAULT_GRAM_MIN_ASPECT = 1.5
+
+
+# ----------------------------------------------------------------------------- primitives
+class TorchPrimitives:
+    """Matrix products as plain aten ops (cuBLAS on GPU, the CPU BLAS elsewhere)."""
+
+    name = "cublas"
+
+    @staticmethod
+    def gram(x: Tensor) -> Tensor:
+        """x·xᵀ"""
+        return x @ x.mT
+
+    @staticmethod
+    def sym_addmm(c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float) -> Tensor:
+        """beta·c + alpha·a·b where the result is symmetric."""
+        if a.dim() == 2:
+            return torch.addmm(c, a, b, beta=beta, alpha=alpha)
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+
+    @staticmethod
+    def add_identity(a: Tensor, gamma: float) -> Tensor:
+        """a + gamma·I"""
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        return a + gamma * eye
+
+    @staticmethod
+    def apply_left(c: Tensor, q: Tensor, x: Tensor, beta: float) -> Tensor:
+        """beta·c + q·x (rectangular; ``beta=0`` gives q·x)."""
+        if beta == 0.0:
+            return q @ x
+        if q.dim() == 2:
+            return torch.addmm(c, q, x, beta=beta)
+        return torch.baddbmm(c, q, x, beta=beta)
+
+
+class CustomOpPrimitives(TorchPrimitives):
+    """Symmetric products through ``torch.ops.dmuon`` (Triton SYRK kernels on CUDA)."""
+
+    name = "triton"
+
+    @staticmethod
+    def gram(x: Tensor) -> Tensor:
+        return torch.ops.dmuon.syrk(x, None, 1.0, 0.0, 0.0)
+
+    @staticmethod
+    def sym_addmm(c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float) -> Tensor:
+        return torch.ops.dmuon.sym_mm(a, b, c, alpha, beta, 0.0)
+
+    @staticmethod
+    def add_identity(a: Tensor, gamma: float) -> Tensor:
+        return TorchPrimitives.add_identity(a, gamma)
+
+
+# ----------------------------------------------------------------------------- algorithms
+def _as_matrix_stack(g: Tensor) -> tuple[Tensor, bool]:
+    """View ``g`` as (m, n) or (batch, m, n) with m ≤ n; return it and whether it was transposed.
+
+    Parameters with more than 2 dims (conv kernels) are viewed as (shape[0], prod(rest)) by
+    the caller (:func:`matrix_view`); here 2-D and 3-D are the only shapes.
+    """
+    if g.dim() not in (2, 3):
+        raise ValueError(
+            f"Newton–Schulz needs a 2-D matrix or a 3-D stack of matrices, got shape {tuple(g.shape)}; "
+            "use dmuon_compile.matrix_view(t) for parameters with more than 2 dims"
+        )
+    transposed = g.shape[-2] > g.shape[-1]
+    return (g.mT if transposed else g), transposed
+
+
+def matrix_view(t: Tensor) -> Tensor:
+    """View a parameter (or gradient) as the matrix Muon orthogonalises: (shape[0], prod(rest)).
+
+    >>> matrix_view(torch.zeros(8, 4, 3, 3)).shape
+    torch.Size([8, 36])
+    """
+    if t.dim() < 2:
+        raise ValueError(f"Muon needs a parameter with at least 2 dims, got shape {tuple(t.shape)}")
+    return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
+
+
+def normalize(g: Tensor, work_dtype: torch.dtype, eps: float = EPS) -> Tensor:
+    """Scale each matrix to Frobenius norm ≤ 1 (computed in fp32), then cast to the work dtype.
+
+    A zero or tiny-norm input stays (near) zero instead of becoming NaN: the eps is added to
+    the norm, never divided by alone.
+    """
+    gf = g.float()
+    norm = torch.linalg.vector_norm(gf, dim=(-2, -1), keepdim=True)
+    return (gf / (norm + eps)).to(work_dtype)
+
+
+def direct_ns(x: Tensor, table: coeffs.Coefficients, ops=TorchPrimitives) -> Tensor:
+    """Direct NS on a normalised (m, n)/(batch, m, n) input with m ≤ n; returns the same shape."""
+    for a, b, c in table:
+        gram = ops.gram(x)  # A = X·Xᵀ
+        poly = ops.sym_addmm(gram, gram, gram, beta=b, alpha=c)  # B = b·A + c·A²
+        x = ops.apply_left(x, poly, x, beta=a)  # X ← a·X + B·X
+    return x
+
+
+def gram_ns(
+    x: Tensor, table: coeffs.Coefficients, restart_iterations: Sequence[int], ops=TorchPrimitives
+) -> Tensor:
+    """Gram NS with restarts on a normalised (m, n)/(batch, m, n) input with m ≤ n."""
+    restarts = set(restart_iterations)
+    steps = len(table)
+    r = ops.gram(x)
+    q: Tensor | None = None
+    for i, (a, b, c) in enumerate(table):
+        if i in restarts and q is not None:
+            x = ops.apply_left(x, q, x, beta=0.0)  # X ← Q·X
+            r = ops.gram(x)
+            q = None
+        z = ops.sym_addmm(r, r, r, beta=b, alpha=c)  # Z = b·R + c·R²
+        # Q·(Z + aI) as Q·Z + a·Q keeps the a·I term out of the half-precision product.
+        q = ops.add_identity(z, a) if q is None else ops.sym_addmm(q, q, z, beta=a, alpha=1.0)
+        last_of_segment = i + 1 == steps or (i + 1) in restarts
+        if not last_of_segment:
+            rz = ops.sym_addmm(r, r, z, beta=a, alpha=1.0)  # RZ = R·Z + a·R
+            r = ops.sym_addmm(rz, z, rz, beta=a, alpha=1.0)  # R ← Z·RZ + a·RZ
+    return ops.apply_left(x, q, x, beta=0.0)  # X ← Q·X
+
+
+def gram_ns_flops(m: int, n: int, steps: int, restarts: int, symmetric: bool = True) -> float:
+    """FLOPs of Gram NS on one (m, n) matrix, m ≤ n (symmetric products counted at half cost)."""
+    half = 0.5 if symmetric else 1.0
+    segments = restarts + 1
+    gram_products = segments * half * 2 * m * m * n  # X·Xᵀ per segment
+    apply_products = segments * 2 * m * m * n  # Q·X per segment
+    # Per step: Z (1 product) and Q (1, none on a segment's first step) and R (2, none on a
+    # segment's last step).
+    small = steps + 3 * (steps - segments)
+    return gram_products + apply_products + small * half * 2 * m**3
+
+
+def direct_ns_flops(m: int, n: int, steps: int, symmetric: bool = True) -> float:
+    """FLOPs of direct NS on one (m, n) matrix, m ≤ n."""
+    half = 0.5 if symmetric else 1.0
+    per_step = half * 2 * m * m * n + half * 2 * m**3 + 2 * m * m * n
+    return steps * per_step
+
+
+# ----------------------------------------------------------------------------- public class
+_ACTIVE: "NewtonSchulz | None" = None
+
+
+class NewtonSchulz:
+    """A configured Newton–Schulz orthogonaliser.
+
+    Args:
+        backend: ``"gram"`` (default; Gram-space iteration with restarts, direct NS for
+            near-square matrices where Gram saves nothing) or ``"direct"``.
+        kernel: ``"auto"`` (Triton SYRK kernels on SM80+ CUDA where available, else cuBLAS;
+            ``DMUON_NS_KERNEL`` overrides it), ``"triton"`` or ``"cublas"``.
+        coefficients: a table name (``"keller_jordan"``, ``"you"``, ``"polar_express"``), one
+            ``(a, b, c)`` triple or a per-step sequence. Default: Polar Express (safety 1.05)
+            for gram, Keller Jordan for direct (torch.optim.Muon's).
+        restart_iterations: Gram NS restart positions (default ``(2,)``).
+        deterministic: ``True`` is the same as ``kernel="cublas"``.
+        steps: number of NS steps for named tables / single triples (default 5).
+        work_dtype: dtype of the iteration (default fp16 for gram, bf16 for direct).
+        gram_min_aspect: matrices with n/m below this run direct NS (default 1.5).
+        eps: added to the Frobenius norm before dividing.
+
+    Example::
+
+        ns = dmuon.NewtonSchulz(kernel="cublas")   # same as deterministic=True
+        update = ns(torch.randn(256, 1024))
+    """
+
+    def __init__(
+        self,
+        backend: str = "gram",
+        kernel: str = "auto",
+        coefficients=None,
+        restart_iterations: Sequence[int] | None = None,
+        deterministic: bool = False,
+        *,
+        steps: int | None = None,
+        work_dtype: torch.dtype | None = None,
+        gram_min_aspect: float = DEFAULT_GRAM_MIN_ASPECT,
+        eps: float = EPS,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"NewtonSchulz(backend={backend!r}): choose one of {BACKENDS}")
+        if kernel not in KERNELS:
+            raise ValueError(f"NewtonSchulz(kernel={kernel!r}): choose one of {KERNELS}")
+        if deterministic and kernel == "triton":
+            raise ValueError(
+                "NewtonSchulz(kernel='triton', deterministic=True) conflict: deterministic=True "
+                "means kernel='cublas'. Drop one of the two."
+            )
+        self.backend = backend
+        self.requested_kernel = "cublas" if deterministic else kernel
+        self.deterministic = deterministic or kernel == "cublas"
+        default_table = "polar_express" if backend == "gram" else "keller_jordan"
+        self.coefficients = coeffs.resolve(coefficients, default_table, steps)
+        n_steps = len(self.coefficients)
+        if restart_iterations is None:
+            restart_iterations = (2,) if backend == "gram" and n_steps > 2 else ()
+        restart_iterations = tuple(sorted(set(int(i) for i in restart_iterations)))
+        for i in restart_iterations:
+            if not 0 < i < n_steps:
+                raise ValueError(
+                    f"restart_iterations={restart_iterations}: each restart must be a step index "
+                    f"in 1..{n_steps - 1} (there are {n_steps} steps)"
+                )
+        if restart_iterations and backend != "gram":
+            raise ValueError("restart_iterations only applies to backend='gram'")
+        self.restart_iterations = restart_iterations
+        if work_dtype is None:
+            work_dtype = torch.float16 if backend == "gram" else torch.bfloat16
+        if work_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"work_dtype={work_dtype} is not a floating dtype NS can run in")
+        self.work_dtype = work_dtype
+        if gram_min_aspect < 1.0:
+            raise ValueError(f"gram_min_aspect must be >= 1 (got {gram_min_aspect})")
+        self.gram_min_aspect = gram_min_aspect
+        self.eps = eps
+        self.kernel, self.kernel_reason = self._resolve_kernel(self.requested_kernel)
+
+    # -- kernel ladder
+    @staticmethod
+    def _resolve_kernel(requested: str) -> tuple[str, str]:
+        env = os.environ.get("DMUON_NS_KERNEL", "").strip().lower()
+        if requested == "auto" and env:
+            if env not in ("triton", "cublas"):
+                raise ValueError(
+                    f"DMUON_NS_KERNEL={env!r} is not a kernel; set it to 'triton' or 'cublas' or unset it"
+                )
+            requested = env
+        ok, why = triton_status()
+        tag = device_tag()
+        if requested == "triton":
+            if not ok:
+                raise RuntimeError(
+                    f"NewtonSchulz(kernel='triton') is not available here: {why}. "
+                    "Use kernel='auto' (falls back to cuBLAS) or kernel='cublas'."
+                )
+            return "triton", f"{tag}, Triton SYRK templates"
+        if requested == "auto" and ok:
+            return "triton", f"{tag}, Triton SYRK templates, cuBLAS where autotune prefers it"
+        return "cublas", f"{tag}, universal fallback"
+
+    @property
+    def primitives(self):
+        return CustomOpPrimitives if self.kernel == "triton" else TorchPrimitives
+
+    def describe(self) -> str:
+        """One honest line naming the algorithm and the active kernel."""
+        algo = "Gram NS" if self.backend == "gram" else "Direct NS"
+        return f"{algo} · kernel={self.kernel} ({self.kernel_reason})"
+
+    def uses_gram(self, m: int, n: int) -> bool:
+        """Whether an (m, n) matrix runs Gram NS (else direct NS)."""
+        small, large = min(m, n), max(m, n)
+        return self.backend == "gram" and large >= self.gram_min_aspect * small
+
+    def flops(self, m: int, n: int) -> float:
+        """FLOPs of one orthogonalisation of an (m, n) matrix with this configuration."""
+        small, large = min(m, n), max(m, n)
+        sym = self.kernel == "triton"
+        if self.uses_gram(small, large):
+            return gram_ns_flops(small, large, len(self.coefficients), len(self.restart_iterations), sym)
+        return direct_ns_flops(small, large, len(self.coefficients), sym)
+
+    def __call__(self, g: Tensor) -> Tensor:
+        """Orthogonalise ``g`` (2-D, or a 3-D same-shape stack); returns the work dtype."""
+        x, transposed = _as_matrix_stack(g)
+        x = normalize(x, self.work_dtype, self.eps)
+        m, n = x.shape[-2], x.shape[-1]
+        ops = self.primitives
+        if self.uses_gram(m, n):
+            x = gram_ns(x, self.coefficients, self.restart_iterations, ops)
+        else:
+            x = direct_ns(x, self.coefficients, ops)
+        return x.mT if transposed else x
+
+    def __repr__(self) -> str:
+        return (
+            f"NewtonSchulz(backend={self.backend!r}, kernel={self.kernel!r}, steps={len(self.coefficients)}, "
+            f"restart_iterations={self.restart_iterations}, work_dtype={self.work_dtype})"
+        )
+
+
+def set_active_ns(ns: NewtonSchulz) -> None:
+    """Record the orthogonaliser that :func:`get_ns_backend` reports (``Muon`` calls this)."""
+    global _ACTIVE
+    _ACTIVE = ns
+
+
+def get_ns_backend(ns: "NewtonSchulz | None" = None) -> str:
+    """Describe the active Newton–Schulz backend and kernel on this rank.
+
+    With no argument, reports the orthogonaliser of the most recently built ``Muon`` (or the
+    default ``NewtonSchulz()`` if none was built). Run it on every rank and cross-check (or
+    use :func:`dmuon_compile.check_ns_backend_consistent`): mixing kernels across ranks drifts.
+
+    >>> get_ns_backend()  # doctest: +SKIP
+    'Gram NS · kernel=cublas (CPU, universal fallback)'
+    """
+    if ns is None:
+        ns = _ACTIVE if _ACTIVE is not None else NewtonSchulz()
+    elif not isinstance(ns, NewtonSchulz):
+        inner = getattr(ns, "ns", None)
+        if not isinstance(inner, NewtonSchulz):
+            raise TypeError(f"get_ns_backend() takes a NewtonSchulz or a Muon, got {type(ns).__name__}")
+        ns = inner
+    return ns.describe()
+
+
+def resolve_ns_backend(ns_backend) -> NewtonSchulz:
+    """``"gram"``/``"direct"``/``NewtonSchulz`` → ``NewtonSchulz``."""
+    if isinstance(ns_backend, NewtonSchulz):
+        return ns_backend
+    if isinstance(ns_backend, str):
+        if ns_backend not in BACKENDS:
+            raise ValueError(
+                f"ns_backend={ns_backend!r}: choose 'gram', 'direct' or pass a dmuon.NewtonSchulz(...)"
+            )
+        return NewtonSchulz(backend=ns_backend)
+    raise TypeError(
+        f"ns_backend must be 'gram', 'direct' or a NewtonSchulz, got {type(ns_backend).__name__}"
+    )
+
+
+def singular_value_band(table: coeffs.Coefficients, lo: float = 0.01) -> tuple[float, float]:
+    """Where the composed polynomial maps input singular values in [lo, 1] (float64 scan)."""
+    s = torch.linspace(lo, 1.0, 20001, dtype=torch.float64)
+    for a, b, c in table:
+        s = a * s + b * s**3 + c * s**5
+    return float(s.min()), float(s.max())

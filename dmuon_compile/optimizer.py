@@ -1,0 +1,284 @@
+"""``Muon``: the optimizer users construct. A thin ``torch.optim.Optimizer`` over ``functional``.
+
+Matrices chosen for Muon (dedicated parameters, or by the routing rule below) get
+momentum → Newton–Schulz → scaled update; every other parameter gets AdamW in the same
+optimizer, so one ``step()``, one ``state_dict()`` and one LR scheduler drive both.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from dmuon_compile import functional as F
+from dmuon_compile.newton_schulz import NewtonSchulz, resolve_ns_backend, set_active_ns
+
+# Module names that mark an output head: its weight is 2-D but is a classifier, not a hidden
+# matrix, and Muon's orthogonalised update is wrong for it (Keller Jordan; Moonlight).
+HEAD_NAMES = ("lm_head", "head", "output", "output_head", "classifier", "score", "fc_out")
+NONFINITE_MODES = ("raise", "skip")
+
+
+def default_muon_predicate(name: str, param: Tensor, module: nn.Module | None = None) -> bool:
+    """The documented routing rule: Muon for ≥2-D weights except embeddings and output heads.
+
+    A parameter is excluded when its module is an ``nn.Embedding`` (or ``EmbeddingBag``) or when
+    the module's own name (the last component before the parameter name) is one of
+    ``HEAD_NAMES``. Everything excluded gets AdamW. Pass ``predicate=`` to ``Muon`` to override.
+    """
+    if param.ndim < 2:
+        return False
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return False
+    parts = name.split(".")
+    owner = parts[-2] if len(parts) >= 2 else ""
+    return owner not in HEAD_NAMES and "embed" not in owner
+
+
+def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | None):
+    """Split a model's parameters into (muon [(name, p)], adamw [(name, p)])."""
+    from dmuon_compile.dedicated_registry import dedicated_names  # late: avoids an import cycle
+
+    dedicated = dedicated_names(model)
+    module_of = {}
+    for mod_name, mod in model.named_modules():
+        for p_name, p in mod.named_parameters(recurse=False):
+            module_of[id(p)] = mod
+    muon, adamw = [], []
+    for name, p in model.named_parameters():  # named_parameters dedups tied weights
+        if not p.requires_grad:
+            continue
+        if name in dedicated:
+            chosen = True
+        elif predicate is not None:
+            chosen = bool(predicate(name, p))
+            if chosen and p.ndim < 2:
+                raise ValueError(
+                    f"Muon predicate selected {name!r} of shape {tuple(p.shape)}: Muon needs ≥2-D "
+                    "weights. Make the predicate return False for it (it then gets AdamW)."
+                )
+        else:
+            chosen = default_muon_predicate(name, p, module_of.get(id(p)))
+        (muon if chosen else adamw).append((name, p))
+    return muon, adamw
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for matrices, AdamW for everything else, in one optimizer.
+
+    Args:
+        params: an ``nn.Module`` (the seed's ``dmuon.Muon(model, ...)``), an iterable of
+            parameters, or param groups. With a module, dedicated parameters (see
+            ``dedicate_params``) get Muon, others by ``predicate`` or the default rule
+            (≥2-D weights except embeddings and output heads). With plain parameters, ≥2-D
+            tensors get Muon; a group may set ``use_muon`` explicitly.
+        lr: Muon learning rate (default 0.02).
+        momentum: Muon momentum μ (default 0.95).
+        nesterov: Nesterov momentum (default True).
+        weight_decay: decoupled weight decay for Muon matrices (default 0).
+        ns_backend: ``"gram"`` (default), ``"direct"`` or a ``NewtonSchulz``.
+        adjust_lr_fn: ``"match_rms_adamw"`` (default, 0.2·√max(m, n)), ``"original"``
+            (√max(1, m/n), torch.optim.Muon's default) or ``"none"``.
+        predicate: ``predicate(name, param) -> bool`` choosing Muon matrices (module input only).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters for the
+            other parameters (defaults 3e-4, (0.9, 0.95), 1e-8, 0).
+        nonfinite_grads: ``"raise"`` (default) raises ``FloatingPointError`` naming the
+            parameters with NaN/Inf gradients before anything is updated; ``"skip"`` warns and
+            skips the whole step (weights and state unchanged).
+        replicate_async: with HSDP (``dedicate_params(..., replicate_mesh=...)``) publish new
+            weights to the other replicas asynchronously, overlapping the next forward
+            (default True); no effect without a replicate mesh.
+
+    Example::
+
+        opt = dmuon.Muon(model, lr=0.02)
+        loss = model(x).square().mean(); loss.backward()
+        opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        *,
+        ns_backend="gram",
+        adjust_lr_fn: str = "match_rms_adamw",
+        predicate: Callable[[str, Tensor], bool] | None = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        nonfinite_grads: str = "raise",
+        replicate_async: bool = True,
+    ) -> None:
+        _check_nonneg("lr", lr)
+        _check_nonneg("weight_decay", weight_decay)
+        _check_nonneg("adamw_lr", adamw_lr)
+        _check_nonneg("adamw_weight_decay", adamw_weight_decay)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        for i, beta in enumerate(adamw_betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"adamw_betas[{i}] must be in [0, 1), got {beta}")
+        if adjust_lr_fn not in F.ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {F.ADJUST_LR_FNS}")
+        if nonfinite_grads not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite_grads={nonfinite_grads!r}: choose one of {NONFINITE_MODES}")
+
+        self.model = params if isinstance(params, nn.Module) else None
+        self.ns = resolve_ns_backend(ns_backend)
+        set_active_ns(self.ns)
+        self.nonfinite_grads = nonfinite_grads
+        self.replicate_async = bool(replicate_async)
+        self._param_names: dict[int, str] = {}
+
+        muon_defaults = dict(
+            use_muon=True, lr=lr, momentum=momentum, nesterov=nesterov,
+            weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn,
+        )
+        adamw_defaults = dict(
+            use_muon=False, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+            weight_decay=adamw_weight_decay,
+        )
+        groups = self._build_groups(params, predicate, muon_defaults, adamw_defaults)
+        if not groups:
+            raise ValueError("Muon got no parameters that require grad")
+        super().__init__(groups, defaults=dict(lr=lr, weight_decay=weight_decay))
+
+    # ------------------------------------------------------------------ groups
+    def _build_groups(self, params, predicate, muon_defaults, adamw_defaults) -> list[dict]:
+        if isinstance(params, nn.Module):
+            muon, adamw = _route_model(params, predicate)
+            if not muon:
+                warnings.warn(
+                    "Muon: no parameter was routed to Muon (all get AdamW). Check predicate= or "
+                    "call dmuon.dedicate_params(model, mesh, predicate=...) first.",
+                    stacklevel=3,
+                )
+            groups = []
+            for defaults, named in ((muon_defaults, muon), (adamw_defaults, adamw)):
+                if named:
+                    self._param_names.update({id(p): n for n, p in named})
+                    groups.append(dict(defaults, params=[p for _, p in named]))
+            return groups
+        if predicate is not None:
+            raise ValueError("predicate= needs a model (names); with parameter lists set use_muon per group")
+        params = list(params)
+        if params and not isinstance(params[0], dict):
+            params = [{"params": params}]
+        groups = []
+        for g_index, group in enumerate(params):
+            tensors = list(group["params"]) if not isinstance(group["params"], Tensor) else [group["params"]]
+            extra = {k: v for k, v in group.items() if k != "params"}
+            for p_index, p in enumerate(tensors):
+                self._param_names.setdefault(id(p), f"param_groups[{g_index}][{p_index}]")
+            if "use_muon" in extra:
+                split = {bool(extra["use_muon"]): tensors}
+            else:
+                split = {True: [p for p in tensors if p.ndim >= 2], False: [p for p in tensors if p.ndim < 2]}
+            for use_muon, ps in split.items():
+                if not ps:
+                    continue
+                if use_muon and any(p.ndim < 2 for p in ps):
+                    raise ValueError("a group with use_muon=True holds a parameter with fewer than 2 dims")
+                base = muon_defaults if use_muon else adamw_defaults
+                groups.append(dict(base, **{k: v for k, v in extra.items() if k != "use_muon"}, params=ps))
+        return groups
+
+    def param_name(self, p: Tensor) -> str:
+        return self._param_names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+
+    # ------------------------------------------------------------------ state
+    def _init_group(self, group: dict) -> tuple[list, list, list, list]:
+        """Collect params with grads and create their state eagerly (Dynamo runs this eagerly)."""
+        params, grads, state_a, state_b = [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"Muon does not support sparse gradients ({self.param_name(p)})")
+            state = self.state[p]
+            params.append(p)
+            grads.append(p.grad)
+            if group["use_muon"]:
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state_a.append(state["momentum_buffer"])
+            else:
+                if "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state_a.append(state["exp_avg"])
+                state_b.append((state["exp_avg_sq"], state["step"]))
+        return params, grads, state_a, state_b
+
+    def _nonfinite_names(self, params: list[Tensor], grads: list[Tensor]) -> list[str]:
+        if not grads:
+            return []
+        norms = torch._foreach_norm([_local(g).float() for g in grads])
+        finite = torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
+        if bool(finite.all()):  # one host sync per step
+            return []
+        return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step; returns ``closure()``'s loss when a closure is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        collected = [(group, *self._init_group(group)) for group in self.param_groups]
+        all_params = [p for c in collected for p in c[1]]
+        all_grads = [g for c in collected for g in c[2]]
+        bad = self._nonfinite_names(all_params, all_grads)
+        if bad:
+            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            message = (
+                f"non-finite (NaN/Inf) gradient in {shown}. Check whether AdamW alone shows the "
+                "same NaN (then the cause is upstream: data, model, dtype); pass "
+                "nonfinite_grads='skip' to skip such steps instead."
+            )
+            if self.nonfinite_grads == "raise":
+                raise FloatingPointError("Muon.step: " + message)
+            warnings.warn("Muon.step skipped: " + message, stacklevel=2)
+            return loss
+        for group, params, grads, state_a, state_b in collected:
+            if group["use_muon"]:
+                F.muon_update(
+                    params, grads, state_a,
+                    lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+                    nesterov=group["nesterov"], ns=self.ns, adjust_lr_fn=group["adjust_lr_fn"],
+                )
+            else:
+                F.adamw_update(
+                    params, grads, state_a, [b[0] for b in state_b], [b[1] for b in state_b],
+                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                )
+        return loss
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor, the tensor itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _check_nonneg(name: str, value: float) -> None:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} as a Tensor must have one element, got shape {tuple(value.shape)}")
+        value = float(value)
+    if not value >= 0.0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
