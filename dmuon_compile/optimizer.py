@@ -253,11 +253,7 @@ class Muon(torch.optim.Optimizer):
             return loss
         for group, params, grads, state_a, state_b in collected:
             if group["use_muon"]:
-                F.muon_update(
-                    params, grads, state_a,
-                    lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-                    nesterov=group["nesterov"], ns=self.ns, adjust_lr_fn=group["adjust_lr_fn"],
-                )
+                self._muon_group_step(group, params, grads, state_a)
             else:
                 F.adamw_update(
                     params, grads, state_a, [b[0] for b in state_b], [b[1] for b in state_b],
@@ -265,6 +261,14 @@ class Muon(torch.optim.Optimizer):
                     weight_decay=group["weight_decay"],
                 )
         return loss
+
+    def _muon_group_step(self, group: dict, params: list, grads: list, bufs: list) -> None:
+        """Muon math for one group's matrices (the eager reference path)."""
+        F.muon_update(
+            params, grads, bufs,
+            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+            nesterov=group["nesterov"], ns=self.ns, adjust_lr_fn=group["adjust_lr_fn"],
+        )
 
 
 def _local(t: Tensor) -> Tensor:
