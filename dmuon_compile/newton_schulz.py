@@ -113,12 +113,12 @@ def matrix_view(t: Tensor) -> Tensor:
 
 
 def normalize(g: Tensor, work_dtype: torch.dtype, eps: float = EPS) -> Tensor:
-    """Scale each matrix to Frobenius norm ≤ 1 (computed in fp32), then cast to the work dtype.
+    """Scale each matrix to Frobenius norm ≤ 1 (in fp32 or better), then cast to the work dtype.
 
     A zero or tiny-norm input stays (near) zero instead of becoming NaN: the eps is added to
     the norm, never divided by alone.
     """
-    gf = g.float()
+    gf = g.to(torch.float64) if work_dtype == torch.float64 else g.float()
     norm = torch.linalg.vector_norm(gf, dim=(-2, -1), keepdim=True)
     return (gf / (norm + eps)).to(work_dtype)
 

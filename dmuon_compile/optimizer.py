@@ -236,10 +236,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        collected = [(group, *self._init_group(group)) for group in self.param_groups]
-        all_params = [p for c in collected for p in c[1]]
-        all_grads = [g for c in collected for g in c[2]]
-        bad = self._nonfinite_names(all_params, all_grads)
+        # Check every gradient before touching any weight or state: a bad step changes nothing.
+        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        bad = self._nonfinite_names(with_grad, [p.grad for p in with_grad])
         if bad:
             shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
             message = (
@@ -251,6 +250,7 @@ class Muon(torch.optim.Optimizer):
                 raise FloatingPointError("Muon.step: " + message)
             warnings.warn("Muon.step skipped: " + message, stacklevel=2)
             return loss
+        collected = [(group, *self._init_group(group)) for group in self.param_groups]
         for group, params, grads, state_a, state_b in collected:
             if group["use_muon"]:
                 self._muon_group_step(group, params, grads, state_a)

@@ -1,0 +1,193 @@
+"""Newton–Schulz eager reference: property tests against float64 and an SVD-based oracle."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dmuon_compile as dmuon
+from dmuon_compile import coefficients as C
+from dmuon_compile.newton_schulz import NewtonSchulz, singular_value_band
+
+# Relative Frobenius error of a work-dtype run against the float64 run of the same iteration.
+# Measured worst cases on CPU over the shapes below: bf16 gram 0.065, fp16 gram 0.015,
+# bf16 direct 0.019, fp16 direct 0.002; fp32 < 1e-5.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 0.04, torch.bfloat16: 0.12}
+
+shapes = st.one_of(
+    st.tuples(st.integers(1, 48), st.integers(1, 160)),  # wide, tall, 1×n, odd sizes
+    st.tuples(st.integers(1, 3), st.integers(1, 24), st.integers(1, 80)),  # batched stacks
+)
+tables = st.sampled_from(["keller_jordan", "you", "polar_express"])
+work_dtypes = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def svd_oracle(g: torch.Tensor, table) -> torch.Tensor:
+    """NS computed on singular values: U·p(Σ/‖G‖)·Vᵀ in float64 — independent of both algorithms."""
+    g = g.double()
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    s = s / (torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True).squeeze(-1) + 1e-7)
+    for a, b, c in table:
+        s = a * s + b * s**3 + c * s**5
+    return u @ torch.diag_embed(s) @ vh
+
+
+@given(shape=shapes, table=tables, backend=st.sampled_from(["gram", "direct"]), seed=st.integers(0, 2**16))
+def test_float64_matches_svd_oracle(shape, table, backend, seed):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    ns = NewtonSchulz(backend=backend, coefficients=table, work_dtype=torch.float64)
+    out = ns(g)
+    assert out.shape == g.shape and out.dtype == torch.float64
+    assert _rel(out, svd_oracle(g, ns.coefficients)) < 1e-9
+
+
+@given(shape=shapes, table=tables, backend=st.sampled_from(["gram", "direct"]), dtype=work_dtypes,
+       seed=st.integers(0, 2**16))
+def test_work_dtype_close_to_float64_run(shape, table, backend, dtype, seed):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    ns = NewtonSchulz(backend=backend, coefficients=table, work_dtype=dtype)
+    ref = NewtonSchulz(backend=backend, coefficients=table, work_dtype=torch.float64)(g.double())
+    out = ns(g)
+    assert out.dtype == dtype and out.shape == g.shape
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < TOLERANCE[dtype]
+
+
+@given(m=st.integers(2, 40), aspect=st.floats(2.0, 6.0), dtype=work_dtypes, seed=st.integers(0, 2**16),
+       batch=st.sampled_from([None, 2]))
+def test_gram_agrees_with_direct_for_wide_matrices(m, aspect, dtype, seed, batch):
+    n = int(m * aspect)
+    shape = (m, n) if batch is None else (batch, m, n)
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    gram = NewtonSchulz(backend="gram", coefficients="you", work_dtype=dtype)
+    direct = NewtonSchulz(backend="direct", coefficients="you", work_dtype=dtype)
+    assert gram.uses_gram(m, n)
+    # Same polynomial, different association: equal up to the work dtype's rounding (twice).
+    assert _rel(gram(g), direct(g)) < 2 * TOLERANCE[dtype]
+
+
+def test_gram_equals_direct_exactly_in_float64():
+    g = torch.randn(3, 24, 100, dtype=torch.float64)
+    gram = NewtonSchulz(backend="gram", coefficients="polar_express", work_dtype=torch.float64)(g)
+    direct = NewtonSchulz(backend="direct", coefficients="polar_express", work_dtype=torch.float64)(g)
+    assert _rel(gram, direct) < 1e-12
+
+
+@pytest.mark.parametrize("restarts", [(), (1,), (2,), (1, 3)])
+def test_restart_positions_keep_the_polynomial(restarts):
+    g = torch.randn(20, 90, dtype=torch.float64)
+    ns = NewtonSchulz(backend="gram", restart_iterations=restarts, work_dtype=torch.float64)
+    assert _rel(ns(g), svd_oracle(g, ns.coefficients)) < 1e-9
+
+
+@given(shape=st.tuples(st.integers(4, 32), st.integers(4, 96)), table=tables,
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**16))
+def test_singular_values_inside_promised_band(shape, table, dtype, seed):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    ns = NewtonSchulz(backend="gram", coefficients=table, work_dtype=dtype)
+    s_in = torch.linalg.svdvals(g / g.norm())
+    lo = float(s_in.min())
+    if lo < 1e-3:  # nearly rank-deficient draw: the band starts at 0, nothing to check
+        return
+    band_lo, band_hi = singular_value_band(ns.coefficients, lo=lo)
+    s_out = torch.linalg.svdvals(ns(g).double())
+    slack = 0.05 if dtype == torch.float16 else 1e-4
+    assert float(s_out.min()) >= band_lo - slack
+    assert float(s_out.max()) <= band_hi + slack
+
+
+def test_keller_jordan_band_matches_architecture_note():
+    lo, hi = singular_value_band(C.resolve("keller_jordan", "keller_jordan"), lo=0.01)
+    assert 0.6 < lo < 0.75 and 1.1 < hi < 1.2
+
+
+@pytest.mark.parametrize("backend", ["gram", "direct"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [0.0, 1e-30, 1e-12])
+def test_zero_and_tiny_gradients_give_finite_updates(backend, dtype, scale):
+    g = torch.randn(16, 64) * scale
+    out = NewtonSchulz(backend=backend, work_dtype=dtype)(g)
+    assert torch.isfinite(out).all()
+    if scale == 0.0:
+        assert (out == 0).all()
+
+
+def test_tall_is_transpose_of_wide():
+    g = torch.randn(100, 20, dtype=torch.float64)
+    ns = NewtonSchulz(work_dtype=torch.float64)
+    torch.testing.assert_close(ns(g), ns(g.T).T)
+
+
+def test_batched_equals_per_matrix():
+    g = torch.randn(4, 16, 48, dtype=torch.float64)
+    ns = NewtonSchulz(work_dtype=torch.float64)
+    torch.testing.assert_close(ns(g), torch.stack([ns(m) for m in g]))
+
+
+def test_conv_weight_viewed_as_matrix():
+    w = torch.randn(8, 4, 3, 3)
+    assert dmuon.matrix_view(w).shape == (8, 36)
+    with pytest.raises(ValueError, match="matrix_view"):
+        NewtonSchulz()(w)
+
+
+def test_near_square_uses_direct_and_wide_uses_gram():
+    ns = NewtonSchulz(backend="gram")
+    assert not ns.uses_gram(64, 64) and ns.uses_gram(64, 256)
+    assert not NewtonSchulz(backend="direct").uses_gram(64, 256)
+
+
+def test_flop_formulas_match_architecture():
+    # ARCHITECTURE.md §3, in m³ units at α = 4, T = 5: direct 90, direct+symmetric 65, Gram 38.
+    m, n = 1024, 4096
+    from dmuon_compile.newton_schulz import direct_ns_flops, gram_ns_flops
+
+    assert direct_ns_flops(m, n, 5, symmetric=False) == 90 * m**3
+    assert direct_ns_flops(m, n, 5, symmetric=True) == 65 * m**3
+    assert gram_ns_flops(m, n, 5, restarts=1, symmetric=True) == 38 * m**3
+
+
+class TestConfiguration:
+    def test_cublas_is_deterministic(self):
+        assert NewtonSchulz(kernel="cublas").deterministic
+        assert NewtonSchulz(deterministic=True).kernel == "cublas"
+
+    def test_describe_is_honest_on_cpu(self):
+        if torch.cuda.is_available():
+            pytest.skip("CPU-only wording")
+        assert NewtonSchulz().describe() == "Gram NS · kernel=cublas (CPU, universal fallback)"
+        assert NewtonSchulz("direct").describe().startswith("Direct NS · kernel=cublas")
+        assert dmuon.get_ns_backend(NewtonSchulz()) == NewtonSchulz().describe()
+
+    def test_triton_unavailable_raises_clearly(self):
+        if torch.cuda.is_available():
+            pytest.skip("needs a machine without CUDA")
+        with pytest.raises(RuntimeError, match="kernel='auto'"):
+            NewtonSchulz(kernel="triton")
+
+    def test_env_override(self, monkeypatch):
+        monkeypatch.setenv("DMUON_NS_KERNEL", "cublas")
+        assert NewtonSchulz().kernel == "cublas"
+        monkeypatch.setenv("DMUON_NS_KERNEL", "bogus")
+        with pytest.raises(ValueError, match="DMUON_NS_KERNEL"):
+            NewtonSchulz()
+
+    @pytest.mark.parametrize(
+        "kwargs, match",
+        [
+            (dict(backend="svd"), "backend"),
+            (dict(kernel="cute"), "kernel"),
+            (dict(kernel="triton", deterministic=True), "conflict"),
+            (dict(restart_iterations=(0,)), "restart"),
+            (dict(restart_iterations=(5,)), "restart"),
+            (dict(backend="direct", restart_iterations=(2,)), "restart"),
+            (dict(work_dtype=torch.int32), "work_dtype"),
+        ],
+    )
+    def test_bad_arguments(self, kwargs, match):
+        with pytest.raises(ValueError, match=match):
+            NewtonSchulz(**kwargs)
