@@ -28,11 +28,27 @@ from dmuon_compile.newton_schulz import (  # noqa: E402
     matrix_view,
 )
 from dmuon_compile.optimizer import Muon, default_muon_predicate  # noqa: E402
+from dmuon_compile.distributed import (  # noqa: E402
+    MixedPrecision,
+    ParamPolicy,
+    collect_forward_unshard_profile,
+    dedicate_params,
+    summarize_comm_plan,
+    summarize_param_groups,
+    wait_all_replicate_broadcasts,
+)
 
 __all__ = [
     "__version__",
+    "MixedPrecision",
     "Muon",
     "NewtonSchulz",
+    "ParamPolicy",
+    "collect_forward_unshard_profile",
+    "dedicate_params",
+    "summarize_comm_plan",
+    "summarize_param_groups",
+    "wait_all_replicate_broadcasts",
     "coefficients",
     "default_muon_predicate",
     "get_ns_backend",

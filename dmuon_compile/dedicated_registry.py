@@ -17,3 +17,11 @@ def dedicated_names(model: nn.Module) -> set[str]:
     if plan is None:
         return set()
     return set(plan.param_names())
+
+
+def dedicated_parameters(model: nn.Module) -> list:
+    """``[(fqn, master)]`` of the dedicated parameters this rank owns (what its ``Muon`` updates)."""
+    plan = getattr(model, PLAN_ATTR, None)
+    if plan is None:
+        return []
+    return list(plan.owned_named_parameters())

@@ -1,0 +1,39 @@
+"""Dedicated parameters on FSDP2 (the distributed runtime of ``dmuon_compile``).
+
+Files, one concept each (FSDP2's layout): ``dedicate.py`` (entry point), ``owner_plan.py``
+(who owns what), ``policy.py`` (mixed precision), ``mesh_checks.py`` (mesh validation),
+``_dedicated_param.py`` (one parameter's life), ``_dedicated_group.py`` (a group's buffers and
+collectives), ``_collectives.py`` (the collective calls), ``_runtime.py`` (hooks),
+``_fsdp_compat.py`` (what is read from FSDP2), ``diagnostics.py``.
+"""
+
+from dmuon_compile.distributed.dedicate import PROFILE_ENV, dedicate_params, dedicated_runtime
+from dmuon_compile.distributed.diagnostics import (
+    collect_forward_unshard_profile,
+    summarize_comm_plan,
+    summarize_param_groups,
+    wait_all_replicate_broadcasts,
+)
+from dmuon_compile.distributed.owner_plan import (
+    MatrixSpec,
+    OwnerPlan,
+    extract_layer_id,
+    plan_owners,
+)
+from dmuon_compile.distributed.policy import MixedPrecision, ParamPolicy
+
+__all__ = [
+    "PROFILE_ENV",
+    "MatrixSpec",
+    "MixedPrecision",
+    "OwnerPlan",
+    "ParamPolicy",
+    "collect_forward_unshard_profile",
+    "dedicate_params",
+    "dedicated_runtime",
+    "extract_layer_id",
+    "plan_owners",
+    "summarize_comm_plan",
+    "summarize_param_groups",
+    "wait_all_replicate_broadcasts",
+]

@@ -1,0 +1,51 @@
+"""The collectives of the dedicated-parameter runtime, and the one place that knows their names.
+
+torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
+``all_gather_single`` / ``reduce_scatter_single`` (the old names warn); 2.11 has only the old
+ones. Every call is ``async_op=True``: the returned ``Work`` is the event the consumer waits
+on (on CUDA ``Work.wait()`` makes the *current stream* wait for the communication stream, it
+does not block the host; on gloo it blocks until the data is there).
+
+Gloo has no ``ReduceOp.AVG``: gradients are summed and divided by the group size afterwards,
+on every backend, so CPU and GPU runs do the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(output: Tensor, input: Tensor, group) -> dist.Work:
+    """``output`` (world·k) ← concatenation of every rank's ``input`` (k); async."""
+    return _all_gather(output, input, group=group, async_op=True)
+
+
+def reduce_scatter_sum(output: Tensor, input: Tensor, group) -> dist.Work:
+    """``output`` (k) ← sum over ranks of this rank's k-slice of ``input`` (world·k); async."""
+    return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def broadcast(tensor: Tensor, src_group_rank: int, group) -> dist.Work:
+    """``tensor`` ← the copy held by group rank ``src_group_rank``; async."""
+    src = dist.get_global_rank(group, src_group_rank)
+    return dist.broadcast(tensor, src=src, group=group, async_op=True)
+
+
+def reduce_sum(tensor: Tensor, dst_group_rank: int, group) -> dist.Work:
+    """``tensor`` on group rank ``dst_group_rank`` ← sum over ranks; async (others: undefined)."""
+    dst = dist.get_global_rank(group, dst_group_rank)
+    return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_gather_digests(digest: str, group, device: torch.device) -> list[str]:
+    """Every rank's hex digest (64 hex chars), gathered as a uint8 tensor: no pickling."""
+    raw = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=device)
+    out = torch.empty(dist.get_world_size(group) * raw.numel(), dtype=torch.uint8, device=device)
+    _all_gather(out, raw, group=group, async_op=False)
+    chunks = out.view(-1, raw.numel()).cpu().tolist()
+    return [bytes(c).hex() for c in chunks]

@@ -1,0 +1,227 @@
+"""A hook group: the dedicated parameters unsharded, resharded and reduced together.
+
+Owner-packed layout: the group's parameters are ordered by owner, each owner's parameters
+contiguous (its *chunk*). Two collective shapes move the chunks, chosen per group at set-up
+(and shown by ``summarize_comm_plan``):
+
+- ``all_gather``: chunks padded to the largest one (S); unshard = one all-gather of world·S,
+  gradients = one reduce-scatter of world·S. Best when chunks are even (padding ≤ 25%).
+- ``broadcast``: chunks unpadded; unshard = one broadcast per owner of the group, gradients =
+  one reduce per owner. Each rank receives exactly the group's bytes, so it is bandwidth-
+  optimal when a group's matrices cannot be spread evenly (7 matrices on 8+ ranks).
+
+Every collective is async; its ``Work`` is kept and waited on only when the data is needed
+(forward pre-hook of the group, end of backward).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from dmuon_compile.distributed import _collectives as C
+from dmuon_compile.distributed._dedicated_param import DedicatedParam
+
+# Padding above this fraction of the group's bytes makes the group use broadcast/reduce.
+MAX_GATHER_PADDING = 0.25
+
+SHARDED, UNSHARDING, UNSHARDED = "sharded", "unsharding", "unsharded"
+
+
+@dataclass
+class GroupProfile:
+    unshards: int = 0
+    prefetched: int = 0  # unshards issued ahead by a prefetch
+    waits: int = 0
+    found_ready: int = 0  # waits whose collective had already finished (gloo/CPU: is_completed)
+    wait_s: float = 0.0
+    bytes_received: int = 0
+    reduces: int = 0
+    bytes_reduced: int = 0
+
+
+@dataclass(eq=False)
+class DedicatedGroup:
+    name: str
+    module: nn.Module
+    params: list[DedicatedParam]
+    rank: int
+    world: int
+    pg: object
+    device: torch.device
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    reshard_after_forward: bool = True
+    mode: str = "all_gather"
+    chunk_numel: list[int] = field(default_factory=list)
+    chunk_base: list[int] = field(default_factory=list)
+    flat: Tensor | None = None
+    state: str = SHARDED
+    works: list = field(default_factory=list)
+    grads_ready: set = field(default_factory=set)
+    pending_reduce: list = field(default_factory=list)
+    profile: GroupProfile = field(default_factory=GroupProfile)
+    record_profile: bool = False
+
+    # ------------------------------------------------------------------ layout
+    def build(self) -> None:
+        """Order params by owner, choose the collective shape, allocate and bind the buffer."""
+        self.params.sort(key=lambda p: p.owner)  # stable: plan order within an owner
+        self.chunk_numel = [0] * self.world
+        for p in self.params:
+            p.offset = self.chunk_numel[p.owner]  # relative to the owner's chunk for now
+            self.chunk_numel[p.owner] += p.numel
+        total, widest = sum(self.chunk_numel), max(self.chunk_numel)
+        padded = widest * self.world
+        self.mode = "all_gather" if padded <= (1 + MAX_GATHER_PADDING) * total else "broadcast"
+        if self.mode == "all_gather":
+            self.chunk_base = [r * widest for r in range(self.world)]
+            size = padded
+        else:
+            self.chunk_base, acc = [], 0
+            for n in self.chunk_numel:
+                self.chunk_base.append(acc)
+                acc += n
+            size = total
+        for p in self.params:
+            p.offset += self.chunk_base[p.owner]
+        self.flat = torch.empty(size, dtype=self.compute_dtype, device=self.device)
+        for p in self.params:
+            p.bind(self.flat)
+        self._free()
+
+    @property
+    def padded_chunk(self) -> int:
+        return max(self.chunk_numel) if self.chunk_numel else 0
+
+    def owners(self) -> list[int]:
+        return sorted({p.owner for p in self.params})
+
+    def _storage_bytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def _free(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+
+    def _alloc(self) -> None:
+        storage = self.flat.untyped_storage()
+        if storage.size() != self._storage_bytes():
+            storage.resize_(self._storage_bytes())
+
+    # ------------------------------------------------------------------ unshard
+    @torch.no_grad()
+    def unshard(self, prefetch: bool = False) -> None:
+        """Issue the collectives that fill the buffer from the owners (no wait)."""
+        if self.state != SHARDED:
+            return
+        self._alloc()
+        flat = self.flat
+        own = self.params_of(self.rank)
+        if self.mode == "all_gather":
+            send = torch.zeros(self.padded_chunk, dtype=self.compute_dtype, device=self.device)
+            for p in own:
+                start = p.offset - self.chunk_base[self.rank]
+                send[start : start + p.numel].copy_(p.master.detach().reshape(-1))
+            self.works = [C.all_gather(flat, send, self.pg)]
+            self._keepalive = send
+        else:
+            self.works = []
+            for owner in self.owners():
+                chunk = flat[self.chunk_base[owner] : self.chunk_base[owner] + self.chunk_numel[owner]]
+                if owner == self.rank:
+                    for p in own:
+                        flat[p.offset : p.offset + p.numel].copy_(p.master.detach().reshape(-1))
+                self.works.append(C.broadcast(chunk, owner, self.pg))
+        self.state = UNSHARDING
+        if self.record_profile:
+            self.profile.unshards += 1
+            self.profile.prefetched += int(prefetch)
+            self.profile.bytes_received += sum(
+                self.chunk_numel[o] for o in range(self.world) if o != self.rank
+            ) * flat.element_size()
+
+    def wait_unshard(self) -> None:
+        """Make the buffer usable on the current stream (waits for the collectives)."""
+        if self.state == SHARDED:
+            self.unshard()
+        if self.state != UNSHARDING:
+            return
+        if self.record_profile:
+            self.profile.waits += 1
+            self.profile.found_ready += int(all(_is_done(w) for w in self.works))
+            t0 = time.perf_counter()
+        for w in self.works:
+            w.wait()
+        if self.record_profile:
+            self.profile.wait_s += time.perf_counter() - t0
+        self.works, self._keepalive = [], None
+        self.state = UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the buffer (after waiting for anything still writing into it)."""
+        if self.state == UNSHARDING:
+            self.wait_unshard()
+        if self.state == UNSHARDED:
+            self._free()
+            self.state = SHARDED
+
+    def params_of(self, rank: int) -> list[DedicatedParam]:
+        return [p for p in self.params if p.owner == rank]
+
+    # ------------------------------------------------------------------ gradients
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Pack the local gradients (owner-packed), issue the reduce to owners, free them."""
+        send_size = self.flat.numel()
+        grads = torch.zeros(send_size, dtype=self.reduce_dtype, device=self.device)
+        for p in self.params:
+            g = p.unsharded.grad
+            if g is not None:
+                grads[p.offset : p.offset + p.numel].copy_(g.reshape(-1))
+            p.unsharded.grad = None
+        if self.mode == "all_gather":
+            out = torch.empty(self.padded_chunk, dtype=self.reduce_dtype, device=self.device)
+            works = [C.reduce_scatter_sum(out, grads, self.pg)]
+            base = self.chunk_base[self.rank]
+        else:
+            works, out, base = [], grads, 0
+            for owner in self.owners():
+                chunk = grads[self.chunk_base[owner] : self.chunk_base[owner] + self.chunk_numel[owner]]
+                works.append(C.reduce_sum(chunk, owner, self.pg))
+        self.pending_reduce.append((works, out, base, grads))
+        self.grads_ready.clear()
+        if self.record_profile:
+            self.profile.reduces += 1
+            self.profile.bytes_reduced += send_size * grads.element_size()
+
+    @torch.no_grad()
+    def finish_reduce(self) -> None:
+        """Wait for the reduces; the owner's masters get the averaged gradient (accumulated)."""
+        for works, out, base, _keep in self.pending_reduce:
+            for w in works:
+                w.wait()
+            for p in self.params_of(self.rank):
+                start = p.offset - base
+                g = out[start : start + p.numel].view(p.shape).to(p.master.dtype, copy=True)
+                g.div_(self.world)
+                if p.master.grad is None:
+                    p.master.grad = g
+                else:
+                    p.master.grad.add_(g)
+        self.pending_reduce.clear()
+
+    def drain(self) -> None:
+        """Wait for every collective in flight (unshard and reduce); leaves state consistent."""
+        if self.state == UNSHARDING:
+            self.wait_unshard()
+        self.finish_reduce()
+
+
+def _is_done(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # pragma: no cover - some backends do not implement it
+        return False

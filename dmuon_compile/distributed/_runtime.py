@@ -1,0 +1,172 @@
+"""The hooks: forward unshard with prefetch, reshard, pre-backward unshard, owner gradient reduce.
+
+One :class:`DedicatedRuntime` per model (stored as ``model._dmuon_plan``). The life of an
+iteration, for each hook group G (in the forward order recorded on the first forward, the same
+on every rank, so collectives are issued in the same order everywhere):
+
+forward pre-hook(G)   wait G's unshard (issue it if no prefetch did), prefetch the next group
+forward hook(G)       reshard G (free its buffer); on the output tensors register a gradient
+                      hook = "pre-backward(G)"; the output object itself is never touched
+pre-backward(G)       unshard G again (wait), prefetch the group before it in forward order
+grad hooks            when every parameter of G has its gradient: pack, reduce to owners
+                      (async), free the local gradients, reshard G
+end of backward       (autograd callback) wait all reduces: each owner's master ``.grad``
+                      holds the full gradient averaged over the group
+Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
+                      reads the new masters, which publishes them
+
+With gradient sync off (``FSDPModule.set_requires_gradient_sync(False)``) the reduce is
+skipped: local gradients accumulate on the unsharded leaves and are reduced on the sync step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from dmuon_compile.distributed import _fsdp_compat
+from dmuon_compile.distributed._dedicated_group import SHARDED, UNSHARDED, DedicatedGroup
+from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.distributed.owner_plan import OwnerPlan
+
+
+def iter_tensors(obj, _depth: int = 0) -> Iterator[Tensor]:
+    """Tensors inside a module output (tensor, tuple/list, dict/ModelOutput, dataclass)."""
+    if _depth > 8:
+        return
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, dict):  # includes HuggingFace ModelOutput (an OrderedDict)
+        for v in obj.values():
+            yield from iter_tensors(v, _depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v, _depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
+
+
+class DedicatedRuntime:
+    """State of the dedicated parameters of one model (plan, groups, hooks, profile)."""
+
+    def __init__(self, model: nn.Module, plan: OwnerPlan, params: list[DedicatedParam],
+                 groups: list[DedicatedGroup], mesh, rank: int, world: int,
+                 record_profile: bool, replicate_mesh=None) -> None:
+        self.model = model
+        self.plan = plan
+        self.params = params
+        self.groups = groups
+        self.mesh = mesh
+        self.replicate_mesh = replicate_mesh
+        self.rank = rank
+        self.world = world
+        self.record_profile = record_profile
+        self.forward_order: list[DedicatedGroup] = []
+        self._index: dict[int, int] = {}
+        self._backward_queued = False
+        self._sync: bool | None = None
+        self.handles: list = []
+        for group in groups:
+            group.record_profile = record_profile
+            self._install(group)
+
+    # ------------------------------------------------------------------ registry API
+    def param_names(self) -> list[str]:
+        return [p.fqn for p in self.params]
+
+    def owners(self) -> dict[str, int]:
+        return {p.fqn: p.owner for p in self.params}
+
+    def owned_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(p.fqn, p.master) for p in self.params if p.master is not None]
+
+    # ------------------------------------------------------------------ hooks
+    def _install(self, group: DedicatedGroup) -> None:
+        self.handles.append(group.module.register_forward_pre_hook(
+            lambda _m, _a, g=group: self._pre_forward(g)))
+        self.handles.append(group.module.register_forward_hook(
+            lambda _m, _a, out, g=group: self._post_forward(g, out), always_call=True))
+        for p in group.params:
+            self.handles.append(p.unsharded.register_post_accumulate_grad_hook(
+                lambda _t, g=group, p=p: self._on_grad(g, p)))
+
+    def _neighbour(self, group: DedicatedGroup, step: int) -> DedicatedGroup | None:
+        i = self._index.get(id(group))
+        if i is None:
+            return None
+        j = i + step
+        return self.forward_order[j] if 0 <= j < len(self.forward_order) else None
+
+    def _pre_forward(self, group: DedicatedGroup) -> None:
+        if id(group) not in self._index:
+            self._index[id(group)] = len(self.forward_order)
+            self.forward_order.append(group)
+        group.wait_unshard()
+        nxt = self._neighbour(group, +1)
+        if nxt is not None and nxt.state == SHARDED:
+            nxt.unshard(prefetch=True)
+
+    def _post_forward(self, group: DedicatedGroup, output) -> None:
+        if not torch.is_grad_enabled():
+            group.reshard()  # no backward follows (eval): never keep weights a step could stale
+            return None
+        if not group.reshard_after_forward:
+            return None
+        if True:
+            hooked = [t for t in iter_tensors(output) if t.requires_grad]
+            if not hooked:
+                return None  # nothing to trigger the backward unshard: keep it until backward ends
+            for t in hooked:
+                t.register_hook(lambda grad, g=group: self._pre_backward(g))
+        group.reshard()
+        return None
+
+    def _queue_backward_end(self) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+
+    def _pre_backward(self, group: DedicatedGroup) -> None:
+        self._queue_backward_end()
+        group.wait_unshard()
+        prev = self._neighbour(group, -1)
+        if prev is not None and prev.state == SHARDED and prev.reshard_after_forward:
+            prev.unshard(prefetch=True)
+
+    def _on_grad(self, group: DedicatedGroup, param: DedicatedParam) -> None:
+        self._queue_backward_end()
+        if self._sync is None:
+            self._sync = _fsdp_compat.requires_gradient_sync(self.model)
+        if not self._sync:
+            return  # gradient accumulation: the grads stay on the unsharded leaves
+        group.grads_ready.add(id(param))
+        if len(group.grads_ready) == len(group.params):
+            group.reduce_grads()
+            group.reshard()
+
+    def _post_backward(self) -> None:
+        self._backward_queued = False
+        sync = self._sync
+        self._sync = None
+        for group in self.groups:
+            if sync and group.grads_ready:  # some parameters got no gradient: reduce zeros for them
+                group.reduce_grads()
+            group.drain()
+            if group.state == UNSHARDED or group.reshard_after_forward is False:
+                group.reshard()
+
+    # ------------------------------------------------------------------ draining
+    def wait_all(self) -> None:
+        """Finish every collective in flight and free every unsharded buffer."""
+        for group in self.groups:
+            group.drain()
+            group.reshard()
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

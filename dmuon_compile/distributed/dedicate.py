@@ -1,0 +1,219 @@
+"""``dedicate_params``: the entry point that makes chosen matrices live whole on one owner rank.
+
+How FSDP2 is kept off the dedicated parameters (no FSDP internals touched): ``fully_shard``
+shards exactly what ``module.named_parameters(recurse=False)`` returns on its managed modules.
+``dedicate_params`` removes each dedicated parameter from its module's ``_parameters`` and puts
+a plain leaf tensor under the same attribute name (``module.weight``), so the module's forward
+code runs unchanged and the user's plain ``fully_shard(block); fully_shard(model)`` calls (made
+afterwards, the seed's order) never see it. The parameter object itself becomes the owner's
+master copy (non-owners drop their copy) and is what ``dmuon.Muon(model)`` optimises.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dmuon_compile.dedicated_registry import PLAN_ATTR
+from dmuon_compile.distributed import _collectives as C
+from dmuon_compile.distributed import mesh_checks
+from dmuon_compile.distributed._dedicated_group import DedicatedGroup
+from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.distributed._runtime import DedicatedRuntime
+from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
+from dmuon_compile.distributed.policy import resolve_dtypes
+from dmuon_compile.log import env_flag
+
+PROFILE_ENV = "DMUON_RECORD_FORWARD_PROFILE"
+
+
+def _default_predicate(name: str, param: Tensor, module: nn.Module) -> bool:
+    from dmuon_compile.optimizer import default_muon_predicate
+
+    return default_muon_predicate(name, param, module)
+
+
+def _call_predicate(predicate, name: str, param: Tensor, module: nn.Module) -> bool:
+    if predicate is None:
+        return _default_predicate(name, param, module)
+    return bool(predicate(name, param))
+
+
+def _no_match_warning(model: nn.Module) -> None:
+    shown = [f"{n} {tuple(p.shape)}" for n, p in model.named_parameters() if p.ndim == 2][:6]
+    hint = ", ".join(shown) if shown else "(the model has no 2-D parameters)"
+    warnings.warn(
+        "dedicate_params: no parameters matched the predicate; nothing is dedicated (every "
+        f"parameter stays under FSDP2). 2-D parameters of this model include: {hint}. Debug "
+        "with: for name, p in model.named_parameters(): print(name, p.shape) if p.ndim == 2 "
+        "else None — and adjust the predicate to match those names.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _boundary_module(model: nn.Module, fqn: str, hook_boundary_predicate, layer_id_fn) -> tuple[str, nn.Module]:
+    """The module whose forward hooks unshard/reshard this parameter (its hook group)."""
+    module_path = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+    parts = module_path.split(".") if module_path else []
+    if hook_boundary_predicate is not None:
+        for k in range(len(parts), -1, -1):  # nearest ancestor first, the module itself included
+            path = ".".join(parts[:k])
+            module = model.get_submodule(path)
+            if hook_boundary_predicate(path, module):
+                return path, module
+        return module_path, model.get_submodule(module_path)
+    layer = (layer_id_fn or extract_layer_id)(fqn)
+    if layer is not None:
+        try:
+            return layer, model.get_submodule(layer)
+        except AttributeError:
+            pass
+    parent = ".".join(parts[:-1])  # the parent of the parameter's module (e.g. the attention block)
+    return parent, model.get_submodule(parent)
+
+
+def _check_plan_identical(plan, pg, device, rank: int) -> None:
+    digests = C.all_gather_digests(plan.digest(), pg, device)
+    if len(set(digests)) != 1:
+        differing = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(
+            f"dedicate_params: the owner plan differs across ranks (rank {rank}: {digests[rank][:12]}; "
+            f"ranks {differing} differ from rank 0: {digests[0][:12]}). A plan mismatch would hang "
+            "the first collective, so this stops here. Fix: build the same model on every rank "
+            "and pass the same predicate / layer_id_fn / hook_boundary_predicate / param_policy "
+            "everywhere (no rank-dependent logic in them)."
+        )
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh,
+    predicate: Callable[[str, Tensor], bool] | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    param_policy=None,
+    replicate_mesh=None,
+    hook_boundary_predicate: Callable[[str, nn.Module], bool] | None = None,
+    layer_id_fn: Callable[[str], str | None] | None = None,
+    reshard_after_forward: bool = True,
+) -> dict[str, int]:
+    """Give each selected matrix one owner rank; keep it out of FSDP2; install the hooks.
+
+    Call after any TP ``parallelize_module`` and before your ``fully_shard`` calls. Then build
+    ``dmuon.Muon(model, ...)``: dedicated matrices get Muon on their owner, everything else
+    (FSDP2 DTensors) AdamW on its shard.
+
+    Args:
+        model: the root module (FQNs are relative to it); parameters already on the device.
+        mesh: the 1-D data-parallel (shard) ``DeviceMesh``.
+        predicate: ``predicate(name, param) -> bool`` selects the dedicated parameters
+            (default: ≥2-D weights except embeddings and output heads).
+        compute_dtype: legacy name of ``param_policy.defaults.param_dtype``.
+        param_policy: object with ``.defaults.param_dtype`` (and optional ``.reduce_dtype``),
+            e.g. ``dmuon.ParamPolicy``; ``None`` inherits each parameter's dtype.
+        replicate_mesh: HSDP replicate mesh (``hsdp["replicate"]``); validated.
+        hook_boundary_predicate: ``(module_name, module) -> bool`` picks the modules whose
+            forward hooks move the weights (nearest matching ancestor of each parameter).
+            Default: the layer module (``layers.N``...) or the parameter module's parent.
+        layer_id_fn: ``fqn -> layer id`` override for the owner plan and the default groups.
+        reshard_after_forward: free the unsharded weights after each group's forward (and
+            gather them again in backward); ``False`` keeps them until the end of backward.
+
+    Returns:
+        ``{fqn: owner rank}`` for every dedicated parameter (ranks of ``mesh``).
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (world_size,))
+        owners = dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = dmuon.Muon(model, lr=0.02)
+    """
+    if getattr(model, PLAN_ATTR, None) is not None:
+        raise RuntimeError("dedicate_params was already called on this model (call it once)")
+    mesh_checks.check_shard_mesh(mesh)
+    mesh_checks.check_replicate_mesh(mesh, replicate_mesh)
+    if replicate_mesh is not None and replicate_mesh.size() > 1:
+        raise NotImplementedError(
+            "dedicate_params: the HSDP runtime (replicate_mesh of size > 1) is not implemented yet; "
+            "use a 1-D mesh (fully_shard over all ranks) meanwhile."
+        )
+
+    module_of = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            module_of.setdefault(id(p), []).append(mod)
+    selected = [
+        (name, p) for name, p in model.named_parameters()
+        if p.requires_grad and _call_predicate(predicate, name, p, module_of[id(p)][0])
+    ]
+    if not selected:
+        _no_match_warning(model)
+        return {}
+    mesh_checks.check_tp_params(selected, mesh)
+    for name, p in selected:
+        if p.ndim < 2:
+            raise ValueError(f"dedicate_params: {name} has shape {tuple(p.shape)}; only ≥2-D weights can be dedicated")
+        if len(module_of[id(p)]) > 1:
+            raise ValueError(f"dedicate_params: {name} is shared by several modules (tied weights); exclude it with predicate=")
+        if p.is_meta:
+            raise ValueError(f"dedicate_params: {name} is on the meta device; materialise the model first")
+
+    pg = mesh.get_group()
+    rank, world = mesh.get_local_rank(), mesh.size()
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    specs = [MatrixSpec(n, tuple(p.shape), p.element_size()) for n, p in selected]
+    plan = plan_owners(specs, world, layer_id_fn=layer_id_fn)
+    _check_plan_identical(plan, pg, device, rank)
+    owners = plan.owners()
+
+    record = env_flag(PROFILE_ENV, False)
+    params: list[DedicatedParam] = []
+    grouped: dict[tuple, list[DedicatedParam]] = {}
+    group_module: dict[tuple, tuple[str, nn.Module]] = {}
+    for name, p in selected:
+        module = module_of[id(p)][0]
+        attr = name.rsplit(".", 1)[-1]
+        param_dtype, reduce_dtype = resolve_dtypes(p.dtype, param_policy, compute_dtype)
+        dp = DedicatedParam(name, module, attr, owners[name], p.shape, p.dtype, param_dtype)
+        del module._parameters[attr]
+        if dp.owner == rank:
+            if p.device != device:
+                p.data = p.data.to(device)
+            dp.master = p
+        else:
+            p.data = torch.empty(0, dtype=p.dtype, device=device)  # free the non-owner copy
+        params.append(dp)
+        path, bmod = _boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
+        key = (path, param_dtype, reduce_dtype)
+        grouped.setdefault(key, []).append(dp)
+        group_module[key] = (path, bmod)
+
+    groups = []
+    for key, members in grouped.items():
+        path, bmod = group_module[key]
+        label = path or "<root>"
+        if sum(1 for k in grouped if k[0] == path) > 1:
+            label = f"{label}[{key[1]}]"
+        g = DedicatedGroup(label, bmod, members, rank, world, pg, device, key[1], key[2],
+                           reshard_after_forward=reshard_after_forward)
+        g.build()
+        groups.append(g)
+    runtime = DedicatedRuntime(model, plan, params, groups, mesh, rank, world, record, replicate_mesh)
+    setattr(model, PLAN_ATTR, runtime)
+    return owners
+
+
+def dedicated_runtime(model: nn.Module) -> DedicatedRuntime:
+    """The runtime ``dedicate_params`` attached to ``model`` (error naming the fix otherwise)."""
+    runtime = getattr(model, PLAN_ATTR, None)
+    if runtime is None:
+        raise ValueError("this model has no dedicated parameters: call dmuon.dedicate_params(model, mesh, ...) first")
+    return runtime

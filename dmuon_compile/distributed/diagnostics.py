@@ -1,0 +1,152 @@
+"""Diagnostics of the dedicated-parameter runtime; every result is a JSON-serialisable dict."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dmuon_compile.dedicated_registry import PLAN_ATTR
+
+
+def _runtime(model: nn.Module):
+    return getattr(model, PLAN_ATTR, None)
+
+
+def _dtype(dt) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
+    """Rank-local routing: which optimizer each parameter gets, its dtype, owner and bytes.
+
+    Example::
+
+        print(json.dumps(dmuon.summarize_param_groups(model, optimizer), indent=2, default=str))
+    """
+    import torch.distributed as dist
+
+    runtime = _runtime(model)
+    rank = runtime.rank if runtime is not None else (dist.get_rank() if dist.is_initialized() else 0)
+    params = []
+    in_opt: dict[int, str] = {}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            route = "muon" if group.get("use_muon", False) else "adamw"
+            for p in group["params"]:
+                in_opt[id(p)] = route
+    bytes_per_owner: dict[int, int] = {}
+    if runtime is not None:
+        for dp in runtime.params:
+            nbytes = dp.numel * torch.empty((), dtype=dp.orig_dtype).element_size()
+            bytes_per_owner[dp.owner] = bytes_per_owner.get(dp.owner, 0) + nbytes
+            params.append({
+                "name": dp.fqn, "route": "dedicated/muon", "shape": list(dp.shape),
+                "dtype": _dtype(dp.orig_dtype), "compute_dtype": _dtype(dp.compute_dtype),
+                "owner": dp.owner, "owned_here": dp.owner == rank, "bytes": nbytes,
+                "in_optimizer": in_opt.get(id(dp.master)) if dp.master is not None else None,
+            })
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        params.append({
+            "name": name, "route": in_opt.get(id(p), "fsdp" if hasattr(p, "to_local") else "local"),
+            "shape": list(p.shape), "dtype": _dtype(p.dtype), "owner": None,
+            "sharded": hasattr(p, "to_local"), "local_bytes": local.numel() * local.element_size(),
+        })
+    counts: dict[str, int] = {}
+    for row in params:
+        counts[str(row["route"])] = counts.get(str(row["route"]), 0) + 1
+    return {
+        "rank": rank,
+        "world_size": runtime.world if runtime is not None else None,
+        "params": params,
+        "counts_by_route": counts,
+        "dedicated_bytes_per_owner": {str(k): v for k, v in sorted(bytes_per_owner.items())},
+        "ns_backend": optimizer.ns.describe() if optimizer is not None and hasattr(optimizer, "ns") else None,
+    }
+
+
+def summarize_comm_plan(model: nn.Module) -> dict:
+    """The planned collectives per hook group: mode, owners, bytes per owner, padding.
+
+    Example::
+
+        print(json.dumps(dmuon.summarize_comm_plan(model), indent=2))
+    """
+    runtime = _runtime(model)
+    if runtime is None:
+        return {"dedicated": False, "groups": []}
+    groups = []
+    for g in runtime.groups:
+        item = g.flat.element_size()
+        ritem = torch.empty((), dtype=g.reduce_dtype).element_size()
+        payload = sum(g.chunk_numel)
+        if g.mode == "all_gather":
+            unshard = [{"op": "all_gather", "bytes": g.flat.numel() * item}]
+            reduce = [{"op": "reduce_scatter", "bytes": g.flat.numel() * ritem}]
+        else:
+            unshard = [{"op": "broadcast", "root": o, "bytes": g.chunk_numel[o] * item} for o in g.owners()]
+            reduce = [{"op": "reduce", "root": o, "bytes": g.chunk_numel[o] * ritem} for o in g.owners()]
+        groups.append({
+            "group": g.name, "params": [p.fqn for p in g.params], "mode": g.mode,
+            "compute_dtype": _dtype(g.compute_dtype), "reduce_dtype": _dtype(g.reduce_dtype),
+            "bytes_per_owner": {str(o): g.chunk_numel[o] * item for o in range(g.world) if g.chunk_numel[o]},
+            "payload_bytes": payload * item, "padding_bytes": (g.flat.numel() - payload) * item,
+            "unshard": unshard, "reduce": reduce,
+            "reshard_after_forward": g.reshard_after_forward,
+        })
+    plan = runtime.plan
+    return {
+        "dedicated": True, "rank": runtime.rank, "world_size": runtime.world,
+        "plan_digest": plan.digest(), "balance": plan.balance(),
+        "ns_flops_per_owner": {str(r): v for r, v in enumerate(plan.ns_loads())},
+        "bytes_per_owner": {str(r): v for r, v in enumerate(plan.byte_loads())},
+        "forward_order": [g.name for g in runtime.forward_order],
+        "replicate": None if runtime.replicate_mesh is None else {"size": runtime.replicate_mesh.size()},
+        "groups": groups,
+    }
+
+
+def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = True) -> dict:
+    """Forward-unshard counters and wait times (``DMUON_RECORD_FORWARD_PROFILE=1`` before
+    ``dedicate_params``). ``synchronize=True`` syncs the device first so the numbers are
+    complete; do not call it inside a timed loop.
+
+    Example::
+
+        profile = dmuon.collect_forward_unshard_profile(model, synchronize=True)
+    """
+    runtime = _runtime(model)
+    if runtime is None:
+        return {"enabled": False, "reason": "no dedicated parameters (dedicate_params not called)"}
+    if synchronize and runtime.groups and runtime.groups[0].device.type == "cuda":
+        torch.cuda.synchronize(runtime.groups[0].device)
+    if not runtime.record_profile:
+        return {"enabled": False, "reason": "set DMUON_RECORD_FORWARD_PROFILE=1 before dmuon.dedicate_params()"}
+    groups = {}
+    total = {"unshards": 0, "prefetched": 0, "waits": 0, "found_ready": 0, "wait_s": 0.0,
+             "bytes_received": 0, "reduces": 0, "bytes_reduced": 0}
+    for g in runtime.groups:
+        row = dict(vars(g.profile))
+        groups[g.name] = row
+        for k in total:
+            total[k] += row[k]
+    return {"enabled": True, "rank": runtime.rank, "groups": groups, "total": total}
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """Drain every collective the runtime has in flight and free unsharded buffers.
+
+    Safe at any point outside forward/backward (shutdown, checkpoint, evaluation, after an
+    exception mid-forward); a no-op for a model without dedicated parameters. With HSDP it
+    also waits for the replicate broadcasts.
+
+    Example::
+
+        try:
+            train()
+        except KeyboardInterrupt:
+            dmuon.wait_all_replicate_broadcasts(model)
+    """
+    runtime = _runtime(model)
+    if runtime is not None:
+        runtime.wait_all()

@@ -1,0 +1,78 @@
+"""Mesh validation for ``dedicate_params``: shard mesh, HSDP replicate mesh, TP detection."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+
+HSDP_SNIPPET = (
+    "from torch.distributed.device_mesh import init_device_mesh\n\n"
+    "hsdp = init_device_mesh(\n"
+    '    "cuda",\n'
+    "    (replicate_size, shard_size),\n"
+    '    mesh_dim_names=("replicate", "shard"),\n'
+    ")\n"
+    'dmuon.dedicate_params(model, hsdp["shard"], replicate_mesh=hsdp["replicate"])'
+)
+HSDP_ERROR = "HSDP mesh must be 2D with names ('replicate', 'shard')"
+TP_ERROR = (
+    "DMuon requires named DeviceMesh for TP detection: it finds the TP axis by subtracting the "
+    "data-parallel dim names from each parameter's DTensor.mesh_dim_names. Fix: build the mesh "
+    "with names, e.g.\n"
+    '    mesh = init_device_mesh("cuda", (dp_size, tp_size), mesh_dim_names=("dp", "tp"))'
+)
+
+
+def check_shard_mesh(mesh) -> None:
+    """The shard mesh is a 1-D DeviceMesh (``init_device_mesh(dev, (n,))`` or ``hsdp["shard"]``)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"dedicate_params(model, mesh, ...): mesh must be a DeviceMesh, got {type(mesh).__name__}. "
+            'Fix: mesh = init_device_mesh("cuda", (world_size,))'
+        )
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"dedicate_params: mesh must be the 1-D shard mesh, got a {mesh.ndim}-D mesh with names "
+            f"{mesh.mesh_dim_names}. For HSDP pass mesh=hsdp['shard'] and replicate_mesh="
+            f"hsdp['replicate']:\n{HSDP_SNIPPET}"
+        )
+
+
+def _root_names(mesh: DeviceMesh):
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if callable(get_root) else None
+    return root.mesh_dim_names if root is not None and root is not mesh else None
+
+
+def check_replicate_mesh(mesh: DeviceMesh, replicate_mesh) -> None:
+    """``replicate_mesh`` is ``hsdp["replicate"]`` of a 2-D ("replicate", "shard") mesh."""
+    if replicate_mesh is None:
+        return
+    message = f"{HSDP_ERROR}: pass the two 1-D slices of such a mesh. Fix:\n{HSDP_SNIPPET}"
+    if not isinstance(replicate_mesh, DeviceMesh):
+        raise ValueError(f"{message}\n(replicate_mesh is a {type(replicate_mesh).__name__})")
+    if replicate_mesh.ndim != 1 or replicate_mesh.mesh_dim_names != ("replicate",):
+        raise ValueError(
+            f"{message}\n(replicate_mesh has {replicate_mesh.ndim} dims named "
+            f"{replicate_mesh.mesh_dim_names})"
+        )
+    if mesh.mesh_dim_names != ("shard",):
+        raise ValueError(f"{message}\n(mesh has names {mesh.mesh_dim_names}; expected ('shard',))")
+    for m in (mesh, replicate_mesh):
+        names = _root_names(m)
+        if names is not None and tuple(names)[-2:] != ("replicate", "shard") and "replicate" not in names:
+            raise ValueError(f"{message}\n(parent mesh names {names})")
+
+
+def check_tp_params(named_params, shard_mesh: DeviceMesh) -> None:
+    """Selected DTensor (TP) parameters need named meshes; TP dedication itself is not built yet."""
+    for name, p in named_params:
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            continue
+        if mesh.mesh_dim_names is None or shard_mesh.mesh_dim_names is None:
+            raise ValueError(f"{TP_ERROR}\n(parameter {name} is a DTensor on an unnamed mesh)")
+        raise NotImplementedError(
+            f"dedicate_params: {name} is a DTensor (tensor-parallel, mesh dims "
+            f"{mesh.mesh_dim_names}); dedicating TP-sharded parameters is not implemented yet. "
+            "Exclude it with predicate= (it then stays under FSDP2 and gets AdamW)."
+        )

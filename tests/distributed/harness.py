@@ -1,0 +1,127 @@
+"""One small multi-process harness for the distributed tests: gloo on CPU, spawned processes.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each runs
+``fn(rank, world_size, *args)`` inside an initialised gloo process group, and returns the
+per-rank results (tensors come back as CPU tensors). A rank that raises makes the call raise
+with that rank's traceback; a run that outlives ``timeout`` kills every process and fails —
+a distributed test never hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _portable(obj):
+    if isinstance(obj, torch.Tensor):
+        return ("__tensor__", obj.detach().cpu().clone().numpy())
+    if isinstance(obj, dict):
+        return {k: _portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_portable(v) for v in obj)
+    return obj
+
+
+def _restore(obj):
+    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__tensor__":
+        return torch.from_numpy(obj[1])
+    if isinstance(obj, dict):
+        return {k: _restore(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_restore(v) for v in obj)
+    return obj
+
+
+def _worker(fn, rank, world_size, port, args, env, results):
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", _portable(out)))
+    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # pragma: no cover
+                pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, env: dict | None = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, dict(env or {}), results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout
+    got: dict[int, tuple] = {}
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"distributed test did not finish within {timeout:.0f}s "
+                    f"(ranks done: {sorted(got)}); killed all ranks"
+                )
+            try:
+                rank, status, payload = results.get(timeout=min(left, 1.0))
+                got[rank] = (status, payload)
+                if status == "error":
+                    break  # other ranks may now wait forever on a collective: stop them
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=0.5 if len(got) == world_size else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    errors = {r: msg for r, (st, msg) in got.items() if st == "error"}
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+    return [_restore(got[r][1]) for r in range(world_size)]
+
+
+def run_ranks_expect_errors(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Like :func:`run_ranks` but returns ``{rank: error text or None}`` (every rank must end)."""
+    out = run_ranks(_catching, world_size, fn, *args, timeout=timeout)
+    return dict(enumerate(out))
+
+
+def _catching(rank, world_size, fn, *args):
+    try:
+        fn(rank, world_size, *args)
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"

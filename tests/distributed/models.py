@@ -1,0 +1,126 @@
+"""Tiny models for the distributed tests: a Llama-like stack and a ModelOutput-returning one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+D, FFN, HEADS, LAYERS = 32, 64, 4, 3
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, ffn, bias=False)
+        self.up_proj = nn.Linear(dim, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = D, ffn: int = FFN, heads: int = HEADS) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(dim)
+        self.self_attn = Attention(dim, heads)
+        self.mlp_norm = RMSNorm(dim)
+        self.mlp = MLP(dim, ffn)
+
+    def forward(self, x):
+        h = x + self.self_attn(self.attn_norm(x))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, dim: int = D, ffn: int = FFN, heads: int = HEADS, layers: int = LAYERS) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim, ffn, heads) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+def proj_predicate(name: str, param) -> bool:
+    return name.endswith("_proj.weight")
+
+
+def build_llama(seed: int = 0, **kw) -> TinyLlama:
+    torch.manual_seed(seed)
+    model = TinyLlama(**kw)
+    with torch.no_grad():  # non-trivial norm weights so AdamW-routed params matter
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def batches(steps: int, world: int, per_rank: int = 2, seq: int = 8, dim: int = D, seed: int = 123):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(world * per_rank, seq, dim, generator=g) for _ in range(steps)]
+
+
+@dataclass
+class BlockOutput:
+    """A ModelOutput-like dataclass: the test checks hooks keep its type and attributes."""
+
+    hidden: torch.Tensor
+    aux: tuple
+
+
+class OutputBlock(nn.Module):
+    def __init__(self, dim: int = D) -> None:
+        super().__init__()
+        self.inner = Block(dim)
+
+    def forward(self, x):
+        h = self.inner(x)
+        return BlockOutput(hidden=h, aux=(h.mean(),))
+
+
+class OutputModel(nn.Module):
+    def __init__(self, dim: int = D, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(OutputBlock(dim) for _ in range(layers))
+
+    def forward(self, x):
+        outs = []
+        for block in self.layers:
+            out = block(x)
+            outs.append(out)
+            x = out.hidden
+        return outs

@@ -1,0 +1,144 @@
+"""dedicate_params + FSDP2 + Muon over 2 and 4 gloo ranks equals one process with the reference Muon.
+
+Tolerance: everything runs in fp32 (NewtonSchulz(work_dtype=float32)); the only differences
+are summation orders in the gradient reductions (FSDP2's reduce-scatter, our owner reduce),
+so losses agree to rtol 1e-4 and final weights to atol 2e-4 after 10 steps.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed import models
+from tests.distributed.harness import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
+
+STEPS = 10
+HYPER = dict(lr=0.02, momentum=0.95, adamw_lr=1e-2, weight_decay=0.01, adamw_weight_decay=0.01)
+
+
+def _ns():
+    import dmuon_compile as dmuon
+
+    return dmuon.NewtonSchulz(kernel="cublas", work_dtype=torch.float32)
+
+
+def reference(world: int, steps: int = STEPS):
+    """Single process: the same model, the whole global batch, the reference Muon."""
+    import dmuon_compile as dmuon
+
+    model = models.build_llama()
+    opt = dmuon.Muon(model, predicate=models.proj_predicate, ns_backend=_ns(), **HYPER)
+    losses, first_grads = [], {}
+    for x in models.batches(steps, world):
+        loss = model(x).square().mean()
+        loss.backward()
+        if not first_grads:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, first_grads
+
+
+def full_state(model) -> dict:
+    """Every parameter whole: FSDP2 DTensors via full_tensor(), dedicated ones from their owner."""
+    import torch.distributed as dist
+
+    from dmuon_compile.distributed import dedicated_runtime
+
+    state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    runtime = dedicated_runtime(model)
+    for dp in runtime.params:
+        buf = dp.master.detach().clone() if dp.master is not None else torch.empty(dp.shape)
+        dist.broadcast(buf, src=dist.get_global_rank(runtime.mesh.get_group(), dp.owner),
+                       group=runtime.mesh.get_group())
+        state[dp.fqn] = buf
+    return state
+
+
+def train_distributed(rank: int, world: int, steps: int, profile: bool):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon_compile as dmuon
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = models.build_llama()
+    owners = dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
+
+    routes = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            routes[opt.param_name(p)] = ("muon" if group["use_muon"] else "adamw", hasattr(p, "to_local"))
+    losses, first_grads = [], None
+    for x in models.batches(steps, world):
+        per = x.shape[0] // world
+        loss = model(x[rank * per:(rank + 1) * per]).square().mean()
+        loss.backward()
+        if first_grads is None:  # the owner holds the full gradient averaged over ranks
+            first_grads = {n: p.grad.clone() for n, p in dmuon.dedicated_registry.dedicated_parameters(model)}
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    out = {
+        "owners": owners, "losses": losses, "first_grads": first_grads, "routes": routes,
+        "groups": json.dumps(dmuon.summarize_param_groups(model, opt)),
+        "comm": json.dumps(dmuon.summarize_comm_plan(model)),
+        "profile": dmuon.collect_forward_unshard_profile(model, synchronize=True),
+        "state": full_state(model),
+    }
+    dmuon.wait_all_replicate_broadcasts(model)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_dedicated_matches_single_process(world):
+    ref_losses, ref_state, ref_grads = reference(world)
+    results = run_ranks(train_distributed, world, STEPS, True,
+                        env={"DMUON_RECORD_FORWARD_PROFILE": "1"}, timeout=120)
+    r0 = results[0]
+    # every rank agrees on the owner plan and on the losses
+    assert all(r["owners"] == r0["owners"] for r in results)
+    assert sorted(set(r0["owners"].values())) == list(range(world))
+    assert len(r0["owners"]) == 7 * models.LAYERS
+    torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
+    assert ref_losses[-1] < ref_losses[0]  # it trained (the comparison is not on a flat line)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m: f"{name}: {m}")
+    # Muon is invariant to the gradient's scale, so check the averaged owner gradients directly
+    seen = set()
+    for r in results:
+        for name, g in r["first_grads"].items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6)
+            seen.add(name)
+    assert seen == set(r0["owners"])
+    # each rank's Muon holds exactly the matrices it owns; everything else is an FSDP2 shard on AdamW
+    for rank, r in enumerate(results):
+        mine = {n for n, o in r["owners"].items() if o == rank}
+        assert {n for n, (route, _) in r["routes"].items() if route == "muon"} == mine
+        adamw = {n: sharded for n, (route, sharded) in r["routes"].items() if route == "adamw"}
+        assert set(adamw) == {n for n in ref_state if n not in r0["owners"]}
+        assert all(adamw.values())
+    groups = json.loads(r0["groups"])
+    assert groups["counts_by_route"]["dedicated/muon"] == len(r0["owners"])
+    comm = json.loads(r0["comm"])
+    assert [g["group"] for g in comm["groups"]] == [f"layers.{i}" for i in range(models.LAYERS)]
+    assert comm["forward_order"] == [f"layers.{i}" for i in range(models.LAYERS)]
+    prof = r0["profile"]
+    assert prof["enabled"]
+    # per step: one forward unshard and one backward unshard per group; prefetches happen
+    assert prof["total"]["unshards"] == 2 * STEPS * models.LAYERS
+    assert prof["total"]["prefetched"] > 0
+    assert prof["total"]["reduces"] == STEPS * models.LAYERS
