@@ -40,7 +40,7 @@ def default_muon_predicate(name: str, param: Tensor, module: nn.Module | None = 
 
 def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | None):
     """Split a model's parameters into (muon [(name, p)], adamw [(name, p)])."""
-    from dmuon_compile.dedicated_registry import dedicated_names  # late: avoids an import cycle
+    from dmuon_compile.dedicated_registry import dedicated_names, dedicated_parameters  # late: avoids an import cycle
 
     dedicated = dedicated_names(model)
     module_of = {}
@@ -53,6 +53,8 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
             continue
         if name in dedicated:
             chosen = True
+        elif dedicated and hasattr(p, "to_local"):
+            chosen = False  # an FSDP2 shard next to dedicated params: NS on a shard is wrong -> AdamW
         elif predicate is not None:
             chosen = bool(predicate(name, p))
             if chosen and p.ndim < 2:
@@ -63,6 +65,9 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
         else:
             chosen = default_muon_predicate(name, p, module_of.get(id(p)))
         (muon if chosen else adamw).append((name, p))
+    # Dedicated parameters live outside named_parameters() (kept away from FSDP2); this rank
+    # optimises the ones it owns.
+    muon.extend(dedicated_parameters(model))
     return muon, adamw
 
 
@@ -155,7 +160,7 @@ class Muon(torch.optim.Optimizer):
     def _build_groups(self, params, predicate, muon_defaults, adamw_defaults) -> list[dict]:
         if isinstance(params, nn.Module):
             muon, adamw = _route_model(params, predicate)
-            if not muon:
+            if not muon and not self._has_dedicated(params):
                 warnings.warn(
                     "Muon: no parameter was routed to Muon (all get AdamW). Check predicate= or "
                     "call dmuon.dedicate_params(model, mesh, predicate=...) first.",
@@ -190,6 +195,12 @@ class Muon(torch.optim.Optimizer):
                 base = muon_defaults if use_muon else adamw_defaults
                 groups.append(dict(base, **{k: v for k, v in extra.items() if k != "use_muon"}, params=ps))
         return groups
+
+    @staticmethod
+    def _has_dedicated(model: nn.Module) -> bool:
+        from dmuon_compile.dedicated_registry import dedicated_names
+
+        return bool(dedicated_names(model))  # a rank may own no dedicated matrix: no warning
 
     def param_name(self, p: Tensor) -> str:
         return self._param_names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
