@@ -47,11 +47,38 @@ def progress(message: str, switch: str | None = None) -> None:
     print(f"{rank_tag()} {message}", file=sys.stderr, flush=True)
 
 
-def register_torch_logs() -> None:
-    """Register ``dmuon`` with ``torch._logging`` so ``TORCH_LOGS="+dmuon"`` controls it."""
-    try:
-        from torch._logging._internal import register_log
+_TORCH_LOGS_NAME = "dmuon"
 
-        register_log("dmuon", "dmuon_compile")
+
+def register_torch_logs() -> None:
+    """Register ``dmuon`` with ``torch._logging`` so ``TORCH_LOGS="+dmuon"`` controls it.
+
+    Idempotent; called when ``dmuon_compile.passes`` is imported. ``+dmuon`` is DEBUG (every
+    rewrite, every skipped candidate, kernel sources), ``dmuon`` INFO (one summary per graph).
+
+    Caveat (torch 2.11–2.13): ``import torch`` validates ``TORCH_LOGS`` before any third-party
+    code runs, so ``TORCH_LOGS="+dmuon"`` set *before* Python starts needs the alias to exist at
+    that moment: the package declares a ``torch.backends`` entry point that calls this function
+    during ``import torch`` (torch's plugin autoload, on by default;
+    ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns it off). Without that entry point, use the module
+    name instead — ``TORCH_LOGS="+dmuon_compile"`` always works — or, in-process,
+    ``torch._logging.set_logs(modules={"dmuon": logging.DEBUG})`` after importing the package.
+
+    >>> register_torch_logs()
+    """
+    try:
+        from torch._logging import _internal
+
+        _internal.register_log(_TORCH_LOGS_NAME, logger.name)
     except Exception:  # pragma: no cover - private API; logging stays usable via logging.getLogger
         logger.debug("could not register the 'dmuon' TORCH_LOGS alias")
+        return
+    # TORCH_LOGS set in-process after `import torch` (tests, notebooks): torch parsed it once at
+    # import; parse again now that the alias exists. Skipped when our logger was configured.
+    setting = os.environ.get("TORCH_LOGS", "")
+    mentions = any(part.strip().lstrip("+-") == _TORCH_LOGS_NAME for part in setting.split(","))
+    if mentions and logger.level == logging.NOTSET and "torch._logging" in sys.modules:
+        try:
+            _internal._init_logs()
+        except Exception as exc:  # pragma: no cover - an invalid TORCH_LOGS elsewhere
+            logger.warning("TORCH_LOGS=%r could not be applied: %s", setting, exc)

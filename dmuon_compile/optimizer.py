@@ -96,6 +96,11 @@ class Muon(torch.optim.Optimizer):
         replicate_async: with HSDP (``dedicate_params(..., replicate_mesh=...)``) publish new
             weights to the other replicas asynchronously, overlapping the next forward
             (default True); no effect without a replicate mesh.
+        compile: run the Muon matrices' step as one ``torch.compile``d graph with the NS-chain
+            pass (``dmuon_compile.compiled_step``); ``None`` (default) = on for CUDA
+            parameters, off on CPU.
+        compile_mode: ``torch.compile`` mode of that step, e.g. ``"reduce-overhead"`` (CUDA
+            graphs; keep gradients in place with ``zero_grad(set_to_none=False)``).
 
     Example::
 
@@ -121,6 +126,8 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.0,
         nonfinite_grads: str = "raise",
         replicate_async: bool = True,
+        compile: bool | None = None,
+        compile_mode: str | None = None,
     ) -> None:
         _check_nonneg("lr", lr)
         _check_nonneg("weight_decay", weight_decay)
@@ -141,6 +148,10 @@ class Muon(torch.optim.Optimizer):
         set_active_ns(self.ns)
         self.nonfinite_grads = nonfinite_grads
         self.replicate_async = bool(replicate_async)
+        from dmuon_compile.compiled_step import check_compile_args  # late: loads the passes
+
+        check_compile_args(compile, compile_mode)
+        self.compile, self.compile_mode = compile, compile_mode
         self._param_names: dict[int, str] = {}
 
         muon_defaults = dict(
@@ -206,9 +217,13 @@ class Muon(torch.optim.Optimizer):
         return self._param_names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
 
     # ------------------------------------------------------------------ state
-    def _init_group(self, group: dict) -> tuple[list, list, list, list]:
-        """Collect params with grads and create their state eagerly (Dynamo runs this eagerly)."""
-        params, grads, state_a, state_b = [], [], [], []
+    def _init_group(self, group: dict, params: list, grads: list, state_a: list, state_b: list) -> None:
+        """Fill the lists with the params that have grads and their state, creating state eagerly.
+
+        torch.optim's convention (lists in, nothing out): under ``torch.compile(opt.step)`` Dynamo
+        runs a method of this name eagerly and maps the lists' new items to guarded sources; a
+        returned tuple of tensors would fail its ``ConstantVariable`` return path.
+        """
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -228,7 +243,6 @@ class Muon(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state_a.append(state["exp_avg"])
                 state_b.append((state["exp_avg_sq"], state["step"]))
-        return params, grads, state_a, state_b
 
     def _nonfinite_names(self, params: list[Tensor], grads: list[Tensor]) -> list[str]:
         if not grads:
@@ -261,7 +275,11 @@ class Muon(torch.optim.Optimizer):
                 raise FloatingPointError("Muon.step: " + message)
             warnings.warn("Muon.step skipped: " + message, stacklevel=2)
             return loss
-        collected = [(group, *self._init_group(group)) for group in self.param_groups]
+        collected = []
+        for group in self.param_groups:
+            lists: tuple[list, list, list, list] = ([], [], [], [])
+            self._init_group(group, *lists)
+            collected.append((group, *lists))
         for group, params, grads, state_a, state_b in collected:
             if group["use_muon"]:
                 self._muon_group_step(group, params, grads, state_a)
@@ -274,7 +292,11 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_group_step(self, group: dict, params: list, grads: list, bufs: list) -> None:
-        """Muon math for one group's matrices (the eager reference path)."""
+        """Muon math for one group's matrices: the compiled step if enabled, else the eager reference."""
+        from dmuon_compile.compiled_step import run_group_step
+
+        if run_group_step(self, group, params, grads, bufs):
+            return
         F.muon_update(
             params, grads, bufs,
             lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],

@@ -1,0 +1,268 @@
+"""The compiled Muon step: one ``torch.compile(fullgraph=True)`` graph per Muon group.
+
+``CompiledMuonStep`` is the functional core ``Muon`` dispatches to when ``compile`` is on
+(default on CUDA). One call runs, for every matrix of the group, momentum → Newton–Schulz →
+scaled update, inside a single graph compiled with the NS-chain pass
+(:class:`dmuon_compile.passes.NSChainPass`), which rewrites the torch-primitive NS chain
+(``mm``/``addmm``/``baddbmm``) into the symmetric ``torch.ops.dmuon`` kernels.
+
+What keeps it to one graph and one compile:
+
+- optimizer state is created eagerly by ``Muon._init_group`` before the call;
+- ``lr``, ``weight_decay`` and ``momentum`` enter as 0-d float32 tensors on the parameters'
+  device, refilled in place every step: an LR schedule changes values, never guards, so it
+  never recompiles (a Python float would be guarded by value);
+- same-shape matrices are stacked and orthogonalised by one batched (``bmm``) chain;
+- each ``CompiledMuonStep`` compiles its own copy of the step function (a fresh code object),
+  so several groups or optimizers never share — and exhaust — one Dynamo recompile budget;
+- ``dynamic=False``: parameter shapes are static, and the pass matches static shapes.
+
+``mode="reduce-overhead"`` adds CUDA graphs (launch overhead dominates small matrices); it
+marks parameters, gradients, momentum buffers and the hyper-parameter tensors as static
+addresses, so gradients must be kept in place (``zero_grad(set_to_none=False)``).
+
+When the user compiles the optimizer step themselves (``opt.step = torch.compile(opt.step)``),
+``Muon`` does not nest a second ``torch.compile``: it detects that Dynamo is tracing, installs
+the NS-chain pass into ``torch._inductor.config.post_grad_custom_pre_pass`` (wrapping any pass
+already there) at trace time, and runs the same step body inline, so the user's graph gets
+the same rewrite.
+
+Example::
+
+    step = CompiledMuonStep(NewtonSchulz(backend="gram"))
+    step(params, grads, bufs, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True,
+         adjust_lr_fn="match_rms_adamw")
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import time
+import types
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dmuon_compile import functional as F
+from dmuon_compile._compat import parse_version
+from dmuon_compile.newton_schulz import NewtonSchulz, matrix_view
+
+log = logging.getLogger("dmuon_compile.compiled_step")
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_ids = itertools.count()
+
+
+def check_compile_args(compile: bool | None, compile_mode: str | None) -> None:
+    """Validate ``Muon(compile=..., compile_mode=...)`` with messages that name the value.
+
+    >>> check_compile_args(None, "reduce-overhead")
+    """
+    if compile not in (None, True, False):
+        raise TypeError(f"compile must be True, False or None (auto: True on CUDA), got {compile!r}")
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode={compile_mode!r}: choose one of {COMPILE_MODES}")
+    if compile is False and compile_mode is not None:
+        raise ValueError(f"compile_mode={compile_mode!r} needs compile=True (or None), got compile=False")
+
+
+def compile_enabled(compile: bool | None, params: list[Tensor]) -> bool:
+    """``compile=None`` means: compile when the group's parameters are on CUDA."""
+    if compile is not None:
+        return bool(compile)
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The static structure of one group's step (everything Dynamo may treat as a constant)."""
+
+    buckets: tuple[tuple[int, ...], ...]  # indices of same-shape/dtype matrices
+    scales: tuple[float, ...]  # lr multiplier per matrix (adjust_lr_fn)
+    nesterov: bool
+    ns: NewtonSchulz  # configured to issue the torch-primitive chain (the pass rewrites it)
+
+    @staticmethod
+    def build(params: list[Tensor], ns: NewtonSchulz, nesterov: bool, adjust_lr_fn: str | None) -> "StepPlan":
+        buckets: dict[tuple, list[int]] = defaultdict(list)
+        for i, p in enumerate(params):
+            buckets[(tuple(p.shape), p.dtype, p.device)].append(i)
+        scales = tuple(F.lr_scale(matrix_view(p).shape, adjust_lr_fn) for p in params)
+        return StepPlan(tuple(tuple(v) for v in buckets.values()), scales, bool(nesterov), torch_chain(ns))
+
+
+def torch_chain(ns: NewtonSchulz) -> NewtonSchulz:
+    """A copy of ``ns`` that issues plain ``mm``/``addmm``/``baddbmm`` (the graph the pass matches)."""
+    if ns.kernel == "cublas":
+        return ns
+    chain = copy.copy(ns)
+    chain.kernel = "cublas"
+    return chain
+
+
+def muon_step_body(params, grads, bufs, lr, weight_decay, momentum, plan: StepPlan) -> None:
+    """Momentum → NS → update for one group, in place; traceable (``lr``… tensors or floats).
+
+    The math is ``functional.muon_update``'s: buf ← μ·buf + g; u = g + μ·buf (Nesterov) or
+    buf; W ← (1 − lr·wd)·W − lr·scale·NS(u).
+    """
+    updates = []
+    for g, buf in zip(grads, bufs):
+        buf.mul_(momentum).add_(g)
+        updates.append(g + momentum * buf if plan.nesterov else buf)
+    ortho: list = [None] * len(updates)
+    for idx in plan.buckets:
+        mats = [matrix_view(updates[i]) for i in idx]
+        if len(mats) == 1:
+            results = [plan.ns(mats[0])]
+        else:
+            results = plan.ns(torch.stack(mats)).unbind(0)
+        for i, r in zip(idx, results):
+            ortho[i] = r
+    for i, p in enumerate(params):
+        o = ortho[i].reshape(p.shape).to(p.dtype)
+        p.mul_(1 - lr * weight_decay)
+        p.add_(o * (lr * -plan.scales[i]))
+
+
+def _fresh_copy(fn):
+    """A copy of ``fn`` with its own code object: Dynamo keeps caches per code object."""
+    n = next(_ids)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{n}")
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=f"{fn.__qualname__}_{n}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def default_compile_options(mode: str | None = None) -> dict:
+    """Inductor options of the compiled step: the NS-chain pass (wrapping a user's pass),
+    the mode's options (``torch.compile`` takes ``mode`` or ``options``, not both), and the
+    torch-2.11 workaround for pytorch#176591 (loop reordering across 2-D/3-D recompiles).
+
+    >>> "post_grad_custom_pre_pass" in default_compile_options()
+    True
+    """
+    from dmuon_compile.passes import compile_options
+
+    options: dict = {}
+    if mode not in (None, "default"):
+        options.update(torch._inductor.list_mode_options(mode))
+    if parse_version(torch.__version__) < (2, 13):
+        options["loop_ordering_after_fusion"] = False
+    return compile_options(options)
+
+
+class CompiledMuonStep:
+    """The compiled step of one Muon group (see the module docstring).
+
+    Args:
+        ns: the group's ``NewtonSchulz``; the compiled graph uses its torch-primitive chain.
+        mode: ``None``/``"default"``, ``"reduce-overhead"`` (CUDA graphs), ``"max-autotune"``…
+        options: extra Inductor options, merged over :func:`default_compile_options`.
+
+    Example::
+
+        step = CompiledMuonStep(ns, mode="reduce-overhead")
+        step(params, grads, bufs, lr=lr, weight_decay=0.0, momentum=0.95, nesterov=True,
+             adjust_lr_fn="match_rms_adamw")
+    """
+
+    def __init__(self, ns: NewtonSchulz, mode: str | None = None, options: dict | None = None) -> None:
+        check_compile_args(True, mode)
+        self.ns = ns
+        self.mode = mode
+        opts = default_compile_options(mode)
+        opts.update(options or {})
+        self.options = opts
+        self.fn = torch.compile(_fresh_copy(muon_step_body), fullgraph=True, dynamic=False, options=opts)
+        self._hyper: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+        self._plan_key: tuple | None = None
+        self._plan: StepPlan | None = None
+        self._static_marked: set[int] = set()
+        self.calls = 0
+        self.first_call_s: float | None = None
+
+    def hyper_tensors(self, device: torch.device, lr: float, weight_decay: float, momentum: float):
+        """The 0-d float32 (lr, weight_decay, momentum) tensors on ``device``, refilled in place."""
+        hyper = self._hyper.get(device)
+        if hyper is None:
+            hyper = tuple(torch.zeros((), dtype=torch.float32, device=device) for _ in range(3))
+            self._hyper[device] = hyper
+        for t, v in zip(hyper, (lr, weight_decay, momentum)):
+            if isinstance(v, Tensor):
+                t.copy_(v.detach().reshape(()))  # a tensor lr: copied on device, no host sync
+            else:
+                t.fill_(float(v))
+        return hyper
+
+    def plan(self, params, nesterov: bool, adjust_lr_fn: str | None) -> StepPlan:
+        key = (tuple(id(p) for p in params), tuple(tuple(p.shape) for p in params), nesterov, adjust_lr_fn)
+        if key != self._plan_key:
+            self._plan = StepPlan.build(params, self.ns, nesterov, adjust_lr_fn)
+            self._plan_key = key
+        return self._plan  # type: ignore[return-value]
+
+    def __call__(self, params, grads, bufs, *, lr, weight_decay, momentum, nesterov, adjust_lr_fn) -> None:
+        if not params:
+            return
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"the compiled Muon step needs one device per group, got {sorted(map(str, devices))}")
+        device = next(iter(devices))
+        lr_t, wd_t, mu_t = self.hyper_tensors(device, lr, weight_decay, momentum)
+        plan = self.plan(params, nesterov, adjust_lr_fn)
+        if self.mode == "reduce-overhead":
+            self._mark_static(list(params) + list(grads) + list(bufs) + [lr_t, wd_t, mu_t])
+        start = time.perf_counter() if self.calls == 0 else None
+        self.fn(list(params), list(grads), list(bufs), lr_t, wd_t, mu_t, plan)
+        self.calls += 1
+        if start is not None:
+            self.first_call_s = time.perf_counter() - start
+            log.info("compiled Muon step: first call (trace + compile + run) took %.1f s for %d "
+                     "matrices in %d shape bucket(s)", self.first_call_s, len(params), len(plan.buckets))
+
+    def _mark_static(self, tensors) -> None:
+        for t in tensors:
+            if id(t) not in self._static_marked:
+                torch._dynamo.mark_static_address(t)
+                self._static_marked.add(id(t))
+
+
+@torch.compiler.assume_constant_result
+def _install_pass_while_tracing() -> bool:
+    """Runs at Dynamo trace time (not in the graph): Inductor reads the global pass later."""
+    from dmuon_compile.passes import install_global_pass
+
+    install_global_pass()
+    return True
+
+
+def run_group_step(opt, group: dict, params, grads, bufs) -> bool:
+    """``Muon._muon_group_step``'s dispatch: run the compiled step if enabled; True if it ran.
+
+    - traced by the user's ``torch.compile`` (``opt.step = torch.compile(opt.step)``): install
+      the NS-chain pass globally (at trace time) and return False: the eager reference
+      (``functional.muon_update``, torch-primitive NS chain) is traced into the user's graph
+      and the pass rewrites it there, as in our own compiled step;
+    - ``compile`` on (default on CUDA): the group's ``CompiledMuonStep``;
+    - otherwise: False, and ``Muon`` runs the eager reference.
+    """
+    ns = getattr(opt, "ns")
+    if torch.compiler.is_compiling():
+        _install_pass_while_tracing()
+        return False  # Muon's eager reference is traced into the user's graph; the pass rewrites it
+    if not compile_enabled(getattr(opt, "compile", None), params):
+        return False
+    steps = opt.__dict__.setdefault("_dmuon_compiled_steps", {})
+    key = id(group)
+    step = steps.get(key)
+    if step is None or step.ns is not ns:
+        step = CompiledMuonStep(ns, mode=getattr(opt, "compile_mode", None))
+        steps[key] = step
+    step(params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"],
+         momentum=group["momentum"], nesterov=group["nesterov"], adjust_lr_fn=group["adjust_lr_fn"])
+    return True

@@ -1,0 +1,42 @@
+"""Compiler passes of dmuon_compile (installed as ``dmuon_compile.passes``).
+
+- :class:`NSChainPass` — the Inductor ``post_grad_custom_pre_pass`` that rewrites the
+  Newton–Schulz chain into ``torch.ops.dmuon.syrk`` / ``sym_mm`` (``ns_rewrite``), guided by
+  the symmetry-provenance analysis (``symmetry``) and checked with sympy (``polynomial``).
+- :func:`compile_options` / :func:`wrap_pass` / :func:`install_global_pass` — install it
+  without overwriting a pass the user already configured.
+- Importing this package registers the ``dmuon`` ``TORCH_LOGS`` name (``TORCH_LOGS="+dmuon"``).
+
+Example::
+
+    >>> from dmuon_compile.passes import compile_options
+    >>> fn = torch.compile(step, fullgraph=True, options=compile_options())  # doctest: +SKIP
+"""
+
+from dmuon_compile import kernels as _kernels  # noqa: F401  (registers torch.ops.dmuon.*)
+from dmuon_compile.log import register_torch_logs
+from dmuon_compile.passes.kernel_source import kernel_sources, register_kernel_source
+from dmuon_compile.passes.manager import (
+    NSChainPass,
+    compile_options,
+    install_global_pass,
+    wrap_pass,
+)
+from dmuon_compile.passes.ns_rewrite import SUBPASSES, RewriteStats, rewrite_ns_chain
+from dmuon_compile.passes.symmetry import IDENTITY, SymmetryAnalysis
+
+register_torch_logs()
+
+__all__ = [
+    "IDENTITY",
+    "NSChainPass",
+    "RewriteStats",
+    "SUBPASSES",
+    "SymmetryAnalysis",
+    "compile_options",
+    "install_global_pass",
+    "kernel_sources",
+    "register_kernel_source",
+    "rewrite_ns_chain",
+    "wrap_pass",
+]
