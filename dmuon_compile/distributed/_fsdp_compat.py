@@ -1,4 +1,6 @@
-"""What the runtime reads from FSDP2, in one module (checked by tests/distributed/test_fsdp_compat.py).
+"""What the runtime reads from FSDP2, in one module.
+
+Checked by tests/distributed/test_dedicated_runtime.py (gradient accumulation test).
 
 Dedicated parameters never enter FSDP2 (see ``dedicate.py``), so the only thing the runtime
 needs from FSDP is whether the user turned gradient synchronisation off with the public
