@@ -1,0 +1,285 @@
+"""BENCHMARKS.md §B: one training iteration of a Llama-like stack on FSDP2, four optimizers.
+
+Launch with torchrun, one process per GPU (or CPU processes with gloo for a smoke run):
+
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --out results_S.json
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu
+
+Configurations (all built up front, then run interleaved iteration by iteration):
+
+- ``adamw``: FSDP2 + ``torch.optim.AdamW(fused=True)`` (fused on CUDA only) — the floor;
+- ``naive_muon``: FSDP2; each rank all-gathers every *_proj update (momentum kept on the
+  shard), runs NS on the whole matrix and keeps its rows; AdamW for the rest;
+- ``ours_eager``: ``dmuon.dedicate_params`` (all *_proj weights) + FSDP2 + ``dmuon.Muon``;
+- ``ours_compiled``: the same with ``Muon(compile=True)`` (CUDA only, when Muon has it).
+
+Per configuration: median iteration time (forward + backward + step) and step-only time,
+peak memory (CUDA), and the Muon tax = iteration / AdamW iteration − 1; plus the NS FLOP
+floor of §B and (iteration − AdamW iteration) / floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import dmuon_compile as dmuon
+from dmuon_compile.newton_schulz import direct_ns_flops, gram_ns_flops
+
+MODELS = {  # D, F, layers
+    "S": (2048, 5632, 8),
+    "M": (4096, 14336, 4),
+    "quick": (64, 128, 2),
+}
+HEAD_DIM = 128
+PEAK_FLOPS = 700e12  # ~H200 dense bf16/fp16 as in §B
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, dim, ffn, head_dim):
+        super().__init__()
+        self.heads = dim // head_dim
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.gate_proj, self.up_proj = nn.Linear(dim, ffn, bias=False), nn.Linear(dim, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.attn_norm(x)
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        y = F.scaled_dot_product_attention(split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h)), is_causal=True)
+        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Stack(nn.Module):
+    def __init__(self, dim, ffn, layers, head_dim):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim, ffn, head_dim) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def is_proj(name, p):
+    return name.endswith("_proj.weight")
+
+
+class NaiveMuon:
+    """All-gather each full update, NS on every rank, keep the local rows (the usual FSDP2 port)."""
+
+    def __init__(self, model, mesh, ns, lr=0.02, momentum=0.95, adamw_lr=3e-4, fused=False):
+        self.mats = [p for n, p in model.named_parameters() if is_proj(n, p)]
+        others = [p for n, p in model.named_parameters() if not is_proj(n, p)]
+        self.adamw = torch.optim.AdamW(others, lr=adamw_lr, fused=fused or None)
+        self.bufs = [torch.zeros_like(p.to_local()) for p in self.mats]
+        self.ns, self.lr, self.mu, self.mesh = ns, lr, momentum, mesh
+
+    @torch.no_grad()
+    def step(self):
+        from torch.distributed.tensor import DTensor, Shard
+
+        rank, world = self.mesh.get_local_rank(), self.mesh.size()
+        for p, buf in zip(self.mats, self.bufs):
+            g = p.grad.to_local()
+            buf.mul_(self.mu).add_(g)
+            u = g.add(buf, alpha=self.mu)
+            full = DTensor.from_local(u, self.mesh, [Shard(0)], shape=p.shape, stride=p.stride()).full_tensor()
+            o = self.ns(full)
+            rows = torch.chunk(o, world, dim=0)
+            if rank < len(rows) and rows[rank].numel():
+                scale = 0.2 * math.sqrt(max(p.shape))
+                p.to_local().add_(rows[rank].to(p.dtype), alpha=-self.lr * scale)
+        self.adamw.step()
+
+    def zero_grad(self):
+        for p in self.mats:
+            p.grad = None
+        self.adamw.zero_grad()
+
+
+def ns_floor_ms(dim, ffn, layers, world):
+    """§B floor: Gram NS (one restart, symmetric) where α ≥ 2, direct symmetric otherwise."""
+    shapes = [(dim, dim)] * 4 + [(ffn, dim)] * 2 + [(dim, ffn)]
+    total = 0.0
+    for m, n in shapes * layers:
+        small, large = min(m, n), max(m, n)
+        total += gram_ns_flops(small, large, 5, 1) if large >= 2 * small else direct_ns_flops(small, large, 5)
+    return total / world / PEAK_FLOPS * 1e3
+
+
+def build(config, args, mesh, device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dim, ffn, layers = MODELS[args.model]
+    head_dim = HEAD_DIM if args.model != "quick" else 16
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Stack(dim, ffn, layers, head_dim)
+    cuda = device.type == "cuda"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
+    if config.startswith("ours"):
+        policy = dmuon.ParamPolicy(dmuon.MixedPrecision(torch.bfloat16, torch.float32)) if cuda else None
+        dmuon.dedicate_params(model, mesh, predicate=is_proj, param_policy=policy)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    ns = dmuon.NewtonSchulz()
+    if config == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True if cuda else None)
+    elif config == "naive_muon":
+        opt = NaiveMuon(model, mesh, ns, fused=cuda)
+    else:
+        kw = {}
+        if "compile" in inspect.signature(dmuon.Muon).parameters:
+            kw["compile"] = config == "ours_compiled"
+        opt = dmuon.Muon(model, lr=0.02, ns_backend=ns, **kw)
+    return model, opt
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["S", "M"], default="S")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (smoke run)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 6; 3 with --quick)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 3; 1 with --quick)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per rank (default 8)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024)")
+    ap.add_argument("--configs", default="adamw,naive_muon,ours_eager,ours_compiled")
+    ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model = "quick"
+    iters = args.iters or (3 if args.quick else 6)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    batch = args.batch or (2 if args.quick else 8)
+    seq = args.seq or (16 if args.quick else 1024)
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    configs = [c for c in args.configs.split(",") if c]
+    skipped = {}
+    if "ours_compiled" in configs and (device.type != "cuda" or "compile" not in inspect.signature(dmuon.Muon).parameters):
+        configs.remove("ours_compiled")
+        skipped["ours_compiled"] = "CPU run (compiled step is for CUDA)" if device.type != "cuda" else "Muon has no compile="
+
+    dim = MODELS[args.model][0]
+    built, resident = {}, {}
+    for c in configs:
+        sync(device)
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        built[c] = build(c, args, mesh, device)
+        resident[c] = before
+    gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    times = {c: {"iter": [], "step": [], "peak": []} for c in configs}
+
+    def run(c, timed):
+        model, opt = built[c]
+        x = torch.randn(batch, seq, dim, generator=gen).to(device)
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        model(x).float().square().mean().backward()
+        sync(device)
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        sync(device)
+        t2 = time.perf_counter()
+        if timed:
+            times[c]["iter"].append(t2 - t0)
+            times[c]["step"].append(t2 - t1)
+            if device.type == "cuda":
+                times[c]["peak"].append(torch.cuda.max_memory_allocated(device))
+
+    for i in range(warmup + iters):
+        for c in configs:  # interleaved: drift and thermals hit every configuration alike
+            run(c, timed=i >= warmup)
+        if rank == 0:
+            print(f"[bench_fsdp] iteration {i + 1}/{warmup + iters} done", file=sys.stderr, flush=True)
+
+    dim_, ffn, layers = MODELS[args.model]
+    floor = ns_floor_ms(dim_, ffn, layers, world)
+    results = {}
+    for c in configs:
+        it = torch.tensor(times[c]["iter"]) * 1e3
+        st = torch.tensor(times[c]["step"]) * 1e3
+        dist.all_reduce(it, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        dist.all_reduce(st, op=dist.ReduceOp.MAX)
+        results[c] = {
+            "iter_ms": statistics.median(it.tolist()),
+            "step_ms": statistics.median(st.tolist()),
+            "peak_mem_gib": max(times[c]["peak"]) / 2**30 if times[c]["peak"] else None,
+        }
+    base = results.get("adamw", {}).get("iter_ms")
+    for c, r in results.items():
+        r["muon_tax"] = r["iter_ms"] / base - 1 if base else None
+        r["over_floor"] = (r["iter_ms"] - base) / floor if base and c != "adamw" else None
+    report = {
+        "model": args.model, "dims": MODELS[args.model], "world_size": world, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "tokens_per_rank": batch * seq, "iters": iters, "warmup": warmup,
+        "ns_floor_ms": floor, "results": results, "skipped": skipped,
+        "memory_note": "peak = max allocated during the configuration's iteration, including the "
+                       "resident state of the other (interleaved) configurations",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    if rank == 0:
+        print(f"| config | iter ms | step ms | peak GiB | Muon tax | (iter−AdamW)/floor |  NS floor {floor:.3g} ms")
+        print("|---|---|---|---|---|---|")
+        for c, r in results.items():
+            peak = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
+            tax = f"{r['muon_tax'] * 100:+.1f}%" if r["muon_tax"] is not None else "-"
+            ratio = f"{r['over_floor']:.2f}" if r["over_floor"] is not None else "-"
+            print(f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {peak} | {tax} | {ratio} |")
+        for c, why in skipped.items():
+            print(f"skipped {c}: {why}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    for c in configs:
+        if c.startswith("ours"):
+            dmuon.wait_all_replicate_broadcasts(built[c][0])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
