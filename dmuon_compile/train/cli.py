@@ -1,0 +1,183 @@
+"""Command line of the training demo: ``python -m dmuon_compile.train`` (or under ``torchrun``).
+
+Examples::
+
+    python -m dmuon_compile.train                                  # one process, Muon
+    torchrun --nproc_per_node 2 -m dmuon_compile.train             # 2 ranks, gloo/CPU or NCCL/GPU
+    python -m dmuon_compile.train --optimizer both --steps 200     # Muon vs AdamW, same data/init
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dmuon_compile.train import runtime
+from dmuon_compile.train.data import DEFAULT_VAL_FRACTION, load_corpus
+from dmuon_compile.train.loop import OPTIMIZERS, TrainConfig, train_one
+from dmuon_compile.train.metrics import CsvLog, plot_losses
+
+DEFAULTS = TrainConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dmuon_compile.train",
+        description=(
+            "Train a small byte-level GPT on the Python standard library's source files with "
+            "dmuon's Muon (dedicate_params + FSDP2 under torchrun) and/or AdamW. "
+            "Run under torchrun for several processes; gloo/CPU or NCCL/GPU is picked automatically."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--optimizer", choices=(*OPTIMIZERS, "both"), default="dmuon",
+                   help="both: dmuon then adamw, same data, seed and initial weights")
+    p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per run")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size,
+                   help="global batch (sequences per step), split evenly across processes")
+    p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, help="tokens (bytes) per sequence")
+    p.add_argument("--d-model", type=int, default=DEFAULTS.d_model, help="model width")
+    p.add_argument("--layers", type=int, default=DEFAULTS.layers, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=DEFAULTS.heads, help="attention heads (must divide --d-model)")
+    p.add_argument("--lr", type=float, default=DEFAULTS.lr, help="Muon learning rate for the *_proj matrices")
+    p.add_argument("--adamw-lr", type=float, default=DEFAULTS.adamw_lr,
+                   help="AdamW learning rate (the adamw run, and dmuon's embeddings/head/norms)")
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the weights and the data order")
+    p.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="validate every N steps")
+    p.add_argument("--eval-batches", type=int, default=DEFAULTS.eval_batches,
+                   help="global batches of held-out windows per validation")
+    p.add_argument("--log-every", type=int, default=DEFAULTS.log_every, help="CSV row / progress update every N steps")
+    p.add_argument("--corpus-mb", type=float, default=8.0, help="cap on the corpus size read (MB)")
+    p.add_argument("--corpus-dir", type=Path, default=None,
+                   help="directory of .py files to train on (default: this Python's standard library)")
+    p.add_argument("--out-dir", type=Path, default=None, help="where log.csv and loss.png go (default ./runs/<timestamp>)")
+    p.add_argument("--device", choices=runtime.DEVICES, default="auto", help="auto: CUDA when available, else CPU")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines (summary only)")
+    p.add_argument("--no-dedicate", action="store_true",
+                   help="with several processes, keep the *_proj matrices whole on every rank and "
+                        "all-reduce their gradients instead of dmuon.dedicate_params (the naive baseline)")
+    return p
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_size: int) -> None:
+    """Reject bad arguments with an argparse error that names the fix (exits with status 2)."""
+    positive = {
+        "--steps": args.steps, "--batch-size": args.batch_size, "--seq-len": args.seq_len,
+        "--d-model": args.d_model, "--layers": args.layers, "--heads": args.heads,
+        "--eval-every": args.eval_every, "--eval-batches": args.eval_batches, "--log-every": args.log_every,
+    }
+    for flag, value in positive.items():
+        if value <= 0:
+            parser.error(f"{flag} must be > 0, got {value}")
+    for flag, value in {"--lr": args.lr, "--adamw-lr": args.adamw_lr, "--corpus-mb": args.corpus_mb}.items():
+        if not value > 0 or value != value or value == float("inf"):
+            parser.error(f"{flag} must be a finite number > 0, got {value}")
+    if args.d_model % args.heads:
+        parser.error(
+            f"--d-model {args.d_model} is not divisible by --heads {args.heads}; "
+            f"use e.g. --d-model {args.heads * max(1, round(args.d_model / args.heads))} or change --heads"
+        )
+    if (args.d_model // args.heads) % 2:
+        parser.error(f"head size --d-model/--heads = {args.d_model // args.heads} must be even")
+    if args.batch_size % world_size:
+        lo = max(world_size, args.batch_size // world_size * world_size)
+        parser.error(
+            f"--batch-size {args.batch_size} is not divisible by the world size {world_size} "
+            f"(processes); use a multiple of {world_size}, e.g. --batch-size {lo}"
+        )
+    if args.corpus_dir is not None and not args.corpus_dir.is_dir():
+        parser.error(f"--corpus-dir {args.corpus_dir} is not a directory")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but no CUDA GPU is usable here; use --device cpu or --device auto")
+
+
+def make_out_dir(out_dir: Path | None) -> Path:
+    if out_dir is None:
+        out_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, d_model=args.d_model,
+        layers=args.layers, heads=args.heads, lr=args.lr, adamw_lr=args.adamw_lr, seed=args.seed,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse ``argv``, train, write ``log.csv``/``loss.png``/``summary.json``; returns the summary."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    validate(args, parser, runtime.env_world_size())
+    cfg = config_from_args(args)
+    try:
+        corpus = load_corpus(max_bytes=int(args.corpus_mb * 1024 * 1024), val_fraction=DEFAULT_VAL_FRACTION,
+                             root=args.corpus_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(str(exc))
+    for split, tokens in (("train", corpus.train), ("validation", corpus.val)):
+        if tokens.numel() <= args.seq_len:
+            parser.error(
+                f"the {split} split has only {tokens.numel()} bytes, not more than --seq-len {args.seq_len}; "
+                "use a smaller --seq-len or a larger --corpus-mb"
+            )
+
+    env = runtime.setup(args.device)
+    try:
+        return _run(args, cfg, corpus, env)
+    finally:
+        runtime.teardown(env)
+
+
+def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
+    out_dir = make_out_dir(args.out_dir) if env.is_main else None
+    say = print if env.is_main else (lambda *a, **k: None)
+    names = list(OPTIMIZERS) if args.optimizer == "both" else [args.optimizer]
+    if "dmuon" in names and env.distributed and not args.no_dedicate and not runtime.has_dedicate_params():
+        say("note: dmuon.dedicate_params is not available in this build; Muon runs on FSDP2 with the "
+            "*_proj matrices kept whole on every rank and their gradients all-reduced")
+    say(corpus.describe())
+    say(f"run: {env.describe()}, torch {torch.__version__}, optimizers {', '.join(names)}, "
+        f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens")
+    log = CsvLog(out_dir / "log.csv" if out_dir is not None else None)
+    results = []
+    for name in names:
+        result = train_one(name, cfg, corpus, env, log, show_progress=not args.no_progress,
+                           dedicate=not args.no_dedicate)
+        results.append(result)
+        say(f"{name} [{result.mode}]: validation loss {result.first_val:.4f} -> {result.final_val:.4f} "
+            f"in {result.wall_s:.1f}s")
+    summary = {
+        "out_dir": str(out_dir) if out_dir is not None else None,
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "config": vars(cfg),
+        "runs": [
+            {
+                "optimizer": r.optimizer, "mode": r.mode, "first_val_loss": r.first_val,
+                "final_val_loss": r.final_val, "final_train_loss": r.train_losses[-1][1],
+                "wall_s": r.wall_s,
+                "ms_per_step": {k: v / max(1, r.timed_steps) for k, v in r.phase_ms.items()},
+                "exposed_comm": r.comm_kind,
+                "exposed_comm_note": r.comm_note,
+                "runtime_comm_profile": r.comm_profile,
+            }
+            for r in results
+        ],
+    }
+    if env.is_main:
+        say("")
+        for r in results:
+            say(r.breakdown())
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        say(f"log: {out_dir / 'log.csv'}")
+        say(plot_losses(out_dir / "log.csv", out_dir / "loss.png"))
+        sys.stdout.flush()
+    return summary

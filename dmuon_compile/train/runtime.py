@@ -1,0 +1,251 @@
+"""Process setup and model wrapping for the training demo.
+
+:func:`setup` reads the ``torchrun`` environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``), picks
+the device (CUDA when available, else CPU) and the matching backend (NCCL / gloo), and starts
+the process group when there is more than one process.
+
+:func:`parallelize` wraps a freshly built model for one optimizer run:
+
+- one process: the plain model;
+- ``dmuon`` with ``dmuon.dedicate_params`` available (the distributed runtime): dedicate every
+  ``*_proj.weight`` to an owner rank, then ``fully_shard`` each block and the root — the
+  order the troubleshooting page prescribes (after TP, before ``fully_shard``);
+- ``dmuon`` without it (the runtime has not landed): ``fully_shard`` with the ``*_proj``
+  matrices as ``ignored_params`` (kept whole on every rank) and their gradients averaged by
+  one flat all-reduce after backward (:meth:`Wrapped.sync_grads`), so ``Muon`` still sees
+  whole matrices. Swapping in ``dedicate_params`` is the single call in :func:`_dedicate`;
+- ``adamw``: plain FSDP2 on every parameter (the standard baseline).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dmuon_compile as dmuon
+from dmuon_compile.train.model import is_matrix_param
+
+DEVICES = ("auto", "cpu", "cuda")
+DEDICATED = "dedicate_params + FSDP2"
+REPLICATED = "FSDP2 + whole matrices replicated, gradients all-reduced"
+
+
+@dataclass
+class DistEnv:
+    """Where this process runs: rank, world size, device and collective backend."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    mesh: object = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def describe(self) -> str:
+        if not self.distributed:
+            return f"1 process on {self.device}"
+        return f"{self.world_size} processes ({self.backend}) on {self.device.type}"
+
+
+def env_world_size() -> int:
+    """``WORLD_SIZE`` from the launcher (1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    """``auto`` → ``cuda:<local_rank>`` when CUDA is available, else ``cpu``.
+
+    Raises ``ValueError`` naming the fix when ``cuda`` is requested without a GPU.
+    """
+    if requested not in DEVICES:
+        raise ValueError(f"--device {requested!r}: choose one of {', '.join(DEVICES)}")
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda, but this machine has no usable CUDA GPU; use --device cpu or auto")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                "start at most that many processes per node (torchrun --nproc_per_node)"
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def setup(requested_device: str = "auto") -> DistEnv:
+    """Start the process group if launched with several processes; return the environment."""
+    world = env_world_size()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(requested_device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    env = DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    if world > 1:
+        env.backend = "nccl" if device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(env.backend, **kwargs)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        env.mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return env
+
+
+def teardown(env: DistEnv) -> None:
+    """Destroy the process group this module started."""
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def has_dedicate_params() -> bool:
+    """Whether the distributed runtime (``dmuon.dedicate_params``) is available."""
+    return hasattr(dmuon, "dedicate_params")
+
+
+@dataclass
+class Wrapped:
+    """A model ready for one optimizer run, plus what the loop needs to know about it."""
+
+    model: nn.Module
+    mode: str
+    replicated: list[nn.Parameter] = field(default_factory=list)
+    world_size: int = 1
+
+    @property
+    def has_explicit_comm(self) -> bool:
+        """Whether :meth:`sync_grads` communicates (its time is exposed communication)."""
+        return bool(self.replicated) and self.world_size > 1
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """Average the gradients of whole (replicated) matrices across ranks; no-op otherwise.
+
+        One flat all-reduce after backward: synchronous, so all of its time is exposed.
+        """
+        if not self.has_explicit_comm:
+            return
+        grads = [p.grad for p in self.replicated if p.grad is not None]
+        if len(grads) != len(self.replicated):
+            raise RuntimeError("a replicated matrix got no gradient; every rank must run the same forward")
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(self.world_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _fully_shard(model: nn.Module, mesh, ignored: set | None = None) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": mesh}
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _dedicate(model: nn.Module, mesh) -> None:
+    """The one call into the distributed runtime: dedicate every ``*_proj.weight``.
+
+    ``DMUON_RECORD_FORWARD_PROFILE=1`` (unless the user set it) makes the runtime count the
+    forward-unshard waits that the end-of-run breakdown reports as exposed communication.
+    """
+    os.environ.setdefault("DMUON_RECORD_FORWARD_PROFILE", "1")
+    dmuon.dedicate_params(model, mesh, predicate=is_matrix_param)
+
+
+def parallelize(model: nn.Module, env: DistEnv, optimizer: str, dedicate: bool = True) -> Wrapped:
+    """Wrap ``model`` (already on ``env.device``) for ``optimizer`` (``dmuon`` or ``adamw``).
+
+    ``dedicate=False`` (``--no-dedicate``) forces the replicated-matrices path even when the
+    runtime is available: the naive baseline that ``dedicate_params`` replaces.
+    """
+    if not env.distributed:
+        return Wrapped(model, "single process")
+    if optimizer == "adamw":
+        _fully_shard(model, env.mesh)
+        return Wrapped(model, "FSDP2", world_size=env.world_size)
+    if dedicate and has_dedicate_params():
+        _dedicate(model, env.mesh)
+        _fully_shard(model, env.mesh)
+        return Wrapped(model, DEDICATED, world_size=env.world_size)
+    matrices = [p for name, p in model.named_parameters() if is_matrix_param(name, p)]
+    _fully_shard(model, env.mesh, ignored=set(matrices))
+    return Wrapped(model, REPLICATED, replicated=matrices, world_size=env.world_size)
+
+
+def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Mean of a tensor over ranks (identity with one process)."""
+    if env.distributed:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= env.world_size
+    return value
+
+
+def runtime_comm_profile(wrapped: Wrapped):
+    """The runtime's forward-unshard wait profile, when it offers one (else ``None``)."""
+    collect = getattr(dmuon, "collect_forward_unshard_profile", None)
+    if collect is None or wrapped.mode != DEDICATED:
+        return None
+    try:
+        profile = collect(wrapped.model, synchronize=True)
+    except Exception as exc:  # the runtime is in flux; the demo must still finish
+        return {"enabled": False, "reason": f"{type(exc).__name__}: {exc}"}
+    return profile if isinstance(profile, dict) else {"enabled": False, "reason": f"unexpected {profile!r}"}
+
+
+def profile_wait_ms(wrapped: Wrapped) -> float | None:
+    """Total time (ms) this rank waited in the runtime's unshard collectives so far, or ``None``."""
+    profile = runtime_comm_profile(wrapped)
+    if not profile or not profile.get("enabled"):
+        return None
+    try:
+        return 1e3 * float(profile["total"]["wait_s"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def comm_source(wrapped: Wrapped) -> tuple[str, str]:
+    """How exposed communication is measured for this run: ``(kind, explanation)``.
+
+    kinds: ``"none"`` (one process), ``"explicit"`` (the synchronous gradient all-reduce of
+    whole matrices, its own phase), ``"profile"`` (the runtime's unshard waits, which happen
+    inside forward/backward) and ``"n/a"``.
+    """
+    if wrapped.world_size == 1:
+        return "none", "one process: no communication"
+    if wrapped.has_explicit_comm:
+        return "explicit", (
+            "synchronous all-reduce of the whole matrices' gradients; FSDP2's own collectives "
+            "are inside forward/backward"
+        )
+    if wrapped.mode == DEDICATED:
+        if profile_wait_ms(wrapped) is not None:
+            return "profile", (
+                "waits for dedicated-weight unshards, from dmuon.collect_forward_unshard_profile; "
+                "part of forward/backward above"
+            )
+        reason = (runtime_comm_profile(wrapped) or {}).get("reason", "the runtime offers no profile")
+        return "n/a", f"n/a: {reason}"
+    return "n/a", (
+        "n/a: FSDP2's all-gathers/reduce-scatters run inside forward/backward and FSDP2 "
+        "exposes no wait profile to separate them"
+    )
