@@ -102,6 +102,9 @@ class DedicatedRuntime:
         return self.forward_order[j] if 0 <= j < len(self.forward_order) else None
 
     def _pre_forward(self, group: DedicatedGroup) -> None:
+        if self.forward_order and group is self.forward_order[0]:
+            # A new forward: forget a backward that raised before its end-callback ran.
+            self._backward_queued, self._sync = False, None
         if id(group) not in self._index:
             self._index[id(group)] = len(self.forward_order)
             self.forward_order.append(group)
@@ -165,6 +168,8 @@ class DedicatedRuntime:
         for group in self.groups:
             group.drain()
             group.reshard()
+            group.grads_ready.clear()
+        self._backward_queued, self._sync = False, None
 
     def remove_hooks(self) -> None:
         for h in self.handles:

@@ -169,3 +169,82 @@ def test_huggingface_model_output_keeps_attribute_access():
     for r in run_ranks(_hf_model, 2, timeout=120):
         assert r["type"] == "CausalLMOutputWithPast"
         assert r["logits"] == (2, 8, 64) and r["has_loss"]
+
+
+def _precision_and_recovery(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import dedicated_runtime
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(2, 8, models.D, generator=torch.Generator().manual_seed(5))
+    out = {}
+    # param_policy: bf16 compute copies, fp32 masters and fp32 owner gradients
+    model = models.build_llama()
+    policy = dmuon.ParamPolicy(dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate, param_policy=policy)
+    seen = []
+    model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: (a[0].to(torch.bfloat16),))
+    for block in model.layers:  # the blocks run in bf16 like FSDP2's param_dtype would make them
+        block.to(torch.bfloat16)
+    model.norm.to(torch.bfloat16)
+    model.lm_head.to(torch.bfloat16)
+    loss = model(x.to(torch.bfloat16)).float().square().mean()
+    loss.backward()
+    owned = dmuon.dedicated_registry.dedicated_parameters(model)
+    out["compute_dtype"] = str(seen[0])
+    out["master_dtypes"] = sorted({str(p.dtype) for _, p in owned})
+    out["grad_dtypes"] = sorted({str(p.grad.dtype) for _, p in owned})
+    out["comm_dtypes"] = sorted({(g["compute_dtype"], g["reduce_dtype"]) for g in dmuon.summarize_comm_plan(model)["groups"]})
+    legacy = models.build_llama()
+    dmuon.dedicate_params(legacy, mesh, predicate=models.proj_predicate, compute_dtype=torch.bfloat16)
+    out["legacy_dtypes"] = sorted({g["compute_dtype"] for g in dmuon.summarize_comm_plan(legacy)["groups"]})
+    try:
+        dmuon.dedicate_params(models.build_llama(), mesh, predicate=models.proj_predicate,
+                              compute_dtype=torch.float16, param_policy=policy)
+        out["conflict"] = None
+    except ValueError as exc:
+        out["conflict"] = str(exc)
+    # an exception mid-forward, then wait_all_replicate_broadcasts: nothing pending, training resumes
+    model = models.build_llama()
+    fresh = models.build_llama()
+    for m in (model, fresh):
+        dmuon.dedicate_params(m, mesh, predicate=models.proj_predicate)
+    model(x).square().mean().backward()  # records the forward order (prefetch active next time)
+    for _, p in dmuon.dedicated_registry.dedicated_parameters(model):
+        p.grad = None
+
+    def boom(*_):
+        raise KeyboardInterrupt("simulated interrupt in layers.1")
+
+    handle = model.layers[1].mlp.register_forward_pre_hook(boom)
+    try:
+        model(x)
+    except KeyboardInterrupt:
+        pass
+    handle.remove()
+    dmuon.wait_all_replicate_broadcasts(model)
+    runtime = dedicated_runtime(model)
+    out["after_interrupt"] = sorted({(g.state, len(g.works), len(g.pending_reduce)) for g in runtime.groups})
+    grads = []
+    for m in (model, fresh):
+        m(x).square().mean().backward()
+        grads.append({n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(m)})
+    out["resume_grads"] = grads
+    return out
+
+
+def test_mixed_precision_policy_and_recovery_after_interrupt():
+    for r in run_ranks(_precision_and_recovery, 2, timeout=90):
+        assert r["compute_dtype"] == "torch.bfloat16"
+        assert r["master_dtypes"] == ["torch.float32"] and r["grad_dtypes"] == ["torch.float32"]
+        assert r["comm_dtypes"] == [("bfloat16", "float32")]
+        assert r["legacy_dtypes"] == ["bfloat16"]
+        assert r["conflict"] is not None and "compute_dtype" in r["conflict"] and "param_dtype" in r["conflict"]
+        assert r["after_interrupt"] == [("sharded", 0, 0)]
+        a, b = r["resume_grads"]
+        assert a.keys() == b.keys() and a
+        for n in a:
+            torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7)
