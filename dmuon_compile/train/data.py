@@ -93,7 +93,7 @@ def _read(files: list[Path], budget: int) -> tuple[Tensor, list[Path]]:
     for path in files:
         if total >= budget:
             break
-        data = path.read_bytes()[: budget - total] + b"\n"
+        data = (path.read_bytes() + b"\n")[: budget - total]  # the last file may be cut
         chunks.append(data)
         used.append(path)
         total += len(data)

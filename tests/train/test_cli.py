@@ -1,0 +1,59 @@
+"""Bad arguments get argparse errors (exit status 2) that name the fix."""
+
+import pytest
+import torch
+
+from dmuon_compile.train import cli
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--steps", "0"], "--steps must be > 0"),
+        (["--seq-len", "-4"], "--seq-len must be > 0"),
+        (["--batch-size", "0"], "--batch-size must be > 0"),
+        (["--layers", "0"], "--layers must be > 0"),
+        (["--d-model", "130", "--heads", "4"], "--d-model 130 is not divisible by --heads 4; use e.g. --d-model 128"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--adamw-lr=-1e-3"], "--adamw-lr must be a finite number > 0"),
+        (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+        (["--corpus-dir", "/definitely/not/here"], "is not a directory"),
+        (["--corpus-mb", "0.001", "--seq-len", "128"], "use a smaller --seq-len or a larger --corpus-mb"),
+    ],
+)
+def test_bad_arguments(capsys, argv, needle):
+    assert needle in _error(capsys, argv)
+
+
+def test_world_size_must_divide_batch(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = _error(capsys, ["--batch-size", "7"])
+    assert "--batch-size 7 is not divisible by the world size 2" in err and "--batch-size 6" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_requested_without_gpu(capsys):
+    assert "no CUDA GPU" in _error(capsys, ["--device", "cuda"])
+
+
+def test_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--optimizer", "--steps", "--batch-size", "--seq-len", "--d-model", "--layers", "--lr",
+                 "--adamw-lr", "--seed", "--out-dir", "--device"):
+        assert flag in out

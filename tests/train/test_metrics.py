@@ -1,0 +1,105 @@
+"""Timers, progress output, CSV log, plot fallback and the breakdown table."""
+
+import io
+import sys
+
+import pytest
+import torch
+
+from dmuon_compile.train import metrics
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_phase_timer_accumulates_and_resets():
+    timer = metrics.PhaseTimer(torch.device("cpu"))
+    with timer.phase("forward"):
+        sum(range(20000))
+    with timer.phase("forward"):
+        pass
+    out = timer.take()
+    assert set(out) == set(metrics.PHASES)
+    assert out["forward"] > 0 and out["backward"] == 0
+    assert timer.take()["forward"] == 0
+
+
+def test_progress_rewrites_one_line_on_a_tty_and_prints_lines_otherwise():
+    tty = _Tty()
+    bar = metrics.Progress("dmuon", 10, stream=tty)
+    bar.update(5, 2.5, None, 1234.0)
+    bar.update(10, 2.0, 1.9, 2000.0)
+    bar.close()
+    text = tty.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
+    assert "loss 2.0000" in text and "val 1.9000" in text and "tok/s" in text
+
+    plain = io.StringIO()
+    bar = metrics.Progress("adamw", 10, stream=plain)
+    bar.update(5, 2.5, None, 1234.0)
+    bar.update(10, 2.0, None, 2000.0)
+    lines = plain.getvalue().splitlines()
+    assert len(lines) == 2 and "\r" not in plain.getvalue() and "5/10" in lines[0]
+
+    silent = io.StringIO()
+    metrics.Progress("x", 10, enabled=False, stream=silent).update(1, 1.0, None, 1.0)
+    assert silent.getvalue() == ""
+
+
+def test_csv_log_round_trip_and_unknown_field(tmp_path):
+    log = metrics.CsvLog(tmp_path / "sub" / "log.csv")
+    log.write(step=0, optimizer="dmuon", val_loss=5.5)
+    log.write(step=10, optimizer="dmuon", train_loss=3.25, tokens_per_s=100.0, forward_ms=1.5)
+    rows = metrics.read_csv(tmp_path / "sub" / "log.csv")
+    assert [r["step"] for r in rows] == ["0", "10"]
+    assert rows[0]["train_loss"] == "" and float(rows[0]["val_loss"]) == 5.5
+    assert float(rows[1]["train_loss"]) == 3.25
+    assert list(rows[0]) == list(metrics.CSV_FIELDS)
+    with pytest.raises(KeyError, match="unknown CSV fields"):
+        log.write(step=1, bogus=1)
+
+
+def _small_log(tmp_path):
+    log = metrics.CsvLog(tmp_path / "log.csv")
+    for name in ("dmuon", "adamw"):
+        log.write(step=0, optimizer=name, val_loss=5.5)
+        log.write(step=5, optimizer=name, train_loss=3.0, val_loss=2.9)
+    return tmp_path / "log.csv"
+
+
+def test_plot_without_matplotlib_is_a_note_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    note = metrics.plot_losses(_small_log(tmp_path), tmp_path / "loss.png")
+    assert "matplotlib is not installed" in note and "\n" not in note
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_plot_with_matplotlib_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    note = metrics.plot_losses(_small_log(tmp_path), tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG", note
+
+
+def _ms(text: str, label: str) -> float:
+    line = next(l for l in text.splitlines() if l.strip().startswith(label))
+    return float(line[len(label) + 2 :].split("ms")[0])
+
+
+def test_breakdown_adds_explicit_comm_but_not_profile_waits():
+    totals = {"forward": 100.0, "backward": 200.0, "step": 50.0, "comm": 30.0}  # 10 steps, 400 ms
+    explicit = metrics.breakdown_table("x", totals, 10, 400.0, "explicit", "all-reduce")
+    assert _ms(explicit, "exposed communication") == 3.0
+    assert _ms(explicit, "other (data, logging)") == 2.0  # 40 - 10 - 20 - 5 - 3
+    profile = metrics.breakdown_table("x", totals, 10, 400.0, "profile", "waits")
+    assert _ms(profile, "exposed communication") == 3.0
+    assert _ms(profile, "other (data, logging)") == 5.0  # waits are inside forward/backward
+    none = metrics.breakdown_table("x", {**totals, "comm": 0.0}, 10, 400.0, "none", "one process")
+    assert _ms(none, "exposed communication") == 0.0
+    na = metrics.breakdown_table("x", totals, 10, 400.0, "n/a", "n/a: no profile")
+    assert "n/a" in na and "no profile" in na
+    for text in (explicit, profile, na):
+        assert _ms(text, "forward") == 10.0 and _ms(text, "backward") == 20.0
+        assert _ms(text, "optimizer step") == 5.0
+    assert "no timed steps" in metrics.breakdown_table("x", totals, 0, 0.0, "none", "")
