@@ -125,3 +125,19 @@ def _catching(rank, world_size, fn, *args):
         return None
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
+
+
+def full_state(model) -> dict:
+    """Every parameter whole: FSDP2 DTensors via full_tensor(), dedicated ones from their owner."""
+    import torch.distributed as dist
+
+    from dmuon_compile.distributed import dedicated_runtime
+
+    state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    runtime = dedicated_runtime(model)
+    for dp in runtime.params:
+        buf = dp.master.detach().clone() if dp.master is not None else torch.empty(dp.shape)
+        dist.broadcast(buf, src=dist.get_global_rank(runtime.mesh.get_group(), dp.owner),
+                       group=runtime.mesh.get_group())
+        state[dp.fqn] = buf
+    return state

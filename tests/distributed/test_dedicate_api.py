@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from tests.distributed import models
-from tests.distributed.harness import run_ranks
+from . import models
+from .harness import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import models
-from tests.distributed.harness import run_ranks
+from . import models
+from .harness import full_state, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -43,7 +43,6 @@ def _accum_distributed(rank, world):
 
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import _fsdp_compat, dedicated_runtime
-    from tests.distributed.test_dedicated_training import full_state
 
     mesh = init_device_mesh("cpu", (world,))
     model = models.build_llama()

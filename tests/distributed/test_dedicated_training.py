@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from tests.distributed import models
-from tests.distributed.harness import run_ranks
+from . import models
+from .harness import full_state, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -43,22 +43,6 @@ def reference(world: int, steps: int = STEPS):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, first_grads
-
-
-def full_state(model) -> dict:
-    """Every parameter whole: FSDP2 DTensors via full_tensor(), dedicated ones from their owner."""
-    import torch.distributed as dist
-
-    from dmuon_compile.distributed import dedicated_runtime
-
-    state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    runtime = dedicated_runtime(model)
-    for dp in runtime.params:
-        buf = dp.master.detach().clone() if dp.master is not None else torch.empty(dp.shape)
-        dist.broadcast(buf, src=dist.get_global_rank(runtime.mesh.get_group(), dp.owner),
-                       group=runtime.mesh.get_group())
-        state[dp.fqn] = buf
-    return state
 
 
 def train_distributed(rank: int, world: int, steps: int, profile: bool):
