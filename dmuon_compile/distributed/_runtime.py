@@ -9,7 +9,8 @@ forward hook(G)       reshard G (free its buffer); on the output tensors registe
                       hook = "pre-backward(G)"; the output object itself is never touched
 pre-backward(G)       unshard G again (wait), prefetch the group before it in forward order
 grad hooks            when every parameter of G has its gradient: pack, reduce to owners
-                      (async), free the local gradients, reshard G
+                      (async), free the local gradients, reshard G, finish the previous
+                      group's reduce (one reduce in flight bounds the gradient buffers)
 end of backward       (autograd callback) wait all reduces: each owner's master ``.grad``
                       holds the full gradient averaged over the group
 Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
@@ -69,6 +70,7 @@ class DedicatedRuntime:
         self._index: dict[int, int] = {}
         self._backward_queued = False
         self._sync: bool | None = None
+        self._reducing: list[DedicatedGroup] = []
         self.handles: list = []
         for group in groups:
             group.record_profile = record_profile
@@ -150,9 +152,17 @@ class DedicatedRuntime:
         if len(group.grads_ready) == len(group.params):
             group.reduce_grads()
             group.reshard()
+            # Keep one reduce in flight (FSDP2 does the same with its reduce-scatters): finishing
+            # the previous one here frees its send buffer, so at most ~2 groups' gradient buffers
+            # live at once. On CUDA the wait is a stream dependency, not a host block.
+            for other in self._reducing:
+                if other is not group:
+                    other.finish_reduce()
+            self._reducing = [group]
 
     def _post_backward(self) -> None:
         self._backward_queued = False
+        self._reducing = []
         sync = self._sync
         self._sync = None
         for group in self.groups:
@@ -169,7 +179,7 @@ class DedicatedRuntime:
             group.drain()
             group.reshard()
             group.grads_ready.clear()
-        self._backward_queued, self._sync = False, None
+        self._backward_queued, self._sync, self._reducing = False, None, []
 
     def remove_hooks(self) -> None:
         for h in self.handles:
