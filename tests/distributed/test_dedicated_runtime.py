@@ -125,6 +125,13 @@ def _outputs_and_modes(rank, world):
         grads.append({n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(m)})
         grads[-1]["states"] = [g.state for g in dmuon.distributed.dedicated_runtime(m).groups]
     out["no_reshard_grads"] = grads
+    # hook_boundary_predicate: one group per attention / MLP module instead of per block
+    c = models.build_llama()
+    dmuon.dedicate_params(c, mesh, predicate=models.proj_predicate,
+                          hook_boundary_predicate=lambda name, m: isinstance(m, (models.Attention, models.MLP)))
+    c(x).square().mean().backward()
+    out["boundary_groups"] = [g.name for g in dmuon.distributed.dedicated_runtime(c).forward_order]
+    out["boundary_grads"] = {n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(c)}
     return out
 
 
@@ -136,9 +143,11 @@ def test_outputs_untouched_and_reshard_modes():
         assert set(r["states"]) == {"sharded"}
         a, b = r["no_reshard_grads"]
         assert set(a.pop("states")) == {"sharded"} and set(b.pop("states")) == {"sharded"}
-        assert a.keys() == b.keys() and a
+        assert a.keys() == b.keys() == r["boundary_grads"].keys() and a
         for n in a:
             torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(r["boundary_grads"][n], b[n], rtol=1e-5, atol=1e-7)
+        assert r["boundary_groups"] == [f"layers.{i}.{m}" for i in range(models.LAYERS) for m in ("self_attn", "mlp")]
 
 
 def _hf_model(rank, world):
