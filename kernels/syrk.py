@@ -1,0 +1,200 @@
+"""CUDA implementation of ``torch.ops.dmuon.syrk`` / ``sym_mm``: Triton kernels or cuBLAS.
+
+Importing this module registers :func:`syrk_cuda` and :func:`sym_mm_cuda` as the CUDA kernels
+of the custom ops defined in ``ops.py`` (``torch.library.register_kernel``); every other device
+keeps the torch reference. Per call:
+
+1. fp16/bf16/fp32 inputs on an SM80+ GPU ask :mod:`autotune` for the verdict of their
+   (op, shape, dtype, layout, device) key — tuned once, then cached in memory and on disk;
+2. the verdict is a :class:`TileConfig` (Triton kernel of ``syrk_triton.py``: lower tiles
+   only, mirrored, persistent, one launch per stack) or ``"cublas"``;
+3. ``"cublas"`` (and fp64, older GPUs) runs ``torch.mm``/``addmm``/``baddbmm``, adds
+   ``gamma·I`` and mirrors the lower triangle so the result is exactly symmetric like the
+   kernel's.
+
+The rectangular products of NS (Q·X, a·X + B·X) stay on cuBLAS (``TorchPrimitives``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from dmuon_compile.kernels import autotune
+from dmuon_compile.kernels.availability import triton_status
+from dmuon_compile.kernels.ops import _check_operands
+from dmuon_compile.kernels.syrk_triton import TileConfig, launch_symmetric_product, mirror_lower_inplace
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Square output tiles (the mirror needs BLOCK_M == BLOCK_N). 128² tiles with 8 warps are the
+# Hopper sweet spot for half precision; 2 CTAs/SM and 64² tiles cover small or batched m.
+CANDIDATES: tuple[TileConfig, ...] = (
+    TileConfig(128, 64, 8, 3, 1),
+    TileConfig(128, 64, 8, 4, 1),
+    TileConfig(128, 64, 8, 3, 2),
+    TileConfig(128, 64, 4, 3, 2),
+    TileConfig(128, 128, 8, 3, 1),
+    TileConfig(64, 64, 4, 4, 2),
+)
+DEFAULT_CONFIG = CANDIDATES[0]
+
+
+def candidates_for(m: int) -> tuple[TileConfig, ...]:
+    """Candidates worth timing for an ``m×m`` output (no tile much larger than the matrix)."""
+    fitting = tuple(c for c in CANDIDATES if c.block <= max(64, 2 * m))
+    return fitting or (CANDIDATES[-1],)
+
+
+def mirror_lower_triangle(p: Tensor) -> Tensor:
+    """``p`` made exactly symmetric from its lower triangle (in place on CUDA, a copy elsewhere)."""
+    if p.is_cuda and p.is_contiguous():
+        return mirror_lower_inplace(p)
+    m = p.shape[-1]
+    idx = torch.arange(m, device=p.device)
+    lower = idx[:, None] >= idx[None, :]
+    return torch.where(lower, p, p.mT).contiguous()
+
+
+def symmetric_product_cublas(
+    a: Tensor, b: Tensor | None, c: Tensor | None, alpha: float, beta: float, gamma: float,
+    mirror: bool = True,
+) -> Tensor:
+    """``alpha·a·b + beta·c + gamma·I`` (``b=None``: ``a·aᵀ``) with cuBLAS, mirrored lower triangle.
+
+    ``mirror=False`` gives the bare cuBLAS product (what the autotuner times Triton against).
+
+    >>> symmetric_product_cublas(torch.ones(2, 3), None, None, 1.0, 0.0, 1.0)
+    tensor([[4., 3.],
+            [3., 4.]])
+    """
+    bt = a.mT if b is None else b
+    if c is not None and beta != 0.0:
+        c = c.to(a.dtype)
+        if a.dim() == 2:
+            p = torch.addmm(c, a, bt, beta=beta, alpha=alpha)
+        else:
+            p = torch.baddbmm(c, a, bt, beta=beta, alpha=alpha)
+    else:
+        p = a @ bt
+        if alpha != 1.0:
+            p = p.mul_(alpha)
+    if gamma != 0.0:
+        p.diagonal(dim1=-2, dim2=-1).add_(gamma)
+    return mirror_lower_triangle(p) if mirror else p
+
+
+def _tuning_inputs(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Random inputs with the shapes, dtype and layouts of the call, from a private generator.
+
+    For ``sym_mm`` the tuning ``b`` is ``aᵀ`` so its product is symmetric, as the op requires.
+    """
+    gen = torch.Generator(device=a.device)
+    gen.manual_seed(20240607)
+    k = a.shape[-1]
+
+    def random_like(t: Tensor, scale: float) -> Tensor:
+        values = torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32) * scale
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return out.copy_(values)
+
+    a_tune = random_like(a, max(k, 1) ** -0.25)
+    b_tune = None
+    if b is not None:
+        b_tune = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=b.device).copy_(a_tune.mT)
+    c_tune = None if c is None else random_like(c, 1.0)
+    return a_tune, b_tune, c_tune
+
+
+def _lower_matches(out: Tensor, reference: Tensor) -> bool:
+    """Lower triangles agree to half-precision accuracy (relative Frobenius error < 2e-2)."""
+    diff = torch.tril(out.float() - reference.float())
+    scale = torch.linalg.vector_norm(torch.tril(reference.float())) + 1e-6
+    return bool(torch.isfinite(out).all()) and float(torch.linalg.vector_norm(diff) / scale) < 2e-2
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def choose_kernel(op: str, a: Tensor, b: Tensor | None, c: Tensor | None, beta: float):
+    """The cached or freshly tuned verdict for this call: a :class:`TileConfig` or ``"cublas"``.
+
+    A shape seen before costs one dict lookup (``autotune.RESOLVED``); NS calls these ops ~16
+    times per matrix, so the per-call path must stay short.
+    """
+    has_c = c is not None and beta != 0.0
+    fast_key = (op, a.shape, a.stride(), a.dtype, a.device, has_c)
+    choice = autotune.RESOLVED.get(fast_key)
+    if choice is None:
+        choice, final = _choose_kernel_slow(op, a, b, c if has_c else None)
+        if final:
+            autotune.RESOLVED[fast_key] = choice
+    return choice
+
+
+def _choose_kernel_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
+    """(verdict, whether it may be memoised): from the disk cache, a fresh tuning or the heuristic."""
+    has_c = c is not None
+    key = autotune.make_key(op, a, has_c)
+    cache = autotune.verdict_cache(_device_name(a.device.index))
+    verdict = cache.get(key)
+    if verdict is None:
+        m, batch = a.shape[-2], (a.shape[0] if a.dim() == 3 else 1)
+        if not autotune.autotune_enabled():
+            return autotune.heuristic_choice(m, batch, a.dtype, DEFAULT_CONFIG), True
+        if torch.cuda.is_current_stream_capturing():  # no timing inside a graph capture
+            return autotune.heuristic_choice(m, batch, a.dtype, DEFAULT_CONFIG), False
+        a_t, b_t, c_t = _tuning_inputs(a, b, c)
+        verdict = autotune.tune(
+            key,
+            candidates_for(m),
+            lambda config: launch_symmetric_product(a_t, b_t, c_t, 1.0, 0.5, 0.0, config),
+            lambda: symmetric_product_cublas(a_t, b_t, c_t, 1.0, 0.5, 0.0, mirror=False),
+            _lower_matches,
+        )
+        cache.put(key, verdict)
+    if verdict["choice"] == autotune.CUBLAS or not verdict.get("config"):
+        return autotune.CUBLAS, True
+    return TileConfig.from_dict(verdict["config"]), True
+
+
+def _row_or_column_major(t: Tensor) -> Tensor:
+    """``t`` itself if each matrix is row- or column-major (dense), else a contiguous copy."""
+    if t.is_contiguous() or t.mT.is_contiguous():
+        return t
+    return t.contiguous()
+
+
+def _symmetric_product_cuda(op: str, a: Tensor, b: Tensor | None, c: Tensor | None,
+                            alpha: float, beta: float, gamma: float) -> Tensor:
+    a = _row_or_column_major(a)
+    b = None if b is None else _row_or_column_major(b)
+    usable = a.dtype in TRITON_DTYPES and (b is None or b.dtype == a.dtype) and triton_status(a.device.index)[0]
+    choice = choose_kernel(op, a, b, c, beta) if usable and a.numel() > 0 else autotune.CUBLAS
+    if choice == autotune.CUBLAS:
+        return symmetric_product_cublas(a, b, c, alpha, beta, gamma).to(a.dtype)
+    return launch_symmetric_product(a, b, c, alpha, beta, gamma, choice)
+
+
+def syrk_cuda(x: Tensor, c: Tensor | None, alpha: float, beta: float, gamma: float) -> Tensor:
+    """CUDA kernel of ``dmuon::syrk``: autotuned Triton SYRK or cuBLAS ``x·xᵀ``, mirrored."""
+    _check_operands("syrk", x, None, c)
+    return _symmetric_product_cuda("syrk", x, None, c, alpha, beta, gamma)
+
+
+def sym_mm_cuda(a: Tensor, b: Tensor, c: Tensor | None, alpha: float, beta: float, gamma: float) -> Tensor:
+    """CUDA kernel of ``dmuon::sym_mm``: autotuned Triton (lower tiles of a·b) or cuBLAS, mirrored."""
+    _check_operands("sym_mm", a, b, c)
+    if a.shape[-2] != b.shape[-1]:
+        raise ValueError(
+            f"dmuon::sym_mm: a·b must be square to be symmetric, got {tuple(a.shape)}·{tuple(b.shape)}"
+        )
+    return _symmetric_product_cuda("sym_mm", a, b, c, alpha, beta, gamma)
+
+
+torch.library.register_kernel("dmuon::syrk", "cuda", syrk_cuda)
+torch.library.register_kernel("dmuon::sym_mm", "cuda", sym_mm_cuda)

@@ -1,0 +1,297 @@
+"""Triton kernel family for symmetric products ``alpha·A·B + beta·C + gamma·I`` (lower tiles only).
+
+One kernel body, specialised at compile time by ``tl.constexpr`` switches instead of rendered
+source files (the "template" is this function; each switch value is its own compiled variant):
+
+- ``B_FROM_A``: True for SYRK (``B = Aᵀ``: the column tile's operand is read from the *rows* of
+  ``A``, K-contiguous like the row tile, then transposed in registers); False for ``sym_mm``,
+  where ``B`` is read as a general ``(k, m)`` operand through its strides (no symmetry of ``B``
+  is assumed, only that the *product* is symmetric).
+- ``HAS_C``: whether the ``beta·C`` term is loaded at all.
+- ``EVEN_K``: ``k`` is a multiple of ``BLOCK_K``, so the K loads need no mask.
+- ``DOT_IN_FP32``: upcast tiles before ``tl.dot``; only for bf16 under ``TRITON_INTERPRET=1``
+  on CPU, whose ``tl.dot`` multiplies bf16 bit patterns (numpy has no bf16).
+- ``BLOCK``/``BLOCK_K``/``INPUT_PRECISION`` and the launch's ``num_warps``/``num_stages``: the
+  tile configuration the autotuner (``autotune.py``) picks per shape.
+
+Why constexpr variants and not rendered files: the variants differ only in branches Triton
+removes at compile time, one readable source is easier to test through ``TRITON_INTERPRET=1``
+than a renderer, and Triton's own cache already keys compiled binaries on the constexpr values.
+
+Schedule. Only the ``T·(T+1)/2`` lower-triangle tiles of each ``m×m`` output (``T = ⌈m/BLOCK⌉``)
+are computed. A *persistent* grid of ``min(tiles, SMs·ctas_per_sm)`` programs walks the flat
+index ``tile = batch_index·tiles_per_matrix + t``; ``t`` maps to ``(row, col)`` with
+``col ≤ row`` by the square-root formula ``row = ⌊(√(8t+1) − 1)/2⌋`` (corrected by one where
+fp32 rounding lands on the wrong side), ``col = t − row·(row+1)/2``. A stack of same-shape
+matrices is one launch: batching is what fills the chip for small ``m``.
+
+Epilogue (fp32): ``acc·alpha + beta·C + gamma·I``; the tile is written at ``(row, col)`` and
+mirrored to ``(col, row)``. A diagonal tile writes its lower triangle (diagonal included) and
+mirrors its strict lower triangle, so every output element comes from exactly one fp32 value
+and the result is bitwise symmetric — the same rule as the reference in ``ops.py``.
+
+This module imports only triton and torch and registers nothing, so a test can load a second,
+interpreted copy of it under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One tile configuration of the symmetric-product kernel.
+
+    >>> TileConfig(128, 64, 8, 3).name
+    'b128_k64_w8_s3_p1'
+    """
+
+    block: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"b{self.block}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_p{self.ctas_per_sm}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TileConfig":
+        return cls(**{k: int(data[k]) for k in ("block", "block_k", "num_warps", "num_stages", "ctas_per_sm")})
+
+
+@triton.jit
+def _lower_tile_coords(t):
+    """Triangular tile index ``t`` -> ``(row, col)`` with ``col <= row`` (square-root formula)."""
+    row = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    # fp32 rounding of the square root can land one off on either side: correct it.
+    row = tl.where((row + 1) * (row + 2) // 2 <= t, row + 1, row)
+    row = tl.where(row * (row + 1) // 2 > t, row - 1, row)
+    col = t - row * (row + 1) // 2
+    return row, col
+
+
+@triton.jit
+def _mirror_lower_kernel(p_ptr, m, stride_b, stride_m, stride_n, BLOCK: tl.constexpr):
+    # One program per lower tile (batch-major); copies the strict lower triangle onto the upper
+    # one in place. Reads only i > j and writes only j < i positions, so programs never race.
+    pid = tl.program_id(0)
+    tiles_per_side = tl.cdiv(m, BLOCK)
+    tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2
+    batch_index = pid // tiles_per_matrix
+    row, col = _lower_tile_coords(pid - batch_index * tiles_per_matrix)
+    offs_m = row * BLOCK + tl.arange(0, BLOCK)
+    offs_n = col * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs_m[:, None] < m) & (offs_n[None, :] < m) & (offs_m[:, None] > offs_n[None, :])
+    base = p_ptr + batch_index.to(tl.int64) * stride_b
+    values = tl.load(base + offs_m[:, None] * stride_m + offs_n[None, :] * stride_n, mask=mask)
+    tl.store(base + offs_m[:, None] * stride_n + offs_n[None, :] * stride_m, values, mask=mask)
+
+
+def mirror_lower_inplace(p: Tensor, block: int = 64) -> Tensor:
+    """Overwrite the strict upper triangle of each ``m×m`` matrix of ``p`` with its lower one.
+
+    One Triton launch, half a matrix read and half written (a torch ``where(tril, p, p.mT)``
+    reads two and writes one). Returns ``p``, now exactly symmetric.
+    """
+    if p.dim() not in (2, 3) or p.shape[-1] != p.shape[-2]:
+        raise ValueError(f"mirror_lower_inplace: expected square matrices, got {tuple(p.shape)}")
+    m = p.shape[-1]
+    batch = p.shape[0] if p.dim() == 3 else 1
+    if p.numel() == 0:
+        return p
+    tiles_per_side = triton.cdiv(m, block)
+    grid = (batch * tiles_per_side * (tiles_per_side + 1) // 2,)
+    sb, sm, sn = _stack_strides(p)
+    _mirror_lower_kernel[grid](p, m, sb, sm, sn, BLOCK=block, num_warps=4)
+    return p
+
+
+@triton.jit
+def _symmetric_product_kernel(
+    a_ptr, b_ptr, c_ptr, out_ptr,
+    batch, m, k,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bk, stride_bn,
+    stride_cb, stride_cm, stride_cn,
+    stride_ob, stride_om, stride_on,
+    alpha, beta, gamma,
+    num_programs,
+    B_FROM_A: tl.constexpr,
+    HAS_C: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_per_side = tl.cdiv(m, BLOCK)
+    tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2
+    total_tiles = batch * tiles_per_matrix
+    k_steps = tl.cdiv(k, BLOCK_K)
+    arange_block = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(pid, total_tiles, num_programs):
+        batch_index = tile // tiles_per_matrix
+        t = tile - batch_index * tiles_per_matrix
+        row, col = _lower_tile_coords(t)
+
+        batch64 = batch_index.to(tl.int64)
+        offs_m = row * BLOCK + arange_block
+        offs_n = col * BLOCK + arange_block
+        # Rows past m read a valid row (wrapped) instead of masking every load; never stored.
+        safe_m = offs_m % m
+        safe_n = offs_n % m
+        a_rows = a_ptr + batch64 * stride_ab + safe_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        if B_FROM_A:
+            b_cols = a_ptr + batch64 * stride_ab + safe_n[:, None] * stride_am + offs_k[None, :] * stride_ak
+        else:
+            b_cols = b_ptr + batch64 * stride_bb + offs_k[:, None] * stride_bk + safe_n[None, :] * stride_bn
+
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for ks in range(0, k_steps):
+            if EVEN_K:
+                a_tile = tl.load(a_rows)
+                if B_FROM_A:
+                    b_tile = tl.trans(tl.load(b_cols))
+                else:
+                    b_tile = tl.load(b_cols)
+            else:
+                k_left = k - ks * BLOCK_K
+                a_tile = tl.load(a_rows, mask=offs_k[None, :] < k_left, other=0.0)
+                if B_FROM_A:
+                    b_tile = tl.trans(tl.load(b_cols, mask=offs_k[None, :] < k_left, other=0.0))
+                else:
+                    b_tile = tl.load(b_cols, mask=offs_k[:, None] < k_left, other=0.0)
+            if DOT_IN_FP32:
+                a_tile = a_tile.to(tl.float32)
+                b_tile = b_tile.to(tl.float32)
+            acc = tl.dot(a_tile, b_tile, acc, input_precision=INPUT_PRECISION)
+            a_rows += BLOCK_K * stride_ak
+            if B_FROM_A:
+                b_cols += BLOCK_K * stride_ak
+            else:
+                b_cols += BLOCK_K * stride_bk
+
+        # fp32 epilogue: alpha·acc + beta·C + gamma·I.
+        in_bounds = (offs_m[:, None] < m) & (offs_n[None, :] < m)
+        acc = acc * alpha
+        if HAS_C:
+            c_tile = tl.load(
+                c_ptr + batch64 * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                mask=in_bounds,
+                other=0.0,
+            )
+            acc += beta * c_tile.to(tl.float32)
+        acc += tl.where(offs_m[:, None] == offs_n[None, :], gamma, 0.0)
+        value = acc.to(out_ptr.dtype.element_ty)
+
+        off_diagonal = row != col
+        out_base = out_ptr + batch64 * stride_ob
+        lower_mask = in_bounds & (off_diagonal | (offs_m[:, None] >= offs_n[None, :]))
+        tl.store(out_base + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, value, mask=lower_mask)
+        mirror_mask = in_bounds & (off_diagonal | (offs_m[:, None] > offs_n[None, :]))
+        tl.store(out_base + offs_m[:, None] * stride_on + offs_n[None, :] * stride_om, value, mask=mirror_mask)
+
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _stack_strides(t: Tensor) -> tuple[int, int, int]:
+    """(batch, row, col) strides; batch stride 0 for a 2-D tensor viewed as a stack of one."""
+    if t.dim() == 2:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def launch_symmetric_product(
+    a: Tensor,
+    b: Tensor | None,
+    c: Tensor | None,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    config: TileConfig,
+    num_sms: int | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Run the Triton kernel: ``alpha·a·aᵀ`` (``b=None``) or ``alpha·a·b``, ``+ beta·c + gamma·I``.
+
+    ``a`` is ``(m, k)`` or ``(batch, m, k)`` with any strides; ``b`` (when given) is ``(k, m)``
+    or ``(batch, k, m)``; ``c`` is ``m×m`` per matrix or ``None``. Returns a new contiguous
+    tensor of ``a``'s dtype, exactly symmetric. ``num_sms`` sets the persistent grid (default:
+    the device's multiprocessor count; under ``TRITON_INTERPRET=1`` on CPU, 4). ``out``, if
+    given, must be a contiguous tensor of the result's shape and dtype (tests pass a poisoned
+    one to prove every element is written).
+
+    >>> out = launch_symmetric_product(x, None, None, 1.0, 0.0, 0.0, TileConfig(128, 64, 8, 3))  # doctest: +SKIP
+    """
+    if a.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"symmetric-product kernel: dtype {a.dtype} is not one of {_SUPPORTED_DTYPES}")
+    if b is not None and b.dtype != a.dtype:
+        raise TypeError(f"symmetric-product kernel: operand dtypes differ ({a.dtype} vs {b.dtype})")
+    if a.dim() not in (2, 3):
+        raise ValueError(f"symmetric-product kernel: expected 2-D or 3-D input, got {tuple(a.shape)}")
+    m, k = a.shape[-2], a.shape[-1]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    out_shape = tuple(a.shape[:-2]) + (m, m)
+    if out is None:
+        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    elif tuple(out.shape) != out_shape or out.dtype != a.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"symmetric-product kernel: out must be contiguous {out_shape} {a.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}"
+        )
+    if out.numel() == 0:
+        return out
+    if num_sms is None:
+        num_sms = _multiprocessor_count(a.device.index) if a.is_cuda else 4
+    tiles_per_side = triton.cdiv(m, config.block)
+    total_tiles = batch * tiles_per_side * (tiles_per_side + 1) // 2
+    num_programs = max(1, min(total_tiles, num_sms * config.ctas_per_sm))
+
+    b_arg = a if b is None else b
+    c_arg = out if c is None else c  # any valid pointer; never read when HAS_C is False
+    sab, sam, sak = _stack_strides(a)
+    sbb, sbk, sbn = _stack_strides(b_arg) if b is not None else (0, 0, 0)
+    scb, scm, scn = _stack_strides(c_arg) if c is not None else (0, 0, 0)
+    sob, som, son = _stack_strides(out)
+    _symmetric_product_kernel[(num_programs,)](
+        a, b_arg, c_arg, out,
+        batch, m, k,
+        sab, sam, sak,
+        sbb, sbk, sbn,
+        scb, scm, scn,
+        sob, som, son,
+        float(alpha), float(beta), float(gamma),
+        num_programs,
+        B_FROM_A=b is None,
+        HAS_C=c is not None and beta != 0.0,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK=config.block,
+        BLOCK_K=config.block_k,
+        INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        # Triton 3.6's interpreter multiplies bf16 *bit patterns* in tl.dot (numpy has no
+        # bf16); on CPU the tiles are upcast first. Never set on a GPU.
+        DOT_IN_FP32=a.dtype == torch.bfloat16 and not a.is_cuda,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
