@@ -1,0 +1,52 @@
+"""Worker process for the TRITON_INTERPRET=1 kernel tests (not a test module).
+
+Triton decides at decoration time whether ``@triton.jit`` kernels are interpreted, and its own
+library functions must be interpreted too, so the interpreter cannot be switched on inside a
+pytest process that already imported Triton. The tests start this script once with
+``TRITON_INTERPRET=1`` and send it one case per line on stdin: ``<input.pt> <output.pt>``. The
+input file holds ``a, b, c, alpha, beta, gamma, config, num_sms, out`` (``out`` poisoned with
+NaN); the worker runs the kernel into ``out``, saves it and answers ``ok`` or ``error: ...``.
+A case with ``kind="mirror"`` runs ``mirror_lower_inplace(p, block)`` instead.
+"""
+
+import os
+import sys
+import traceback
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("interpret_worker.py must run with TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+
+from dmuon_compile.kernels.syrk_triton import (  # noqa: E402
+    TileConfig,
+    launch_symmetric_product,
+    mirror_lower_inplace,
+)
+
+
+def main() -> None:
+    print("ready", flush=True)
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            in_path, out_path = line.split()
+            case = torch.load(in_path)
+            if case.get("kind") == "mirror":
+                torch.save(mirror_lower_inplace(case["p"], block=case["block"]), out_path)
+                print("ok", flush=True)
+                continue
+            result = launch_symmetric_product(
+                case["a"], case["b"], case["c"], case["alpha"], case["beta"], case["gamma"],
+                TileConfig(**case["config"]), num_sms=case["num_sms"], out=case["out"],
+            )
+            torch.save(result, out_path)
+            print("ok", flush=True)
+        except Exception:
+            print("error: " + traceback.format_exc().replace("\n", " | "), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""The Triton symmetric-product kernel on CPU through ``TRITON_INTERPRET=1``.
+
+The kernel runs in a worker subprocess (``interpret_worker.py``) started with the interpreter
+switched on, so the variable never leaks into this pytest process or other test modules. Every
+output is poisoned with NaN first and checked everywhere: against the reference of
+``kernels/ops.py``, for bitwise symmetry and for finiteness.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
+
+pytest.importorskip("triton")
+
+WORKER = Path(__file__).with_name("interpret_worker.py")
+# Small tiles so that m in {1, 5, 16, 33} spans 1..3 tile rows; few "SMs" so that every
+# program walks several tiles of the persistent loop.
+SMALL_TILES = {"block": 16, "block_k": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1}
+WIDE_K_TILES = {"block": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1}
+# Half precision: the result is rounded once to the output dtype (the interpreter may round
+# fp32 -> bf16 differently from torch, so allow two units in the last place).
+ULP = {torch.float32: 2.0**-20, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+class InterpretedKernel:
+    """A long-lived TRITON_INTERPRET=1 worker process that runs one kernel case per request."""
+
+    def __init__(self, tmp_dir: Path) -> None:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        repo_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+        self.tmp_dir = tmp_dir
+        self.count = 0
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env,
+        )
+        ready = self.proc.stdout.readline().strip()
+        if ready != "ready":
+            raise RuntimeError(f"interpret worker failed to start: {ready!r}")
+
+    def run(self, a, b, c, alpha, beta, gamma, config=SMALL_TILES, num_sms=3) -> torch.Tensor:
+        m = a.shape[-2]
+        out = torch.full(tuple(a.shape[:-2]) + (m, m), float("nan"), dtype=a.dtype)
+        self.count += 1
+        in_path = self.tmp_dir / f"case{self.count}.pt"
+        out_path = self.tmp_dir / f"case{self.count}.out.pt"
+        torch.save(
+            {"a": a, "b": b, "c": c, "alpha": alpha, "beta": beta, "gamma": gamma,
+             "config": config, "num_sms": num_sms, "out": out},
+            in_path,
+        )
+        self.proc.stdin.write(f"{in_path} {out_path}\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline().strip()
+        if answer != "ok":
+            raise AssertionError(f"kernel failed in the interpreter: {answer}")
+        return torch.load(out_path)
+
+    def mirror(self, p: torch.Tensor, block: int) -> torch.Tensor:
+        self.count += 1
+        in_path = self.tmp_dir / f"case{self.count}.pt"
+        out_path = self.tmp_dir / f"case{self.count}.out.pt"
+        torch.save({"kind": "mirror", "p": p, "block": block}, in_path)
+        self.proc.stdin.write(f"{in_path} {out_path}\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline().strip()
+        if answer != "ok":
+            raise AssertionError(f"mirror kernel failed in the interpreter: {answer}")
+        return torch.load(out_path)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    worker = InterpretedKernel(tmp_path_factory.mktemp("interpret"))
+    yield worker
+    worker.close()
+
+
+def _random(shape, dtype, gen, transposed=False):
+    if transposed:  # a column-major view of the same logical shape
+        t = torch.randn(tuple(shape[:-2]) + (shape[-1], shape[-2]), generator=gen)
+        return t.to(dtype).mT
+    return torch.randn(tuple(shape), generator=gen).to(dtype)
+
+
+def check_against_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert out.is_contiguous()
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite elements in the output"
+    assert torch.equal(out, out.mT), "output is not bitwise symmetric"
+    scale = float(ref.float().abs().max()) + 1.0
+    tol = 2 * ULP[out.dtype] * scale
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.0, atol=tol)
+
+
+def _batch_shape(batch):
+    return () if batch is None else (batch,)
+
+
+# m in {1, 5, 16, 33}; k not a multiple of the 16-wide K tile (and one that is); 2-D,
+# batch 1 and batch 3; every dtype once per op.
+GRID = [
+    (1, 3, None, torch.float32),
+    (5, 7, 1, torch.float16),
+    (16, 16, 3, torch.bfloat16),
+    (33, 40, None, torch.bfloat16),
+    (33, 17, 3, torch.float16),
+    (16, 50, 1, torch.float32),
+]
+
+
+@pytest.mark.parametrize("m,k,batch,dtype", GRID)
+def test_syrk_kernel_matches_reference(kernel, m, k, batch, dtype):
+    gen = torch.Generator().manual_seed(m * 100 + k)
+    x = _random(_batch_shape(batch) + (m, k), dtype, gen)
+    c = _random(_batch_shape(batch) + (m, m), dtype, gen)
+    out = kernel.run(x, None, c, 0.75, -0.5, 1.25)
+    check_against_reference(out, syrk_reference(x, c, 0.75, -0.5, 1.25))
+
+
+@pytest.mark.parametrize("m,k,batch,dtype", GRID)
+def test_sym_mm_kernel_matches_reference(kernel, m, k, batch, dtype):
+    gen = torch.Generator().manual_seed(m * 100 + k + 1)
+    a = _random(_batch_shape(batch) + (m, k), dtype, gen)
+    b = _random(_batch_shape(batch) + (k, m), dtype, gen)  # a·b need not be symmetric: lower tiles only
+    out = kernel.run(a, b, None, 1.5, 0.0, -0.25)
+    check_against_reference(out, sym_mm_reference(a, b, None, 1.5, 0.0, -0.25))
+
+
+def test_sym_mm_of_commuting_symmetric_matrices(kernel):
+    """The NS use: R and Z = b·R + c·R² commute, R·Z is symmetric and equals the full product."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 33, 70, generator=gen) / 8
+    r = x @ x.mT
+    z = -4.0 * r + 2.0 * r @ r
+    out = kernel.run(r.half(), z.half(), r.half(), 1.0, 3.0, 0.0, config=WIDE_K_TILES, num_sms=2)
+    check_against_reference(out, sym_mm_reference(r.half(), z.half(), r.half(), 1.0, 3.0, 0.0))
+    full = (r.half().float() @ z.half().float() + 3.0 * r.half().float()).half()
+    torch.testing.assert_close(out.float(), full.float(), rtol=4e-3, atol=4e-3)
+
+
+def test_poison_is_detected(kernel):
+    """The check above can fail: a NaN left in the output is reported."""
+    x = torch.randn(5, 7)
+    out = kernel.run(x, None, None, 1.0, 0.0, 0.0)
+    out[4, 0] = float("nan")
+    with pytest.raises(AssertionError):
+        check_against_reference(out, syrk_reference(x, None, 1.0, 0.0, 0.0))
+
+
+def test_zero_inner_dimension_gives_epilogue_only(kernel):
+    x = torch.randn(2, 6, 0)
+    c = torch.randn(2, 6, 6)
+    out = kernel.run(x, None, c, 1.0, 2.0, 3.0)
+    check_against_reference(out, syrk_reference(x, c, 1.0, 2.0, 3.0))
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 70),
+    batch=st.sampled_from([None, 1, 2]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    alpha=st.sampled_from([1.0, -0.5, 2.0]),
+    beta=st.sampled_from([0.0, 1.0, 0.3]),
+    gamma=st.sampled_from([0.0, 1.5]),
+    transposed=st.booleans(),
+    use_c=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_syrk_property(kernel, m, k, batch, dtype, alpha, beta, gamma, transposed, use_c, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = _random(_batch_shape(batch) + (m, k), dtype, gen, transposed=transposed)
+    c = _random(_batch_shape(batch) + (m, m), dtype, gen) if use_c else None
+    out = kernel.run(x, None, c, alpha, beta, gamma)
+    check_against_reference(out, syrk_reference(x, c, alpha, beta, gamma))
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 50),
+    batch=st.sampled_from([None, 1, 3]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    alpha=st.sampled_from([1.0, -2.0]),
+    beta=st.sampled_from([0.0, 1.0, -0.7]),
+    gamma=st.sampled_from([0.0, 0.5]),
+    transposed_b=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_sym_mm_property(kernel, m, k, batch, dtype, alpha, beta, gamma, transposed_b, seed):
+    gen = torch.Generator().manual_seed(seed)
+    a = _random(_batch_shape(batch) + (m, k), dtype, gen)
+    b = _random(_batch_shape(batch) + (k, m), dtype, gen, transposed=transposed_b)
+    c = _random(_batch_shape(batch) + (m, m), dtype, gen)
+    out = kernel.run(a, b, c, alpha, beta, gamma, config=WIDE_K_TILES)
+    check_against_reference(out, sym_mm_reference(a, b, c, alpha, beta, gamma))
+
+
+@pytest.mark.parametrize("shape,block", [((1, 1), 16), ((5, 5), 16), ((3, 33, 33), 16), ((40, 40), 32), ((2, 16, 16), 16)])
+def test_mirror_lower_inplace(kernel, shape, block):
+    """The cuBLAS path's in-place mirror: upper := lowerᵀ, lower and diagonal untouched."""
+    p = torch.randn(shape, generator=torch.Generator().manual_seed(3)).half()
+    p = p + torch.triu(torch.full_like(p, float("nan")), diagonal=1)  # upper poisoned
+    out = kernel.mirror(p, block)
+    assert torch.isfinite(out).all(), "upper triangle not fully written"
+    assert torch.equal(out, out.mT)
+    assert torch.equal(torch.tril(out), torch.tril(torch.nan_to_num(p)))
