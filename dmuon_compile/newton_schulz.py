@@ -67,6 +67,21 @@ class TorchPrimitives:
         return torch.baddbmm(c, q, x, beta=beta)
 
 
+def _eager_cuda_kernels(t: Tensor):
+    """The CUDA kernel module when ``t`` is on CUDA and nothing is tracing, else ``None``.
+
+    Eager calls skip the op dispatcher (~60 µs of Python per call, ~16 calls per matrix);
+    traced code (torch.compile, the compiler pass) still sees ``torch.ops.dmuon.*``.
+    """
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return None
+    try:
+        from dmuon_compile.kernels import syrk
+    except ImportError:  # no triton: the registered op falls back to the reference
+        return None
+    return syrk
+
+
 class CustomOpPrimitives(TorchPrimitives):
     """Symmetric products through ``torch.ops.dmuon`` (Triton SYRK kernels on CUDA)."""
 
@@ -74,10 +89,16 @@ class CustomOpPrimitives(TorchPrimitives):
 
     @staticmethod
     def gram(x: Tensor) -> Tensor:
+        kernels = _eager_cuda_kernels(x)
+        if kernels is not None:
+            return kernels.syrk_cuda(x, None, 1.0, 0.0, 0.0)
         return torch.ops.dmuon.syrk(x, None, 1.0, 0.0, 0.0)
 
     @staticmethod
     def sym_addmm(c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float) -> Tensor:
+        kernels = _eager_cuda_kernels(a)
+        if kernels is not None:
+            return kernels.sym_mm_cuda(a, b, c, alpha, beta, 0.0)
         return torch.ops.dmuon.sym_mm(a, b, c, alpha, beta, 0.0)
 
     @staticmethod
