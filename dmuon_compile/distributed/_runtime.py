@@ -51,6 +51,11 @@ def iter_tensors(obj, _depth: int = 0) -> Iterator[Tensor]:
             yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
 
 
+def _in_backward() -> bool:
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task_id is not None and graph_task_id() != -1
+
+
 class DedicatedRuntime:
     """State of the dedicated parameters of one model (plan, groups, hooks, profile)."""
 
@@ -119,14 +124,15 @@ class DedicatedRuntime:
         if not torch.is_grad_enabled():
             group.reshard()  # no backward follows (eval): never keep weights a step could stale
             return None
-        if not group.reshard_after_forward:
+        if not group.reshard_after_forward or _in_backward():
+            # Activation-checkpoint recomputation runs forwards inside backward: the weights are
+            # about to be used, and the end-of-backward callback frees them.
             return None
-        if True:
-            hooked = [t for t in iter_tensors(output) if t.requires_grad]
-            if not hooked:
-                return None  # nothing to trigger the backward unshard: keep it until backward ends
-            for t in hooked:
-                t.register_hook(lambda grad, g=group: self._pre_backward(g))
+        hooked = [t for t in iter_tensors(output) if t.requires_grad]
+        if not hooked:
+            return None  # nothing would trigger the backward unshard: keep it until backward ends
+        for t in hooked:
+            t.register_hook(lambda grad, g=group: self._pre_backward(g))
         group.reshard()
         return None
 

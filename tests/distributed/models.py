@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 D, FFN, HEADS, LAYERS = 32, 64, 4, 3
@@ -69,9 +70,14 @@ class TinyLlama(nn.Module):
         self.norm = RMSNorm(dim)
         self.lm_head = nn.Linear(dim, dim, bias=False)
 
+    checkpoint = False  # activation checkpointing (non-reentrant) around each block
+
     def forward(self, x):
         for block in self.layers:
-            x = block(x)
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.norm(x))
 
 

@@ -132,6 +132,14 @@ def _outputs_and_modes(rank, world):
     c(x).square().mean().backward()
     out["boundary_groups"] = [g.name for g in dmuon.distributed.dedicated_runtime(c).forward_order]
     out["boundary_grads"] = {n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(c)}
+    # activation checkpointing: the recomputation inside backward finds its weights
+    d = models.build_llama()
+    d.checkpoint = True
+    dmuon.dedicate_params(d, mesh, predicate=models.proj_predicate)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks
+        d(x).square().mean().backward()
+    out["ckpt_grads"] = {n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(d)}
+    out["ckpt_states"] = sorted({g.state for g in dmuon.distributed.dedicated_runtime(d).groups})
     return out
 
 
@@ -147,6 +155,8 @@ def test_outputs_untouched_and_reshard_modes():
         for n in a:
             torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(r["boundary_grads"][n], b[n], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(r["ckpt_grads"][n], b[n], rtol=1e-5, atol=1e-7)
+        assert r["ckpt_states"] == ["sharded"]
         assert r["boundary_groups"] == [f"layers.{i}.{m}" for i in range(models.LAYERS) for m in ("self_attn", "mlp")]
 
 
