@@ -31,6 +31,10 @@ BACKENDS = ("gram", "direct")
 KERNELS = ("auto", "triton", "cublas")
 # Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS (ARCHITECTURE.md §3).
 DEFAULT_GRAM_MIN_ASPECT = 1.5
+# Size thresholds for the Triton kernels (see NewtonSchulz.primitives_for).
+TRITON_MIN_ROWS = 4096
+TRITON_MIN_ROWS_BATCHED = 2048
+TRITON_MIN_BATCH = 8
 
 
 # ----------------------------------------------------------------------------- primitives
@@ -301,6 +305,20 @@ class NewtonSchulz:
     def primitives(self):
         return CustomOpPrimitives if self.kernel == "triton" else TorchPrimitives
 
+    def primitives_for(self, m: int, batch: int = 1):
+        """The product implementation for an (m, ·) matrix (stack of ``batch``).
+
+        With ``kernel="triton"``, stacks too small to fill the GPU run the plain cuBLAS chain:
+        on H200 the Triton SYRK lost to cuBLAS below 4096 rows (2048 rows in stacks of ≥ 8),
+        and there each extra launch costs more than the halved FLOPs save
+        (benchmarks/RESULTS.md, kernels section).
+        """
+        if self.kernel != "triton":
+            return TorchPrimitives
+        if m >= TRITON_MIN_ROWS or (m >= TRITON_MIN_ROWS_BATCHED and batch >= TRITON_MIN_BATCH):
+            return CustomOpPrimitives
+        return TorchPrimitives
+
     def describe(self) -> str:
         """One honest line naming the algorithm and the active kernel."""
         algo = "Gram NS" if self.backend == "gram" else "Direct NS"
@@ -324,7 +342,7 @@ class NewtonSchulz:
         x, transposed = _as_matrix_stack(g)
         x = normalize(x, self.work_dtype, self.eps)
         m, n = x.shape[-2], x.shape[-1]
-        ops = self.primitives
+        ops = self.primitives_for(m, x.shape[0] if x.dim() == 3 else 1)
         if self.uses_gram(m, n):
             x = gram_ns(x, self.coefficients, self.restart_iterations, ops)
         else:
