@@ -67,7 +67,7 @@ class Block(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         h = self.attn_norm(x)
-        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         y = F.scaled_dot_product_attention(split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h)), is_causal=True)
         x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, d))
         h = self.mlp_norm(x)
@@ -189,7 +189,7 @@ def main(argv=None):
 
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

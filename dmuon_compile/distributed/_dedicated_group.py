@@ -223,5 +223,5 @@ class DedicatedGroup:
 def _is_done(work) -> bool:
     try:
         return bool(work.is_completed())
-    except Exception:  # pragma: no cover - some backends do not implement it
+    except Exception:  # noqa: BLE001 - some backends do not implement it
         return False

@@ -123,18 +123,17 @@ class DedicatedRuntime:
     def _post_forward(self, group: DedicatedGroup, output) -> None:
         if not torch.is_grad_enabled():
             group.reshard()  # no backward follows (eval): never keep weights a step could stale
-            return None
+            return
         if not group.reshard_after_forward or _in_backward():
             # Activation-checkpoint recomputation runs forwards inside backward: the weights are
             # about to be used, and the end-of-backward callback frees them.
-            return None
+            return
         hooked = [t for t in iter_tensors(output) if t.requires_grad]
         if not hooked:
-            return None  # nothing would trigger the backward unshard: keep it until backward ends
+            return  # nothing would trigger the backward unshard: keep it until backward ends
         for t in hooked:
             t.register_hook(lambda grad, g=group: self._pre_backward(g))
         group.reshard()
-        return None
 
     def _queue_backward_end(self) -> None:
         if not self._backward_queued:

@@ -15,7 +15,6 @@ import warnings
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from dmuon_compile.dedicated_registry import PLAN_ATTR

@@ -49,7 +49,7 @@ def check_replicate_mesh(mesh: DeviceMesh, replicate_mesh) -> None:
         return
     message = f"{HSDP_ERROR}: pass the two 1-D slices of such a mesh. Fix:\n{HSDP_SNIPPET}"
     if not isinstance(replicate_mesh, DeviceMesh):
-        raise ValueError(f"{message}\n(replicate_mesh is a {type(replicate_mesh).__name__})")
+        raise ValueError(f"{message}\n(replicate_mesh is a {type(replicate_mesh).__name__})")  # noqa: TRY004 - the seed's documented error
     if replicate_mesh.ndim != 1 or replicate_mesh.mesh_dim_names != ("replicate",):
         raise ValueError(
             f"{message}\n(replicate_mesh has {replicate_mesh.ndim} dims named "

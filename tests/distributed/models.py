@@ -33,7 +33,7 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, t, d = x.shape
-        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, d))

@@ -10,7 +10,7 @@ from .harness import full_state, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
-HYPER = dict(lr=0.02, adamw_lr=1e-2)
+HYPER = {"lr": 0.02, "adamw_lr": 1e-2}
 STEPS, MICRO = 3, 2
 
 
@@ -82,7 +82,7 @@ def test_gradient_accumulation_with_set_requires_gradient_sync():
         for name, g in r["first"].items():
             torch.testing.assert_close(g, ref_first[name], rtol=1e-4, atol=1e-6)
     for name, ref in ref_state.items():
-        torch.testing.assert_close(r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _outputs_and_modes(rank, world):

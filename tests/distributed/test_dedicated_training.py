@@ -18,7 +18,7 @@ from .harness import full_state, run_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
 STEPS = 10
-HYPER = dict(lr=0.02, momentum=0.95, adamw_lr=1e-2, weight_decay=0.01, adamw_weight_decay=0.01)
+HYPER = {"lr": 0.02, "momentum": 0.95, "adamw_lr": 1e-2, "weight_decay": 0.01, "adamw_weight_decay": 0.01}
 
 
 def _ns():
@@ -100,7 +100,7 @@ def test_fsdp2_dedicated_matches_single_process(world):
     torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
     assert ref_losses[-1] < ref_losses[0]  # it trained (the comparison is not on a flat line)
     for name, ref in ref_state.items():
-        torch.testing.assert_close(r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m, name=name: f"{name}: {m}")
     # Muon is invariant to the gradient's scale, so check the averaged owner gradients directly
     seen = set()
     for r in results:
