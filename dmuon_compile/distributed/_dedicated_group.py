@@ -38,6 +38,7 @@ class GroupProfile:
     waits: int = 0
     found_ready: int = 0  # waits whose collective had already finished (gloo/CPU: is_completed)
     wait_s: float = 0.0
+    stream_stall_s: float = 0.0  # CUDA: time the compute stream waited for the unshard
     bytes_received: int = 0
     reduces: int = 0
     bytes_reduced: int = 0
@@ -65,6 +66,7 @@ class DedicatedGroup:
     pending_reduce: list = field(default_factory=list)
     profile: GroupProfile = field(default_factory=GroupProfile)
     record_profile: bool = False
+    stall_events: list = field(default_factory=list)  # CUDA event pairs around forward waits
 
     # ------------------------------------------------------------------ layout
     def build(self) -> None:
@@ -149,16 +151,30 @@ class DedicatedGroup:
             self.unshard()
         if self.state != UNSHARDING:
             return
+        cuda = self.device.type == "cuda"
         if self.record_profile:
             self.profile.waits += 1
             self.profile.found_ready += int(all(_is_done(w) for w in self.works))
             t0 = time.perf_counter()
+            if cuda:  # the stream stall: from "compute reached the wait" to "the data is there"
+                before = torch.cuda.Event(enable_timing=True)
+                before.record()
         for w in self.works:
             w.wait()
         if self.record_profile:
-            self.profile.wait_s += time.perf_counter() - t0
+            self.profile.wait_s += time.perf_counter() - t0  # host time (blocking only on gloo)
+            if cuda:
+                after = torch.cuda.Event(enable_timing=True)
+                after.record()
+                self.stall_events.append((before, after))
         self.works, self._keepalive = [], None
         self.state = UNSHARDED
+
+    def collect_stalls(self) -> None:
+        """Fold finished CUDA stall events into the profile (after a device synchronize)."""
+        for before, after in self.stall_events:
+            self.profile.stream_stall_s += before.elapsed_time(after) / 1e3
+        self.stall_events.clear()
 
     def reshard(self) -> None:
         """Free the buffer (after waiting for anything still writing into it)."""

@@ -111,6 +111,13 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = True) 
     ``dedicate_params``). ``synchronize=True`` syncs the device first so the numbers are
     complete; do not call it inside a timed loop.
 
+    Per group and in total: ``unshards`` issued (``prefetched`` of them ahead of need),
+    ``waits`` and how many found the collective already finished (``found_ready``), host
+    ``wait_s`` (blocking on gloo; ~0 on CUDA where the wait is a stream dependency),
+    ``stream_stall_s`` (CUDA: how long the compute stream stood still at those waits, from
+    events), bytes received, and the owner reduces issued with their bytes. Counters are
+    cumulative since ``dedicate_params``.
+
     Example::
 
         profile = dmuon.collect_forward_unshard_profile(model, synchronize=True)
@@ -124,8 +131,10 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = True) 
         return {"enabled": False, "reason": "set DMUON_RECORD_FORWARD_PROFILE=1 before dmuon.dedicate_params()"}
     groups = {}
     total = {"unshards": 0, "prefetched": 0, "waits": 0, "found_ready": 0, "wait_s": 0.0,
-             "bytes_received": 0, "reduces": 0, "bytes_reduced": 0}
+             "stream_stall_s": 0.0, "bytes_received": 0, "reduces": 0, "bytes_reduced": 0}
     for g in runtime.groups:
+        if synchronize:
+            g.collect_stalls()
         row = dict(vars(g.profile))
         groups[g.name] = row
         for k in total:
