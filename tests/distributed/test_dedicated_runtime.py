@@ -171,22 +171,28 @@ def _hf_model(rank, world):
                       num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(cfg)
     mesh = init_device_mesh("cpu", (world,))
-    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
+    owners = dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    return {"type": type(out).__name__, "logits": tuple(out.logits.shape), "has_loss": out.loss is not None}
+    want = plain(input_ids=ids, labels=ids)
+    return {"type": type(out).__name__, "logits": tuple(out.logits.shape), "has_loss": out.loss is not None,
+            "loss_diff": abs(float(out.loss) - float(want.loss)), "dedicated": len(owners),
+            "groups": [g.name for g in dmuon.distributed.dedicated_runtime(model).groups]}
 
 
 def test_huggingface_model_output_keeps_attribute_access():
     pytest.importorskip("transformers")
     for r in run_ranks(_hf_model, 2, timeout=120):
         assert r["type"] == "CausalLMOutputWithPast"
-        assert r["logits"] == (2, 8, 64) and r["has_loss"]
+        assert r["logits"] == (2, 8, 64) and r["has_loss"] and r["loss_diff"] < 1e-5
+        assert r["dedicated"] == 2 * 7 and r["groups"] == ["model.layers.0", "model.layers.1"]
 
 
 def _precision_and_recovery(rank, world):
