@@ -53,24 +53,29 @@ def kernel_sources() -> dict[str, str]:
     return found
 
 
-def log_kernel_sources(graph: Graph, ops_inserted) -> None:
-    """Log (DEBUG) which implementation each inserted op runs on and the kernel sources."""
+def log_kernel_sources(graph: Graph, ops_inserted, devices=None) -> None:
+    """Log (DEBUG) which implementation the inserted ops run and, on CUDA, the kernel sources.
+
+    ``devices`` overrides the device types read from the graph (tests use ``["cuda"]``).
+    """
     from dmuon_compile.passes.symmetry import val
 
-    devices = sorted({
-        val(n).device.type for n in graph.nodes
-        if n.op == "call_function" and str(n.target).startswith("dmuon.") and val(n) is not None
-    })
+    if devices is None:
+        devices = sorted({
+            val(n).device.type for n in graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("dmuon.") and val(n) is not None
+        })
     ops = ", ".join(f"dmuon::{name}" for name in sorted(ops_inserted))
-    sources = kernel_sources()
-    if devices and "cuda" not in devices:
+    if "cuda" not in devices:
         log.debug("kernel source: %s run their torch reference implementation on %s (no Triton "
-                  "kernel involved; on CUDA the Triton sources are logged here)", ops, "/".join(devices))
-    if not sources:
-        if "cuda" in devices:
-            log.debug("kernel source: no Triton kernel of dmuon_compile.kernels is loaded; %s use "
-                      "their torch reference implementation", ops)
+                  "kernel involved; on CUDA the Triton sources are logged here)", ops,
+                  "/".join(devices) or "an unknown device")
         return
-    if "cuda" in devices:
-        for name, src in sorted(sources.items()):
-            log.debug("dmuon kernel source %s (behind %s):\n%s", name, ops, src)
+    sources = kernel_sources()
+    if not sources:
+        log.debug("kernel source: no Triton kernel of dmuon_compile.kernels is loaded; %s use "
+                  "their torch reference implementation", ops)
+        return
+    for name, src in sorted(sources.items()):
+        log.debug("dmuon kernel source %s (behind %s; per shape, autotune may pick cuBLAS "
+                  "instead):\n%s", name, ops, src)

@@ -260,7 +260,7 @@ def _add_terms(node: Node):
     sign = -1.0 if node.target == aten.sub.Tensor else 1.0
     alpha = float(node.kwargs.get("alpha", 1)) * sign
     (x, sx), (y, sy) = _scaled(node.args[0]), _scaled(node.args[1])
-    return [(node.args[0], x, sx), (node.args[1], y, sy * alpha)]
+    return [(node.args[0], strip_noop_views(x), sx), (node.args[1], strip_noop_views(y), sy * alpha)]
 
 
 def _is_dmuon(node) -> bool:

@@ -1,0 +1,188 @@
+"""The pass inside Inductor and the compiled Muon step (CPU; torch.ops.dmuon run their CPU code).
+
+Compiles are slow on a 2-core CPU (~10–40 s each): every test here compiles at most a few
+small graphs, and the hypothesis test keeps to a handful of examples.
+"""
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
+from torch.testing import FileCheck
+
+import dmuon_compile as dmuon
+from dmuon_compile.compiled_step import CompiledMuonStep, default_compile_options
+from dmuon_compile.newton_schulz import NewtonSchulz
+from dmuon_compile.passes import NSChainPass, compile_options
+
+
+def _count(code: str, pattern: str) -> int:
+    return len(re.findall(pattern, code))
+
+
+class RecordingUserPass(CustomGraphPass):
+    """A user's own post-grad pass: it must still run, before ours, on the raw graph."""
+
+    def __init__(self):
+        self.calls = 0
+        self.mm_seen = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+        self.mm_seen += sum(1 for n in graph.nodes if n.target == torch.ops.aten.mm.default)
+
+    def uuid(self):
+        return "recording-user-pass-v1"
+
+
+def test_pass_fires_in_inductor_direct_2d_bf16_and_wraps_user_pass():
+    ns = NewtonSchulz(backend="direct", kernel="cublas", work_dtype=torch.bfloat16)
+    user = RecordingUserPass()
+    x = torch.randn(16, 48)
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=user):
+        options = compile_options()  # wraps the configured user pass, never overwrites it
+        assert options["post_grad_custom_pre_pass"].user_pass is user
+        fn = torch.compile(lambda g: ns(g), fullgraph=True, options=options)
+        out, (code, *_) = run_and_get_code(fn, x)
+    assert user.calls == 1 and user.mm_seen == 5  # it saw the raw chain: 5 × mm(X, Xᵀ)
+    FileCheck().check_count("torch.ops.dmuon.syrk.default(", 5, exactly=True).run(code)
+    FileCheck().check_count("torch.ops.dmuon.sym_mm.default(", 5, exactly=True).run(code)
+    assert _count(code, r"extern_kernels\.mm\(") == 0  # no leftover X·Xᵀ
+    assert _count(code, r"extern_kernels\.addmm\(") == 5  # a·X + B·X (rectangular) stays
+    assert counters["dmuon"]["syrk"] == 5 and counters["dmuon"]["sym_mm"] == 5
+    torch.testing.assert_close(out.float(), ns(x).float(), atol=3e-2, rtol=3e-2)
+
+
+def test_pass_fires_in_inductor_gram_3d_fp16():
+    ns = NewtonSchulz(backend="gram", kernel="cublas")  # fp16, Polar Express, restart at 2
+    x = torch.randn(3, 8, 40)
+    fn = torch.compile(lambda g: ns(g), fullgraph=True, options=compile_options())
+    out, (code, *_) = run_and_get_code(fn, x)
+    FileCheck().check_count("torch.ops.dmuon.syrk.default(", 2, exactly=True).run(code)
+    FileCheck().check_count("torch.ops.dmuon.sym_mm.default(", 14, exactly=True).run(code)
+    assert _count(code, r"extern_kernels\.baddbmm\(") == 0
+    assert _count(code, r"extern_kernels\.bmm\(") == 2  # Q·X, once per segment
+    torch.testing.assert_close(out.float(), ns(x).float(), atol=1e-2, rtol=1e-2)
+
+
+def test_non_symmetric_a_left_alone_by_inductor():
+    def poly(a):
+        return torch.addmm(a, a, a, beta=-4.775, alpha=2.0315)
+
+    a = torch.randn(12, 12)
+    fn = torch.compile(poly, fullgraph=True, options=compile_options())
+    out, (code, *_) = run_and_get_code(fn, a)
+    assert "torch.ops.dmuon" not in code
+    assert counters["dmuon"]["sym_mm"] == 0 and counters["dmuon"]["skipped"] >= 1
+    torch.testing.assert_close(out, poly(a))
+
+
+def _params(shapes, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _set_grads(ps_a, ps_b, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p, q in zip(ps_a, ps_b):
+        grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad, q.grad = grad, grad.clone()
+
+
+@settings(max_examples=3)
+@given(
+    shapes=st.sampled_from([[(8, 24), (8, 24), (12, 12)], [(20, 6), (6, 10)], [(4, 16, 3)]]),
+    work_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    backend=st.sampled_from(["gram", "direct"]),
+    coefficients=st.sampled_from(["keller_jordan", "you", "polar_express"]),
+    nesterov=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_compiled_step_equals_eager_step(shapes, work_dtype, backend, coefficients, nesterov, seed):
+    """fp32 parameters (as Muon keeps them); the NS chain runs in ``work_dtype``.
+
+    bf16 *parameters* are left out on purpose: one update (~0.02) is below a bf16 ulp of the
+    weights, so compiled (one rounding) and eager (two roundings) differ by whole ulps.
+    """
+    if backend == "gram" and work_dtype == torch.bfloat16:
+        work_dtype = torch.float16  # Gram NS iterates in fp16 (ARCHITECTURE.md §3)
+    torch._dynamo.reset()
+    ps_c, ps_e = _params(shapes, torch.float32, seed), _params(shapes, torch.float32, seed)
+    ns = NewtonSchulz(backend=backend, kernel="cublas", coefficients=coefficients, work_dtype=work_dtype)
+    kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_backend=ns)
+    opt_c, opt_e = dmuon.Muon(ps_c, compile=True, **kw), dmuon.Muon(ps_e, compile=False, **kw)
+    for step in range(2):
+        _set_grads(ps_c, ps_e, seed + step)
+        opt_c.step()
+        opt_e.step()
+    assert counters["dmuon"]["syrk"] >= 1  # the compiled step ran the pass
+    tol = 1e-5 if work_dtype == torch.float32 else 1e-3  # updates are ~2e-2: 5% of one step
+    for p, q, p0 in zip(ps_c, ps_e, _params(shapes, torch.float32, seed)):
+        assert (p - p0).abs().max() > 1e-3  # the step moved the weights
+        torch.testing.assert_close(p, q, atol=tol, rtol=0)
+        torch.testing.assert_close(opt_c.state[p]["momentum_buffer"], opt_e.state[q]["momentum_buffer"],
+                                   atol=1e-6, rtol=1e-6)
+
+
+def test_lr_schedule_never_recompiles_and_no_graph_breaks():
+    shapes = [(8, 24), (8, 24), (16, 16)]
+    ps_c, ps_e = _params(shapes, torch.float32, 0), _params(shapes, torch.float32, 0)
+    opts = [dmuon.Muon(ps, lr=0.02, weight_decay=0.05, ns_backend="direct", compile=c)
+            for ps, c in ((ps_c, True), (ps_e, False))]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in opts]
+    lrs, graphs_after_first = [], None
+    for step in range(20):
+        _set_grads(ps_c, ps_e, step)
+        for o, s in zip(opts, scheds):
+            o.step()
+            s.step()
+        lrs.append(opts[0].param_groups[0]["lr"])
+        if step == 0:
+            graphs_after_first = counters["stats"]["unique_graphs"]
+    assert len(set(lrs)) == 20  # the schedule really changed lr every step
+    assert graphs_after_first == 1
+    assert counters["stats"]["unique_graphs"] == 1  # zero recompiles over 19 more steps
+    (compiled,) = opts[0]._dmuon_compiled_steps.values()
+    assert compiled.calls == 20  # ... and every step ran the compiled graph, not eager
+    assert sum(counters["graph_break"].values()) == 0
+    for p, q in zip(ps_c, ps_e):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
+
+
+def test_user_compiled_opt_step_gets_the_same_rewrite():
+    """``opt.step = torch.compile(opt.step)``: Muon installs the pass while Dynamo traces."""
+    shapes = [(8, 24), (8, 24)]
+    ps_c, ps_e = _params(shapes, torch.float32, 1), _params(shapes, torch.float32, 1)
+    opt_c = dmuon.Muon(ps_c, lr=0.02, ns_backend="direct", compile=False)
+    opt_e = dmuon.Muon(ps_e, lr=0.02, ns_backend="direct", compile=False)
+    opt_c.step = torch.compile(opt_c.step)
+    for step in range(2):
+        _set_grads(ps_c, ps_e, step)
+        opt_c.step()
+        opt_e.step()
+    assert isinstance(torch._inductor.config.post_grad_custom_pre_pass, NSChainPass)
+    # one batched chain of 5 steps per compile of the step's graph
+    assert counters["dmuon"]["syrk"] >= 5 and counters["dmuon"]["syrk"] % 5 == 0
+    assert counters["dmuon"]["sym_mm"] == counters["dmuon"]["syrk"]
+    for p, q in zip(ps_c, ps_e):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
+
+
+def test_compile_arguments_are_checked():
+    p = [torch.nn.Parameter(torch.randn(4, 4))]
+    with pytest.raises(ValueError, match="compile_mode='reduce-overhead' needs compile=True"):
+        dmuon.Muon(p, compile=False, compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="compile_mode='fast'"):
+        dmuon.Muon(p, compile_mode="fast")
+    with pytest.raises(TypeError, match="compile must be True, False or None"):
+        dmuon.Muon(p, compile="yes")
+    assert dmuon.Muon(p).compile is None  # auto: compiled on CUDA only
+    ro = default_compile_options("reduce-overhead")
+    assert ro["triton.cudagraphs"] is True and isinstance(ro["post_grad_custom_pre_pass"], NSChainPass)
+    step = CompiledMuonStep(NewtonSchulz(kernel="cublas"), mode="reduce-overhead")
+    assert step.options["triton.cudagraphs"] is True
