@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from dmuon_compile.dedicated_registry import PLAN_ATTR
 from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed import mesh_checks
+from dmuon_compile.distributed import _fsdp_compat, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._runtime import DedicatedRuntime
@@ -139,6 +139,12 @@ def dedicate_params(
         raise RuntimeError("dedicate_params was already called on this model (call it once)")
     mesh_checks.check_shard_mesh(mesh)
     mesh_checks.check_replicate_mesh(mesh, replicate_mesh)
+    if _fsdp_compat.fsdp_modules(model):
+        raise RuntimeError(
+            "dedicate_params must run before fully_shard (FSDP2 already owns this model's "
+            "parameters). Order: parallelize_module (TP, optional) → dmuon.dedicate_params → "
+            "fully_shard(blocks) → fully_shard(model) → dmuon.Muon(model)."
+        )
     if replicate_mesh is not None and replicate_mesh.size() > 1:
         raise NotImplementedError(
             "dedicate_params: the HSDP runtime (replicate_mesh of size > 1) is not implemented yet; "

@@ -67,6 +67,16 @@ def _api_checks(rank, world):
     except ValueError as exc:
         out["tp_error"] = str(exc)
     out["snippet"] = mesh_checks.HSDP_SNIPPET
+    # wrong order: fully_shard first
+    from torch.distributed.fsdp import fully_shard
+
+    late = models.build_llama()
+    fully_shard(late, mesh=mesh)
+    try:
+        dmuon.dedicate_params(late, mesh, predicate=models.proj_predicate)
+        out["order_error"] = None
+    except RuntimeError as exc:
+        out["order_error"] = str(exc)
     return out
 
 
@@ -82,6 +92,7 @@ def test_api_checks_two_ranks():
         assert "HSDP mesh must be 2D with names ('replicate', 'shard')" in err, (label, err)
         assert "init_device_mesh(" in err and 'mesh_dim_names=("replicate", "shard")' in err
     assert r["hsdp_ok"] == 7 * models.LAYERS
+    assert r["order_error"] is not None and "must run before fully_shard" in r["order_error"]
     assert r["tp_error"] is not None and r["tp_error"].startswith("DMuon requires named DeviceMesh for TP detection")
 
 
