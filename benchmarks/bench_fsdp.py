@@ -177,6 +177,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024)")
     ap.add_argument("--configs", default="adamw,naive_muon,ours_eager,ours_compiled")
     ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
+    ap.add_argument("--cpu-compile", action="store_true", help="also run ours_compiled on CPU (slow)")
     args = ap.parse_args(argv)
     if args.quick:
         args.model = "quick"
@@ -196,16 +197,21 @@ def main(argv=None):
     mesh = init_device_mesh(device.type, (world,))
     configs = [c for c in args.configs.split(",") if c]
     skipped = {}
-    if "ours_compiled" in configs and (device.type != "cuda" or "compile" not in inspect.signature(dmuon.Muon).parameters):
+    cpu_skip = device.type != "cuda" and not args.cpu_compile
+    if "ours_compiled" in configs and (cpu_skip or "compile" not in inspect.signature(dmuon.Muon).parameters):
         configs.remove("ours_compiled")
         skipped["ours_compiled"] = "CPU run (compiled step is for CUDA)" if device.type != "cuda" else "Muon has no compile="
 
     dim = MODELS[args.model][0]
-    built, resident = {}, {}
+    built, resident, errors = {}, {}, {}
     for c in configs:
         sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        built[c] = build(c, args, mesh, device)
+        try:
+            built[c] = build(c, args, mesh, device)
+        except Exception as exc:  # noqa: BLE001 - one broken configuration must not sink the run
+            built[c] = None
+            errors[c] = f"build: {type(exc).__name__}: {exc}"
         resident[c] = before
     gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
     times = {c: {"iter": [], "step": [], "peak": []} for c in configs}
@@ -231,8 +237,21 @@ def main(argv=None):
                 times[c]["peak"].append(torch.cuda.max_memory_allocated(device))
 
     for i in range(warmup + iters):
-        for c in configs:  # interleaved: drift and thermals hit every configuration alike
-            run(c, timed=i >= warmup)
+        for c in list(configs):  # interleaved: drift and thermals hit every configuration alike
+            ok = built[c] is not None
+            if ok:
+                try:
+                    run(c, timed=i >= warmup)
+                except Exception as exc:  # noqa: BLE001
+                    ok = False
+                    errors.setdefault(c, f"iteration {i}: {type(exc).__name__}: {exc}")
+            flag = torch.tensor([1.0 if ok else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank drops a failed config together
+            if flag.item() < 1.0:
+                configs.remove(c)
+                errors.setdefault(c, "failed on another rank")
+                if rank == 0:
+                    print(f"[bench_fsdp] dropped {c}: {errors[c]}", file=sys.stderr, flush=True)
         if rank == 0:
             print(f"[bench_fsdp] iteration {i + 1}/{warmup + iters} done", file=sys.stderr, flush=True)
 
@@ -257,7 +276,7 @@ def main(argv=None):
         "model": args.model, "dims": MODELS[args.model], "world_size": world, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "tokens_per_rank": batch * seq, "iters": iters, "warmup": warmup,
-        "ns_floor_ms": floor, "results": results, "skipped": skipped,
+        "ns_floor_ms": floor, "results": results, "skipped": skipped, "errors": errors,
         "memory_note": "peak = max allocated during the configuration's iteration, including the "
                        "resident state of the other (interleaved) configurations",
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -272,11 +291,13 @@ def main(argv=None):
             print(f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {peak} | {tax} | {ratio} |")
         for c, why in skipped.items():
             print(f"skipped {c}: {why}")
+        for c, why in errors.items():
+            print(f"FAILED {c}: {why}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
     for c in configs:
-        if c.startswith("ours"):
+        if c.startswith("ours") and built[c] is not None:
             dmuon.wait_all_replicate_broadcasts(built[c][0])
     dist.destroy_process_group()
 
