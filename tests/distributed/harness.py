@@ -46,7 +46,7 @@ def _restore(obj):
     return obj
 
 
-def _worker(fn, rank, world_size, port, args, env, results):
+def _worker(fn, rank, world_size, port, args, env, results, backend="gloo"):
     import torch.distributed as dist
 
     os.environ.update(env)
@@ -54,7 +54,9 @@ def _worker(fn, rank, world_size, port, args, env, results):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", _portable(out)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the parent
@@ -67,13 +69,16 @@ def _worker(fn, rank, world_size, port, args, env, results):
                 pass
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, env: dict | None = None) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, env: dict | None = None,
+              backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; ``backend="nccl"``
+    puts rank r on cuda:r); return their results."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, dict(env or {}), results), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, dict(env or {}), results, backend),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -136,7 +141,8 @@ def full_state(model) -> dict:
     state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     runtime = dedicated_runtime(model)
     for dp in runtime.params:
-        buf = dp.master.detach().clone() if dp.master is not None else torch.empty(dp.shape)
+        device = runtime.groups[0].device
+        buf = dp.master.detach().clone() if dp.master is not None else torch.empty(dp.shape, device=device)
         dist.broadcast(buf, src=dist.get_global_rank(runtime.mesh.get_group(), dp.owner),
                        group=runtime.mesh.get_group())
         state[dp.fqn] = buf

@@ -27,14 +27,25 @@ def _ns():
     return dmuon.NewtonSchulz(kernel="cublas", work_dtype=torch.float32)
 
 
-def reference(world: int, steps: int = STEPS):
+def _muon_kwargs(device: str) -> dict:
+    import inspect
+
+    import dmuon_compile as dmuon
+
+    # The runtime is under test here, not the compiled step: eager everywhere.
+    extra = {"compile": False} if "compile" in inspect.signature(dmuon.Muon).parameters else {}
+    return {**HYPER, **extra}
+
+
+def reference(world: int, steps: int = STEPS, device: str = "cpu"):
     """Single process: the same model, the whole global batch, the reference Muon."""
     import dmuon_compile as dmuon
 
-    model = models.build_llama()
-    opt = dmuon.Muon(model, predicate=models.proj_predicate, ns_backend=_ns(), **HYPER)
+    model = models.build_llama().to(device)
+    opt = dmuon.Muon(model, predicate=models.proj_predicate, ns_backend=_ns(), **_muon_kwargs(device))
     losses, first_grads = [], {}
     for x in models.batches(steps, world):
+        x = x.to(device)
         loss = model(x).square().mean()
         loss.backward()
         if not first_grads:
@@ -42,23 +53,25 @@ def reference(world: int, steps: int = STEPS):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, first_grads
+    state = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return losses, state, {n: g.cpu() for n, g in first_grads.items()}
 
 
-def train_distributed(rank: int, world: int, steps: int, profile: bool):
+def train_distributed(rank: int, world: int, steps: int, profile: bool, device: str = "cpu"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon_compile as dmuon
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = models.build_llama()
+    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    mesh = init_device_mesh(device, (world,))
+    model = models.build_llama().to(dev)
     owners = dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
+    opt = dmuon.Muon(model, ns_backend=_ns(), **_muon_kwargs(device))
 
     routes = {}
     for group in opt.param_groups:
@@ -66,6 +79,7 @@ def train_distributed(rank: int, world: int, steps: int, profile: bool):
             routes[opt.param_name(p)] = ("muon" if group["use_muon"] else "adamw", hasattr(p, "to_local"))
     losses, first_grads = [], None
     for x in models.batches(steps, world):
+        x = x.to(dev)
         per = x.shape[0] // world
         loss = model(x[rank * per:(rank + 1) * per]).square().mean()
         loss.backward()
@@ -89,9 +103,15 @@ def train_distributed(rank: int, world: int, steps: int, profile: bool):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_dedicated_matches_single_process(world):
-    ref_losses, ref_state, ref_grads = reference(world)
-    results = run_ranks(train_distributed, world, STEPS, True,
-                        env={"DMUON_RECORD_FORWARD_PROFILE": "1"}, timeout=120)
+    check_against_reference(world, "cpu")
+
+
+def check_against_reference(world: int, device: str) -> None:
+    """Train both ways and compare (shared by the CPU/gloo tests and the GPU/NCCL test)."""
+    ref_losses, ref_state, ref_grads = reference(world, device=device)
+    results = run_ranks(train_distributed, world, STEPS, True, device,
+                        env={"DMUON_RECORD_FORWARD_PROFILE": "1"}, timeout=120,
+                        backend="nccl" if device == "cuda" else "gloo")
     r0 = results[0]
     # every rank agrees on the owner plan and on the losses
     assert all(r["owners"] == r0["owners"] for r in results)
