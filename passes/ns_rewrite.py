@@ -111,7 +111,7 @@ def _insert(ctx: RewriteContext, before: Node, target, args: tuple) -> Node:
     if mode is not None:
         with mode:
             new.meta["val"] = target(*fake_args)
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr"):
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "original_aten", "from_node"):
         if key in before.meta:
             new.meta[key] = before.meta[key]
     return new

@@ -1,0 +1,239 @@
+"""BENCHMARKS.md §B1: the optimizer step alone over the matrix sets of models S and M (one GPU).
+
+    python benchmarks/bench_step.py --out benchmarks/RESULTS_step.md          # S and M, CUDA
+    python benchmarks/bench_step.py --quick --out /tmp/step.md                # fewer repeats
+    python benchmarks/bench_step.py --quick --device cpu                      # tiny CPU smoke run
+
+Matrices: per layer q, k, v, o (D×D), gate, up (F×D), down (D×F); S: D=2048, F=5632, 8 layers
+(56 matrices); M: D=4096, F=14336, 4 layers (28 matrices); fp32 parameters, random normal
+gradients (never zeros). Configurations, each on its own copy of the parameters:
+
+1. ``torch_muon``: ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``, eager — the baseline;
+2. ``torch_muon_compiled``: the same with ``opt.step = torch.compile(opt.step)``;
+3. ``ours_eager``: ``dmuon.Muon(compile=False)`` (Gram NS, default kernels);
+4. ``ours_compiled``: ``dmuon.Muon(compile=True)`` (one compiled graph + the NS-chain pass);
+5. ``ours_compiled_cudagraphs`` (CUDA only): ``compile_mode="reduce-overhead"``.
+
+Per configuration: median step time (CUDA events on GPU, perf_counter on CPU) over
+``--repeats`` steps after ``--warmup``; the first step's wall time (trace + compile + run, with
+an empty Inductor cache: ``--fresh-cache``, default on) and, for ours compiled, the first step
+of a second optimizer after ``torch._dynamo.reset()`` (FX graph cache hit). Every claim is a
+ratio of two numbers of this run; the headline ratios are the last lines printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+MODELS = {  # D, F, layers
+    "S": (2048, 5632, 8),
+    "M": (4096, 14336, 4),
+    "tiny": (64, 176, 2),  # CPU smoke run
+}
+CONFIGS = ("torch_muon", "torch_muon_compiled", "ours_eager", "ours_compiled", "ours_compiled_cudagraphs")
+LR = 0.02
+
+
+def matrix_shapes(model: str) -> list[tuple[int, int]]:
+    """The 2-D weight shapes of one model, layer by layer (q, k, v, o, gate, up, down).
+
+    >>> len(matrix_shapes("S")), len(matrix_shapes("M"))
+    (56, 28)
+    """
+    d, f, layers = MODELS[model]
+    per_layer = [(d, d)] * 4 + [(f, d), (f, d), (d, f)]
+    return per_layer * layers
+
+
+def make_params(shapes, device, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=g).mul_(0.02).to(device))
+        p.grad = torch.randn(shape, generator=g).to(device)  # kept in place: CUDA-graph safe
+        params.append(p)
+    return params
+
+
+def build(config: str, params):
+    import dmuon_compile as dmuon
+
+    if config.startswith("torch_muon"):
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError("torch.optim.Muon is missing in this torch")
+        opt = torch.optim.Muon(params, lr=LR, adjust_lr_fn="match_rms_adamw")
+        if config == "torch_muon_compiled":
+            opt.step = torch.compile(opt.step)
+        return opt
+    if config == "ours_eager":
+        return dmuon.Muon(params, lr=LR, compile=False)
+    if config == "ours_compiled":
+        return dmuon.Muon(params, lr=LR, compile=True)
+    if config == "ours_compiled_cudagraphs":
+        return dmuon.Muon(params, lr=LR, compile=True, compile_mode="reduce-overhead")
+    raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(opt, device, repeats: int) -> list[float]:
+    """Per-step milliseconds: CUDA events on GPU, wall clock on CPU."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            opt.step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            opt.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def first_step_s(opt, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    opt.step()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def run_config(config: str, model: str, device, warmup: int, repeats: int) -> dict:
+    params = make_params(matrix_shapes(model), device)
+    opt = build(config, params)
+    row = {"model": model, "config": config, "first_step_s": first_step_s(opt, device)}
+    for _ in range(warmup):
+        opt.step()
+    sync(device)
+    times = timed_steps(opt, device, repeats)
+    row["median_ms"] = statistics.median(times)
+    row["min_ms"] = min(times)
+    if config.startswith("ours_compiled"):
+        # A second optimizer after a Dynamo reset: Inductor's FX graph cache now holds the graph.
+        torch._dynamo.reset()
+        opt2 = build(config, params)
+        row["warm_first_step_s"] = first_step_s(opt2, device)
+        del opt2
+    if config.startswith("ours"):
+        row["ns"] = opt.ns.describe()
+    finite = all(bool(torch.isfinite(p).all()) for p in params)
+    row["finite"] = finite
+    del opt, params
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| model | configuration | median step ms | min ms | first step s | "
+             "warm first step s | × torch.optim.Muon | × ours eager |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next((x for x in rows if x["model"] == r["model"] and x["config"] == "torch_muon"), None)
+        eager = next((x for x in rows if x["model"] == r["model"] and x["config"] == "ours_eager"), None)
+        vs_base = f"{base['median_ms'] / r['median_ms']:.2f}" if base else "–"
+        vs_eager = f"{eager['median_ms'] / r['median_ms']:.2f}" if eager else "–"
+        warm = f"{r['warm_first_step_s']:.1f}" if "warm_first_step_s" in r else "–"
+        lines.append(f"| {r['model']} | {r['config']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
+                     f"{r['first_step_s']:.1f} | {warm} | {vs_base} | {vs_eager} |")
+    ns = sorted({r["ns"] for r in rows if "ns" in r})
+    if ns:
+        lines += ["", "NS backend (ours): " + "; ".join(ns)]
+    if not all(r["finite"] for r in rows):
+        lines += ["", "WARNING: non-finite parameters after the run: " +
+                  ", ".join(f"{r['model']}/{r['config']}" for r in rows if not r["finite"])]
+    return "\n".join(lines) + "\n"
+
+
+def headline(rows: list[dict]) -> list[str]:
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        by = {r["config"]: r for r in rows if r["model"] == model}
+        comp = by.get("ours_compiled")
+        if comp is None:
+            continue
+        if "torch_muon" in by:
+            out.append(f"{model}: ours compiled vs torch.optim.Muon = "
+                       f"{by['torch_muon']['median_ms'] / comp['median_ms']:.2f}x (target >= 2x on M)")
+        if "ours_eager" in by:
+            out.append(f"{model}: ours compiled vs ours eager = "
+                       f"{by['ours_eager']['median_ms'] / comp['median_ms']:.2f}x (target >= 1.3x on M)")
+        out.append(f"{model}: first compiled step {comp['first_step_s']:.1f} s cold (target <= 60 s on M), "
+                   f"{comp.get('warm_first_step_s', float('nan')):.1f} s warm (target <= 10 s)")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", nargs="+", default=None, choices=sorted(MODELS),
+                    help="models to run (default: S M on CUDA, tiny with --device cpu)")
+    ap.add_argument("--configs", nargs="+", default=None, choices=CONFIGS)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (and tiny shapes on CPU)")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--fresh-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="use an empty Inductor cache dir so the first step measures a cold compile")
+    ap.add_argument("--out", default=None, help="write the markdown table here")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but no CUDA device; pass --device cpu for a smoke run")
+    models = args.model or (["tiny"] if device.type == "cpu" else ["S", "M"])
+    configs = list(args.configs or CONFIGS)
+    if device.type != "cuda" and "ours_compiled_cudagraphs" in configs:
+        configs.remove("ours_compiled_cudagraphs")  # CUDA graphs need CUDA
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
+    repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
+    if args.fresh_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dmuon_bench_inductor_")
+
+    rows = []
+    for model in models:
+        for config in configs:
+            row = run_config(config, model, device, warmup, repeats)
+            rows.append(row)
+            print(f"{model:5s} {config:26s} median {row['median_ms']:9.2f} ms  first step "
+                  f"{row['first_step_s']:6.1f} s", flush=True)
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    header = (f"### B1: optimizer step ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
+              f"UTC, {name}, torch {torch.__version__}, triton {triton_version})\n\n"
+              f"Command: `python {' '.join(sys.argv)}`; warmup {warmup}, repeats {repeats}.")
+    table = markdown(rows, header)
+    print()
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    for line in headline(rows):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
