@@ -5,8 +5,9 @@ iteration, for each hook group G (in the forward order recorded on the first for
 on every rank, so collectives are issued in the same order everywhere):
 
 forward pre-hook(G)   wait G's unshard (issue it if no prefetch did), prefetch the next group
-forward hook(G)       reshard G (free its buffer); on the output tensors register a gradient
-                      hook = "pre-backward(G)"; the output object itself is never touched
+forward hook(G)       reshard G (free its buffer; not the last group, whose backward follows
+                      at once); on the output tensors register a gradient hook =
+                      "pre-backward(G)"; the output object itself is never touched
 pre-backward(G)       unshard G again (wait), prefetch the group before it in forward order
 grad hooks            when every parameter of G has its gradient: pack, reduce to owners
                       (async), free the local gradients, reshard G, finish the previous
@@ -76,6 +77,7 @@ class DedicatedRuntime:
         self._backward_queued = False
         self._sync: bool | None = None
         self._reducing: list[DedicatedGroup] = []
+        self._order_frozen = False  # forward_order is complete once a backward has run
         self.handles: list = []
         for group in groups:
             group.record_profile = record_profile
@@ -109,9 +111,13 @@ class DedicatedRuntime:
         return self.forward_order[j] if 0 <= j < len(self.forward_order) else None
 
     def _pre_forward(self, group: DedicatedGroup) -> None:
-        if self.forward_order and group is self.forward_order[0]:
-            # A new forward: forget a backward that raised before its end-callback ran.
+        if self.forward_order and group is self.forward_order[0] and not _in_backward():
+            # A new forward: forget a backward that raised before its end-callback ran, and drop
+            # copies a forward without backward left unsharded (weights may have changed since).
             self._backward_queued, self._sync = False, None
+            for g in self.groups:
+                if g.state == UNSHARDED:
+                    g.reshard()
         if id(group) not in self._index:
             self._index[id(group)] = len(self.forward_order)
             self.forward_order.append(group)
@@ -133,6 +139,10 @@ class DedicatedRuntime:
             return  # nothing would trigger the backward unshard: keep it until backward ends
         for t in hooked:
             t.register_hook(lambda grad, g=group: self._pre_backward(g))
+        if self._order_frozen and group is self.forward_order[-1]:
+            # The last group's backward comes right after the forward: resharding it would only
+            # add an exposed all-gather (FSDP2 keeps its root unsharded for the same reason).
+            return
         group.reshard()
 
     def _queue_backward_end(self) -> None:
@@ -167,6 +177,7 @@ class DedicatedRuntime:
 
     def _post_backward(self) -> None:
         self._backward_queued = False
+        self._order_frozen = bool(self.forward_order)
         self._reducing = []
         sync = self._sync
         self._sync = None

@@ -125,6 +125,14 @@ def _outputs_and_modes(rank, world):
         grads.append({n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(m)})
         grads[-1]["states"] = [g.state for g in dmuon.distributed.dedicated_runtime(m).groups]
     out["no_reshard_grads"] = grads
+    # a forward without backward leaves the last group unsharded; new master values must still
+    # reach the next forward (zeroed projections: every block becomes the identity)
+    b(x)
+    with torch.no_grad():
+        for _, p in dmuon.dedicated_registry.dedicated_parameters(b):
+            p.zero_()
+    y = b(x)
+    out["stale_diff"] = float((y - b.lm_head(b.norm(x))).abs().max())
     # hook_boundary_predicate: one group per attention / MLP module instead of per block
     c = models.build_llama()
     dmuon.dedicate_params(c, mesh, predicate=models.proj_predicate,
@@ -157,6 +165,7 @@ def test_outputs_untouched_and_reshard_modes():
             torch.testing.assert_close(r["boundary_grads"][n], b[n], rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(r["ckpt_grads"][n], b[n], rtol=1e-5, atol=1e-7)
         assert r["ckpt_states"] == ["sharded"]
+        assert r["stale_diff"] < 1e-6
         assert r["boundary_groups"] == [f"layers.{i}.{m}" for i in range(models.LAYERS) for m in ("self_attn", "mlp")]
 
 
