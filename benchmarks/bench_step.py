@@ -142,8 +142,8 @@ def run_config(config: str, model: str, device, warmup: int, repeats: int) -> di
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| model | configuration | median step ms | min ms | first step s | "
-             "warm first step s | × torch.optim.Muon | × ours eager |",
+    lines = [header, "", ("| model | configuration | median step ms | min ms | first step s | "
+                          "warm first step s | × torch.optim.Muon | × ours eager |"),
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next((x for x in rows if x["model"] == r["model"] and x["config"] == "torch_muon"), None)

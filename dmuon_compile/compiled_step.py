@@ -87,7 +87,7 @@ class StepPlan:
     ns: NewtonSchulz  # configured to issue the torch-primitive chain (the pass rewrites it)
 
     @staticmethod
-    def build(params: list[Tensor], ns: NewtonSchulz, nesterov: bool, adjust_lr_fn: str | None) -> "StepPlan":
+    def build(params: list[Tensor], ns: NewtonSchulz, nesterov: bool, adjust_lr_fn: str | None) -> StepPlan:
         buckets: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(params):
             buckets[(tuple(p.shape), p.dtype, p.device)].append(i)
@@ -251,7 +251,7 @@ def run_group_step(opt, group: dict, params, grads, bufs) -> bool:
     - ``compile`` on (default on CUDA): the group's ``CompiledMuonStep``;
     - otherwise: False, and ``Muon`` runs the eager reference.
     """
-    ns = getattr(opt, "ns")
+    ns = opt.ns
     if torch.compiler.is_compiling():
         _install_pass_while_tracing()
         return False  # Muon's eager reference is traced into the user's graph; the pass rewrites it

@@ -70,7 +70,7 @@ def register_torch_logs() -> None:
         from torch._logging import _internal
 
         _internal.register_log(_TORCH_LOGS_NAME, logger.name)
-    except Exception:  # pragma: no cover - private API; logging stays usable via logging.getLogger
+    except Exception:  # noqa: BLE001 - private API; logging stays usable via logging.getLogger
         logger.debug("could not register the 'dmuon' TORCH_LOGS alias")
         return
     # TORCH_LOGS set in-process after `import torch` (tests, notebooks): torch parsed it once at
@@ -80,5 +80,5 @@ def register_torch_logs() -> None:
     if mentions and logger.level == logging.NOTSET and "torch._logging" in sys.modules:
         try:
             _internal._init_logs()
-        except Exception as exc:  # pragma: no cover - an invalid TORCH_LOGS elsewhere
+        except Exception as exc:  # noqa: BLE001 - an invalid TORCH_LOGS elsewhere must not break import
             logger.warning("TORCH_LOGS=%r could not be applied: %s", setting, exc)

@@ -13,8 +13,6 @@ Example::
     >>> fn = torch.compile(step, fullgraph=True, options=compile_options())  # doctest: +SKIP
 """
 
-from dmuon_compile import kernels as _kernels  # noqa: F401  (registers torch.ops.dmuon.*)
-from dmuon_compile.log import register_torch_logs
 from dmuon_compile.passes.kernel_source import kernel_sources, register_kernel_source
 from dmuon_compile.passes.manager import (
     NSChainPass,
@@ -25,13 +23,16 @@ from dmuon_compile.passes.manager import (
 from dmuon_compile.passes.ns_rewrite import SUBPASSES, RewriteStats, rewrite_ns_chain
 from dmuon_compile.passes.symmetry import IDENTITY, SymmetryAnalysis
 
+from dmuon_compile import kernels as _kernels  # noqa: F401  (registers torch.ops.dmuon.*)
+from dmuon_compile.log import register_torch_logs
+
 register_torch_logs()
 
 __all__ = [
     "IDENTITY",
+    "SUBPASSES",
     "NSChainPass",
     "RewriteStats",
-    "SUBPASSES",
     "SymmetryAnalysis",
     "compile_options",
     "install_global_pass",

@@ -22,9 +22,8 @@ import sys
 from pathlib import Path
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
 from dmuon_compile.passes.ns_rewrite import SUBPASSES, RewriteStats, rewrite_ns_chain
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 log = logging.getLogger("dmuon_compile.passes")
 
@@ -35,7 +34,7 @@ _PASS_DIR = Path(__file__).resolve().parent
 
 
 def _kernel_dir() -> Path:
-    import dmuon_compile.kernels as kernels
+    from dmuon_compile import kernels
 
     return Path(kernels.__file__).resolve().parent
 
@@ -79,8 +78,10 @@ class NSChainPass(CustomGraphPass):
 
     def __init__(self, user_pass=None, *, subpasses=tuple(SUBPASSES), prove: bool = True) -> None:
         if isinstance(user_pass, NSChainPass):
-            raise ValueError("NSChainPass(user_pass=NSChainPass(...)) would run the rewrite twice; "
-                             "use wrap_pass(), which returns an existing NSChainPass unchanged")
+            raise ValueError(  # noqa: TRY004 - the type is fine, the nesting is the error
+                "NSChainPass(user_pass=NSChainPass(...)) would run the rewrite twice; "
+                "use wrap_pass(), which returns an existing NSChainPass unchanged"
+            )
         if user_pass is not None and not callable(user_pass):
             raise TypeError(f"user_pass must be callable (a CustomGraphPass), got {type(user_pass).__name__}")
         unknown = set(subpasses) - set(SUBPASSES)

@@ -31,9 +31,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from torch._dynamo.utils import counters
-from torch.fx import Graph, Node
-
 from dmuon_compile.passes import polynomial as P
 from dmuon_compile.passes.symmetry import (
     ADDMMS,
@@ -45,6 +42,8 @@ from dmuon_compile.passes.symmetry import (
     strip_noop_views,
     val,
 )
+from torch._dynamo.utils import counters
+from torch.fx import Graph, Node
 
 log = logging.getLogger("dmuon_compile.passes")
 aten = torch.ops.aten
@@ -312,7 +311,7 @@ class EpilogueFold:
         for (p_term, p, tp), (c_term, c, sc) in (terms, terms[::-1]):
             if not (isinstance(p, Node) and p.target == _sym_mm()):
                 continue
-            a, b, c_old, alpha, beta, gamma = p.args
+            a, b, c_old, alpha, _beta, gamma = p.args  # beta multiplies c_old, which is None
             if c_old is not None or _shape(c) != _shape(node) or _shape(p) != _shape(node):
                 continue
             if val(c).dtype != val(node).dtype or val(p).dtype != val(node).dtype:

@@ -37,9 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.fx import Node
-
 from dmuon_compile.passes import polynomial as P
+from torch.fx import Node
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -51,7 +50,6 @@ ADDMMS = {aten.addmm.default, aten.baddbmm.default}
 _SAME_VALUE = {  # ops whose output equals their (first) input as a matrix
     aten.clone.default,
     aten.alias.default,
-    aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default,
     prims.convert_element_type.default,
     aten._to_copy.default,
 }

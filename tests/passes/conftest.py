@@ -6,12 +6,11 @@ part of the key) and the tests assert that the pass ran.
 
 import logging
 
+import dmuon_compile.passes  # noqa: F401  (registers torch.ops.dmuon and the log name)
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
-
-import dmuon_compile.passes  # noqa: F401  (registers torch.ops.dmuon and the log name)
 
 
 @pytest.fixture(autouse=True)

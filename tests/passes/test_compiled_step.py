@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from dmuon_compile.passes import NSChainPass, compile_options
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
@@ -18,7 +19,6 @@ from torch.testing import FileCheck
 import dmuon_compile as dmuon
 from dmuon_compile.compiled_step import CompiledMuonStep, default_compile_options
 from dmuon_compile.newton_schulz import NewtonSchulz
-from dmuon_compile.passes import NSChainPass, compile_options
 
 
 def _count(code: str, pattern: str) -> int:
@@ -114,7 +114,7 @@ def test_compiled_step_equals_eager_step(shapes, work_dtype, backend, coefficien
     torch._dynamo.reset()
     ps_c, ps_e = _params(shapes, torch.float32, seed), _params(shapes, torch.float32, seed)
     ns = NewtonSchulz(backend=backend, kernel="cublas", coefficients=coefficients, work_dtype=work_dtype)
-    kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_backend=ns)
+    kw = {"lr": 0.02, "weight_decay": 0.1, "nesterov": nesterov, "ns_backend": ns}
     opt_c, opt_e = dmuon.Muon(ps_c, compile=True, **kw), dmuon.Muon(ps_e, compile=False, **kw)
     for step in range(2):
         _set_grads(ps_c, ps_e, seed + step)

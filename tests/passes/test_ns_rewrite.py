@@ -7,15 +7,15 @@ that maps an argument wrongly fails here even if the counts are right.
 import pytest
 import sympy
 import torch
+from dmuon_compile.passes import NSChainPass, SymmetryAnalysis, rewrite_ns_chain
+from dmuon_compile.passes import polynomial as P
+from dmuon_compile.passes.symmetry import is_gram_product
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dmuon_compile import coefficients as coeffs
 from dmuon_compile.newton_schulz import NewtonSchulz
-from dmuon_compile.passes import NSChainPass, SymmetryAnalysis, rewrite_ns_chain
-from dmuon_compile.passes import polynomial as P
-from dmuon_compile.passes.symmetry import is_gram_product
 
 aten = torch.ops.aten
 SYRK = torch.ops.dmuon.syrk.default
@@ -100,6 +100,23 @@ def test_non_symmetric_a_is_left_alone(trace):
     assert stats.rewrites["sym_mm"] + stats.rewrites["fold_epilogue"] >= 2
     for got, want in zip(gm(x), poly_of_gram(x)):
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+def test_provenance_survives_dtype_conversions(trace):
+    """bf16 chains computed with fp32 products add convert_element_type between the ops."""
+
+    def mixed(x):
+        xf = x.float()
+        a = (xf @ xf.T).to(torch.bfloat16)  # Gram in fp32, kept in bf16
+        b = torch.addmm(a, a, a, beta=-4.775, alpha=2.0315)
+        return torch.addmm(a.float(), b.float(), a.float(), beta=0.5)  # fp32 again: still a poly
+
+    x = (torch.randn(8, 24) / 24**0.5).to(torch.bfloat16)  # NS-like scale: |A| ~ 1
+    gm = trace(mixed, x)
+    stats = rewrite(gm)
+    assert stats.rewrites["syrk"] == 1 and stats.rewrites["sym_mm"] == 2
+    assert stats.proved == 2
+    torch.testing.assert_close(gm(x), mixed(x), atol=5e-2, rtol=5e-2)
 
 
 def test_symmetric_but_not_commuting_is_left_alone(trace):
@@ -198,7 +215,7 @@ def test_provenance_polynomial_is_the_composed_ns_polynomial(trace):
 def test_rewritten_graph_equals_original(backend, batch, m, aspect, dtype, table, transposed, seed):
     if backend == "gram" and dtype == torch.bfloat16:
         dtype = torch.float16  # Gram NS iterates in fp16 (ARCHITECTURE.md §3)
-    n = max(m, int(round(m * aspect)))
+    n = max(m, round(m * aspect))
     shape = ((batch,) if batch else ()) + ((n, m) if transposed else (m, n))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g)
