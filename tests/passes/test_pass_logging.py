@@ -64,6 +64,35 @@ def test_torch_logs_module_name_works_from_the_environment():
     assert "rewrite mm = mm(x_1, x_1ᵀ) -> dmuon.syrk(x_1" in out.stderr
 
 
+def test_torch_logs_plus_dmuon_works_through_the_torch_backends_entry_point(tmp_path):
+    """The entry point the package declares (``torch.backends``: ``dmuon_logs =
+    dmuon_compile.log:register_torch_logs``) registers the name inside ``import torch``, before
+    torch parses ``TORCH_LOGS``. Simulated with a throw-away dist-info on ``PYTHONPATH``."""
+    dist = tmp_path / "dmuon_logs_probe-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dmuon_logs_probe\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[torch.backends]\ndmuon_logs = dmuon_compile.log:register_torch_logs\n")
+    code = (
+        "import torch, dmuon_compile.passes as p\n"
+        "from torch.fx.experimental.proxy_tensor import make_fx\n"
+        "gm = make_fx(lambda x: x @ x.T, tracing_mode='fake')(torch.randn(4, 6))\n"
+        "p.NSChainPass()(gm.graph)\n"
+    )
+    base = dict(os.environ, TORCH_LOGS="+dmuon")
+    base.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    with_ep = dict(base, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), base.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], env=with_ep, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "-> dmuon.syrk(x_1" in out.stderr
+    # without any registration torch rejects the name at import (why the entry point exists)
+    bare = dict(base, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    out = subprocess.run([sys.executable, "-c", "import torch"], env=bare, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode != 0 and "Invalid log settings" in out.stderr
+
+
 def test_kernel_sources_are_logged_for_cuda_graphs(trace, dmuon_records):
     src = "@triton.jit\ndef probe_kernel(x_ptr):\n    pass  # dmuon test probe\n"
     register_kernel_source("probe_kernel", src)
