@@ -78,6 +78,7 @@ class DedicatedRuntime:
         self._sync: bool | None = None
         self._reducing: list[DedicatedGroup] = []
         self._order_frozen = False  # forward_order is complete once a backward has run
+        self._last_done = False  # the last group of a forward ran since the first group did
         self.handles: list = []
         for group in groups:
             group.record_profile = record_profile
@@ -111,13 +112,17 @@ class DedicatedRuntime:
         return self.forward_order[j] if 0 <= j < len(self.forward_order) else None
 
     def _pre_forward(self, group: DedicatedGroup) -> None:
-        if self.forward_order and group is self.forward_order[0] and not _in_backward():
-            # A new forward: forget a backward that raised before its end-callback ran, and drop
-            # copies a forward without backward left unsharded (weights may have changed since).
+        if not _in_backward():
+            # No backward is running, so none can be pending: forget one that raised before
+            # its end-callback ran.
             self._backward_queued, self._sync = False, None
-            for g in self.groups:
-                if g.state == UNSHARDED:
-                    g.reshard()
+            if self._last_done and group is self.forward_order[0]:
+                # A new forward after a complete one that had no backward (or kept its last
+                # group): drop the unsharded copies, the weights may have changed since.
+                self._last_done = False
+                for g in self.groups:
+                    if g.state == UNSHARDED:
+                        g.reshard()
         if id(group) not in self._index:
             self._index[id(group)] = len(self.forward_order)
             self.forward_order.append(group)
@@ -127,6 +132,8 @@ class DedicatedRuntime:
             nxt.unshard(prefetch=True)
 
     def _post_forward(self, group: DedicatedGroup, output) -> None:
+        if self._order_frozen and group is self.forward_order[-1] and not _in_backward():
+            self._last_done = True
         if not torch.is_grad_enabled():
             group.reshard()  # no backward follows (eval): never keep weights a step could stale
             return
@@ -177,6 +184,7 @@ class DedicatedRuntime:
 
     def _post_backward(self) -> None:
         self._backward_queued = False
+        self._last_done = False  # everything below is resharded anyway
         self._order_frozen = bool(self.forward_order)
         self._reducing = []
         sync = self._sync
