@@ -258,7 +258,9 @@ def run_group_step(opt, group: dict, params, grads, bufs) -> bool:
     if not compile_enabled(getattr(opt, "compile", None), params):
         return False
     steps = opt.__dict__.setdefault("_dmuon_compiled_steps", {})
-    key = id(group)
+    # Keyed by the group's position: load_state_dict() replaces the group dicts, and a new
+    # CompiledMuonStep would compile the same graph again.
+    key = next(i for i, g in enumerate(opt.param_groups) if g is group)
     step = steps.get(key)
     if step is None or step.ns is not ns:
         step = CompiledMuonStep(ns, mode=getattr(opt, "compile_mode", None))

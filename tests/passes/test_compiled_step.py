@@ -149,6 +149,13 @@ def test_lr_schedule_never_recompiles_and_no_graph_breaks():
     assert counters["stats"]["unique_graphs"] == 1  # zero recompiles over 19 more steps
     (compiled,) = opts[0]._dmuon_compiled_steps.values()
     assert compiled.calls == 20  # ... and every step ran the compiled graph, not eager
+    # a checkpoint round trip (new group dicts, new momentum tensors) does not recompile either
+    for o in opts:
+        o.load_state_dict(o.state_dict())
+    _set_grads(ps_c, ps_e, 99)
+    for o in opts:
+        o.step()
+    assert counters["stats"]["unique_graphs"] == 1 and compiled.calls == 21
     assert sum(counters["graph_break"].values()) == 0
     for p, q in zip(ps_c, ps_e):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
