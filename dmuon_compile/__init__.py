@@ -28,6 +28,11 @@ from dmuon_compile.newton_schulz import (  # noqa: E402
     matrix_view,
 )
 from dmuon_compile.optimizer import Muon, default_muon_predicate  # noqa: E402
+from dmuon_compile.kernels.consistency import check_ns_backend_consistent  # noqa: E402
+from dmuon_compile.distributed.checkpoint import (  # noqa: E402
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from dmuon_compile.distributed import (  # noqa: E402
     MixedPrecision,
     ParamPolicy,
@@ -49,9 +54,12 @@ __all__ = [
     "summarize_comm_plan",
     "summarize_param_groups",
     "wait_all_replicate_broadcasts",
+    "check_ns_backend_consistent",
     "coefficients",
     "default_muon_predicate",
+    "get_model_state_dict",
     "get_ns_backend",
+    "set_model_state_dict",
     "lr_scale",
     "matrix_view",
 ]

@@ -23,6 +23,7 @@ from dmuon_compile.distributed import _fsdp_compat, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._runtime import DedicatedRuntime
+from dmuon_compile.distributed.checkpoint import install_state_dict_warning
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
 from dmuon_compile.distributed.policy import resolve_dtypes
 from dmuon_compile.log import env_flag
@@ -213,6 +214,7 @@ def dedicate_params(
         groups.append(g)
     runtime = DedicatedRuntime(model, plan, params, groups, mesh, rank, world, record, replicate_mesh)
     setattr(model, PLAN_ATTR, runtime)
+    install_state_dict_warning(model)
     return owners
 
 
