@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -75,7 +76,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_si
         if value <= 0:
             parser.error(f"{flag} must be > 0, got {value}")
     for flag, value in {"--lr": args.lr, "--adamw-lr": args.adamw_lr, "--corpus-mb": args.corpus_mb}.items():
-        if not value > 0 or value != value or value == float("inf"):
+        if not (math.isfinite(value) and value > 0):
             parser.error(f"{flag} must be a finite number > 0, got {value}")
     if args.d_model % args.heads:
         parser.error(

@@ -72,15 +72,15 @@ class PhaseTimer:
 
 
 def format_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
+    seconds = max(0, round(seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 class Progress:
     """A plain-text progress bar on rank 0.
 
-    On a TTY one line is rewritten in place (``\\r``); otherwise (logs, CI, pipes) a full line
-    is printed at every update.
+    On a TTY one line is rewritten in place (``\\r``) at every update; otherwise (logs, CI,
+    pipes) a full line is printed about every 5% of the run, at every validation and at the end.
     """
 
     def __init__(self, label: str, total: int, enabled: bool = True, stream=None, width: int = 24):
@@ -92,12 +92,16 @@ class Progress:
         self.width = width
         self.start = time.perf_counter()
         self._last_len = 0
+        self._last_printed = -1
 
     def update(self, step: int, train_loss: float | None, val_loss: float | None, tokens_per_s: float) -> None:
         if not self.enabled:
             return
+        if not self.tty and val_loss is None and step < self.total and step - self._last_printed < self.total / 20:
+            return
+        self._last_printed = step
         frac = step / self.total if self.total else 1.0
-        filled = int(round(frac * self.width))
+        filled = round(frac * self.width)
         bar = "#" * filled + "-" * (self.width - filled)
         elapsed = time.perf_counter() - self.start
         eta = elapsed / frac - elapsed if frac > 0 else 0.0

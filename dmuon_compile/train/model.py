@@ -136,7 +136,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, idx: Tensor) -> Tensor:
-        b, t = idx.shape
+        t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=idx.device)

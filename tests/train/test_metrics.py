@@ -103,3 +103,14 @@ def test_breakdown_adds_explicit_comm_but_not_profile_waits():
         assert _ms(text, "forward") == 10.0 and _ms(text, "backward") == 20.0
         assert _ms(text, "optimizer step") == 5.0
     assert "no timed steps" in metrics.breakdown_table("x", totals, 0, 0.0, "none", "")
+
+
+def test_progress_without_tty_prints_about_every_five_percent():
+    plain = io.StringIO()
+    bar = metrics.Progress("dmuon", 200, stream=plain)
+    for step in range(1, 201):
+        bar.update(step, 2.0, 1.5 if step == 33 else None, 100.0)
+    lines = plain.getvalue().splitlines()
+    assert 20 <= len(lines) <= 23  # every 10 steps, plus the validation at step 33
+    assert any("33/200" in line and "val 1.5000" in line for line in lines)
+    assert "200/200" in lines[-1]

@@ -55,3 +55,14 @@ def test_same_seed_same_weights():
     a, b = _model(), _model()
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert na == nb and torch.equal(pa, pb)
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    from dmuon_compile.train.loop import lr_lambda
+
+    f = lr_lambda(100)
+    values = [f(s) for s in range(100)]
+    assert values[0] == pytest.approx(0.2) and max(values) == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(values[:5], values[1:5]))
+    assert all(a >= b for a, b in zip(values[5:], values[6:]))
+    assert values[-1] == pytest.approx(0.1, abs=0.01) and min(values) >= 0.1 - 1e-9
