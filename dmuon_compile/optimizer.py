@@ -256,7 +256,29 @@ class Muon(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step; returns ``closure()``'s loss when a closure is given."""
+        """One optimizer step; returns ``closure()``'s loss when a closure is given.
+
+        HSDP (``dedicate_params(..., replicate_mesh=...)``, optimizer built as ``Muon(model)``):
+        the step first waits for replicate broadcasts an earlier step left in flight (so two
+        ``step()`` calls without a forward in between are safe), and ends — also when it
+        skips or raises — by publishing the new dedicated weights to the other replicas:
+        left in flight with ``replicate_async=True`` (waited for in the next forward), waited
+        for here with ``False``. ``dmuon.wait_all_replicate_broadcasts(model)`` drains them.
+
+        Example::
+
+            opt.step(); opt.step()  # safe: the second step drains the first one's publish
+        """
+        runtime = _replicated_runtime(self.model)
+        if runtime is None:
+            return self._step(closure)
+        runtime.before_step()
+        try:
+            return self._step(closure)
+        finally:
+            runtime.after_step(self.replicate_async)
+
+    def _step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -302,6 +324,14 @@ class Muon(torch.optim.Optimizer):
             lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], ns=self.ns, adjust_lr_fn=group["adjust_lr_fn"],
         )
+
+
+def _replicated_runtime(model: nn.Module | None):
+    """The HSDP runtime ``dedicate_params`` attached to ``model`` (``None`` without HSDP)."""
+    from dmuon_compile.dedicated_registry import PLAN_ATTR
+
+    runtime = getattr(model, PLAN_ATTR, None) if model is not None else None
+    return runtime if getattr(runtime, "replicated", False) else None
 
 
 def _local(t: Tensor) -> Tensor:

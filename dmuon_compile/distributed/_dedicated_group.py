@@ -12,6 +12,10 @@ contiguous (its *chunk*). Two collective shapes move the chunks, chosen per grou
 
 Every collective is async; its ``Work`` is kept and waited on only when the data is needed
 (forward pre-hook of the group, end of backward).
+
+With HSDP the group has a ``replicate`` stage (``_replicate.py``): the owner-chunk gradient
+sums go on to the global owner over the replicate group, and ``unshard`` first waits for the
+replicate broadcast that refreshed this rank's weights after the last step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import Tensor, nn
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.distributed._replicate import ReplicateStage
 
 # Padding above this fraction of the group's bytes makes the group use broadcast/reduce.
 MAX_GATHER_PADDING = 0.25
@@ -42,6 +47,16 @@ class GroupProfile:
     bytes_received: int = 0
     reduces: int = 0
     bytes_reduced: int = 0
+    # HSDP replicate stage
+    replicate_reduces: int = 0  # reduces to global owners (one per replica owner and backward)
+    replicate_bytes_reduced: int = 0
+    publishes: int = 0  # post-step publishes of this group (each = one broadcast per root)
+    publish_broadcasts: int = 0
+    publish_bytes: int = 0
+    publish_waits: int = 0  # forwards that waited for this group's publish
+    publish_not_ready: int = 0  # ... and found it not finished yet (the wait was exposed)
+    publish_wait_s: float = 0.0  # host time in those waits (blocking on gloo; ~0 on CUDA)
+    publish_stall_s: float = 0.0  # CUDA: compute-stream stall at those waits (events)
 
 
 @dataclass(eq=False)
@@ -67,11 +82,13 @@ class DedicatedGroup:
     profile: GroupProfile = field(default_factory=GroupProfile)
     record_profile: bool = False
     stall_events: list = field(default_factory=list)  # CUDA event pairs around forward waits
+    replicate: ReplicateStage | None = None  # HSDP replicate stage (None in 1-D)
 
     # ------------------------------------------------------------------ layout
     def build(self) -> None:
         """Order params by owner, choose the collective shape, allocate and bind the buffer."""
-        self.params.sort(key=lambda p: p.owner)  # stable: plan order within an owner
+        # Stable: plan order within an owner; HSDP: each replica owner's matrices contiguous.
+        self.params.sort(key=lambda p: (p.owner, p.replica_owner))
         self.chunk_numel = [0] * self.world
         for p in self.params:
             p.offset = self.chunk_numel[p.owner]  # relative to the owner's chunk for now
@@ -119,6 +136,8 @@ class DedicatedGroup:
         """Issue the collectives that fill the buffer from the owners (no wait)."""
         if self.state != SHARDED:
             return
+        if self.replicate is not None:  # the weights this rank sends must be the published ones
+            self.replicate.wait_publish(self.profile if self.record_profile else None)
         self._alloc()
         flat = self.flat
         own = self.params_of(self.rank)
@@ -126,7 +145,7 @@ class DedicatedGroup:
             send = torch.zeros(self.padded_chunk, dtype=self.compute_dtype, device=self.device)
             for p in own:
                 start = p.offset - self.chunk_base[self.rank]
-                send[start : start + p.numel].copy_(p.master.detach().reshape(-1))
+                send[start : start + p.numel].copy_(p.source.detach().reshape(-1))
             self.works = [C.all_gather(flat, send, self.pg)]
             self._keepalive = send
         else:
@@ -135,7 +154,7 @@ class DedicatedGroup:
                 chunk = flat[self.chunk_base[owner] : self.chunk_base[owner] + self.chunk_numel[owner]]
                 if owner == self.rank:
                     for p in own:
-                        flat[p.offset : p.offset + p.numel].copy_(p.master.detach().reshape(-1))
+                        flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
                 self.works.append(C.broadcast(chunk, owner, self.pg))
         self.state = UNSHARDING
         if self.record_profile:
@@ -175,6 +194,8 @@ class DedicatedGroup:
         for before, after in self.stall_events:
             self.profile.stream_stall_s += before.elapsed_time(after) / 1e3
         self.stall_events.clear()
+        if self.replicate is not None:
+            self.replicate.collect_stalls(self.profile)
 
     def reshard(self) -> None:
         """Free the buffer (after waiting for anything still writing into it)."""
@@ -215,10 +236,21 @@ class DedicatedGroup:
 
     @torch.no_grad()
     def finish_reduce(self) -> None:
-        """Wait for the reduces; the owner's masters get the averaged gradient (accumulated)."""
+        """Wait for the reduces; the owner's masters get the averaged gradient (accumulated).
+
+        HSDP: the owner column's sums go on to the global owner (``ReplicateStage.reduce``,
+        async; :meth:`drain` waits for it).
+        """
         for works, out, base, _keep in self.pending_reduce:
             for w in works:
                 w.wait()
+            if self.replicate is not None:
+                start = self.chunk_base[self.rank] - base
+                column = out[start : start + self.chunk_numel[self.rank]]
+                if self.mode == "broadcast":
+                    column = column.clone()  # do not keep the whole group's buffer alive
+                self.replicate.reduce(column, self.profile if self.record_profile else None)
+                continue
             for p in self.params_of(self.rank):
                 start = p.offset - base
                 g = out[start : start + p.numel].view(p.shape).to(p.master.dtype, copy=True)
@@ -230,10 +262,12 @@ class DedicatedGroup:
         self.pending_reduce.clear()
 
     def drain(self) -> None:
-        """Wait for every collective in flight (unshard and reduce); leaves state consistent."""
+        """Wait for every collective in flight (unshard, reduce, HSDP replicate stage)."""
         if self.state == UNSHARDING:
             self.wait_unshard()
         self.finish_reduce()
+        if self.replicate is not None:
+            self.replicate.drain()
 
 
 def _is_done(work) -> bool:

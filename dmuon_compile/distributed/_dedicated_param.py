@@ -11,6 +11,13 @@
 
 The parameter is removed from ``module._parameters`` so that ``fully_shard`` (which collects
 ``module.named_parameters(recurse=False)``) never sees it.
+
+HSDP (replicate × shard): ``owner`` is the shard rank of the *owner column* (that shard
+coordinate in every replica) and ``replica_owner`` the replica whose column member is the
+*global owner*. Only the global owner has ``master`` (one Newton–Schulz per matrix in the job);
+the other column members keep ``replica``, a plain copy that the replicate broadcast refreshes
+after each step. ``source`` is whichever of the two this rank holds: what it sends when its
+shard group unshards the matrix.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ class DedicatedParam:
     fqn: str
     module: nn.Module
     attr: str
-    owner: int  # rank within the shard group
+    owner: int  # rank within the shard group (HSDP: the owner column)
     shape: torch.Size
     orig_dtype: torch.dtype
     compute_dtype: torch.dtype
@@ -34,6 +41,13 @@ class DedicatedParam:
     unsharded: Tensor | None = None
     offset: int = 0  # element offset inside the group's flat buffer
     hook_handles: list = field(default_factory=list)
+    replica_owner: int = 0  # HSDP: replicate rank of the global owner
+    replica: Tensor | None = None  # HSDP: the non-owning column members' copy of the weight
+
+    @property
+    def source(self) -> Tensor | None:
+        """The whole weight this rank holds (master or replica), ``None`` off the owner column."""
+        return self.master if self.master is not None else self.replica
 
     @property
     def numel(self) -> int:

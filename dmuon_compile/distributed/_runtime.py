@@ -17,6 +17,18 @@ end of backward       (autograd callback) wait all reduces: each owner's master 
 Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
                       reads the new masters, which publishes them
 
+HSDP adds the replicate stage (``_replicate.py``): the reduce to owners continues over the
+replicate group to the global owner, and ``Muon.step`` ends with :meth:`publish`, the global
+owners' broadcast of their new weights to their replicate peers. ``Muon(replicate_async=True)``
+(default) leaves it in flight; each group waits for its part right before its next unshard
+(forward pre-hook, or the prefetch issued from the previous group's pre-hook).
+``replicate_async=False`` waits inside ``step()``. A step drains what an earlier step left in
+flight before it touches a weight, so two ``step()`` calls without a forward are safe. When the
+weights were updated by something other than ``Muon(model).step`` (another optimizer, a
+parameter-list ``Muon``), the first forward after a synchronising backward publishes instead.
+Every rank issues these collectives in the same order (groups in plan order, roots ascending):
+no per-rank-different branch or compiled graph decides about a collective.
+
 With gradient sync off (``FSDPModule.set_requires_gradient_sync(False)``) the reduce is
 skipped: local gradients accumulate on the unsharded leaves and are reduced on the sync step.
 """
@@ -80,6 +92,8 @@ class DedicatedRuntime:
         self._order_frozen = False  # forward_order is complete once a backward has run
         self._last_done = False  # the last group of a forward ran since the first group did
         self.handles: list = []
+        self.replicated = any(g.replicate is not None for g in groups)
+        self._publish_due = False  # a synchronising backward ran and nothing published since
         for group in groups:
             group.record_profile = record_profile
             self._install(group)
@@ -116,6 +130,8 @@ class DedicatedRuntime:
             # No backward is running, so none can be pending: forget one that raised before
             # its end-callback ran.
             self._backward_queued, self._sync = False, None
+            if self._publish_due:  # weights changed by something other than Muon(model).step
+                self.publish(wait=False)
             if self._last_done and group is self.forward_order[0]:
                 # A new forward after a complete one that had no backward (or kept its last
                 # group): drop the unsharded copies, the weights may have changed since.
@@ -195,6 +211,48 @@ class DedicatedRuntime:
             group.drain()
             if group.state == UNSHARDED or group.reshard_after_forward is False:
                 group.reshard()
+        if sync and self.replicated:
+            self._publish_due = True
+
+    # ------------------------------------------------------------------ HSDP publish
+    @torch.compiler.disable  # eager and identical on every rank, even under a compiled step
+    def publish(self, wait: bool = False) -> None:
+        """Issue every group's replicate broadcast (global owners → replicate peers).
+
+        ``wait=False`` keeps the works; each group waits for its own right before its next
+        unshard. A publish still in flight is drained first. No-op without HSDP.
+        """
+        for group in self.groups:
+            if group.replicate is not None:
+                group.replicate.publish(group.profile if self.record_profile else None)
+        self._publish_due = False
+        if wait:
+            self.wait_publish()
+
+    def wait_publish(self) -> None:
+        """Wait for every replicate broadcast in flight (no profile entry: not a forward wait)."""
+        for group in self.groups:
+            if group.replicate is not None:
+                group.replicate.wait_publish()
+
+    @torch.compiler.disable
+    def before_step(self) -> None:
+        """Called by ``Muon.step`` first: the masters are a broadcast source until it finished."""
+        self.wait_publish()
+
+    @torch.compiler.disable
+    def after_step(self, replicate_async: bool = True) -> None:
+        """Called by ``Muon.step`` last (also when it raised or skipped): publish the weights."""
+        self.publish(wait=not replicate_async)
+
+    def pending_collectives(self) -> int:
+        """Collectives still in flight (unshard, reduce, replicate); 0 after :meth:`wait_all`."""
+        n = 0
+        for g in self.groups:
+            n += len(g.works) + sum(len(w) for w, *_ in g.pending_reduce)
+            if g.replicate is not None:
+                n += g.replicate.pending()
+        return n
 
     # ------------------------------------------------------------------ draining
     def wait_all(self) -> None:

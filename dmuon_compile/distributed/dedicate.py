@@ -7,6 +7,11 @@ a plain leaf tensor under the same attribute name (``module.weight``), so the mo
 code runs unchanged and the user's plain ``fully_shard(block); fully_shard(model)`` calls (made
 afterwards, the seed's order) never see it. The parameter object itself becomes the owner's
 master copy (non-owners drop their copy) and is what ``dmuon.Muon(model)`` optimises.
+
+HSDP (``replicate_mesh`` of size R > 1 next to the shard mesh of size S): the plan balances the
+owners over all R × S ranks, so every matrix has exactly one global owner and Newton–Schulz
+runs once per matrix in the whole job; the owner's shard coordinate in the other replicas keeps
+a copy that the replicate broadcast refreshes after each step (see ``_replicate.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
 from dmuon_compile.distributed.checkpoint import install_state_dict_warning
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
@@ -77,13 +83,14 @@ def _boundary_module(model: nn.Module, fqn: str, hook_boundary_predicate, layer_
     return parent, model.get_submodule(parent)
 
 
-def _check_plan_identical(plan, pg, device, rank: int) -> None:
+def _check_plan_identical(plan, pg, device, rank: int, axis: str = "shard") -> None:
     digests = C.all_gather_digests(plan.digest(), pg, device)
     if len(set(digests)) != 1:
         differing = [r for r, d in enumerate(digests) if d != digests[0]]
         raise RuntimeError(
-            f"dedicate_params: the owner plan differs across ranks (rank {rank}: {digests[rank][:12]}; "
-            f"ranks {differing} differ from rank 0: {digests[0][:12]}). A plan mismatch would hang "
+            f"dedicate_params: the owner plan differs across ranks of the {axis} group (rank {rank}: "
+            f"{digests[rank][:12]}; ranks {differing} differ from rank 0: {digests[0][:12]}). A plan "
+            "mismatch would hang "
             "the first collective, so this stops here. Fix: build the same model on every rank "
             "and pass the same predicate / layer_id_fn / hook_boundary_predicate / param_policy "
             "everywhere (no rank-dependent logic in them)."
@@ -116,7 +123,12 @@ def dedicate_params(
         compute_dtype: legacy name of ``param_policy.defaults.param_dtype``.
         param_policy: object with ``.defaults.param_dtype`` (and optional ``.reduce_dtype``),
             e.g. ``dmuon.ParamPolicy``; ``None`` inherits each parameter's dtype.
-        replicate_mesh: HSDP replicate mesh (``hsdp["replicate"]``); validated.
+        replicate_mesh: HSDP replicate mesh (``hsdp["replicate"]``, with ``mesh=hsdp["shard"]``).
+            Owners are then spread over all replicate × shard ranks; gradients are reduced over
+            the shard group to the owner's column, then over the replicate group to the one
+            global owner (averaged over shard × replicate); after ``Muon.step`` the owner
+            broadcasts the new weight to its replicate peers — asynchronously, waited for in
+            the next forward, with ``Muon(replicate_async=True)`` (default).
         hook_boundary_predicate: ``(module_name, module) -> bool`` picks the modules whose
             forward hooks move the weights (nearest matching ancestor of each parameter).
             Default: the layer module (``layers.N``...) or the parameter module's parent.
@@ -125,7 +137,8 @@ def dedicate_params(
             gather them again in backward); ``False`` keeps them until the end of backward.
 
     Returns:
-        ``{fqn: owner rank}`` for every dedicated parameter (ranks of ``mesh``).
+        ``{fqn: owner rank}`` for every dedicated parameter: ranks of ``mesh``; with HSDP the
+        global owner ``replicate_rank * shard_size + shard_rank`` (its rank in the 2-D mesh).
 
     Example::
 
@@ -135,6 +148,15 @@ def dedicate_params(
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = dmuon.Muon(model, lr=0.02)
+
+    HSDP (2 replicas of 4-rank shard groups on 8 GPUs)::
+
+        hsdp = init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))
+        dmuon.dedicate_params(model, hsdp["shard"], replicate_mesh=hsdp["replicate"])
+        for block in model.layers:
+            fully_shard(block, mesh=hsdp)
+        fully_shard(model, mesh=hsdp)
+        opt = dmuon.Muon(model, lr=0.02)  # replicate_async=True: publish overlaps the next forward
     """
     if getattr(model, PLAN_ATTR, None) is not None:
         raise RuntimeError("dedicate_params was already called on this model (call it once)")
@@ -145,11 +167,6 @@ def dedicate_params(
             "dedicate_params must run before fully_shard (FSDP2 already owns this model's "
             "parameters). Order: parallelize_module (TP, optional) → dmuon.dedicate_params → "
             "fully_shard(blocks) → fully_shard(model) → dmuon.Muon(model)."
-        )
-    if replicate_mesh is not None and replicate_mesh.size() > 1:
-        raise NotImplementedError(
-            "dedicate_params: the HSDP runtime (replicate_mesh of size > 1) is not implemented yet; "
-            "use a 1-D mesh (fully_shard over all ranks) meanwhile."
         )
 
     module_of = {}
@@ -174,31 +191,42 @@ def dedicate_params(
 
     pg = mesh.get_group()
     rank, world = mesh.get_local_rank(), mesh.size()
+    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    rep_pg = replicate_mesh.get_group() if replicas > 1 else None
+    rep_rank = replicate_mesh.get_local_rank() if replicas > 1 else 0
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     specs = [MatrixSpec(n, tuple(p.shape), p.element_size()) for n, p in selected]
-    plan = plan_owners(specs, world, layer_id_fn=layer_id_fn)
+    plan = plan_owners(specs, replicas * world, layer_id_fn=layer_id_fn)
+    plan.replicate_size = replicas
     _check_plan_identical(plan, pg, device, rank)
+    if rep_pg is not None:  # shard groups and replicate groups together connect every rank
+        _check_plan_identical(plan, rep_pg, device, rep_rank, axis="replicate")
     owners = plan.owners()
 
     record = env_flag(PROFILE_ENV, False)
     params: list[DedicatedParam] = []
     grouped: dict[tuple, list[DedicatedParam]] = {}
     group_module: dict[tuple, tuple[str, nn.Module]] = {}
+    column_values: dict[str, Tensor] = {}  # HSDP: initial weights of this rank's owner column
     for name, p in selected:
         module = module_of[id(p)][0]
         attr = name.rsplit(".", 1)[-1]
         param_dtype, reduce_dtype = resolve_dtypes(p.dtype, param_policy, compute_dtype)
-        dp = DedicatedParam(name, module, attr, owners[name], p.shape, p.dtype, param_dtype)
+        rep_owner, owner = divmod(owners[name], world)
+        dp = DedicatedParam(name, module, attr, owner, p.shape, p.dtype, param_dtype, replica_owner=rep_owner)
         del module._parameters[attr]
-        if dp.owner == rank:
+        if owner == rank:
             if p.device != device:
                 p.data = p.data.to(device)
-            dp.master = p
-        else:
+            if replicas > 1:
+                column_values[name] = p.detach()
+            if rep_owner == rep_rank:
+                dp.master = p
+        if dp.master is None:
             p.data = torch.empty(0, dtype=p.dtype, device=device)  # free the non-owner copy
         params.append(dp)
         path, bmod = _boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
-        key = (path, param_dtype, reduce_dtype)
+        key = (path, param_dtype, reduce_dtype, p.dtype)  # one weight dtype per replicate buffer
         grouped.setdefault(key, []).append(dp)
         group_module[key] = (path, bmod)
 
@@ -208,10 +236,18 @@ def dedicate_params(
         label = path or "<root>"
         if sum(1 for k in grouped if k[0] == path) > 1:
             label = f"{label}[{key[1]}]"
+            if sum(1 for k in grouped if k[:2] == key[:2]) > 1:
+                label = f"{label[:-1]}, weights {key[3]}]"
         g = DedicatedGroup(label, bmod, members, rank, world, pg, device, key[1], key[2],
                            reshard_after_forward=reshard_after_forward)
         g.build()
+        if rep_pg is not None:
+            g.replicate = ReplicateStage(g.params_of(rank), rep_rank, replicas, world, rep_pg, device, key[3])
+            g.replicate.build(column_values)
+            g.replicate.publish()  # the global owner's initial weights are the truth everywhere
+            g.replicate.wait_publish()
         groups.append(g)
+    column_values.clear()
     runtime = DedicatedRuntime(model, plan, params, groups, mesh, rank, world, record, replicate_mesh)
     setattr(model, PLAN_ATTR, runtime)
     install_state_dict_warning(model)

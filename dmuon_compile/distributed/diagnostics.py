@@ -42,7 +42,9 @@ def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
             params.append({
                 "name": dp.fqn, "route": "dedicated/muon", "shape": list(dp.shape),
                 "dtype": _dtype(dp.orig_dtype), "compute_dtype": _dtype(dp.compute_dtype),
-                "owner": dp.owner, "owned_here": dp.owner == rank, "bytes": nbytes,
+                "owner": dp.owner, "replica_owner": dp.replica_owner,
+                "owned_here": dp.master is not None, "replica_here": dp.replica is not None,
+                "bytes": nbytes,
                 "in_optimizer": in_opt.get(id(dp.master)) if dp.master is not None else None,
             })
     for name, p in model.named_parameters():
@@ -67,6 +69,11 @@ def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
 
 def summarize_comm_plan(model: nn.Module) -> dict:
     """The planned collectives per hook group: mode, owners, bytes per owner, padding.
+
+    Owners in ``bytes_per_owner``/``unshard``/``reduce`` are ranks of the shard group (HSDP:
+    owner columns). With HSDP, ``replicate`` describes the replicate stage of this rank's
+    column: per group the gradient ``reduce`` and the post-step ``publish`` broadcasts, each
+    with its ``root`` (replicate rank of the global owner) and bytes, and the step's totals.
 
     Example::
 
@@ -94,6 +101,16 @@ def summarize_comm_plan(model: nn.Module) -> dict:
             "unshard": unshard, "reduce": reduce,
             "reshard_after_forward": g.reshard_after_forward,
         })
+        if g.replicate is not None:
+            rs = g.replicate
+            rep_item = torch.empty((), dtype=g.reduce_dtype).element_size()
+            groups[-1]["replicate"] = {
+                "column_params": [p.fqn for p in rs.params],
+                "owned_here": [p.fqn for p in rs.params if p.master is not None],
+                "reduce": [{"op": "reduce", "root": s.root, "bytes": s.numel * rep_item} for s in rs.segments],
+                "publish": [{"op": "broadcast", "root": s.root, "bytes": s.numel * rs.element_size}
+                            for s in rs.segments],
+            }
     plan = runtime.plan
     return {
         "dedicated": True, "rank": runtime.rank, "world_size": runtime.world,
@@ -101,8 +118,26 @@ def summarize_comm_plan(model: nn.Module) -> dict:
         "ns_flops_per_owner": {str(r): v for r, v in enumerate(plan.ns_loads())},
         "bytes_per_owner": {str(r): v for r, v in enumerate(plan.byte_loads())},
         "forward_order": [g.name for g in runtime.forward_order],
-        "replicate": None if runtime.replicate_mesh is None else {"size": runtime.replicate_mesh.size()},
+        "replicate": _replicate_summary(runtime, groups),
         "groups": groups,
+    }
+
+
+def _replicate_summary(runtime, groups: list[dict]) -> dict | None:
+    if runtime.replicate_mesh is None:
+        return None
+    size = runtime.replicate_mesh.size()
+    if not runtime.replicated:
+        return {"size": size, "active": False}
+    stages = [g["replicate"] for g in groups if "replicate" in g]
+    return {
+        "size": size, "active": True, "shard_size": runtime.world,
+        "rank": runtime.replicate_mesh.get_local_rank(),
+        "owned_here": sum(len(s["owned_here"]) for s in stages),
+        "publish_broadcasts_per_step": sum(len(s["publish"]) for s in stages),
+        "publish_bytes_per_step": sum(b["bytes"] for s in stages for b in s["publish"]),
+        "reduce_bytes_per_step": sum(b["bytes"] for s in stages for b in s["reduce"]),
+        "roots": sorted({b["root"] for s in stages for b in s["publish"]}),
     }
 
 
@@ -118,6 +153,13 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = True) 
     events), bytes received, and the owner reduces issued with their bytes. Counters are
     cumulative since ``dedicate_params``.
 
+    HSDP adds the replicate stage: ``replicate_reduces``/``replicate_bytes_reduced`` (gradients
+    to global owners), ``publishes``/``publish_broadcasts``/``publish_bytes`` (post-step
+    broadcasts this rank joined), ``publish_waits`` (forward unshards that waited for one),
+    ``publish_not_ready`` (how many of those found the broadcast not finished yet: the part
+    the previous compute did not hide), ``publish_wait_s`` (host) and ``publish_stall_s`` (CUDA
+    stream stall, events).
+
     Example::
 
         profile = dmuon.collect_forward_unshard_profile(model, synchronize=True)
@@ -130,16 +172,19 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = True) 
     if not runtime.record_profile:
         return {"enabled": False, "reason": "set DMUON_RECORD_FORWARD_PROFILE=1 before dmuon.dedicate_params()"}
     groups = {}
-    total = {"unshards": 0, "prefetched": 0, "waits": 0, "found_ready": 0, "wait_s": 0.0,
-             "stream_stall_s": 0.0, "bytes_received": 0, "reduces": 0, "bytes_reduced": 0}
+    total = None
     for g in runtime.groups:
         if synchronize:
             g.collect_stalls()
         row = dict(vars(g.profile))
         groups[g.name] = row
+        total = dict.fromkeys(row, 0) if total is None else total
         for k in total:
             total[k] += row[k]
-    return {"enabled": True, "rank": runtime.rank, "groups": groups, "total": total}
+    out = {"enabled": True, "rank": runtime.rank, "groups": groups, "total": total or {}}
+    if runtime.replicated:
+        out["replicate_rank"] = runtime.replicate_mesh.get_local_rank()
+    return out
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
@@ -147,7 +192,9 @@ def wait_all_replicate_broadcasts(model: nn.Module) -> None:
 
     Safe at any point outside forward/backward (shutdown, checkpoint, evaluation, after an
     exception mid-forward); a no-op for a model without dedicated parameters. With HSDP it
-    also waits for the replicate broadcasts.
+    also waits for the replicate broadcasts ``Muon.step`` left in flight
+    (``replicate_async=True``) and for gradient reduces to global owners. Collective-free
+    itself: it only waits for work every rank has already issued.
 
     Example::
 

@@ -37,14 +37,18 @@ def check_shard_mesh(mesh) -> None:
         )
 
 
-def _root_names(mesh: DeviceMesh):
+def _root(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh ``mesh`` was sliced from (``None`` for a mesh built on its own)."""
     get_root = getattr(mesh, "_get_root_mesh", None)
     root = get_root() if callable(get_root) else None
-    return root.mesh_dim_names if root is not None and root is not mesh else None
+    return root if root is not None and root is not mesh else None
 
 
 def check_replicate_mesh(mesh: DeviceMesh, replicate_mesh) -> None:
-    """``replicate_mesh`` is ``hsdp["replicate"]`` of a 2-D ("replicate", "shard") mesh."""
+    """``replicate_mesh`` is ``hsdp["replicate"]`` and ``mesh`` is ``hsdp["shard"]`` of one 2-D
+    ``("replicate", "shard")`` mesh (a 3-D mesh whose first names are those, with TP last, also
+    passes); anything else raises the seed's error with the snippet that builds the right mesh.
+    """
     if replicate_mesh is None:
         return
     message = f"{HSDP_ERROR}: pass the two 1-D slices of such a mesh. Fix:\n{HSDP_SNIPPET}"
@@ -57,10 +61,16 @@ def check_replicate_mesh(mesh: DeviceMesh, replicate_mesh) -> None:
         )
     if mesh.mesh_dim_names != ("shard",):
         raise ValueError(f"{message}\n(mesh has names {mesh.mesh_dim_names}; expected ('shard',))")
-    for m in (mesh, replicate_mesh):
-        names = _root_names(m)
-        if names is not None and tuple(names)[-2:] != ("replicate", "shard") and "replicate" not in names:
-            raise ValueError(f"{message}\n(parent mesh names {names})")
+    rep_root, shard_root = _root(replicate_mesh), _root(mesh)
+    if rep_root is None or shard_root is None:
+        raise ValueError(
+            f"{message}\n(a 1-D mesh built on its own was passed; slice both from the 2-D mesh)"
+        )
+    if rep_root is not shard_root and rep_root != shard_root:
+        raise ValueError(f"{message}\n(mesh and replicate_mesh were sliced from different meshes)")
+    names = tuple(rep_root.mesh_dim_names or ())
+    if names[:2] != ("replicate", "shard"):
+        raise ValueError(f"{message}\n(parent mesh names {names or None})")
 
 
 def check_tp_params(named_params, shard_mesh: DeviceMesh) -> None:

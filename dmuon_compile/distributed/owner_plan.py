@@ -113,6 +113,24 @@ class OwnerPlan:
 
     world_size: int
     entries: list[PlanEntry] = field(default_factory=list)
+    # HSDP: owners are global indices ``replica * shard_size + shard`` over all
+    # ``replicate_size × shard_size`` ranks (``world_size`` is their product).
+    replicate_size: int = 1
+
+    @property
+    def shard_size(self) -> int:
+        return self.world_size // self.replicate_size
+
+    def placement(self, fqn: str) -> tuple[int, int]:
+        """``(replicate rank, shard rank)`` of the owner of ``fqn`` (HSDP; ``(0, owner)`` in 1-D).
+
+        >>> plan = plan_owners([MatrixSpec(f"layers.{i}.w", (8, 8)) for i in range(4)], 4)
+        >>> plan.replicate_size = 2
+        >>> sorted(plan.placement(f"layers.{i}.w") for i in range(4))
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+        """
+        owner = self.entry(fqn).owner
+        return owner // self.shard_size, owner % self.shard_size
 
     def owners(self) -> dict[str, int]:
         return {e.fqn: e.owner for e in self.entries}
@@ -157,14 +175,18 @@ class OwnerPlan:
             [e.fqn, list(e.shape), e.owner, e.layer, round(float(e.ns_flops), 3), e.bytes]
             for e in self.entries
         ]
-        return json.dumps({"world_size": self.world_size, "entries": rows}, sort_keys=True)
+        head = {"world_size": self.world_size, "entries": rows}
+        if self.replicate_size != 1:  # 1-D plans keep their digest
+            head["replicate_size"] = self.replicate_size
+        return json.dumps(head, sort_keys=True)
 
     def digest(self) -> str:
         """SHA-256 of :meth:`canonical`; equal on every rank iff the plans are equal."""
         return hashlib.sha256(self.canonical().encode()).hexdigest()
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, "entries": [asdict(e) for e in self.entries]}
+        return {"world_size": self.world_size, "replicate_size": self.replicate_size,
+                "entries": [asdict(e) for e in self.entries]}
 
 
 def ns_cost_fn(ns=None) -> Callable[[int, int], float]:

@@ -133,16 +133,18 @@ def _catching(rank, world_size, fn, *args):
 
 
 def full_state(model) -> dict:
-    """Every parameter whole: FSDP2 DTensors via full_tensor(), dedicated ones from their owner."""
+    """Every parameter whole: FSDP2 DTensors via full_tensor(), dedicated ones from their owner
+    (HSDP: from this shard group's member of the owner column, after draining the publish)."""
     import torch.distributed as dist
 
     from dmuon_compile.distributed import dedicated_runtime
 
     state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     runtime = dedicated_runtime(model)
+    runtime.wait_all()
     for dp in runtime.params:
         device = runtime.groups[0].device
-        buf = dp.master.detach().clone() if dp.master is not None else torch.empty(dp.shape, device=device)
+        buf = dp.source.detach().clone() if dp.source is not None else torch.empty(dp.shape, device=device)
         dist.broadcast(buf, src=dist.get_global_rank(runtime.mesh.get_group(), dp.owner),
                        group=runtime.mesh.get_group())
         state[dp.fqn] = buf

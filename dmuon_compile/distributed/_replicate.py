@@ -1,0 +1,175 @@
+"""HSDP replicate stage of one hook group: gradients to the global owner, new weights back.
+
+With ``replicate_mesh`` of size R > 1 every matrix has a *global owner* among all R × S ranks
+(replica ``r``, shard ``s``). Its *owner column* is the S-rank coordinate ``s`` in every replica:
+those R ranks hold the whole weight (the global owner as its ``master`` ``nn.Parameter``, the
+others as a plain ``replica``), because their shard groups unshard it from them. Per step:
+
+1. backward: the shard group reduces the gradient to the column (``DedicatedGroup``), then this
+   stage reduces the column's sums over the replicate group to the global owner, which divides
+   by S·R — the gradient of the global batch, as one process would compute it;
+2. ``Muon.step`` runs Newton–Schulz on the global owner only (one NS per matrix in the job);
+3. publish: the global owner broadcasts the new weight over the replicate group to its column
+   peers. Async (default) it is issued at the end of ``step()`` and waited for in the next
+   forward, right before the group's unshard reads the weight (``DedicatedGroup.unshard``).
+
+Layout: a group's *column chunk* (its matrices whose owner column is this rank's shard
+coordinate) lives in one flat buffer ``flat`` in the weights' dtype, ordered by the global
+owner's replica, so each replica owner's matrices are one contiguous *segment*: one reduce and
+one broadcast per segment. The global owner's master ``.data`` is a view into ``flat``: the
+optimizer's in-place update writes straight into the broadcast's source, no copy.
+
+Every member of a replicate group holds the same column chunk (the plan is identical on every
+rank), so all issue the same collectives in the same order: SPMD, no per-rank branches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dmuon_compile.distributed import _collectives as C
+from dmuon_compile.distributed._dedicated_param import DedicatedParam
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One replica owner's matrices inside the column chunk: one reduce, one broadcast."""
+
+    root: int  # rank in the replicate group (the global owner's replica)
+    start: int
+    numel: int
+
+
+@dataclass
+class ReplicateStage:
+    params: list[DedicatedParam]  # the column chunk, in the group's (owner-packed) order
+    replicate_rank: int
+    replicate_size: int
+    shard_size: int
+    pg: object
+    device: torch.device
+    dtype: torch.dtype
+    flat: Tensor | None = None
+    segments: list[Segment] = field(default_factory=list)
+    publish_works: list = field(default_factory=list)
+    pending_reduce: list = field(default_factory=list)
+    stall_events: list = field(default_factory=list)
+
+    # ------------------------------------------------------------------ layout
+    def build(self, values: dict[str, Tensor]) -> None:
+        """Allocate the column buffer, fill it with ``values``, bind masters and replicas to it."""
+        numel = sum(p.numel for p in self.params)
+        self.flat = torch.empty(numel, dtype=self.dtype, device=self.device)
+        offset = 0
+        for p in self.params:
+            view = self.flat[offset : offset + p.numel].view(p.shape)
+            with torch.no_grad():
+                view.copy_(values[p.fqn].detach().reshape(p.shape))
+            if p.master is not None:
+                p.master.data = view  # the optimizer updates the broadcast source in place
+            else:
+                p.replica = view
+            if not self.segments or self.segments[-1].root != p.replica_owner:
+                self.segments.append(Segment(p.replica_owner, offset, 0))
+            last = self.segments[-1]
+            self.segments[-1] = Segment(last.root, last.start, last.numel + p.numel)
+            offset += p.numel
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel() if self.flat is not None else 0
+
+    @property
+    def element_size(self) -> int:
+        return self.flat.element_size() if self.flat is not None else 0
+
+    # ------------------------------------------------------------------ gradients
+    @torch.no_grad()
+    def reduce(self, column_grads: Tensor, profile=None) -> None:
+        """Issue the reduce of the column's gradient sums to each global owner (async)."""
+        works = [
+            C.reduce_sum(column_grads[s.start : s.start + s.numel], s.root, self.pg)
+            for s in self.segments
+        ]
+        self.pending_reduce.append((works, column_grads))
+        if profile is not None:
+            profile.replicate_reduces += len(works)
+            profile.replicate_bytes_reduced += column_grads.numel() * column_grads.element_size()
+
+    @torch.no_grad()
+    def finish_reduce(self) -> None:
+        """Wait for the reduces; the global owner's master gets the gradient / (S·R)."""
+        scale = self.shard_size * self.replicate_size
+        for works, column_grads in self.pending_reduce:
+            for w in works:
+                w.wait()
+            offset = 0
+            for p in self.params:
+                if p.master is not None:
+                    g = column_grads[offset : offset + p.numel].view(p.shape).to(p.master.dtype, copy=True)
+                    g.div_(scale)
+                    if p.master.grad is None:
+                        p.master.grad = g
+                    else:
+                        p.master.grad.add_(g)
+                offset += p.numel
+        self.pending_reduce.clear()
+
+    # ------------------------------------------------------------------ publish
+    @torch.no_grad()
+    def publish(self, profile=None) -> None:
+        """Broadcast each global owner's weights to its column peers (async; work kept)."""
+        self.wait_publish()  # a second publish without a forward in between: drain the first
+        self.publish_works = [
+            C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg) for s in self.segments
+        ]
+        if profile is not None and self.segments:
+            profile.publishes += 1
+            profile.publish_broadcasts += len(self.segments)
+            profile.publish_bytes += self.numel * self.element_size
+
+    def wait_publish(self, profile=None) -> None:
+        """Make the column buffer current (CUDA: a stream dependency; gloo: blocks)."""
+        if not self.publish_works:
+            return
+        cuda = self.device.type == "cuda"
+        if profile is not None:
+            profile.publish_waits += 1
+            profile.publish_not_ready += int(not all(_is_done(w) for w in self.publish_works))
+            t0 = time.perf_counter()
+            if cuda:
+                before = torch.cuda.Event(enable_timing=True)
+                before.record()
+        for w in self.publish_works:
+            w.wait()
+        self.publish_works = []
+        if profile is not None:
+            profile.publish_wait_s += time.perf_counter() - t0
+            if cuda:
+                after = torch.cuda.Event(enable_timing=True)
+                after.record()
+                self.stall_events.append((before, after))
+
+    def collect_stalls(self, profile) -> None:
+        for before, after in self.stall_events:
+            profile.publish_stall_s += before.elapsed_time(after) / 1e3
+        self.stall_events.clear()
+
+    def drain(self) -> None:
+        self.finish_reduce()
+        self.wait_publish()
+
+    def pending(self) -> int:
+        """Collectives of this stage still in flight (0 after ``drain``)."""
+        return len(self.publish_works) + sum(len(w) for w, _ in self.pending_reduce)
+
+
+def _is_done(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - some backends do not implement it
+        return False

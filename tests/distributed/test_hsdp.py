@@ -1,0 +1,276 @@
+"""HSDP (replicate × shard) with dedicated parameters: the math once, the publish async.
+
+- 4 gloo ranks as a 2×2 mesh (``fully_shard(..., mesh=hsdp)``) train like 1-D FSDP over 4 and
+  like one process with the global batch (fp32 NS; tolerances as in test_dedicated_training);
+  ``replicate_async=True`` and ``False`` give bit-identical losses and weights.
+- 2 ranks as 2×1 (pure replicate) and 1×2, and a 2×1 run with a double ``step()``.
+- The mesh errors; ``wait_all_replicate_broadcasts`` after an exception mid-forward.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from . import models
+from .harness import full_state, run_ranks, run_ranks_expect_errors
+from .test_dedicated_training import HYPER, _ns, train_distributed
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
+
+STEPS = 6
+DOUBLE_AT = 2  # the scenario run calls step() twice at this iteration
+
+
+def _muon(model, **kw):
+    import dmuon_compile as dmuon
+
+    return dmuon.Muon(model, ns_backend=_ns(), compile=False, **HYPER, **kw)
+
+
+def reference(world: int, steps: int = STEPS, double_at: int | None = None):
+    """One process, the whole global batch (the same sequence of steps)."""
+    model = models.build_llama()
+    opt = _muon(model, predicate=models.proj_predicate)
+    losses, first = [], None
+    for i, x in enumerate(models.batches(steps, world)):
+        loss = model(x).square().mean()
+        loss.backward()
+        if first is None:
+            first = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        if i == double_at:
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, first
+
+
+def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import dedicated_runtime
+
+    hsdp = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    model = models.build_llama()
+    owners = dmuon.dedicate_params(model, hsdp["shard"], predicate=models.proj_predicate,
+                                   replicate_mesh=hsdp["replicate"])
+    for block in model.layers:
+        fully_shard(block, mesh=hsdp)
+    fully_shard(model, mesh=hsdp)
+    opt = _muon(model, replicate_async=replicate_async)
+    runtime = dedicated_runtime(model)
+    losses, first, in_flight = [], None, []
+    for i, x in enumerate(models.batches(steps, world)):
+        per = x.shape[0] // world
+        loss = model(x[rank * per:(rank + 1) * per]).square().mean()
+        loss.backward()
+        if first is None:
+            first = {n: p.grad.clone() for n, p in dmuon.dedicated_registry.dedicated_parameters(model)}
+        opt.step()
+        in_flight.append(runtime.pending_collectives())
+        if i == double_at:
+            opt.step()  # no forward in between: the second step drains the first one's publish
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    muon_params = [opt.param_name(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]]
+    out = {
+        "owners": owners, "losses": losses, "first": first, "muon": muon_params,
+        "in_flight": in_flight,
+        "comm": json.dumps(dmuon.summarize_comm_plan(model)),
+        "profile": json.dumps(dmuon.collect_forward_unshard_profile(model, synchronize=True)),
+        "state": full_state(model),
+    }
+    dmuon.wait_all_replicate_broadcasts(model)
+    out["pending_after"] = runtime.pending_collectives()
+    return out
+
+
+def _two_by_two(rank, world):
+    return {
+        "async": train_hsdp(rank, world, 2, STEPS, True),
+        "sync": train_hsdp(rank, world, 2, STEPS, False),
+        "fsdp": train_distributed(rank, world, STEPS, False),
+    }
+
+
+def _check_run(results, ref, world: int, replicas: int) -> None:
+    ref_losses, ref_state, ref_grads = ref
+    r0 = results[0]
+    n = 7 * models.LAYERS
+    assert all(r["owners"] == r0["owners"] for r in results) and len(r0["owners"]) == n
+    assert sorted(set(r0["owners"].values())) == list(range(world))  # spread over all R×S ranks
+    # one Newton–Schulz per matrix in the job: each matrix in exactly one rank's Muon
+    owned = [name for r in results for name in r["muon"]]
+    assert sorted(owned) == sorted(r0["owners"])
+    for rank, r in enumerate(results):
+        assert sorted(r["muon"]) == sorted(k for k, o in r["owners"].items() if o == rank)
+    torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
+    assert ref_losses[-1] < ref_losses[0]
+    for name, want in ref_state.items():
+        for r in results:  # every replica holds the same, right weights
+            torch.testing.assert_close(r["state"][name], want, rtol=0, atol=2e-4,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    seen = set()  # gradient scale: the global owner holds the global-batch gradient
+    for r in results:
+        for name, g in r["first"].items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6)
+            seen.add(name)
+    assert seen == set(r0["owners"])
+    for r in results:
+        assert r["pending_after"] == 0
+    comm = json.loads(r0["comm"])
+    if replicas > 1:
+        rep = comm["replicate"]
+        assert rep["active"] and rep["size"] == replicas and rep["shard_size"] == world // replicas
+        assert rep["publish_bytes_per_step"] > 0 and rep["roots"]
+        assert all("replicate" in g for g in comm["groups"])
+
+
+def test_hsdp_2x2_matches_fsdp_over_4_and_single_process():
+    ref = reference(4)
+    results = run_ranks(_two_by_two, 4, timeout=150, env={"DMUON_RECORD_FORWARD_PROFILE": "1"})
+    _check_run([r["async"] for r in results], ref, 4, 2)
+    _check_run([r["sync"] for r in results], ref, 4, 2)
+    for r in results:
+        # replicate_async=True/False: bit-identical losses and weights
+        assert r["async"]["losses"] == r["sync"]["losses"]
+        for name, w in r["async"]["state"].items():
+            assert torch.equal(w, r["sync"]["state"][name]), name
+        # async leaves the publish in flight after step(); sync does not
+        assert all(k > 0 for k in r["async"]["in_flight"]) and set(r["sync"]["in_flight"]) == {0}
+        # and equals 1-D FSDP over the same 4 ranks
+        torch.testing.assert_close(torch.tensor(r["async"]["losses"]), torch.tensor(r["fsdp"]["losses"]),
+                                   rtol=1e-4, atol=1e-6)
+        prof = json.loads(r["async"]["profile"])["total"]
+        # one publish per group and step, waited for in the next forward (the last step's
+        # publish is drained by full_state), each forward unshard of a group waits once
+        assert prof["publishes"] == STEPS * models.LAYERS
+        assert prof["publish_waits"] == (STEPS - 1) * models.LAYERS
+        assert 0 <= prof["publish_not_ready"] <= prof["publish_waits"]
+        assert prof["replicate_reduces"] > 0 and prof["publish_bytes"] > 0
+
+
+def _two_ranks(rank, world):
+    return {
+        "2x1": train_hsdp(rank, world, 2, STEPS, True),
+        "1x2": train_hsdp(rank, world, 1, STEPS, True),
+        "double": train_hsdp(rank, world, 2, STEPS, True, double_at=DOUBLE_AT),
+    }
+
+
+def test_hsdp_2x1_pure_replicate_1x2_and_double_step():
+    ref = reference(2)
+    results = run_ranks(_two_ranks, 2, timeout=150)
+    _check_run([r["2x1"] for r in results], ref, 2, 2)
+    _check_run([r["1x2"] for r in results], ref, 2, 1)
+    _check_run([r["double"] for r in results], reference(2, double_at=DOUBLE_AT), 2, 2)
+    assert json.loads(results[0]["1x2"]["comm"])["replicate"] == {"size": 1, "active": False}
+
+
+def _mesh_errors(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon_compile as dmuon
+
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    other = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    unnamed = init_device_mesh("cpu", (world, 1))
+    lone = init_device_mesh("cpu", (world,), mesh_dim_names=("replicate",))
+    swapped = init_device_mesh("cpu", (1, world), mesh_dim_names=("shard", "replicate"))
+    wrong = init_device_mesh("cpu", (world, 1), mesh_dim_names=("rep", "dp"))
+    cases = {
+        "unnamed_2d": (hsdp["shard"], unnamed),
+        "whole_2d": (hsdp["shard"], hsdp),
+        "lone_1d": (hsdp["shard"], lone),
+        "swapped_names": (swapped["shard"], swapped["replicate"]),
+        "wrong_names": (wrong["dp"], wrong["rep"]),
+        "different_meshes": (other["shard"], hsdp["replicate"]),
+    }
+    errors = {}
+    for label, (mesh, rep) in cases.items():
+        try:
+            dmuon.dedicate_params(models.build_llama(), mesh, predicate=models.proj_predicate, replicate_mesh=rep)
+            errors[label] = None
+        except ValueError as exc:
+            errors[label] = str(exc)
+    return errors
+
+
+def test_hsdp_mesh_errors_name_the_fix():
+    for errors in run_ranks(_mesh_errors, 2, timeout=90):
+        for label, err in errors.items():
+            assert err is not None, label
+            assert "HSDP mesh must be 2D with names ('replicate', 'shard')" in err, (label, err)
+            assert 'mesh_dim_names=("replicate", "shard")' in err and 'replicate_mesh=hsdp["replicate"]' in err
+
+
+def _interrupt(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import dedicated_runtime
+
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    x = torch.randn(2, 8, models.D, generator=torch.Generator().manual_seed(5))
+    twins = []
+    for _ in range(2):
+        m = models.build_llama()
+        dmuon.dedicate_params(m, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"])
+        opt = _muon(m)
+        m(x).square().mean().backward()
+        opt.step()  # the publish is now in flight
+        opt.zero_grad()
+        twins.append(m)
+    model, twin = twins
+    runtime = dedicated_runtime(model)
+
+    def boom(*_):
+        raise KeyboardInterrupt("simulated interrupt in layers.1")
+
+    handle = model.layers[1].mlp.register_forward_pre_hook(boom)
+    try:
+        model(x)
+    except KeyboardInterrupt:
+        pass
+    handle.remove()
+    before = runtime.pending_collectives()
+    dmuon.wait_all_replicate_broadcasts(model)
+    out = {
+        "before": before, "after": runtime.pending_collectives(),
+        "states": sorted({g.state for g in runtime.groups}),
+    }
+    with torch.no_grad():
+        out["diff"] = float((model(x) - twin(x)).abs().max())
+    return out
+
+
+def test_wait_all_after_exception_mid_forward_leaves_nothing_pending():
+    for r in run_ranks(_interrupt, 2, timeout=90):
+        assert r["before"] > 0  # layers.2's publish (and a prefetch) were still in flight
+        assert r["after"] == 0 and r["states"] == ["sharded"]
+        assert r["diff"] == 0.0
+
+
+def test_plan_mismatch_across_replicas_raises():
+    # 2×1: the shard groups have one rank each, so only the replicate-group check can see it
+    errors = run_ranks_expect_errors(_replica_mismatch, 2, timeout=60)
+    for err in errors.values():
+        assert err is not None and "owner plan differs across ranks of the replicate group" in err
+
+
+def _replica_mismatch(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon_compile as dmuon
+
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    pred = models.proj_predicate if rank == 0 else (lambda n, p: n.endswith("q_proj.weight"))
+    dmuon.dedicate_params(models.build_llama(), hsdp["shard"], predicate=pred, replicate_mesh=hsdp["replicate"])
