@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> dict:
                 "use a smaller --seq-len or a larger --corpus-mb"
             )
 
-    env = runtime.setup(args.device)
+    try:
+        env = runtime.setup(args.device)
+    except ValueError as exc:  # e.g. more processes per node than GPUs
+        parser.error(str(exc))
     try:
         return _run(args, cfg, corpus, env)
     finally:
