@@ -4,6 +4,8 @@ Launch with torchrun, one process per GPU (or CPU processes with gloo for a smok
 
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --out results_S.json
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 2   # HSDP 2×1
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 1 --hsdp  # 1×2
 
 Configurations (all built up front, then run interleaved iteration by iteration):
 
@@ -11,7 +13,17 @@ Configurations (all built up front, then run interleaved iteration by iteration)
 - ``naive_muon``: FSDP2; each rank all-gathers every *_proj update (momentum kept on the
   shard), runs NS on the whole matrix and keeps its rows; AdamW for the rest;
 - ``ours_eager``: ``dmuon.dedicate_params`` (all *_proj weights) + FSDP2 + ``dmuon.Muon``;
-- ``ours_compiled``: the same with ``Muon(compile=True)`` (CUDA only, when Muon has it).
+- ``ours_compiled``: the same with ``Muon(compile=True)`` (CUDA only, when Muon has it);
+- ``ours_eager_sync``: ``ours_eager`` with ``Muon(replicate_async=False)`` (HSDP runs only).
+
+``--replicate R`` (or ``--hsdp``) runs every configuration on the HSDP mesh
+``init_device_mesh(dev, (R, world // R), mesh_dim_names=("replicate", "shard"))``:
+``fully_shard(..., mesh=hsdp)``, ``dedicate_params(model, hsdp["shard"],
+replicate_mesh=hsdp["replicate"])``, the naive baseline gathers over the shard group. HSDP
+runs also report ``back_to_back_ms``: iterations run back to back with one device sync per
+block, the only timing in which the async replicate broadcast can overlap the next forward
+(the interleaved timing syncs after every step), and the replicate-stage profile when
+``DMUON_RECORD_FORWARD_PROFILE=1`` is set.
 
 Per configuration: median iteration time (forward + backward + step) and step-only time,
 peak memory (CUDA), and the Muon tax = iteration / AdamW iteration − 1; plus the NS FLOP
@@ -93,6 +105,7 @@ class NaiveMuon:
     """All-gather each full update, NS on every rank, keep the local rows (the usual FSDP2 port)."""
 
     def __init__(self, model, mesh, ns, lr=0.02, momentum=0.95, adamw_lr=3e-4, fused=False):
+        # mesh: the 1-D shard mesh (FSDP2's HSDP has already averaged over the replicas)
         self.mats = [p for n, p in model.named_parameters() if is_proj(n, p)]
         others = [p for n, p in model.named_parameters() if not is_proj(n, p)]
         self.adamw = torch.optim.AdamW(others, lr=adamw_lr, fused=fused or None)
@@ -132,9 +145,11 @@ def ns_floor_ms(dim, ffn, layers, world):
     return total / world / PEAK_FLOPS * 1e3
 
 
-def build(config, args, mesh, device):
+def build(config, args, meshes, device):
+    """``meshes = (fsdp_mesh, shard_mesh, replicate_mesh or None)``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh, shard_mesh, replicate_mesh = meshes
     dim, ffn, layers = MODELS[args.model]
     head_dim = HEAD_DIM if args.model != "quick" else 16
     torch.manual_seed(0)
@@ -144,7 +159,8 @@ def build(config, args, mesh, device):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
     if config.startswith("ours"):
         policy = dmuon.ParamPolicy(dmuon.MixedPrecision(torch.bfloat16, torch.float32)) if cuda else None
-        dmuon.dedicate_params(model, mesh, predicate=is_proj, param_policy=policy)
+        dmuon.dedicate_params(model, shard_mesh, predicate=is_proj, param_policy=policy,
+                              replicate_mesh=replicate_mesh)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -152,12 +168,12 @@ def build(config, args, mesh, device):
     if config == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True if cuda else None)
     elif config == "naive_muon":
-        opt = NaiveMuon(model, mesh, ns, fused=cuda)
+        opt = NaiveMuon(model, shard_mesh, ns, fused=cuda)
     else:
         kw = {}
         if "compile" in inspect.signature(dmuon.Muon).parameters:
             kw["compile"] = config == "ours_compiled"
-        opt = dmuon.Muon(model, lr=0.02, ns_backend=ns, **kw)
+        opt = dmuon.Muon(model, lr=0.02, ns_backend=ns, replicate_async=config != "ours_eager_sync", **kw)
     return model, opt
 
 
@@ -178,6 +194,9 @@ def main(argv=None):
     ap.add_argument("--configs", default="adamw,naive_muon,ours_eager,ours_compiled")
     ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     ap.add_argument("--cpu-compile", action="store_true", help="also run ours_compiled on CPU (slow)")
+    ap.add_argument("--replicate", type=int, default=None,
+                    help="HSDP: R replicas of world/R-rank shard groups (e.g. 2 on 2 GPUs = 2×1)")
+    ap.add_argument("--hsdp", action="store_true", help="use the 2-D HSDP mesh even with --replicate 1 (1×world)")
     args = ap.parse_args(argv)
     if args.quick:
         args.model = "quick"
@@ -194,8 +213,19 @@ def main(argv=None):
         device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,))
+    hsdp = args.hsdp or args.replicate is not None
+    replicas = args.replicate or 1
+    if replicas < 1 or world % replicas:
+        raise SystemExit(f"--replicate {replicas}: must divide the world size {world}")
+    if hsdp:
+        mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        meshes = (mesh, mesh["shard"], mesh["replicate"])
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+        meshes = (mesh, mesh, None)
     configs = [c for c in args.configs.split(",") if c]
+    if hsdp and replicas > 1 and "ours_eager" in configs and "ours_eager_sync" not in configs:
+        configs.insert(configs.index("ours_eager") + 1, "ours_eager_sync")
     skipped = {}
     cpu_skip = device.type != "cuda" and not args.cpu_compile
     if "ours_compiled" in configs and (cpu_skip or "compile" not in inspect.signature(dmuon.Muon).parameters):
@@ -208,7 +238,7 @@ def main(argv=None):
         sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         try:
-            built[c] = build(c, args, mesh, device)
+            built[c] = build(c, args, meshes, device)
         except Exception as exc:  # noqa: BLE001 - one broken configuration must not sink the run
             built[c] = None
             errors[c] = f"build: {type(exc).__name__}: {exc}"
@@ -255,6 +285,22 @@ def main(argv=None):
         if rank == 0:
             print(f"[bench_fsdp] iteration {i + 1}/{warmup + iters} done", file=sys.stderr, flush=True)
 
+    back_to_back = {}
+    if hsdp:  # one sync per block: the async publish may overlap the next forward here
+        for c in configs:
+            model, opt = built[c]
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                x = torch.randn(batch, seq, dim, generator=gen).to(device)
+                model(x).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            sync(device)
+            elapsed = torch.tensor([(time.perf_counter() - t0) / iters * 1e3])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            back_to_back[c] = elapsed.item()
+
     dim_, ffn, layers = MODELS[args.model]
     floor = ns_floor_ms(dim_, ffn, layers, world)
     results = {}
@@ -268,12 +314,23 @@ def main(argv=None):
             "step_ms": statistics.median(st.tolist()),
             "peak_mem_gib": max(times[c]["peak"]) / 2**30 if times[c]["peak"] else None,
         }
+        if c in back_to_back:
+            results[c]["back_to_back_ms"] = back_to_back[c]
+        if c.startswith("ours") and hsdp:
+            plan = dmuon.summarize_comm_plan(built[c][0]).get("replicate")
+            if plan and plan.get("active"):
+                results[c]["replicate_plan"] = plan
+                prof = dmuon.collect_forward_unshard_profile(built[c][0], synchronize=True)
+                if prof.get("enabled"):
+                    results[c]["replicate_profile"] = {k: v for k, v in prof["total"].items()
+                                                       if k.startswith(("publish", "replicate"))}
     base = results.get("adamw", {}).get("iter_ms")
     for c, r in results.items():
         r["muon_tax"] = r["iter_ms"] / base - 1 if base else None
         r["over_floor"] = (r["iter_ms"] - base) / floor if base and c != "adamw" else None
     report = {
         "model": args.model, "dims": MODELS[args.model], "world_size": world, "device": str(device),
+        "mesh": {"replicate": replicas, "shard": world // replicas} if hsdp else {"shard": world},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "tokens_per_rank": batch * seq, "iters": iters, "warmup": warmup,
         "ns_floor_ms": floor, "results": results, "skipped": skipped, "errors": errors,
@@ -282,13 +339,18 @@ def main(argv=None):
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     if rank == 0:
-        print(f"| config | iter ms | step ms | peak GiB | Muon tax | (iter−AdamW)/floor |  NS floor {floor:.3g} ms")
-        print("|---|---|---|---|---|---|")
+        shape = f"HSDP {replicas}×{world // replicas}" if hsdp else f"1-D FSDP over {world}"
+        print(f"mesh: {shape}")
+        print(f"| config | iter ms | step ms | back-to-back ms | peak GiB | Muon tax | (iter−AdamW)/floor |  NS floor {floor:.3g} ms")
+        print("|---|---|---|---|---|---|---|")
         for c, r in results.items():
             peak = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
             tax = f"{r['muon_tax'] * 100:+.1f}%" if r["muon_tax"] is not None else "-"
             ratio = f"{r['over_floor']:.2f}" if r["over_floor"] is not None else "-"
-            print(f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {peak} | {tax} | {ratio} |")
+            b2b = f"{r['back_to_back_ms']:.2f}" if "back_to_back_ms" in r else "-"
+            print(f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {b2b} | {peak} | {tax} | {ratio} |")
+            if "replicate_profile" in r:
+                print(f"  {c} replicate stage: {json.dumps(r['replicate_profile'])}")
         for c, why in skipped.items():
             print(f"skipped {c}: {why}")
         for c, why in errors.items():

@@ -4,7 +4,15 @@ Files, one concept each (FSDP2's layout): ``dedicate.py`` (entry point), ``owner
 (who owns what), ``policy.py`` (mixed precision), ``mesh_checks.py`` (mesh validation),
 ``_dedicated_param.py`` (one parameter's life), ``_dedicated_group.py`` (a group's buffers and
 collectives), ``_collectives.py`` (the collective calls), ``_runtime.py`` (hooks),
-``_fsdp_compat.py`` (what is read from FSDP2), ``diagnostics.py``.
+``_fsdp_compat.py`` (what is read from FSDP2), ``diagnostics.py``, ``_replicate.py`` (HSDP:
+gradients to the one global owner over the replicate group, the post-step replicate broadcast).
+
+HSDP in four lines (the seed's order; every matrix is orthogonalised once in the whole job)::
+
+    hsdp = init_device_mesh("cuda", (replicate_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    dmuon.dedicate_params(model, hsdp["shard"], replicate_mesh=hsdp["replicate"])
+    for block in model.layers: fully_shard(block, mesh=hsdp)
+    fully_shard(model, mesh=hsdp); opt = dmuon.Muon(model, lr=0.02)  # replicate_async=True
 """
 
 from dmuon_compile.distributed.dedicate import PROFILE_ENV, dedicate_params, dedicated_runtime

@@ -101,7 +101,8 @@ class PlanEntry:
 
 @dataclass
 class OwnerPlan:
-    """Owners of the dedicated matrices of one model on one shard group of ``world_size`` ranks.
+    """Owners of the dedicated matrices of one model over ``world_size`` ranks: one shard group,
+    or with HSDP all ``replicate_size × shard_size`` ranks (owner = replica · shard_size + shard).
 
     Example::
 
