@@ -14,10 +14,14 @@ others as a plain ``replica``), because their shard groups unshard it from them.
    forward, right before the group's unshard reads the weight (``DedicatedGroup.unshard``).
 
 Layout: a group's *column chunk* (its matrices whose owner column is this rank's shard
-coordinate) lives in one flat buffer ``flat`` in the weights' dtype, ordered by the global
-owner's replica, so each replica owner's matrices are one contiguous *segment*: one reduce and
-one broadcast per segment. The global owner's master ``.data`` is a view into ``flat``: the
-optimizer's in-place update writes straight into the broadcast's source, no copy.
+coordinate) lives in one flat buffer ``flat`` in the group's *compute* dtype (what the shard
+group's unshard sends anyway), ordered by the global owner's replica, so each replica owner's
+matrices are one contiguous *segment*: one reduce and one broadcast per segment. When the
+master dtype is the compute dtype, the global owner's master ``.data`` is a view into ``flat``
+(the optimizer's in-place update writes straight into the broadcast's source); otherwise
+(``param_policy`` with e.g. bf16 compute and fp32 masters) the owner rounds its masters into
+``flat`` right before the broadcast — half the bytes, and the same bf16 values its own unshard
+would produce from the fp32 master, so every replica computes with identical weights.
 
 Every member of a replicate group holds the same column chunk (the plan is identical on every
 rank), so all issue the same collectives in the same order: SPMD, no per-rank branches.
@@ -56,6 +60,7 @@ class ReplicateStage:
     flat: Tensor | None = None
     segments: list[Segment] = field(default_factory=list)
     publish_works: list = field(default_factory=list)
+    copy_in: list = field(default_factory=list)  # (master, view): owners whose dtype differs
     pending_reduce: list = field(default_factory=list)
     stall_events: list = field(default_factory=list)
 
@@ -69,8 +74,10 @@ class ReplicateStage:
             view = self.flat[offset : offset + p.numel].view(p.shape)
             with torch.no_grad():
                 view.copy_(values[p.fqn].detach().reshape(p.shape))
-            if p.master is not None:
+            if p.master is not None and p.master.dtype == self.dtype:
                 p.master.data = view  # the optimizer updates the broadcast source in place
+            elif p.master is not None:
+                self.copy_in.append((p.master, view))
             else:
                 p.replica = view
             if not self.segments or self.segments[-1].root != p.replica_owner:
@@ -124,6 +131,8 @@ class ReplicateStage:
     def publish(self, profile=None) -> None:
         """Broadcast each global owner's weights to its column peers (async; work kept)."""
         self.wait_publish()  # a second publish without a forward in between: drain the first
+        for master, view in self.copy_in:
+            view.copy_(master.detach())
         self.publish_works = [
             C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg) for s in self.segments
         ]

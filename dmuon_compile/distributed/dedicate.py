@@ -226,7 +226,7 @@ def dedicate_params(
             p.data = torch.empty(0, dtype=p.dtype, device=device)  # free the non-owner copy
         params.append(dp)
         path, bmod = _boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
-        key = (path, param_dtype, reduce_dtype, p.dtype)  # one weight dtype per replicate buffer
+        key = (path, param_dtype, reduce_dtype)
         grouped.setdefault(key, []).append(dp)
         group_module[key] = (path, bmod)
 
@@ -236,13 +236,11 @@ def dedicate_params(
         label = path or "<root>"
         if sum(1 for k in grouped if k[0] == path) > 1:
             label = f"{label}[{key[1]}]"
-            if sum(1 for k in grouped if k[:2] == key[:2]) > 1:
-                label = f"{label[:-1]}, weights {key[3]}]"
         g = DedicatedGroup(label, bmod, members, rank, world, pg, device, key[1], key[2],
                            reshard_after_forward=reshard_after_forward)
         g.build()
         if rep_pg is not None:
-            g.replicate = ReplicateStage(g.params_of(rank), rep_rank, replicas, world, rep_pg, device, key[3])
+            g.replicate = ReplicateStage(g.params_of(rank), rep_rank, replicas, world, rep_pg, device, key[1])
             g.replicate.build(column_values)
             g.replicate.publish()  # the global owner's initial weights are the truth everywhere
             g.replicate.wait_publish()

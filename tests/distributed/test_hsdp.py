@@ -274,3 +274,70 @@ def _replica_mismatch(rank, world):
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     pred = models.proj_predicate if rank == 0 else (lambda n, p: n.endswith("q_proj.weight"))
     dmuon.dedicate_params(models.build_llama(), hsdp["shard"], predicate=pred, replicate_mesh=hsdp["replicate"])
+
+
+def _fallback_and_precision(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon_compile as dmuon
+    from dmuon_compile.dedicated_registry import dedicated_parameters
+    from dmuon_compile.distributed import dedicated_runtime
+
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    x = torch.randn(2, 8, models.D, generator=torch.Generator().manual_seed(9))  # same on every rank
+    out = {}
+    # Muon(model) publishes in step(); a parameter-list Muon cannot, so the first forward after
+    # the synchronising backward publishes instead: both give the same outputs
+    outs = []
+    for by_model in (True, False):
+        m = models.build_llama()
+        dmuon.dedicate_params(m, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"])
+        if by_model:
+            opt = _muon(m)
+        else:
+            owned = [p for _, p in dedicated_parameters(m)]
+            opt = dmuon.Muon([{"params": owned, "use_muon": True},
+                              {"params": list(m.parameters()), "use_muon": False}],
+                             ns_backend=_ns(), compile=False, **HYPER)
+        for _ in range(2):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            outs.append(m(x))
+    out["fallback_diff"] = float((outs[0] - outs[1]).abs().max())
+    # param_policy bf16 compute / fp32 masters: replicas and the publish in bf16, masters fp32
+    m = models.build_llama()
+    policy = dmuon.ParamPolicy(dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    dmuon.dedicate_params(m, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"],
+                          param_policy=policy)
+    m.to(torch.bfloat16)  # the rest of the model computes in bf16 too (dedicated masters stay fp32)
+    opt = _muon(m)
+    m(x.bfloat16()).float().square().mean().backward()
+    opt.step()
+    runtime = dedicated_runtime(m)
+    out["master_dtypes"] = sorted({str(dp.master.dtype) for dp in runtime.params if dp.master is not None})
+    out["replica_dtypes"] = sorted({str(dp.replica.dtype) for dp in runtime.params if dp.replica is not None})
+    comm = dmuon.summarize_comm_plan(m)
+    out["publish_bytes"] = comm["replicate"]["publish_bytes_per_step"]
+    out["weight_numel"] = sum(dp.numel for dp in runtime.params)
+    dmuon.wait_all_replicate_broadcasts(m)
+    # every replica unshards the same bf16 weights: the owner's rounding of its fp32 master
+    out["weights"] = {}
+    for g in runtime.groups:
+        g.unshard()
+        g.wait_unshard()
+        out["weights"].update({dp.fqn: dp.unsharded.detach().float().clone() for dp in g.params})
+        g.reshard()
+    return out
+
+
+def test_parameter_list_muon_publishes_in_next_forward_and_bf16_publish():
+    r0, r1 = run_ranks(_fallback_and_precision, 2, timeout=90)
+    for r in (r0, r1):
+        assert r["fallback_diff"] == 0.0
+        assert r["master_dtypes"] == ["torch.float32"] and r["replica_dtypes"] == ["torch.bfloat16"]
+        assert r["publish_bytes"] == r["weight_numel"] * 2  # bf16: each matrix once per step
+    assert r0["weights"].keys() == r1["weights"].keys() and r0["weights"]
+    for name, w in r0["weights"].items():
+        assert torch.equal(w, r1["weights"][name]), name
