@@ -30,13 +30,13 @@ def _muon(model, **kw):
     return dmuon.Muon(model, ns_backend=_ns(), compile=False, **HYPER, **kw)
 
 
-def reference(world: int, steps: int = STEPS, double_at: int | None = None):
+def reference(world: int, steps: int = STEPS, double_at: int | None = None, device: str = "cpu"):
     """One process, the whole global batch (the same sequence of steps)."""
-    model = models.build_llama()
+    model = models.build_llama().to(device)
     opt = _muon(model, predicate=models.proj_predicate)
     losses, first = [], None
     for i, x in enumerate(models.batches(steps, world)):
-        loss = model(x).square().mean()
+        loss = model(x.to(device)).square().mean()
         loss.backward()
         if first is None:
             first = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -45,10 +45,11 @@ def reference(world: int, steps: int = STEPS, double_at: int | None = None):
             opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, first
+    state = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return losses, state, {n: g.cpu() for n, g in first.items()}
 
 
-def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None):
+def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None, device="cpu"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -56,8 +57,9 @@ def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None):
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
 
-    hsdp = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
-    model = models.build_llama()
+    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    hsdp = init_device_mesh(device, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    model = models.build_llama().to(dev)
     owners = dmuon.dedicate_params(model, hsdp["shard"], predicate=models.proj_predicate,
                                    replicate_mesh=hsdp["replicate"])
     for block in model.layers:
@@ -68,7 +70,7 @@ def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None):
     losses, first, in_flight = [], None, []
     for i, x in enumerate(models.batches(steps, world)):
         per = x.shape[0] // world
-        loss = model(x[rank * per:(rank + 1) * per]).square().mean()
+        loss = model(x[rank * per:(rank + 1) * per].to(dev)).square().mean()
         loss.backward()
         if first is None:
             first = {n: p.grad.clone() for n, p in dmuon.dedicated_registry.dedicated_parameters(model)}
@@ -341,3 +343,25 @@ def test_parameter_list_muon_publishes_in_next_forward_and_bf16_publish():
     assert r0["weights"].keys() == r1["weights"].keys() and r0["weights"]
     for name, w in r0["weights"].items():
         assert torch.equal(w, r1["weights"][name]), name
+
+
+def _two_gpus(rank, world):
+    return {
+        "2x1": train_hsdp(rank, world, 2, STEPS, True, device="cuda"),
+        "2x1_sync": train_hsdp(rank, world, 2, STEPS, False, device="cuda"),
+        "1x2": train_hsdp(rank, world, 1, STEPS, True, device="cuda"),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_hsdp_on_two_gpus_nccl():
+    """2×1 and 1×2 on 2 GPUs with NCCL: CUDA streams/events of the async publish."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = reference(2, device="cuda")
+    results = run_ranks(_two_gpus, 2, timeout=300, backend="nccl")
+    _check_run([r["2x1"] for r in results], ref, 2, 2)
+    _check_run([r["2x1_sync"] for r in results], ref, 2, 2)
+    _check_run([r["1x2"] for r in results], ref, 2, 1)
+    for r in results:
+        assert r["2x1"]["losses"] == r["2x1_sync"]["losses"]
