@@ -50,6 +50,7 @@ from torch import Tensor
 from dmuon_compile import functional as F
 from dmuon_compile._compat import parse_version
 from dmuon_compile.newton_schulz import NewtonSchulz, matrix_view
+from dmuon_compile.log import progress
 
 log = logging.getLogger("dmuon_compile.compiled_step")
 
@@ -138,7 +139,7 @@ def _fresh_copy(fn):
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def default_compile_options(mode: str | None = None) -> dict:
+def default_compile_options(mode: str | None = None, rewrite: bool = True) -> dict:
     """Inductor options of the compiled step: the NS-chain pass (wrapping a user's pass),
     the mode's options (``torch.compile`` takes ``mode`` or ``options``, not both), and the
     torch-2.11 workaround for pytorch#176591 (loop reordering across 2-D/3-D recompiles).
@@ -153,7 +154,23 @@ def default_compile_options(mode: str | None = None) -> dict:
         options.update(torch._inductor.list_mode_options(mode))
     if parse_version(torch.__version__) < (2, 13):
         options["loop_ordering_after_fusion"] = False
-    return compile_options(options)
+    return compile_options(options) if rewrite else options
+
+
+def pass_enabled(ns: NewtonSchulz) -> bool:
+    """Whether the compiled step rewrites the NS chain into ``torch.ops.dmuon`` kernels.
+
+    Yes when the orthogonaliser resolved to the Triton kernels, and on CPU (where the ops run
+    their torch reference, which is how the pass is tested without a GPU). No for an explicit
+    ``kernel="cublas"`` / ``deterministic=True``: that choice must mean plain cuBLAS in the
+    compiled step too (the seed's way to isolate a suspected SYRK kernel), and no for GPUs
+    without the Triton kernels.
+    """
+    from dmuon_compile.kernels.availability import device_tag
+
+    if ns.requested_kernel == "cublas":
+        return False
+    return ns.kernel == "triton" or device_tag() == "CPU"
 
 
 class CompiledMuonStep:
@@ -175,7 +192,8 @@ class CompiledMuonStep:
         check_compile_args(True, mode)
         self.ns = ns
         self.mode = mode
-        opts = default_compile_options(mode)
+        self.rewrites = pass_enabled(ns)
+        opts = default_compile_options(mode, rewrite=self.rewrites)
         opts.update(options or {})
         self.options = opts
         self.fn = torch.compile(_fresh_copy(muon_step_body), fullgraph=True, dynamic=False, options=opts)
@@ -218,10 +236,15 @@ class CompiledMuonStep:
         if self.mode == "reduce-overhead":
             self._mark_static(list(params) + list(grads) + list(bufs) + [lr_t, wd_t, mu_t])
         start = time.perf_counter() if self.calls == 0 else None
+        if start is not None:  # compiles take tens of seconds on big models: say so per rank
+            progress(f"compiling the Muon step ({len(params)} matrices, {len(plan.buckets)} shape "
+                     "bucket(s)); DMUON_COMPILE_LOG=0 silences this", switch="DMUON_COMPILE_LOG")
         self.fn(list(params), list(grads), list(bufs), lr_t, wd_t, mu_t, plan)
         self.calls += 1
         if start is not None:
             self.first_call_s = time.perf_counter() - start
+            progress(f"compiled Muon step ready: first call (trace + compile + run) took "
+                     f"{self.first_call_s:.1f} s", switch="DMUON_COMPILE_LOG")
             log.info("compiled Muon step: first call (trace + compile + run) took %.1f s for %d "
                      "matrices in %d shape bucket(s)", self.first_call_s, len(params), len(plan.buckets))
 

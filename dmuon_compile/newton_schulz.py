@@ -217,7 +217,8 @@ class NewtonSchulz:
         restart_iterations: Gram NS restart positions (default ``(2,)``).
         deterministic: ``True`` is the same as ``kernel="cublas"``.
         steps: number of NS steps for named tables / single triples (default 5).
-        work_dtype: dtype of the iteration (default fp16 for gram, bf16 for direct).
+        work_dtype: dtype of the iteration (default: fp16 for gram, bf16 for direct on GPUs;
+            fp32 for CPU inputs).
         gram_min_aspect: matrices with n/m below this run direct NS (default 1.5).
         eps: added to the Frobenius norm before dividing.
 
@@ -267,11 +268,14 @@ class NewtonSchulz:
         if restart_iterations and backend != "gram":
             raise ValueError("restart_iterations only applies to backend='gram'")
         self.restart_iterations = restart_iterations
-        if work_dtype is None:
-            work_dtype = torch.float16 if backend == "gram" else torch.bfloat16
-        if work_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        if work_dtype is not None and work_dtype not in (
+            torch.float16, torch.bfloat16, torch.float32, torch.float64
+        ):
             raise ValueError(f"work_dtype={work_dtype} is not a floating dtype NS can run in")
-        self.work_dtype = work_dtype
+        self.requested_work_dtype = work_dtype
+        # The accelerator default; CPU inputs run in fp32 unless work_dtype is given (CPUs have
+        # no fast half-precision matmul: fp16 NS was ~40x slower than fp32 on a 2-core CPU).
+        self.work_dtype = work_dtype or (torch.float16 if backend == "gram" else torch.bfloat16)
         if gram_min_aspect < 1.0:
             raise ValueError(f"gram_min_aspect must be >= 1 (got {gram_min_aspect})")
         self.gram_min_aspect = gram_min_aspect
@@ -300,6 +304,13 @@ class NewtonSchulz:
         if requested == "auto" and ok:
             return "triton", f"{tag}, Triton SYRK templates, cuBLAS where autotune prefers it"
         return "cublas", f"{tag}, universal fallback"
+
+    def work_dtype_for(self, device: torch.device) -> torch.dtype:
+        """The iteration dtype for inputs on ``device`` (the given ``work_dtype``, else fp16 for
+        gram / bf16 for direct on accelerators and fp32 on the CPU)."""
+        if self.requested_work_dtype is not None:
+            return self.requested_work_dtype
+        return torch.float32 if device.type == "cpu" else self.work_dtype
 
     @property
     def primitives(self):
@@ -340,7 +351,7 @@ class NewtonSchulz:
     def __call__(self, g: Tensor) -> Tensor:
         """Orthogonalise ``g`` (2-D, or a 3-D same-shape stack); returns the work dtype."""
         x, transposed = _as_matrix_stack(g)
-        x = normalize(x, self.work_dtype, self.eps)
+        x = normalize(x, self.work_dtype_for(g.device), self.eps)
         m, n = x.shape[-2], x.shape[-1]
         ops = self.primitives_for(m, x.shape[0] if x.dim() == 3 else 1)
         if self.uses_gram(m, n):

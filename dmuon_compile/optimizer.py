@@ -64,6 +64,13 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
                 )
         else:
             chosen = default_muon_predicate(name, p, module_of.get(id(p)))
+        if chosen and hasattr(p, "to_local"):
+            raise ValueError(
+                f"Muon: {name!r} is a DTensor shard (FSDP2/TP), but Newton–Schulz needs the whole "
+                "matrix. Call dmuon.dedicate_params(model, mesh, ...) before fully_shard so each "
+                "matrix lives whole on an owner rank, or exclude it with predicate= (it then "
+                "gets AdamW on its shard)."
+            )
         (muon if chosen else adamw).append((name, p))
     # Dedicated parameters live outside named_parameters() (kept away from FSDP2); this rank
     # optimises the ones it owns.

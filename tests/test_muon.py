@@ -260,3 +260,11 @@ def test_nonfinite_gradient_skip_mode():
         opt.zero_grad()
         _loss(model).backward()
         opt.step()
+
+
+def test_fsdp_shard_without_dedicate_params_is_a_clear_error(monkeypatch):
+    """A sharded matrix routed to Muon would be orthogonalised per shard: wrong math."""
+    model = TinyLM()
+    monkeypatch.setattr(type(model.up.weight), "to_local", lambda self: self, raising=False)
+    with pytest.raises(ValueError, match="dedicate_params"):
+        dmuon.Muon(model)

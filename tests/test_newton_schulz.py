@@ -191,3 +191,11 @@ class TestConfiguration:
     def test_bad_arguments(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             NewtonSchulz(**kwargs)
+
+
+def test_default_work_dtype_is_fp32_on_cpu_and_half_on_gpus():
+    g = torch.randn(8, 32)
+    assert NewtonSchulz()(g).dtype == torch.float32
+    assert NewtonSchulz().work_dtype == torch.float16  # the accelerator default (gram)
+    assert NewtonSchulz("direct").work_dtype == torch.bfloat16
+    assert NewtonSchulz(work_dtype=torch.bfloat16)(g).dtype == torch.bfloat16

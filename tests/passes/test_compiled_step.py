@@ -113,7 +113,7 @@ def test_compiled_step_equals_eager_step(shapes, work_dtype, backend, coefficien
         work_dtype = torch.float16  # Gram NS iterates in fp16 (ARCHITECTURE.md §3)
     torch._dynamo.reset()
     ps_c, ps_e = _params(shapes, torch.float32, seed), _params(shapes, torch.float32, seed)
-    ns = NewtonSchulz(backend=backend, kernel="cublas", coefficients=coefficients, work_dtype=work_dtype)
+    ns = NewtonSchulz(backend=backend, kernel="auto", coefficients=coefficients, work_dtype=work_dtype)
     kw = {"lr": 0.02, "weight_decay": 0.1, "nesterov": nesterov, "ns_backend": ns}
     opt_c, opt_e = dmuon.Muon(ps_c, compile=True, **kw), dmuon.Muon(ps_e, compile=False, **kw)
     for step in range(2):
@@ -193,3 +193,22 @@ def test_compile_arguments_are_checked():
     assert ro["triton.cudagraphs"] is True and isinstance(ro["post_grad_custom_pre_pass"], NSChainPass)
     step = CompiledMuonStep(NewtonSchulz(kernel="cublas"), mode="reduce-overhead")
     assert step.options["triton.cudagraphs"] is True
+
+
+def test_explicit_cublas_kernel_keeps_the_plain_chain_in_the_compiled_step():
+    """kernel="cublas" (= deterministic=True) must mean no project kernels, compiled or not:
+    the seed's way to tell whether the fast SYRK path causes a NaN."""
+    from dmuon_compile.compiled_step import pass_enabled
+
+    assert not pass_enabled(NewtonSchulz(kernel="cublas"))
+    assert not pass_enabled(NewtonSchulz(deterministic=True))
+    if not torch.cuda.is_available():
+        assert pass_enabled(NewtonSchulz())  # CPU: the ops run their reference (how CI tests the pass)
+    w = torch.nn.Parameter(torch.randn(16, 48))
+    opt = dmuon.Muon([w], compile=True, ns_backend=NewtonSchulz("direct", kernel="cublas"))
+    w.grad = torch.randn_like(w)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, code = run_and_get_code(opt.step)
+    code = "\n".join(code)
+    assert "torch.ops.dmuon" not in code
+    assert _count(code, r"extern_kernels\.mm\(") == 5
