@@ -297,7 +297,7 @@ def main(argv=None):
                 opt.step()
                 opt.zero_grad()
             sync(device)
-            elapsed = torch.tensor([(time.perf_counter() - t0) / iters * 1e3])
+            elapsed = torch.tensor([(time.perf_counter() - t0) / iters * 1e3], device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             back_to_back[c] = elapsed.item()
 
@@ -305,13 +305,14 @@ def main(argv=None):
     floor = ns_floor_ms(dim_, ffn, layers, world)
     results = {}
     for c in configs:
-        it = torch.tensor(times[c]["iter"]) * 1e3
-        st = torch.tensor(times[c]["step"]) * 1e3
+        # on the process group's device: NCCL has no CPU backend
+        it = torch.tensor(times[c]["iter"], device=device) * 1e3
+        st = torch.tensor(times[c]["step"], device=device) * 1e3
         dist.all_reduce(it, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         dist.all_reduce(st, op=dist.ReduceOp.MAX)
         results[c] = {
-            "iter_ms": statistics.median(it.tolist()),
-            "step_ms": statistics.median(st.tolist()),
+            "iter_ms": statistics.median(it.cpu().tolist()),
+            "step_ms": statistics.median(st.cpu().tolist()),
             "peak_mem_gib": max(times[c]["peak"]) / 2**30 if times[c]["peak"] else None,
         }
         if c in back_to_back:

@@ -220,7 +220,14 @@ class DedicatedRuntime:
         """Issue every group's replicate broadcast (global owners → replicate peers).
 
         ``wait=False`` keeps the works; each group waits for its own right before its next
-        unshard. A publish still in flight is drained first. No-op without HSDP.
+        unshard. A publish still in flight is drained first. No-op without HSDP. Collective:
+        every rank calls it at the same point. ``Muon(model).step`` calls it; call it yourself
+        after writing the global owners' masters outside a step (e.g. loading weights), or
+        the other replicas keep the old values until the next step.
+
+        Example::
+
+            dmuon.distributed.dedicated_runtime(model).publish(wait=True)
         """
         for group in self.groups:
             if group.replicate is not None:
