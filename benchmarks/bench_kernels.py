@@ -2,7 +2,7 @@
 
 Run on one GPU::
 
-    python benchmarks/bench_kernels.py --out benchmarks/RESULTS_kernels.md           # full
+    python benchmarks/bench_kernels.py --out kernels_results.md  # then fold into benchmarks/RESULTS.md           # full
     python benchmarks/bench_kernels.py --quick --out /tmp/quick.md                    # short
 
 Every number is a median of ``triton.testing.do_bench`` after warm-up; every claim is a ratio
