@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from dmuon_compile import functional as F
-from dmuon_compile.newton_schulz import NewtonSchulz, resolve_ns_backend, set_active_ns
+from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 
 # Module names that mark an output head: its weight is 2-D but is a classifier, not a hidden
 # matrix, and Muon's orthogonalised update is wrong for it (Keller Jordan; Moonlight).
