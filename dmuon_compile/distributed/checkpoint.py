@@ -116,7 +116,8 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, str
     """Load a full state dict (from :func:`get_model_state_dict` or a single-process model).
 
     Collective: call it on every rank with the same full dict. Owners copy their dedicated
-    matrices into their masters (the next forward publishes them); FSDP2 parameters are
+    matrices into their masters (the next forward unshards them; with HSDP they are broadcast
+    to the other replicas before this returns); FSDP2 parameters are
     loaded by torch's ``set_model_state_dict(full_state_dict=True)``. ``strict=True`` raises a
     ``KeyError`` naming missing dedicated entries and torch's error for the rest.
 
@@ -150,6 +151,8 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, str
             )
         with torch.no_grad():
             dp.master.copy_(value.to(device=dp.master.device, dtype=dp.master.dtype))
+    if getattr(runtime, "replicated", False):
+        runtime.publish(wait=True)  # HSDP: the other replicas take the loaded weights now
     rest = {k: v for k, v in state_dict.items() if k not in dedicated}
     with _no_state_dict_warning():
         dcp_state_dict.set_model_state_dict(model, rest, options=options)

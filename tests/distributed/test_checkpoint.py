@@ -11,27 +11,33 @@ from .harness import run_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
-def _build(rank, world, seed):
+def _build(rank, world, seed, hsdp=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon_compile as dmuon
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = models.build_llama(seed=seed)
-    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
+    if hsdp:  # world replicas of one shard each
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        model = models.build_llama(seed=seed)
+        dmuon.dedicate_params(model, mesh["shard"], predicate=models.proj_predicate,
+                              replicate_mesh=mesh["replicate"])
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        model = models.build_llama(seed=seed)
+        dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def _save_then_load(rank, world):
+def _save_then_load(rank, world, hsdp=False):
     import warnings
 
     import dmuon_compile as dmuon
 
-    model = _build(rank, world, seed=0)
+    model = _build(rank, world, seed=0, hsdp=hsdp)
     opt = dmuon.Muon(model, compile=False)
     for x in models.batches(2, world):
         per = x.shape[0] // world
@@ -46,7 +52,7 @@ def _save_then_load(rank, world):
     rank0_only = dmuon.get_model_state_dict(model)  # cpu_offload: rank 0 only
 
     # Load into a differently initialised model, then read it back.
-    other = _build(rank, world, seed=7)
+    other = _build(rank, world, seed=7, hsdp=hsdp)
     before = dmuon.get_model_state_dict(other, cpu_offload=False)
     dmuon.set_model_state_dict(other, full)
     after = dmuon.get_model_state_dict(other, cpu_offload=False)
@@ -64,8 +70,9 @@ def _save_then_load(rank, world):
     }
 
 
-def test_round_trip_and_single_process_load():
-    results = run_ranks(_save_then_load, 2, timeout=100)
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp_2x1"])
+def test_round_trip_and_single_process_load(hsdp):
+    results = run_ranks(_save_then_load, 2, hsdp, timeout=100)
     r0, r1 = results
     reference = models.build_llama(seed=0)
     # the full dict has exactly the single-process model's keys and shapes
