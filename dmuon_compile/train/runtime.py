@@ -19,6 +19,7 @@ the process group when there is more than one process.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 
@@ -106,8 +107,16 @@ def setup(requested_device: str = "auto") -> DistEnv:
 
 
 def teardown(env: DistEnv) -> None:
-    """Destroy the process group this module started."""
+    """Destroy the process group this module started.
+
+    Every rank first drops the run's objects and meets at a barrier: gloo's worker threads can
+    otherwise still hold finished work (and tensors) when the group is destroyed, which aborted
+    the process at exit ("terminate called without an active exception") about one run in five
+    on CPU.
+    """
     if env.distributed and dist.is_initialized():
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
