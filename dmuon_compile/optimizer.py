@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from dmuon_compile import functional as F
@@ -252,13 +253,29 @@ class Muon(torch.optim.Optimizer):
                 state_b.append((state["exp_avg_sq"], state["step"]))
 
     def _nonfinite_names(self, params: list[Tensor], grads: list[Tensor]) -> list[str]:
-        if not grads:
-            return []
-        norms = torch._foreach_norm([_local(g).float() for g in grads])
-        finite = torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
-        if bool(finite.all()):  # one host sync per step
-            return []
-        return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
+        bad: list[str] = []
+        if grads:
+            norms = torch._foreach_norm([_local(g).float() for g in grads])
+            finite = torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
+            if not bool(finite.all()):  # one host sync per step
+                bad = [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
+        if self._grads_differ_across_ranks(params):
+            # Shards and owners see different gradients: agree on the verdict, or one rank
+            # raises/skips while the others enter the next collective and hang.
+            flag = torch.tensor([1.0 if bad else 0.0], device=_flag_device(grads))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0 and not bad:
+                bad = ["a gradient held by another rank (see that rank's error)"]
+        return bad
+
+    def _grads_differ_across_ranks(self, params: list[Tensor]) -> bool:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        from dmuon_compile.dedicated_registry import dedicated_names
+
+        if self.model is not None and dedicated_names(self.model):
+            return True
+        return any(hasattr(p, "to_local") for group in self.param_groups for p in group["params"])
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -339,6 +356,13 @@ def _replicated_runtime(model: nn.Module | None):
 
     runtime = getattr(model, PLAN_ATTR, None) if model is not None else None
     return runtime if getattr(runtime, "replicated", False) else None
+
+
+def _flag_device(grads: list[Tensor]) -> torch.device:
+    """Where a one-element flag can be all-reduced (NCCL needs CUDA, gloo takes the CPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _local(t: Tensor) -> Tensor:

@@ -1,0 +1,57 @@
+"""A NaN gradient on one rank stops every rank the same way: no rank left waiting in a collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import models
+from .harness import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+
+def _nan_on_rank0(rank, world, mode):
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon_compile as dmuon
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = models.build_llama()
+    owners = dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, compile=False, nonfinite_grads=mode)
+    x = next(iter(models.batches(1, world)))
+    per = x.shape[0] // world
+    model(x[rank * per:(rank + 1) * per]).square().mean().backward()
+    if rank == 0:  # poison a gradient only this rank holds: an owned matrix
+        name = next(n for n, o in owners.items() if o == 0)
+        dict(dmuon.dedicated_registry.dedicated_parameters(model))[name].grad[0, 0] = float("nan")
+    outcome = "stepped"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt.step()
+        except FloatingPointError as exc:
+            outcome = f"raised: {exc}"
+    if any("skipped" in str(w.message) for w in caught):
+        outcome = "skipped"
+    # both ranks must still be in step with each other: one more collective completes
+    opt.zero_grad()
+    model(x[rank * per:(rank + 1) * per]).square().mean().backward()
+    return outcome
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_every_rank_agrees_on_a_nonfinite_step(mode):
+    r0, r1 = run_ranks(_nan_on_rank0, 2, mode, timeout=90)
+    if mode == "raise":
+        assert r0.startswith("raised") and r1.startswith("raised")
+        assert "another rank" in r1 and "another rank" not in r0
+    else:
+        assert r0 == r1 == "skipped"
