@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dmuon_compile import functional as F
+from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 
 # Module names that mark an output head: its weight is 2-D but is a classifier, not a hidden
@@ -262,7 +263,7 @@ class Muon(torch.optim.Optimizer):
         if self._grads_differ_across_ranks(params):
             # Shards and owners see different gradients: agree on the verdict, or one rank
             # raises/skips while the others enter the next collective and hang.
-            flag = torch.tensor([1.0 if bad else 0.0], device=_flag_device(grads))
+            flag = torch.tensor([1.0 if bad else 0.0], device=scalar_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0 and not bad:
                 bad = ["a gradient held by another rank (see that rank's error)"]
@@ -356,13 +357,6 @@ def _replicated_runtime(model: nn.Module | None):
 
     runtime = getattr(model, PLAN_ATTR, None) if model is not None else None
     return runtime if getattr(runtime, "replicated", False) else None
-
-
-def _flag_device(grads: list[Tensor]) -> torch.device:
-    """Where a one-element flag can be all-reduced (NCCL needs CUDA, gloo takes the CPU)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _local(t: Tensor) -> Tensor:

@@ -49,3 +49,10 @@ def all_gather_digests(digest: str, group, device: torch.device) -> list[str]:
     _all_gather(out, raw, group=group, async_op=False)
     chunks = out.view(-1, raw.numel()).cpu().tolist()
     return [bytes(c).hex() for c in chunks]
+
+
+def scalar_device(fallback: torch.device | None = None) -> torch.device:
+    """Where a small flag/norm tensor can be all-reduced: CUDA for NCCL, the CPU for gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if dist.is_initialized() or fallback is None else fallback
