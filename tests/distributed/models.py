@@ -130,3 +130,28 @@ class OutputModel(nn.Module):
             outs.append(out)
             x = out.hidden
         return outs
+
+
+def build_dedicated(world: int, seed: int = 0, hsdp: bool = False):
+    """The Llama-like model with its ``*_proj`` matrices dedicated and FSDP2 on the rest.
+
+    ``hsdp=True`` builds ``world`` replicas of one shard each (``replicate_mesh`` of size world).
+    Returns ``(model, owners)``. Call inside an initialised gloo process group.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon_compile as dmuon
+
+    model = build_llama(seed=seed)
+    if hsdp:
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        owners = dmuon.dedicate_params(model, mesh["shard"], predicate=proj_predicate,
+                                       replicate_mesh=mesh["replicate"])
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        owners = dmuon.dedicate_params(model, mesh, predicate=proj_predicate)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, owners

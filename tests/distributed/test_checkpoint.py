@@ -12,24 +12,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
 def _build(rank, world, seed, hsdp=False):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import dmuon_compile as dmuon
-
-    if hsdp:  # world replicas of one shard each
-        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
-        model = models.build_llama(seed=seed)
-        dmuon.dedicate_params(model, mesh["shard"], predicate=models.proj_predicate,
-                              replicate_mesh=mesh["replicate"])
-    else:
-        mesh = init_device_mesh("cpu", (world,))
-        model = models.build_llama(seed=seed)
-        dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return models.build_dedicated(world, seed=seed, hsdp=hsdp)[0]
 
 
 def _save_then_load(rank, world, hsdp=False):

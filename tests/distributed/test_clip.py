@@ -20,17 +20,9 @@ def _reference(max_norm):
 
 
 def _clip(rank, world, max_norm):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     import dmuon_compile as dmuon
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = models.build_llama()
-    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model, _ = models.build_dedicated(world)
     x = next(iter(models.batches(1, world)))
     per = x.shape[0] // world
     model(x[rank * per:(rank + 1) * per]).square().mean().backward()

@@ -38,18 +38,11 @@ def _accum_reference(world):
 
 
 def _accum_distributed(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import _fsdp_compat, dedicated_runtime
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = models.build_llama()
-    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model, _ = models.build_dedicated(world)
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
     data = models.batches(STEPS * MICRO, world)
     runtime = dedicated_runtime(model)

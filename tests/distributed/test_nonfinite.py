@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from . import models
 from .harness import run_ranks
@@ -14,17 +13,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 def _nan_on_rank0(rank, world, mode):
     import warnings
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     import dmuon_compile as dmuon
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = models.build_llama()
-    owners = dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model, owners = models.build_dedicated(world)
     opt = dmuon.Muon(model, compile=False, nonfinite_grads=mode)
     x = next(iter(models.batches(1, world)))
     per = x.shape[0] // world
