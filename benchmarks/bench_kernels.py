@@ -4,6 +4,7 @@ Run on one GPU::
 
     python benchmarks/bench_kernels.py --out kernels_results.md  # then fold into benchmarks/RESULTS.md           # full
     python benchmarks/bench_kernels.py --quick --out /tmp/quick.md                    # short
+    python benchmarks/bench_kernels.py --sections N --stress-inputs 1000              # NaN/Inf stress
 
 Every number is a median of ``triton.testing.do_bench`` after warm-up; every claim is a ratio
 of two things measured in this run. §A compares (1) the baseline — torch.optim.Muon's NS
@@ -32,6 +33,17 @@ NS_SHAPES = [(768, 3072), (1024, 4096), (2048, 5632), (4096, 4096), (4096, 14336
              (8192, 28672), (32, 2048, 5632), (216, 2048, 7168)]
 QUICK_NS_SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (14336, 4096), (32, 2048, 5632)]
 SYRK_BATCH = {1024: 16, 2048: 8, 4096: 4, 8192: 2}
+# Shape classes of the NaN/Inf stress (section N): (rows, cols, stack) — every class runs the
+# production kernels (Triton where autotune picks it: m >= 4096, or stacks of 2048-row matrices).
+STRESS_CLASSES = {
+    "square 4096×4096 (direct NS)": (4096, 4096, 4),
+    "wide 4096×14336 (Gram NS)": (4096, 14336, 2),
+    "tall 14336×4096 (Gram NS, transposed)": (14336, 4096, 2),
+    "stacked 2048×5632": (2048, 5632, 8),
+    "small 1024×4096 (cuBLAS)": (1024, 4096, 16),
+}
+INPUT_KINDS = ("gaussian", "low_rank", "ill_conditioned", "heavy_tailed", "duplicate_rows", "tiny_scale",
+               "huge_scale")
 
 
 def bench_ms(fn) -> float:
@@ -121,6 +133,63 @@ def run_ns_section(shapes, nan_inputs: int) -> tuple[list[str], dict]:
     return rows, speedups
 
 
+def stress_inputs(kind: str, shape, gen: torch.Generator, variant: int = 0, device="cuda") -> torch.Tensor:
+    """A stack of hard NS inputs of one kind (bf16, never all zeros); ``shape = (b, m, n)``."""
+    b, m, n = shape
+    g = torch.randn(shape, generator=gen, device=device)
+    if kind == "low_rank":  # rank 1..8 plus a 1e-4 floor: a few huge singular values
+        r = 1 + variant % 8
+        u = torch.randn(b, m, r, generator=gen, device=device)
+        v = torch.randn(b, r, n, generator=gen, device=device)
+        g = u @ v + 1e-4 * g
+    elif kind == "ill_conditioned":  # column scales over six decades
+        g = g * torch.logspace(0, -6, n, device=device)
+    elif kind == "heavy_tailed":  # ratio of Gaussians (Cauchy-like outliers)
+        g = g / torch.randn(shape, generator=gen, device=device).abs().clamp(min=1e-3)
+    elif kind == "duplicate_rows":  # exactly rank-deficient: every row twice
+        g[:, 1 : m // 2 * 2 : 2] = g[:, 0 : m // 2 * 2 : 2]
+    elif kind == "tiny_scale":
+        g = g * 1e-6
+    elif kind == "huge_scale":
+        g = g * 1e4
+    return g.to(torch.bfloat16)
+
+
+def run_stress_section(inputs: int) -> tuple[list[str], dict]:
+    """Section N: NaN/Inf over ``inputs`` random inputs per shape class, ours and the baseline."""
+    rows = ["| shape class | inputs | kinds | NaN/Inf baseline | NaN/Inf ours (Triton) | max ‖out‖ ours / √m | s |",
+            "|---|---|---|---|---|---|---|"]
+    ours = NewtonSchulz(kernel="triton")
+    bad_total = {}
+    for name, (m, n, stack) in STRESS_CLASSES.items():
+        gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+        t0 = time.time()
+        done = bad_base = bad_ours = 0
+        worst_norm = 0.0
+        i = 0
+        while done < inputs:
+            b = min(stack, inputs - done)
+            kind = INPUT_KINDS[i % len(INPUT_KINDS)]
+            g = stress_inputs(kind, (b, m, n), gen, variant=i // len(INPUT_KINDS))
+            out = ours(g if b > 1 else g[0])
+            out = out if out.dim() == 3 else out[None]
+            base = torch.stack([baseline_ns(g[j]) for j in range(b)])
+            bad_ours += int((~torch.isfinite(out)).flatten(1).any(1).sum())
+            bad_base += int((~torch.isfinite(base)).flatten(1).any(1).sum())
+            # An orthogonalised matrix has Frobenius norm ≈ √min(m, n): a blow-up shows here.
+            worst_norm = max(worst_norm, float(torch.linalg.vector_norm(out.float(), dim=(-2, -1)).max())
+                             / min(m, n) ** 0.5)
+            done += b
+            i += 1
+        torch.cuda.synchronize()
+        bad_total[name] = bad_ours
+        rows.append(f"| {name} | {done} | {len(INPUT_KINDS)} | {bad_base}/{done} | {bad_ours}/{done} | "
+                    f"{worst_norm:.3f} | {time.time() - t0:.0f} |")
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return rows, bad_total
+
+
 def run_syrk_section(ms, batched_too: bool) -> tuple[list[str], dict]:
     from dmuon_compile.kernels import autotune
     from dmuon_compile.kernels.syrk import choose_kernel
@@ -162,7 +231,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and inputs")
     parser.add_argument("--out", default=None, help="write the markdown tables here")
-    parser.add_argument("--sections", default="CA", help="which sections to run: C, A or CA")
+    parser.add_argument("--sections", default="CA",
+                        help="which sections to run: C (SYRK), A (NS per matrix), N (NaN/Inf stress); e.g. CAN")
+    parser.add_argument("--stress-inputs", type=int, default=1000, help="inputs per shape class in section N")
     parser.add_argument("--nan-inputs", type=int, default=None, help="random inputs per shape for the NaN count")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -216,6 +287,15 @@ def main(argv=None) -> int:
         for name, target in targets.items():
             if name in sp:
                 headlines.append(f"HEADLINE NS {name}: {sp[name]:.2f}x vs baseline (target >= {target}x)")
+    if "N" in args.sections:
+        rows, bad = run_stress_section(args.stress_inputs)
+        lines += ["## N. NaN/Inf stress: random inputs per shape class", "",
+                  "Input kinds cycle through " + ", ".join(INPUT_KINDS) + " (bf16). Ours: "
+                  "`NewtonSchulz(kernel=\"triton\")` (default Gram NS, Polar Express, fp16, restart); "
+                  "baseline: torch.optim.Muon's NS. Counted: inputs whose output had any NaN/Inf.", ""]
+        lines += rows + [""]
+        headlines.append(f"HEADLINE NaN/Inf over {args.stress_inputs} inputs per class: "
+                         f"{sum(bad.values())} bad outputs in {len(bad)} classes (target 0)")
     write_markdown()
     print("\n".join(headlines))
     return 0

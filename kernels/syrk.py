@@ -31,6 +31,8 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Square output tiles (the mirror needs BLOCK_M == BLOCK_N). 128² tiles with 8 warps are the
 # Hopper sweet spot for half precision; 2 CTAs/SM and 64² tiles cover small or batched m.
+# 256² tiles halve the operand traffic per FLOP (the Gram-space products at m >= 4096 are
+# bandwidth-limited at 128²); their 64K-float accumulator needs 16 warps (128 registers each).
 CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 3, 1),
     TileConfig(128, 64, 8, 4, 1),
@@ -38,6 +40,9 @@ CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 4, 3, 2),
     TileConfig(128, 128, 8, 3, 1),
     TileConfig(64, 64, 4, 4, 2),
+    TileConfig(256, 64, 16, 3, 1),
+    TileConfig(256, 32, 16, 4, 1),
+    TileConfig(256, 64, 8, 3, 1),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
 

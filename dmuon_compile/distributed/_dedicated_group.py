@@ -20,6 +20,7 @@ replicate broadcast that refreshed this rank's weights after the last step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -136,9 +137,22 @@ class DedicatedGroup:
         """Issue the collectives that fill the buffer from the owners (no wait)."""
         if self.state != SHARDED:
             return
-        if self.replicate is not None:  # the weights this rank sends must be the published ones
-            self.replicate.wait_publish(self.profile if self.record_profile else None)
+        # The buffer is allocated on the compute stream, which reads and frees it.
         self._alloc()
+        side = None
+        if self.replicate is not None and self.replicate.publish_works and self.device.type == "cuda":
+            # The weights this rank sends must be the published ones. Wait for the replicate
+            # broadcast on a side stream, not the compute stream: a prefetch issued from the
+            # previous group's pre-hook must not hold that group's forward back until *this*
+            # group's broadcast lands. The compute stream waits only for the unshard itself.
+            side = _unshard_stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            self._issue_unshard(prefetch)
+
+    def _issue_unshard(self, prefetch: bool) -> None:
+        if self.replicate is not None:
+            self.replicate.wait_publish(self.profile if self.record_profile else None)
         flat = self.flat
         own = self.params_of(self.rank)
         if self.mode == "all_gather":
@@ -268,6 +282,18 @@ class DedicatedGroup:
         self.finish_reduce()
         if self.replicate is not None:
             self.replicate.drain()
+
+
+_UNSHARD_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _unshard_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per CUDA device for unshards that must first wait for a publish."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _UNSHARD_STREAMS.get(index)
+    if stream is None:
+        stream = _UNSHARD_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 def _is_done(work) -> bool:
