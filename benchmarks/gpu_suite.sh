@@ -1,47 +1,69 @@
 #!/usr/bin/env bash
-# The whole benchmark suite in one device call on a 2-GPU machine: install, then the kernel
-# benchmarks (BENCHMARKS.md §A/§C), the optimizer step (§B1, one GPU) and the training
-# iteration (§B: FSDP2 on 1 and 2 GPUs, HSDP 2×1), each stage under its own time limit so a slow
-# stage cannot take the others' results with it; the headline ratios are printed last.
-# Outputs land in $OUT (default ./gpu_out).
-#   bash benchmarks/gpu_suite.sh                       # all stages (~15 min on 2× H200)
-#   STAGES="fsdp_S step_M" bash benchmarks/gpu_suite.sh
+# The benchmark suite in one device call: install, then the chosen stages, each under its own
+# time limit so a slow stage cannot take the others' results with it; the headline ratios are
+# printed last. Every log, table, JSON and profiler trace goes into one archive,
+# $OUT/results.tgz (the device tool returns at most 8 files), plus $OUT/gpu_cache.tgz (autotune
+# verdicts and Triton binaries, to carry into the next call as .gpu_cache/).
+#   STAGES="probe kernels gputests step_M" bash benchmarks/gpu_suite.sh           # 1 GPU
+#   STAGES="probe fsdp_S fsdp_M hsdp_S hsdp1x_S" bash benchmarks/gpu_suite.sh     # 2 GPUs
+# Stages:
+#   probe       nvidia-smi topology + NCCL bandwidth (benchmarks/nccl_probe.py, >= 2 GPUs)
+#   kernels     bench_kernels.py sections C, A and N (SYRK, NS per matrix, NaN/Inf stress)
+#   gputests    pytest -m gpu (kernels, dedicated runtime)
+#   step_S/M    bench_step.py (§B1) with a profile of each configuration
+#   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
+#   fsdp1_S/M   the same on one GPU
+#   hsdp_S/M    HSDP ngpu×1 (pure replicate), ours configurations only + AdamW
+#   hsdp1x_S/M  HSDP 1×ngpu (replicate size 1)
 set -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT" .gpu_cache
+WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$OUT" "$WORK/prof" .gpu_cache
 export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export DMUON_CACHE_DIR=$PWD/.gpu_cache/dmuon TRITON_CACHE_DIR=$PWD/.gpu_cache/triton
-STAGES=${STAGES:-"kernels step_S step_M fsdp_S fsdp_M fsdp1_S hsdp_S"}
-python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+STAGES=${STAGES:-"probe kernels step_M fsdp_S fsdp_M hsdp_S"}
+T=${STAGE_TIMEOUT:-150}
+python3 -m pip install -q --no-build-isolation --no-deps -e . >"$WORK/pip.log" 2>&1 || { cat "$WORK/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton, dmuon_compile as d; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count(), 'GPUs'); print(d.get_ns_backend())"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+quiet() { grep -v "autotune candidate"; }
 for stage in $STAGES; do
   start=$(date +%s)
+  model=${stage##*_}
+  log="$WORK/$stage.log"
   case $stage in
-    step_M|step_S)
-      timeout ${STEP_TIMEOUT:-150} python3 benchmarks/bench_step.py --model ${stage#step_} \
-        --configs torch_muon ours_eager ours_compiled --out "$OUT/$stage.md" 2>&1 \
-        | grep -v "autotune candidate" | tee "$OUT/$stage.log" | tail -25 ;;
-    fsdp_S|fsdp_M)
-      timeout ${FSDP_TIMEOUT:-120} torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py \
-        --model ${stage#fsdp_} --out "$OUT/${stage}_${ngpu}gpu.json" 2>&1 \
-        | grep -v "autotune candidate" | tee "$OUT/$stage.log" | tail -25 ;;
+    probe)
+      { nvidia-smi topo -m; [ "$ngpu" -ge 2 ] && timeout 120 torchrun --standalone --nproc_per_node "$ngpu" benchmarks/nccl_probe.py; } 2>&1 | tee "$log" ;;
     kernels)
-      timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --out "$OUT/kernels.md" 2>&1 \
-        | grep -v "autotune candidate" | tee "$OUT/$stage.log" | tail -25 ;;
-    fsdp1_S|fsdp1_M)
-      timeout ${FSDP_TIMEOUT:-120} torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py \
-        --model ${stage#fsdp1_} --out "$OUT/${stage}_1gpu.json" 2>&1 \
-        | grep -v "autotune candidate" | tee "$OUT/$stage.log" | tail -25 ;;
-    hsdp_S|hsdp_M)
-      timeout ${FSDP_TIMEOUT:-120} torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py \
-        --model ${stage#hsdp_} --replicate "$ngpu" --out "$OUT/${stage}_${ngpu}gpu.json" 2>&1 \
-        | grep -v "autotune candidate" | tee "$OUT/$stage.log" | tail -25 ;;
+      timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} \
+        --out "$WORK/kernels.md" 2>&1 | quiet | tee "$log" | tail -40 ;;
+    gputests)
+      timeout $T python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$log" | tail -15 ;;
+    step_*)
+      timeout ${STEP_TIMEOUT:-200} python3 benchmarks/bench_step.py --model "$model" \
+        --configs ${STEP_CONFIGS:-torch_muon torch_muon_compiled ours_eager ours_compiled} \
+        --out "$WORK/$stage.md" --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -60 ;;
+    fsdp_*)
+      timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
+        --out "$WORK/${stage}_${ngpu}gpu.json" --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -40 ;;
+    fsdp1_*)
+      timeout $T torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py --model "$model" \
+        --out "$WORK/${stage}_1gpu.json" 2>&1 | quiet | tee "$log" | tail -25 ;;
+    hsdp_*)
+      timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
+        --replicate "$ngpu" --configs adamw,ours_eager,ours_compiled --out "$WORK/${stage}_${ngpu}gpu.json" \
+        --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -40 ;;
+    hsdp1x_*)
+      timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
+        --replicate 1 --hsdp --configs adamw,ours_compiled --out "$WORK/${stage}_${ngpu}gpu.json" \
+        2>&1 | quiet | tee "$log" | tail -25 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: rc=$? in $(( $(date +%s) - start )) s"
 done
 tar czf "$OUT/gpu_cache.tgz" .gpu_cache 2>/dev/null
+tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
+ls -la "$OUT"
 echo "== headline ratios"
-grep -h -E "HEADLINE|target|Muon tax|^\| (adamw|naive_muon|ours_eager|ours_compiled) " "$OUT"/*.log 2>/dev/null
+grep -h -E "HEADLINE|target|Muon tax|exposed|hidden|^\| (adamw|naive_muon|ours_eager|ours_eager_sync|ours_compiled) " "$WORK"/*.log 2>/dev/null

@@ -49,7 +49,9 @@ DEFAULT_CONFIG = CANDIDATES[0]
 
 def candidates_for(m: int) -> tuple[TileConfig, ...]:
     """Candidates worth timing for an ``m×m`` output (no tile much larger than the matrix)."""
-    fitting = tuple(c for c in CANDIDATES if c.block <= max(64, 2 * m))
+    # 256² tiles only where a single matrix has enough of them to fill the chip (m >= 4096:
+    # 136 lower tiles); below that they only lengthen the autotune.
+    fitting = tuple(c for c in CANDIDATES if c.block <= max(64, 2 * m) and (c.block < 256 or m >= 4096))
     return fitting or (CANDIDATES[-1],)
 
 

@@ -202,8 +202,13 @@ def _symmetric_product_kernel(
         out_base = out_ptr + batch64 * stride_ob
         lower_mask = in_bounds & (off_diagonal | (offs_m[:, None] >= offs_n[None, :]))
         tl.store(out_base + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, value, mask=lower_mask)
-        mirror_mask = in_bounds & (off_diagonal | (offs_m[:, None] > offs_n[None, :]))
-        tl.store(out_base + offs_m[:, None] * stride_on + offs_n[None, :] * stride_om, value, mask=mirror_mask)
+        # The mirror is stored as the transposed tile, indexed (n, m), so consecutive lanes
+        # write consecutive addresses (the transpose goes through shared memory) instead of
+        # one element per output row.
+        mirror_mask = (offs_n[:, None] < m) & (offs_m[None, :] < m) & (
+            off_diagonal | (offs_m[None, :] > offs_n[:, None]))
+        tl.store(out_base + offs_n[:, None] * stride_om + offs_m[None, :] * stride_on, tl.trans(value),
+                 mask=mirror_mask)
 
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
