@@ -31,8 +31,9 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Square output tiles (the mirror needs BLOCK_M == BLOCK_N). 128² tiles with 8 warps are the
 # Hopper sweet spot for half precision; 2 CTAs/SM and 64² tiles cover small or batched m.
-# 256² tiles halve the operand traffic per FLOP (the Gram-space products at m >= 4096 are
-# bandwidth-limited at 128²); their 64K-float accumulator needs 16 warps (128 registers each).
+# 256² tiles were tried (2026-11-30, H200, Triton 3.6): with 16 warps ptxas needs >= 154
+# registers per thread for this kernel (limit 128) and with 8 warps the accumulator spills, so
+# none compiled usefully; the tile would need a split accumulator or warp specialisation.
 CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 3, 1),
     TileConfig(128, 64, 8, 4, 1),
@@ -40,18 +41,13 @@ CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 4, 3, 2),
     TileConfig(128, 128, 8, 3, 1),
     TileConfig(64, 64, 4, 4, 2),
-    TileConfig(256, 64, 16, 3, 1),
-    TileConfig(256, 32, 16, 4, 1),
-    TileConfig(256, 64, 8, 3, 1),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
 
 
 def candidates_for(m: int) -> tuple[TileConfig, ...]:
     """Candidates worth timing for an ``m×m`` output (no tile much larger than the matrix)."""
-    # 256² tiles only where a single matrix has enough of them to fill the chip (m >= 4096:
-    # 136 lower tiles); below that they only lengthen the autotune.
-    fitting = tuple(c for c in CANDIDATES if c.block <= max(64, 2 * m) and (c.block < 256 or m >= 4096))
+    fitting = tuple(c for c in CANDIDATES if c.block <= max(64, 2 * m))
     return fitting or (CANDIDATES[-1],)
 
 
