@@ -11,7 +11,8 @@ others as a plain ``replica``), because their shard groups unshard it from them.
 2. ``Muon.step`` runs Newton–Schulz on the global owner only (one NS per matrix in the job);
 3. publish: the global owner broadcasts the new weight over the replicate group to its column
    peers. Async (default) it is issued at the end of ``step()`` and waited for in the next
-   forward, right before the group's unshard reads the weight (``DedicatedGroup.unshard``).
+   forward, right before the group's unshard reads the weight (``DedicatedGroup.unshard``; on
+   CUDA on a side stream, so only that unshard, not the compute stream, waits for it).
 
 Layout: a group's *column chunk* (its matrices whose owner column is this rank's shard
 coordinate) lives in one flat buffer ``flat`` in the group's *compute* dtype (what the shard

@@ -21,7 +21,9 @@ HSDP adds the replicate stage (``_replicate.py``): the reduce to owners continue
 replicate group to the global owner, and ``Muon.step`` ends with :meth:`publish`, the global
 owners' broadcast of their new weights to their replicate peers. ``Muon(replicate_async=True)``
 (default) leaves it in flight; each group waits for its part right before its next unshard
-(forward pre-hook, or the prefetch issued from the previous group's pre-hook).
+(forward pre-hook, or the prefetch issued from the previous group's pre-hook). On CUDA that wait
+is made by a side stream, which then issues the unshard: the compute stream waits only for the
+unshard itself, so a prefetch never holds the current group's forward back.
 ``replicate_async=False`` waits inside ``step()``. A step drains what an earlier step left in
 flight before it touches a weight, so two ``step()`` calls without a forward are safe. When the
 weights were updated by something other than ``Muon(model).step`` (another optimizer, a
