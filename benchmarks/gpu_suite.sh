@@ -9,7 +9,7 @@
 # Stages:
 #   probe       nvidia-smi topology + NCCL bandwidth (benchmarks/nccl_probe.py, >= 2 GPUs)
 #   kernels     bench_kernels.py sections C, A and N (SYRK, NS per matrix, NaN/Inf stress)
-#   gputests    pytest -m gpu (kernels, dedicated runtime)
+#   gputests    pytest -m gpu (GPUTEST_PATHS, default tests/: kernels, dedicated runtime, HSDP)
 #   step_S/M    bench_step.py (§B1) with a profile of each configuration
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
 #   fsdp1_S/M   the same on one GPU
@@ -39,7 +39,8 @@ for stage in $STAGES; do
       timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} \
         --out "$WORK/kernels.md" 2>&1 | quiet | tee "$log" | tail -40 ;;
     gputests)
-      timeout $T python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$log" | tail -15 ;;
+      timeout ${GPUTEST_TIMEOUT:-$T} python3 -u -m pytest ${GPUTEST_PATHS:-tests} -m gpu -q -p no:cacheprovider \
+        2>&1 | tee "$log" | tail -15 ;;
     step_*)
       timeout ${STEP_TIMEOUT:-200} python3 benchmarks/bench_step.py --model "$model" \
         --configs ${STEP_CONFIGS:-torch_muon torch_muon_compiled ours_eager ours_compiled} \
