@@ -6,6 +6,8 @@ Launch with torchrun, one process per GPU (or CPU processes with gloo for a smok
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 2   # HSDP 2×1
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 1 --hsdp  # 1×2
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --profile prof/  # + traces
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu --profile /tmp/prof
 
 Configurations (all built up front, then run interleaved iteration by iteration):
 
@@ -28,17 +30,31 @@ block, the only timing in which the async replicate broadcast can overlap the ne
 Per configuration: median iteration time (forward + backward + step) and step-only time,
 peak memory (CUDA), and the Muon tax = iteration / AdamW iteration − 1; plus the NS FLOP
 floor of §B and (iteration − AdamW iteration) / floor.
+
+``--profile DIR`` then runs, per configuration (``--profile-configs``, default all that ran),
+one warm iteration and ``--profile-iters`` back-to-back iterations (one device sync before and
+after) under ``torch.profiler``, and reads each rank's chrome trace with
+``benchmarks/trace_analysis.py``: exposed communication (NCCL kernel time with no compute
+kernel running, as a fraction of the GPU window; ``exposed comm %`` = the max over ranks), the
+hidden share of the (replicate) broadcast kernels, and GPU time per kernel category. Rank 0
+keeps its trace, gzipped, for the ``--save-traces`` configurations:
+``DIR/trace_<model>_<mesh>_<config>_rank0.json.gz``. On CPU the traces hold no GPU events (the
+summary is zeros/None).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import gzip
 import inspect
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -182,6 +198,37 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def trace_analysis():
+    """benchmarks/ is not a package: import the sibling module from this file's directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import trace_analysis as ta
+
+    return ta
+
+
+def profile_iterations(model, opt, inputs, device, path):
+    """One warm iteration on ``inputs[0]``, then one per remaining input back to back (no sync
+    inside) under torch.profiler; the chrome trace goes to ``path``. The inputs are on the device
+    already, so the trace holds the training iterations only (no host-to-device copies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def one(x):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    one(inputs[0])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for x in inputs[1:]:
+            one(x)
+        sync(device)
+    prof.export_chrome_trace(path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["S", "M"], default="S")
@@ -197,9 +244,18 @@ def main(argv=None):
     ap.add_argument("--replicate", type=int, default=None,
                     help="HSDP: R replicas of world/R-rank shard groups (e.g. 2 on 2 GPUs = 2×1)")
     ap.add_argument("--hsdp", action="store_true", help="use the 2-D HSDP mesh even with --replicate 1 (1×world)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after timing, profile each configuration (torch.profiler) and report exposed comm")
+    ap.add_argument("--profile-iters", type=int, default=3, help="back-to-back iterations profiled (default 3)")
+    ap.add_argument("--profile-configs", default=None,
+                    help="comma list of configurations to profile (default: all that ran)")
+    ap.add_argument("--save-traces", default="ours_compiled",
+                    help="comma list: rank 0 writes these configurations' traces (gzipped) to DIR")
     args = ap.parse_args(argv)
     if args.quick:
         args.model = "quick"
+    if args.profile_iters < 1:
+        ap.error("--profile-iters must be >= 1")
     iters = args.iters or (3 if args.quick else 6)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     batch = args.batch or (2 if args.quick else 8)
@@ -301,6 +357,58 @@ def main(argv=None):
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             back_to_back[c] = elapsed.item()
 
+    replicate_info = {}  # read before profiling, so the counters cover the timed runs only
+    for c in configs:
+        if c.startswith("ours") and hsdp:
+            plan = dmuon.summarize_comm_plan(built[c][0]).get("replicate")
+            if plan and plan.get("active"):
+                replicate_info[c] = {"replicate_plan": plan}
+                prof = dmuon.collect_forward_unshard_profile(built[c][0], synchronize=True)
+                if prof.get("enabled"):
+                    replicate_info[c]["replicate_profile"] = {k: v for k, v in prof["total"].items()
+                                                              if k.startswith(("publish", "replicate"))}
+
+    profiles = {}
+    if args.profile:
+        ta = trace_analysis()
+        wanted = [c for c in args.profile_configs.split(",") if c] if args.profile_configs else list(configs)
+        save = {c for c in args.save_traces.split(",") if c}
+        mesh_tag = f"hsdp{replicas}x{world // replicas}" if hsdp else f"fsdp{world}"
+        if rank == 0:
+            os.makedirs(args.profile, exist_ok=True)
+            for c in wanted:
+                if c not in configs:
+                    print(f"[bench_fsdp] not profiled: {c} (did not run)", file=sys.stderr, flush=True)
+        for c in [c for c in configs if c in wanted]:
+            model, opt = built[c]
+            inputs = [torch.randn(batch, seq, dim, generator=gen).to(device) for _ in range(args.profile_iters + 1)]
+            fd, tmp = tempfile.mkstemp(prefix=f"dmuon_trace_{c}_rank{rank}_", suffix=".json")
+            os.close(fd)
+            summary = None
+            try:
+                profile_iterations(model, opt, inputs, device, tmp)
+                summary = ta.summarize(tmp, args.profile_iters)
+                if rank == 0 and c in save:
+                    dest = os.path.join(args.profile, f"trace_{args.model}_{mesh_tag}_{c}_rank0.json.gz")
+                    with open(tmp, "rb") as fin, gzip.open(dest, "wb") as fout:
+                        shutil.copyfileobj(fin, fout)
+                    summary["trace_file"] = dest
+            except Exception as exc:  # noqa: BLE001 - a failed profile must not sink the timings
+                summary = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                os.remove(tmp)
+            frac = summary.get("exposed_fraction")
+            worst = torch.tensor([-1.0 if frac is None else frac], device=device)
+            ok = torch.tensor([0.0 if "error" in summary else 1.0], device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            worst, ok = worst.item(), ok.item()
+            summary["exposed_fraction_max_over_ranks"] = worst if worst >= 0 else None
+            if ok < 1.0 and "error" not in summary:
+                summary["error"] = "profiling failed on another rank"
+            profiles[c] = summary
+            del inputs
+
     dim_, ffn, layers = MODELS[args.model]
     floor = ns_floor_ms(dim_, ffn, layers, world)
     results = {}
@@ -317,14 +425,11 @@ def main(argv=None):
         }
         if c in back_to_back:
             results[c]["back_to_back_ms"] = back_to_back[c]
-        if c.startswith("ours") and hsdp:
-            plan = dmuon.summarize_comm_plan(built[c][0]).get("replicate")
-            if plan and plan.get("active"):
-                results[c]["replicate_plan"] = plan
-                prof = dmuon.collect_forward_unshard_profile(built[c][0], synchronize=True)
-                if prof.get("enabled"):
-                    results[c]["replicate_profile"] = {k: v for k, v in prof["total"].items()
-                                                       if k.startswith(("publish", "replicate"))}
+        results[c].update(replicate_info.get(c, {}))
+        if c in profiles:
+            worst = profiles[c].get("exposed_fraction_max_over_ranks")
+            results[c]["exposed_comm_pct"] = worst * 100 if worst is not None else None
+            results[c]["profile"] = profiles[c]
     base = results.get("adamw", {}).get("iter_ms")
     for c, r in results.items():
         r["muon_tax"] = r["iter_ms"] / base - 1 if base else None
@@ -335,6 +440,7 @@ def main(argv=None):
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "tokens_per_rank": batch * seq, "iters": iters, "warmup": warmup,
         "ns_floor_ms": floor, "results": results, "skipped": skipped, "errors": errors,
+        "profile_iters": args.profile_iters if args.profile else None,
         "memory_note": "peak = max allocated during the configuration's iteration, including the "
                        "resident state of the other (interleaved) configurations",
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -342,16 +448,26 @@ def main(argv=None):
     if rank == 0:
         shape = f"HSDP {replicas}×{world // replicas}" if hsdp else f"1-D FSDP over {world}"
         print(f"mesh: {shape}")
-        print(f"| config | iter ms | step ms | back-to-back ms | peak GiB | Muon tax | (iter−AdamW)/floor |  NS floor {floor:.3g} ms")
-        print("|---|---|---|---|---|---|---|")
+        print(f"| config | iter ms | step ms | back-to-back ms | exposed comm % | peak GiB | Muon tax | "
+              f"(iter−AdamW)/floor |  NS floor {floor:.3g} ms")
+        print("|---|---|---|---|---|---|---|---|")
         for c, r in results.items():
             peak = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
             tax = f"{r['muon_tax'] * 100:+.1f}%" if r["muon_tax"] is not None else "-"
             ratio = f"{r['over_floor']:.2f}" if r["over_floor"] is not None else "-"
             b2b = f"{r['back_to_back_ms']:.2f}" if "back_to_back_ms" in r else "-"
-            print(f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {b2b} | {peak} | {tax} | {ratio} |")
+            exposed = f"{r['exposed_comm_pct']:.1f}" if r.get("exposed_comm_pct") is not None else "-"
+            print(f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {b2b} | {exposed} | {peak} | {tax} | {ratio} |")
             if "replicate_profile" in r:
                 print(f"  {c} replicate stage: {json.dumps(r['replicate_profile'])}")
+        for c, prof in profiles.items():
+            print(f"profile {c} (rank 0, {args.profile_iters} back-to-back iterations):")
+            if "error" in prof:
+                print(f"- FAILED: {prof['error']}")
+            else:
+                print("\n".join(trace_analysis().format_summary(prof)))
+            if prof.get("trace_file"):
+                print(f"- trace: {prof['trace_file']}")
         for c, why in skipped.items():
             print(f"skipped {c}: {why}")
         for c, why in errors.items():
@@ -362,6 +478,10 @@ def main(argv=None):
     for c in configs:
         if c.startswith("ours") and built[c] is not None:
             dmuon.wait_all_replicate_broadcasts(built[c][0])
+    # Free the models (reference cycles) while the interpreter is alive: left to the collector at
+    # exit, a gloo worker thread can take the GIL during finalization and abort the process.
+    built.clear()
+    gc.collect()
     dist.destroy_process_group()
 
 

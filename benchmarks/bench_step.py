@@ -3,6 +3,8 @@
     python benchmarks/bench_step.py --out benchmarks/RESULTS_step.md          # S and M, CUDA
     python benchmarks/bench_step.py --quick --out /tmp/step.md                # fewer repeats
     python benchmarks/bench_step.py --quick --device cpu                      # tiny CPU smoke run
+    python benchmarks/bench_step.py --profile prof/                           # + where the time goes
+    python benchmarks/bench_step.py --quick --device cpu --profile /tmp/p     # (CPU: no GPU events)
 
 Matrices: per layer q, k, v, o (D×D), gate, up (F×D), down (D×F); S: D=2048, F=5632, 8 layers
 (56 matrices); M: D=4096, F=14336, 4 layers (28 matrices); fp32 parameters, random normal
@@ -19,6 +21,13 @@ Per configuration: median step time (CUDA events on GPU, perf_counter on CPU) ov
 an empty Inductor cache: ``--fresh-cache``, default on) and, for ours compiled, the first step
 of a second optimizer after ``torch._dynamo.reset()`` (FX graph cache hit). Every claim is a
 ratio of two numbers of this run; the headline ratios are the last lines printed.
+
+``--profile DIR``: after timing, each configuration runs 3 more steps under ``torch.profiler``
+(CUDA activity on GPU) and ``benchmarks/trace_analysis.py`` sorts the GPU time into GEMM,
+Triton, NCCL, attention, elementwise/other and memcpy/memset (ms per step, plus the top
+kernels): printed per configuration, added to the markdown, and kept in the row as
+``row["profile"]``. The ``ours_compiled`` trace is kept, gzipped, as
+``DIR/trace_step_<model>_ours_compiled.json.gz``.
 """
 
 from __future__ import annotations
@@ -26,7 +35,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import gzip
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,6 +52,8 @@ MODELS = {  # D, F, layers
 }
 CONFIGS = ("torch_muon", "torch_muon_compiled", "ours_eager", "ours_compiled", "ours_compiled_cudagraphs")
 LR = 0.02
+PROFILE_STEPS = 3
+SAVED_TRACES = ("ours_compiled",)
 
 
 def matrix_shapes(model: str) -> list[tuple[int, int]]:
@@ -114,7 +127,61 @@ def first_step_s(opt, device) -> float:
     return time.perf_counter() - t0
 
 
-def run_config(config: str, model: str, device, warmup: int, repeats: int) -> dict:
+def trace_analysis():
+    """benchmarks/ is not a package: import the sibling module from this file's directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import trace_analysis as ta
+
+    return ta
+
+
+def profile_steps(opt, device, steps: int, save_as: str | None = None) -> dict:
+    """``steps`` steps under torch.profiler (CUDA activity on GPU): GPU ms per step by kernel
+    category and the top kernels; the chrome trace is kept, gzipped, at ``save_as`` if given."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ta = trace_analysis()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            opt.step()
+        sync(device)
+    fd, tmp = tempfile.mkstemp(prefix="dmuon_step_trace_", suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        summary = ta.summarize(tmp, steps)
+        if save_as:
+            with open(tmp, "rb") as fin, gzip.open(save_as, "wb") as fout:
+                shutil.copyfileobj(fin, fout)
+    finally:
+        os.remove(tmp)
+    out = {
+        "steps": steps, "gpu_events": summary["gpu_events"], "gpu_ms_per_step": summary["gpu_ms_per_iter"],
+        "breakdown_ms_per_step": summary["breakdown_ms_per_iter"],
+        "top_kernels": [{"name": e["name"], "category": e["category"], "count_per_step": e["count"] / steps,
+                         "ms_per_step": e["ms_per_iter"]} for e in summary["top_kernels"]],
+    }
+    if save_as:
+        out["trace_file"] = save_as
+    return out
+
+
+def where_the_time_goes(profile: dict, top: int = 5) -> list[str]:
+    """A short per-configuration block for stdout."""
+    if not profile["gpu_events"]:
+        return [f"  where the time goes: no GPU events in {profile['steps']} profiled steps (CPU run)"]
+    cats = " | ".join(f"{c} {v:.3f}" for c, v in profile["breakdown_ms_per_step"].items() if v > 0)
+    lines = [f"  where the time goes (GPU ms/step, {profile['gpu_ms_per_step']:.3f} in all): {cats}"]
+    for e in profile["top_kernels"][:top]:
+        lines.append(f"    {e['ms_per_step']:8.3f} ms  {e['count_per_step']:.3g}×  [{e['category']}] {e['name'][:90]}")
+    return lines
+
+
+def run_config(config: str, model: str, device, warmup: int, repeats: int, profile_dir: str | None = None) -> dict:
     params = make_params(matrix_shapes(model), device)
     opt = build(config, params)
     row = {"model": model, "config": config, "first_step_s": first_step_s(opt, device)}
@@ -124,6 +191,10 @@ def run_config(config: str, model: str, device, warmup: int, repeats: int) -> di
     times = timed_steps(opt, device, repeats)
     row["median_ms"] = statistics.median(times)
     row["min_ms"] = min(times)
+    if profile_dir is not None:
+        save = (os.path.join(profile_dir, f"trace_step_{model}_{config}.json.gz")
+                if config in SAVED_TRACES else None)
+        row["profile"] = profile_steps(opt, device, PROFILE_STEPS, save)
     if config.startswith("ours_compiled"):
         # A second optimizer after a Dynamo reset: Inductor's FX graph cache now holds the graph.
         torch._dynamo.reset()
@@ -156,6 +227,17 @@ def markdown(rows: list[dict], header: str) -> str:
     ns = sorted({r["ns"] for r in rows if "ns" in r})
     if ns:
         lines += ["", "NS backend (ours): " + "; ".join(ns)]
+    profiled = [r for r in rows if r.get("profile", {}).get("gpu_events")]
+    if profiled:
+        cats = list(profiled[0]["profile"]["breakdown_ms_per_step"])
+        title = f"Where the GPU time goes (ms per step, {PROFILE_STEPS} profiled steps; sum of kernel durations):"
+        lines += ["", title, "",
+                  "| model | configuration | GPU ms | " + " | ".join(cats) + " |",
+                  "|---|---|---|" + "---|" * len(cats)]
+        for r in profiled:
+            p = r["profile"]
+            lines.append(f"| {r['model']} | {r['config']} | {p['gpu_ms_per_step']:.2f} | "
+                         + " | ".join(f"{p['breakdown_ms_per_step'][c]:.2f}" for c in cats) + " |")
     if not all(r["finite"] for r in rows):
         lines += ["", "WARNING: non-finite parameters after the run: " +
                   ", ".join(f"{r['model']}/{r['config']}" for r in rows if not r["finite"])]
@@ -192,6 +274,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="use an empty Inductor cache dir so the first step measures a cold compile")
     ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help=f"after timing, profile {PROFILE_STEPS} steps per configuration: GPU time by kernel category")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -205,14 +289,18 @@ def main(argv=None) -> int:
     repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
     if args.fresh_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dmuon_bench_inductor_")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
 
     rows = []
     for model in models:
         for config in configs:
-            row = run_config(config, model, device, warmup, repeats)
+            row = run_config(config, model, device, warmup, repeats, args.profile)
             rows.append(row)
             print(f"{model:5s} {config:26s} median {row['median_ms']:9.2f} ms  first step "
                   f"{row['first_step_s']:6.1f} s", flush=True)
+            if "profile" in row:
+                print("\n".join(where_the_time_goes(row["profile"])), flush=True)
 
     try:
         import triton

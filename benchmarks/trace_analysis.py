@@ -1,0 +1,347 @@
+"""Exposed communication and "where the GPU time goes", read from a torch.profiler trace.
+
+Input: the Chrome trace dict that ``torch.profiler.profile(...).export_chrome_trace(path)``
+writes (plain ``.json`` or ``.json.gz``). Only GPU activity is read: events with ``"cat"`` in
+``kernel`` / ``gpu_memcpy`` / ``gpu_memset``, ``"ts"`` and ``"dur"`` in microseconds, and
+``"args"`` carrying ``"device"`` and ``"stream"``. Standard library only, so it runs wherever
+a trace file lands.
+
+Definitions (per device; with several devices in one trace the times add up, device by device):
+
+- *communication*: NCCL kernels (names starting ``nccl``); *compute*: every other kernel.
+  Memcpy/memset (copy engines) are neither: they are counted in the breakdown only.
+- ``exposed_comm_us`` = |union(comm) − union(compute)|: time in which a collective runs on the
+  GPU and no compute kernel does — the GPU waits on communication. ``exposed_fraction`` divides
+  it by the window (first GPU event start to last GPU event end).
+- ``hidden_fraction(kind)`` = |union(kind) ∩ union(compute)| / |union(kind)|.
+
+Caveat: an NCCL kernel starts when it is launched and spins until its peers arrive, so its
+duration includes waiting on the slowest rank; exposed time is an upper bound on the time the
+wire itself costs.
+
+    python benchmarks/trace_analysis.py trace.json.gz --iterations 3   # summary + JSON
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "other")
+CATEGORIES = ("gemm", "triton", "nccl", "attention", "elementwise_other", "memcpy_memset")
+TOP_KERNELS = 15
+NAME_CHARS = 160  # kernel names (demangled templates) can run to kilobytes
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_trace(path_or_dict):
+    """A trace dict from a dict, a ``.json`` path or a gzip-compressed one (sniffed, not named)."""
+    if isinstance(path_or_dict, dict):
+        return path_or_dict
+    if isinstance(path_or_dict, list):  # the bare-array form of the Chrome trace format
+        return {"traceEvents": path_or_dict}
+    with open(path_or_dict, "rb") as f:
+        raw = f.read()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    data = json.loads(raw.decode("utf-8", errors="replace"))
+    return {"traceEvents": data} if isinstance(data, list) else data
+
+
+def _strip(name: str) -> str:
+    return name.strip().removeprefix("void ")
+
+
+def _records(trace, device=None):
+    """GPU events as dicts (name, start, end, stream, cat, device, collective, group)."""
+    out = []
+    for ev in load_trace(trace).get("traceEvents", []):
+        if not isinstance(ev, dict) or ev.get("cat") not in GPU_CATS or ev.get("ph", "X") != "X":
+            continue
+        try:
+            start, dur = float(ev["ts"]), float(ev["dur"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        args = ev.get("args") or {}
+        dev = args.get("device", ev.get("pid"))
+        if device is not None and str(dev) != str(device):
+            continue
+        group = args.get("Process Group Description") or args.get("Process Group Name")
+        out.append({
+            "name": str(ev.get("name", "")), "start": start, "end": start + max(dur, 0.0),
+            "stream": args.get("stream", ev.get("tid")), "cat": ev["cat"], "device": dev,
+            "collective": args.get("Collective name"), "group": None if group is None else str(group),
+        })
+    return out
+
+
+def gpu_events(trace, device=None):
+    """``[(name, start_us, end_us, stream, cat)]`` for kernels, memcpys and memsets."""
+    return [(r["name"], r["start"], r["end"], r["stream"], r["cat"]) for r in _records(trace, device)]
+
+
+# ---------------------------------------------------------------------------- classification
+
+
+def is_comm_kernel(name: str) -> bool:
+    """NCCL kernels (``ncclDevKernel_*``, ``ncclKernel_*``, ...); c10d copy kernels are compute."""
+    return _strip(name).lower().startswith("nccl")
+
+
+def comm_kind(name: str, collective: str | None = None) -> str:
+    """The collective of an NCCL kernel, from the profiler's ``Collective name`` when given,
+    else from the kernel name (``ncclDevKernel_Generic`` carries none: ``"other"``)."""
+    for text in (collective, _strip(name)):
+        if not text:
+            continue
+        t = text.lower().replace("_", "")
+        if "allgather" in t:
+            return "all_gather"
+        if "reducescatter" in t:
+            return "reduce_scatter"
+        if "allreduce" in t:
+            return "all_reduce"
+        if "broadcast" in t:
+            return "broadcast"
+        if "reduce" in t:
+            return "reduce"
+    return "other"
+
+
+def category(name: str, cat: str = "kernel") -> str:
+    """The breakdown bucket of one GPU event (see ``CATEGORIES``)."""
+    if cat in ("gpu_memcpy", "gpu_memset"):
+        return "memcpy_memset"
+    if is_comm_kernel(name):
+        return "nccl"
+    low = _strip(name).lower()
+    if "_symmetric_product_kernel" in low or "_mirror_lower_kernel" in low or "triton_" in low:
+        return "triton"
+    if any(k in low for k in ("flash", "fmha", "attention", "attn", "sdpa")):
+        return "attention"
+    if any(k in low for k in ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul", "gemv")):
+        return "gemm"
+    if low.startswith(("memcpy", "memset")):
+        return "memcpy_memset"
+    return "elementwise_other"
+
+
+# ---------------------------------------------------------------------------- intervals
+
+
+def union(intervals):
+    """Sorted, disjoint ``[(start, end)]`` covering the same points; empty ones dropped."""
+    merged = []
+    for s, e in sorted((s, e) for s, e in intervals if e > s):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def total_length(intervals) -> float:
+    """Length of the union (overlaps counted once)."""
+    return float(sum(e - s for s, e in union(intervals)))
+
+
+def overlap_length(a, b) -> float:
+    """|union(a) ∩ union(b)|."""
+    ua, ub = union(a), union(b)
+    i = j = 0
+    total = 0.0
+    while i < len(ua) and j < len(ub):
+        lo, hi = max(ua[i][0], ub[j][0]), min(ua[i][1], ub[j][1])
+        if hi > lo:
+            total += hi - lo
+        if ua[i][1] < ub[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def minus_length(a, b) -> float:
+    """|union(a) − union(b)|: the part of a that b does not cover."""
+    return total_length(a) - overlap_length(a, b)
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def _by_device(records):
+    groups = defaultdict(list)
+    for r in records:
+        groups[r["device"]].append(r)
+    return dict(sorted(groups.items(), key=lambda kv: str(kv[0])))
+
+
+def _exposed_one(records):
+    compute = [(r["start"], r["end"]) for r in records if r["cat"] == "kernel" and not is_comm_kernel(r["name"])]
+    comm_recs = [r for r in records if r["cat"] == "kernel" and is_comm_kernel(r["name"])]
+    comm = [(r["start"], r["end"]) for r in comm_recs]
+    window = (max(r["end"] for r in records) - min(r["start"] for r in records)) if records else 0.0
+    by_kind = {}
+    for kind in COMM_KINDS:
+        iv = [(r["start"], r["end"]) for r in comm_recs if comm_kind(r["name"], r["collective"]) == kind]
+        if iv:
+            by_kind[kind] = {"count": len(iv), "comm_us": total_length(iv), "exposed_us": minus_length(iv, compute)}
+    return {
+        "window_us": float(window), "busy_compute_us": total_length(compute), "comm_us": total_length(comm),
+        "exposed_comm_us": minus_length(comm, compute), "by_kind": by_kind,
+    }
+
+
+def exposed_comm(trace, device=None) -> dict:
+    """Window, compute busy time, comm union and exposed comm (µs), plus the same per kind.
+
+    ``by_kind[k]["exposed_us"]`` is kind k's union minus compute: kinds running at the same
+    time on different streams are each counted, so those can add up to more than the total.
+    """
+    return _exposed(_records(trace, device))
+
+
+def _exposed(records) -> dict:
+    per_device = {dev: _exposed_one(recs) for dev, recs in _by_device(records).items()}
+    out = {"window_us": 0.0, "busy_compute_us": 0.0, "comm_us": 0.0, "exposed_comm_us": 0.0, "by_kind": {}}
+    for res in per_device.values():
+        for key in ("window_us", "busy_compute_us", "comm_us", "exposed_comm_us"):
+            out[key] += res[key]
+        for kind, k in res["by_kind"].items():
+            agg = out["by_kind"].setdefault(kind, {"count": 0, "comm_us": 0.0, "exposed_us": 0.0})
+            for key in agg:
+                agg[key] += k[key]
+    out["exposed_fraction"] = out["exposed_comm_us"] / out["window_us"] if out["window_us"] > 0 else None
+    out["devices"] = list(per_device)
+    if len(per_device) > 1:
+        out["per_device"] = {str(d): r for d, r in per_device.items()}
+    return out
+
+
+def hidden_fraction(trace, kind: str = "broadcast", device=None, group: str | None = None):
+    """Share of the ``kind`` comm kernels' time (union) that compute kernels overlap.
+
+    ``group``: keep only kernels whose process-group description/name contains it (e.g.
+    ``"replicate"`` for the DeviceMesh group ``mesh_replicate``). None when nothing matches.
+    """
+    return _hidden(_records(trace, device), kind, group)
+
+
+def _hidden(records, kind, group=None):
+    covered = total = 0.0
+    for recs in _by_device(records).values():
+        compute = [(r["start"], r["end"]) for r in recs if r["cat"] == "kernel" and not is_comm_kernel(r["name"])]
+        mine = [(r["start"], r["end"]) for r in recs
+                if r["cat"] == "kernel" and is_comm_kernel(r["name"])
+                and comm_kind(r["name"], r["collective"]) == kind
+                and (group is None or (r["group"] is not None and group in r["group"]))]
+        total += total_length(mine)
+        covered += overlap_length(mine, compute)
+    return covered / total if total > 0 else None
+
+
+def breakdown(trace, device=None) -> dict:
+    """GPU milliseconds per category (sum of durations: concurrent streams both count) and the
+    ``TOP_KERNELS`` names by total time."""
+    return _breakdown(_records(trace, device))
+
+
+def _breakdown(records) -> dict:
+    ms = {c: 0.0 for c in CATEGORIES}
+    per_name = {}
+    for r in records:
+        cat = category(r["name"], r["cat"])
+        dur = (r["end"] - r["start"]) / 1e3
+        ms[cat] += dur
+        entry = per_name.setdefault(r["name"], {"name": r["name"][:NAME_CHARS], "category": cat, "count": 0, "ms": 0.0})
+        entry["count"] += 1
+        entry["ms"] += dur
+    top = sorted(per_name.values(), key=lambda e: -e["ms"])[:TOP_KERNELS]
+    return {"ms": ms, "total_ms": sum(ms.values()), "top_kernels": top}
+
+
+def summarize(path_or_dict, iterations: int = 1, device=None) -> dict:
+    """Everything above in one JSON-serialisable dict; ``*_ms_per_iter`` divide by ``iterations``."""
+    n = max(int(iterations), 1)
+
+    def per(us):
+        return us / 1e3 / n
+
+    records = _records(load_trace(path_or_dict), device)
+    exp = _exposed(records)
+    bd = _breakdown(records)
+    by_kind = {}
+    for kind, k in exp["by_kind"].items():
+        by_kind[kind] = {"count": k["count"], "ms_per_iter": per(k["comm_us"]),
+                         "exposed_ms_per_iter": per(k["exposed_us"]),
+                         "hidden_fraction": _hidden(records, kind)}
+    return {
+        "iterations": n,
+        "gpu_events": len(records),
+        "devices": [str(d) for d in exp["devices"]],
+        "window_ms_per_iter": per(exp["window_us"]),
+        "compute_ms_per_iter": per(exp["busy_compute_us"]),
+        "comm_ms_per_iter": per(exp["comm_us"]),
+        "exposed_comm_ms_per_iter": per(exp["exposed_comm_us"]),
+        "exposed_fraction": exp["exposed_fraction"],
+        "comm_by_kind": by_kind,
+        "broadcast_hidden_fraction": _hidden(records, "broadcast"),
+        "replicate_broadcast_hidden_fraction": _hidden(records, "broadcast", group="replicate"),
+        "breakdown_ms_per_iter": {c: v / n for c, v in bd["ms"].items()},
+        "gpu_ms_per_iter": bd["total_ms"] / n,
+        "top_kernels": [dict(e, ms_per_iter=e["ms"] / n) for e in bd["top_kernels"]],
+        "exposed_comm": exp,
+    }
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+def format_summary(summary: dict, top: int = 5) -> list[str]:
+    """A few markdown-ish lines for logs."""
+    n = summary["iterations"]
+    if not summary["gpu_events"]:
+        return [f"- no GPU events in the trace ({n} iterations profiled; CPU run?)"]
+    lines = [(
+        f"- GPU window {summary['window_ms_per_iter']:.3f} ms/iter ({n} iters): compute busy "
+        f"{summary['compute_ms_per_iter']:.3f} ms, comm {summary['comm_ms_per_iter']:.3f} ms, exposed comm "
+        f"{summary['exposed_comm_ms_per_iter']:.3f} ms ({_pct(summary['exposed_fraction'])} of the window)"
+    )]
+    if summary["comm_by_kind"]:
+        kinds = ", ".join(f"{k} {v['ms_per_iter']:.3f} ms (exposed {v['exposed_ms_per_iter']:.3f}, hidden "
+                          f"{_pct(v['hidden_fraction'])}, {v['count']} kernels)"
+                          for k, v in summary["comm_by_kind"].items())
+        lines.append(f"- comm per iter: {kinds}")
+    if summary.get("replicate_broadcast_hidden_fraction") is not None:
+        lines.append(f"- replicate broadcast hidden under compute: "
+                     f"{_pct(summary['replicate_broadcast_hidden_fraction'])}")
+    cats = " | ".join(f"{c} {v:.3f}" for c, v in summary["breakdown_ms_per_iter"].items() if v > 0)
+    lines.append(f"- where the time goes (GPU ms/iter, sum over streams {summary['gpu_ms_per_iter']:.3f}): {cats}")
+    for e in summary["top_kernels"][:top]:
+        lines.append(f"  - {e['ms_per_iter']:.3f} ms/iter  {e['count'] / n:.3g}×  [{e['category']}] {e['name'][:100]}")
+    return lines
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", help="a chrome trace (.json or .json.gz)")
+    ap.add_argument("--iterations", type=int, default=1, help="iterations the trace holds")
+    ap.add_argument("--device", default=None, help="only this GPU (the trace's args.device)")
+    ap.add_argument("--json", action="store_true", help="print the whole summary as JSON")
+    args = ap.parse_args(argv)
+    summary = summarize(args.trace, args.iterations, args.device)
+    print("\n".join(format_summary(summary)))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

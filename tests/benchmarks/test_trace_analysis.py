@@ -1,0 +1,237 @@
+"""benchmarks/trace_analysis.py on hand-built Chrome traces (exact numbers), a gzip round trip,
+a real CPU-only torch.profiler trace (no GPU events), and a brute-force property check."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "trace_analysis.py"
+_spec = importlib.util.spec_from_file_location("trace_analysis", _PATH)
+ta = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ta)
+
+AG = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+RS = "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+BC = "ncclDevKernel_Broadcast_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+GEMM = "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT"
+ELT = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int, ...)"
+
+
+def ev(name, ts, dur, stream=7, device=0, cat="kernel", **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": device, "tid": stream, "ts": ts, "dur": dur,
+            "args": {"device": device, "stream": stream, **args}}
+
+
+def trace(*events):
+    cpu = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": -500, "dur": 9000,
+           "args": {}}
+    return {"traceEvents": [cpu, {"ph": "M", "name": "process_name", "pid": 0, "args": {}}, *events]}
+
+
+def test_fully_hidden_comm_is_not_exposed():
+    t = trace(ev(GEMM, 0, 100), ev(AG, 10, 50, stream=20))
+    r = ta.exposed_comm(t)
+    assert (r["window_us"], r["busy_compute_us"], r["comm_us"], r["exposed_comm_us"]) == (100, 100, 50, 0)
+    assert r["exposed_fraction"] == 0
+    assert r["by_kind"] == {"all_gather": {"count": 1, "comm_us": 50, "exposed_us": 0}}
+
+
+def test_comm_alone_is_all_exposed():
+    r = ta.exposed_comm(trace(ev(AG, 0, 40, stream=20)))
+    assert (r["window_us"], r["comm_us"], r["exposed_comm_us"], r["exposed_fraction"]) == (40, 40, 40, 1.0)
+    r = ta.exposed_comm(trace(ev(AG, 0, 40, stream=20), ev(GEMM, 50, 50)))
+    assert (r["window_us"], r["exposed_comm_us"], r["exposed_fraction"]) == (100, 40, 0.4)
+
+
+def test_partial_overlap_and_kinds():
+    t = trace(ev(GEMM, 0, 50), ev(RS, 30, 50, stream=20), ev(AG, 90, 10, stream=21))
+    r = ta.exposed_comm(t)
+    assert (r["window_us"], r["comm_us"], r["exposed_comm_us"]) == (100, 60, 40)
+    assert r["exposed_fraction"] == 0.4
+    assert r["by_kind"]["reduce_scatter"] == {"count": 1, "comm_us": 50, "exposed_us": 30}
+    assert r["by_kind"]["all_gather"] == {"count": 1, "comm_us": 10, "exposed_us": 10}
+
+
+def test_memcpy_is_not_compute():
+    t = trace(ev(AG, 0, 40, stream=20), ev("Memcpy DtoD (Device -> Device)", 0, 40, cat="gpu_memcpy"))
+    assert ta.exposed_comm(t)["exposed_comm_us"] == 40
+
+
+def test_streams_and_devices():
+    t = trace(
+        ev(GEMM, 0, 20, stream=7), ev(ELT, 10, 20, stream=8),          # compute union [0, 30]
+        ev(AG, 25, 20, stream=20), ev(RS, 40, 20, stream=21),           # comm union [25, 60]
+        ev(BC, 0, 10, stream=20, device=1),                             # device 1: comm alone
+    )
+    d0, d1, both = ta.exposed_comm(t, device=0), ta.exposed_comm(t, device=1), ta.exposed_comm(t)
+    assert (d0["window_us"], d0["busy_compute_us"], d0["comm_us"], d0["exposed_comm_us"]) == (60, 30, 35, 30)
+    assert (d1["window_us"], d1["comm_us"], d1["exposed_comm_us"]) == (10, 10, 10)
+    # device 0's compute does not hide device 1's collective: the devices add up
+    assert (both["window_us"], both["exposed_comm_us"]) == (70, 40)
+    assert both["exposed_fraction"] == pytest.approx(40 / 70)
+    assert set(both["per_device"]) == {"0", "1"}
+    assert "per_device" not in d0
+    assert len(ta.gpu_events(t)) == 5 and len(ta.gpu_events(t, device=1)) == 1
+    name, start, end, stream, cat = ta.gpu_events(t, device=1)[0]
+    assert (name, start, end, stream, cat) == (BC, 0, 10, 20, "kernel")
+
+
+def test_hidden_fraction():
+    t = trace(ev(BC, 0, 100, stream=20), ev(GEMM, 20, 30), ev(ELT, 40, 30, stream=8))
+    assert ta.hidden_fraction(t, "broadcast") == 0.5  # compute covers [20, 70]
+    assert ta.hidden_fraction(t, "all_gather") is None
+    assert ta.hidden_fraction(trace(ev(GEMM, 0, 10))) is None
+
+
+def test_hidden_fraction_by_group():
+    rep = {"Process Group Description": "mesh_replicate"}
+    shard = {"Process Group Description": "mesh_shard"}
+    t = trace(ev(BC, 0, 100, stream=20, **rep), ev(BC, 200, 100, stream=21, **shard), ev(GEMM, 200, 100),
+              ev(GEMM, 0, 25))
+    assert ta.hidden_fraction(t, "broadcast") == 125 / 200
+    assert ta.hidden_fraction(t, "broadcast", group="replicate") == 0.25
+    assert ta.hidden_fraction(t, "broadcast", group="shard") == 1.0
+    assert ta.hidden_fraction(t, "broadcast", group="tensor") is None
+    s = ta.summarize(t, 1)
+    assert s["replicate_broadcast_hidden_fraction"] == 0.25 and s["broadcast_hidden_fraction"] == 0.625
+
+
+@pytest.mark.parametrize("name, collective, kind", [
+    (AG, None, "all_gather"), (RS, None, "reduce_scatter"), (BC, None, "broadcast"),
+    ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", None, "all_reduce"),
+    ("ncclDevKernel_Reduce_Sum_bf16_RING_LL", None, "reduce"),
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", None, "other"),
+    ("ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)", None, "other"),
+    ("ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)", "_allgather_base", "all_gather"),
+    ("ncclDevKernel_Generic_4", "reduce_scatter_tensor_coalesced", "reduce_scatter"),
+    (AG, "coalesced", "all_gather"),
+])
+def test_comm_kind(name, collective, kind):
+    assert ta.is_comm_kernel(name)
+    assert ta.comm_kind(name, collective) == kind
+
+
+def test_comm_kind_uses_collective_name_from_args():
+    t = trace(ev("ncclDevKernel_Generic(x)", 0, 10, stream=20, **{"Collective name": "broadcast"}))
+    assert ta.hidden_fraction(t, "broadcast") == 0.0
+
+
+@pytest.mark.parametrize("name", [
+    "void c10d::detail::copy_kernel<float>(float*)", "void at::native::(anonymous)::chunk_cat_cuda_kernel",
+    GEMM, "triton_poi_fused_0", "Memcpy DtoD"])
+def test_not_comm(name):
+    assert not ta.is_comm_kernel(name)
+
+
+def test_breakdown():
+    t = trace(
+        ev(GEMM, 0, 1000), ev("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm>(...)", 0, 500, stream=8),
+        ev("_symmetric_product_kernel", 1000, 300), ev("_mirror_lower_kernel", 1300, 100),
+        ev("triton_poi_fused_add_mul_0", 1400, 50), ev(AG, 0, 2000, stream=20),
+        ev("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>(...)", 2000, 700),
+        ev(ELT, 2700, 40), ev(ELT, 2740, 60),
+        ev("Memcpy HtoD (Pageable -> Device)", 3000, 30, cat="gpu_memcpy"),
+        ev("Memset (Device)", 3030, 20, cat="gpu_memset"),
+    )
+    b = ta.breakdown(t)
+    assert b["ms"] == pytest.approx({"gemm": 1.5, "triton": 0.45, "nccl": 2.0, "attention": 0.7,
+                                     "elementwise_other": 0.1, "memcpy_memset": 0.05})
+    assert b["total_ms"] == pytest.approx(4.8)
+    top = b["top_kernels"]
+    assert [e["name"] for e in top[:2]] == [AG, GEMM]
+    elt = next(e for e in top if e["name"] == ELT)
+    assert elt["count"] == 2 and elt["ms"] == pytest.approx(0.1) and elt["category"] == "elementwise_other"
+    s = ta.summarize(t, iterations=2)
+    assert s["breakdown_ms_per_iter"]["gemm"] == pytest.approx(0.75)
+    assert s["gpu_ms_per_iter"] == pytest.approx(2.4)
+    assert s["top_kernels"][0]["ms_per_iter"] == pytest.approx(1.0)
+
+
+def test_top_kernels_capped():
+    t = trace(*(ev(f"kernel_{i}", i * 10, i + 1) for i in range(40)))
+    top = ta.breakdown(t)["top_kernels"]
+    assert len(top) == ta.TOP_KERNELS and top[0]["name"] == "kernel_39"
+
+
+def test_summarize_per_iteration_and_format():
+    t = trace(ev(GEMM, 0, 3000), ev(BC, 2000, 3000, stream=20), ev(AG, 6000, 3000, stream=21))
+    s = ta.summarize(t, iterations=3)
+    assert s["window_ms_per_iter"] == pytest.approx(3.0)
+    assert s["exposed_comm_ms_per_iter"] == pytest.approx(5 / 3)
+    assert s["exposed_fraction"] == pytest.approx(5 / 9)
+    assert s["comm_by_kind"]["broadcast"]["hidden_fraction"] == pytest.approx(1 / 3)
+    assert s["comm_by_kind"]["all_gather"]["exposed_ms_per_iter"] == pytest.approx(1.0)
+    json.dumps(s)
+    text = "\n".join(ta.format_summary(s))
+    assert "55.6%" in text and "broadcast" in text and "gemm" in text
+
+
+def test_gzip_round_trip(tmp_path):
+    t = trace(ev(GEMM, 0, 50), ev(RS, 30, 50, stream=20))
+    plain, packed, misnamed = tmp_path / "t.json", tmp_path / "t.json.gz", tmp_path / "gz_named.json"
+    plain.write_text(json.dumps(t))
+    with gzip.open(packed, "wt") as f:
+        json.dump(t, f)
+    misnamed.write_bytes(gzip.compress(json.dumps(t).encode()))
+    want = ta.summarize(t, 1)
+    for path in (plain, packed, misnamed, str(packed)):
+        assert ta.summarize(path, 1) == want
+    assert want["exposed_comm_ms_per_iter"] == pytest.approx(0.03)
+    (tmp_path / "array.json").write_text(json.dumps(t["traceEvents"]))
+    assert ta.summarize(tmp_path / "array.json", 1) == want
+
+
+def test_real_cpu_profiler_trace(tmp_path):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(32, 32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            a @ a
+    path = tmp_path / "cpu_trace.json"
+    prof.export_chrome_trace(str(path))
+    s = ta.summarize(path, iterations=2)
+    assert s["gpu_events"] == 0 and s["devices"] == []
+    assert s["exposed_fraction"] is None and s["broadcast_hidden_fraction"] is None
+    assert s["replicate_broadcast_hidden_fraction"] is None and s["comm_by_kind"] == {}
+    assert s["window_ms_per_iter"] == 0 and s["exposed_comm_ms_per_iter"] == 0
+    assert set(s["breakdown_ms_per_iter"].values()) == {0.0} and s["top_kernels"] == []
+    json.dumps(s)
+    assert "no GPU events" in ta.format_summary(s)[0]
+
+
+def test_interval_helpers():
+    assert ta.union([(5, 7), (0, 2), (2, 3), (6, 9), (4, 4)]) == [(0, 3), (5, 9)]
+    assert ta.total_length([(0, 10), (5, 15), (20, 21)]) == 16
+    assert ta.overlap_length([(0, 10), (20, 30)], [(5, 25)]) == 10
+    assert ta.minus_length([(0, 10), (20, 30)], [(5, 25)]) == 10
+    assert ta.minus_length([(0, 10)], []) == 10 and ta.overlap_length([], [(0, 1)]) == 0
+
+
+_interval = st.tuples(st.integers(0, 40), st.integers(0, 12), st.booleans(), st.integers(0, 2))
+
+
+@given(st.lists(_interval, max_size=12))
+def test_exposed_matches_brute_force(items):
+    events = [ev(AG if comm else GEMM, s, d, stream=stream + (20 if comm else 0)) for s, d, comm, stream in items]
+    r = ta.exposed_comm(trace(*events))
+    grid = range(60)
+    comm_at = {t for s, d, c, _ in items if c for t in grid if s <= t < s + d}
+    comp_at = {t for s, d, c, _ in items if not c for t in grid if s <= t < s + d}
+    assert r["comm_us"] == len(comm_at)
+    assert r["busy_compute_us"] == len(comp_at)
+    assert r["exposed_comm_us"] == len(comm_at - comp_at)
+    assert r["exposed_comm_us"] == r["comm_us"] - len(comm_at & comp_at)
+    window = (max(s + d for s, d, _, _ in items) - min(s for s, _, _, _ in items)) if items else 0
+    assert r["window_us"] == window
+    assert 0 <= r["exposed_comm_us"] <= r["comm_us"] <= r["window_us"]
+    bc = ta.hidden_fraction(trace(*events), "all_gather")
+    assert bc == (len(comm_at & comp_at) / len(comm_at) if comm_at else None)
