@@ -43,7 +43,7 @@ for stage in $STAGES; do
         2>&1 | tee "$log" | tail -15 ;;
     step_*)
       timeout ${STEP_TIMEOUT:-200} python3 benchmarks/bench_step.py --model "$model" \
-        --configs ${STEP_CONFIGS:-torch_muon torch_muon_compiled ours_eager ours_compiled} \
+        --configs ${STEP_CONFIGS:-torch_muon torch_muon_compiled ours_eager_cublas ours_eager ours_compiled} \
         --out "$WORK/$stage.md" --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -60 ;;
     fsdp_*)
       timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
