@@ -13,7 +13,8 @@
 #   step_S/M    bench_step.py (§B1) with a profile of each configuration
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
 #   fsdp1_S/M   the same on one GPU
-#   hsdp_S/M    HSDP ngpu×1 (pure replicate), ours configurations only + AdamW
+#   hsdp_S/M    HSDP ngpu×1 (pure replicate), ours configurations only + AdamW, with the
+#               replicate-stage counters (DMUON_RECORD_FORWARD_PROFILE=1)
 #   hsdp1x_S/M  HSDP 1×ngpu (replicate size 1)
 set -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
@@ -47,13 +48,14 @@ for stage in $STAGES; do
         --out "$WORK/$stage.md" --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -60 ;;
     fsdp_*)
       timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
+        --configs ${FSDP_CONFIGS:-adamw,naive_muon,ours_eager,ours_compiled} \
         --out "$WORK/${stage}_${ngpu}gpu.json" --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -40 ;;
     fsdp1_*)
       timeout $T torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py --model "$model" \
         --out "$WORK/${stage}_1gpu.json" 2>&1 | quiet | tee "$log" | tail -25 ;;
     hsdp_*)
-      timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
-        --replicate "$ngpu" --configs adamw,ours_eager,ours_compiled --out "$WORK/${stage}_${ngpu}gpu.json" \
+      DMUON_RECORD_FORWARD_PROFILE=1 timeout $T torchrun --standalone --nproc_per_node "$ngpu" \
+        benchmarks/bench_fsdp.py --model "$model" --replicate "$ngpu" --configs ${HSDP_CONFIGS:-adamw,ours_eager,ours_compiled} --out "$WORK/${stage}_${ngpu}gpu.json" \
         --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -40 ;;
     hsdp1x_*)
       timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
