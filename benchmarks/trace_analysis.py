@@ -244,6 +244,29 @@ def _hidden(records, kind, group=None):
     return covered / total if total > 0 else None
 
 
+def last_annotation_start(trace, name: str = "Optimizer.step"):
+    """Start (µs) of the last CPU-side event whose name contains ``name``, or None.
+
+    Kineto puts host and device events on one clock, so this splits the GPU timeline: the
+    comm kernels issued by the last optimizer step of a profile have no next forward inside
+    the window that could hide them.
+    """
+    starts = [float(ev["ts"]) for ev in load_trace(trace).get("traceEvents", [])
+              if isinstance(ev, dict) and ev.get("cat") in ("user_annotation", "cpu_op", "python_function")
+              and name in str(ev.get("name", "")) and "ts" in ev]
+    return max(starts) if starts else None
+
+
+def gpu_idle_us(records) -> float:
+    """Window minus the union of every GPU event, summed over devices: time no kernel, copy or
+    collective ran at all (the host did not keep the GPU fed)."""
+    idle = 0.0
+    for recs in _by_device(records).values():
+        window = max(r["end"] for r in recs) - min(r["start"] for r in recs)
+        idle += window - total_length([(r["start"], r["end"]) for r in recs])
+    return idle
+
+
 def breakdown(trace, device=None) -> dict:
     """GPU milliseconds per category (sum of durations: concurrent streams both count) and the
     ``TOP_KERNELS`` names by total time."""
@@ -271,8 +294,12 @@ def summarize(path_or_dict, iterations: int = 1, device=None) -> dict:
     def per(us):
         return us / 1e3 / n
 
-    records = _records(load_trace(path_or_dict), device)
+    trace = load_trace(path_or_dict)
+    records = _records(trace, device)
     exp = _exposed(records)
+    # Broadcasts a following forward could hide: those issued before the last optimizer step.
+    last_step = last_annotation_start(trace)
+    before_last = [r for r in records if last_step is None or r["start"] < last_step]
     bd = _breakdown(records)
     by_kind = {}
     for kind, k in exp["by_kind"].items():
@@ -290,6 +317,8 @@ def summarize(path_or_dict, iterations: int = 1, device=None) -> dict:
         "exposed_fraction": exp["exposed_fraction"],
         "comm_by_kind": by_kind,
         "broadcast_hidden_fraction": _hidden(records, "broadcast"),
+        "publish_hidden_fraction": _hidden(before_last, "broadcast") if last_step is not None else None,
+        "gpu_idle_ms_per_iter": per(gpu_idle_us(records)) if records else 0.0,
         "replicate_broadcast_hidden_fraction": _hidden(records, "broadcast", group="replicate"),
         "breakdown_ms_per_iter": {c: v / n for c, v in bd["ms"].items()},
         "gpu_ms_per_iter": bd["total_ms"] / n,
@@ -317,6 +346,11 @@ def format_summary(summary: dict, top: int = 5) -> list[str]:
                           f"{_pct(v['hidden_fraction'])}, {v['count']} kernels)"
                           for k, v in summary["comm_by_kind"].items())
         lines.append(f"- comm per iter: {kinds}")
+    lines.append(f"- GPU idle (no kernel, copy or collective at all: host-bound) "
+                 f"{summary.get('gpu_idle_ms_per_iter', 0.0):.3f} ms/iter")
+    if summary.get("publish_hidden_fraction") is not None:
+        lines.append(f"- broadcasts issued before the last step (a next forward follows them): "
+                     f"{_pct(summary['publish_hidden_fraction'])} hidden under compute")
     if summary.get("replicate_broadcast_hidden_fraction") is not None:
         lines.append(f"- replicate broadcast hidden under compute: "
                      f"{_pct(summary['replicate_broadcast_hidden_fraction'])}")

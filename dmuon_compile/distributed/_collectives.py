@@ -56,3 +56,35 @@ def scalar_device(fallback: torch.device | None = None) -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu") if dist.is_initialized() or fallback is None else fallback
+
+
+def private_group(mesh):
+    """A process group of ``mesh``'s ranks that only the dedicated runtime uses.
+
+    FSDP2 issues its own collectives on the mesh's group from its own streams. Sharing one
+    NCCL communicator serialises the two runtimes' collectives against each other (measured on
+    2× H200: FSDP2's small all-gathers waited ~2 ms each behind ours), so the dedicated
+    parameters get a communicator of their own over the same ranks. Collective over the
+    default group: every rank calls it, in the same order (``dedicate_params`` does). A mesh
+    whose peer groups do not partition the world keeps the mesh's group.
+    """
+    if not dist.is_initialized():
+        return mesh.get_group()
+    order = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    world = dist.get_world_size()
+    if len(order) == world:  # one mesh over every rank: every rank sees the same order
+        groups = [order]
+    else:  # each rank knows its own group only: gather all of them, decide together
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, order)
+        groups = sorted(set(gathered))
+    partition = sorted(r for g in groups for r in g) == list(range(world))
+    # new_group numbers ranks in ascending order; the runtime uses the mesh's local ranks.
+    if not partition or any(list(g) != sorted(g) for g in groups):
+        return mesh.get_group()
+    ours = None
+    for ranks in groups:  # every rank creates every group, in the same order
+        pg = dist.new_group(ranks=list(ranks))
+        if ranks == order:
+            ours = pg
+    return ours

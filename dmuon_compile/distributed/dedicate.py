@@ -189,10 +189,11 @@ def dedicate_params(
         if p.is_meta:
             raise ValueError(f"dedicate_params: {name} is on the meta device; materialise the model first")
 
-    pg = mesh.get_group()
+    # Communicators of our own: FSDP2's collectives on the mesh's groups never queue behind ours.
+    pg = C.private_group(mesh)
     rank, world = mesh.get_local_rank(), mesh.size()
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
-    rep_pg = replicate_mesh.get_group() if replicas > 1 else None
+    rep_pg = C.private_group(replicate_mesh) if replicas > 1 else None
     rep_rank = replicate_mesh.get_local_rank() if replicas > 1 else 0
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     specs = [MatrixSpec(n, tuple(p.shape), p.element_size()) for n, p in selected]
