@@ -264,7 +264,7 @@ def _install_pass_while_tracing() -> bool:
     return True
 
 
-def run_group_step(opt, group: dict, params, grads, bufs) -> bool:
+def run_group_step(opt, group: dict, params, grads, bufs, part: str = "all") -> bool:
     """``Muon._muon_group_step``'s dispatch: run the compiled step if enabled; True if it ran.
 
     - traced by the user's ``torch.compile`` (``opt.step = torch.compile(opt.step)``): install
@@ -283,7 +283,8 @@ def run_group_step(opt, group: dict, params, grads, bufs) -> bool:
     steps = opt.__dict__.setdefault("_dmuon_compiled_steps", {})
     # Keyed by the group's position: load_state_dict() replaces the group dicts, and a new
     # CompiledMuonStep would compile the same graph again.
-    key = next(i for i, g in enumerate(opt.param_groups) if g is group)
+    # ``part``: HSDP steps a group in two subsets (the first forward group's matrices first).
+    key = (next(i for i, g in enumerate(opt.param_groups) if g is group), part)
     step = steps.get(key)
     if step is None or step.ns is not ns:
         step = CompiledMuonStep(ns, mode=getattr(opt, "compile_mode", None))

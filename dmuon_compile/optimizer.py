@@ -299,11 +299,11 @@ class Muon(torch.optim.Optimizer):
             return self._step(closure)
         runtime.before_step()
         try:
-            return self._step(closure)
+            return self._step(closure, runtime)
         finally:
             runtime.after_step(self.replicate_async)
 
-    def _step(self, closure=None):
+    def _step(self, closure=None, runtime=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -327,9 +327,25 @@ class Muon(torch.optim.Optimizer):
             lists: tuple[list, list, list, list] = ([], [], [], [])
             self._init_group(group, *lists)
             collected.append((group, *lists))
+        # HSDP: the first group the next forward needs is updated and published first, so its
+        # broadcast runs under the rest of the step instead of in front of the next forward.
+        early = runtime.early_master_ids() if runtime is not None else set()
+        if early:
+            for group, params, grads, state_a, _ in collected:
+                if group["use_muon"]:
+                    pick = [i for i, p in enumerate(params) if id(p) in early]
+                    if pick:
+                        self._muon_group_step(group, [params[i] for i in pick], [grads[i] for i in pick],
+                                              [state_a[i] for i in pick], part="early")
+            runtime.publish_early()
         for group, params, grads, state_a, state_b in collected:
             if group["use_muon"]:
-                self._muon_group_step(group, params, grads, state_a)
+                if early:
+                    rest = [i for i, p in enumerate(params) if id(p) not in early]
+                    params, grads, state_a = ([xs[i] for i in rest] for xs in (params, grads, state_a))
+                    if not params:
+                        continue
+                self._muon_group_step(group, params, grads, state_a, part="rest" if early else "all")
             else:
                 F.adamw_update(
                     params, grads, state_a, [b[0] for b in state_b], [b[1] for b in state_b],
@@ -338,11 +354,12 @@ class Muon(torch.optim.Optimizer):
                 )
         return loss
 
-    def _muon_group_step(self, group: dict, params: list, grads: list, bufs: list) -> None:
-        """Muon math for one group's matrices: the compiled step if enabled, else the eager reference."""
+    def _muon_group_step(self, group: dict, params: list, grads: list, bufs: list, part: str = "all") -> None:
+        """Muon math for some of a group's matrices (``part`` names the subset: one compiled
+        graph each): the compiled step if enabled, else the eager reference."""
         from dmuon_compile.compiled_step import run_group_step
 
-        if run_group_step(self, group, params, grads, bufs):
+        if run_group_step(self, group, params, grads, bufs, part=part):
             return
         F.muon_update(
             params, grads, bufs,

@@ -15,7 +15,10 @@ grad hooks            when every parameter of G has its gradient: pack, reduce t
 end of backward       (autograd callback) wait all reduces: each owner's master ``.grad``
                       holds the full gradient averaged over the group
 Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
-                      reads the new masters, which publishes them
+                      reads the new masters, which publishes them. With HSDP the masters of
+                      the first forward group are stepped first and published at once
+                      (``publish_early``): their broadcast runs under the rest of the step, so
+                      the next forward's first unshard does not wait for it
 
 HSDP adds the replicate stage (``_replicate.py``): the reduce to owners continues over the
 replicate group to the global owner, and ``Muon.step`` ends with :meth:`publish`, the global
@@ -96,6 +99,7 @@ class DedicatedRuntime:
         self.handles: list = []
         self.replicated = any(g.replicate is not None for g in groups)
         self._publish_due = False  # a synchronising backward ran and nothing published since
+        self._published_early: set[int] = set()  # groups Muon.step published mid-step
         for group in groups:
             group.record_profile = record_profile
             self._install(group)
@@ -248,11 +252,45 @@ class DedicatedRuntime:
     def before_step(self) -> None:
         """Called by ``Muon.step`` first: the masters are a broadcast source until it finished."""
         self.wait_publish()
+        self._published_early = set()
+
+    def early_group(self) -> DedicatedGroup | None:
+        """The group the next forward unshards first (plan order before any forward ran)."""
+        order = self.forward_order or self.groups
+        first = order[0] if order else None
+        return first if first is not None and first.replicate is not None else None
+
+    def early_master_ids(self) -> set[int]:
+        """``id`` of this rank's masters in :meth:`early_group` (``Muon`` steps them first).
+
+        Empty when there is only one group (nothing to overlap the early publish with). The
+        decision depends only on state every rank shares (plan, forward order), so every rank
+        calls :meth:`publish_early` at the same point: the replicate collectives stay SPMD.
+        """
+        group = self.early_group()
+        if group is None or len(self.groups) < 2:
+            return set()
+        return {id(p.master) for p in group.params if p.master is not None}
+
+    @torch.compiler.disable
+    def publish_early(self) -> None:
+        """Mid-step: broadcast :meth:`early_group` now; ``after_step`` publishes the rest."""
+        group = self.early_group()
+        if group is not None:
+            group.replicate.publish(group.profile if self.record_profile else None)
+            self._published_early.add(id(group))
 
     @torch.compiler.disable
     def after_step(self, replicate_async: bool = True) -> None:
         """Called by ``Muon.step`` last (also when it raised or skipped): publish the weights."""
-        self.publish(wait=not replicate_async)
+        early = getattr(self, "_published_early", set())
+        for group in self.groups:
+            if group.replicate is not None and id(group) not in early:
+                group.replicate.publish(group.profile if self.record_profile else None)
+        self._published_early = set()
+        self._publish_due = False
+        if not replicate_async:
+            self.wait_publish()
 
     def pending_collectives(self) -> int:
         """Collectives still in flight (unshard, reduce, replicate); 0 after :meth:`wait_all`."""

@@ -365,3 +365,50 @@ def test_hsdp_on_two_gpus_nccl():
     _check_run([r["1x2"] for r in results], ref, 2, 1)
     for r in results:
         assert r["2x1"]["losses"] == r["2x1_sync"]["losses"]
+
+
+def _early_publish_order(rank, world):
+    """Record, at each replicate publish, which group it is and whether the other groups'
+    masters were already updated: the first forward group must go out before the rest."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import _replicate, dedicated_runtime
+
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    model = models.build_llama()
+    dmuon.dedicate_params(model, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"])
+    opt = _muon(model)
+    runtime = dedicated_runtime(model)
+    x = torch.randn(2, 8, models.D, generator=torch.Generator().manual_seed(3))
+    model(x).square().mean().backward()  # records the forward order
+    first = runtime.forward_order[0]
+    others = [p.master for g in runtime.groups if g is not first for p in g.params if p.master is not None]
+    before = [m.detach().clone() for m in others]
+    names = {id(g.replicate): g.name for g in runtime.groups}
+    events = []
+    original = _replicate.ReplicateStage.publish
+
+    def spy(self, profile=None):
+        updated = any(not torch.equal(m, b) for m, b in zip(others, before))
+        events.append((names[id(self)], updated))
+        return original(self, profile)
+
+    _replicate.ReplicateStage.publish = spy
+    try:
+        opt.step()
+    finally:
+        _replicate.ReplicateStage.publish = original
+    opt.zero_grad()
+    dmuon.wait_all_replicate_broadcasts(model)
+    return {"events": events, "first": first.name, "groups": len(runtime.groups),
+            "has_others": bool(others)}
+
+
+def test_first_forward_group_is_published_before_the_rest_of_the_step():
+    for r in run_ranks(_early_publish_order, 2, timeout=90):
+        assert r["groups"] >= 2 and r["has_others"]
+        names = [name for name, _ in r["events"]]
+        assert names[0] == r["first"]  # published first ...
+        assert r["events"][0][1] is False  # ... before any other group's master changed
+        assert sorted(names) == sorted(set(names)) and len(names) == r["groups"]  # each once
