@@ -41,13 +41,19 @@ CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 4, 3, 2),
     TileConfig(128, 128, 8, 3, 1),
     TileConfig(64, 64, 4, 4, 2),
+    # 128×256 strips of 256² super-tiles: twice the FLOPs per operand byte of a 128² tile, the
+    # accumulator in 128 registers per thread at 8 warps (added 2026-11-30 after the run of
+    # benchmarks/RESULTS.md §1; not yet timed on a GPU — autotune keeps them only where they
+    # win and match cuBLAS).
+    TileConfig(128, 64, 8, 3, 1, block_n=256),
+    TileConfig(128, 64, 8, 4, 1, block_n=256),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
 
 
 def candidates_for(m: int) -> tuple[TileConfig, ...]:
     """Candidates worth timing for an ``m×m`` output (no tile much larger than the matrix)."""
-    fitting = tuple(c for c in CANDIDATES if c.block <= max(64, 2 * m))
+    fitting = tuple(c for c in CANDIDATES if c.cols <= max(64, 2 * m))
     return fitting or (CANDIDATES[-1],)
 
 

@@ -11,23 +11,28 @@ source files (the "template" is this function; each switch value is its own comp
 - ``EVEN_K``: ``k`` is a multiple of ``BLOCK_K``, so the K loads need no mask.
 - ``DOT_IN_FP32``: upcast tiles before ``tl.dot``; only for bf16 under ``TRITON_INTERPRET=1``
   on CPU, whose ``tl.dot`` multiplies bf16 bit patterns (numpy has no bf16).
-- ``BLOCK``/``BLOCK_K``/``INPUT_PRECISION`` and the launch's ``num_warps``/``num_stages``: the
-  tile configuration the autotuner (``autotune.py``) picks per shape.
+- ``BLOCK_M``/``BLOCK_N``/``BLOCK_K``/``INPUT_PRECISION`` and the launch's ``num_warps``/
+  ``num_stages``: the tile configuration the autotuner (``autotune.py``) picks per shape.
+  ``BLOCK_N`` is ``BLOCK_M`` (square tiles) or a multiple of it (e.g. 128×256, the shape that
+  keeps Hopper's tensor cores busiest per byte of operands loaded).
 
 Why constexpr variants and not rendered files: the variants differ only in branches Triton
 removes at compile time, one readable source is easier to test through ``TRITON_INTERPRET=1``
 than a renderer, and Triton's own cache already keys compiled binaries on the constexpr values.
 
-Schedule. Only the ``T·(T+1)/2`` lower-triangle tiles of each ``m×m`` output (``T = ⌈m/BLOCK⌉``)
-are computed. A *persistent* grid of ``min(tiles, SMs·ctas_per_sm)`` programs walks the flat
-index ``tile = batch_index·tiles_per_matrix + t``; ``t`` maps to ``(row, col)`` with
-``col ≤ row`` by the square-root formula ``row = ⌊(√(8t+1) − 1)/2⌋`` (corrected by one where
+Schedule. Only the ``T·(T+1)/2`` lower-triangle super-tiles of each ``m×m`` output
+(``T = ⌈m/BLOCK_N⌉``, each ``BLOCK_N`` square) are computed, each as ``BLOCK_N/BLOCK_M`` row
+strips of ``BLOCK_M × BLOCK_N`` (one program tile each; on a diagonal super-tile the part of a
+strip above the diagonal is computed but not stored). A *persistent* grid of
+``min(tiles, SMs·ctas_per_sm)`` programs walks the flat index
+``tile = batch_index·tiles_per_matrix + t``; ``t // strips`` maps to the super-tile
+``(row, col)`` with ``col ≤ row`` by the square-root formula ``row = ⌊(√(8t+1) − 1)/2⌋`` (corrected by one where
 fp32 rounding lands on the wrong side), ``col = t − row·(row+1)/2``. A stack of same-shape
 matrices is one launch: batching is what fills the chip for small ``m``.
 
-Epilogue (fp32): ``acc·alpha + beta·C + gamma·I``; the tile is written at ``(row, col)`` and
-mirrored to ``(col, row)``. A diagonal tile writes its lower triangle (diagonal included) and
-mirrors its strict lower triangle, so every output element comes from exactly one fp32 value
+Epilogue (fp32): ``acc·alpha + beta·C + gamma·I``; each element ``(i, j)`` of a tile with
+``i ≥ j`` is written in place, and with ``i > j`` also mirrored to ``(j, i)``. Every lower
+element lies in exactly one strip, so every output element comes from exactly one fp32 value
 and the result is bitwise symmetric — the same rule as the reference in ``ops.py``.
 
 This module imports only triton and torch and registers nothing, so a test can load a second,
@@ -53,22 +58,33 @@ class TileConfig:
     'b128_k64_w8_s3_p1'
     """
 
-    block: int
+    block: int  # rows of a program's tile (BLOCK_M)
     block_k: int
     num_warps: int
     num_stages: int
     ctas_per_sm: int = 1
+    block_n: int = 0  # columns of the tile (BLOCK_N); 0 means square (= block)
+
+    def __post_init__(self) -> None:
+        if self.block_n and self.block_n % self.block:
+            raise ValueError(f"TileConfig: block_n={self.block_n} must be a multiple of block={self.block}")
+
+    @property
+    def cols(self) -> int:
+        return self.block_n or self.block
 
     @property
     def name(self) -> str:
-        return f"b{self.block}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_p{self.ctas_per_sm}"
+        shape = f"b{self.block}" if self.cols == self.block else f"b{self.block}x{self.cols}"
+        return f"{shape}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_p{self.ctas_per_sm}"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "TileConfig":
-        return cls(**{k: int(data[k]) for k in ("block", "block_k", "num_warps", "num_stages", "ctas_per_sm")})
+        fields = {k: int(data[k]) for k in ("block", "block_k", "num_warps", "num_stages", "ctas_per_sm")}
+        return cls(**fields, block_n=int(data.get("block_n", 0)))
 
 
 @triton.jit
@@ -131,26 +147,32 @@ def _symmetric_product_kernel(
     B_FROM_A: tl.constexpr,
     HAS_C: tl.constexpr,
     EVEN_K: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
+    # The lower triangle is walked in square BLOCK_N super-tiles; each is cut into
+    # STRIPS = BLOCK_N / BLOCK_M row strips of BLOCK_M × BLOCK_N, one program tile each.
+    STRIPS: tl.constexpr = BLOCK_N // BLOCK_M
     pid = tl.program_id(0)
-    tiles_per_side = tl.cdiv(m, BLOCK)
-    tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2
+    tiles_per_side = tl.cdiv(m, BLOCK_N)
+    tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2 * STRIPS
     total_tiles = batch * tiles_per_matrix
     k_steps = tl.cdiv(k, BLOCK_K)
-    arange_block = tl.arange(0, BLOCK)
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(pid, total_tiles, num_programs):
         batch_index = tile // tiles_per_matrix
         t = tile - batch_index * tiles_per_matrix
-        row, col = _lower_tile_coords(t)
+        row, col = _lower_tile_coords(t // STRIPS)
+        strip = t % STRIPS
 
         batch64 = batch_index.to(tl.int64)
-        offs_m = row * BLOCK + arange_block
-        offs_n = col * BLOCK + arange_block
+        offs_m = row * BLOCK_N + strip * BLOCK_M + arange_m
+        offs_n = col * BLOCK_N + arange_n
         # Rows past m read a valid row (wrapped) instead of masking every load; never stored.
         safe_m = offs_m % m
         safe_n = offs_n % m
@@ -160,7 +182,7 @@ def _symmetric_product_kernel(
         else:
             b_cols = b_ptr + batch64 * stride_bb + offs_k[:, None] * stride_bk + safe_n[None, :] * stride_bn
 
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(0, k_steps):
             if EVEN_K:
                 a_tile = tl.load(a_rows)
@@ -198,15 +220,16 @@ def _symmetric_product_kernel(
         acc += tl.where(offs_m[:, None] == offs_n[None, :], gamma, 0.0)
         value = acc.to(out_ptr.dtype.element_ty)
 
-        off_diagonal = row != col
+        # Element rule, the same for every tile: (i, j) with i >= j is stored in place, and
+        # i > j also at (j, i). Off the diagonal super-tiles every element qualifies; on them
+        # the upper part of a strip was computed but is never stored.
         out_base = out_ptr + batch64 * stride_ob
-        lower_mask = in_bounds & (off_diagonal | (offs_m[:, None] >= offs_n[None, :]))
+        lower_mask = in_bounds & (offs_m[:, None] >= offs_n[None, :])
         tl.store(out_base + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, value, mask=lower_mask)
         # The mirror is stored as the transposed tile, indexed (n, m), so consecutive lanes
         # write consecutive addresses (the transpose goes through shared memory) instead of
         # one element per output row.
-        mirror_mask = (offs_n[:, None] < m) & (offs_m[None, :] < m) & (
-            off_diagonal | (offs_m[None, :] > offs_n[:, None]))
+        mirror_mask = (offs_n[:, None] < m) & (offs_m[None, :] < m) & (offs_m[None, :] > offs_n[:, None])
         tl.store(out_base + offs_n[:, None] * stride_om + offs_m[None, :] * stride_on, tl.trans(value),
                  mask=mirror_mask)
 
@@ -268,8 +291,8 @@ def launch_symmetric_product(
         return out
     if num_sms is None:
         num_sms = _multiprocessor_count(a.device.index) if a.is_cuda else 4
-    tiles_per_side = triton.cdiv(m, config.block)
-    total_tiles = batch * tiles_per_side * (tiles_per_side + 1) // 2
+    tiles_per_side = triton.cdiv(m, config.cols)
+    total_tiles = batch * tiles_per_side * (tiles_per_side + 1) // 2 * (config.cols // config.block)
     num_programs = max(1, min(total_tiles, num_sms * config.ctas_per_sm))
 
     b_arg = a if b is None else b
@@ -290,7 +313,8 @@ def launch_symmetric_product(
         B_FROM_A=b is None,
         HAS_C=c is not None and beta != 0.0,
         EVEN_K=k % config.block_k == 0,
-        BLOCK=config.block,
+        BLOCK_M=config.block,
+        BLOCK_N=config.cols,
         BLOCK_K=config.block_k,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton 3.6's interpreter multiplies bf16 *bit patterns* in tl.dot (numpy has no

@@ -27,6 +27,10 @@ WORKER = Path(__file__).with_name("interpret_worker.py")
 # program walks several tiles of the persistent loop.
 SMALL_TILES = {"block": 16, "block_k": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1}
 WIDE_K_TILES = {"block": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1}
+# Rectangular strips (the 128×256 GPU candidates at small scale): 16×32 strips of 32² super-
+# tiles, so m in {1, 5, 16, 33} has diagonal super-tiles whose upper strip parts are dropped.
+STRIP_TILES = {"block": 16, "block_k": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1, "block_n": 32}
+WIDE_STRIP_TILES = {"block": 8, "block_k": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1, "block_n": 32}
 # Half precision: the result is rounded once to the output dtype (the interpreter may round
 # fp32 -> bf16 differently from torch, so allow two units in the last place).
 ULP = {torch.float32: 2.0**-20, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -221,3 +225,29 @@ def test_mirror_lower_inplace(kernel, shape, block):
     assert torch.isfinite(out).all(), "upper triangle not fully written"
     assert torch.equal(out, out.mT)
     assert torch.equal(torch.tril(out), torch.tril(torch.nan_to_num(p)))
+
+
+@pytest.mark.parametrize("config", [STRIP_TILES, WIDE_STRIP_TILES], ids=["16x32", "8x32"])
+@pytest.mark.parametrize("m,k,batch,dtype", GRID)
+def test_strip_tiles_match_reference(kernel, config, m, k, batch, dtype):
+    """BLOCK_N > BLOCK_M: every element written once (poisoned output), bitwise symmetric."""
+    gen = torch.Generator().manual_seed(m * 100 + k + 2)
+    x = _random(_batch_shape(batch) + (m, k), dtype, gen)
+    c = _random(_batch_shape(batch) + (m, m), dtype, gen)
+    out = kernel.run(x, None, c, 0.75, -0.5, 1.25, config=config, num_sms=2)
+    check_against_reference(out, syrk_reference(x, c, 0.75, -0.5, 1.25))
+    a = _random(_batch_shape(batch) + (m, k), dtype, gen)
+    b = _random(_batch_shape(batch) + (k, m), dtype, gen, transposed=True)
+    out = kernel.run(a, b, None, 1.5, 0.0, -0.25, config=config, num_sms=3)
+    check_against_reference(out, sym_mm_reference(a, b, None, 1.5, 0.0, -0.25))
+
+
+def test_tile_config_names_and_round_trip():
+    from dmuon_compile.kernels.syrk_triton import TileConfig
+
+    square, strips = TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 3, 1, block_n=256)
+    assert square.name == "b128_k64_w8_s3_p1" and strips.name == "b128x256_k64_w8_s3_p1"
+    assert TileConfig.from_dict(strips.to_dict()) == strips
+    assert TileConfig.from_dict({k: v for k, v in square.to_dict().items() if k != "block_n"}) == square
+    with pytest.raises(ValueError, match="multiple"):
+        TileConfig(128, 64, 8, 3, 1, block_n=192)
