@@ -57,7 +57,9 @@ class GroupProfile:
     publish_waits: int = 0  # forwards that waited for this group's publish
     publish_not_ready: int = 0  # ... and found it not finished yet (the wait was exposed)
     publish_wait_s: float = 0.0  # host time in those waits (blocking on gloo; ~0 on CUDA)
-    publish_stall_s: float = 0.0  # CUDA: compute-stream stall at those waits (events)
+    # CUDA: how long the unshard side stream waited there (events). The compute stream only
+    # waits for the unshard itself: that wait is in ``stream_stall_s``.
+    publish_stall_s: float = 0.0
 
 
 @dataclass(eq=False)
