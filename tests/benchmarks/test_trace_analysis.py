@@ -235,3 +235,29 @@ def test_exposed_matches_brute_force(items):
     assert 0 <= r["exposed_comm_us"] <= r["comm_us"] <= r["window_us"]
     bc = ta.hidden_fraction(trace(*events), "all_gather")
     assert bc == (len(comm_at & comp_at) / len(comm_at) if comm_at else None)
+
+
+def _step_annotation(ts):
+    return {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#Muon.step", "pid": 1, "tid": 1,
+            "ts": ts, "dur": 5, "args": {}}
+
+
+def test_publish_hidden_fraction_excludes_the_last_steps_broadcasts():
+    # Two iterations: a broadcast after step 1 hidden under the next forward's GEMM, and the
+    # last step's broadcast with nothing after it (excluded from publish_hidden_fraction).
+    t = trace(_step_annotation(100), ev(BC, 110, 20, stream=20), ev(GEMM, 105, 40),
+              _step_annotation(200), ev(BC, 210, 20, stream=20))
+    assert ta.last_annotation_start(t) == 200
+    s = ta.summarize(t, iterations=2)
+    assert s["publish_hidden_fraction"] == 1.0
+    assert s["broadcast_hidden_fraction"] == 0.5  # all broadcasts: half their time is covered
+    no_steps = ta.summarize(trace(ev(BC, 0, 10, stream=20)), iterations=1)
+    assert no_steps["publish_hidden_fraction"] is None
+
+
+def test_gpu_idle_is_the_window_minus_every_gpu_event():
+    t = trace(ev(GEMM, 0, 10), ev(AG, 5, 10, stream=20), ev(ELT, 30, 10), ev(GEMM, 0, 5, device=1))
+    recs = ta._records(t)
+    assert ta.gpu_idle_us(recs) == 15.0  # device 0: window 40, busy [0, 15) ∪ [30, 40)
+    s = ta.summarize(t, iterations=1)
+    assert s["gpu_idle_ms_per_iter"] == pytest.approx(0.015)
