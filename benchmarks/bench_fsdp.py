@@ -6,6 +6,7 @@ Launch with torchrun, one process per GPU (or CPU processes with gloo for a smok
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 2   # HSDP 2×1
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 1 --hsdp  # 1×2
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 2 --with-1d ours_compiled
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --profile prof/  # + traces
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu --profile /tmp/prof
 
@@ -169,6 +170,7 @@ def build(config, args, meshes, device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh, shard_mesh, replicate_mesh = meshes
+    config = config.removeprefix("1d_")  # the same configuration, built on the 1-D mesh given
     dim, ffn, layers = MODELS[args.model]
     head_dim = HEAD_DIM if args.model != "quick" else 16
     torch.manual_seed(0)
@@ -247,6 +249,10 @@ def main(argv=None):
     ap.add_argument("--replicate", type=int, default=None,
                     help="HSDP: R replicas of world/R-rank shard groups (e.g. 2 on 2 GPUs = 2×1)")
     ap.add_argument("--hsdp", action="store_true", help="use the 2-D HSDP mesh even with --replicate 1 (1×world)")
+    ap.add_argument("--with-1d", default="",
+                    help="HSDP runs: also build these configurations (comma list, e.g. ours_compiled) on the "
+                         "1-D mesh over all ranks, as 1d_<config>, interleaved in the same run; reports "
+                         "vs_1d = back-to-back iteration / the 1-D one")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after timing, profile each configuration (torch.profiler) and report exposed comm")
     ap.add_argument("--profile-iters", type=int, default=3, help="back-to-back iterations profiled (default 3)")
@@ -285,11 +291,17 @@ def main(argv=None):
     configs = [c for c in args.configs.split(",") if c]
     if hsdp and replicas > 1 and "ours_eager" in configs and "ours_eager_sync" not in configs:
         configs.insert(configs.index("ours_eager") + 1, "ours_eager_sync")
+    with_1d = [c for c in args.with_1d.split(",") if c]
+    if with_1d and not hsdp:
+        raise SystemExit("--with-1d compares an HSDP mesh with the 1-D one: add --replicate R (or --hsdp)")
+    mesh_1d = init_device_mesh(device.type, (world,)) if with_1d else None
+    configs += [f"1d_{c}" for c in with_1d]
     skipped = {}
     cpu_skip = device.type != "cuda" and not args.cpu_compile
-    if "ours_compiled" in configs and (cpu_skip or "compile" not in inspect.signature(dmuon.Muon).parameters):
-        configs.remove("ours_compiled")
-        skipped["ours_compiled"] = "CPU run (compiled step is for CUDA)" if device.type != "cuda" else "Muon has no compile="
+    for c in ("ours_compiled", "1d_ours_compiled"):
+        if c in configs and (cpu_skip or "compile" not in inspect.signature(dmuon.Muon).parameters):
+            configs.remove(c)
+            skipped[c] = "CPU run (compiled step is for CUDA)" if device.type != "cuda" else "Muon has no compile="
 
     dim = MODELS[args.model][0]
     built, resident, errors = {}, {}, {}
@@ -297,7 +309,7 @@ def main(argv=None):
         sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         try:
-            built[c] = build(c, args, meshes, device)
+            built[c] = build(c, args, (mesh_1d, mesh_1d, None) if c.startswith("1d_") else meshes, device)
         except Exception as exc:  # noqa: BLE001 - one broken configuration must not sink the run
             built[c] = None
             errors[c] = f"build: {type(exc).__name__}: {exc}"
@@ -446,6 +458,9 @@ def main(argv=None):
         b2b = r.get("back_to_back_ms")
         r["b2b_muon_tax"] = b2b / base_b2b - 1 if base_b2b and b2b else None
         r["b2b_over_floor"] = (b2b - base_b2b) / floor if base_b2b and b2b and c != "adamw" else None
+        one_d = results.get(f"1d_{c}", {}).get("back_to_back_ms")
+        if one_d and b2b:
+            r["vs_1d"] = b2b / one_d  # same model and tokens per GPU, HSDP mesh / 1-D mesh
     report = {
         "model": args.model, "dims": MODELS[args.model], "world_size": world, "device": str(device),
         "mesh": {"replicate": replicas, "shard": world // replicas} if hsdp else {"shard": world},
@@ -483,6 +498,10 @@ def main(argv=None):
                 print("\n".join(trace_analysis().format_summary(prof)))
             if prof.get("trace_file"):
                 print(f"- trace: {prof['trace_file']}")
+        for c, r in results.items():
+            if "vs_1d" in r:
+                print(f"HSDP vs 1-D, {c}: back-to-back {r['back_to_back_ms']:.2f} / "
+                      f"{results['1d_' + c]['back_to_back_ms']:.2f} ms = {r['vs_1d']:.3f}x (target <= 1.03x)")
         for c, why in skipped.items():
             print(f"skipped {c}: {why}")
         for c, why in errors.items():

@@ -14,7 +14,8 @@
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
 #   fsdp1_S/M   the same on one GPU
 #   hsdp_S/M    HSDP ngpu×1 (pure replicate), ours configurations only + AdamW, with the
-#               replicate-stage counters (DMUON_RECORD_FORWARD_PROFILE=1)
+#               replicate-stage counters (DMUON_RECORD_FORWARD_PROFILE=1) and ours compiled on
+#               the 1-D mesh in the same run (HSDP_WITH_1D), for the HSDP/1-D ratio
 #   hsdp1x_S/M  HSDP 1×ngpu (replicate size 1)
 set -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
@@ -55,7 +56,8 @@ for stage in $STAGES; do
         --out "$WORK/${stage}_1gpu.json" 2>&1 | quiet | tee "$log" | tail -25 ;;
     hsdp_*)
       DMUON_RECORD_FORWARD_PROFILE=1 timeout $T torchrun --standalone --nproc_per_node "$ngpu" \
-        benchmarks/bench_fsdp.py --model "$model" --replicate "$ngpu" --configs ${HSDP_CONFIGS:-adamw,ours_eager,ours_compiled} --out "$WORK/${stage}_${ngpu}gpu.json" \
+        benchmarks/bench_fsdp.py --model "$model" --replicate "$ngpu" --configs ${HSDP_CONFIGS:-adamw,ours_eager,ours_compiled} \
+        --with-1d ${HSDP_WITH_1D:-ours_compiled} --out "$WORK/${stage}_${ngpu}gpu.json" \
         --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -40 ;;
     hsdp1x_*)
       timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
