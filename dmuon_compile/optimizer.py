@@ -329,8 +329,8 @@ class Muon(torch.optim.Optimizer):
             collected.append((group, *lists))
         # HSDP: the first group the next forward needs is updated and published first, so its
         # broadcast runs under the rest of the step instead of in front of the next forward.
-        early = runtime.early_master_ids() if runtime is not None else set()
-        if early:
+        split, early = runtime.early_split() if runtime is not None else (False, set())
+        if split:
             for group, params, grads, state_a, _ in collected:
                 if group["use_muon"]:
                     pick = [i for i, p in enumerate(params) if id(p) in early]
@@ -340,12 +340,12 @@ class Muon(torch.optim.Optimizer):
             runtime.publish_early()
         for group, params, grads, state_a, state_b in collected:
             if group["use_muon"]:
-                if early:
+                if split:
                     rest = [i for i, p in enumerate(params) if id(p) not in early]
                     params, grads, state_a = ([xs[i] for i in rest] for xs in (params, grads, state_a))
                     if not params:
                         continue
-                self._muon_group_step(group, params, grads, state_a, part="rest" if early else "all")
+                self._muon_group_step(group, params, grads, state_a, part="rest" if split else "all")
             else:
                 F.adamw_update(
                     params, grads, state_a, [b[0] for b in state_b], [b[1] for b in state_b],

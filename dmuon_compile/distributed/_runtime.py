@@ -260,17 +260,18 @@ class DedicatedRuntime:
         first = order[0] if order else None
         return first if first is not None and first.replicate is not None else None
 
-    def early_master_ids(self) -> set[int]:
-        """``id`` of this rank's masters in :meth:`early_group` (``Muon`` steps them first).
+    def early_split(self) -> tuple[bool, set[int]]:
+        """(whether ``Muon.step`` publishes :meth:`early_group` mid-step, ``id`` of this rank's
+        masters in it, which it steps first).
 
-        Empty when there is only one group (nothing to overlap the early publish with). The
-        decision depends only on state every rank shares (plan, forward order), so every rank
-        calls :meth:`publish_early` at the same point: the replicate collectives stay SPMD.
+        Off with a single group (nothing to overlap the early publish with). The switch depends
+        only on state every rank shares (plan, forward order), never on what this rank owns, so
+        every rank calls :meth:`publish_early` at the same point: the collectives stay SPMD.
         """
         group = self.early_group()
         if group is None or len(self.groups) < 2:
-            return set()
-        return {id(p.master) for p in group.params if p.master is not None}
+            return False, set()
+        return True, {id(p.master) for p in group.params if p.master is not None}
 
     @torch.compiler.disable
     def publish_early(self) -> None:
