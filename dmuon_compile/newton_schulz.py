@@ -137,14 +137,20 @@ def matrix_view(t: Tensor) -> Tensor:
     return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
 
 
-def normalize(g: Tensor, work_dtype: torch.dtype, eps: float = EPS) -> Tensor:
-    """Scale each matrix to Frobenius norm ≤ 1 (in fp32 or better), then cast to the work dtype.
+def normalize(g: Tensor, work_dtype: torch.dtype, eps: float = EPS, transpose: bool = False) -> Tensor:
+    """Scale each matrix to Frobenius norm ≤ 1 (in fp32 or better), then cast to the work dtype;
+    ``transpose=True`` returns the scaled ``g.mT``.
 
+    The norm is taken over ``g`` in its own layout, before any transpose: in the compiled step a
+    reduction over a transposed view of a tall stack reads memory with a stride (measured 3.3
+    ms of a 122 ms model-M step on H200 for 8 × 14336×4096, ~3.5× its bandwidth time).
     A zero or tiny-norm input stays (near) zero instead of becoming NaN: the eps is added to
     the norm, never divided by alone.
     """
     gf = g.to(torch.float64) if work_dtype == torch.float64 else g.float()
     norm = torch.linalg.vector_norm(gf, dim=(-2, -1), keepdim=True)
+    if transpose:
+        gf = gf.mT
     return (gf / (norm + eps)).to(work_dtype)
 
 
@@ -350,8 +356,8 @@ class NewtonSchulz:
 
     def __call__(self, g: Tensor) -> Tensor:
         """Orthogonalise ``g`` (2-D, or a 3-D same-shape stack); returns the work dtype."""
-        x, transposed = _as_matrix_stack(g)
-        x = normalize(x, self.work_dtype_for(g.device), self.eps)
+        _, transposed = _as_matrix_stack(g)  # validates the shape
+        x = normalize(g, self.work_dtype_for(g.device), self.eps, transpose=transposed)
         m, n = x.shape[-2], x.shape[-1]
         ops = self.primitives_for(m, x.shape[0] if x.dim() == 3 else 1)
         if self.uses_gram(m, n):
