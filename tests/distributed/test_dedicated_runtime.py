@@ -274,3 +274,38 @@ def test_mixed_precision_policy_and_recovery_after_interrupt():
         assert a.keys() == b.keys() and a
         for n in a:
             torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7)
+
+
+def _private_groups(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from dmuon_compile.distributed import _collectives as C
+
+    flat = init_device_mesh("cpu", (world,))
+    own = C.private_group(flat)
+    out = {"own_is_new": own is not flat.get_group(),
+           "own_ranks": dist.get_process_group_ranks(own)}
+    hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    shard, rep = C.private_group(hsdp["shard"]), C.private_group(hsdp["replicate"])
+    out["shard_ranks"] = dist.get_process_group_ranks(shard)
+    out["rep_ranks"] = dist.get_process_group_ranks(rep)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=shard)  # the new groups work
+    out["shard_sum"] = float(t)
+    # Group ranks of a new group are ascending; a mesh listing its ranks in another order
+    # keeps the mesh's own group, so the runtime's local ranks stay the mesh's.
+    reversed_mesh = DeviceMesh("cpu", torch.arange(world).flip(0))
+    out["reversed_keeps_mesh_group"] = C.private_group(reversed_mesh) is reversed_mesh.get_group()
+    return out
+
+
+def test_private_groups_mirror_the_mesh_and_fall_back_for_unsorted_meshes():
+    results = run_ranks(_private_groups, 4, timeout=90)
+    for rank, r in enumerate(results):
+        assert r["own_is_new"] and r["own_ranks"] == [0, 1, 2, 3]
+        replica = rank // 2
+        assert r["shard_ranks"] == [2 * replica, 2 * replica + 1]
+        assert r["rep_ranks"] == [rank % 2, rank % 2 + 2]
+        assert r["shard_sum"] == float(4 * replica + 1)
+        assert r["reversed_keeps_mesh_group"]
