@@ -235,12 +235,14 @@ class DedicatedRuntime:
 
             dmuon.distributed.dedicated_runtime(model).publish(wait=True)
         """
-        for group in self.groups:
-            if group.replicate is not None:
-                group.replicate.publish(group.profile if self.record_profile else None)
+        self._publish_groups(g for g in self.groups if g.replicate is not None)
         self._publish_due = False
         if wait:
             self.wait_publish()
+
+    def _publish_groups(self, groups) -> None:
+        for group in groups:
+            group.replicate.publish(group.profile if self.record_profile else None)
 
     def wait_publish(self) -> None:
         """Wait for every replicate broadcast in flight (no profile entry: not a forward wait)."""
@@ -278,16 +280,14 @@ class DedicatedRuntime:
         """Mid-step: broadcast :meth:`early_group` now; ``after_step`` publishes the rest."""
         group = self.early_group()
         if group is not None:
-            group.replicate.publish(group.profile if self.record_profile else None)
+            self._publish_groups([group])
             self._published_early.add(id(group))
 
     @torch.compiler.disable
     def after_step(self, replicate_async: bool = True) -> None:
         """Called by ``Muon.step`` last (also when it raised or skipped): publish the weights."""
-        early = getattr(self, "_published_early", set())
-        for group in self.groups:
-            if group.replicate is not None and id(group) not in early:
-                group.replicate.publish(group.profile if self.record_profile else None)
+        early = self._published_early
+        self._publish_groups(g for g in self.groups if g.replicate is not None and id(g) not in early)
         self._published_early = set()
         self._publish_due = False
         if not replicate_async:

@@ -155,3 +155,19 @@ def build_dedicated(world: int, seed: int = 0, hsdp: bool = False):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, owners
+
+
+def interrupt_forward(model, x, layer: int = 1) -> None:
+    """Run ``model(x)`` with a ``KeyboardInterrupt`` raised entering ``layers[layer].mlp``
+    (swallowed): collectives and buffers are left as a real interrupt leaves them."""
+
+    def boom(*_):
+        raise KeyboardInterrupt(f"simulated interrupt in layers.{layer}")
+
+    handle = model.layers[layer].mlp.register_forward_pre_hook(boom)
+    try:
+        model(x)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.remove()

@@ -242,15 +242,7 @@ def _precision_and_recovery(rank, world):
     for _, p in dmuon.dedicated_registry.dedicated_parameters(model):
         p.grad = None
 
-    def boom(*_):
-        raise KeyboardInterrupt("simulated interrupt in layers.1")
-
-    handle = model.layers[1].mlp.register_forward_pre_hook(boom)
-    try:
-        model(x)
-    except KeyboardInterrupt:
-        pass
-    handle.remove()
+    models.interrupt_forward(model, x, layer=1)
     dmuon.wait_all_replicate_broadcasts(model)
     runtime = dedicated_runtime(model)
     out["after_interrupt"] = sorted({(g.state, len(g.works), len(g.pending_reduce)) for g in runtime.groups})

@@ -234,15 +234,7 @@ def _interrupt(rank, world):
     model, twin = twins
     runtime = dedicated_runtime(model)
 
-    def boom(*_):
-        raise KeyboardInterrupt("simulated interrupt in layers.1")
-
-    handle = model.layers[1].mlp.register_forward_pre_hook(boom)
-    try:
-        model(x)
-    except KeyboardInterrupt:
-        pass
-    handle.remove()
+    models.interrupt_forward(model, x, layer=1)
     before = runtime.pending_collectives()
     dmuon.wait_all_replicate_broadcasts(model)
     out = {

@@ -53,35 +53,27 @@ class InterpretedKernel:
         if ready != "ready":
             raise RuntimeError(f"interpret worker failed to start: {ready!r}")
 
+    def _request(self, case: dict, what: str) -> torch.Tensor:
+        """Send one case to the worker; return what it computed."""
+        self.count += 1
+        in_path = self.tmp_dir / f"case{self.count}.pt"
+        out_path = self.tmp_dir / f"case{self.count}.out.pt"
+        torch.save(case, in_path)
+        self.proc.stdin.write(f"{in_path} {out_path}\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline().strip()
+        if answer != "ok":
+            raise AssertionError(f"{what} failed in the interpreter: {answer}")
+        return torch.load(out_path)
+
     def run(self, a, b, c, alpha, beta, gamma, config=SMALL_TILES, num_sms=3) -> torch.Tensor:
         m = a.shape[-2]
         out = torch.full(tuple(a.shape[:-2]) + (m, m), float("nan"), dtype=a.dtype)
-        self.count += 1
-        in_path = self.tmp_dir / f"case{self.count}.pt"
-        out_path = self.tmp_dir / f"case{self.count}.out.pt"
-        torch.save(
-            {"a": a, "b": b, "c": c, "alpha": alpha, "beta": beta, "gamma": gamma,
-             "config": config, "num_sms": num_sms, "out": out},
-            in_path,
-        )
-        self.proc.stdin.write(f"{in_path} {out_path}\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline().strip()
-        if answer != "ok":
-            raise AssertionError(f"kernel failed in the interpreter: {answer}")
-        return torch.load(out_path)
+        return self._request({"a": a, "b": b, "c": c, "alpha": alpha, "beta": beta, "gamma": gamma,
+                              "config": config, "num_sms": num_sms, "out": out}, "kernel")
 
     def mirror(self, p: torch.Tensor, block: int) -> torch.Tensor:
-        self.count += 1
-        in_path = self.tmp_dir / f"case{self.count}.pt"
-        out_path = self.tmp_dir / f"case{self.count}.out.pt"
-        torch.save({"kind": "mirror", "p": p, "block": block}, in_path)
-        self.proc.stdin.write(f"{in_path} {out_path}\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline().strip()
-        if answer != "ok":
-            raise AssertionError(f"mirror kernel failed in the interpreter: {answer}")
-        return torch.load(out_path)
+        return self._request({"kind": "mirror", "p": p, "block": block}, "mirror kernel")
 
     def close(self) -> None:
         self.proc.stdin.close()
