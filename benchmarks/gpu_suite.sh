@@ -8,6 +8,7 @@
 #   STAGES="probe fsdp_S fsdp_M hsdp_S hsdp1x_S" bash benchmarks/gpu_suite.sh     # 2 GPUs
 # Stages:
 #   probe       nvidia-smi topology + NCCL bandwidth (benchmarks/nccl_probe.py, >= 2 GPUs)
+#   sweep       sweep_tiles.py --extra: every tile configuration vs cuBLAS on the NS products
 #   kernels     bench_kernels.py sections C, A and N (SYRK, NS per matrix, NaN/Inf stress)
 #   gputests    pytest -m gpu (GPUTEST_PATHS, default tests/: kernels, dedicated runtime, HSDP)
 #   step_S/M    bench_step.py (§B1) with a profile of each configuration
@@ -37,6 +38,9 @@ for stage in $STAGES; do
   case $stage in
     probe)
       { nvidia-smi topo -m; [ "$ngpu" -ge 2 ] && timeout 120 torchrun --standalone --nproc_per_node "$ngpu" benchmarks/nccl_probe.py; } 2>&1 | tee "$log" ;;
+    sweep)
+      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_tiles.py --extra ${SWEEP_CASES:+--cases $SWEEP_CASES} \
+        --out "$WORK/sweep.md" 2>&1 | tee "$log" ;;
     kernels)
       timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} \
         --out "$WORK/kernels.md" 2>&1 | quiet | tee "$log" | tail -40 ;;

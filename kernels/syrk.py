@@ -25,7 +25,12 @@ from torch import Tensor
 from dmuon_compile.kernels import autotune
 from dmuon_compile.kernels.availability import triton_status
 from dmuon_compile.kernels.ops import _check_operands
-from dmuon_compile.kernels.syrk_triton import TileConfig, launch_symmetric_product, mirror_lower_inplace
+from dmuon_compile.kernels.syrk_triton import (
+    TileConfig,
+    launch_symmetric_product,
+    mirror_lower_inplace,
+    tma_descriptors,
+)
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -47,14 +52,27 @@ CANDIDATES: tuple[TileConfig, ...] = (
     # win and match cuBLAS).
     TileConfig(128, 64, 8, 3, 1, block_n=256),
     TileConfig(128, 64, 8, 4, 1, block_n=256),
+    # Operand tiles through TMA descriptors (SM90+, 16-byte aligned row- or column-major
+    # operands; skipped by the autotune where the layout does not fit). "flatten" pipelines the
+    # next tile's first loads under this tile's epilogue.
+    TileConfig(128, 64, 8, 3, 1, tma=True),
+    TileConfig(128, 64, 8, 3, 1, tma=True, flatten=True),
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, flatten=True),
+    TileConfig(64, 64, 4, 4, 2, tma=True),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
 
 
-def candidates_for(m: int) -> tuple[TileConfig, ...]:
-    """Candidates worth timing for an ``m×m`` output (no tile much larger than the matrix)."""
+def candidates_for(m: int, a: Tensor | None = None, b: Tensor | None = None) -> tuple[TileConfig, ...]:
+    """Candidates worth timing for an ``m×m`` output (no tile much larger than the matrix).
+
+    With the operands given, TMA configurations whose descriptors cannot read them are left
+    out (they would only time the pointer kernel again).
+    """
     fitting = tuple(c for c in CANDIDATES if c.cols <= max(64, 2 * m))
-    return fitting or (CANDIDATES[-1],)
+    if a is not None:
+        fitting = tuple(c for c in fitting if not c.tma or tma_descriptors(a, b, c) is not None)
+    return fitting or (DEFAULT_CONFIG,)
 
 
 def mirror_lower_triangle(p: Tensor) -> Tensor:
@@ -160,7 +178,7 @@ def _choose_kernel_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
         a_t, b_t, c_t = _tuning_inputs(a, b, c)
         verdict = autotune.tune(
             key,
-            candidates_for(m),
+            candidates_for(m, a_t, b_t),
             lambda config: launch_symmetric_product(a_t, b_t, c_t, 1.0, 0.5, 0.0, config),
             lambda: symmetric_product_cublas(a_t, b_t, c_t, 1.0, 0.5, 0.0, mirror=False),
             _lower_matches,

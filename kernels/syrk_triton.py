@@ -42,6 +42,7 @@ interpreted copy of it under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -64,10 +65,14 @@ class TileConfig:
     num_stages: int
     ctas_per_sm: int = 1
     block_n: int = 0  # columns of the tile (BLOCK_N); 0 means square (= block)
+    tma: bool = False  # operand tiles through TMA descriptors (SM90+, aligned row-major operands)
+    flatten: bool = False  # TMA kernel only: one flattened tile×K loop, pipelined across tiles
 
     def __post_init__(self) -> None:
         if self.block_n and self.block_n % self.block:
             raise ValueError(f"TileConfig: block_n={self.block_n} must be a multiple of block={self.block}")
+        if self.flatten and not self.tma:
+            raise ValueError("TileConfig: flatten=True is a schedule of the TMA kernel; set tma=True too")
 
     @property
     def cols(self) -> int:
@@ -76,7 +81,8 @@ class TileConfig:
     @property
     def name(self) -> str:
         shape = f"b{self.block}" if self.cols == self.block else f"b{self.block}x{self.cols}"
-        return f"{shape}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_p{self.ctas_per_sm}"
+        loads = ("_tma_flat" if self.flatten else "_tma") if self.tma else ""
+        return f"{shape}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_p{self.ctas_per_sm}{loads}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,7 +90,8 @@ class TileConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "TileConfig":
         fields = {k: int(data[k]) for k in ("block", "block_k", "num_warps", "num_stages", "ctas_per_sm")}
-        return cls(**fields, block_n=int(data.get("block_n", 0)))
+        return cls(**fields, block_n=int(data.get("block_n", 0)), tma=bool(data.get("tma", False)),
+                   flatten=bool(data.get("flatten", False)))
 
 
 @triton.jit
@@ -132,6 +139,41 @@ def mirror_lower_inplace(p: Tensor, block: int = 64) -> Tensor:
     sb, sm, sn = _stack_strides(p)
     _mirror_lower_kernel[grid](p, m, sb, sm, sn, BLOCK=block, num_warps=4)
     return p
+
+
+@triton.jit
+def _store_symmetric_tile(
+    acc, offs_m, offs_n, batch64, m,
+    c_ptr, stride_cb, stride_cm, stride_cn,
+    out_ptr, stride_ob, stride_om, stride_on,
+    alpha, beta, gamma,
+    HAS_C: tl.constexpr,
+):
+    """fp32 epilogue ``alpha·acc + beta·C + gamma·I`` of one tile, stored with its mirror."""
+    in_bounds = (offs_m[:, None] < m) & (offs_n[None, :] < m)
+    acc = acc * alpha
+    if HAS_C:
+        c_tile = tl.load(
+            c_ptr + batch64 * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            mask=in_bounds,
+            other=0.0,
+        )
+        acc += beta * c_tile.to(tl.float32)
+    acc += tl.where(offs_m[:, None] == offs_n[None, :], gamma, 0.0)
+    value = acc.to(out_ptr.dtype.element_ty)
+
+    # Element rule, the same for every tile: (i, j) with i >= j is stored in place, and
+    # i > j also at (j, i). Off the diagonal super-tiles every element qualifies; on them
+    # the upper part of a strip was computed but is never stored.
+    out_base = out_ptr + batch64 * stride_ob
+    lower_mask = in_bounds & (offs_m[:, None] >= offs_n[None, :])
+    tl.store(out_base + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, value, mask=lower_mask)
+    # The mirror is stored as the transposed tile, indexed (n, m), so consecutive lanes
+    # write consecutive addresses (the transpose goes through shared memory) instead of
+    # one element per output row.
+    mirror_mask = (offs_n[:, None] < m) & (offs_m[None, :] < m) & (offs_m[None, :] > offs_n[:, None])
+    tl.store(out_base + offs_n[:, None] * stride_om + offs_m[None, :] * stride_on, tl.trans(value),
+             mask=mirror_mask)
 
 
 @triton.jit
@@ -207,31 +249,77 @@ def _symmetric_product_kernel(
             else:
                 b_cols += BLOCK_K * stride_bk
 
-        # fp32 epilogue: alpha·acc + beta·C + gamma·I.
-        in_bounds = (offs_m[:, None] < m) & (offs_n[None, :] < m)
-        acc = acc * alpha
-        if HAS_C:
-            c_tile = tl.load(
-                c_ptr + batch64 * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-                mask=in_bounds,
-                other=0.0,
-            )
-            acc += beta * c_tile.to(tl.float32)
-        acc += tl.where(offs_m[:, None] == offs_n[None, :], gamma, 0.0)
-        value = acc.to(out_ptr.dtype.element_ty)
+        _store_symmetric_tile(
+            acc, offs_m, offs_n, batch64, m, c_ptr, stride_cb, stride_cm, stride_cn,
+            out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
+        )
 
-        # Element rule, the same for every tile: (i, j) with i >= j is stored in place, and
-        # i > j also at (j, i). Off the diagonal super-tiles every element qualifies; on them
-        # the upper part of a strip was computed but is never stored.
-        out_base = out_ptr + batch64 * stride_ob
-        lower_mask = in_bounds & (offs_m[:, None] >= offs_n[None, :])
-        tl.store(out_base + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, value, mask=lower_mask)
-        # The mirror is stored as the transposed tile, indexed (n, m), so consecutive lanes
-        # write consecutive addresses (the transpose goes through shared memory) instead of
-        # one element per output row.
-        mirror_mask = (offs_n[:, None] < m) & (offs_m[None, :] < m) & (offs_m[None, :] > offs_n[:, None])
-        tl.store(out_base + offs_n[:, None] * stride_om + offs_m[None, :] * stride_on, tl.trans(value),
-                 mask=mirror_mask)
+
+@triton.jit
+def _symmetric_product_tma_kernel(
+    a_desc, b_desc, c_ptr, out_ptr,
+    batch, m, k,
+    stride_cb, stride_cm, stride_cn,
+    stride_ob, stride_om, stride_on,
+    alpha, beta, gamma,
+    num_programs,
+    A_ROWS_ARE_M: tl.constexpr,
+    B_ROWS_ARE_N: tl.constexpr,
+    HAS_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
+    # The same schedule and epilogue as _symmetric_product_kernel; the operand tiles come
+    # through Hopper's tensor-memory accelerator (TMA) instead of per-thread pointer loads.
+    # Each descriptor views its operand's stack as one 2-D matrix (see tma_descriptors):
+    # ``a_desc`` as (batch·m, k) (A_ROWS_ARE_M) or as aᵀ, (batch·k, m); ``b_desc`` as the
+    # rows of the output's columns, (batch·m, k) (B_ROWS_ARE_N: SYRK of a row-major ``a``, or
+    # a column-major ``b``) or as ``b``, (batch·k, m). Rows past a matrix's m read the next
+    # matrix (or TMA's zero fill after the last) and only feed outputs past m, never stored;
+    # K past k is zero-filled along a row, and the launcher never lets a K tile run down into
+    # the next matrix. FLATTEN lets the compiler pipeline the next tile's first loads under
+    # this tile's epilogue.
+    STRIPS: tl.constexpr = BLOCK_N // BLOCK_M
+    pid = tl.program_id(0)
+    tiles_per_side = tl.cdiv(m, BLOCK_N)
+    tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2 * STRIPS
+    total_tiles = batch * tiles_per_matrix
+    k_steps = tl.cdiv(k, BLOCK_K)
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    for tile in tl.range(pid, total_tiles, num_programs, flatten=FLATTEN):
+        batch_index = tile // tiles_per_matrix
+        t = tile - batch_index * tiles_per_matrix
+        row, col = _lower_tile_coords(t // STRIPS)
+        strip = t % STRIPS
+        first_m = row * BLOCK_N + strip * BLOCK_M
+        first_n = col * BLOCK_N
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(0, k_steps):
+            k0 = ks * BLOCK_K
+            if A_ROWS_ARE_M:
+                a_tile = a_desc.load([batch_index * m + first_m, k0])
+            else:
+                a_tile = tl.trans(a_desc.load([batch_index * k + k0, first_m]))
+            if B_ROWS_ARE_N:
+                b_tile = tl.trans(b_desc.load([batch_index * m + first_n, k0]))
+            else:
+                b_tile = b_desc.load([batch_index * k + k0, first_n])
+            if DOT_IN_FP32:
+                a_tile = a_tile.to(tl.float32)
+                b_tile = b_tile.to(tl.float32)
+            acc = tl.dot(a_tile, b_tile, acc, input_precision=INPUT_PRECISION)
+
+        _store_symmetric_tile(
+            acc, first_m + arange_m, first_n + arange_n, batch_index.to(tl.int64), m,
+            c_ptr, stride_cb, stride_cm, stride_cn,
+            out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
+        )
 
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -295,24 +383,11 @@ def launch_symmetric_product(
     total_tiles = batch * tiles_per_side * (tiles_per_side + 1) // 2 * (config.cols // config.block)
     num_programs = max(1, min(total_tiles, num_sms * config.ctas_per_sm))
 
-    b_arg = a if b is None else b
     c_arg = out if c is None else c  # any valid pointer; never read when HAS_C is False
-    sab, sam, sak = _stack_strides(a)
-    sbb, sbk, sbn = _stack_strides(b_arg) if b is not None else (0, 0, 0)
     scb, scm, scn = _stack_strides(c_arg) if c is not None else (0, 0, 0)
     sob, som, son = _stack_strides(out)
-    _symmetric_product_kernel[(num_programs,)](
-        a, b_arg, c_arg, out,
-        batch, m, k,
-        sab, sam, sak,
-        sbb, sbk, sbn,
-        scb, scm, scn,
-        sob, som, son,
-        float(alpha), float(beta), float(gamma),
-        num_programs,
-        B_FROM_A=b is None,
+    common = dict(
         HAS_C=c is not None and beta != 0.0,
-        EVEN_K=k % config.block_k == 0,
         BLOCK_M=config.block,
         BLOCK_N=config.cols,
         BLOCK_K=config.block_k,
@@ -323,4 +398,112 @@ def launch_symmetric_product(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    descriptors = tma_descriptors(a, b, config) if config.tma else None
+    if descriptors is not None:
+        a_desc, b_desc, a_rows_are_m, b_rows_are_n = descriptors
+        _symmetric_product_tma_kernel[(num_programs,)](
+            a_desc, b_desc, c_arg, out,
+            batch, m, k,
+            scb, scm, scn,
+            sob, som, son,
+            float(alpha), float(beta), float(gamma),
+            num_programs,
+            A_ROWS_ARE_M=a_rows_are_m,
+            B_ROWS_ARE_N=b_rows_are_n,
+            FLATTEN=config.flatten,
+            **common,
+        )
+        return out
+
+    # Pointer loads: any strides (and the TMA configs' fallback for layouts TMA cannot read).
+    b_arg = a if b is None else b
+    sab, sam, sak = _stack_strides(a)
+    sbb, sbk, sbn = _stack_strides(b_arg) if b is not None else (0, 0, 0)
+    _symmetric_product_kernel[(num_programs,)](
+        a, b_arg, c_arg, out,
+        batch, m, k,
+        sab, sam, sak,
+        sbb, sbk, sbn,
+        scb, scm, scn,
+        sob, som, son,
+        float(alpha), float(beta), float(gamma),
+        num_programs,
+        B_FROM_A=b is None,
+        EVEN_K=k % config.block_k == 0,
+        **common,
+    )
     return out
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether TMA descriptors can be used on ``device``: SM90+ GPUs, or CPU under the interpreter."""
+    if device.type != "cuda":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _flat_rows(t: Tensor) -> tuple[int, int] | None:
+    """``(rows, row_stride)`` of a row-major stack viewed as one 2-D matrix, if TMA can read it.
+
+    The stack must be one evenly strided block of rows (batch stride = rows · row stride), its
+    rows 16-byte aligned (base address and row stride), and its last dimension contiguous.
+    """
+    rows, cols = t.shape[-2], t.shape[-1]
+    batch = t.shape[0] if t.dim() == 3 else 1
+    row_stride = t.stride(-2) if rows > 1 else cols
+    if t.stride(-1) != 1 and cols > 1:
+        return None
+    if t.dim() == 3 and batch > 1 and t.stride(0) != rows * row_stride:
+        return None
+    if t.data_ptr() % 16 or (row_stride * t.element_size()) % 16 or row_stride < cols:
+        return None
+    return batch * rows, row_stride
+
+
+def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
+    """``(a_desc, b_desc, a_rows_are_m, b_rows_are_n)`` for the TMA kernel, or ``None`` if the layout does not fit.
+
+    Each operand is read through a 2-D descriptor over its whole stack, in whichever of its two
+    orientations is row-major: ``a`` as ``(batch·m, k)`` (row-major ``a``) or as the rows of
+    ``aᵀ``, ``(batch·k, m)`` (column-major ``a``, e.g. the transposed view of a tall matrix);
+    ``b`` likewise as ``(batch·k, m)`` or as the rows of ``bᵀ``. For SYRK, ``b`` is ``aᵀ``:
+    the same memory as ``a``. A descriptor whose rows run along K may only be used for a
+    stack when ``k`` is a multiple of ``BLOCK_K`` (else a K tile would read the next
+    matrix's rows). ``None`` sends the call to the pointer kernel with the same tiles.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not tma_supported(a.device):
+        return None
+    m, k = a.shape[-2], a.shape[-1]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    k_tiles_stay_inside = batch == 1 or k % config.block_k == 0
+
+    def describe(t: Tensor, rows_block: int, cols_block: int, k_along_rows_ok: bool):
+        """(descriptor, rows_are_outer) of ``t`` (m_or_k × k_or_m), trying row-major then its transpose."""
+        flat = _flat_rows(t)
+        if flat is not None and t.stride(-1) == 1:
+            return TensorDescriptor(t, [flat[0], t.shape[-1]], [flat[1], 1], [rows_block, cols_block]), True
+        if not k_along_rows_ok:
+            return None
+        flat_t = _flat_rows(t.mT)
+        if flat_t is not None:
+            return TensorDescriptor(t.mT, [flat_t[0], t.shape[-2]], [flat_t[1], 1], [cols_block, rows_block]), False
+        return None
+
+    a_side = describe(a, config.block, config.block_k, k_tiles_stay_inside)
+    if a_side is None:
+        return None
+    a_desc, a_rows_are_m = a_side
+    if b is None:  # b = aᵀ: the rows of the output's columns are a's rows
+        if a_rows_are_m:
+            b_desc = TensorDescriptor(a, list(a_desc.shape), list(a_desc.strides), [config.cols, config.block_k])
+        else:
+            b_desc = TensorDescriptor(a.mT, list(a_desc.shape), list(a_desc.strides), [config.block_k, config.cols])
+        return a_desc, b_desc, a_rows_are_m, a_rows_are_m
+    # b is (k, m): its row-major orientation has rows along K, its transpose rows along N.
+    bt_side = describe(b.mT, config.cols, config.block_k, k_tiles_stay_inside)
+    if bt_side is None:
+        return None
+    b_desc, b_rows_are_n = bt_side
+    return a_desc, b_desc, a_rows_are_m, b_rows_are_n

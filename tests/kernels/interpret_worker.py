@@ -5,7 +5,8 @@ library functions must be interpreted too, so the interpreter cannot be switched
 pytest process that already imported Triton. The tests start this script once with
 ``TRITON_INTERPRET=1`` and send it one case per line on stdin: ``<input.pt> <output.pt>``. The
 input file holds ``a, b, c, alpha, beta, gamma, config, num_sms, out`` (``out`` poisoned with
-NaN); the worker runs the kernel into ``out``, saves it and answers ``ok`` or ``error: ...``.
+NaN); the worker runs the kernel into ``out``, saves it and answers ``ok tma`` or ``ok ptr``
+(which loads the launch used: TMA descriptors or pointers) or ``error: ...``.
 A case with ``kind="mirror"`` runs ``mirror_lower_inplace(p, block)`` instead.
 """
 
@@ -22,6 +23,7 @@ from dmuon_compile.kernels.syrk_triton import (  # noqa: E402
     TileConfig,
     launch_symmetric_product,
     mirror_lower_inplace,
+    tma_descriptors,
 )
 
 
@@ -38,12 +40,14 @@ def main() -> None:
                 torch.save(mirror_lower_inplace(case["p"], block=case["block"]), out_path)
                 print("ok", flush=True)
                 continue
+            config = TileConfig(**case["config"])
+            used_tma = config.tma and tma_descriptors(case["a"], case["b"], config) is not None
             result = launch_symmetric_product(
                 case["a"], case["b"], case["c"], case["alpha"], case["beta"], case["gamma"],
-                TileConfig(**case["config"]), num_sms=case["num_sms"], out=case["out"],
+                config, num_sms=case["num_sms"], out=case["out"],
             )
             torch.save(result, out_path)
-            print("ok", flush=True)
+            print("ok tma" if used_tma else "ok ptr", flush=True)
         except Exception:
             print("error: " + traceback.format_exc().replace("\n", " | "), flush=True)
 

@@ -46,6 +46,47 @@ def test_triton_syrk_every_config_real_sizes(dtype, shape):
         assert _rel_err(out, ref) < 1e-2, f"{config.name}: rel err {_rel_err(out, ref)}"
 
 
+@pytest.mark.parametrize("layout", ["row_b", "col_b", "col_a"])
+@pytest.mark.parametrize("shape", [(4096, 4096), (4, 2048, 2048), (2, 1000, 1000)])
+def test_triton_sym_mm_every_config_real_sizes(layout, shape):
+    """Every candidate (pointer and TMA loads) on the operand layouts NS produces: symmetric
+    row-major Gram-space matrices, and the column-major (transposed) views of tall matrices."""
+    _needs_triton()
+    from dmuon_compile.kernels.syrk import CANDIDATES
+    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(shape, generator=gen, device="cuda") / shape[-1] ** 0.5
+    r = (x @ x.mT).half()
+    z = (-4.0 * r.float() + 2.0 * r.float() @ r.float()).half()
+    a = r.mT.contiguous().mT if layout == "col_a" else r
+    b = z.mT.contiguous().mT if layout == "col_b" else z
+    ref = sym_mm_reference(a.double(), b.double(), r.double(), 1.0, 3.0, 0.5)
+    m = shape[-1]
+    for config in CANDIDATES:
+        out = torch.full(shape[:-2] + (m, m), float("nan"), device="cuda", dtype=torch.float16)
+        launch_symmetric_product(a, b, r, 1.0, 3.0, 0.5, config, out=out)
+        assert torch.isfinite(out).all(), f"{config.name}: unwritten or non-finite elements"
+        assert torch.equal(out, out.mT), f"{config.name}: not bitwise symmetric"
+        assert _rel_err(out, ref) < 1e-2, f"{config.name}: rel err {_rel_err(out, ref)}"
+
+
+def test_triton_syrk_of_a_tall_matrix_view_every_config():
+    """SYRK of the transposed view of a tall matrix (column-major operand), as Gram NS calls it."""
+    _needs_triton()
+    from dmuon_compile.kernels.syrk import CANDIDATES
+    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product
+
+    tall = torch.randn(2, 6144, 2048, device="cuda").half() / 6144**0.25
+    x = tall.mT  # (2, 2048, 6144), column-major
+    ref = _ref64_syrk(x, None, 1.0, 0.0, 0.0)
+    for config in CANDIDATES:
+        out = torch.full((2, 2048, 2048), float("nan"), device="cuda", dtype=torch.float16)
+        launch_symmetric_product(x, None, None, 1.0, 0.0, 0.0, config, out=out)
+        assert torch.isfinite(out).all() and torch.equal(out, out.mT), config.name
+        assert _rel_err(out, ref) < 1e-2, f"{config.name}: rel err {_rel_err(out, ref)}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_syrk_op_dispatch_matches_reference(dtype):
     x = torch.randn(2, 1536, 4000, device="cuda").to(dtype) / 4000**0.25

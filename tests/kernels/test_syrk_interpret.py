@@ -31,6 +31,10 @@ WIDE_K_TILES = {"block": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "ct
 # tiles, so m in {1, 5, 16, 33} has diagonal super-tiles whose upper strip parts are dropped.
 STRIP_TILES = {"block": 16, "block_k": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1, "block_n": 32}
 WIDE_STRIP_TILES = {"block": 8, "block_k": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1, "block_n": 32}
+# The TMA kernel (descriptor loads; the interpreter emulates TMA's bounds and zero fill), with
+# square tiles and with flattened strips.
+TMA_TILES = dict(SMALL_TILES, tma=True)
+TMA_FLAT_STRIP_TILES = dict(STRIP_TILES, tma=True, flatten=True)
 # Half precision: the result is rounded once to the output dtype (the interpreter may round
 # fp32 -> bf16 differently from torch, so allow two units in the last place).
 ULP = {torch.float32: 2.0**-20, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -45,6 +49,7 @@ class InterpretedKernel:
         env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
         self.tmp_dir = tmp_dir
         self.count = 0
+        self.last_loads = None  # "tma" or "ptr": which loads the last kernel case used
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=env,
@@ -62,8 +67,9 @@ class InterpretedKernel:
         self.proc.stdin.write(f"{in_path} {out_path}\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline().strip()
-        if answer != "ok":
+        if answer.split()[:1] != ["ok"]:
             raise AssertionError(f"{what} failed in the interpreter: {answer}")
+        self.last_loads = answer.split()[1] if len(answer.split()) > 1 else None
         return torch.load(out_path)
 
     def run(self, a, b, c, alpha, beta, gamma, config=SMALL_TILES, num_sms=3) -> torch.Tensor:
@@ -243,3 +249,107 @@ def test_tile_config_names_and_round_trip():
     assert TileConfig.from_dict({k: v for k, v in square.to_dict().items() if k != "block_n"}) == square
     with pytest.raises(ValueError, match="multiple"):
         TileConfig(128, 64, 8, 3, 1, block_n=192)
+
+
+# (m, k, batch, dtype, row-major b readable by TMA). Every k keeps rows 16-byte aligned, so a
+# and a column-major b always go through TMA; a row-major (k, m) b needs 16-byte rows of m and,
+# in a stack, K tiles that never cross into the next matrix (k % 16 == 0).
+TMA_GRID = [
+    (33, 40, None, torch.bfloat16, False),  # m·2 bytes not 16-aligned
+    (16, 16, 3, torch.float16, True),
+    (33, 24, 3, torch.float32, False),
+    (5, 8, 1, torch.bfloat16, False),
+    (40, 48, 2, torch.float16, True),
+    (16, 24, 3, torch.float16, False),  # a K tile would cross into the next matrix
+    (8, 40, None, torch.float32, True),  # 2-D: the last K tile is zero-filled
+]
+
+
+@pytest.mark.parametrize("config", [TMA_TILES, TMA_FLAT_STRIP_TILES], ids=["tma16", "tma16x32_flat"])
+@pytest.mark.parametrize("m,k,batch,dtype,row_b_tma", TMA_GRID)
+def test_tma_tiles_match_reference(kernel, config, m, k, batch, dtype, row_b_tma):
+    """The TMA kernel: poisoned output fully written, bitwise symmetric, equal to the reference,
+    and the launch really used descriptors wherever the layout allows (else the pointer kernel)."""
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x = _random(_batch_shape(batch) + (m, k), dtype, gen)
+    c = _random(_batch_shape(batch) + (m, m), dtype, gen)
+    out = kernel.run(x, None, c, 0.75, -0.5, 1.25, config=config, num_sms=3)
+    assert kernel.last_loads == "tma"
+    check_against_reference(out, syrk_reference(x, c, 0.75, -0.5, 1.25))
+
+    a = _random(_batch_shape(batch) + (m, k), dtype, gen)
+    for transposed, expected in ((True, "tma"), (False, "tma" if row_b_tma else "ptr")):
+        b = _random(_batch_shape(batch) + (k, m), dtype, gen, transposed=transposed)
+        out = kernel.run(a, b, c, 1.5, 0.5, -0.25, config=config, num_sms=2)
+        assert kernel.last_loads == expected, f"b transposed={transposed}"
+        check_against_reference(out, sym_mm_reference(a, b, c, 1.5, 0.5, -0.25))
+
+
+def test_tma_kernel_skips_unaligned_and_strided_operands(kernel):
+    """Layouts TMA cannot address (odd row pitch, a sliced stack) fall back to pointer loads."""
+    gen = torch.Generator().manual_seed(11)
+    odd_k = _random((9, 7), torch.float16, gen)  # 14-byte rows
+    out = kernel.run(odd_k, None, None, 1.0, 0.0, 0.0, config=TMA_TILES)
+    assert kernel.last_loads == "ptr"
+    check_against_reference(out, syrk_reference(odd_k, None, 1.0, 0.0, 0.0))
+    sliced = _random((3, 12, 32), torch.float16, gen)[:, :10]  # batch stride 12 rows, m = 10
+    out = kernel.run(sliced, None, None, 1.0, 0.0, 0.0, config=TMA_TILES)
+    assert kernel.last_loads == "ptr"
+    check_against_reference(out, syrk_reference(sliced, None, 1.0, 0.0, 0.0))
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    k8=st.integers(1, 8),
+    batch=st.sampled_from([None, 1, 3]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    flatten=st.booleans(),
+    transposed_b=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_tma_property(kernel, m, k8, batch, dtype, flatten, transposed_b, seed):
+    """Random shapes through the TMA configs (k a multiple of 8, so a is TMA-aligned)."""
+    gen = torch.Generator().manual_seed(seed)
+    config = TMA_FLAT_STRIP_TILES if flatten else TMA_TILES
+    k = 8 * k8
+    x = _random(_batch_shape(batch) + (m, k), dtype, gen)
+    out = kernel.run(x, None, None, 1.0, 0.0, 0.5, config=config)
+    assert kernel.last_loads == "tma"
+    check_against_reference(out, syrk_reference(x, None, 1.0, 0.0, 0.5))
+    b = _random(_batch_shape(batch) + (k, m), dtype, gen, transposed=transposed_b)
+    out = kernel.run(x, b, None, -1.0, 0.0, 0.0, config=config)
+    check_against_reference(out, sym_mm_reference(x, b, None, -1.0, 0.0, 0.0))
+
+
+def test_tma_config_names_and_flatten_needs_tma():
+    from dmuon_compile.kernels.syrk_triton import TileConfig
+
+    tma = TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, flatten=True)
+    assert tma.name == "b128x256_k64_w8_s3_p1_tma_flat"
+    assert TileConfig(128, 64, 8, 3, tma=True).name == "b128_k64_w8_s3_p1_tma"
+    assert TileConfig.from_dict(tma.to_dict()) == tma
+    with pytest.raises(ValueError, match="tma=True"):
+        TileConfig(128, 64, 8, 3, flatten=True)
+
+
+@pytest.mark.parametrize("config", [TMA_TILES, TMA_FLAT_STRIP_TILES], ids=["tma16", "tma16x32_flat"])
+@pytest.mark.parametrize("m,k,batch,expected", [
+    (16, 32, 3, "tma"),
+    (24, 24, None, "tma"),  # one matrix: the last K tile is zero-filled past k rows
+    (16, 24, 3, "ptr"),  # a K tile would run into the next matrix
+    (9, 32, 2, "ptr"),  # rows of aᵀ are 18 bytes
+])
+def test_tma_reads_column_major_a(kernel, config, m, k, batch, expected):
+    """A column-major ``a`` (the transposed view NS makes of a tall matrix) is read as ``aᵀ``'s rows."""
+    gen = torch.Generator().manual_seed(m + k)
+    x = _random(_batch_shape(batch) + (m, k), torch.float16, gen, transposed=True)
+    assert not x.is_contiguous()
+    c = _random(_batch_shape(batch) + (m, m), torch.float16, gen)
+    out = kernel.run(x, None, c, 1.0, 1.0, 0.5, config=config)
+    assert kernel.last_loads == expected
+    check_against_reference(out, syrk_reference(x, c, 1.0, 1.0, 0.5))
+    b = _random(_batch_shape(batch) + (k, m), torch.float16, gen, transposed=True)
+    out = kernel.run(x, b, None, 1.0, 0.0, 0.0, config=config)
+    assert kernel.last_loads == expected
+    check_against_reference(out, sym_mm_reference(x, b, None, 1.0, 0.0, 0.0))

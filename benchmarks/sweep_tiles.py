@@ -1,0 +1,125 @@
+"""Sweep tile configurations of the symmetric-product kernel against cuBLAS on one GPU.
+
+Times every configuration of ``syrk.CANDIDATES`` plus the exploratory ones below on the
+products Gram NS actually runs (their shapes and operand layouts), each next to the plain
+cuBLAS product of the same call, and prints one markdown table per case. This is how the
+autotune candidate list is chosen: a configuration earns its place only where it wins.
+
+    python benchmarks/sweep_tiles.py --out sweep.md              # all cases
+    python benchmarks/sweep_tiles.py --cases syrk_wide --extra    # one case, exploratory configs too
+
+"actual TFLOP/s" counts the FLOPs the kernel does (the lower super-tiles only, about half of
+``2·m²·k``); "vs cuBLAS" is cuBLAS time / kernel time, both measured here, medians of
+``triton.testing.do_bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+
+import torch
+
+from dmuon_compile.kernels.syrk import CANDIDATES, _lower_matches, symmetric_product_cublas
+from dmuon_compile.kernels.syrk_triton import TileConfig, launch_symmetric_product, tma_descriptors
+
+# Configurations tried besides the candidates (--extra): deeper pipelines, wider K, 64-row
+# tiles for stacks, flattened and unflattened TMA schedules.
+EXPLORATORY = (
+    TileConfig(128, 64, 8, 4, 1, tma=True),
+    TileConfig(128, 64, 8, 4, 1, tma=True, flatten=True),
+    TileConfig(128, 128, 8, 2, 1, tma=True, flatten=True),
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True),
+    TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True, flatten=True),
+    TileConfig(128, 64, 4, 3, 2, tma=True, flatten=True),
+    TileConfig(64, 64, 4, 4, 2, tma=True, flatten=True),
+)
+
+
+def _inputs(case: str, gen: torch.Generator):
+    """(a, b, c, beta, description) of one case: the operands of a Gram NS product."""
+    half = torch.float16
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen, device="cuda") * scale).to(half)
+
+    if case == "syrk_wide":  # R = X·Xᵀ of a 4096×14336 matrix
+        return randn(4096, 14336, scale=14336**-0.25), None, None, 0.0, "syrk 4096×14336, row-major"
+    if case == "syrk_tall":  # the transposed view of a 14336×4096 matrix
+        return randn(14336, 4096, scale=14336**-0.25).mT, None, None, 0.0, "syrk 4096×14336, column-major"
+    if case == "syrk_huge":
+        return randn(8192, 28672, scale=28672**-0.25), None, None, 0.0, "syrk 8192×28672, row-major"
+    if case == "gram_4096":  # Z·RZ + a·RZ: symmetric row-major 4096² operands, with C
+        r = randn(4096, 4096, scale=4096**-0.5)
+        return r, randn(4096, 4096, scale=4096**-0.5), r, 0.5, "sym_mm 4096² (k=4096) + C"
+    if case == "syrk_stack":  # 32 × (2048×5632), the batched model-M class
+        return randn(32, 2048, 5632, scale=5632**-0.25), None, None, 0.0, "syrk 32×2048×5632"
+    if case == "gram_stack":
+        r = randn(32, 2048, 2048, scale=2048**-0.5)
+        return r, randn(32, 2048, 2048, scale=2048**-0.5), r, 0.5, "sym_mm 32×2048² + C"
+    raise SystemExit(f"unknown case {case!r}")
+
+
+CASES = ("syrk_wide", "syrk_tall", "syrk_huge", "gram_4096", "syrk_stack", "gram_stack")
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def sweep_case(case: str, configs) -> list[str]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a, b, c, beta, what = _inputs(case, gen)
+    m, k = a.shape[-2], a.shape[-1]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    flops = 2.0 * batch * m * m * k
+    reference = symmetric_product_cublas(a, b, c, 1.0, beta, 0.0, mirror=False)
+    t_cublas = bench_ms(lambda: symmetric_product_cublas(a, b, c, 1.0, beta, 0.0, mirror=False))
+    rows = [f"### {what}", "", f"cuBLAS: {t_cublas:.3f} ms, {flops / t_cublas / 1e9:.0f} TFLOP/s", "",
+            "| config | loads | ms | actual TFLOP/s | vs cuBLAS | matches |", "|---|---|---|---|---|---|"]
+    for config in configs:
+        loads = "tma" if config.tma and tma_descriptors(a, b, config) is not None else "ptr"
+        if config.tma and loads == "ptr":
+            continue  # the same pointer kernel as a non-TMA config
+        try:
+            out = launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config)
+            ok = _lower_matches(out, reference)
+            t = bench_ms(lambda config=config: launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config))
+            rows.append(f"| {config.name} | {loads} | {t:.3f} | {flops / 2 / t / 1e9:.0f} | "
+                        f"{t_cublas / t:.2f}× | {'yes' if ok else 'NO'} |")
+        except Exception as exc:  # a config that does not fit the GPU is a result too
+            rows.append(f"| {config.name} | {loads} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |")
+        print(rows[-1], flush=True)
+    del a, b, c, reference
+    torch.cuda.empty_cache()
+    return rows + [""]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {CASES}")
+    parser.add_argument("--extra", action="store_true", help="also time the exploratory configurations")
+    parser.add_argument("--out", default=None, help="write the markdown tables here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_tiles.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    configs = list(CANDIDATES) + ([c for c in EXPLORATORY if c not in CANDIDATES] if args.extra else [])
+    lines = [f"## Tile sweep, {datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}", ""]
+    for case in args.cases.split(","):
+        start = time.time()
+        print(f"== {case}", flush=True)
+        lines += sweep_case(case.strip(), configs)
+        print(f"== {case} done in {time.time() - start:.0f} s", flush=True)
+        if args.out:
+            with open(args.out, "w") as handle:
+                handle.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
