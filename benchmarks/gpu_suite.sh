@@ -45,8 +45,8 @@ for stage in $STAGES; do
       timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} \
         --out "$WORK/kernels.md" 2>&1 | quiet | tee "$log" | tail -40 ;;
     gputests)
-      timeout ${GPUTEST_TIMEOUT:-$T} python3 -u -m pytest ${GPUTEST_PATHS:-tests} -m gpu -q -p no:cacheprovider \
-        2>&1 | tee "$log" | tail -15 ;;
+      timeout ${GPUTEST_TIMEOUT:-$T} python3 -u -m pytest ${GPUTEST_PATHS:-tests} -m gpu -v -p no:cacheprovider \
+        2>&1 | tee "$log" | grep -v PASSED | tail -25 ;;
     step_*)
       timeout ${STEP_TIMEOUT:-200} python3 benchmarks/bench_step.py --model "$model" \
         --configs ${STEP_CONFIGS:-torch_muon torch_muon_compiled ours_eager_cublas ours_eager ours_compiled} \

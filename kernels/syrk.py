@@ -34,31 +34,29 @@ from dmuon_compile.kernels.syrk_triton import (
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Square output tiles (the mirror needs BLOCK_M == BLOCK_N). 128² tiles with 8 warps are the
-# Hopper sweet spot for half precision; 2 CTAs/SM and 64² tiles cover small or batched m.
-# 256² tiles were tried (2026-11-30, H200, Triton 3.6): with 16 warps ptxas needs >= 154
-# registers per thread for this kernel (limit 128) and with 8 warps the accumulator spills, so
-# none compiled usefully; the tile would need a split accumulator or warp specialisation.
+# The autotune list, chosen from benchmarks/sweep_tiles.py on H200 (2026-11-30, fp16, RESULTS.md
+# "Tile sweep"): every entry won at least one NS product class there.
+# - 128² tiles, 8 warps, 4 stages: the best general tile (4096² Gram-space products, stacks);
+#   4 warps × 2 CTAs/SM won the wide 4096×14336 SYRK (1.44-1.47× cuBLAS).
+# - 64² tiles, 2 CTAs/SM: stacks of 2048² Gram-space products (still ~0.95× cuBLAS there, so
+#   cuBLAS usually keeps those).
+# - 128×256 strips through TMA with the balanced two-strip schedule: the largest matrices
+#   (8192×28672 SYRK: ~600 TFLOP/s of useful work, 1.6× cuBLAS); before the balanced schedule
+#   a 4096² output in 128×256 strips needed three waves on 132 SMs, the last nearly empty.
+# - TMA vs pointer loads made little difference (±3%) except in that schedule, where only the
+#   TMA kernel implements it; both stay so each layout has its best.
+# 256² tiles do not compile usefully (ptxas needs >= 154 registers per thread at 16 warps; at 8
+# warps the accumulator spills); 128×128×128 TMA tiles with 2 stages ran at 0.8-0.96× cuBLAS.
 CANDIDATES: tuple[TileConfig, ...] = (
-    TileConfig(128, 64, 8, 3, 1),
     TileConfig(128, 64, 8, 4, 1),
-    TileConfig(128, 64, 8, 3, 2),
     TileConfig(128, 64, 4, 3, 2),
     TileConfig(128, 128, 8, 3, 1),
     TileConfig(64, 64, 4, 4, 2),
-    # 128×256 strips of 256² super-tiles: twice the FLOPs per operand byte of a 128² tile, the
-    # accumulator in 128 registers per thread at 8 warps (added 2026-11-30 after the run of
-    # benchmarks/RESULTS.md §1; not yet timed on a GPU — autotune keeps them only where they
-    # win and match cuBLAS).
-    TileConfig(128, 64, 8, 3, 1, block_n=256),
-    TileConfig(128, 64, 8, 4, 1, block_n=256),
-    # Operand tiles through TMA descriptors (SM90+, 16-byte aligned row- or column-major
-    # operands; skipped by the autotune where the layout does not fit). "flatten" pipelines the
-    # next tile's first loads under this tile's epilogue.
-    TileConfig(128, 64, 8, 3, 1, tma=True),
-    TileConfig(128, 64, 8, 3, 1, tma=True, flatten=True),
-    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, flatten=True),
-    TileConfig(64, 64, 4, 4, 2, tma=True),
+    TileConfig(128, 64, 8, 4, 1, tma=True),
+    TileConfig(128, 64, 4, 3, 2, tma=True, flatten=True),
+    TileConfig(64, 64, 4, 4, 2, tma=True, flatten=True),
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True),
+    TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
 

@@ -256,8 +256,47 @@ def _symmetric_product_kernel(
 
 
 @triton.jit
-def _symmetric_product_tma_kernel(
+def _tma_tile(
     a_desc, b_desc, c_ptr, out_ptr,
+    batch_index, first_m, first_n, m, k,
+    stride_cb, stride_cm, stride_cn,
+    stride_ob, stride_om, stride_on,
+    alpha, beta, gamma,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    A_ROWS_ARE_M: tl.constexpr,
+    B_ROWS_ARE_N: tl.constexpr,
+    HAS_C: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """One ROWS × COLS output tile at (first_m, first_n) of matrix ``batch_index``: TMA loads, dot, epilogue."""
+    acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    for ks in range(0, tl.cdiv(k, BLOCK_K)):
+        k0 = ks * BLOCK_K
+        if A_ROWS_ARE_M:
+            a_tile = a_desc.load([batch_index * m + first_m, k0])
+        else:
+            a_tile = tl.trans(a_desc.load([batch_index * k + k0, first_m]))
+        if B_ROWS_ARE_N:
+            b_tile = tl.trans(b_desc.load([batch_index * m + first_n, k0]))
+        else:
+            b_tile = b_desc.load([batch_index * k + k0, first_n])
+        if DOT_IN_FP32:
+            a_tile = a_tile.to(tl.float32)
+            b_tile = b_tile.to(tl.float32)
+        acc = tl.dot(a_tile, b_tile, acc, input_precision=INPUT_PRECISION)
+    _store_symmetric_tile(
+        acc, first_m + tl.arange(0, ROWS), first_n + tl.arange(0, COLS), batch_index.to(tl.int64), m,
+        c_ptr, stride_cb, stride_cm, stride_cn,
+        out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
+    )
+
+
+@triton.jit
+def _symmetric_product_tma_kernel(
+    a_desc, b_desc, b_narrow_desc, c_ptr, out_ptr,
     batch, m, k,
     stride_cb, stride_cm, stride_cn,
     stride_ob, stride_om, stride_on,
@@ -273,53 +312,77 @@ def _symmetric_product_tma_kernel(
     DOT_IN_FP32: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
-    # The same schedule and epilogue as _symmetric_product_kernel; the operand tiles come
-    # through Hopper's tensor-memory accelerator (TMA) instead of per-thread pointer loads.
-    # Each descriptor views its operand's stack as one 2-D matrix (see tma_descriptors):
-    # ``a_desc`` as (batch·m, k) (A_ROWS_ARE_M) or as aᵀ, (batch·k, m); ``b_desc`` as the
-    # rows of the output's columns, (batch·m, k) (B_ROWS_ARE_N: SYRK of a row-major ``a``, or
-    # a column-major ``b``) or as ``b``, (batch·k, m). Rows past a matrix's m read the next
-    # matrix (or TMA's zero fill after the last) and only feed outputs past m, never stored;
-    # K past k is zero-filled along a row, and the launcher never lets a K tile run down into
-    # the next matrix. FLATTEN lets the compiler pipeline the next tile's first loads under
-    # this tile's epilogue.
-    STRIPS: tl.constexpr = BLOCK_N // BLOCK_M
+    # The operand tiles come through Hopper's tensor-memory accelerator (TMA) instead of
+    # per-thread pointer loads. Each descriptor views its operand's stack as one 2-D matrix
+    # (see tma_descriptors): ``a_desc`` as (batch·m, k) (A_ROWS_ARE_M) or as aᵀ, (batch·k, m);
+    # ``b_desc`` as the rows of the output's columns, (batch·m, k) (B_ROWS_ARE_N: SYRK of a
+    # row-major ``a``, or a column-major ``b``) or as ``b``, (batch·k, m); ``b_narrow_desc`` is
+    # ``b_desc`` with BLOCK_M-wide tiles. Rows past a matrix's m read the next matrix (or TMA's
+    # zero fill after the last) and only feed outputs past m, never stored; K past k is
+    # zero-filled along a row, and the launcher never lets a K tile run into the next matrix.
+    #
+    # Schedule. Square tiles (BLOCK_N == BLOCK_M) walk the lower triangle as the pointer kernel
+    # does. Two-strip tiles (BLOCK_N == 2·BLOCK_M) use a balanced schedule: the upper strip of a
+    # diagonal super-tile only needs its left half, so it runs as a BLOCK_M² "narrow" tile, and
+    # narrow tiles go in pairs, one work item each. A matrix of T super-tile rows is then T²
+    # full items plus T/2 pairs, all of one cost: e.g. 4096² in 128×256 strips is 256 + 8 = 264
+    # items, exactly two waves on 132 SMs, where the plain strip walk has 272 (three waves, the
+    # last nearly empty). FLATTEN (square tiles only) lets the compiler pipeline the next tile's
+    # first loads under this tile's epilogue.
     pid = tl.program_id(0)
     tiles_per_side = tl.cdiv(m, BLOCK_N)
-    tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2 * STRIPS
-    total_tiles = batch * tiles_per_matrix
-    k_steps = tl.cdiv(k, BLOCK_K)
-    arange_m = tl.arange(0, BLOCK_M)
-    arange_n = tl.arange(0, BLOCK_N)
-    for tile in tl.range(pid, total_tiles, num_programs, flatten=FLATTEN):
-        batch_index = tile // tiles_per_matrix
-        t = tile - batch_index * tiles_per_matrix
-        row, col = _lower_tile_coords(t // STRIPS)
-        strip = t % STRIPS
-        first_m = row * BLOCK_N + strip * BLOCK_M
-        first_n = col * BLOCK_N
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ks in range(0, k_steps):
-            k0 = ks * BLOCK_K
-            if A_ROWS_ARE_M:
-                a_tile = a_desc.load([batch_index * m + first_m, k0])
+    if BLOCK_N == 2 * BLOCK_M:
+        full_items = batch * tiles_per_side * tiles_per_side
+        diagonals = batch * tiles_per_side
+        total_items = full_items + tl.cdiv(diagonals, 2)
+        for item in tl.range(pid, total_items, num_programs):
+            if item < full_items:
+                # Row r of super-tiles holds 2r + 1 full items (two strips per off-diagonal
+                # super-tile, the lower strip of the diagonal one): they start at r².
+                batch_index = item // (tiles_per_side * tiles_per_side)
+                t = item - batch_index * tiles_per_side * tiles_per_side
+                row = tl.sqrt(t.to(tl.float32)).to(tl.int32)
+                row = tl.where((row + 1) * (row + 1) <= t, row + 1, row)
+                row = tl.where(row * row > t, row - 1, row)
+                j = t - row * row
+                col = j // 2
+                strip = tl.where(col == row, 1, j % 2)
+                _tma_tile(
+                    a_desc, b_desc, c_ptr, out_ptr,
+                    batch_index, row * BLOCK_N + strip * BLOCK_M, col * BLOCK_N, m, k,
+                    stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
+                    alpha, beta, gamma,
+                    BLOCK_M, BLOCK_N, BLOCK_K, A_ROWS_ARE_M, B_ROWS_ARE_N, HAS_C, INPUT_PRECISION, DOT_IN_FP32,
+                )
             else:
-                a_tile = tl.trans(a_desc.load([batch_index * k + k0, first_m]))
-            if B_ROWS_ARE_N:
-                b_tile = tl.trans(b_desc.load([batch_index * m + first_n, k0]))
-            else:
-                b_tile = b_desc.load([batch_index * k + k0, first_n])
-            if DOT_IN_FP32:
-                a_tile = a_tile.to(tl.float32)
-                b_tile = b_tile.to(tl.float32)
-            acc = tl.dot(a_tile, b_tile, acc, input_precision=INPUT_PRECISION)
-
-        _store_symmetric_tile(
-            acc, first_m + arange_m, first_n + arange_n, batch_index.to(tl.int64), m,
-            c_ptr, stride_cb, stride_cm, stride_cn,
-            out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
-        )
+                for half in range(0, 2):
+                    d = 2 * (item - full_items) + half
+                    if d < diagonals:
+                        batch_index = d // tiles_per_side
+                        first = (d - batch_index * tiles_per_side) * BLOCK_N
+                        _tma_tile(
+                            a_desc, b_narrow_desc, c_ptr, out_ptr,
+                            batch_index, first, first, m, k,
+                            stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
+                            alpha, beta, gamma,
+                            BLOCK_M, BLOCK_M, BLOCK_K, A_ROWS_ARE_M, B_ROWS_ARE_N, HAS_C, INPUT_PRECISION,
+                            DOT_IN_FP32,
+                        )
+    else:
+        STRIPS: tl.constexpr = BLOCK_N // BLOCK_M
+        tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2 * STRIPS
+        for tile in tl.range(pid, batch * tiles_per_matrix, num_programs, flatten=FLATTEN):
+            batch_index = tile // tiles_per_matrix
+            t = tile - batch_index * tiles_per_matrix
+            row, col = _lower_tile_coords(t // STRIPS)
+            strip = t % STRIPS
+            _tma_tile(
+                a_desc, b_desc, c_ptr, out_ptr,
+                batch_index, row * BLOCK_N + strip * BLOCK_M, col * BLOCK_N, m, k,
+                stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
+                alpha, beta, gamma,
+                BLOCK_M, BLOCK_N, BLOCK_K, A_ROWS_ARE_M, B_ROWS_ARE_N, HAS_C, INPUT_PRECISION, DOT_IN_FP32,
+            )
 
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -400,9 +463,12 @@ def launch_symmetric_product(
     )
     descriptors = tma_descriptors(a, b, config) if config.tma else None
     if descriptors is not None:
-        a_desc, b_desc, a_rows_are_m, b_rows_are_n = descriptors
+        a_desc, b_desc, b_narrow_desc, a_rows_are_m, b_rows_are_n = descriptors
+        if config.cols == 2 * config.block:  # the balanced two-strip schedule (see the kernel)
+            total_items = batch * tiles_per_side**2 + triton.cdiv(batch * tiles_per_side, 2)
+            num_programs = max(1, min(total_items, num_sms * config.ctas_per_sm))
         _symmetric_product_tma_kernel[(num_programs,)](
-            a_desc, b_desc, c_arg, out,
+            a_desc, b_desc, b_narrow_desc, c_arg, out,
             batch, m, k,
             scb, scm, scn,
             sob, som, son,
@@ -410,7 +476,7 @@ def launch_symmetric_product(
             num_programs,
             A_ROWS_ARE_M=a_rows_are_m,
             B_ROWS_ARE_N=b_rows_are_n,
-            FLATTEN=config.flatten,
+            FLATTEN=config.flatten and config.cols != 2 * config.block,
             **common,
         )
         return out
@@ -461,7 +527,10 @@ def _flat_rows(t: Tensor) -> tuple[int, int] | None:
 
 
 def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
-    """``(a_desc, b_desc, a_rows_are_m, b_rows_are_n)`` for the TMA kernel, or ``None`` if the layout does not fit.
+    """``(a_desc, b_desc, b_narrow_desc, a_rows_are_m, b_rows_are_n)`` for the TMA kernel, or ``None``.
+
+    ``None`` means the layout does not fit TMA. ``b_narrow_desc`` reads ``b`` in ``BLOCK_M``-wide
+    tiles (the narrow diagonal tiles of the two-strip schedule).
 
     Each operand is read through a 2-D descriptor over its whole stack, in whichever of its two
     orientations is row-major: ``a`` as ``(batch·m, k)`` (row-major ``a``) or as the rows of
@@ -500,10 +569,12 @@ def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
             b_desc = TensorDescriptor(a, list(a_desc.shape), list(a_desc.strides), [config.cols, config.block_k])
         else:
             b_desc = TensorDescriptor(a.mT, list(a_desc.shape), list(a_desc.strides), [config.block_k, config.cols])
-        return a_desc, b_desc, a_rows_are_m, a_rows_are_m
+        return a_desc, b_desc, a_desc, a_rows_are_m, a_rows_are_m  # narrow b tiles = a's tiles
     # b is (k, m): its row-major orientation has rows along K, its transpose rows along N.
     bt_side = describe(b.mT, config.cols, config.block_k, k_tiles_stay_inside)
     if bt_side is None:
         return None
     b_desc, b_rows_are_n = bt_side
-    return a_desc, b_desc, a_rows_are_m, b_rows_are_n
+    narrow_block = [config.block, config.block_k] if b_rows_are_n else [config.block_k, config.block]
+    b_narrow_desc = TensorDescriptor(b_desc.base, list(b_desc.shape), list(b_desc.strides), narrow_block)
+    return a_desc, b_desc, b_narrow_desc, a_rows_are_m, b_rows_are_n

@@ -47,7 +47,7 @@ def test_triton_syrk_every_config_real_sizes(dtype, shape):
 
 
 @pytest.mark.parametrize("layout", ["row_b", "col_b", "col_a"])
-@pytest.mark.parametrize("shape", [(4096, 4096), (4, 2048, 2048), (2, 1000, 1000)])
+@pytest.mark.parametrize("shape", [(4096, 4096), (3, 1000, 1000)])
 def test_triton_sym_mm_every_config_real_sizes(layout, shape):
     """Every candidate (pointer and TMA loads) on the operand layouts NS produces: symmetric
     row-major Gram-space matrices, and the column-major (transposed) views of tall matrices."""
