@@ -3,7 +3,8 @@
 # time limit so a slow stage cannot take the others' results with it; the headline ratios are
 # printed last. Every log, table, JSON and profiler trace goes into one archive,
 # $OUT/results.tgz (the device tool returns at most 8 files), plus $OUT/gpu_cache.tgz (autotune
-# verdicts and Triton binaries, to carry into the next call as .gpu_cache/).
+# verdicts and Triton binaries, to carry into the next call as .gpu_cache/) and $OUT/verdicts.tgz
+# (the autotune verdicts alone, small enough to always come back).
 #   STAGES="probe kernels gputests step_M" bash benchmarks/gpu_suite.sh           # 1 GPU
 #   STAGES="probe fsdp_S fsdp_M hsdp_S hsdp1x_S" bash benchmarks/gpu_suite.sh     # 2 GPUs
 # Stages:
@@ -71,7 +72,8 @@ for stage in $STAGES; do
   esac
   echo "== $stage: rc=$? in $(( $(date +%s) - start )) s"
 done
-tar czf "$OUT/gpu_cache.tgz" .gpu_cache 2>/dev/null
+tar czf "$OUT/verdicts.tgz" .gpu_cache/dmuon 2>/dev/null  # small: carry back as .gpu_cache/dmuon
+tar czf "$OUT/gpu_cache.tgz" .gpu_cache 2>/dev/null  # with Triton's binaries: often over the 16 MiB limit
 tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
 ls -la "$OUT"
 echo "== headline ratios"
