@@ -25,14 +25,13 @@ import torch
 from dmuon_compile.kernels.syrk import CANDIDATES, _lower_matches, symmetric_product_cublas
 from dmuon_compile.kernels.syrk_triton import TileConfig, launch_symmetric_product, tma_descriptors
 
-# Configurations tried besides the candidates (--extra): the plain strip walk, 64-row strips and
-# wider K for stacks, a deeper pipeline of narrower K.
+# Configurations tried besides the candidates (--extra): the plain strip walk, and descriptor
+# stores on square tiles.
 EXPLORATORY = (
-    TileConfig(128, 64, 8, 3, 1),
     TileConfig(128, 64, 8, 3, 1, block_n=256),  # strips through pointers: the plain strip walk
-    TileConfig(64, 64, 4, 4, 2, block_n=128, tma=True),
-    TileConfig(64, 128, 4, 3, 2, tma=True),
-    TileConfig(128, 32, 8, 5, 1, block_n=256, tma=True),
+    TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True),
+    TileConfig(128, 64, 4, 3, 2, tma=True, tma_store=True),
+    TileConfig(64, 64, 4, 4, 2, tma=True, tma_store=True),
 )
 
 

@@ -30,7 +30,7 @@ import torch
 
 from dmuon_compile.log import env_flag, progress
 
-CACHE_VERSION = 4  # 2: coalesced mirror store; 3: 128×256 strip candidates; 4: TMA candidates
+CACHE_VERSION = 5  # 2: coalesced mirror store; 3: 128×256 strips; 4: TMA; 5: TMA stores
 CUBLAS = "cublas"
 LOG_SWITCH = "DMUON_SYRK_AUTOTUNE_LOG"
 ENABLE_SWITCH = "DMUON_SYRK_AUTOTUNE"

@@ -57,6 +57,10 @@ CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(64, 64, 4, 4, 2, tma=True, flatten=True),
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True),
     TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True),
+    # The same with off-diagonal tiles stored through output descriptors (added after the sweep
+    # above; kept where the autotune finds them faster).
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
+    TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True, tma_store=True),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
 

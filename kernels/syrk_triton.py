@@ -67,12 +67,13 @@ class TileConfig:
     block_n: int = 0  # columns of the tile (BLOCK_N); 0 means square (= block)
     tma: bool = False  # operand tiles through TMA descriptors (SM90+, aligned row-major operands)
     flatten: bool = False  # TMA kernel only: one flattened tile×K loop, pipelined across tiles
+    tma_store: bool = False  # TMA kernel only: off-diagonal tiles stored through output descriptors
 
     def __post_init__(self) -> None:
         if self.block_n and self.block_n % self.block:
             raise ValueError(f"TileConfig: block_n={self.block_n} must be a multiple of block={self.block}")
-        if self.flatten and not self.tma:
-            raise ValueError("TileConfig: flatten=True is a schedule of the TMA kernel; set tma=True too")
+        if (self.flatten or self.tma_store) and not self.tma:
+            raise ValueError("TileConfig: flatten=True and tma_store=True belong to the TMA kernel; set tma=True too")
 
     @property
     def cols(self) -> int:
@@ -81,7 +82,7 @@ class TileConfig:
     @property
     def name(self) -> str:
         shape = f"b{self.block}" if self.cols == self.block else f"b{self.block}x{self.cols}"
-        loads = ("_tma_flat" if self.flatten else "_tma") if self.tma else ""
+        loads = ("_tma" + ("_flat" if self.flatten else "") + ("_st" if self.tma_store else "")) if self.tma else ""
         return f"{shape}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_p{self.ctas_per_sm}{loads}"
 
     def to_dict(self) -> dict:
@@ -91,7 +92,7 @@ class TileConfig:
     def from_dict(cls, data: dict) -> "TileConfig":
         fields = {k: int(data[k]) for k in ("block", "block_k", "num_warps", "num_stages", "ctas_per_sm")}
         return cls(**fields, block_n=int(data.get("block_n", 0)), tma=bool(data.get("tma", False)),
-                   flatten=bool(data.get("flatten", False)))
+                   flatten=bool(data.get("flatten", False)), tma_store=bool(data.get("tma_store", False)))
 
 
 @triton.jit
@@ -150,17 +151,9 @@ def _store_symmetric_tile(
     HAS_C: tl.constexpr,
 ):
     """fp32 epilogue ``alpha·acc + beta·C + gamma·I`` of one tile, stored with its mirror."""
+    value = _epilogue_value(acc, offs_m, offs_n, batch64, m, c_ptr, stride_cb, stride_cm, stride_cn,
+                            alpha, beta, gamma, out_ptr.dtype.element_ty, HAS_C)
     in_bounds = (offs_m[:, None] < m) & (offs_n[None, :] < m)
-    acc = acc * alpha
-    if HAS_C:
-        c_tile = tl.load(
-            c_ptr + batch64 * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-            mask=in_bounds,
-            other=0.0,
-        )
-        acc += beta * c_tile.to(tl.float32)
-    acc += tl.where(offs_m[:, None] == offs_n[None, :], gamma, 0.0)
-    value = acc.to(out_ptr.dtype.element_ty)
 
     # Element rule, the same for every tile: (i, j) with i >= j is stored in place, and
     # i > j also at (j, i). Off the diagonal super-tiles every element qualifies; on them
@@ -174,6 +167,28 @@ def _store_symmetric_tile(
     mirror_mask = (offs_n[:, None] < m) & (offs_m[None, :] < m) & (offs_m[None, :] > offs_n[:, None])
     tl.store(out_base + offs_n[:, None] * stride_om + offs_m[None, :] * stride_on, tl.trans(value),
              mask=mirror_mask)
+
+
+@triton.jit
+def _epilogue_value(
+    acc, offs_m, offs_n, batch64, m,
+    c_ptr, stride_cb, stride_cm, stride_cn,
+    alpha, beta, gamma,
+    OUT_DTYPE: tl.constexpr,
+    HAS_C: tl.constexpr,
+):
+    """``alpha·acc + beta·C + gamma·I`` in fp32, rounded once to the output dtype."""
+    in_bounds = (offs_m[:, None] < m) & (offs_n[None, :] < m)
+    acc = acc * alpha
+    if HAS_C:
+        c_tile = tl.load(
+            c_ptr + batch64 * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            mask=in_bounds,
+            other=0.0,
+        )
+        acc += beta * c_tile.to(tl.float32)
+    acc += tl.where(offs_m[:, None] == offs_n[None, :], gamma, 0.0)
+    return acc.to(OUT_DTYPE)
 
 
 @triton.jit
@@ -257,7 +272,7 @@ def _symmetric_product_kernel(
 
 @triton.jit
 def _tma_tile(
-    a_desc, b_desc, c_ptr, out_ptr,
+    a_desc, b_desc, c_ptr, out_ptr, out_desc, out_t_desc,
     batch_index, first_m, first_n, m, k,
     stride_cb, stride_cm, stride_cn,
     stride_ob, stride_om, stride_on,
@@ -270,8 +285,14 @@ def _tma_tile(
     HAS_C: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    TMA_STORE: tl.constexpr,
 ):
-    """One ROWS × COLS output tile at (first_m, first_n) of matrix ``batch_index``: TMA loads, dot, epilogue."""
+    """One ROWS × COLS output tile at (first_m, first_n) of matrix ``batch_index``: TMA loads, dot, epilogue.
+
+    With TMA_STORE, a tile entirely below the diagonal (every element stored, in place and
+    mirrored) is written through the (batch, m, m) output descriptors: TMA clips rows and
+    columns past m, so no mask is needed. Tiles that touch the diagonal keep masked stores.
+    """
     acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
     for ks in range(0, tl.cdiv(k, BLOCK_K)):
         k0 = ks * BLOCK_K
@@ -287,16 +308,32 @@ def _tma_tile(
             a_tile = a_tile.to(tl.float32)
             b_tile = b_tile.to(tl.float32)
         acc = tl.dot(a_tile, b_tile, acc, input_precision=INPUT_PRECISION)
-    _store_symmetric_tile(
-        acc, first_m + tl.arange(0, ROWS), first_n + tl.arange(0, COLS), batch_index.to(tl.int64), m,
-        c_ptr, stride_cb, stride_cm, stride_cn,
-        out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
-    )
+    offs_m = first_m + tl.arange(0, ROWS)
+    offs_n = first_n + tl.arange(0, COLS)
+    if TMA_STORE:
+        if first_m >= first_n + COLS:
+            value = _epilogue_value(acc, offs_m, offs_n, batch_index.to(tl.int64), m,
+                                    c_ptr, stride_cb, stride_cm, stride_cn, alpha, beta, gamma,
+                                    out_ptr.dtype.element_ty, HAS_C)
+            out_desc.store([batch_index, first_m, first_n], tl.reshape(value, (1, ROWS, COLS)))
+            out_t_desc.store([batch_index, first_n, first_m], tl.reshape(tl.trans(value), (1, COLS, ROWS)))
+        else:
+            _store_symmetric_tile(
+                acc, offs_m, offs_n, batch_index.to(tl.int64), m,
+                c_ptr, stride_cb, stride_cm, stride_cn,
+                out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
+            )
+    else:
+        _store_symmetric_tile(
+            acc, offs_m, offs_n, batch_index.to(tl.int64), m,
+            c_ptr, stride_cb, stride_cm, stride_cn,
+            out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
+        )
 
 
 @triton.jit
 def _symmetric_product_tma_kernel(
-    a_desc, b_desc, b_narrow_desc, c_ptr, out_ptr,
+    a_desc, b_desc, b_narrow_desc, c_ptr, out_ptr, out_desc, out_t_desc,
     batch, m, k,
     stride_cb, stride_cm, stride_cn,
     stride_ob, stride_om, stride_on,
@@ -311,6 +348,7 @@ def _symmetric_product_tma_kernel(
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     FLATTEN: tl.constexpr,
+    TMA_STORE: tl.constexpr,
 ):
     # The operand tiles come through Hopper's tensor-memory accelerator (TMA) instead of
     # per-thread pointer loads. Each descriptor views its operand's stack as one 2-D matrix
@@ -348,11 +386,12 @@ def _symmetric_product_tma_kernel(
                 col = j // 2
                 strip = tl.where(col == row, 1, j % 2)
                 _tma_tile(
-                    a_desc, b_desc, c_ptr, out_ptr,
+                    a_desc, b_desc, c_ptr, out_ptr, out_desc, out_t_desc,
                     batch_index, row * BLOCK_N + strip * BLOCK_M, col * BLOCK_N, m, k,
                     stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
                     alpha, beta, gamma,
                     BLOCK_M, BLOCK_N, BLOCK_K, A_ROWS_ARE_M, B_ROWS_ARE_N, HAS_C, INPUT_PRECISION, DOT_IN_FP32,
+                    TMA_STORE,
                 )
             else:
                 for half in range(0, 2):
@@ -361,12 +400,12 @@ def _symmetric_product_tma_kernel(
                         batch_index = d // tiles_per_side
                         first = (d - batch_index * tiles_per_side) * BLOCK_N
                         _tma_tile(
-                            a_desc, b_narrow_desc, c_ptr, out_ptr,
+                            a_desc, b_narrow_desc, c_ptr, out_ptr, out_desc, out_t_desc,
                             batch_index, first, first, m, k,
                             stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
                             alpha, beta, gamma,
                             BLOCK_M, BLOCK_M, BLOCK_K, A_ROWS_ARE_M, B_ROWS_ARE_N, HAS_C, INPUT_PRECISION,
-                            DOT_IN_FP32,
+                            DOT_IN_FP32, False,  # narrow tiles sit on the diagonal: masked stores
                         )
     else:
         STRIPS: tl.constexpr = BLOCK_N // BLOCK_M
@@ -377,11 +416,12 @@ def _symmetric_product_tma_kernel(
             row, col = _lower_tile_coords(t // STRIPS)
             strip = t % STRIPS
             _tma_tile(
-                a_desc, b_desc, c_ptr, out_ptr,
+                a_desc, b_desc, c_ptr, out_ptr, out_desc, out_t_desc,
                 batch_index, row * BLOCK_N + strip * BLOCK_M, col * BLOCK_N, m, k,
                 stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
                 alpha, beta, gamma,
                 BLOCK_M, BLOCK_N, BLOCK_K, A_ROWS_ARE_M, B_ROWS_ARE_N, HAS_C, INPUT_PRECISION, DOT_IN_FP32,
+                TMA_STORE,
             )
 
 
@@ -467,8 +507,10 @@ def launch_symmetric_product(
         if config.cols == 2 * config.block:  # the balanced two-strip schedule (see the kernel)
             total_items = batch * tiles_per_side**2 + triton.cdiv(batch * tiles_per_side, 2)
             num_programs = max(1, min(total_items, num_sms * config.ctas_per_sm))
+        out_descs = output_descriptors(out, config) if config.tma_store else None
+        out_desc, out_t_desc = out_descs if out_descs is not None else (a_desc, a_desc)  # unused if None
         _symmetric_product_tma_kernel[(num_programs,)](
-            a_desc, b_desc, b_narrow_desc, c_arg, out,
+            a_desc, b_desc, b_narrow_desc, c_arg, out, out_desc, out_t_desc,
             batch, m, k,
             scb, scm, scn,
             sob, som, son,
@@ -477,6 +519,7 @@ def launch_symmetric_product(
             A_ROWS_ARE_M=a_rows_are_m,
             B_ROWS_ARE_N=b_rows_are_n,
             FLATTEN=config.flatten and config.cols != 2 * config.block,
+            TMA_STORE=out_descs is not None,
             **common,
         )
         return out
@@ -499,6 +542,22 @@ def launch_symmetric_product(
         **common,
     )
     return out
+
+
+def output_descriptors(out: Tensor, config: TileConfig):
+    """``(out_desc, out_t_desc)``: 3-D (batch, m, m) descriptors of a contiguous output with
+    ``BLOCK_M × BLOCK_N`` and ``BLOCK_N × BLOCK_M`` tiles, or ``None`` if its rows are not
+    16-byte aligned. 3-D so that TMA clips at each matrix's own edge, never writing into the next.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m = out.shape[-1]
+    if not tma_supported(out.device) or out.data_ptr() % 16 or (m * out.element_size()) % 16:
+        return None
+    batch = out.shape[0] if out.dim() == 3 else 1
+    shape, strides = [batch, m, m], [m * m, m, 1]
+    return (TensorDescriptor(out, shape, strides, [1, config.block, config.cols]),
+            TensorDescriptor(out, shape, strides, [1, config.cols, config.block]))
 
 
 def tma_supported(device: torch.device) -> bool:
