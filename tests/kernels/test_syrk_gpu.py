@@ -27,7 +27,7 @@ def _needs_triton():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(4096, 14336), (3, 1000, 3000), (2048, 2048), (1, 513, 777)])
+@pytest.mark.parametrize("shape", [(4096, 14336), (3, 1000, 3000), (1, 513, 777)])
 def test_triton_syrk_every_config_real_sizes(dtype, shape):
     _needs_triton()
     from dmuon_compile.kernels.syrk import CANDIDATES
