@@ -36,31 +36,25 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # The autotune list, chosen from benchmarks/sweep_tiles.py on H200 (2026-11-30, fp16, RESULTS.md
 # "Tile sweep"): every entry won at least one NS product class there.
-# - 128² tiles, 8 warps, 4 stages: the best general tile (4096² Gram-space products, stacks);
-#   4 warps × 2 CTAs/SM won the wide 4096×14336 SYRK (1.44-1.47× cuBLAS).
-# - 64² tiles, 2 CTAs/SM: stacks of 2048² Gram-space products (still ~0.95× cuBLAS there, so
-#   cuBLAS usually keeps those).
-# - 128×256 strips through TMA with the balanced two-strip schedule: the largest matrices
-#   (8192×28672 SYRK: ~600 TFLOP/s of useful work, 1.6× cuBLAS); before the balanced schedule
-#   a 4096² output in 128×256 strips needed three waves on 132 SMs, the last nearly empty.
-# - TMA vs pointer loads made little difference (±3%) except in that schedule, where only the
-#   TMA kernel implements it; both stay so each layout has its best.
+# - TMA loads with off-diagonal tiles stored through output descriptors ("_st"): the epilogue
+#   was the bottleneck of the Gram-space products (k = m): 4096² sym_mm 1.52× cuBLAS (masked
+#   pointer stores: 1.11-1.19×), 32×2048² 1.48× (0.95-1.0×), wide SYRK 1.72×.
+# - 128×256 strips through TMA with the balanced two-strip schedule (masked stores): the
+#   largest matrices (8192×28672 SYRK ~1.6-1.7× cuBLAS). With descriptor stores these tiles
+#   need 278 KB of shared memory (limit 227 KB) and do not launch.
+# - Pointer loads: for layouts TMA cannot address (unaligned rows, strided stacks).
 # 256² tiles do not compile usefully (ptxas needs >= 154 registers per thread at 16 warps; at 8
-# warps the accumulator spills); 128×128×128 TMA tiles with 2 stages ran at 0.8-0.96× cuBLAS.
+# warps the accumulator spills); 128×128×128 TMA tiles with 2 stages ran at 0.8-0.96× cuBLAS;
+# flattening the persistent loop changed nothing measurable.
 CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 4, 1),
     TileConfig(128, 64, 4, 3, 2),
-    TileConfig(128, 128, 8, 3, 1),
     TileConfig(64, 64, 4, 4, 2),
-    TileConfig(128, 64, 8, 4, 1, tma=True),
-    TileConfig(128, 64, 4, 3, 2, tma=True, flatten=True),
-    TileConfig(64, 64, 4, 4, 2, tma=True, flatten=True),
+    TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True),
+    TileConfig(128, 64, 4, 3, 2, tma=True, tma_store=True),
+    TileConfig(64, 64, 4, 4, 2, tma=True, tma_store=True),
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True),
     TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True),
-    # The same with off-diagonal tiles stored through output descriptors (added after the sweep
-    # above; kept where the autotune finds them faster).
-    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
-    TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True, tma_store=True),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
 
