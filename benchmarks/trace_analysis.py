@@ -119,7 +119,7 @@ def category(name: str, cat: str = "kernel") -> str:
     if is_comm_kernel(name):
         return "nccl"
     low = _strip(name).lower()
-    if "_symmetric_product_kernel" in low or "_mirror_lower_kernel" in low or "triton_" in low:
+    if "_symmetric_product" in low or "_mirror_lower_kernel" in low or "triton_" in low:
         return "triton"
     if any(k in low for k in ("flash", "fmha", "attention", "attn", "sdpa")):
         return "attention"

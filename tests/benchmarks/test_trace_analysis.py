@@ -133,7 +133,8 @@ def test_not_comm(name):
 def test_breakdown():
     t = trace(
         ev(GEMM, 0, 1000), ev("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm>(...)", 0, 500, stream=8),
-        ev("_symmetric_product_kernel", 1000, 300), ev("_mirror_lower_kernel", 1300, 100),
+        ev("_symmetric_product_kernel", 1000, 200), ev("_symmetric_product_tma_kernel", 1200, 100),
+        ev("_mirror_lower_kernel", 1300, 100),
         ev("triton_poi_fused_add_mul_0", 1400, 50), ev(AG, 0, 2000, stream=20),
         ev("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>(...)", 2000, 700),
         ev(ELT, 2700, 40), ev(ELT, 2740, 60),
