@@ -35,6 +35,13 @@ Epilogue (fp32): ``acc·alpha + beta·C + gamma·I``; each element ``(i, j)`` of
 element lies in exactly one strip, so every output element comes from exactly one fp32 value
 and the result is bitwise symmetric — the same rule as the reference in ``ops.py``.
 
+Two kernels share the schedule idea and the epilogue: ``_symmetric_product_kernel`` loads
+operand tiles through pointers (any strides), ``_symmetric_product_tma_kernel`` through TMA
+descriptors (SM90+, 16-byte aligned row- or column-major operands; ``TileConfig(tma=True)``).
+The TMA kernel also has the balanced two-strip schedule (see its comment) and, with
+``tma_store=True``, stores tiles strictly below the diagonal through output descriptors, which
+was the largest single gain measured on H200 (benchmarks/RESULTS.md §1, run 5).
+
 This module imports only triton and torch and registers nothing, so a test can load a second,
 interpreted copy of it under ``TRITON_INTERPRET=1``.
 """
