@@ -58,6 +58,12 @@ def scalar_device(fallback: torch.device | None = None) -> torch.device:
     return torch.device("cpu") if dist.is_initialized() or fallback is None else fallback
 
 
+# (default process group, {rank lists of every peer group: the groups created for them}):
+# dedicate_params on a second model over the same mesh reuses the communicators instead of
+# creating a new NCCL communicator per call. Reset when the default group changes.
+_PRIVATE_GROUPS: list = [None, {}]
+
+
 def private_group(mesh):
     """A process group of ``mesh``'s ranks that only the dedicated runtime uses.
 
@@ -82,9 +88,11 @@ def private_group(mesh):
     # new_group numbers ranks in ascending order; the runtime uses the mesh's local ranks.
     if not partition or any(list(g) != sorted(g) for g in groups):
         return mesh.get_group()
-    ours = None
-    for ranks in groups:  # every rank creates every group, in the same order
-        pg = dist.new_group(ranks=list(ranks))
-        if ranks == order:
-            ours = pg
-    return ours
+    default = dist.distributed_c10d._get_default_group()
+    if _PRIVATE_GROUPS[0] is not default:
+        _PRIVATE_GROUPS[:] = [default, {}]
+    key = tuple(groups)
+    created = _PRIVATE_GROUPS[1].get(key)
+    if created is None:  # every rank creates every group, in the same order (the key is shared)
+        created = _PRIVATE_GROUPS[1][key] = {ranks: dist.new_group(ranks=list(ranks)) for ranks in groups}
+    return created[order]

@@ -289,6 +289,9 @@ def _private_groups(rank, world):
     # keeps the mesh's own group, so the runtime's local ranks stay the mesh's.
     reversed_mesh = DeviceMesh("cpu", torch.arange(world).flip(0))
     out["reversed_keeps_mesh_group"] = C.private_group(reversed_mesh) is reversed_mesh.get_group()
+    # A second call over the same ranks (another model, another mesh object) reuses the group.
+    again = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    out["reused"] = C.private_group(again["shard"]) is shard and C.private_group(flat) is own
     return out
 
 
@@ -301,3 +304,4 @@ def test_private_groups_mirror_the_mesh_and_fall_back_for_unsorted_meshes():
         assert r["rep_ranks"] == [rank % 2, rank % 2 + 2]
         assert r["shard_sum"] == float(4 * replica + 1)
         assert r["reversed_keeps_mesh_group"]
+        assert r["reused"], "a second dedicate_params over the same ranks created new communicators"
