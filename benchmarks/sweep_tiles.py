@@ -25,13 +25,17 @@ import torch
 from dmuon_compile.kernels.syrk import CANDIDATES, _lower_matches, symmetric_product_cublas
 from dmuon_compile.kernels.syrk_triton import TileConfig, launch_symmetric_product, tma_descriptors
 
-# Configurations tried besides the candidates (--extra): the plain strip walk, and descriptor
-# stores on square tiles.
+# Configurations tried besides the candidates (--extra): the plain strip walk, descriptor
+# stores on square tiles and on strips.
 EXPLORATORY = (
     TileConfig(128, 64, 8, 3, 1, block_n=256),  # strips through pointers: the plain strip walk
     TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True),
     TileConfig(128, 64, 4, 3, 2, tma=True, tma_store=True),
     TileConfig(64, 64, 4, 4, 2, tma=True, tma_store=True),
+    # Strips with descriptor stores in two square halves (written after run 5, when the
+    # one-piece 128×256 store needed 278 KB of shared memory; not yet timed).
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
+    TileConfig(128, 64, 8, 2, 1, block_n=256, tma=True, tma_store=True),
 )
 
 

@@ -40,8 +40,10 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #   was the bottleneck of the Gram-space products (k = m): 4096² sym_mm 1.52× cuBLAS (masked
 #   pointer stores: 1.11-1.19×), 32×2048² 1.48× (0.95-1.0×), wide SYRK 1.72×.
 # - 128×256 strips through TMA with the balanced two-strip schedule (masked stores): the
-#   largest matrices (8192×28672 SYRK ~1.6-1.7× cuBLAS). With descriptor stores these tiles
-#   need 278 KB of shared memory (limit 227 KB) and do not launch.
+#   largest matrices (8192×28672 SYRK ~1.6-1.7× cuBLAS). With descriptor stores in one piece
+#   these tiles needed 278 KB of shared memory (limit 227 KB) and did not launch; the kernel now
+#   stores strips in two square halves, not yet timed (sweep_tiles.py --extra times it), so
+#   they are not candidates yet.
 # - Pointer loads: for layouts TMA cannot address (unaligned rows, strided stacks).
 # 256² tiles do not compile usefully (ptxas needs >= 154 registers per thread at 16 warps; at 8
 # warps the accumulator spills); 128×128×128 TMA tiles with 2 stages ran at 0.8-0.96× cuBLAS;

@@ -322,8 +322,18 @@ def _tma_tile(
             value = _epilogue_value(acc, offs_m, offs_n, batch_index.to(tl.int64), m,
                                     c_ptr, stride_cb, stride_cm, stride_cn, alpha, beta, gamma,
                                     out_ptr.dtype.element_ty, HAS_C)
-            out_desc.store([batch_index, first_m, first_n], tl.reshape(value, (1, ROWS, COLS)))
-            out_t_desc.store([batch_index, first_n, first_m], tl.reshape(tl.trans(value), (1, COLS, ROWS)))
+            if COLS == 2 * ROWS:
+                # Strips store as two square halves through ROWS×ROWS descriptors (out_desc
+                # serves both orientations): half the epilogue's staging buffer of a
+                # 128×256 tile, which in one piece does not fit beside the pipeline.
+                left, right = tl.split(tl.permute(tl.reshape(value, (ROWS, 2, ROWS)), (0, 2, 1)))
+                out_desc.store([batch_index, first_m, first_n], tl.reshape(left, (1, ROWS, ROWS)))
+                out_desc.store([batch_index, first_n, first_m], tl.reshape(tl.trans(left), (1, ROWS, ROWS)))
+                out_desc.store([batch_index, first_m, first_n + ROWS], tl.reshape(right, (1, ROWS, ROWS)))
+                out_desc.store([batch_index, first_n + ROWS, first_m], tl.reshape(tl.trans(right), (1, ROWS, ROWS)))
+            else:
+                out_desc.store([batch_index, first_m, first_n], tl.reshape(value, (1, ROWS, COLS)))
+                out_t_desc.store([batch_index, first_n, first_m], tl.reshape(tl.trans(value), (1, COLS, ROWS)))
         else:
             _store_symmetric_tile(
                 acc, offs_m, offs_n, batch_index.to(tl.int64), m,
@@ -553,8 +563,8 @@ def launch_symmetric_product(
 
 def output_descriptors(out: Tensor, config: TileConfig):
     """``(out_desc, out_t_desc)``: 3-D (batch, m, m) descriptors of a contiguous output with
-    ``BLOCK_M × BLOCK_N`` and ``BLOCK_N × BLOCK_M`` tiles, or ``None`` if its rows are not
-    16-byte aligned. 3-D so that TMA clips at each matrix's own edge, never writing into the next.
+    ``BLOCK_M × BLOCK_N`` and ``BLOCK_N × BLOCK_M`` tiles (``BLOCK_M²`` for two-strip tiles,
+    stored in halves), or ``None`` if its rows are not 16-byte aligned. 3-D so that TMA clips at each matrix's own edge, never writing into the next.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -563,6 +573,9 @@ def output_descriptors(out: Tensor, config: TileConfig):
         return None
     batch = out.shape[0] if out.dim() == 3 else 1
     shape, strides = [batch, m, m], [m * m, m, 1]
+    if config.cols == 2 * config.block:  # two-strip tiles store square halves (see _tma_tile)
+        square = TensorDescriptor(out, shape, strides, [1, config.block, config.block])
+        return square, square
     return (TensorDescriptor(out, shape, strides, [1, config.block, config.cols]),
             TensorDescriptor(out, shape, strides, [1, config.cols, config.block]))
 
