@@ -580,8 +580,21 @@ def output_descriptors(out: Tensor, config: TileConfig):
             TensorDescriptor(out, shape, strides, [1, config.cols, config.block]))
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_has_descriptors() -> bool:
+    """Host-side TMA descriptors (``triton.tools.tensor_descriptor``) exist in this Triton."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(tl, "make_tensor_descriptor")
+
+
 def tma_supported(device: torch.device) -> bool:
-    """Whether TMA descriptors can be used on ``device``: SM90+ GPUs, or CPU under the interpreter."""
+    """Whether TMA descriptors can be used on ``device``: SM90+ GPUs, or CPU under the interpreter
+    (and a Triton with host-side descriptors; older ones keep the pointer kernel)."""
+    if not _triton_has_descriptors():
+        return False
     if device.type != "cuda":
         return os.environ.get("TRITON_INTERPRET") == "1"
     return torch.cuda.get_device_capability(device)[0] >= 9

@@ -378,3 +378,20 @@ def test_tma_store_matches_reference(kernel, config, m, k, batch, dtype):
     b = _random(_batch_shape(batch) + (k, m), dtype, gen, transposed=True)
     out = kernel.run(x, b, c, -1.0, 1.0, 0.0, config=config)
     check_against_reference(out, sym_mm_reference(x, b, c, -1.0, 1.0, 0.0))
+
+
+def test_tma_candidates_only_where_descriptors_can_read_the_operands(monkeypatch):
+    """The autotune skips TMA candidates on devices / Triton builds without descriptors (they
+    would only time the pointer kernel again), and keeps them in the list otherwise."""
+    from dmuon_compile.kernels import syrk, syrk_triton
+
+    a = torch.randn(256, 512, dtype=torch.float16)
+    assert any(c.tma for c in syrk.candidates_for(256))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not syrk_triton.tma_supported(a.device)  # a CPU tensor outside the interpreter
+    assert not any(c.tma for c in syrk.candidates_for(256, a, None))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert syrk_triton.tma_supported(a.device) == syrk_triton._triton_has_descriptors()
+    monkeypatch.setattr(syrk_triton, "_triton_has_descriptors", lambda: False)
+    assert not syrk_triton.tma_supported(a.device)
+    assert syrk_triton.tma_descriptors(a, None, syrk.CANDIDATES[3]) is None
