@@ -394,4 +394,4 @@ def test_tma_candidates_only_where_descriptors_can_read_the_operands(monkeypatch
     assert syrk_triton.tma_supported(a.device) == syrk_triton._triton_has_descriptors()
     monkeypatch.setattr(syrk_triton, "_triton_has_descriptors", lambda: False)
     assert not syrk_triton.tma_supported(a.device)
-    assert syrk_triton.tma_descriptors(a, None, syrk.CANDIDATES[3]) is None
+    assert syrk_triton.tma_descriptors(a, None, next(c for c in syrk.CANDIDATES if c.tma)) is None
