@@ -59,6 +59,14 @@ CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
+# The untimed choice where TMA can read the operands: the most frequent winner of run 5's
+# autotune on H200 (benchmarks/RESULTS.md §1).
+DEFAULT_TMA_CONFIG = TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True)
+
+
+def default_config_for(a: Tensor, b: Tensor | None) -> TileConfig:
+    """The tile used without timing (``DMUON_SYRK_AUTOTUNE=0``, or inside a CUDA graph capture)."""
+    return DEFAULT_TMA_CONFIG if tma_descriptors(a, b, DEFAULT_TMA_CONFIG) is not None else DEFAULT_CONFIG
 
 
 def candidates_for(m: int, a: Tensor | None = None, b: Tensor | None = None) -> tuple[TileConfig, ...]:
@@ -170,9 +178,9 @@ def _choose_kernel_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
     if verdict is None:
         m, batch = a.shape[-2], (a.shape[0] if a.dim() == 3 else 1)
         if not autotune.autotune_enabled():
-            return autotune.heuristic_choice(m, batch, a.dtype, DEFAULT_CONFIG), True
+            return autotune.heuristic_choice(m, batch, a.dtype, default_config_for(a, b)), True
         if torch.cuda.is_current_stream_capturing():  # no timing inside a graph capture
-            return autotune.heuristic_choice(m, batch, a.dtype, DEFAULT_CONFIG), False
+            return autotune.heuristic_choice(m, batch, a.dtype, default_config_for(a, b)), False
         a_t, b_t, c_t = _tuning_inputs(a, b, c)
         verdict = autotune.tune(
             key,

@@ -136,6 +136,19 @@ def test_autotune_disabled_uses_heuristic(cache_dir, monkeypatch):
     assert gpu._current == "cublas"
 
 
+def test_autotune_disabled_prefers_the_tma_default_where_descriptors_fit(cache_dir, monkeypatch):
+    monkeypatch.setenv("DMUON_SYRK_AUTOTUNE", "0")
+    gpu = FakeGPU(monkeypatch, {})
+    readable = []
+    monkeypatch.setattr(syrk, "tma_descriptors", lambda a, b, config: readable[0] if readable else None)
+    syrk.syrk_cuda(torch.randn(1024, 64, dtype=torch.bfloat16), None, 1.0, 0.0, 0.0)
+    assert gpu.launches == [syrk.DEFAULT_CONFIG.name]  # descriptors cannot read it: pointers
+    autotune.clear_memory_caches()
+    readable.append(object())
+    syrk.syrk_cuda(torch.randn(1024, 64, dtype=torch.bfloat16), None, 1.0, 0.0, 0.0)
+    assert gpu.launches[-1] == syrk.DEFAULT_TMA_CONFIG.name and gpu.timed == []
+
+
 def test_verdict_round_trip_through_a_new_process_cache(cache_dir):
     cache = autotune.verdict_cache("NVIDIA H200")
     verdict = {"choice": "b128_k64_w8_s3_p1", "config": TileConfig(128, 64, 8, 3).to_dict(),
