@@ -33,7 +33,9 @@ counts; ``b2b_muon_tax`` and ``b2b_over_floor`` are the tax and floor ratio on t
 
 Per configuration: median iteration time (forward + backward + step) and step-only time,
 peak memory (CUDA), and the Muon tax = iteration / AdamW iteration − 1; plus the NS FLOP
-floor of §B and (iteration − AdamW iteration) / floor.
+floor of §B and (iteration − AdamW iteration) / floor. Owner-load balance: ``step_balance`` =
+max / mean over ranks of each rank's own median step time (measured; it includes any wait
+inside the step), next to the owner plan's ``planned_balance`` (NS cost max / mean).
 
 ``--profile DIR`` then runs, per configuration (``--profile-configs``, default all that ran),
 one warm iteration and ``--profile-iters`` back-to-back iterations (one device sync before and
@@ -433,6 +435,11 @@ def main(argv=None):
     floor = ns_floor_ms(dim_, ffn, layers, world)
     results = {}
     for c in configs:
+        # Owner-load balance: every rank's own median step time, gathered (before the MAX below).
+        local_step = torch.tensor([statistics.median(times[c]["step"]) * 1e3], device=device)
+        per_rank = [torch.zeros_like(local_step) for _ in range(world)]
+        dist.all_gather(per_rank, local_step)
+        per_rank_ms = [float(t.item()) for t in per_rank]
         # on the process group's device: NCCL has no CPU backend
         it = torch.tensor(times[c]["iter"], device=device) * 1e3
         st = torch.tensor(times[c]["step"], device=device) * 1e3
@@ -442,7 +449,13 @@ def main(argv=None):
             "iter_ms": statistics.median(it.cpu().tolist()),
             "step_ms": statistics.median(st.cpu().tolist()),
             "peak_mem_gib": max(times[c]["peak"]) / 2**30 if times[c]["peak"] else None,
+            "step_ms_per_rank": per_rank_ms,
+            "step_balance": max(per_rank_ms) / (sum(per_rank_ms) / len(per_rank_ms)),
         }
+        if c.startswith(("ours", "1d_ours")) and built[c] is not None:
+            plan = dmuon.summarize_comm_plan(built[c][0]).get("balance")
+            if plan:
+                results[c]["planned_balance"] = plan
         if c in back_to_back:
             results[c]["back_to_back_ms"] = back_to_back[c]
         results[c].update(replicate_info.get(c, {}))
@@ -498,6 +511,13 @@ def main(argv=None):
                 print("\n".join(trace_analysis().format_summary(prof)))
             if prof.get("trace_file"):
                 print(f"- trace: {prof['trace_file']}")
+        for c, r in results.items():
+            if c != "adamw":
+                planned = r.get("planned_balance", {}).get("ns_max_over_mean")
+                planned = f", planned NS max/mean {planned:.3f}" if planned is not None else ""
+                print(f"balance {c}: measured step time max/mean over ranks {r['step_balance']:.3f} "
+                      f"(target <= 1.05){planned}; per rank "
+                      + " ".join(f"{t:.1f}" for t in r["step_ms_per_rank"]) + " ms")
         for c, r in results.items():
             if "vs_1d" in r:
                 print(f"HSDP vs 1-D, {c}: back-to-back {r['back_to_back_ms']:.2f} / "

@@ -19,6 +19,11 @@
 #               replicate-stage counters (DMUON_RECORD_FORWARD_PROFILE=1) and ours compiled on
 #               the 1-D mesh in the same run (HSDP_WITH_1D), for the HSDP/1-D ratio
 #   hsdp1x_S/M  HSDP 1×ngpu (replicate size 1)
+#   hsdp2_S/M   HSDP 2×(ngpu/2) (>= 4 GPUs: 2×2, 2×4), with the 1-D run of ours in the same process
+#   scale_S/M   bench_fsdp.py (adamw, ours_compiled) on SCALING_GPUS (default "1 2 4 8", capped at
+#               the GPUs present), then plot_scaling.py: table + scaling_<model>.png
+#   parity      the training demo for 20 steps on 1 GPU and on all GPUs, compared step by step
+#               (benchmarks/loss_parity.py)
 set -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
 WORK=${WORK:-$(mktemp -d)}
@@ -68,6 +73,27 @@ for stage in $STAGES; do
       timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
         --replicate 1 --hsdp --configs adamw,ours_compiled --out "$WORK/${stage}_${ngpu}gpu.json" \
         2>&1 | quiet | tee "$log" | tail -25 ;;
+    hsdp2_*)
+      DMUON_RECORD_FORWARD_PROFILE=1 timeout $T torchrun --standalone --nproc_per_node "$ngpu" \
+        benchmarks/bench_fsdp.py --model "$model" --replicate 2 --configs ${HSDP_CONFIGS:-adamw,ours_eager,ours_compiled} \
+        --with-1d ${HSDP_WITH_1D:-ours_compiled} --out "$WORK/${stage}_${ngpu}gpu.json" \
+        --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -40 ;;
+    scale_*)
+      for n in ${SCALING_GPUS:-1 2 4 8}; do
+        [ "$n" -le "$ngpu" ] || continue
+        timeout $T torchrun --standalone --nproc_per_node "$n" benchmarks/bench_fsdp.py --model "$model" \
+          --configs ${SCALE_CONFIGS:-adamw,ours_compiled} --out "$WORK/scale_${model}_${n}gpu.json" 2>&1 \
+          | quiet | tee -a "$log" | grep -E "^\| |^balance|^mesh"
+      done
+      python3 benchmarks/plot_scaling.py "$WORK"/scale_${model}_*gpu.json --out "$WORK/scaling_$model.md" \
+        --png "$WORK/scaling_$model.png" 2>&1 | tee -a "$log" ;;
+    parity)
+      timeout $T python3 -m dmuon_compile.train --device cuda --steps 20 --log-every 1 --eval-every 20 \
+        --no-progress --out-dir "$WORK/parity_1gpu" > "$log" 2>&1
+      timeout $T torchrun --standalone --nproc_per_node "$ngpu" -m dmuon_compile.train --device cuda --steps 20 \
+        --log-every 1 --eval-every 20 --no-progress --out-dir "$WORK/parity_${ngpu}gpu" >> "$log" 2>&1
+      python3 benchmarks/loss_parity.py "$WORK/parity_1gpu/log.csv" "$WORK/parity_${ngpu}gpu/log.csv" \
+        --rtol ${PARITY_RTOL:-2e-2} 2>&1 | tee -a "$log" | tail -8 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: rc=$? in $(( $(date +%s) - start )) s"
@@ -77,4 +103,4 @@ tar czf "$OUT/gpu_cache.tgz" .gpu_cache 2>/dev/null  # with Triton's binaries: o
 tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
 ls -la "$OUT"
 echo "== headline ratios"
-grep -h -E "HEADLINE|target|Muon tax|exposed|hidden|^\| (adamw|naive_muon|ours_eager|ours_eager_sync|ours_compiled) " "$WORK"/*.log 2>/dev/null
+grep -h -E "HEADLINE|target|Muon tax|exposed|hidden|PARITY|^balance|^\| (adamw|naive_muon|ours_eager|ours_eager_sync|ours_compiled) " "$WORK"/*.log 2>/dev/null

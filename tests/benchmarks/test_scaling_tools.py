@@ -1,0 +1,113 @@
+"""benchmarks/loss_parity.py and benchmarks/plot_scaling.py on hand-written inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+_ROOT = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, _ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+parity = _load("loss_parity")
+scaling = _load("plot_scaling")
+
+
+def _log(path: Path, losses: dict[int, float | None]) -> Path:
+    lines = ["step,optimizer,train_loss,val_loss"]
+    for step, loss in losses.items():
+        lines.append(f"{step},dmuon,{'' if loss is None else loss},")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_parity_passes_within_tolerance_and_fails_beyond(tmp_path, capsys):
+    ref = _log(tmp_path / "ref.csv", {0: None, 1: 5.0, 2: 4.0, 3: 3.0})
+    near = _log(tmp_path / "near.csv", {0: None, 1: 5.0, 2: 4.02, 3: 3.0})
+    far = _log(tmp_path / "far.csv", {0: None, 1: 5.0, 2: 4.4, 3: 3.0})
+    assert parity.main([str(ref), str(near), "--rtol", "1e-2"]) == 0
+    assert "PARITY ok" in capsys.readouterr().out
+    assert parity.main([str(ref), str(far), "--rtol", "1e-2"]) == 1
+    out = capsys.readouterr().out
+    assert "PARITY FAILED" in out and "1.00e-01" in out
+
+
+def test_parity_fails_when_steps_differ_or_loss_is_nan(tmp_path, capsys):
+    ref = _log(tmp_path / "ref.csv", {1: 5.0, 2: 4.0, 3: 3.0})
+    short = _log(tmp_path / "short.csv", {1: 5.0, 2: 4.0})
+    nan = _log(tmp_path / "nan.csv", {1: 5.0, 2: float("nan"), 3: 3.0})
+    assert parity.main([str(ref), str(short)]) == 1
+    assert "steps in one log only: [3]" in capsys.readouterr().out
+    assert parity.main([str(ref), str(nan)]) == 1
+
+
+def test_parity_rejects_a_file_that_is_not_a_demo_log(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    ref = _log(tmp_path / "ref.csv", {1: 5.0})
+    assert parity.main([str(ref), str(bad)]) == 2
+    assert "not a training-demo log.csv" in capsys.readouterr().err
+
+
+@given(st.lists(st.floats(0.1, 10.0), min_size=1, max_size=20), st.floats(-0.05, 0.05))
+def test_parity_relative_difference_property(losses, scale):
+    reference = dict(enumerate(losses))
+    other = {s: v * (1 + scale) for s, v in reference.items()}
+    rows, unmatched = parity.compare(reference, other)
+    assert unmatched == [] and len(rows) == len(losses)
+    assert max(r[3] for r in rows) == pytest.approx(abs(scale), rel=1e-6, abs=1e-12)
+
+
+def _report(world: int, replicate: int | None = None, model: str = "M") -> dict:
+    mesh = {"replicate": replicate, "shard": world // replicate} if replicate else {"shard": world}
+    return {
+        "model": model, "world_size": world, "mesh": mesh, "tokens_per_rank": 8192,
+        "results": {
+            "adamw": {"iter_ms": 100.0, "back_to_back_ms": 98.0, "b2b_muon_tax": 0.0,
+                      "step_balance": 1.01, "peak_mem_gib": 10.0},
+            "ours_compiled": {"iter_ms": 120.0 / world, "back_to_back_ms": 118.0 / world,
+                              "b2b_muon_tax": 0.2, "step_balance": 1.04,
+                              "planned_balance": {"ns_max_over_mean": 1.02}, "peak_mem_gib": 12.5},
+        },
+    }
+
+
+def test_scaling_table_and_series(tmp_path, capsys):
+    paths = []
+    for world, rep in ((8, 2), (1, None), (4, None)):
+        path = tmp_path / f"r{world}.json"
+        path.write_text(json.dumps(_report(world, rep)))
+        paths.append(str(path))
+    out = tmp_path / "t.md"
+    assert scaling.main(paths + ["--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    body = [line for line in lines[2:]]
+    assert [line.split(" | ")[0] for line in body] == ["| 1", "| 1", "| 4", "| 4", "| 8", "| 8"]
+    assert "| 8 | HSDP 2×4 | ours_compiled | 15.00 | 14.75 | +20.0% | 1.040 | 1.020 | 12.50 |" in lines
+    lines_by_kind = scaling.series(scaling.load([Path(p) for p in paths]))
+    assert lines_by_kind["ours_compiled (1-D)"] == [(1, 118.0), (4, 29.5)]
+    assert lines_by_kind["ours_compiled (HSDP)"] == [(8, 14.75)]
+    assert not math.isnan(sum(ms for _, ms in lines_by_kind["adamw (1-D)"]))
+
+
+def test_scaling_refuses_mixed_models_and_foreign_files(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_report(2, model="S")))
+    b.write_text(json.dumps(_report(4, model="M")))
+    assert scaling.main([str(a), str(b)]) == 2
+    assert "several models" in capsys.readouterr().err
+    b.write_text(json.dumps({"hello": 1}))
+    assert scaling.main([str(b)]) == 2
+    assert "not a bench_fsdp.py report" in capsys.readouterr().err
