@@ -5,6 +5,7 @@ Run on one GPU::
     python benchmarks/bench_kernels.py --out kernels_results.md  # then fold into benchmarks/RESULTS.md           # full
     python benchmarks/bench_kernels.py --quick --out /tmp/quick.md                    # short
     python benchmarks/bench_kernels.py --sections N --stress-inputs 1000              # NaN/Inf stress
+    python benchmarks/bench_kernels.py --sections A --profile-ns                      # + top kernels
 
 Every number is a median of ``triton.testing.do_bench`` after warm-up; every claim is a ratio
 of two things measured in this run. §A compares (1) the baseline — torch.optim.Muon's NS
@@ -90,7 +91,32 @@ def shape_name(shape) -> str:
     return f"{shape[0]}×({shape[1]}×{shape[2]})" if len(shape) == 3 else f"{shape[0]}×{shape[1]}"
 
 
-def run_ns_section(shapes, nan_inputs: int) -> tuple[list[str], dict]:
+def kernel_breakdown(events, calls: int, top: int = 8) -> list[str]:
+    """Lines "ms per call, launches per call, kernel" for the ``top`` kernels of profiler
+    ``key_averages()`` events (only events with device time: the GPU kernels)."""
+    kernels = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / calls
+    lines = [f"  GPU time per call {total_ms:.3f} ms in {sum(e.count for e in kernels) / calls:.0f} launches; top kernels:"]
+    for e in kernels[:top]:
+        lines.append(f"  {e.self_device_time_total / 1e3 / calls:8.3f} ms  {e.count / calls:4.0f}×  {e.key[:100]}")
+    return lines
+
+
+def profile_ns(fn, calls: int = 3) -> list[str]:
+    """Where one NS call's GPU time goes (``--profile-ns``): ``calls`` calls under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return kernel_breakdown(prof.key_averages(), calls)
+
+
+def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list[str], dict]:
     rows = ["| shape | baseline ms | ours-cuBLAS ms | ours-Triton ms | speedup (1)/(3) | speedup (1)/(2) "
             "| TFLOP/s base | TFLOP/s (3) | rel.err base | rel.err (3) | NaN/Inf base | NaN/Inf (3) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -128,6 +154,9 @@ def run_ns_section(shapes, nan_inputs: int) -> tuple[list[str], dict]:
             f"{err_base:.2e} | {err_ours:.2e} | {bad_base}/{nan_inputs} | {bad_ours}/{nan_inputs} |"
         )
         print(rows[-1] + f"  (first call incl. autotune {tune_s:.1f} s)", flush=True)
+        if profile:
+            print(f"where ours-Triton's time goes, {name}:", flush=True)
+            print("\n".join(profile_ns(lambda: ours_triton(g))), flush=True)
         del g
         torch.cuda.empty_cache()
     return rows, speedups
@@ -235,6 +264,8 @@ def main(argv=None) -> int:
                         help="which sections to run: C (SYRK), A (NS per matrix), N (NaN/Inf stress); e.g. CAN")
     parser.add_argument("--stress-inputs", type=int, default=1000, help="inputs per shape class in section N")
     parser.add_argument("--nan-inputs", type=int, default=None, help="random inputs per shape for the NaN count")
+    parser.add_argument("--profile-ns", action="store_true",
+                        help="section A: also print each shape's top GPU kernels (torch.profiler, 3 calls)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -274,7 +305,7 @@ def main(argv=None) -> int:
         write_markdown()
     if "A" in args.sections:
         nan_inputs = args.nan_inputs if args.nan_inputs is not None else (3 if args.quick else 20)
-        rows, sp = run_ns_section(QUICK_NS_SHAPES if args.quick else NS_SHAPES, nan_inputs)
+        rows, sp = run_ns_section(QUICK_NS_SHAPES if args.quick else NS_SHAPES, nan_inputs, args.profile_ns)
         lines += ["## A. Newton–Schulz per matrix", "",
                   "(1) baseline: torch.optim.Muon NS (direct, Keller Jordan, bf16, cuBLAS); "
                   "(2) `NewtonSchulz(kernel=\"cublas\")`; (3) `NewtonSchulz(kernel=\"triton\")`, eager. "

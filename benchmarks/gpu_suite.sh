@@ -10,7 +10,8 @@
 # Stages:
 #   probe       nvidia-smi topology + NCCL bandwidth (benchmarks/nccl_probe.py, >= 2 GPUs)
 #   sweep       sweep_tiles.py --extra: every tile configuration vs cuBLAS on the NS products
-#   kernels     bench_kernels.py sections C, A and N (SYRK, NS per matrix, NaN/Inf stress)
+#   kernels     bench_kernels.py sections C, A and N (SYRK, NS per matrix, NaN/Inf stress);
+#               KERNEL_ARGS=--profile-ns adds each NS shape's top GPU kernels
 #   gputests    pytest -m gpu (GPUTEST_PATHS, default tests/: kernels, dedicated runtime, HSDP)
 #   step_S/M    bench_step.py (§B1) with a profile of each configuration
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
@@ -48,7 +49,7 @@ for stage in $STAGES; do
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_tiles.py --extra ${SWEEP_CASES:+--cases $SWEEP_CASES} \
         --out "$WORK/sweep.md" 2>&1 | tee "$log" ;;
     kernels)
-      timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} \
+      timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} ${KERNEL_ARGS:-} \
         --out "$WORK/kernels.md" 2>&1 | quiet | tee "$log" | tail -40 ;;
     gputests)
       timeout ${GPUTEST_TIMEOUT:-$T} python3 -u -m pytest ${GPUTEST_PATHS:-tests} -m gpu -v -p no:cacheprovider \

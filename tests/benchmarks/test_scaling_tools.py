@@ -111,3 +111,20 @@ def test_scaling_refuses_mixed_models_and_foreign_files(tmp_path, capsys):
     b.write_text(json.dumps({"hello": 1}))
     assert scaling.main([str(b)]) == 2
     assert "not a bench_fsdp.py report" in capsys.readouterr().err
+
+
+def test_kernel_breakdown_lists_gpu_kernels_per_call():
+    """bench_kernels.py --profile-ns: per-call ms and launches of the top kernels, CPU ops left out."""
+    import types
+
+    kernels = _load("bench_kernels")
+
+    def event(key, device_us, count):
+        return types.SimpleNamespace(key=key, self_device_time_total=device_us, count=count)
+
+    lines = kernels.kernel_breakdown(
+        [event("aten::mm", 0, 30), event("_symmetric_product_tma_kernel", 9000, 42),
+         event("nvjet_sm90_gemm", 3000, 6)], calls=3)
+    assert lines[0].startswith("  GPU time per call 4.000 ms in 16 launches")
+    assert "3.000 ms" in lines[1] and "14×" in lines[1] and "_symmetric_product_tma_kernel" in lines[1]
+    assert "nvjet_sm90_gemm" in lines[2] and len(lines) == 3
