@@ -634,7 +634,7 @@ def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if not tma_supported(a.device):
+    if not tma_supported(a.device) or a.numel() == 0:  # a descriptor needs every dimension > 0
         return None
     m, k = a.shape[-2], a.shape[-1]
     batch = a.shape[0] if a.dim() == 3 else 1

@@ -286,12 +286,17 @@ def test_tma_tiles_match_reference(kernel, config, m, k, batch, dtype, row_b_tma
 
 
 def test_tma_kernel_skips_unaligned_and_strided_operands(kernel):
-    """Layouts TMA cannot address (odd row pitch, a sliced stack) fall back to pointer loads."""
+    """Layouts TMA cannot address (odd row pitch, k = 0, a sliced stack) fall back to pointer loads."""
     gen = torch.Generator().manual_seed(11)
     odd_k = _random((9, 7), torch.float16, gen)  # 14-byte rows
     out = kernel.run(odd_k, None, None, 1.0, 0.0, 0.0, config=TMA_TILES)
     assert kernel.last_loads == "ptr"
     check_against_reference(out, syrk_reference(odd_k, None, 1.0, 0.0, 0.0))
+    empty_k = torch.zeros(2, 6, 0, dtype=torch.float16)  # k = 0: only the epilogue remains
+    c = _random((2, 6, 6), torch.float16, gen)
+    out = kernel.run(empty_k, None, c, 1.0, 2.0, 3.0, config=TMA_TILES)
+    assert kernel.last_loads == "ptr"
+    check_against_reference(out, syrk_reference(empty_k, c, 1.0, 2.0, 3.0))
     sliced = _random((3, 12, 32), torch.float16, gen)[:, :10]  # batch stride 12 rows, m = 10
     out = kernel.run(sliced, None, None, 1.0, 0.0, 0.0, config=TMA_TILES)
     assert kernel.last_loads == "ptr"
