@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 
@@ -91,29 +92,14 @@ def shape_name(shape) -> str:
     return f"{shape[0]}×({shape[1]}×{shape[2]})" if len(shape) == 3 else f"{shape[0]}×{shape[1]}"
 
 
-def kernel_breakdown(events, calls: int, top: int = 8) -> list[str]:
-    """Lines "ms per call, launches per call, kernel" for the ``top`` kernels of profiler
-    ``key_averages()`` events (only events with device time: the GPU kernels)."""
-    kernels = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / calls
-    lines = [f"  GPU time per call {total_ms:.3f} ms in {sum(e.count for e in kernels) / calls:.0f} launches; top kernels:"]
-    for e in kernels[:top]:
-        lines.append(f"  {e.self_device_time_total / 1e3 / calls:8.3f} ms  {e.count / calls:4.0f}×  {e.key[:100]}")
-    return lines
+def trace_analysis():
+    """benchmarks/ is not a package: import the sibling module from this file's directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import trace_analysis as ta
 
-
-def profile_ns(fn, calls: int = 3) -> list[str]:
-    """Where one NS call's GPU time goes (``--profile-ns``): ``calls`` calls under torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return kernel_breakdown(prof.key_averages(), calls)
+    return ta
 
 
 def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list[str], dict]:
@@ -155,8 +141,9 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
         )
         print(rows[-1] + f"  (first call incl. autotune {tune_s:.1f} s)", flush=True)
         if profile:
-            print(f"where ours-Triton's time goes, {name}:", flush=True)
-            print("\n".join(profile_ns(lambda: ours_triton(g))), flush=True)
+            ta = trace_analysis()
+            found = ta.profile_calls(lambda: ours_triton(g), 3, g.device)
+            print(f"ours-Triton, {name}:\n" + "\n".join(ta.where_the_time_goes(found, top=8, unit="call")), flush=True)
         del g
         torch.cuda.empty_cache()
     return rows, speedups

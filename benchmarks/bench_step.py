@@ -37,9 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import gzip
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -142,50 +140,6 @@ def trace_analysis():
     return ta
 
 
-def profile_steps(opt, device, steps: int, save_as: str | None = None) -> dict:
-    """``steps`` steps under torch.profiler (CUDA activity on GPU): GPU ms per step by kernel
-    category and the top kernels; the chrome trace is kept, gzipped, at ``save_as`` if given."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ta = trace_analysis()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            opt.step()
-        sync(device)
-    fd, tmp = tempfile.mkstemp(prefix="dmuon_step_trace_", suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(tmp)
-        summary = ta.summarize(tmp, steps)
-        if save_as:
-            with open(tmp, "rb") as fin, gzip.open(save_as, "wb") as fout:
-                shutil.copyfileobj(fin, fout)
-    finally:
-        os.remove(tmp)
-    out = {
-        "steps": steps, "gpu_events": summary["gpu_events"], "gpu_ms_per_step": summary["gpu_ms_per_iter"],
-        "breakdown_ms_per_step": summary["breakdown_ms_per_iter"],
-        "top_kernels": [{"name": e["name"], "category": e["category"], "count_per_step": e["count"] / steps,
-                         "ms_per_step": e["ms_per_iter"]} for e in summary["top_kernels"]],
-    }
-    if save_as:
-        out["trace_file"] = save_as
-    return out
-
-
-def where_the_time_goes(profile: dict, top: int = 5) -> list[str]:
-    """A short per-configuration block for stdout."""
-    if not profile["gpu_events"]:
-        return [f"  where the time goes: no GPU events in {profile['steps']} profiled steps (CPU run)"]
-    cats = " | ".join(f"{c} {v:.3f}" for c, v in profile["breakdown_ms_per_step"].items() if v > 0)
-    lines = [f"  where the time goes (GPU ms/step, {profile['gpu_ms_per_step']:.3f} in all): {cats}"]
-    for e in profile["top_kernels"][:top]:
-        lines.append(f"    {e['ms_per_step']:8.3f} ms  {e['count_per_step']:.3g}×  [{e['category']}] {e['name'][:90]}")
-    return lines
-
-
 def run_config(config: str, model: str, device, warmup: int, repeats: int, profile_dir: str | None = None) -> dict:
     params = make_params(matrix_shapes(model), device)
     opt = build(config, params)
@@ -199,7 +153,7 @@ def run_config(config: str, model: str, device, warmup: int, repeats: int, profi
     if profile_dir is not None:
         save = (os.path.join(profile_dir, f"trace_step_{model}_{config}.json.gz")
                 if config in SAVED_TRACES else None)
-        row["profile"] = profile_steps(opt, device, PROFILE_STEPS, save)
+        row["profile"] = trace_analysis().profile_calls(opt.step, PROFILE_STEPS, device, save)
     if config.startswith("ours_compiled"):
         # A second optimizer after a Dynamo reset: Inductor's FX graph cache now holds the graph.
         torch._dynamo.reset()
@@ -310,7 +264,7 @@ def main(argv=None) -> int:
             print(f"{model:5s} {config:26s} median {row['median_ms']:9.2f} ms  first step "
                   f"{row['first_step_s']:6.1f} s", flush=True)
             if "profile" in row:
-                print("\n".join(where_the_time_goes(row["profile"])), flush=True)
+                print("\n".join(trace_analysis().where_the_time_goes(row["profile"])), flush=True)
 
     try:
         import triton

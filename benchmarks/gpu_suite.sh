@@ -65,20 +65,16 @@ for stage in $STAGES; do
     fsdp1_*)
       timeout $T torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py --model "$model" \
         --out "$WORK/${stage}_1gpu.json" 2>&1 | quiet | tee "$log" | tail -25 ;;
-    hsdp_*)
+    hsdp_*|hsdp2_*)  # replicate over all GPUs (ngpu×1), or over 2 (2×ngpu/2)
+      replicas=$ngpu; [ "${stage%%_*}" = hsdp2 ] && replicas=2
       DMUON_RECORD_FORWARD_PROFILE=1 timeout $T torchrun --standalone --nproc_per_node "$ngpu" \
-        benchmarks/bench_fsdp.py --model "$model" --replicate "$ngpu" --configs ${HSDP_CONFIGS:-adamw,ours_eager,ours_compiled} \
+        benchmarks/bench_fsdp.py --model "$model" --replicate "$replicas" --configs ${HSDP_CONFIGS:-adamw,ours_eager,ours_compiled} \
         --with-1d ${HSDP_WITH_1D:-ours_compiled} --out "$WORK/${stage}_${ngpu}gpu.json" \
         --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -40 ;;
     hsdp1x_*)
       timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
         --replicate 1 --hsdp --configs adamw,ours_compiled --out "$WORK/${stage}_${ngpu}gpu.json" \
         2>&1 | quiet | tee "$log" | tail -25 ;;
-    hsdp2_*)
-      DMUON_RECORD_FORWARD_PROFILE=1 timeout $T torchrun --standalone --nproc_per_node "$ngpu" \
-        benchmarks/bench_fsdp.py --model "$model" --replicate 2 --configs ${HSDP_CONFIGS:-adamw,ours_eager,ours_compiled} \
-        --with-1d ${HSDP_WITH_1D:-ours_compiled} --out "$WORK/${stage}_${ngpu}gpu.json" \
-        --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -40 ;;
     scale_*)
       for n in ${SCALING_GPUS:-1 2 4 8}; do
         [ "$n" -le "$ngpu" ] || continue

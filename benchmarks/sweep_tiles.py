@@ -9,8 +9,9 @@ autotune candidate list is chosen: a configuration earns its place only where it
     python benchmarks/sweep_tiles.py --cases syrk_wide --extra    # one case, exploratory configs too
 
 "actual TFLOP/s" counts the FLOPs the kernel does (the lower super-tiles only, about half of
-``2·m²·k``); "vs cuBLAS" is cuBLAS time / kernel time, both measured here, medians of
-``triton.testing.do_bench``.
+``2·m²·k``); "vs cuBLAS" is cuBLAS time / kernel time, both measured here with the autotuner's
+own timing (``autotune.time_ms``: medians of ``triton.testing.do_bench``), so a sweep predicts
+what the autotune will pick.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 
 import torch
 
+from dmuon_compile.kernels.autotune import time_ms
 from dmuon_compile.kernels.syrk import CANDIDATES, _lower_matches, symmetric_product_cublas
 from dmuon_compile.kernels.syrk_triton import TileConfig, launch_symmetric_product, tma_descriptors
 
@@ -66,12 +68,6 @@ def _inputs(case: str, gen: torch.Generator):
 CASES = ("syrk_wide", "syrk_tall", "syrk_huge", "gram_4096", "syrk_stack", "gram_stack")
 
 
-def bench_ms(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-
-
 def sweep_case(case: str, configs) -> list[str]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     a, b, c, beta, what = _inputs(case, gen)
@@ -79,7 +75,7 @@ def sweep_case(case: str, configs) -> list[str]:
     batch = a.shape[0] if a.dim() == 3 else 1
     flops = 2.0 * batch * m * m * k
     reference = symmetric_product_cublas(a, b, c, 1.0, beta, 0.0, mirror=False)
-    t_cublas = bench_ms(lambda: symmetric_product_cublas(a, b, c, 1.0, beta, 0.0, mirror=False))
+    t_cublas = time_ms(lambda: symmetric_product_cublas(a, b, c, 1.0, beta, 0.0, mirror=False))
     rows = [f"### {what}", "", f"cuBLAS: {t_cublas:.3f} ms, {flops / t_cublas / 1e9:.0f} TFLOP/s", "",
             "| config | loads | ms | actual TFLOP/s | vs cuBLAS | matches |", "|---|---|---|---|---|---|"]
     for config in configs:
@@ -89,7 +85,7 @@ def sweep_case(case: str, configs) -> list[str]:
         try:
             out = launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config)
             ok = _lower_matches(out, reference)
-            t = bench_ms(lambda config=config: launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config))
+            t = time_ms(lambda config=config: launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config))
             rows.append(f"| {config.name} | {loads} | {t:.3f} | {flops / 2 / t / 1e9:.0f} | "
                         f"{t_cublas / t:.2f}× | {'yes' if ok else 'NO'} |")
         except Exception as exc:  # a config that does not fit the GPU is a result too

@@ -3,8 +3,8 @@
 Input: the Chrome trace dict that ``torch.profiler.profile(...).export_chrome_trace(path)``
 writes (plain ``.json`` or ``.json.gz``). Only GPU activity is read: events with ``"cat"`` in
 ``kernel`` / ``gpu_memcpy`` / ``gpu_memset``, ``"ts"`` and ``"dur"`` in microseconds, and
-``"args"`` carrying ``"device"`` and ``"stream"``. Standard library only, so it runs wherever
-a trace file lands.
+``"args"`` carrying ``"device"`` and ``"stream"``. Standard library only (``profile_calls`` imports
+torch when called), so it runs wherever a trace file lands.
 
 Definitions (per device; with several devices in one trace the times add up, device by device):
 
@@ -20,6 +20,10 @@ duration includes waiting on the slowest rank; exposed time is an upper bound on
 wire itself costs.
 
     python benchmarks/trace_analysis.py trace.json.gz --iterations 3   # summary + JSON
+
+``profile_calls(fn, calls, device)`` profiles a callable and returns this module's summary of it
+per call; ``where_the_time_goes`` prints that (bench_step.py: per optimizer step; bench_kernels.py
+--profile-ns: per NS call).
 """
 
 from __future__ import annotations
@@ -358,6 +362,61 @@ def format_summary(summary: dict, top: int = 5) -> list[str]:
     lines.append(f"- where the time goes (GPU ms/iter, sum over streams {summary['gpu_ms_per_iter']:.3f}): {cats}")
     for e in summary["top_kernels"][:top]:
         lines.append(f"  - {e['ms_per_iter']:.3f} ms/iter  {e['count'] / n:.3g}×  [{e['category']}] {e['name'][:100]}")
+    return lines
+
+
+def profile_calls(fn, calls: int, device, save_as: str | None = None) -> dict:
+    """``calls`` calls of ``fn`` under torch.profiler (CUDA activity on GPU): GPU ms per call by
+    kernel category and the top kernels; the chrome trace is kept, gzipped, at ``save_as``.
+
+    The keys say "per_step" (the first user profiles optimizer steps): read "per call".
+    """
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    fd, tmp = tempfile.mkstemp(prefix="dmuon_trace_", suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        summary = summarize(tmp, calls)
+        if save_as:
+            with open(tmp, "rb") as fin, gzip.open(save_as, "wb") as fout:
+                shutil.copyfileobj(fin, fout)
+    finally:
+        os.remove(tmp)
+    out = {
+        "steps": calls, "gpu_events": summary["gpu_events"], "gpu_ms_per_step": summary["gpu_ms_per_iter"],
+        "breakdown_ms_per_step": summary["breakdown_ms_per_iter"],
+        "top_kernels": [{"name": e["name"], "category": e["category"], "count_per_step": e["count"] / calls,
+                         "ms_per_step": e["ms_per_iter"]} for e in summary["top_kernels"]],
+    }
+    if save_as:
+        out["trace_file"] = save_as
+    return out
+
+
+def where_the_time_goes(profile: dict, top: int = 5, unit: str = "step") -> list[str]:
+    """A short block for stdout from a :func:`profile_calls` result."""
+    if not profile["gpu_events"]:
+        return [f"  where the time goes: no GPU events in {profile['steps']} profiled {unit}s (CPU run)"]
+    cats = " | ".join(f"{c} {v:.3f}" for c, v in profile["breakdown_ms_per_step"].items() if v > 0)
+    lines = [f"  where the time goes (GPU ms/{unit}, {profile['gpu_ms_per_step']:.3f} in all): {cats}"]
+    for e in profile["top_kernels"][:top]:
+        lines.append(f"    {e['ms_per_step']:8.3f} ms  {e['count_per_step']:.3g}×  [{e['category']}] {e['name'][:90]}")
     return lines
 
 

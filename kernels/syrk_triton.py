@@ -597,7 +597,13 @@ def tma_supported(device: torch.device) -> bool:
         return False
     if device.type != "cuda":
         return os.environ.get("TRITON_INTERPRET") == "1"
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _capability_major(device.index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int | None) -> int:
+    # Asked on every launch (operand and output descriptors): read the device once.
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def _flat_rows(t: Tensor) -> tuple[int, int] | None:
@@ -636,7 +642,7 @@ def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
 
     if not tma_supported(a.device) or a.numel() == 0:  # a descriptor needs every dimension > 0
         return None
-    m, k = a.shape[-2], a.shape[-1]
+    k = a.shape[-1]
     batch = a.shape[0] if a.dim() == 3 else 1
     k_tiles_stay_inside = batch == 1 or k % config.block_k == 0
 

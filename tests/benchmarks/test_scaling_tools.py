@@ -113,18 +113,30 @@ def test_scaling_refuses_mixed_models_and_foreign_files(tmp_path, capsys):
     assert "not a bench_fsdp.py report" in capsys.readouterr().err
 
 
-def test_kernel_breakdown_lists_gpu_kernels_per_call():
-    """bench_kernels.py --profile-ns: per-call ms and launches of the top kernels, CPU ops left out."""
-    import types
-
-    kernels = _load("bench_kernels")
-
-    def event(key, device_us, count):
-        return types.SimpleNamespace(key=key, self_device_time_total=device_us, count=count)
-
-    lines = kernels.kernel_breakdown(
-        [event("aten::mm", 0, 30), event("_symmetric_product_tma_kernel", 9000, 42),
-         event("nvjet_sm90_gemm", 3000, 6)], calls=3)
-    assert lines[0].startswith("  GPU time per call 4.000 ms in 16 launches")
+def test_where_the_time_goes_lists_gpu_kernels_per_call():
+    """bench_kernels.py --profile-ns and bench_step.py --profile: per-call ms and launches of the
+    top kernels (trace_analysis.profile_calls result), and a clear line when there were no GPU events."""
+    ta = _load("trace_analysis")
+    profile = {
+        "steps": 3, "gpu_events": 48, "gpu_ms_per_step": 4.0,
+        "breakdown_ms_per_step": {"gemm": 1.0, "triton": 3.0, "nccl": 0.0},
+        "top_kernels": [
+            {"name": "_symmetric_product_tma_kernel", "category": "triton", "count_per_step": 14.0, "ms_per_step": 3.0},
+            {"name": "nvjet_sm90_gemm", "category": "gemm", "count_per_step": 2.0, "ms_per_step": 1.0},
+        ],
+    }
+    lines = ta.where_the_time_goes(profile, top=8, unit="call")
+    assert lines[0] == "  where the time goes (GPU ms/call, 4.000 in all): gemm 1.000 | triton 3.000"
     assert "3.000 ms" in lines[1] and "14×" in lines[1] and "_symmetric_product_tma_kernel" in lines[1]
     assert "nvjet_sm90_gemm" in lines[2] and len(lines) == 3
+
+
+def test_profile_calls_on_cpu_reports_no_gpu_events():
+    import torch
+
+    ta = _load("trace_analysis")
+    x = torch.randn(32, 32)
+    found = ta.profile_calls(lambda: x @ x, 2, x.device)
+    assert found["steps"] == 2 and found["gpu_events"] == 0
+    assert ta.where_the_time_goes(found, unit="call") == [
+        "  where the time goes: no GPU events in 2 profiled calls (CPU run)"]

@@ -251,6 +251,16 @@ def test_tile_config_names_and_round_trip():
         TileConfig(128, 64, 8, 3, 1, block_n=192)
 
 
+def run_and_check(kernel, a, b, c, alpha, beta, gamma, config, num_sms=3, loads=None) -> None:
+    """Run one case and check it against the reference (``syrk`` when ``b`` is None, else
+    ``sym_mm``); ``loads``, if given, is the load path the launch must have taken."""
+    out = kernel.run(a, b, c, alpha, beta, gamma, config=config, num_sms=num_sms)
+    if loads is not None:
+        assert kernel.last_loads == loads, f"expected {loads} loads, b transposed={b is not None and b.stride(-2) == 1}"
+    reference = syrk_reference(a, c, alpha, beta, gamma) if b is None else sym_mm_reference(a, b, c, alpha, beta, gamma)
+    check_against_reference(out, reference)
+
+
 # (m, k, batch, dtype, row-major b readable by TMA). Every k keeps rows 16-byte aligned, so a
 # and a column-major b always go through TMA; a row-major (k, m) b needs 16-byte rows of m and,
 # in a stack, K tiles that never cross into the next matrix (k % 16 == 0).
@@ -273,34 +283,24 @@ def test_tma_tiles_match_reference(kernel, config, m, k, batch, dtype, row_b_tma
     gen = torch.Generator().manual_seed(m * 1000 + k)
     x = _random(_batch_shape(batch) + (m, k), dtype, gen)
     c = _random(_batch_shape(batch) + (m, m), dtype, gen)
-    out = kernel.run(x, None, c, 0.75, -0.5, 1.25, config=config, num_sms=3)
-    assert kernel.last_loads == "tma"
-    check_against_reference(out, syrk_reference(x, c, 0.75, -0.5, 1.25))
+    run_and_check(kernel, x, None, c, 0.75, -0.5, 1.25, config, loads="tma")
 
     a = _random(_batch_shape(batch) + (m, k), dtype, gen)
     for transposed, expected in ((True, "tma"), (False, "tma" if row_b_tma else "ptr")):
         b = _random(_batch_shape(batch) + (k, m), dtype, gen, transposed=transposed)
-        out = kernel.run(a, b, c, 1.5, 0.5, -0.25, config=config, num_sms=2)
-        assert kernel.last_loads == expected, f"b transposed={transposed}"
-        check_against_reference(out, sym_mm_reference(a, b, c, 1.5, 0.5, -0.25))
+        run_and_check(kernel, a, b, c, 1.5, 0.5, -0.25, config, num_sms=2, loads=expected)
 
 
 def test_tma_kernel_skips_unaligned_and_strided_operands(kernel):
     """Layouts TMA cannot address (odd row pitch, k = 0, a sliced stack) fall back to pointer loads."""
     gen = torch.Generator().manual_seed(11)
     odd_k = _random((9, 7), torch.float16, gen)  # 14-byte rows
-    out = kernel.run(odd_k, None, None, 1.0, 0.0, 0.0, config=TMA_TILES)
-    assert kernel.last_loads == "ptr"
-    check_against_reference(out, syrk_reference(odd_k, None, 1.0, 0.0, 0.0))
+    run_and_check(kernel, odd_k, None, None, 1.0, 0.0, 0.0, TMA_TILES, loads="ptr")
     empty_k = torch.zeros(2, 6, 0, dtype=torch.float16)  # k = 0: only the epilogue remains
     c = _random((2, 6, 6), torch.float16, gen)
-    out = kernel.run(empty_k, None, c, 1.0, 2.0, 3.0, config=TMA_TILES)
-    assert kernel.last_loads == "ptr"
-    check_against_reference(out, syrk_reference(empty_k, c, 1.0, 2.0, 3.0))
+    run_and_check(kernel, empty_k, None, c, 1.0, 2.0, 3.0, TMA_TILES, loads="ptr")
     sliced = _random((3, 12, 32), torch.float16, gen)[:, :10]  # batch stride 12 rows, m = 10
-    out = kernel.run(sliced, None, None, 1.0, 0.0, 0.0, config=TMA_TILES)
-    assert kernel.last_loads == "ptr"
-    check_against_reference(out, syrk_reference(sliced, None, 1.0, 0.0, 0.0))
+    run_and_check(kernel, sliced, None, None, 1.0, 0.0, 0.0, TMA_TILES, loads="ptr")
 
 
 @settings(max_examples=5, deadline=None)
@@ -319,12 +319,9 @@ def test_tma_property(kernel, m, k8, batch, dtype, flatten, transposed_b, seed):
     config = TMA_FLAT_STRIP_TILES if flatten else TMA_TILES
     k = 8 * k8
     x = _random(_batch_shape(batch) + (m, k), dtype, gen)
-    out = kernel.run(x, None, None, 1.0, 0.0, 0.5, config=config)
-    assert kernel.last_loads == "tma"
-    check_against_reference(out, syrk_reference(x, None, 1.0, 0.0, 0.5))
+    run_and_check(kernel, x, None, None, 1.0, 0.0, 0.5, config, loads="tma")
     b = _random(_batch_shape(batch) + (k, m), dtype, gen, transposed=transposed_b)
-    out = kernel.run(x, b, None, -1.0, 0.0, 0.0, config=config)
-    check_against_reference(out, sym_mm_reference(x, b, None, -1.0, 0.0, 0.0))
+    run_and_check(kernel, x, b, None, -1.0, 0.0, 0.0, config)
 
 
 def test_tma_config_names_and_flatten_needs_tma():
@@ -351,13 +348,9 @@ def test_tma_reads_column_major_a(kernel, config, m, k, batch, expected):
     x = _random(_batch_shape(batch) + (m, k), torch.float16, gen, transposed=True)
     assert not x.is_contiguous()
     c = _random(_batch_shape(batch) + (m, m), torch.float16, gen)
-    out = kernel.run(x, None, c, 1.0, 1.0, 0.5, config=config)
-    assert kernel.last_loads == expected
-    check_against_reference(out, syrk_reference(x, c, 1.0, 1.0, 0.5))
+    run_and_check(kernel, x, None, c, 1.0, 1.0, 0.5, config, loads=expected)
     b = _random(_batch_shape(batch) + (k, m), torch.float16, gen, transposed=True)
-    out = kernel.run(x, b, None, 1.0, 0.0, 0.0, config=config)
-    assert kernel.last_loads == expected
-    check_against_reference(out, sym_mm_reference(x, b, None, 1.0, 0.0, 0.0))
+    run_and_check(kernel, x, b, None, 1.0, 0.0, 0.0, config, loads=expected)
 
 
 TMA_STORE_STRIP_TILES = dict(STRIP_TILES, tma=True, tma_store=True)
@@ -377,12 +370,9 @@ def test_tma_store_matches_reference(kernel, config, m, k, batch, dtype):
     gen = torch.Generator().manual_seed(m + 7 * k)
     x = _random(_batch_shape(batch) + (m, k), dtype, gen)
     c = _random(_batch_shape(batch) + (m, m), dtype, gen)
-    out = kernel.run(x, None, c, 0.5, 2.0, 1.0, config=config, num_sms=3)
-    assert kernel.last_loads == "tma"
-    check_against_reference(out, syrk_reference(x, c, 0.5, 2.0, 1.0))
+    run_and_check(kernel, x, None, c, 0.5, 2.0, 1.0, config, loads="tma")
     b = _random(_batch_shape(batch) + (k, m), dtype, gen, transposed=True)
-    out = kernel.run(x, b, c, -1.0, 1.0, 0.0, config=config)
-    check_against_reference(out, sym_mm_reference(x, b, c, -1.0, 1.0, 0.0))
+    run_and_check(kernel, x, b, c, -1.0, 1.0, 0.0, config)
 
 
 def test_tma_candidates_only_where_descriptors_can_read_the_operands(monkeypatch):
