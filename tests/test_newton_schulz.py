@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import dmuon_compile as dmuon
 from dmuon_compile import coefficients as C
-from dmuon_compile.newton_schulz import NewtonSchulz, singular_value_band
+from dmuon_compile.newton_schulz import NewtonSchulz, normalize, singular_value_band
 
 # Relative Frobenius error of a work-dtype run against the float64 run of the same iteration.
 # Measured worst cases on CPU over the shapes below: bf16 gram 0.065, fp16 gram 0.015,
@@ -199,3 +199,25 @@ def test_default_work_dtype_is_fp32_on_cpu_and_half_on_gpus():
     assert NewtonSchulz().work_dtype == torch.float16  # the accelerator default (gram)
     assert NewtonSchulz("direct").work_dtype == torch.bfloat16
     assert NewtonSchulz(work_dtype=torch.bfloat16)(g).dtype == torch.bfloat16
+
+
+@given(
+    batch=st.integers(0, 3),
+    m=st.integers(1, 24),
+    n=st.integers(1, 24),
+    in_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
+    work_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    transpose=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_normalize_single_pass_equals_upcast_expression(batch, m, n, in_dtype, work_dtype, transpose, seed):
+    """The eager one-pass normalisation (no fp32 copy of g) gives the same bits, dtype and
+    layout as the plain upcast-divide-cast expression the traced path uses."""
+    shape = (batch, m, n) if batch else (m, n)
+    g = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 3).to(in_dtype)
+    got = normalize(g, work_dtype, 1e-7, transpose=transpose)
+    gf = g.double() if work_dtype == torch.float64 else g.float()
+    norm = torch.linalg.vector_norm(gf, dim=(-2, -1), keepdim=True)
+    want = ((gf.mT if transpose else gf) / (norm + 1e-7)).to(work_dtype)
+    assert got.dtype == work_dtype and got.shape == want.shape and got.stride() == want.stride()
+    assert torch.equal(got, want)
