@@ -57,6 +57,21 @@ def _inputs(case: str, gen: torch.Generator):
     if case == "gram_4096":  # Z·RZ + a·RZ: symmetric row-major 4096² operands, with C
         r = randn(4096, 4096, scale=4096**-0.5)
         return r, randn(4096, 4096, scale=4096**-0.5), r, 0.5, "sym_mm 4096² (k=4096) + C"
+    if case == "gram_4096_tune":  # what the autotuner times for that key (syrk._tuning_inputs)
+        from dmuon_compile.kernels.syrk import _tuning_inputs
+
+        r = randn(4096, 4096)
+        a, b, c = _tuning_inputs(r, r, r)
+        return a, b, c, 0.5, "sym_mm 4096² + C, the autotuner's inputs (b = aᵀ)"
+    if case == "gram_4096_ns":  # RZ = R·Z + a·R with R, Z of a real Gram NS on 4096×14336
+        from dmuon_compile import coefficients
+
+        x = torch.randn(4096, 14336, generator=gen, device="cuda")
+        x = (x / x.norm()).to(half)
+        r = x @ x.mT
+        a0, b0, c0 = coefficients.resolve("polar_express")[0]
+        z = torch.addmm(r, r, r, beta=b0, alpha=c0)
+        return r, z, r, a0, "sym_mm 4096² + C, operands of a real Gram NS (R·Z + a·R)"
     if case == "syrk_stack":  # 32 × (2048×5632), the batched model-M class
         return randn(32, 2048, 5632, scale=5632**-0.25), None, None, 0.0, "syrk 32×2048×5632"
     if case == "gram_stack":
@@ -65,7 +80,8 @@ def _inputs(case: str, gen: torch.Generator):
     raise SystemExit(f"unknown case {case!r}")
 
 
-CASES = ("syrk_wide", "syrk_tall", "syrk_huge", "gram_4096", "syrk_stack", "gram_stack")
+CASES = ("syrk_wide", "syrk_tall", "syrk_huge", "gram_4096", "gram_4096_tune", "gram_4096_ns", "syrk_stack",
+         "gram_stack")
 
 
 def sweep_case(case: str, configs) -> list[str]:

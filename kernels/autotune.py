@@ -30,7 +30,7 @@ import torch
 
 from dmuon_compile.log import env_flag, progress
 
-CACHE_VERSION = 6  # 2: coalesced mirror store; 3: 128×256 strips; 4: TMA; 5-6: TMA stores
+CACHE_VERSION = 7  # 2: coalesced mirror store; 3: 128×256 strips; 4: TMA; 5-7: TMA stores
 CUBLAS = "cublas"
 LOG_SWITCH = "DMUON_SYRK_AUTOTUNE_LOG"
 ENABLE_SWITCH = "DMUON_SYRK_AUTOTUNE"

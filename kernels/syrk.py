@@ -42,8 +42,9 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # - 128×256 strips through TMA with the balanced two-strip schedule (masked stores): the
 #   largest matrices (8192×28672 SYRK ~1.6-1.7× cuBLAS). With descriptor stores in one piece
 #   these tiles needed 278 KB of shared memory (limit 227 KB) and did not launch; the kernel now
-#   stores strips in two square halves, not yet timed (sweep_tiles.py --extra times it), so
-#   they are not candidates yet.
+#   stores strips in two square halves: 3 stages launch, and were the fastest wide SYRK of the
+#   2026-11-30 (second) sweep (4096×14336: 0.378 ms, 1.65× cuBLAS; square "_st" tiles 0.389 ms),
+#   level with the square "_st" tiles on stacks, slower than masked strips on 8192×28672.
 # - Pointer loads: for layouts TMA cannot address (unaligned rows, strided stacks).
 # 256² tiles do not compile usefully (ptxas needs >= 154 registers per thread at 16 warps; at 8
 # warps the accumulator spills); 128×128×128 TMA tiles with 2 stages ran at 0.8-0.96× cuBLAS;
@@ -57,6 +58,7 @@ CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(64, 64, 4, 4, 2, tma=True, tma_store=True),
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True),
     TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True),
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
 # The untimed choice where TMA can read the operands: the most frequent winner of run 5's

@@ -221,3 +221,26 @@ def test_normalize_single_pass_equals_upcast_expression(batch, m, n, in_dtype, w
     want = ((gf.mT if transpose else gf) / (norm + 1e-7)).to(work_dtype)
     assert got.dtype == work_dtype and got.shape == want.shape and got.stride() == want.stride()
     assert torch.equal(got, want)
+
+
+@given(
+    batch=st.integers(0, 3),
+    m=st.integers(1, 20),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    gamma=st.floats(-10, 10, allow_nan=False),
+    seed=st.integers(0, 2**16),
+)
+def test_add_identity_rounds_once(batch, m, dtype, gamma, seed):
+    """Eager a + gamma·I: off-diagonal entries untouched, the diagonal computed in fp32 and
+    rounded once (gamma is not rounded to the work dtype first), the input left as it was."""
+    from dmuon_compile.newton_schulz import TorchPrimitives
+
+    shape = (batch, m, m) if batch else (m, m)
+    a = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    before = a.clone()
+    out = TorchPrimitives.add_identity(a, gamma)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    eye = torch.eye(m, dtype=wide)
+    want = (a.to(wide) + torch.tensor(gamma, dtype=wide) * eye).to(dtype)
+    assert torch.equal(out, want) and out.is_contiguous()
+    assert torch.equal(a, before)

@@ -7,7 +7,8 @@ pytest process that already imported Triton. The tests start this script once wi
 input file holds ``a, b, c, alpha, beta, gamma, config, num_sms, out`` (``out`` poisoned with
 NaN); the worker runs the kernel into ``out``, saves it and answers ``ok tma`` or ``ok ptr``
 (which loads the launch used: TMA descriptors or pointers) or ``error: ...``.
-A case with ``kind="mirror"`` runs ``mirror_lower_inplace(p, block)`` instead.
+A case with ``kind="mirror"`` runs ``mirror_lower_inplace(p, block)`` instead, and one with
+``kind="scale_cast"`` runs ``kernels/scale_cast.py``'s kernel on ``g, denom, dtype``.
 """
 
 import os
@@ -19,6 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 
+from dmuon_compile.kernels.scale_cast import scale_cast  # noqa: E402
 from dmuon_compile.kernels.syrk_triton import (  # noqa: E402
     TileConfig,
     launch_symmetric_product,
@@ -38,6 +40,10 @@ def main() -> None:
             case = torch.load(in_path)
             if case.get("kind") == "mirror":
                 torch.save(mirror_lower_inplace(case["p"], block=case["block"]), out_path)
+                print("ok", flush=True)
+                continue
+            if case.get("kind") == "scale_cast":
+                torch.save(scale_cast(case["g"], case["denom"], case["dtype"]), out_path)
                 print("ok", flush=True)
                 continue
             config = TileConfig(**case["config"])

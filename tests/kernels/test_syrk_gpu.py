@@ -122,3 +122,21 @@ def test_newton_schulz_triton_matches_cublas():
     cublas = NewtonSchulz(kernel="cublas")(g).float()
     assert torch.isfinite(ours).all()
     assert _rel_err(ours, cublas) < 3e-2
+
+
+@pytest.mark.parametrize("shape", [(4096, 14336), (5, 2048, 5632), (3, 37, 1001)])
+@pytest.mark.parametrize("in_dtype,out_dtype", [(torch.bfloat16, torch.float16), (torch.float32, torch.float16),
+                                                (torch.float16, torch.bfloat16)])
+def test_scale_cast_kernel_bitwise_equals_torch(shape, in_dtype, out_dtype):
+    """NS's one-pass normalisation: the Triton kernel gives torch's bits (fp32 division,
+    round-to-nearest-even store)."""
+    _needs_triton()
+    from dmuon_compile.kernels.scale_cast import scale_cast, scale_cast_reference
+    from dmuon_compile.newton_schulz import normalize
+
+    g = (torch.randn(shape, device="cuda") * 30.0).to(in_dtype)
+    denom = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float32) + 1e-7
+    out = scale_cast(g, denom, out_dtype)
+    assert torch.equal(out, scale_cast_reference(g, denom, out_dtype))
+    traced_expression = (g.float() / (torch.linalg.vector_norm(g.float(), dim=(-2, -1), keepdim=True) + 1e-7))
+    assert torch.equal(normalize(g, out_dtype, 1e-7, transpose=True), traced_expression.mT.to(out_dtype))
