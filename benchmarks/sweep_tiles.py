@@ -69,7 +69,7 @@ def _inputs(case: str, gen: torch.Generator):
         x = torch.randn(4096, 14336, generator=gen, device="cuda")
         x = (x / x.norm()).to(half)
         r = x @ x.mT
-        a0, b0, c0 = coefficients.resolve("polar_express")[0]
+        a0, b0, c0 = coefficients.polar_express()[0]
         z = torch.addmm(r, r, r, beta=b0, alpha=c0)
         return r, z, r, a0, "sym_mm 4096² + C, operands of a real Gram NS (R·Z + a·R)"
     if case == "syrk_stack":  # 32 × (2048×5632), the batched model-M class

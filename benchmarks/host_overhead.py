@@ -1,0 +1,84 @@
+"""Host (CPU) time per call of the symmetric-product op, and where it goes.
+
+Small products finish on the GPU faster than Python can issue them, so an eager op call's
+wall time is its host time. This script measures, per call and without synchronising, the
+time to *enqueue* each piece of ``torch.ops.dmuon.syrk`` on one GPU, and prints cProfile's
+top functions for the op on a cuBLAS-verdict shape and on a Triton-verdict shape:
+
+    python benchmarks/host_overhead.py
+
+Needs a CUDA GPU. The numbers explain the small-shape rows of bench_kernels.py §C.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+
+def enqueue_us(fn, calls: int = 300) -> float:
+    """Mean host microseconds per call (the GPU queue absorbs the work; synchronised at the end)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def top_functions(fn, calls: int = 200, top: int = 12) -> str:
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("host_overhead.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import dmuon_compile  # noqa: F401  (registers torch.ops.dmuon.*)
+    from dmuon_compile.kernels import syrk
+    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product, mirror_lower_inplace
+
+    cases = {
+        "1024×1024 (cuBLAS verdict)": torch.randn(1024, 1024, device="cuda").to(torch.bfloat16),
+        "16×1024×3584 (Triton verdict)": torch.randn(16, 1024, 3584, device="cuda").to(torch.bfloat16),
+    }
+    print("| case | piece | host µs per call |\n|---|---|---|")
+    for name, a in cases.items():
+        torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0)  # tune or load the verdict
+        verdict = syrk.choose_kernel("syrk", a, None, None, 0.0)
+        p = a @ a.mT
+        pieces = {
+            "torch.mm(a, aᵀ)": lambda: a @ a.mT,
+            "torch.ops.dmuon.syrk (whole op)": lambda: torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0),
+            "syrk_cuda (no dispatcher)": lambda: syrk.syrk_cuda(a, None, 1.0, 0.0, 0.0),
+            "choose_kernel (memoised verdict)": lambda: syrk.choose_kernel("syrk", a, None, None, 0.0),
+            "mirror_lower_inplace (Triton launch)": lambda: mirror_lower_inplace(p),
+        }
+        if verdict != "cublas":
+            pieces["launch_symmetric_product"] = lambda: launch_symmetric_product(a, None, None, 1.0, 0.0, 0.0, verdict)
+        for piece, fn in pieces.items():
+            print(f"| {name} | {piece} | {enqueue_us(fn):.1f} |", flush=True)
+    for name, a in cases.items():
+        print(f"\n### cProfile, torch.ops.dmuon.syrk on {name}\n")
+        print(top_functions(lambda a=a: torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
