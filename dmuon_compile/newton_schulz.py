@@ -37,6 +37,26 @@ TRITON_MIN_ROWS_BATCHED = 2048
 TRITON_MIN_BATCH = 8
 
 
+def _traced(t: Tensor) -> bool:
+    """Whether ``t`` is being traced (Dynamo, or make_fx/AOT's fake or functional tensors) rather
+    than computed: traced code keeps the plain expressions the compiler pass recognises."""
+    return torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter)
+
+
+def triton_worthwhile(m: int, batch: int = 1) -> bool:
+    """Whether an ``m×m`` symmetric product (a stack of ``batch``) runs the Triton kernels on a GPU.
+
+    Below these sizes the plain cuBLAS product is used, in eager NS (``primitives_for``) and in
+    the compiled step (the rewrite pass leaves such products as ``mm``): on H200 the Triton
+    kernels lost there, and the op's exact-symmetry mirror pass and host dispatch cost as much
+    as the product (benchmarks/RESULTS.md §1).
+
+    >>> triton_worthwhile(4096), triton_worthwhile(2048, batch=8), triton_worthwhile(2048)
+    (True, True, False)
+    """
+    return m >= TRITON_MIN_ROWS or (m >= TRITON_MIN_ROWS_BATCHED and batch >= TRITON_MIN_BATCH)
+
+
 # ----------------------------------------------------------------------------- primitives
 class TorchPrimitives:
     """Matrix products as plain aten ops (cuBLAS on GPU, the CPU BLAS elsewhere)."""
@@ -58,7 +78,7 @@ class TorchPrimitives:
     @staticmethod
     def add_identity(a: Tensor, gamma: float) -> Tensor:
         """a + gamma·I"""
-        if not torch.compiler.is_compiling():
+        if not _traced(a):
             # Eager: a copy plus a strided add on the diagonal, with gamma kept in fp32 until the
             # one rounding (as Inductor's fused kernel does). The eye expression below costs a
             # fill, a multiply (gamma rounded to the work dtype) and an add that broadcasts over
@@ -163,7 +183,7 @@ def normalize(g: Tensor, work_dtype: torch.dtype, eps: float = EPS, transpose: b
         g = g.to(compute)  # fp32/fp64 inputs: at most a cast of a full-precision tensor
     # Half inputs: the reduction upcasts in-kernel; no fp32 copy of g is written for the norm.
     denom = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=compute) + eps
-    if work_dtype != compute and not torch.compiler.is_compiling():
+    if work_dtype != compute and not _traced(g):
         # Eager: divide in fp32 and round once, on store, to the work dtype, in one pass over g
         # (the expression below would write a full-size fp32 temporary first).
         x = _eager_scale_cast(g, denom, work_dtype)
@@ -363,9 +383,7 @@ class NewtonSchulz:
         """
         if self.kernel != "triton":
             return TorchPrimitives
-        if m >= TRITON_MIN_ROWS or (m >= TRITON_MIN_ROWS_BATCHED and batch >= TRITON_MIN_BATCH):
-            return CustomOpPrimitives
-        return TorchPrimitives
+        return CustomOpPrimitives if triton_worthwhile(m, batch) else TorchPrimitives
 
     def describe(self) -> str:
         """One honest line naming the algorithm and the active kernel."""

@@ -347,6 +347,27 @@ SUBPASSES = {
 }
 
 
+def below_size_gate(node: Node) -> str | None:
+    """Why a CUDA product stays on cuBLAS (too small for the Triton kernels), or ``None``.
+
+    The same gate as eager NS (``newton_schulz.triton_worthwhile``), so a compiled step runs the
+    kernels eager NS runs. Only ``mm``-family nodes on CUDA are gated; elsewhere (the CPU
+    reference, tests) every product is rewritten.
+    """
+    if node.target not in MATMULS and node.target not in ADDMMS:
+        return None
+    v = val(node)
+    if v is None or getattr(v, "device", None) is None or v.device.type != "cuda" or v.dim() not in (2, 3):
+        return None
+    from dmuon_compile.newton_schulz import triton_worthwhile
+
+    batch = int(v.shape[0]) if v.dim() == 3 else 1
+    m = int(v.shape[-2])
+    if triton_worthwhile(m, batch):
+        return None
+    return f"{batch}×{m}×{int(v.shape[-1])} output is below the Triton size gate: cuBLAS, as in eager NS"
+
+
 def rewrite_ns_chain(graph: Graph, enabled=tuple(SUBPASSES), prove: bool = True) -> RewriteStats:
     """Run the enabled sub-passes over ``graph`` in one forward walk; returns what they did.
 
@@ -361,6 +382,11 @@ def rewrite_ns_chain(graph: Graph, enabled=tuple(SUBPASSES), prove: bool = True)
     ctx = RewriteContext(graph, SymmetryAnalysis(), RewriteStats(), prove)
     for node in list(graph.nodes):
         if node.op != "call_function":
+            continue
+        too_small = below_size_gate(node)
+        if too_small is not None:
+            ctx.skip(node, too_small)
+            ctx.analysis.visit(node)
             continue
         for sub in subpasses:
             new = sub.try_rewrite(ctx, node)

@@ -256,3 +256,30 @@ def test_nschainpass_runs_user_pass_first_and_hashes_it(trace):
         NSChainPass(p)
     with pytest.raises(ValueError, match="unknown dmuon sub-pass"):
         NSChainPass(subpasses=("syrk", "nope"))
+
+
+@pytest.mark.parametrize("shape,rewritten", [
+    ((1024, 3000), False),  # one 1024² product: cuBLAS, as eager NS
+    ((4096, 100), True),
+    ((8, 2048, 64), True),  # a stack of 8 × 2048²: Triton
+    ((4, 2048, 64), False),
+])
+def test_cuda_products_below_the_size_gate_stay_on_cublas(shape, rewritten):
+    """On CUDA the pass applies eager NS's size gate (``triton_worthwhile``): small products keep
+    the plain cuBLAS ``mm`` (no mirror pass, no op dispatch), and say why. Fake CUDA tensors:
+    shapes and devices only, so this runs on CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(shape, device="cuda", dtype=torch.float16)
+    gm = make_fx(lambda x: x @ x.mT, tracing_mode="fake")(x)
+    stats = rewrite_ns_chain(gm.graph)
+    assert (targets(gm).count(SYRK) == 1) == rewritten
+    assert stats.rewrites["syrk"] == int(rewritten)
+    assert any("size gate" in why for why in stats.skipped) != rewritten
+
+
+def test_cpu_products_are_rewritten_at_every_size(trace):
+    """The gate is CUDA-only: the CPU reference path (and these tests) rewrite small products."""
+    gm = trace(lambda x: x @ x.mT, torch.randn(5, 7))
+    assert rewrite(gm).rewrites["syrk"] == 1
