@@ -42,9 +42,9 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # - 128×256 strips through TMA with the balanced two-strip schedule (masked stores): the
 #   largest matrices (8192×28672 SYRK ~1.6-1.7× cuBLAS). With descriptor stores in one piece
 #   these tiles needed 278 KB of shared memory (limit 227 KB) and did not launch; the kernel now
-#   stores strips in two square halves: 3 stages launch, and were the fastest wide SYRK of the
-#   2026-11-30 (second) sweep (4096×14336: 0.378 ms, 1.65× cuBLAS; square "_st" tiles 0.389 ms),
-#   level with the square "_st" tiles on stacks, slower than masked strips on 8192×28672.
+#   stores strips in two square halves: 3 stages launch, and were the fastest wide SYRK of run
+#   6's sweep (4096×14336: 0.378 ms, 1.65× cuBLAS; square "_st" tiles 0.389 ms), level with the
+#   square "_st" tiles on stacks; run 6's autotune picked them for most m >= 4096 keys.
 # - Pointer loads: for layouts TMA cannot address (unaligned rows, strided stacks).
 # 256² tiles do not compile usefully (ptxas needs >= 154 registers per thread at 16 warps; at 8
 # warps the accumulator spills); 128×128×128 TMA tiles with 2 stages ran at 0.8-0.96× cuBLAS;

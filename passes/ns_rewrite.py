@@ -357,15 +357,17 @@ def below_size_gate(node: Node) -> str | None:
     if node.target not in MATMULS and node.target not in ADDMMS:
         return None
     v = val(node)
-    if v is None or getattr(v, "device", None) is None or v.device.type != "cuda" or v.dim() not in (2, 3):
+    if v is None or v.device.type != "cuda" or v.dim() not in (2, 3):
         return None
+    if not all(isinstance(d, int) for d in v.shape) or v.shape[-1] != v.shape[-2]:
+        return None  # symbolic sizes (no guard added here) or a rectangular product (never rewritten)
     from dmuon_compile.newton_schulz import triton_worthwhile
 
-    batch = int(v.shape[0]) if v.dim() == 3 else 1
-    m = int(v.shape[-2])
+    batch = v.shape[0] if v.dim() == 3 else 1
+    m = v.shape[-1]
     if triton_worthwhile(m, batch):
         return None
-    return f"{batch}×{m}×{int(v.shape[-1])} output is below the Triton size gate: cuBLAS, as in eager NS"
+    return f"{batch}×{m}×{m} output is below the Triton size gate: cuBLAS, as in eager NS"
 
 
 def rewrite_ns_chain(graph: Graph, enabled=tuple(SUBPASSES), prove: bool = True) -> RewriteStats:

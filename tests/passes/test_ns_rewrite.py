@@ -283,3 +283,18 @@ def test_cpu_products_are_rewritten_at_every_size(trace):
     """The gate is CUDA-only: the CPU reference path (and these tests) rewrite small products."""
     gm = trace(lambda x: x @ x.mT, torch.randn(5, 7))
     assert rewrite(gm).rewrites["syrk"] == 1
+
+
+def test_size_gate_leaves_rectangular_products_to_the_usual_rule():
+    """A small rectangular CUDA product (Q·X) is not reported as gated: it is skipped for being
+    rectangular, as everywhere."""
+    from dmuon_compile.passes.ns_rewrite import below_size_gate
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(64, 64, device="cuda", dtype=torch.float16)
+        x = torch.empty(64, 256, device="cuda", dtype=torch.float16)
+    gm = make_fx(lambda q, x: q @ x, tracing_mode="fake")(q, x)
+    (mm,) = [n for n in gm.graph.nodes if n.target == aten.mm.default]
+    assert below_size_gate(mm) is None
+    assert rewrite(gm).rewrites["syrk"] == 0 and targets(gm).count(aten.mm.default) == 1
