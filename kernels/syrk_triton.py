@@ -673,6 +673,8 @@ def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
     if bt_side is None:
         return None
     b_desc, b_rows_are_n = bt_side
+    if config.cols == config.block:  # square tiles: the narrow tiles are b's own tiles
+        return a_desc, b_desc, b_desc, a_rows_are_m, b_rows_are_n
     narrow_block = [config.block, config.block_k] if b_rows_are_n else [config.block_k, config.block]
     b_narrow_desc = TensorDescriptor(b_desc.base, list(b_desc.shape), list(b_desc.strides), narrow_block)
     return a_desc, b_desc, b_narrow_desc, a_rows_are_m, b_rows_are_n
