@@ -30,6 +30,7 @@ from dmuon_compile.newton_schulz import (  # noqa: E402
 from dmuon_compile.optimizer import Muon, default_muon_predicate  # noqa: E402
 from dmuon_compile.kernels.consistency import check_ns_backend_consistent  # noqa: E402
 from dmuon_compile.distributed.clip import clip_grad_norm_  # noqa: E402
+from dmuon_compile.distributed._owned import full_tensor  # noqa: E402
 from dmuon_compile.distributed.checkpoint import (  # noqa: E402
     get_model_state_dict,
     set_model_state_dict,
@@ -58,6 +59,7 @@ __all__ = [
     "check_ns_backend_consistent",
     "clip_grad_norm_",
     "coefficients",
+    "full_tensor",
     "default_muon_predicate",
     "get_model_state_dict",
     "get_ns_backend",

@@ -20,8 +20,9 @@ def dedicated_names(model: nn.Module) -> set[str]:
 
 
 def dedicated_parameters(model: nn.Module) -> list:
-    """``[(fqn, master)]`` of the dedicated parameters this rank owns (what its ``Muon`` updates)."""
+    """``[(fqn, parameter)]`` of every dedicated parameter (the registered owner DTensors,
+    the same list on every rank; ``to_local()`` is the master on its owner, empty elsewhere)."""
     plan = getattr(model, PLAN_ATTR, None)
     if plan is None:
         return []
-    return list(plan.owned_named_parameters())
+    return list(plan.named_parameters())

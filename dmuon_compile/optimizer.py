@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from dmuon_compile import functional as F
 from dmuon_compile.distributed._collectives import scalar_device
+from dmuon_compile.distributed._owned import is_owned, local_of, same_layout
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 
 # Module names that mark an output head: its weight is 2-D but is a classifier, not a hidden
@@ -42,7 +43,7 @@ def default_muon_predicate(name: str, param: Tensor, module: nn.Module | None = 
 
 def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | None):
     """Split a model's parameters into (muon [(name, p)], adamw [(name, p)])."""
-    from dmuon_compile.dedicated_registry import dedicated_names, dedicated_parameters  # late: avoids an import cycle
+    from dmuon_compile.dedicated_registry import dedicated_names  # late: avoids an import cycle
 
     dedicated = dedicated_names(model)
     module_of = {}
@@ -66,7 +67,7 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
                 )
         else:
             chosen = default_muon_predicate(name, p, module_of.get(id(p)))
-        if chosen and hasattr(p, "to_local"):
+        if chosen and hasattr(p, "to_local") and name not in dedicated:
             raise ValueError(
                 f"Muon: {name!r} is a DTensor shard (FSDP2/TP), but Newton–Schulz needs the whole "
                 "matrix. Call dmuon.dedicate_params(model, mesh, ...) before fully_shard so each "
@@ -74,9 +75,6 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
                 "gets AdamW on its shard)."
             )
         (muon if chosen else adamw).append((name, p))
-    # Dedicated parameters live outside named_parameters() (kept away from FSDP2); this rank
-    # optimises the ones it owns.
-    muon.extend(dedicated_parameters(model))
     return muon, adamw
 
 
@@ -179,6 +177,11 @@ class Muon(torch.optim.Optimizer):
     # ------------------------------------------------------------------ groups
     def _build_groups(self, params, predicate, muon_defaults, adamw_defaults) -> list[dict]:
         if isinstance(params, nn.Module):
+            from dmuon_compile.dedicated_registry import PLAN_ATTR
+
+            runtime = getattr(params, PLAN_ATTR, None)
+            if runtime is not None:
+                runtime.check_registered()
             muon, adamw = _route_model(params, predicate)
             if not muon and not self._has_dedicated(params):
                 warnings.warn(
@@ -278,6 +281,64 @@ class Muon(torch.optim.Optimizer):
             return True
         return any(hasattr(p, "to_local") for group in self.param_groups for p in group["params"])
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict`` after checking that the state fits.
+
+        State of a dedicated parameter must have been saved with the same owner and mesh (an
+        ``opt.state_dict()`` holds each rank's own view). Anything else — another model, another
+        routing, another cluster shape — raises a ``ValueError`` naming the parameter before
+        anything is loaded. To resume on another mesh or world size, checkpoint through
+        ``torch.distributed.checkpoint`` (``get_state_dict`` / ``set_state_dict``), which reshards.
+
+        Example::
+
+            opt.load_state_dict(opt.state_dict())  # same run, same ranks
+        """
+        self._check_loadable(state_dict)
+        super().load_state_dict(state_dict)
+
+    def _check_loadable(self, state_dict: dict) -> None:
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"Muon.load_state_dict: the state has {len(saved_groups)} param groups, this optimizer "
+                f"{len(self.param_groups)} (Muon + AdamW groups of another model or routing). Build the "
+                "optimizer the way the saved run did, or load through torch.distributed.checkpoint's "
+                "set_state_dict, which maps state by parameter name."
+            )
+        index_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"Muon.load_state_dict: a saved group has {len(saved['params'])} parameters, this "
+                    f"optimizer's has {len(group['params'])} (first here: {self.param_name(group['params'][0])}). "
+                    "Load through torch.distributed.checkpoint's set_state_dict to map state by name."
+                )
+            index_to_param.update(zip(saved["params"], group["params"]))
+        fix = ("Optimizer state of a dedicated parameter only loads where it was saved (same owner, "
+               "same mesh). To resume on another cluster shape, save and load with "
+               "torch.distributed.checkpoint: state = get_state_dict(model, opt); dcp.load(state, ...); "
+               "set_state_dict(model, opt, model_state_dict=..., optim_state_dict=...).")
+        for index, values in state_dict.get("state", {}).items():
+            p = index_to_param.get(index)
+            if p is None:
+                continue
+            for key, value in values.items():
+                if key == "step" or not isinstance(value, Tensor):
+                    continue
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"Muon.load_state_dict: {key} of {self.param_name(p)} has shape "
+                        f"{tuple(value.shape)}, the parameter {tuple(p.shape)}. {fix}"
+                    )
+                if is_owned(p) and not (is_owned(value) and same_layout(value, p)):
+                    where = (f"{value.device_mesh} {tuple(value.placements)}" if hasattr(value, "placements")
+                             else "a plain tensor")
+                    raise ValueError(
+                        f"Muon.load_state_dict: {key} of {self.param_name(p)} was saved as {where}; the "
+                        f"parameter is {p.device_mesh} {tuple(p.placements)}. {fix}"
+                    )
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
@@ -356,8 +417,16 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_group_step(self, group: dict, params: list, grads: list, bufs: list, part: str = "all") -> None:
         """Muon math for some of a group's matrices (``part`` names the subset: one compiled
-        graph each): the compiled step if enabled, else the eager reference."""
+        graph each): the compiled step if enabled, else the eager reference.
+
+        Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local tensors (the
+        whole matrix on its owner); ranks that hold no rows of a matrix skip it.
+        """
         from dmuon_compile.compiled_step import run_group_step
+
+        params, grads, bufs = _owned_locals(params, grads, bufs)
+        if not params:
+            return
 
         if run_group_step(self, group, params, grads, bufs, part=part):
             return
@@ -366,6 +435,20 @@ class Muon(torch.optim.Optimizer):
             lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], ns=self.ns, adjust_lr_fn=group["adjust_lr_fn"],
         )
+
+
+def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, list]:
+    """Local tensors of the matrices this rank holds whole (plain tensors pass through)."""
+    kept: tuple[list, list, list] = ([], [], [])
+    for p, g, b in zip(params, grads, bufs):
+        if is_owned(p):
+            p, g, b = local_of(p), local_of(g), local_of(b)
+            if p.numel() == 0:
+                continue
+        kept[0].append(p)
+        kept[1].append(g)
+        kept[2].append(b)
+    return kept
 
 
 def _replicated_runtime(model: nn.Module | None):

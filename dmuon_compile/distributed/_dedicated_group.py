@@ -86,6 +86,7 @@ class DedicatedGroup:
     record_profile: bool = False
     stall_events: list = field(default_factory=list)  # CUDA event pairs around forward waits
     replicate: ReplicateStage | None = None  # HSDP replicate stage (None in 1-D)
+    reduced: bool = False  # a reduce was issued in the current backward
 
     # ------------------------------------------------------------------ layout
     def build(self) -> None:
@@ -204,6 +205,8 @@ class DedicatedGroup:
                 self.stall_events.append((before, after))
         self.works, self._keepalive = [], None
         self.state = UNSHARDED
+        for p in self.params:  # module.weight is the compute copy until the reshard
+            p.use_compute_copy()
 
     def collect_stalls(self) -> None:
         """Fold finished CUDA stall events into the profile (after a device synchronize)."""
@@ -218,6 +221,8 @@ class DedicatedGroup:
         if self.state == UNSHARDING:
             self.wait_unshard()
         if self.state == UNSHARDED:
+            for p in self.params:
+                p.use_registered()
             self._free()
             self.state = SHARDED
 
@@ -246,13 +251,14 @@ class DedicatedGroup:
                 works.append(C.reduce_sum(chunk, owner, self.pg))
         self.pending_reduce.append((works, out, base, grads))
         self.grads_ready.clear()
+        self.reduced = True
         if self.record_profile:
             self.profile.reduces += 1
             self.profile.bytes_reduced += send_size * grads.element_size()
 
     @torch.no_grad()
     def finish_reduce(self) -> None:
-        """Wait for the reduces; the owner's masters get the averaged gradient (accumulated).
+        """Wait for the reduces; each owned ``param.grad`` gets the averaged gradient (accumulated).
 
         HSDP: the owner column's sums go on to the global owner (``ReplicateStage.reduce``,
         async; :meth:`drain` waits for it).
@@ -269,12 +275,8 @@ class DedicatedGroup:
                 continue
             for p in self.params_of(self.rank):
                 start = p.offset - base
-                g = out[start : start + p.numel].view(p.shape).to(p.master.dtype, copy=True)
-                g.div_(self.world)
-                if p.master.grad is None:
-                    p.master.grad = g
-                else:
-                    p.master.grad.add_(g)
+                g = out[start : start + p.numel].view(p.shape).to(p.orig_dtype, copy=True)
+                p.accumulate_grad(g.div_(self.world))
         self.pending_reduce.clear()
 
     def drain(self) -> None:

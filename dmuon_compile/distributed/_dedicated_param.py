@@ -1,23 +1,31 @@
-"""One dedicated parameter's life: master copy on its owner, compute copy everywhere in forward.
+"""One dedicated parameter's life (the design, with diagrams: docs/dedicated_params.md).
 
-- ``master``: the ``nn.Parameter`` the optimizer updates. It exists on the owner rank only,
-  whole and in the original dtype; it is the source of truth (the next forward's unshard
-  reads it, so a ``step()`` publishes itself).
-- ``unsharded``: a plain leaf tensor in the compute dtype (``param_policy``'s param_dtype)
-  set as the module attribute (``module.weight``). It aliases a slice of its group's flat
-  buffer through ``Tensor.set_`` (not a view), so it has its *own* version counter: refilling
-  the buffer after a reshard does not trip autograd's saved-tensor version check.
-  Between forwards its storage is freed (resized to 0 bytes) with the whole buffer.
+- ``param``: the registered ``nn.Parameter`` under the original name (``module.weight``), on
+  every rank: a DTensor of the global shape on the owner's one-rank mesh (``_owned.py``). Its
+  local tensor is the **master** on the owner (whole, original dtype; the optimizer updates it in
+  place) and empty elsewhere. This is what ``named_parameters()``, ``state_dict()``, DCP and the
+  optimizer see between steps, as they see FSDP2's sharded DTensors.
+- ``unsharded``: the compute copy, an ``nn.Parameter`` in the compute dtype (``param_policy``'s
+  param_dtype) over a slice of its group's flat buffer. It aliases that slice through
+  ``Tensor.set_`` (not a view), so it has its *own* version counter: refilling the buffer after a
+  reshard does not trip autograd's saved-tensor version check. The group's unshard swaps it into
+  ``module._parameters`` for forward and backward, the reshard swaps ``param`` back (FSDP2 swaps
+  its sharded and unsharded parameters the same way). Between uses its storage is freed.
+- gradient: accumulated on ``unsharded`` in backward, reduced to the owner, then set as
+  ``param.grad``: an owner DTensor with the averaged full gradient on the owner, empty elsewhere.
+  Every rank gets one, so every rank's ``parameters()`` have the same gradients and
+  ``dmuon.clip_grad_norm_`` issues the same collectives everywhere.
 
-The parameter is removed from ``module._parameters`` so that ``fully_shard`` (which collects
-``module.named_parameters(recurse=False)``) never sees it.
+FSDP2 must not shard ``param``: ``fully_shard`` collects ``module.named_parameters(recurse=False)``,
+and the holder module's class (``_holder.py``) leaves dedicated names out of that one call when
+FSDP2 makes it.
 
 HSDP (replicate × shard): ``owner`` is the shard rank of the *owner column* (that shard
 coordinate in every replica) and ``replica_owner`` the replica whose column member is the
-*global owner*. Only the global owner has ``master`` (one Newton–Schulz per matrix in the job);
-the other column members keep ``replica``, a plain copy that the replicate broadcast refreshes
-after each step. ``source`` is whichever of the two this rank holds: what it sends when its
-shard group unshards the matrix.
+*global owner*. Only the global owner holds the master (one Newton–Schulz per matrix in the
+job); the other column members keep ``replica``, a plain copy that the replicate broadcast
+refreshes after each step. ``source`` is whichever of the two this rank holds: what it sends
+when its shard group unshards the matrix.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+from dmuon_compile.distributed._owned import local_of, make_owned, wrap_like
 
 
 @dataclass(eq=False)
@@ -37,12 +47,18 @@ class DedicatedParam:
     shape: torch.Size
     orig_dtype: torch.dtype
     compute_dtype: torch.dtype
-    master: nn.Parameter | None = None
+    param: nn.Parameter | None = None  # the registered owner DTensor (every rank)
+    owns: bool = False  # this rank is the (global) owner: it holds the master
     unsharded: Tensor | None = None
     offset: int = 0  # element offset inside the group's flat buffer
     hook_handles: list = field(default_factory=list)
     replica_owner: int = 0  # HSDP: replicate rank of the global owner
     replica: Tensor | None = None  # HSDP: the non-owning column members' copy of the weight
+
+    @property
+    def master(self) -> Tensor | None:
+        """The whole weight in its original dtype on the (global) owner: ``param``'s local tensor."""
+        return local_of(self.param) if self.owns and self.param is not None else None
 
     @property
     def source(self) -> Tensor | None:
@@ -55,15 +71,40 @@ class DedicatedParam:
 
     @property
     def is_owner(self) -> bool:
-        return self.master is not None
+        return self.owns
 
     def bind(self, flat: Tensor) -> None:
-        """Create the unsharded leaf over ``flat[offset : offset + numel]`` and install it."""
+        """Create the compute copy over ``flat[offset : offset + numel]`` (not installed yet)."""
+        leaf = nn.Parameter(torch.empty(0, dtype=flat.dtype, device=flat.device))
         with torch.no_grad():
-            leaf = torch.empty(0, dtype=flat.dtype, device=flat.device)
             leaf.set_(flat.untyped_storage(), flat.storage_offset() + self.offset, self.shape)
-        leaf.requires_grad_(True)
         self.unsharded = leaf
-        # nn.Module.__setattr__ stores a non-Parameter tensor as a plain attribute once the
-        # name is gone from _parameters: invisible to named_parameters() and so to FSDP.
-        setattr(self.module, self.attr, leaf)
+
+    def register(self, mesh, master: Tensor | None, device: torch.device) -> None:
+        """Create the registered ``param`` on the owner ``mesh`` (``master``: this rank's whole
+        tensor, or ``None`` off the owner) and put it in ``module._parameters``."""
+        dtensor = make_owned(master, mesh, self.shape, self.orig_dtype, device)
+        self.param = nn.Parameter(dtensor, requires_grad=True)
+        self.owns = master is not None
+        self.module._parameters[self.attr] = self.param
+
+    def use_compute_copy(self) -> None:
+        """Forward/backward: ``module.weight`` is the unsharded compute copy."""
+        self.module._parameters[self.attr] = self.unsharded
+
+    def use_registered(self) -> None:
+        """Between uses: ``module.weight`` is the registered DTensor parameter."""
+        self.module._parameters[self.attr] = self.param
+
+    @torch.no_grad()
+    def accumulate_grad(self, full: Tensor | None) -> None:
+        """Add this rank's part of the reduced gradient to ``param.grad`` (``None``: no rows)."""
+        grad = self.param.grad
+        if grad is None:
+            self.param.grad = wrap_like(full.to(self.orig_dtype) if full is not None else None, self.param)
+        elif full is not None:
+            local_of(grad).add_(full.to(self.orig_dtype))
+
+    @property
+    def master_device(self) -> torch.device:
+        return local_of(self.param).device

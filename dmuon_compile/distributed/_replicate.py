@@ -2,7 +2,7 @@
 
 With ``replicate_mesh`` of size R > 1 every matrix has a *global owner* among all R × S ranks
 (replica ``r``, shard ``s``). Its *owner column* is the S-rank coordinate ``s`` in every replica:
-those R ranks hold the whole weight (the global owner as its ``master`` ``nn.Parameter``, the
+those R ranks hold the whole weight (the global owner as its master — the local tensor of the registered parameter — the
 others as a plain ``replica``), because their shard groups unshard it from them. Per step:
 
 1. backward: the shard group reduces the gradient to the column (``DedicatedGroup``), then this
@@ -18,7 +18,7 @@ Layout: a group's *column chunk* (its matrices whose owner column is this rank's
 coordinate) lives in one flat buffer ``flat`` in the group's *compute* dtype (what the shard
 group's unshard sends anyway), ordered by the global owner's replica, so each replica owner's
 matrices are one contiguous *segment*: one reduce and one broadcast per segment. When the
-master dtype is the compute dtype, the global owner's master ``.data`` is a view into ``flat``
+master dtype is the compute dtype, the global owner's master is a view into ``flat``
 (the optimizer's in-place update writes straight into the broadcast's source); otherwise
 (``param_policy`` with e.g. bf16 compute and fp32 masters) the owner rounds its masters into
 ``flat`` right before the broadcast — half the bytes, and the same bf16 values its own unshard
@@ -61,24 +61,28 @@ class ReplicateStage:
     flat: Tensor | None = None
     segments: list[Segment] = field(default_factory=list)
     publish_works: list = field(default_factory=list)
-    copy_in: list = field(default_factory=list)  # (master, view): owners whose dtype differs
+    copy_in: list = field(default_factory=list)  # (param, view): owners whose dtype differs
     pending_reduce: list = field(default_factory=list)
     stall_events: list = field(default_factory=list)
 
     # ------------------------------------------------------------------ layout
-    def build(self, values: dict[str, Tensor]) -> None:
-        """Allocate the column buffer, fill it with ``values``, bind masters and replicas to it."""
+    def build(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Allocate the column buffer, fill it with ``values``, bind the replicas to it; return
+        the global owner's masters (views into the buffer when the dtypes agree)."""
         numel = sum(p.numel for p in self.params)
         self.flat = torch.empty(numel, dtype=self.dtype, device=self.device)
+        masters: dict[str, Tensor] = {}
         offset = 0
         for p in self.params:
             view = self.flat[offset : offset + p.numel].view(p.shape)
+            value = values[p.fqn].detach().reshape(p.shape)
             with torch.no_grad():
-                view.copy_(values[p.fqn].detach().reshape(p.shape))
-            if p.master is not None and p.master.dtype == self.dtype:
-                p.master.data = view  # the optimizer updates the broadcast source in place
-            elif p.master is not None:
-                self.copy_in.append((p.master, view))
+                view.copy_(value)
+            if p.replica_owner == self.replicate_rank and value.dtype == self.dtype:
+                masters[p.fqn] = view  # the optimizer updates the broadcast source in place
+            elif p.replica_owner == self.replicate_rank:
+                masters[p.fqn] = value
+                self.copy_in.append((p, view))
             else:
                 p.replica = view
             if not self.segments or self.segments[-1].root != p.replica_owner:
@@ -86,6 +90,7 @@ class ReplicateStage:
             last = self.segments[-1]
             self.segments[-1] = Segment(last.root, last.start, last.numel + p.numel)
             offset += p.numel
+        return masters
 
     @property
     def numel(self) -> int:
@@ -110,20 +115,16 @@ class ReplicateStage:
 
     @torch.no_grad()
     def finish_reduce(self) -> None:
-        """Wait for the reduces; the global owner's master gets the gradient / (S·R)."""
+        """Wait for the reduces; the global owner's ``param.grad`` gets the gradient / (S·R)."""
         scale = self.shard_size * self.replicate_size
         for works, column_grads in self.pending_reduce:
             for w in works:
                 w.wait()
             offset = 0
             for p in self.params:
-                if p.master is not None:
-                    g = column_grads[offset : offset + p.numel].view(p.shape).to(p.master.dtype, copy=True)
-                    g.div_(scale)
-                    if p.master.grad is None:
-                        p.master.grad = g
-                    else:
-                        p.master.grad.add_(g)
+                if p.owns:
+                    g = column_grads[offset : offset + p.numel].view(p.shape).to(p.orig_dtype, copy=True)
+                    p.accumulate_grad(g.div_(scale))
                 offset += p.numel
         self.pending_reduce.clear()
 
@@ -132,8 +133,8 @@ class ReplicateStage:
     def publish(self, profile=None) -> None:
         """Broadcast each global owner's weights to its column peers (async; work kept)."""
         self.wait_publish()  # a second publish without a forward in between: drain the first
-        for master, view in self.copy_in:
-            view.copy_(master.detach())
+        for p, view in self.copy_in:
+            view.copy_(p.master)
         self.publish_works = [
             C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg) for s in self.segments
         ]

@@ -12,7 +12,7 @@ pre-backward(G)       unshard G again (wait), prefetch the group before it in fo
 grad hooks            when every parameter of G has its gradient: pack, reduce to owners
                       (async), free the local gradients, reshard G, finish the previous
                       group's reduce (one reduce in flight bounds the gradient buffers)
-end of backward       (autograd callback) wait all reduces: each owner's master ``.grad``
+end of backward       (autograd callback) wait all reduces: each registered ``param.grad``
                       holds the full gradient averaged over the group
 Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
                       reads the new masters, which publishes them. With HSDP the masters of
@@ -103,6 +103,10 @@ class DedicatedRuntime:
         for group in groups:
             group.record_profile = record_profile
             self._install(group)
+        if self.replicated:
+            # A state-dict load (DCP's set_state_dict, model.load_state_dict) writes the global
+            # owners' masters on every rank at once: the next forward publishes them first.
+            self.handles.append(model.register_load_state_dict_post_hook(self._after_load))
 
     # ------------------------------------------------------------------ registry API
     def param_names(self) -> list[str]:
@@ -111,8 +115,27 @@ class DedicatedRuntime:
     def owners(self) -> dict[str, int]:
         return {p.fqn: p.owner for p in self.params}
 
-    def owned_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(p.fqn, p.master) for p in self.params if p.master is not None]
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``[(fqn, registered parameter)]``: the same list on every rank."""
+        return [(p.fqn, p.param) for p in self.params]
+
+    def _after_load(self, _module, _incompatible) -> None:
+        self._publish_due = True
+
+    def check_registered(self) -> None:
+        """Every dedicated weight is still the registered parameter of its module (raises with
+        the fix when e.g. ``fully_shard`` was applied in a way that took one)."""
+        for p in self.params:
+            current = p.module._parameters.get(p.attr)
+            if current is not p.param and current is not p.unsharded:
+                raise RuntimeError(
+                    f"{p.fqn} is no longer the dedicated parameter dmuon.dedicate_params registered "
+                    f"(found {type(current).__name__}): something replaced it after dedicate_params "
+                    "(fully_shard with a torch version whose parameter collection dmuon_compile does "
+                    "not know, or a reassignment of the weight). Order: dmuon.dedicate_params → "
+                    "fully_shard(blocks) → fully_shard(model) → dmuon.Muon(model); do not reassign "
+                    "dedicated weights."
+                )
 
     # ------------------------------------------------------------------ hooks
     def _install(self, group: DedicatedGroup) -> None:
@@ -217,6 +240,14 @@ class DedicatedRuntime:
             group.drain()
             if group.state == UNSHARDED or group.reshard_after_forward is False:
                 group.reshard()
+            if group.reduced:
+                # Ranks without rows get a zero-row gradient too: every rank's parameters()
+                # then have the same gradients, so clip_grad_norm_ and the optimizer issue the
+                # same collectives everywhere.
+                for p in group.params:
+                    if not p.owns and p.param.grad is None:
+                        p.accumulate_grad(None)
+                group.reduced = False
         if sync and self.replicated:
             self._publish_due = True
 
@@ -273,7 +304,7 @@ class DedicatedRuntime:
         group = self.early_group()
         if group is None or len(self.groups) < 2:
             return False, set()
-        return True, {id(p.master) for p in group.params if p.master is not None}
+        return True, {id(p.param) for p in group.params if p.owns}
 
     @torch.compiler.disable
     def publish_early(self) -> None:

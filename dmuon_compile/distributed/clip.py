@@ -1,12 +1,12 @@
-"""Gradient-norm clipping over a model with dedicated parameters.
+"""``dmuon.clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_`` for gradients on several meshes.
 
-``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does not see the dedicated
-matrices (they are not parameters of their modules any more, and their full gradients live on
-their owners only), so it would clip with a norm that misses most of the model. This module's
-:func:`clip_grad_norm_` adds them: FSDP2 (DTensor) gradients through torch's
-``get_total_norm`` (placement-aware), owned dedicated gradients summed over all ranks (each
-matrix has exactly one owner, so nothing is counted twice), then every gradient scaled by the
-same factor.
+Dedicated gradients are DTensors on their owners' one-rank meshes (``_owned.py``) next to FSDP2's
+gradients on the data-parallel mesh. ``torch.nn.utils.clip_grad_norm_`` stacks all per-tensor
+norms into one DTensor and fails on mixed meshes ("must have the same mesh"; pytorch issue
+180346 — torchtitan meets the same with expert-parallel meshes). This function takes the same
+arguments and groups by mesh: FSDP2 and plain gradients go through torch's ``get_total_norm``
+(placement-aware), owner gradients are summed over every rank (each matrix has exactly one
+owner, so nothing is counted twice); every gradient is then scaled by one factor.
 """
 
 from __future__ import annotations
@@ -17,49 +17,52 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dmuon_compile.dedicated_registry import dedicated_names, dedicated_parameters
 from dmuon_compile.distributed._collectives import scalar_device
+from dmuon_compile.distributed._owned import is_owned, local_of
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> Tensor:
-    """Clip the gradients of ``model`` — dedicated matrices included — to total norm ``max_norm``.
+    """Clip the gradients of ``parameters`` (or of a model) to total norm ``max_norm``.
 
-    Collective when the model has dedicated parameters: call it on every rank, after
-    ``backward()`` and before ``optimizer.step()``. Returns the total norm before clipping (a
-    0-d tensor, the same on every rank). ``norm_type`` is 2 or ``inf``.
+    Same arguments and result as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on
+    one process; ``parameters`` may also be the model itself. Collective when any gradient is
+    distributed: call it on every rank after ``backward()`` and before ``optimizer.step()``.
+    Returns the total norm before clipping as a plain 0-d tensor, the same on every rank.
+    ``norm_type`` is 2 or ``inf``.
 
     Example::
 
         loss.backward()
-        dmuon.clip_grad_norm_(model, 1.0)
+        dmuon.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     """
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, got {norm_type}")
-    regular = [p.grad for p in model.parameters() if p.grad is not None]
-    owned = [m.grad for _, m in dedicated_parameters(model) if m.grad is not None]
-    device = (regular or owned)[0].device if (regular or owned) else torch.device("cpu")
-    flag_device = scalar_device(device)
+    params = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
+    params = [params] if isinstance(params, Tensor) else list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    owned = [local_of(g) for g in grads if is_owned(g)]  # whole on this rank, or empty
+    by_mesh: dict = {}
+    for g in grads:
+        if not is_owned(g):
+            by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    flag_device = scalar_device(local_of(grads[0]).device if grads else torch.device("cpu"))
 
     parts = []
-    if regular:
-        norm = torch.nn.utils.get_total_norm(regular, norm_type)
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
         full_tensor = getattr(norm, "full_tensor", None)
         parts.append((full_tensor() if callable(full_tensor) else norm).float().to(flag_device))
-    if dedicated_names(model):
-        local = (torch.nn.utils.get_total_norm(owned, norm_type).float().to(flag_device)
-                 if owned else torch.zeros((), device=flag_device))
-        if norm_type == 2.0:
-            squared = local.square().reshape(1)
-            if dist.is_initialized():
-                dist.all_reduce(squared, op=dist.ReduceOp.SUM)
-            parts.append(squared.sqrt().reshape(()))
-        else:
-            peak = local.reshape(1)
-            if dist.is_initialized():
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            parts.append(peak.reshape(()))
+    if owned:
+        mine = [g for g in owned if g.numel()]
+        local = (torch.nn.utils.get_total_norm(mine, norm_type).float().to(flag_device)
+                 if mine else torch.zeros((), device=flag_device))
+        value = (local.square() if norm_type == 2.0 else local).reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(value, op=dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX)
+        parts.append(value.sqrt().reshape(()) if norm_type == 2.0 else value.reshape(()))
     if not parts:
         return torch.zeros(())
     stacked = torch.stack(parts)
@@ -70,6 +73,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
             "error_if_nonfinite=False to clip anyway (Muon's nonfinite_grads check still runs)"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in regular + owned:
-        g.mul_(coef.to(g.device) if not hasattr(g, "to_local") else float(coef))
+    for g in grads:  # scaling is linear: scaling each local tensor scales any placement
+        local = local_of(g)
+        if local.numel():
+            local.mul_(coef.to(local.device))
     return total

@@ -1,12 +1,12 @@
 """``dedicate_params``: the entry point that makes chosen matrices live whole on one owner rank.
 
-How FSDP2 is kept off the dedicated parameters (no FSDP internals touched): ``fully_shard``
-shards exactly what ``module.named_parameters(recurse=False)`` returns on its managed modules.
-``dedicate_params`` removes each dedicated parameter from its module's ``_parameters`` and puts
-a plain leaf tensor under the same attribute name (``module.weight``), so the module's forward
-code runs unchanged and the user's plain ``fully_shard(block); fully_shard(model)`` calls (made
-afterwards, the seed's order) never see it. The parameter object itself becomes the owner's
-master copy (non-owners drop their copy) and is what ``dmuon.Muon(model)`` optimises.
+Each dedicated weight stays a registered parameter of its module under its original name: an
+``nn.Parameter`` holding a DTensor of its global shape on its owner's one-rank mesh (whole on the
+owner, empty elsewhere; ``_owned.py``), the way FSDP2 registers its sharded parameters as
+``Shard(0)`` DTensors. Its module's class becomes a holder subclass
+(``_holder.py``) so that the user's plain ``fully_shard(block); fully_shard(model)`` calls (made
+afterwards, the seed's order) leave it alone. The group hooks (``_runtime.py``) swap the unsharded
+compute copy in for forward and backward. The design, tensor by tensor: docs/dedicated_params.md.
 
 HSDP (``replicate_mesh`` of size R > 1 next to the shard mesh of size S): the plan balances the
 owners over all R × S ranks, so every matrix has exactly one global owner and Newton–Schulz
@@ -27,9 +27,10 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.distributed._holder import make_holder
+from dmuon_compile.distributed._owned import owner_mesh
 from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
-from dmuon_compile.distributed.checkpoint import install_state_dict_warning
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
 from dmuon_compile.distributed.policy import resolve_dtypes
 from dmuon_compile.log import env_flag
@@ -205,25 +206,22 @@ def dedicate_params(
     owners = plan.owners()
 
     record = env_flag(PROFILE_ENV, False)
+    # Global rank of each (shard rank, replica rank): the owners' one-rank meshes use it.
+    dp_mesh = mesh if replicate_mesh is None else mesh_checks._root(mesh)
+    rank_grid = dp_mesh.mesh.reshape(replicas if replicate_mesh is not None else 1, world)
     params: list[DedicatedParam] = []
+    initial: dict[str, Tensor] = {}  # this rank's whole copy (owner column), on the device
     grouped: dict[tuple, list[DedicatedParam]] = {}
     group_module: dict[tuple, tuple[str, nn.Module]] = {}
-    column_values: dict[str, Tensor] = {}  # HSDP: initial weights of this rank's owner column
     for name, p in selected:
         module = module_of[id(p)][0]
         attr = name.rsplit(".", 1)[-1]
         param_dtype, reduce_dtype = resolve_dtypes(p.dtype, param_policy, compute_dtype)
         rep_owner, owner = divmod(owners[name], world)
         dp = DedicatedParam(name, module, attr, owner, p.shape, p.dtype, param_dtype, replica_owner=rep_owner)
-        del module._parameters[attr]
         if owner == rank:
-            if p.device != device:
-                p.data = p.data.to(device)
-            if replicas > 1:
-                column_values[name] = p.detach()
-            if rep_owner == rep_rank:
-                dp.master = p
-        if dp.master is None:
+            initial[name] = p.detach().to(device)
+        else:
             p.data = torch.empty(0, dtype=p.dtype, device=device)  # free the non-owner copy
         params.append(dp)
         path, bmod = _boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
@@ -232,6 +230,7 @@ def dedicate_params(
         group_module[key] = (path, bmod)
 
     groups = []
+    masters: dict[str, Tensor] = {}  # the global owner's master: its original tensor or a view
     for key, members in grouped.items():
         path, bmod = group_module[key]
         label = path or "<root>"
@@ -242,14 +241,22 @@ def dedicate_params(
         g.build()
         if rep_pg is not None:
             g.replicate = ReplicateStage(g.params_of(rank), rep_rank, replicas, world, rep_pg, device, key[1])
-            g.replicate.build(column_values)
+            masters.update(g.replicate.build(initial))
+        else:
+            masters.update({dp.fqn: initial[dp.fqn] for dp in g.params_of(rank)})
+        groups.append(g)
+    for dp in params:
+        global_owner = int(rank_grid[dp.replica_owner, dp.owner])
+        dp.register(owner_mesh(mesh.device_type, global_owner), masters.get(dp.fqn), device)
+        make_holder(dp.module, dp.attr, dp)
+    for g in groups:
+        if g.replicate is not None:
             g.replicate.publish()  # the global owner's initial weights are the truth everywhere
             g.replicate.wait_publish()
-        groups.append(g)
-    column_values.clear()
+    initial.clear()
+    masters.clear()
     runtime = DedicatedRuntime(model, plan, params, groups, mesh, rank, world, record, replicate_mesh)
     setattr(model, PLAN_ATTR, runtime)
-    install_state_dict_warning(model)
     return owners
 
 

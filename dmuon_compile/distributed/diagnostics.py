@@ -45,9 +45,12 @@ def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
                 "owner": dp.owner, "replica_owner": dp.replica_owner,
                 "owned_here": dp.master is not None, "replica_here": dp.replica is not None,
                 "bytes": nbytes,
-                "in_optimizer": in_opt.get(id(dp.master)) if dp.master is not None else None,
+                "in_optimizer": in_opt.get(id(dp.param)),
             })
+    dedicated = {dp.fqn for dp in runtime.params} if runtime is not None else set()
     for name, p in model.named_parameters():
+        if name in dedicated:
+            continue  # listed above, with its owner
         local = p.to_local() if hasattr(p, "to_local") else p
         params.append({
             "name": name, "route": in_opt.get(id(p), "fsdp" if hasattr(p, "to_local") else "local"),

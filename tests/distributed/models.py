@@ -171,3 +171,20 @@ def interrupt_forward(model, x, layer: int = 1) -> None:
         pass
     finally:
         handle.remove()
+
+
+def owned_masters(model) -> list:
+    """``[(fqn, master)]`` of the dedicated weights this rank owns: the registered DTensors'
+    whole local tensors (writable in place)."""
+    import dmuon_compile as dmuon
+
+    return [(n, p.to_local()) for n, p in dmuon.dedicated_registry.dedicated_parameters(model)
+            if p.to_local().numel() == p.numel()]
+
+
+def owned_grads(model) -> dict:
+    """``{fqn: gradient}`` of the dedicated weights this rank owns (the live local tensors)."""
+    import dmuon_compile as dmuon
+
+    return {n: p.grad.to_local() for n, p in dmuon.dedicated_registry.dedicated_parameters(model)
+            if p.grad is not None and p.grad.to_local().numel() == p.numel()}

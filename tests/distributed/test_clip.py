@@ -1,4 +1,5 @@
-"""dmuon.clip_grad_norm_ sees the dedicated gradients and equals torch's clip on one process."""
+"""dmuon.clip_grad_norm_(model.parameters()) — torch's signature — sees the dedicated gradients:
+the norm and the clipped gradients equal one process's (1-D FSDP and HSDP)."""
 
 from __future__ import annotations
 
@@ -19,31 +20,40 @@ def _reference(max_norm):
     return float(total), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _clip(rank, world, max_norm):
+def _clip(rank, world, max_norm, pass_model, hsdp):
     import dmuon_compile as dmuon
 
-    model, _ = models.build_dedicated(world)
+    model, _ = models.build_dedicated(world, hsdp=hsdp)
     x = next(iter(models.batches(1, world)))
     per = x.shape[0] // world
     model(x[rank * per:(rank + 1) * per]).square().mean().backward()
-    total = dmuon.clip_grad_norm_(model, max_norm)
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    for name, master in dmuon.dedicated_registry.dedicated_parameters(model):
-        grads[name] = master.grad.clone()
-    return float(total), grads
+    total = dmuon.clip_grad_norm_(model if pass_model else model.parameters(), max_norm)
+    grads = {n: dmuon.full_tensor(p.grad) for n, p in model.named_parameters()}  # collective
+    owned = sorted(n for n, p in model.named_parameters() if p.grad.to_local().numel() == p.numel())
+    return float(total), grads, owned
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e6], ids=["clips", "no-op"])
-def test_clip_matches_single_process(max_norm):
+@pytest.mark.parametrize("pass_model", [False, True], ids=["parameters", "model"])
+def test_clip_matches_single_process(max_norm, pass_model):
     ref_total, ref_grads = _reference(max_norm)
-    results = run_ranks(_clip, 2, max_norm, timeout=90)
-    for total, grads in results:
+    results = run_ranks(_clip, 2, max_norm, pass_model, False, timeout=90)
+    for total, grads, _ in results:
         assert total == pytest.approx(ref_total, rel=1e-5)
-        for name, g in grads.items():  # FSDP grads on every rank; dedicated ones on their owner
+        assert set(grads) == set(ref_grads)
+        for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-7)
-    seen = set(results[0][1]) | set(results[1][1])
-    assert seen == set(ref_grads)  # every gradient was checked somewhere
-    assert len(set(ref_grads) - set(results[0][1])) > 0  # rank 0 does not hold every dedicated grad
+    # the dedicated gradients really are split between the ranks (the test has teeth)
+    dedicated = {n for n in ref_grads if models.proj_predicate(n, None)}
+    assert not dedicated <= set(results[0][2]) and not dedicated <= set(results[1][2])
+
+
+def test_clip_hsdp():
+    ref_total, ref_grads = _reference(1e-3)
+    for total, grads, _ in run_ranks(_clip, 2, 1e-3, False, True, timeout=90):
+        assert total == pytest.approx(ref_total, rel=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-7)
 
 
 def test_bad_norm_type():

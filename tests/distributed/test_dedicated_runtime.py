@@ -56,13 +56,13 @@ def _accum_distributed(rank, world):
             per = x.shape[0] // world
             (model(x[rank * per:(rank + 1) * per]).square().mean() / MICRO).backward()
             # between micro-steps no owner holds a gradient yet: nothing was reduced
-            reduces.append(sum(1 for dp in runtime.params if dp.master is not None and dp.master.grad is not None))
+            reduces.append(sum(1 for dp in runtime.params if dp.owns and dp.param.grad is not None))
         if first is None:
-            first = {n: p.grad.clone() for n, p in dmuon.dedicated_registry.dedicated_parameters(model)}
+            first = {n: g.clone() for n, g in models.owned_grads(model).items()}
         opt.step()
         opt.zero_grad()
     return {"flags": flags, "first": first, "reduces": reduces, "state": full_state(model),
-            "owned": len(dmuon.dedicated_registry.dedicated_parameters(model))}
+            "owned": len(models.owned_masters(model))}
 
 
 def test_gradient_accumulation_with_set_requires_gradient_sync():
@@ -115,14 +115,14 @@ def _outputs_and_modes(rank, world):
     grads = []
     for m in (a, b):
         m(x).square().mean().backward()
-        grads.append({n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(m)})
+        grads.append(models.owned_grads(m))
         grads[-1]["states"] = [g.state for g in dmuon.distributed.dedicated_runtime(m).groups]
     out["no_reshard_grads"] = grads
     # a forward without backward leaves the last group unsharded; new master values must still
     # reach the next forward (zeroed projections: every block becomes the identity)
     b(x)
     with torch.no_grad():
-        for _, p in dmuon.dedicated_registry.dedicated_parameters(b):
+        for _, p in models.owned_masters(b):
             p.zero_()
     y = b(x)
     out["stale_diff"] = float((y - b.lm_head(b.norm(x))).abs().max())
@@ -132,14 +132,14 @@ def _outputs_and_modes(rank, world):
                           hook_boundary_predicate=lambda name, m: isinstance(m, (models.Attention, models.MLP)))
     c(x).square().mean().backward()
     out["boundary_groups"] = [g.name for g in dmuon.distributed.dedicated_runtime(c).forward_order]
-    out["boundary_grads"] = {n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(c)}
+    out["boundary_grads"] = models.owned_grads(c)
     # activation checkpointing: the recomputation inside backward finds its weights
     d = models.build_llama()
     d.checkpoint = True
     dmuon.dedicate_params(d, mesh, predicate=models.proj_predicate)
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks
         d(x).square().mean().backward()
-    out["ckpt_grads"] = {n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(d)}
+    out["ckpt_grads"] = models.owned_grads(d)
     out["ckpt_states"] = sorted({g.state for g in dmuon.distributed.dedicated_runtime(d).groups})
     return out
 
@@ -214,7 +214,9 @@ def _precision_and_recovery(rank, world):
     model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: (a[0].to(torch.bfloat16),))
     for block in model.layers:  # the blocks run in bf16 like FSDP2's param_dtype would make them
-        block.to(torch.bfloat16)
+        for module in block.modules():  # (the dedicated weights' dtype is param_policy's business)
+            if isinstance(module, models.RMSNorm):
+                module.to(torch.bfloat16)
     model.norm.to(torch.bfloat16)
     model.lm_head.to(torch.bfloat16)
     loss = model(x.to(torch.bfloat16)).float().square().mean()
@@ -249,7 +251,7 @@ def _precision_and_recovery(rank, world):
     grads = []
     for m in (model, fresh):
         m(x).square().mean().backward()
-        grads.append({n: p.grad for n, p in dmuon.dedicated_registry.dedicated_parameters(m)})
+        grads.append(models.owned_grads(m))
     out["resume_grads"] = grads
     return out
 

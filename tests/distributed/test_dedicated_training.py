@@ -84,7 +84,7 @@ def train_distributed(rank: int, world: int, steps: int, profile: bool, device: 
         loss = model(x[rank * per:(rank + 1) * per]).square().mean()
         loss.backward()
         if first_grads is None:  # the owner holds the full gradient averaged over ranks
-            first_grads = {n: p.grad.clone() for n, p in dmuon.dedicated_registry.dedicated_parameters(model)}
+            first_grads = {n: g.clone() for n, g in models.owned_grads(model).items()}
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -128,10 +128,10 @@ def check_against_reference(world: int, device: str) -> None:
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6)
             seen.add(name)
     assert seen == set(r0["owners"])
-    # each rank's Muon holds exactly the matrices it owns; everything else is an FSDP2 shard on AdamW
-    for rank, r in enumerate(results):
-        mine = {n for n, o in r["owners"].items() if o == rank}
-        assert {n for n, (route, _) in r["routes"].items() if route == "muon"} == mine
+    # every rank's Muon holds every dedicated weight (the same param_groups on every rank, as
+    # DCP needs; each rank does the math for the ones it owns); the rest are FSDP2 shards on AdamW
+    for r in results:
+        assert {n for n, (route, _) in r["routes"].items() if route == "muon"} == set(r0["owners"])
         adamw = {n: sharded for n, (route, sharded) in r["routes"].items() if route == "adamw"}
         assert set(adamw) == {n for n in ref_state if n not in r0["owners"]}
         assert all(adamw.values())

@@ -73,7 +73,7 @@ def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None, de
         loss = model(x[rank * per:(rank + 1) * per].to(dev)).square().mean()
         loss.backward()
         if first is None:
-            first = {n: p.grad.clone() for n, p in dmuon.dedicated_registry.dedicated_parameters(model)}
+            first = {n: g.clone() for n, g in models.owned_grads(model).items()}
         opt.step()
         in_flight.append(runtime.pending_collectives())
         if i == double_at:
@@ -82,7 +82,9 @@ def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None, de
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    muon_params = [opt.param_name(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]]
+    # the Muon matrices this rank holds whole: the ones its step runs Newton–Schulz on
+    muon_params = [opt.param_name(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]
+                   if p.to_local().numel() == p.numel()]
     out = {
         "owners": owners, "losses": losses, "first": first, "muon": muon_params,
         "in_flight": in_flight,
@@ -289,9 +291,10 @@ def _fallback_and_precision(rank, world):
         if by_model:
             opt = _muon(m)
         else:
-            owned = [p for _, p in dedicated_parameters(m)]
-            opt = dmuon.Muon([{"params": owned, "use_muon": True},
-                              {"params": list(m.parameters()), "use_muon": False}],
+            dedicated = [p for _, p in dedicated_parameters(m)]
+            others = [p for n, p in m.named_parameters() if not models.proj_predicate(n, p)]
+            opt = dmuon.Muon([{"params": dedicated, "use_muon": True},
+                              {"params": others, "use_muon": False}],
                              ns_backend=_ns(), compile=False, **HYPER)
         for _ in range(2):
             m(x).square().mean().backward()
@@ -302,10 +305,12 @@ def _fallback_and_precision(rank, world):
     out["fallback_diff"] = float((outs[0] - outs[1]).abs().max())
     # param_policy bf16 compute / fp32 masters: replicas and the publish in bf16, masters fp32
     m = models.build_llama()
+    for module in m.modules():  # the rest of the model computes in bf16 too
+        if isinstance(module, models.RMSNorm) or module is m.lm_head:
+            module.to(torch.bfloat16)
     policy = dmuon.ParamPolicy(dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     dmuon.dedicate_params(m, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"],
                           param_policy=policy)
-    m.to(torch.bfloat16)  # the rest of the model computes in bf16 too (dedicated masters stay fp32)
     opt = _muon(m)
     m(x.bfloat16()).float().square().mean().backward()
     opt.step()

@@ -22,7 +22,7 @@ def _nan_on_rank0(rank, world, mode):
     model(x[rank * per:(rank + 1) * per]).square().mean().backward()
     if rank == 0:  # poison a gradient only this rank holds: an owned matrix
         name = next(n for n, o in owners.items() if o == 0)
-        dict(dmuon.dedicated_registry.dedicated_parameters(model))[name].grad[0, 0] = float("nan")
+        models.owned_grads(model)[name][0, 0] = float("nan")
     outcome = "stepped"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,0 +1,76 @@
+"""The class a module holding dedicated weights gets: FSDP2 leaves those weights alone.
+
+``dedicate_params`` swaps the class of each module that holds a dedicated weight for a subclass
+of its own (``DedicatedLinear`` for an ``nn.Linear``; FSDP2 swaps the classes of the modules it
+shards the same way). The subclass changes two things:
+
+- ``named_parameters(recurse=False)`` called *by FSDP2* (any module under
+  ``torch.distributed.fsdp``) leaves the dedicated names out. ``fully_shard`` collects exactly
+  that call's parameters, so the user's plain ``fully_shard(block)`` never shards a dedicated
+  weight; every other caller — ``model.parameters()``, ``state_dict()``, DCP, optimizers, the
+  user — sees it. No FSDP2 code is changed; tests/distributed/test_registered_params.py fails
+  if a new torch collects parameters another way, and ``DedicatedRuntime.check_registered``
+  (run when ``Muon(model)`` is built) raises if anything replaced one.
+- ``_apply`` (``model.to``/``.cuda()``/``.double()``): the other parameters and buffers convert
+  as usual; a conversion that would change a dedicated weight's dtype or device raises an error
+  saying how to change them instead (the owner's master, its optimizer state and the group's
+  buffers would all have to move together).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+_HOLDER_CLASSES: dict[type, type] = {}
+_FSDP_PREFIX = "torch.distributed.fsdp"
+
+
+class DedicatedHolder(nn.Module):
+    """Mixin placed before the module's own class (see the module docstring)."""
+
+    _dmuon_dedicated: dict  # attr -> DedicatedParam
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        items = super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        if recurse or not sys._getframe(1).f_globals.get("__name__", "").startswith(_FSDP_PREFIX):
+            return items
+        hidden = {f"{prefix}.{a}" if prefix else a for a in self._dmuon_dedicated}
+        return ((name, p) for name, p in items if name not in hidden)
+
+    def _apply(self, fn, recurse: bool = True):
+        dedicated = self._dmuon_dedicated
+        held = {a: self._parameters.pop(a) for a in dedicated if a in self._parameters}
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            self._parameters.update(held)
+        for attr, dp in dedicated.items():
+            probe = torch.empty(0, dtype=dp.orig_dtype, device=dp.master_device)
+            with torch.no_grad():
+                moved = fn(probe)
+            if moved.dtype != probe.dtype or moved.device != probe.device:
+                raise RuntimeError(
+                    f"{type(self).__name__}._apply: this conversion would move the dedicated weight "
+                    f"{dp.fqn} from {probe.dtype} on {probe.device} to {moved.dtype} on {moved.device}. "
+                    "Dedicated weights keep the dtype and device they had at dmuon.dedicate_params: "
+                    "convert the model before dedicate_params (model.to(dtype) / model.to(device)), or "
+                    "choose the forward/backward dtype with dedicate_params(..., param_policy="
+                    "dmuon.ParamPolicy(param_dtype=...)) and keep the masters as they are."
+                )
+        return result
+
+
+def make_holder(module: nn.Module, attr: str, dedicated_param) -> None:
+    """Give ``module`` the holder class (once) and record ``attr`` as dedicated on it."""
+    cls = type(module)
+    if not isinstance(module, DedicatedHolder):
+        holder = _HOLDER_CLASSES.get(cls)
+        if holder is None:
+            holder = type(f"Dedicated{cls.__name__}", (DedicatedHolder, cls), {})
+            _HOLDER_CLASSES[cls] = holder
+        module.__class__ = holder
+        module._dmuon_dedicated = {}
+    module._dmuon_dedicated[attr] = dedicated_param
