@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dmuon_compile.train import runtime
+from dmuon_compile.train import checkpointing, runtime
 from dmuon_compile.train.data import DEFAULT_VAL_FRACTION, load_corpus
 from dmuon_compile.train.loop import OPTIMIZERS, TrainConfig, train_one
 from dmuon_compile.train.metrics import CsvLog, plot_losses
@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, default=None, help="where log.csv and loss.png go (default ./runs/<timestamp>)")
     p.add_argument("--device", choices=runtime.DEVICES, default="auto", help="auto: CUDA when available, else CPU")
     p.add_argument("--no-progress", action="store_true", help="no progress lines (summary only)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="write a DCP checkpoint (model + optimizer + LR schedule) every N steps and "
+                        "after the last one, under <out-dir>/checkpoints/step-N (default 0: never)")
+    p.add_argument("--resume", type=Path, default=None,
+                   help="continue from a checkpoint: a step-N directory, or a run/checkpoints directory "
+                        "(its newest step); any number of processes. The CSV log of that run continues")
     p.add_argument("--no-dedicate", action="store_true",
                    help="with several processes, keep the *_proj matrices whole on every rank and "
                         "all-reduce their gradients instead of dmuon.dedicate_params (the naive baseline)")
@@ -93,6 +99,15 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_si
         )
     if args.corpus_dir is not None and not args.corpus_dir.is_dir():
         parser.error(f"--corpus-dir {args.corpus_dir} is not a directory")
+    if args.save_every < 0:
+        parser.error(f"--save-every must be >= 0, got {args.save_every}")
+    if (args.save_every or args.resume is not None) and args.optimizer == "both":
+        parser.error("--save-every/--resume need one optimizer: pass --optimizer dmuon or --optimizer adamw")
+    if args.resume is not None:
+        try:
+            args.resume = checkpointing.find(args.resume)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but no CUDA GPU is usable here; use --device cpu or --device auto")
 
@@ -141,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
+    if args.resume is not None and args.out_dir is None:
+        args.out_dir = checkpointing.run_dir(args.resume)  # the resumed run's log continues
     out_dir = make_out_dir(args.out_dir) if env.is_main else None
     say = print if env.is_main else (lambda *a, **k: None)
     names = list(OPTIMIZERS) if args.optimizer == "both" else [args.optimizer]
@@ -150,14 +167,19 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
     say(corpus.describe())
     say(f"run: {env.describe()}, torch {torch.__version__}, optimizers {', '.join(names)}, "
         f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens")
-    log = CsvLog(out_dir / "log.csv" if out_dir is not None else None)
+    resumed_step = None
+    if args.resume is not None:
+        resumed_step = json.loads((args.resume / checkpointing.META).read_text())["step"]
+    log = CsvLog(out_dir / "log.csv" if out_dir is not None else None, keep_until=resumed_step)
     results = []
     for name in names:
         result = train_one(name, cfg, corpus, env, log, show_progress=not args.no_progress,
-                           dedicate=not args.no_dedicate)
+                           dedicate=not args.no_dedicate, save_every=args.save_every,
+                           out_dir=out_dir, resume=args.resume)
         results.append(result)
+        resumed = f" (resumed at step {resumed_step})" if resumed_step is not None else ""
         say(f"{name} [{result.mode}]: validation loss {result.first_val:.4f} -> {result.final_val:.4f} "
-            f"in {result.wall_s:.1f}s")
+            f"in {result.wall_s:.1f}s{resumed}")
     summary = {
         "out_dir": str(out_dir) if out_dir is not None else None,
         "world_size": env.world_size,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import dmuon_compile as dmuon
-from dmuon_compile.train import runtime
+from dmuon_compile.train import checkpointing, runtime
 from dmuon_compile.train.data import Corpus, WindowSampler
 from dmuon_compile.train.metrics import CsvLog, PhaseTimer, Progress, breakdown_table
 from dmuon_compile.train.model import GPT, GPTConfig, is_matrix_param
@@ -71,11 +71,11 @@ class RunResult:
 
     @property
     def first_val(self) -> float:
-        return self.val_losses[0][1]
+        return self.val_losses[0][1] if self.val_losses else float("nan")
 
     @property
     def final_val(self) -> float:
-        return self.val_losses[-1][1]
+        return self.val_losses[-1][1] if self.val_losses else float("nan")
 
     def breakdown(self) -> str:
         return breakdown_table(
@@ -141,8 +141,16 @@ def train_one(
     log: CsvLog,
     show_progress: bool = True,
     dedicate: bool = True,
+    save_every: int = 0,
+    out_dir=None,
+    resume=None,
 ) -> RunResult:
-    """Train a fresh model with optimizer ``name``; write rows to ``log``; return the result."""
+    """Train a fresh model with optimizer ``name``; write rows to ``log``; return the result.
+
+    ``save_every`` > 0 writes a DCP checkpoint under ``out_dir/checkpoints`` every that many steps
+    and after the last one; ``resume`` (a checkpoint directory) loads model, optimizer and LR
+    schedule from it and continues from its step (validation at that step is not repeated).
+    """
     model = build_model(cfg, env.device)
     wrapped = runtime.parallelize(model, env, name, dedicate=dedicate)
     model = wrapped.model
@@ -155,13 +163,25 @@ def train_one(
     progress = Progress(name, cfg.steps, enabled=env.is_main and show_progress)
     timer = PhaseTimer(env.device)
 
-    val_loss = evaluate(model, val, cfg.eval_batches, env)
-    result.val_losses.append((0, val_loss))
-    log.write(step=0, optimizer=name, val_loss=val_loss)
-    progress.update(0, None, val_loss, 0.0)
+    start = 0
+    if resume is not None:
+        start = checkpointing.load(resume, model, opt, sched, name)
+        if env.is_main and show_progress:
+            print(f"{name}: resumed from {resume} at step {start}")
+    else:
+        val_loss = evaluate(model, val, cfg.eval_batches, env)
+        result.val_losses.append((0, val_loss))
+        log.write(step=0, optimizer=name, val_loss=val_loss)
+        progress.update(0, None, val_loss, 0.0)
+
+    def save(step: int) -> None:
+        directory = checkpointing.step_dir(out_dir, step) if out_dir is not None else None
+        directory = runtime.broadcast_path(directory, env)
+        checkpointing.save(directory, model, opt, sched, step, name, env.is_main)
 
     try:
-        _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progress, timer, log)
+        _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progress, timer, log,
+                     start=start, save_every=save_every, save=save)
     except KeyboardInterrupt:
         if wrapped.mode == runtime.DEDICATED:
             dmuon.wait_all_replicate_broadcasts(model)  # drain in-flight collectives, then stop
@@ -172,8 +192,9 @@ def train_one(
     return result
 
 
-def _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progress, timer, log) -> None:
-    """The step loop of :func:`train_one` (fills ``result`` and ``log``)."""
+def _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progress, timer, log,
+                 start: int = 0, save_every: int = 0, save=None) -> None:
+    """The step loop of :func:`train_one` from step ``start`` (fills ``result`` and ``log``)."""
     model = wrapped.model
     tokens_per_step = cfg.batch_size * cfg.seq_len
     run_start = time.perf_counter()
@@ -181,7 +202,7 @@ def _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progre
     wait_start = runtime.profile_wait_ms(wrapped) if result.comm_kind == "profile" else None
     loss_sum = torch.zeros((), device=env.device)
     model.train()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         x, y = train.batch(step, env.device)
         with timer.phase("forward"):
             logits = model(x)
@@ -197,6 +218,8 @@ def _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progre
         loss_sum += loss.detach()
         interval_steps += 1
         done = step + 1
+        if save_every and (done % save_every == 0 or done == cfg.steps):
+            save(done)
         do_eval = done % cfg.eval_every == 0 or done == cfg.steps
         if done % cfg.log_every and not do_eval:
             continue
@@ -211,7 +234,7 @@ def _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progre
             raise FloatingPointError(f"{name}: training loss is {train_loss} at step {done}; lower --lr/--adamw-lr")
         # The first interval pays one-time costs (allocation, optimizer state): keep it out of
         # the breakdown unless it is the only one.
-        if done > cfg.log_every or done == cfg.steps and result.timed_steps == 0:
+        if done > start + cfg.log_every or done == cfg.steps and result.timed_steps == 0:
             result.timed_steps += interval_steps
             result.timed_wall_ms += elapsed_ms
             for k, v in phases.items():

@@ -130,13 +130,21 @@ class Progress:
 class CsvLog:
     """Appends rows of :data:`CSV_FIELDS` to ``path`` (rank 0 only; others pass ``path=None``)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, keep_until: int | None = None):
+        """``keep_until``: continue an existing log (a resumed run): its rows up to that step
+        stay, later ones (written after the checkpoint) are dropped."""
         self.path = path
         self.rows: list[dict] = []
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            kept = []
+            if keep_until is not None and path.is_file():
+                kept = [r for r in read_csv(path) if r.get("step", "") != "" and int(r["step"]) <= keep_until]
             with open(path, "w", newline="") as f:
-                csv.DictWriter(f, CSV_FIELDS).writeheader()
+                writer = csv.DictWriter(f, CSV_FIELDS)
+                writer.writeheader()
+                for row in kept:
+                    writer.writerow({k: row.get(k, "") for k in CSV_FIELDS})
 
     def write(self, **row) -> None:
         unknown = set(row) - set(CSV_FIELDS)

@@ -23,6 +23,8 @@ import gc
 import os
 from dataclasses import dataclass, field
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -198,6 +200,15 @@ def parallelize(model: nn.Module, env: DistEnv, optimizer: str, dedicate: bool =
     matrices = [p for name, p in model.named_parameters() if is_matrix_param(name, p)]
     _fully_shard(model, env.mesh, ignored=set(matrices))
     return Wrapped(model, REPLICATED, replicated=matrices, world_size=env.world_size)
+
+
+def broadcast_path(path, env: DistEnv):
+    """Rank 0's ``path`` on every rank (the run directory is chosen on rank 0)."""
+    if not env.distributed:
+        return path
+    box = [str(path) if path is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return None if box[0] is None else Path(box[0])
 
 
 def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""The demo's checkpoints: DCP save every N steps, resume from a directory (torchtitan's way).
+
+A checkpoint is ``<out_dir>/checkpoints/step-<k>/``: the DCP files of ``{"model", "optim"}`` from
+``torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)`` — dedicated weights, their
+Muon momentum, FSDP2 shards and AdamW moments alike — and ``meta.json`` (step, LR scheduler,
+optimizer name), written by rank 0 after the DCP files. Because DCP stores global tensors, a
+checkpoint resumes on any number of processes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(out_dir: Path, step: int) -> Path:
+    return out_dir / "checkpoints" / f"step-{step}"
+
+
+def save(directory: Path, model, opt, sched, step: int, optimizer: str, is_main: bool) -> Path:
+    """Collective: every rank writes its part of the DCP checkpoint; rank 0 adds ``meta.json``."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+    if is_main:
+        meta = {"step": step, "optimizer": optimizer, "scheduler": sched.state_dict()}
+        (directory / META).write_text(json.dumps(meta, indent=2))
+    if dist.is_initialized():
+        dist.barrier()  # meta.json exists on every rank's view before anyone goes on
+    return directory
+
+
+def find(path: Path) -> Path:
+    """The checkpoint to resume from: ``path`` itself, or the newest ``step-*`` under it (or under
+    ``path/checkpoints``). Raises ``FileNotFoundError`` naming what was looked for."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        steps = sorted(
+            (int(m.group(1)), p) for p in root.glob("step-*") if (m := _STEP_DIR.match(p.name)) and (p / META).is_file()
+        ) if root.is_dir() else []
+        if steps:
+            return steps[-1][1]
+    raise FileNotFoundError(
+        f"--resume {path}: no checkpoint there (looked for {META} in it, and for step-*/{META} in it "
+        "and in its checkpoints/ folder). Pass a directory written by --save-every."
+    )
+
+
+def run_dir(checkpoint: Path) -> Path:
+    """The run directory a checkpoint belongs to (``<run>/checkpoints/step-k`` → ``<run>``)."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+
+
+def load(directory: Path, model, opt, sched, optimizer: str) -> int:
+    """Collective: load model, optimizer and scheduler state; returns the step to continue from."""
+    meta = json.loads((directory / META).read_text())
+    if meta.get("optimizer") != optimizer:
+        raise ValueError(
+            f"--resume {directory}: that checkpoint was written by --optimizer {meta.get('optimizer')}, "
+            f"this run uses --optimizer {optimizer}; pass the same --optimizer"
+        )
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    sched.load_state_dict(meta["scheduler"])
+    return int(meta["step"])
