@@ -177,7 +177,10 @@ def train_one(
     def save(step: int) -> None:
         directory = checkpointing.step_dir(out_dir, step) if out_dir is not None else None
         directory = runtime.broadcast_path(directory, env)
+        t0 = time.perf_counter()
         checkpointing.save(directory, model, opt, sched, step, name, env.is_main)
+        if env.is_main and show_progress:
+            print(f"{name}: checkpoint {directory} ({time.perf_counter() - t0:.1f}s)")
 
     try:
         _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progress, timer, log,
