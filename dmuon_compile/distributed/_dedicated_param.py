@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dmuon_compile.distributed._owned import local_of, make_owned, wrap_like
+from dmuon_compile.distributed._owned import OwnerTensor, local_of, make_owned, wrap_like
 
 
 @dataclass(eq=False)
@@ -84,7 +84,10 @@ class DedicatedParam:
         """Create the registered ``param`` on the owner ``mesh`` (``master``: this rank's whole
         tensor, or ``None`` off the owner) and put it in ``module._parameters``."""
         dtensor = make_owned(master, mesh, self.shape, self.orig_dtype, device)
-        self.param = nn.Parameter(dtensor, requires_grad=True)
+        # nn.Parameter(x) of a tensor subclass returns x.detach() marked as a parameter; build
+        # the OwnerTensor leaf directly and mark it the same way (FSDP2 registers DTensors so).
+        self.param = OwnerTensor(local_of(dtensor), dtensor._spec, requires_grad=True)
+        self.param._is_param = True
         self.owns = master is not None
         self.module._parameters[self.attr] = self.param
 

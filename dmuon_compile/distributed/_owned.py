@@ -16,9 +16,12 @@ Checked on torch 2.11 and 2.13, and the reasons for the helpers in this package:
 - ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms, and DTensor refuses to stack
   norms of different meshes ("must have the same mesh", pytorch issue 180346). Use
   ``dmuon.clip_grad_norm_(model.parameters(), max_norm)``, which groups by mesh.
-- ``DTensor.full_tensor()`` is a no-op on a one-rank mesh: it gives the weight on its owner and an
-  empty tensor elsewhere. ``dmuon.full_tensor(p)`` broadcasts it to every rank;
-  ``dmuon.get_model_state_dict`` gathers a whole model.
+- ``DTensor.full_tensor()`` of a plain one-rank DTensor gives the tensor on its owner and an
+  empty one elsewhere. Owner tensors are therefore of the subclass :class:`OwnerTensor`, whose
+  ``full_tensor()`` is a broadcast from the owner (collective, like ``full_tensor()`` of FSDP2's
+  DTensors) and whose ops return ``OwnerTensor`` again, so ``p.full_tensor()``, ``p.detach()
+  .full_tensor()`` and torch's ``get_model_state_dict(full_state_dict=True)`` give the weight on
+  every rank. ``dmuon.full_tensor(t)`` does the same for any tensor.
 - A shard-like placement on FSDP2's mesh (``Shard(0)`` subclass) was tried first and dropped:
   DTensor's sharding rules rebuild plain ``Shard(0)`` for its outputs (wrong labels), and its
   foreach rules mixed it up with FSDP2's own ``Shard(0)`` gradients of the same shape (a hang).
@@ -37,6 +40,30 @@ from torch.distributed.tensor import DTensor, Replicate
 _OWNER_MESHES: dict[tuple[str, int], DeviceMesh] = {}
 _OWNER_OF_MESH: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot-path lookups)
 _NO_BACKEND = "_init_backend" in inspect.signature(DeviceMesh.__init__).parameters
+
+
+class OwnerTensor(DTensor):
+    """A DTensor on an owner mesh (see the module docstring): ``full_tensor()`` is collective.
+
+    Everything else is DTensor's; results of ops on it that land on an owner mesh are
+    ``OwnerTensor`` too (``detach``, ``zeros_like``, arithmetic).
+    """
+
+    def full_tensor(self, *, grad_placements=None) -> Tensor:  # noqa: ARG002 - DTensor's signature
+        return full_tensor(self)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        return _rewrap(out)
+
+
+def _rewrap(out):
+    if type(out) is DTensor and id(out.device_mesh) in _OWNER_OF_MESH:
+        return OwnerTensor(out._local_tensor, out._spec, requires_grad=out.requires_grad)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_rewrap(o) for o in out)
+    return out
 
 
 def owner_mesh(device_type: str, global_rank: int) -> DeviceMesh:
@@ -70,7 +97,8 @@ def make_owned(local: Tensor | None, mesh: DeviceMesh, shape, dtype: torch.dtype
     elif tuple(local.shape) != tuple(shape):
         raise ValueError(f"the owner's tensor has shape {tuple(local.shape)}, expected {tuple(shape)}")
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, [Replicate()], run_check=False, shape=shape, stride=stride)
+    plain = DTensor.from_local(local, mesh, [Replicate()], run_check=False, shape=shape, stride=stride)
+    return OwnerTensor(plain._local_tensor, plain._spec, requires_grad=False)
 
 
 def wrap_like(local: Tensor | None, like: DTensor) -> DTensor:
@@ -81,7 +109,7 @@ def wrap_like(local: Tensor | None, like: DTensor) -> DTensor:
     """
     if local is None:
         local = empty_local(like.dtype, local_of(like).device)
-    return DTensor(local, like._spec, requires_grad=False)
+    return OwnerTensor(local, like._spec, requires_grad=False)
 
 
 def local_of(t: Tensor) -> Tensor:

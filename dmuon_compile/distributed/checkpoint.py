@@ -7,8 +7,8 @@ checkpoints and reshards them like FSDP2's parameters: that is the path for resu
 cluster shape. The two helpers here are the troubleshooting page's full-state-dict pair: one dict
 with every tensor whole (for ``torch.save``, HF ``save_pretrained(state_dict=...)``, or a
 single-process model), and its way back in. Use them rather than torch's
-``get_model_state_dict(full_state_dict=True)``, which gathers a one-rank DTensor only on its owner
-(other ranks, rank 0 included, get an empty tensor for it).
+``get_model_state_dict(full_state_dict=True)``, which takes a ``Replicate`` DTensor's local tensor
+instead of gathering it (other ranks than the owner, rank 0 included, get an empty tensor).
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ def _seen(rank, world):
         "is_dtensor": isinstance(w, DTensor),
         "local_numel": w.to_local().numel(),
         "full": dmuon.full_tensor(w),                 # collective: the weight on every rank
+        "full_method": w.full_tensor(),               # the DTensor method, collective too
         "sum": float(dmuon.full_tensor(w.sum())),     # a reduction on the DTensor itself
     }
     snapshot = dmuon.get_model_state_dict(model, cpu_offload=False)
@@ -132,6 +133,7 @@ def test_parameters_state_dict_reads_and_conversions():
         assert r["sharded_by_fsdp"] == [] and r["registered"] and r["all_in_optimizer"]
         assert r["read"]["is_dtensor"]
         torch.testing.assert_close(r["read"]["full"], ref_w, rtol=1e-4, atol=1e-5)  # fp32 reduction order
+        assert torch.equal(r["read"]["full_method"], r["read"]["full"])
         assert r["read"]["sum"] == pytest.approx(float(ref_w.sum()), rel=1e-4, abs=1e-5)
         assert r["snapshot_unchanged"] and r["weights_moved"]
         assert r["to_error"] is not None and "param_policy" in r["to_error"]
