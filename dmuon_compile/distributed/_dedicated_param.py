@@ -14,7 +14,7 @@
 - gradient: accumulated on ``unsharded`` in backward, reduced to the owner, then set as
   ``param.grad``: an owner DTensor with the averaged full gradient on the owner, empty elsewhere.
   Every rank gets one, so every rank's ``parameters()`` have the same gradients and
-  ``dmuon.clip_grad_norm_`` issues the same collectives everywhere.
+  ``clip_grad_norm_`` issues the same collectives everywhere.
 
 FSDP2 must not shard ``param``: ``fully_shard`` collects ``module.named_parameters(recurse=False)``,
 and the holder module's class (``_holder.py``) leaves dedicated names out of that one call when

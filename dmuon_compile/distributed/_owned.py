@@ -6,22 +6,29 @@ placement ``Replicate()``. On the owner its local tensor is the whole weight; on
 DTensor's own convention for ranks outside a mesh applies: an empty local tensor, and ops that
 return empty results. Its gradient and its optimizer state are DTensors of the same kind.
 
-This is plain DTensor, with no placement of our own, so every DTensor op means what it says, and
+The placement is DTensor's own (no placement of ours), so every DTensor op means what it says, and
 ``torch.distributed.checkpoint`` saves the owner's tensor with its global shape and loads any
 saved layout back into it (another owner, FSDP2's ``Shard(0)``, a plain tensor on one process),
 which is what lets checkpoints move between cluster shapes.
 
-Checked on torch 2.11 and 2.13, and the reasons for the helpers in this package:
+Two PyTorch tools assume a whole model on one mesh; the subclass :class:`OwnerTensor` makes both
+work (checked on torch 2.13; the DCP behaviour also on 2.11):
 
 - ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms, and DTensor refuses to stack
-  norms of different meshes ("must have the same mesh", pytorch issue 180346). Use
-  ``dmuon.clip_grad_norm_(model.parameters(), max_norm)``, which groups by mesh.
+  norms of different meshes ("must have the same mesh", pytorch issue 180346). The norm of an
+  :class:`OwnerTensor` is therefore given on the *data-parallel mesh* of its model (the mesh
+  FSDP2's norms live on), as a ``_NormPartial`` whose only non-zero part is the owner's: stacked
+  with FSDP2's norms and reduced, it is the exact global norm. The in-place scaling that follows
+  (``_foreach_mul_`` / ``mul_``) scales the owner's local tensor. So torch's
+  ``clip_grad_norm_(model.parameters(), max_norm)`` works unchanged;
+  ``dmuon.clip_grad_norm_`` is the same with a plain-tensor result.
 - ``DTensor.full_tensor()`` of a plain one-rank DTensor gives the tensor on its owner and an
   empty one elsewhere. Owner tensors are therefore of the subclass :class:`OwnerTensor`, whose
   ``full_tensor()`` is a broadcast from the owner (collective, like ``full_tensor()`` of FSDP2's
-  DTensors) and whose ops return ``OwnerTensor`` again, so ``p.full_tensor()``, ``p.detach()
-  .full_tensor()`` and torch's ``get_model_state_dict(full_state_dict=True)`` give the weight on
-  every rank. ``dmuon.full_tensor(t)`` does the same for any tensor.
+  DTensors) and whose ops return ``OwnerTensor`` again, so ``p.full_tensor()`` and ``p.detach()
+  .full_tensor()`` give the weight on every rank. ``dmuon.full_tensor(t)`` does the same for any
+  tensor. (torch's ``get_model_state_dict(full_state_dict=True)`` takes a ``Replicate`` DTensor's
+  local tensor without ``full_tensor()``: use ``dmuon.get_model_state_dict``.)
 - A shard-like placement on FSDP2's mesh (``Shard(0)`` subclass) was tried first and dropped:
   DTensor's sharding rules rebuild plain ``Shard(0)`` for its outputs (wrong labels), and its
   foreach rules mixed it up with FSDP2's own ``Shard(0)`` gradients of the same shape (a hang).
@@ -39,6 +46,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 _OWNER_MESHES: dict[tuple[str, int], DeviceMesh] = {}
 _OWNER_OF_MESH: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot-path lookups)
+_DP_MESH_OF: dict[int, DeviceMesh] = {}  # id(owner mesh) -> the data-parallel mesh of its model
+_aten = torch.ops.aten
 _NO_BACKEND = "_init_backend" in inspect.signature(DeviceMesh.__init__).parameters
 
 
@@ -54,8 +63,96 @@ class OwnerTensor(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        return _rewrap(out)
+        kwargs = kwargs or {}
+        handler = _CLIP_OPS.get(func)
+        if handler is not None:
+            done, out = handler(args, kwargs)
+            if done:
+                return out
+        return _rewrap(super().__torch_dispatch__(func, types, args, kwargs))
+
+
+def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
+    """Record the data-parallel mesh (FSDP2's) that owner ``mesh``'s norms are given on."""
+    _DP_MESH_OF[id(mesh)] = dp_mesh
+
+
+def _norm_on_dp_mesh(t: "OwnerTensor", ord) -> Tensor:
+    """‖t‖ as a ``_NormPartial`` DTensor on its model's data-parallel mesh (0 off the owner)."""
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+    local = t._local_tensor
+    value = (torch.linalg.vector_norm(local, ord) if local.numel()
+             else torch.zeros((), dtype=t.dtype, device=local.device))
+    dp_mesh = _DP_MESH_OF.get(id(t.device_mesh))
+    if dp_mesh is None:
+        return value
+    return DTensor.from_local(value.reshape(()), dp_mesh, [_NormPartial(ord)] * dp_mesh.ndim,
+                              run_check=False, shape=torch.Size(()), stride=())
+
+
+def _split(tensors):
+    mine = [i for i, t in enumerate(tensors) if isinstance(t, OwnerTensor)]
+    others = [t for t in tensors if not isinstance(t, OwnerTensor)]
+    return mine, others
+
+
+def _foreach_norm(args, kwargs):
+    tensors = list(args[0])
+    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    if (len(args) > 2 and args[2] is not None) or kwargs.get("dtype") is not None:
+        return False, None
+    mine, others = _split(tensors)
+    rest = iter(torch._foreach_norm(others, ord) if others else [])
+    return True, [_norm_on_dp_mesh(t, ord) if i in mine else next(rest) for i, t in enumerate(tensors)]
+
+
+def _vector_norm(args, kwargs):
+    t = args[0]
+    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    if not isinstance(t, OwnerTensor) or dim is not None or keepdim or kwargs.get("dtype") is not None:
+        return False, None
+    return True, _norm_on_dp_mesh(t, ord)
+
+
+def _scale_locally(t: "OwnerTensor", factor) -> None:
+    local = t._local_tensor
+    if local.numel():
+        local.mul_(local_of(factor).to(local.device) if isinstance(factor, Tensor) else factor)
+
+
+def _foreach_mul_(args, kwargs):
+    tensors, factor = list(args[0]), args[1]
+    if isinstance(factor, (list, tuple)) or isinstance(factor, OwnerTensor):
+        return False, None
+    mine, others = _split(tensors)
+    for i in mine:
+        _scale_locally(tensors[i], factor)
+    if others:
+        torch._foreach_mul_(others, factor)
+    return True, None
+
+
+def _mul_(args, kwargs):
+    t, factor = args[0], args[1]
+    if not isinstance(t, OwnerTensor) or isinstance(factor, OwnerTensor) or (
+            isinstance(factor, Tensor) and factor.numel() != 1):
+        return False, None
+    _scale_locally(t, factor)
+    return True, t
+
+
+# What torch.nn.utils.clip_grad_norm_ / get_total_norm call on gradients (2.11 and 2.13).
+_CLIP_OPS = {
+    _aten._foreach_norm.Scalar: _foreach_norm,
+    _aten.linalg_vector_norm.default: _vector_norm,
+    _aten._foreach_mul_.Tensor: _foreach_mul_,
+    _aten._foreach_mul_.Scalar: _foreach_mul_,
+    _aten.mul_.Tensor: _mul_,
+    _aten.mul_.Scalar: _mul_,
+}
 
 
 def _rewrap(out):

@@ -28,7 +28,7 @@ from dmuon_compile.distributed import _fsdp_compat, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._holder import make_holder
-from dmuon_compile.distributed._owned import owner_mesh
+from dmuon_compile.distributed._owned import owner_mesh, set_dp_mesh
 from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
@@ -247,7 +247,9 @@ def dedicate_params(
         groups.append(g)
     for dp in params:
         global_owner = int(rank_grid[dp.replica_owner, dp.owner])
-        dp.register(owner_mesh(mesh.device_type, global_owner), masters.get(dp.fqn), device)
+        omesh = owner_mesh(mesh.device_type, global_owner)
+        set_dp_mesh(omesh, dp_mesh)  # where its norms go: FSDP2's mesh (clip_grad_norm_)
+        dp.register(omesh, masters.get(dp.fqn), device)
         make_holder(dp.module, dp.attr, dp)
     for g in groups:
         if g.replicate is not None:

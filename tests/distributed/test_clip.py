@@ -1,5 +1,5 @@
-"""dmuon.clip_grad_norm_(model.parameters()) — torch's signature — sees the dedicated gradients:
-the norm and the clipped gradients equal one process's (1-D FSDP and HSDP)."""
+"""torch.nn.utils.clip_grad_norm_(model.parameters()) sees the dedicated gradients, as does the
+dmuon.clip_grad_norm_ alias: the norm and the clipped gradients equal one process's (1-D, HSDP)."""
 
 from __future__ import annotations
 
@@ -20,24 +20,27 @@ def _reference(max_norm):
     return float(total), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _clip(rank, world, max_norm, pass_model, hsdp):
+def _clip(rank, world, max_norm, use_torch, hsdp):
     import dmuon_compile as dmuon
 
     model, _ = models.build_dedicated(world, hsdp=hsdp)
     x = next(iter(models.batches(1, world)))
     per = x.shape[0] // world
     model(x[rank * per:(rank + 1) * per]).square().mean().backward()
-    total = dmuon.clip_grad_norm_(model if pass_model else model.parameters(), max_norm)
-    grads = {n: dmuon.full_tensor(p.grad) for n, p in model.named_parameters()}  # collective
+    if use_torch:  # the user's unchanged FSDP2 line
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()
+    else:
+        total = dmuon.clip_grad_norm_(model, max_norm)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # collective
     owned = sorted(n for n, p in model.named_parameters() if p.grad.to_local().numel() == p.numel())
     return float(total), grads, owned
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e6], ids=["clips", "no-op"])
-@pytest.mark.parametrize("pass_model", [False, True], ids=["parameters", "model"])
-def test_clip_matches_single_process(max_norm, pass_model):
+@pytest.mark.parametrize("use_torch", [True, False], ids=["torch", "alias"])
+def test_clip_matches_single_process(max_norm, use_torch):
     ref_total, ref_grads = _reference(max_norm)
-    results = run_ranks(_clip, 2, max_norm, pass_model, False, timeout=90)
+    results = run_ranks(_clip, 2, max_norm, use_torch, False, timeout=90)
     for total, grads, _ in results:
         assert total == pytest.approx(ref_total, rel=1e-5)
         assert set(grads) == set(ref_grads)
@@ -48,9 +51,9 @@ def test_clip_matches_single_process(max_norm, pass_model):
     assert not dedicated <= set(results[0][2]) and not dedicated <= set(results[1][2])
 
 
-def test_clip_hsdp():
+def test_torch_clip_hsdp():
     ref_total, ref_grads = _reference(1e-3)
-    for total, grads, _ in run_ranks(_clip, 2, 1e-3, False, True, timeout=90):
+    for total, grads, _ in run_ranks(_clip, 2, 1e-3, True, True, timeout=90):
         assert total == pytest.approx(ref_total, rel=1e-5)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-7)
