@@ -369,10 +369,6 @@ class NewtonSchulz:
             return self.requested_work_dtype
         return torch.float32 if device.type == "cpu" else self.work_dtype
 
-    @property
-    def primitives(self):
-        return CustomOpPrimitives if self.kernel == "triton" else TorchPrimitives
-
     def primitives_for(self, m: int, batch: int = 1):
         """The product implementation for an (m, ·) matrix (stack of ``batch``).
 

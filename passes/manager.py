@@ -129,10 +129,6 @@ class NSChainPass(CustomGraphPass):
         return f"NSChainPass(user_pass={self.user_pass!r}, subpasses={self.subpasses})"
 
 
-def contains_ns_pass(p) -> bool:
-    return isinstance(p, NSChainPass)
-
-
 def wrap_pass(existing=None, **kwargs) -> NSChainPass:
     """``existing`` wrapped in an :class:`NSChainPass` (returned as is if it already is one).
 

@@ -57,9 +57,6 @@ def _sym_mm():
     return torch.ops.dmuon.sym_mm.default
 
 
-DMUON_OPS_NAMES = ("syrk", "sym_mm")
-
-
 @dataclass
 class RewriteStats:
     """What one run of the pass did (also mirrored into ``counters["dmuon"]``)."""

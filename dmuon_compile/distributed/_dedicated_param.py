@@ -30,7 +30,7 @@ when its shard group unshards the matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +51,6 @@ class DedicatedParam:
     owns: bool = False  # this rank is the (global) owner: it holds the master
     unsharded: Tensor | None = None
     offset: int = 0  # element offset inside the group's flat buffer
-    hook_handles: list = field(default_factory=list)
     replica_owner: int = 0  # HSDP: replicate rank of the global owner
     replica: Tensor | None = None  # HSDP: the non-owning column members' copy of the weight
 

@@ -342,7 +342,3 @@ class DedicatedRuntime:
             group.grads_ready.clear()
         self._backward_queued, self._sync, self._reducing = False, None, []
 
-    def remove_hooks(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()

@@ -161,9 +161,6 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
     out_dir = make_out_dir(args.out_dir) if env.is_main else None
     say = print if env.is_main else (lambda *a, **k: None)
     names = list(OPTIMIZERS) if args.optimizer == "both" else [args.optimizer]
-    if "dmuon" in names and env.distributed and not args.no_dedicate and not runtime.has_dedicate_params():
-        say("note: dmuon.dedicate_params is not available in this build; Muon runs on FSDP2 with the "
-            "*_proj matrices kept whole on every rank and their gradients all-reduced")
     say(corpus.describe())
     say(f"run: {env.describe()}, torch {torch.__version__}, optimizers {', '.join(names)}, "
         f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens")

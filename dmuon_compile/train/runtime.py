@@ -122,11 +122,6 @@ def teardown(env: DistEnv) -> None:
         dist.destroy_process_group()
 
 
-def has_dedicate_params() -> bool:
-    """Whether the distributed runtime (``dmuon.dedicate_params``) is available."""
-    return hasattr(dmuon, "dedicate_params")
-
-
 @dataclass
 class Wrapped:
     """A model ready for one optimizer run, plus what the loop needs to know about it."""
@@ -193,7 +188,7 @@ def parallelize(model: nn.Module, env: DistEnv, optimizer: str, dedicate: bool =
     if optimizer == "adamw":
         _fully_shard(model, env.mesh)
         return Wrapped(model, "FSDP2", world_size=env.world_size)
-    if dedicate and has_dedicate_params():
+    if dedicate:
         _dedicate(model, env.mesh)
         _fully_shard(model, env.mesh)
         return Wrapped(model, DEDICATED, world_size=env.world_size)
