@@ -1,4 +1,4 @@
-"""BENCHMARKS.md §B: one training iteration of a Llama-like stack on FSDP2, four optimizers.
+"""benchmarks/README.md §B: one training iteration of a Llama-like stack on FSDP2, four optimizers.
 
 Launch with torchrun, one process per GPU (or CPU processes with gloo for a smoke run):
 

@@ -1,4 +1,4 @@
-"""Kernel benchmarks of BENCHMARKS.md §A (Newton–Schulz per matrix) and §C (SYRK vs cuBLAS).
+"""Kernel benchmarks of benchmarks/README.md §A (Newton–Schulz per matrix) and §C (SYRK vs cuBLAS).
 
 Run on one GPU::
 
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     import triton
 
     header = [
-        "# Kernel benchmarks (BENCHMARKS.md §A, §C)",
+        "# Kernel benchmarks (benchmarks/README.md §A, §C)",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- device: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count} SMs)",

@@ -1,4 +1,4 @@
-"""BENCHMARKS.md §B1: the optimizer step alone over the matrix sets of models S and M (one GPU).
+"""benchmarks/README.md §B1: the optimizer step alone over the matrix sets of models S and M (one GPU).
 
     python benchmarks/bench_step.py --out benchmarks/RESULTS_step.md          # S and M, CUDA
     python benchmarks/bench_step.py --quick --out /tmp/step.md                # fewer repeats

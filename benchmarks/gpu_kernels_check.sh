@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: GPU kernel tests, autotune, kernel benchmarks (BENCHMARKS.md §A, §C).
+# One device call: GPU kernel tests, autotune, kernel benchmarks (benchmarks/README.md §A, §C).
 # Usage (on the GPU machine, repo root): bash benchmarks/gpu_kernels_check.sh [--quick] [--sections CA]
 # Writes logs and the markdown table under $OUT (default ./gpu_out); the Triton and autotune
 # caches go to .gpu_cache/ (tarred to $OUT so a later call can carry them back).

@@ -1,6 +1,6 @@
 """Newton–Schulz orthogonalisation: the eager reference every fast path is tested against.
 
-Two algorithms (see ARCHITECTURE.md §3), both for X of shape (m, n) with m ≤ n (tall inputs are
+Two algorithms (see docs/architecture.md, Newton–Schulz), both for X of shape (m, n) with m ≤ n (tall inputs are
 transposed) or batched (batch, m, n):
 
 - **direct**: per step A = X·Xᵀ, B = b·A + c·A², X ← a·X + B·X.
@@ -29,7 +29,7 @@ from dmuon_compile.kernels.availability import device_tag, triton_status
 EPS = 1e-7
 BACKENDS = ("gram", "direct")
 KERNELS = ("auto", "triton", "cublas")
-# Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS (ARCHITECTURE.md §3).
+# Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS (docs/architecture.md, Newton–Schulz).
 DEFAULT_GRAM_MIN_ASPECT = 1.5
 # Size thresholds for the Triton kernels (see NewtonSchulz.primitives_for).
 TRITON_MIN_ROWS = 4096

@@ -233,7 +233,7 @@ def autotune_enabled() -> bool:
 def heuristic_choice(m: int, batch: int, dtype: torch.dtype, default_config) -> object:
     """Untimed choice: Triton for half-precision work with ≥ 1024 rows of output per launch.
 
-    A single matrix below ~1024 rows has too few tiles for the chip (ARCHITECTURE.md §4).
+    A single matrix below ~1024 rows has too few tiles for the chip (docs/architecture.md, Kernels).
     """
     if dtype in (torch.float16, torch.bfloat16) and m * max(batch, 1) ** 0.5 >= 1024:
         return default_config

@@ -110,7 +110,7 @@ def test_compiled_step_equals_eager_step(shapes, work_dtype, backend, coefficien
     weights, so compiled (one rounding) and eager (two roundings) differ by whole ulps.
     """
     if backend == "gram" and work_dtype == torch.bfloat16:
-        work_dtype = torch.float16  # Gram NS iterates in fp16 (ARCHITECTURE.md §3)
+        work_dtype = torch.float16  # Gram NS iterates in fp16 (docs/architecture.md, Newton–Schulz)
     torch._dynamo.reset()
     ps_c, ps_e = _params(shapes, torch.float32, seed), _params(shapes, torch.float32, seed)
     ns = NewtonSchulz(backend=backend, kernel="auto", coefficients=coefficients, work_dtype=work_dtype)

@@ -214,7 +214,7 @@ def test_provenance_polynomial_is_the_composed_ns_polynomial(trace):
 )
 def test_rewritten_graph_equals_original(backend, batch, m, aspect, dtype, table, transposed, seed):
     if backend == "gram" and dtype == torch.bfloat16:
-        dtype = torch.float16  # Gram NS iterates in fp16 (ARCHITECTURE.md §3)
+        dtype = torch.float16  # Gram NS iterates in fp16 (docs/architecture.md, Newton–Schulz)
     n = max(m, round(m * aspect))
     shape = ((batch,) if batch else ()) + ((n, m) if transposed else (m, n))
     g = torch.Generator().manual_seed(seed)
