@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from dmuon_compile.distributed._owned import OwnerTensor, local_of, make_owned, wrap_like
+from dmuon_compile.distributed._owned import local_of, make_owned, wrap_like
 
 
 @dataclass(eq=False)
@@ -49,6 +49,7 @@ class DedicatedParam:
     compute_dtype: torch.dtype
     param: nn.Parameter | None = None  # the registered owner DTensor (every rank)
     owns: bool = False  # this rank is the (global) owner: it holds the master
+    _empty_grad: Tensor | None = None  # off the owner: the empty gradient reused every step
     unsharded: Tensor | None = None
     offset: int = 0  # element offset inside the group's flat buffer
     replica_owner: int = 0  # HSDP: replicate rank of the global owner
@@ -82,11 +83,11 @@ class DedicatedParam:
     def register(self, mesh, master: Tensor | None, device: torch.device) -> None:
         """Create the registered ``param`` on the owner ``mesh`` (``master``: this rank's whole
         tensor, or ``None`` off the owner) and put it in ``module._parameters``."""
-        dtensor = make_owned(master, mesh, self.shape, self.orig_dtype, device)
         # nn.Parameter(x) of a tensor subclass returns x.detach() marked as a parameter; build
         # the OwnerTensor leaf directly and mark it the same way (FSDP2 registers DTensors so).
-        self.param = OwnerTensor(local_of(dtensor), dtensor._spec, requires_grad=True)
+        self.param = make_owned(master, mesh, self.shape, self.orig_dtype, device, requires_grad=True)
         self.param._is_param = True
+        self._empty_grad = None if master is not None else wrap_like(None, self.param)
         self.owns = master is not None
         self.module._parameters[self.attr] = self.param
 
@@ -102,8 +103,12 @@ class DedicatedParam:
     def accumulate_grad(self, full: Tensor | None) -> None:
         """Add this rank's part of the reduced gradient to ``param.grad`` (``None``: no rows)."""
         grad = self.param.grad
-        if grad is None:
-            self.param.grad = wrap_like(full.to(self.orig_dtype) if full is not None else None, self.param)
+        if grad is None and full is None:
+            # Off the owner: the same empty gradient every step (nothing to allocate or wrap on
+            # the per-backward path; in-place ops on it, e.g. clip's scaling, are no-ops).
+            self.param.grad = self._empty_grad if self._empty_grad is not None else wrap_like(None, self.param)
+        elif grad is None:
+            self.param.grad = wrap_like(full.to(self.orig_dtype), self.param)
         elif full is not None:
             local_of(grad).add_(full.to(self.orig_dtype))
 

@@ -185,9 +185,9 @@ def empty_local(dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def make_owned(local: Tensor | None, mesh: DeviceMesh, shape, dtype: torch.dtype,
-               device: torch.device) -> DTensor:
-    """A DTensor of global ``shape`` on the owner ``mesh``; ``local`` (the owner's whole tensor,
-    shared, not copied) or ``None`` off the owner."""
+               device: torch.device, requires_grad: bool = False) -> DTensor:
+    """An :class:`OwnerTensor` of global ``shape`` on the owner ``mesh``; ``local`` (the owner's
+    whole tensor, shared, not copied) or ``None`` off the owner."""
     shape = torch.Size(shape)
     if local is None:
         local = empty_local(dtype, device)
@@ -195,7 +195,7 @@ def make_owned(local: Tensor | None, mesh: DeviceMesh, shape, dtype: torch.dtype
         raise ValueError(f"the owner's tensor has shape {tuple(local.shape)}, expected {tuple(shape)}")
     stride = torch.empty(shape, device="meta").stride()
     plain = DTensor.from_local(local, mesh, [Replicate()], run_check=False, shape=shape, stride=stride)
-    return OwnerTensor(plain._local_tensor, plain._spec, requires_grad=False)
+    return OwnerTensor(plain._local_tensor, plain._spec, requires_grad=requires_grad)
 
 
 def wrap_like(local: Tensor | None, like: DTensor) -> DTensor:
