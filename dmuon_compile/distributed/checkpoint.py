@@ -94,15 +94,23 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, str
             f"set_model_state_dict: the state dict lacks dedicated parameters {missing[:6]}; pass "
             "a full dict from dmuon.get_model_state_dict (or strict=False to keep current values)"
         )
+    if strict:  # every check before anything is loaded: a bad dict changes nothing
+        expected = set(dcp_state_dict.get_model_state_dict(
+            model, options=dcp_state_dict.StateDictOptions(full_state_dict=False)))
+        absent = sorted(expected - set(state_dict))
+        if absent:
+            raise KeyError(f"set_model_state_dict: the state dict lacks {absent[:6]}")
     for name, dp in dedicated.items():
-        if name not in state_dict:
-            continue
-        value = state_dict[name]
-        if tuple(value.shape) != tuple(dp.shape):
+        value = state_dict.get(name)
+        if value is not None and tuple(value.shape) != tuple(dp.shape):
             raise ValueError(
                 f"set_model_state_dict: {name} has shape {tuple(value.shape)} in the state dict but "
                 f"{tuple(dp.shape)} in the model"
             )
+    for name, dp in dedicated.items():
+        if name not in state_dict:
+            continue
+        value = state_dict[name]
         if dp.master is not None:
             with torch.no_grad():
                 dp.master.copy_(value.to(device=dp.master.device, dtype=dp.master.dtype))
@@ -112,9 +120,3 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, str
     if dist.is_initialized() or rest:
         dcp_state_dict.set_model_state_dict(
             model, rest, options=dcp_state_dict.StateDictOptions(full_state_dict=True, strict=False))
-    if strict:
-        expected = set(dcp_state_dict.get_model_state_dict(
-            model, options=dcp_state_dict.StateDictOptions(full_state_dict=False)))
-        absent = sorted(expected - set(state_dict))
-        if absent:
-            raise KeyError(f"set_model_state_dict: the state dict lacks {absent[:6]}")
