@@ -86,7 +86,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
+        return (
+            x
+            * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+            * self.weight
+        )
 
 
 class Block(nn.Module):
@@ -94,15 +98,25 @@ class Block(nn.Module):
         super().__init__()
         self.heads = dim // head_dim
         self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-        self.gate_proj, self.up_proj = nn.Linear(dim, ffn, bias=False), nn.Linear(dim, ffn, bias=False)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(dim, dim, bias=False) for _ in range(4)
+        )
+        self.gate_proj, self.up_proj = (
+            nn.Linear(dim, ffn, bias=False),
+            nn.Linear(dim, ffn, bias=False),
+        )
         self.down_proj = nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x):
         b, t, d = x.shape
         h = self.attn_norm(x)
-        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h)), is_causal=True)
+
+        def split(y):
+            return y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(
+            split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h)), is_causal=True
+        )
         x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, d))
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -143,7 +157,9 @@ class NaiveMuon:
             g = p.grad.to_local()
             buf.mul_(self.mu).add_(g)
             u = g.add(buf, alpha=self.mu)
-            full = DTensor.from_local(u, self.mesh, [Shard(0)], shape=p.shape, stride=p.stride()).full_tensor()
+            full = DTensor.from_local(
+                u, self.mesh, [Shard(0)], shape=p.shape, stride=p.stride()
+            ).full_tensor()
             o = self.ns(full)
             rows = torch.chunk(o, world, dim=0)
             if rank < len(rows) and rows[rank].numel():
@@ -163,7 +179,11 @@ def ns_floor_ms(dim, ffn, layers, world):
     total = 0.0
     for m, n in shapes * layers:
         small, large = min(m, n), max(m, n)
-        total += gram_ns_flops(small, large, 5, 1) if large >= 2 * small else direct_ns_flops(small, large, 5)
+        total += (
+            gram_ns_flops(small, large, 5, 1)
+            if large >= 2 * small
+            else direct_ns_flops(small, large, 5)
+        )
     return total / world / PEAK_FLOPS * 1e3
 
 
@@ -179,11 +199,18 @@ def build(config, args, meshes, device):
     with torch.device(device):
         model = Stack(dim, ffn, layers, head_dim)
     cuda = device.type == "cuda"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cuda
+        else MixedPrecisionPolicy()
+    )
     if config.startswith("ours"):
-        policy = dmuon.ParamPolicy(dmuon.MixedPrecision(torch.bfloat16, torch.float32)) if cuda else None
-        dmuon.dedicate_params(model, shard_mesh, predicate=is_proj, param_policy=policy,
-                              replicate_mesh=replicate_mesh)
+        policy = (
+            dmuon.ParamPolicy(dmuon.MixedPrecision(torch.bfloat16, torch.float32)) if cuda else None
+        )
+        dmuon.dedicate_params(
+            model, shard_mesh, predicate=is_proj, param_policy=policy, replicate_mesh=replicate_mesh
+        )
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -196,7 +223,9 @@ def build(config, args, meshes, device):
         kw = {}
         if "compile" in inspect.signature(dmuon.Muon).parameters:
             kw["compile"] = config == "ours_compiled"
-        opt = dmuon.Muon(model, lr=0.02, ns_backend=ns, replicate_async=config != "ours_eager_sync", **kw)
+        opt = dmuon.Muon(
+            model, lr=0.02, ns_backend=ns, replicate_async=config != "ours_eager_sync", **kw
+        )
     return model, opt
 
 
@@ -240,28 +269,59 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["S", "M"], default="S")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (smoke run)")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 6; 3 with --quick)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 3; 1 with --quick)")
+    ap.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    ap.add_argument(
+        "--iters", type=int, default=None, help="timed iterations (default 6; 3 with --quick)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="untimed iterations (default 3; 1 with --quick)"
+    )
     ap.add_argument("--batch", type=int, default=None, help="sequences per rank (default 8)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024)")
     ap.add_argument("--configs", default="adamw,naive_muon,ours_eager,ours_compiled")
     ap.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
-    ap.add_argument("--cpu-compile", action="store_true", help="also run ours_compiled on CPU (slow)")
-    ap.add_argument("--replicate", type=int, default=None,
-                    help="HSDP: R replicas of world/R-rank shard groups (e.g. 2 on 2 GPUs = 2×1)")
-    ap.add_argument("--hsdp", action="store_true", help="use the 2-D HSDP mesh even with --replicate 1 (1×world)")
-    ap.add_argument("--with-1d", default="",
-                    help="HSDP runs: also build these configurations (comma list, e.g. ours_compiled) on the "
-                         "1-D mesh over all ranks, as 1d_<config>, interleaved in the same run; reports "
-                         "vs_1d = back-to-back iteration / the 1-D one")
-    ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="after timing, profile each configuration (torch.profiler) and report exposed comm")
-    ap.add_argument("--profile-iters", type=int, default=3, help="back-to-back iterations profiled (default 3)")
-    ap.add_argument("--profile-configs", default=None,
-                    help="comma list of configurations to profile (default: all that ran)")
-    ap.add_argument("--save-traces", default="ours_compiled",
-                    help="comma list: rank 0 writes these configurations' traces (gzipped) to DIR")
+    ap.add_argument(
+        "--cpu-compile", action="store_true", help="also run ours_compiled on CPU (slow)"
+    )
+    ap.add_argument(
+        "--replicate",
+        type=int,
+        default=None,
+        help="HSDP: R replicas of world/R-rank shard groups (e.g. 2 on 2 GPUs = 2×1)",
+    )
+    ap.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="use the 2-D HSDP mesh even with --replicate 1 (1×world)",
+    )
+    ap.add_argument(
+        "--with-1d",
+        default="",
+        help="HSDP runs: also build these configurations (comma list, e.g. ours_compiled) on the "
+        "1-D mesh over all ranks, as 1d_<config>, interleaved in the same run; reports "
+        "vs_1d = back-to-back iteration / the 1-D one",
+    )
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after timing, profile each configuration (torch.profiler) and report exposed comm",
+    )
+    ap.add_argument(
+        "--profile-iters", type=int, default=3, help="back-to-back iterations profiled (default 3)"
+    )
+    ap.add_argument(
+        "--profile-configs",
+        default=None,
+        help="comma list of configurations to profile (default: all that ran)",
+    )
+    ap.add_argument(
+        "--save-traces",
+        default="ours_compiled",
+        help="comma list: rank 0 writes these configurations' traces (gzipped) to DIR",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.model = "quick"
@@ -285,7 +345,9 @@ def main(argv=None):
     if replicas < 1 or world % replicas:
         raise SystemExit(f"--replicate {replicas}: must divide the world size {world}")
     if hsdp:
-        mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+        )
         meshes = (mesh, mesh["shard"], mesh["replicate"])
     else:
         mesh = init_device_mesh(device.type, (world,))
@@ -295,7 +357,9 @@ def main(argv=None):
         configs.insert(configs.index("ours_eager") + 1, "ours_eager_sync")
     with_1d = [c for c in args.with_1d.split(",") if c]
     if with_1d and not hsdp:
-        raise SystemExit("--with-1d compares an HSDP mesh with the 1-D one: add --replicate R (or --hsdp)")
+        raise SystemExit(
+            "--with-1d compares an HSDP mesh with the 1-D one: add --replicate R (or --hsdp)"
+        )
     mesh_1d = init_device_mesh(device.type, (world,)) if with_1d else None
     configs += [f"1d_{c}" for c in with_1d]
     skipped = {}
@@ -303,7 +367,11 @@ def main(argv=None):
     for c in ("ours_compiled", "1d_ours_compiled"):
         if c in configs and (cpu_skip or "compile" not in inspect.signature(dmuon.Muon).parameters):
             configs.remove(c)
-            skipped[c] = "CPU run (compiled step is for CUDA)" if device.type != "cuda" else "Muon has no compile="
+            skipped[c] = (
+                "CPU run (compiled step is for CUDA)"
+                if device.type != "cuda"
+                else "Muon has no compile="
+            )
 
     dim = MODELS[args.model][0]
     built, resident, errors = {}, {}, {}
@@ -311,7 +379,9 @@ def main(argv=None):
         sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         try:
-            built[c] = build(c, args, (mesh_1d, mesh_1d, None) if c.startswith("1d_") else meshes, device)
+            built[c] = build(
+                c, args, (mesh_1d, mesh_1d, None) if c.startswith("1d_") else meshes, device
+            )
         except Exception as exc:  # noqa: BLE001 - one broken configuration must not sink the run
             built[c] = None
             errors[c] = f"build: {type(exc).__name__}: {exc}"
@@ -356,7 +426,9 @@ def main(argv=None):
                 if rank == 0:
                     print(f"[bench_fsdp] dropped {c}: {errors[c]}", file=sys.stderr, flush=True)
         if rank == 0:
-            print(f"[bench_fsdp] iteration {i + 1}/{warmup + iters} done", file=sys.stderr, flush=True)
+            print(
+                f"[bench_fsdp] iteration {i + 1}/{warmup + iters} done", file=sys.stderr, flush=True
+            )
 
     # Back to back: blocks of `iters` iterations with no sync inside (inputs already on the
     # device), the way a training loop runs; the async publish may overlap the next forward
@@ -387,23 +459,35 @@ def main(argv=None):
                 replicate_info[c] = {"replicate_plan": plan}
                 prof = dmuon.collect_forward_unshard_profile(built[c][0], synchronize=True)
                 if prof.get("enabled"):
-                    replicate_info[c]["replicate_profile"] = {k: v for k, v in prof["total"].items()
-                                                              if k.startswith(("publish", "replicate"))}
+                    replicate_info[c]["replicate_profile"] = {
+                        k: v
+                        for k, v in prof["total"].items()
+                        if k.startswith(("publish", "replicate"))
+                    }
 
     profiles = {}
     if args.profile:
         ta = trace_analysis()
-        wanted = [c for c in args.profile_configs.split(",") if c] if args.profile_configs else list(configs)
+        wanted = (
+            [c for c in args.profile_configs.split(",") if c]
+            if args.profile_configs
+            else list(configs)
+        )
         save = {c for c in args.save_traces.split(",") if c}
         mesh_tag = f"hsdp{replicas}x{world // replicas}" if hsdp else f"fsdp{world}"
         if rank == 0:
             os.makedirs(args.profile, exist_ok=True)
             for c in wanted:
                 if c not in configs:
-                    print(f"[bench_fsdp] not profiled: {c} (did not run)", file=sys.stderr, flush=True)
+                    print(
+                        f"[bench_fsdp] not profiled: {c} (did not run)", file=sys.stderr, flush=True
+                    )
         for c in [c for c in configs if c in wanted]:
             model, opt = built[c]
-            inputs = [torch.randn(batch, seq, dim, generator=gen).to(device) for _ in range(args.profile_iters + 1)]
+            inputs = [
+                torch.randn(batch, seq, dim, generator=gen).to(device)
+                for _ in range(args.profile_iters + 1)
+            ]
             fd, tmp = tempfile.mkstemp(prefix=f"dmuon_trace_{c}_rank{rank}_", suffix=".json")
             os.close(fd)
             summary = None
@@ -411,7 +495,9 @@ def main(argv=None):
                 profile_iterations(model, opt, inputs, device, tmp)
                 summary = ta.summarize(tmp, args.profile_iters)
                 if rank == 0 and c in save:
-                    dest = os.path.join(args.profile, f"trace_{args.model}_{mesh_tag}_{c}_rank0.json.gz")
+                    dest = os.path.join(
+                        args.profile, f"trace_{args.model}_{mesh_tag}_{c}_rank0.json.gz"
+                    )
                     with open(tmp, "rb") as fin, gzip.open(dest, "wb") as fout:
                         shutil.copyfileobj(fin, fout)
                     summary["trace_file"] = dest
@@ -470,37 +556,56 @@ def main(argv=None):
         r["over_floor"] = (r["iter_ms"] - base) / floor if base and c != "adamw" else None
         b2b = r.get("back_to_back_ms")
         r["b2b_muon_tax"] = b2b / base_b2b - 1 if base_b2b and b2b else None
-        r["b2b_over_floor"] = (b2b - base_b2b) / floor if base_b2b and b2b and c != "adamw" else None
+        r["b2b_over_floor"] = (
+            (b2b - base_b2b) / floor if base_b2b and b2b and c != "adamw" else None
+        )
         one_d = results.get(f"1d_{c}", {}).get("back_to_back_ms")
         if one_d and b2b:
             r["vs_1d"] = b2b / one_d  # same model and tokens per GPU, HSDP mesh / 1-D mesh
     report = {
-        "model": args.model, "dims": MODELS[args.model], "world_size": world, "device": str(device),
+        "model": args.model,
+        "dims": MODELS[args.model],
+        "world_size": world,
+        "device": str(device),
         "mesh": {"replicate": replicas, "shard": world // replicas} if hsdp else {"shard": world},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "tokens_per_rank": batch * seq, "iters": iters, "warmup": warmup,
-        "ns_floor_ms": floor, "results": results, "skipped": skipped, "errors": errors,
+        "torch": torch.__version__,
+        "tokens_per_rank": batch * seq,
+        "iters": iters,
+        "warmup": warmup,
+        "ns_floor_ms": floor,
+        "results": results,
+        "skipped": skipped,
+        "errors": errors,
         "profile_iters": args.profile_iters if args.profile else None,
         "memory_note": "peak = max allocated during the configuration's iteration, including the "
-                       "resident state of the other (interleaved) configurations",
+        "resident state of the other (interleaved) configurations",
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     if rank == 0:
         shape = f"HSDP {replicas}×{world // replicas}" if hsdp else f"1-D FSDP over {world}"
         print(f"mesh: {shape}")
-        print(f"| config | iter ms | step ms | back-to-back ms | exposed comm % | peak GiB | Muon tax | "
-              f"(iter−AdamW)/floor | b2b Muon tax | b2b (iter−AdamW)/floor |  NS floor {floor:.3g} ms")
+        print(
+            f"| config | iter ms | step ms | back-to-back ms | exposed comm % | peak GiB | Muon tax | "
+            f"(iter−AdamW)/floor | b2b Muon tax | b2b (iter−AdamW)/floor |  NS floor {floor:.3g} ms"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for c, r in results.items():
             peak = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
             tax = f"{r['muon_tax'] * 100:+.1f}%" if r["muon_tax"] is not None else "-"
             ratio = f"{r['over_floor']:.2f}" if r["over_floor"] is not None else "-"
             b2b = f"{r['back_to_back_ms']:.2f}" if "back_to_back_ms" in r else "-"
-            exposed = f"{r['exposed_comm_pct']:.1f}" if r.get("exposed_comm_pct") is not None else "-"
-            b2b_tax = f"{r['b2b_muon_tax'] * 100:+.1f}%" if r.get("b2b_muon_tax") is not None else "-"
+            exposed = (
+                f"{r['exposed_comm_pct']:.1f}" if r.get("exposed_comm_pct") is not None else "-"
+            )
+            b2b_tax = (
+                f"{r['b2b_muon_tax'] * 100:+.1f}%" if r.get("b2b_muon_tax") is not None else "-"
+            )
             b2b_ratio = f"{r['b2b_over_floor']:.2f}" if r.get("b2b_over_floor") is not None else "-"
-            print(f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {b2b} | {exposed} | {peak} | {tax} | {ratio} "
-                  f"| {b2b_tax} | {b2b_ratio} |")
+            print(
+                f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {b2b} | {exposed} | {peak} | {tax} | {ratio} "
+                f"| {b2b_tax} | {b2b_ratio} |"
+            )
             if "replicate_profile" in r:
                 print(f"  {c} replicate stage: {json.dumps(r['replicate_profile'])}")
         for c, prof in profiles.items():
@@ -515,13 +620,18 @@ def main(argv=None):
             if c != "adamw":
                 planned = r.get("planned_balance", {}).get("ns_max_over_mean")
                 planned = f", planned NS max/mean {planned:.3f}" if planned is not None else ""
-                print(f"balance {c}: measured step time max/mean over ranks {r['step_balance']:.3f} "
-                      f"(target <= 1.05){planned}; per rank "
-                      + " ".join(f"{t:.1f}" for t in r["step_ms_per_rank"]) + " ms")
+                print(
+                    f"balance {c}: measured step time max/mean over ranks {r['step_balance']:.3f} "
+                    f"(target <= 1.05){planned}; per rank "
+                    + " ".join(f"{t:.1f}" for t in r["step_ms_per_rank"])
+                    + " ms"
+                )
         for c, r in results.items():
             if "vs_1d" in r:
-                print(f"HSDP vs 1-D, {c}: back-to-back {r['back_to_back_ms']:.2f} / "
-                      f"{results['1d_' + c]['back_to_back_ms']:.2f} ms = {r['vs_1d']:.3f}x (target <= 1.03x)")
+                print(
+                    f"HSDP vs 1-D, {c}: back-to-back {r['back_to_back_ms']:.2f} / "
+                    f"{results['1d_' + c]['back_to_back_ms']:.2f} ms = {r['vs_1d']:.3f}x (target <= 1.03x)"
+                )
         for c, why in skipped.items():
             print(f"skipped {c}: {why}")
         for c, why in errors.items():

@@ -31,8 +31,17 @@ from dmuon_compile import NewtonSchulz
 from dmuon_compile.newton_schulz import direct_ns_flops
 
 KJ = (3.4445, -4.7750, 2.0315)
-NS_SHAPES = [(768, 3072), (1024, 4096), (2048, 5632), (4096, 4096), (4096, 14336), (14336, 4096),
-             (8192, 28672), (32, 2048, 5632), (216, 2048, 7168)]
+NS_SHAPES = [
+    (768, 3072),
+    (1024, 4096),
+    (2048, 5632),
+    (4096, 4096),
+    (4096, 14336),
+    (14336, 4096),
+    (8192, 28672),
+    (32, 2048, 5632),
+    (216, 2048, 7168),
+]
 QUICK_NS_SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (14336, 4096), (32, 2048, 5632)]
 SYRK_BATCH = {1024: 16, 2048: 8, 4096: 4, 8192: 2}
 # Shape classes of the NaN/Inf stress (section N): (rows, cols, stack) — every class runs the
@@ -44,8 +53,15 @@ STRESS_CLASSES = {
     "stacked 2048×5632": (2048, 5632, 8),
     "small 1024×4096 (cuBLAS)": (1024, 4096, 16),
 }
-INPUT_KINDS = ("gaussian", "low_rank", "ill_conditioned", "heavy_tailed", "duplicate_rows", "tiny_scale",
-               "huge_scale")
+INPUT_KINDS = (
+    "gaussian",
+    "low_rank",
+    "ill_conditioned",
+    "heavy_tailed",
+    "duplicate_rows",
+    "tiny_scale",
+    "huge_scale",
+)
 
 
 def bench_ms(fn) -> float:
@@ -103,9 +119,11 @@ def trace_analysis():
 
 
 def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list[str], dict]:
-    rows = ["| shape | baseline ms | ours-cuBLAS ms | ours-Triton ms | speedup (1)/(3) | speedup (1)/(2) "
-            "| TFLOP/s base | TFLOP/s (3) | rel.err base | rel.err (3) | NaN/Inf base | NaN/Inf (3) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| shape | baseline ms | ours-cuBLAS ms | ours-Triton ms | speedup (1)/(3) | speedup (1)/(2) "
+        "| TFLOP/s base | TFLOP/s (3) | rel.err base | rel.err (3) | NaN/Inf base | NaN/Inf (3) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     ours_cublas, ours_triton = NewtonSchulz(kernel="cublas"), NewtonSchulz(kernel="triton")
     print(f"ours: {ours_triton.describe()}", flush=True)
     ours64 = NewtonSchulz(kernel="cublas", work_dtype=torch.float64)
@@ -129,7 +147,9 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
         err_ours = rel_err(ours_triton(sub), ours64(sub.double()))
         bad_base = bad_ours = 0
         for i in range(nan_inputs):
-            gi = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16) * (10.0 ** (i % 7 - 3))
+            gi = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16) * (
+                10.0 ** (i % 7 - 3)
+            )
             bad_base += int(nonfinite(baseline_ns(gi)) > 0)
             bad_ours += int(nonfinite(ours_triton(gi)) > 0)
         name = shape_name(shape)
@@ -143,13 +163,19 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
         if profile:
             ta = trace_analysis()
             found = ta.profile_calls(lambda: ours_triton(g), 3, g.device)
-            print(f"ours-Triton, {name}:\n" + "\n".join(ta.where_the_time_goes(found, top=8, unit="call")), flush=True)
+            print(
+                f"ours-Triton, {name}:\n"
+                + "\n".join(ta.where_the_time_goes(found, top=8, unit="call")),
+                flush=True,
+            )
         del g
         torch.cuda.empty_cache()
     return rows, speedups
 
 
-def stress_inputs(kind: str, shape, gen: torch.Generator, variant: int = 0, device="cuda") -> torch.Tensor:
+def stress_inputs(
+    kind: str, shape, gen: torch.Generator, variant: int = 0, device="cuda"
+) -> torch.Tensor:
     """A stack of hard NS inputs of one kind (bf16, never all zeros); ``shape = (b, m, n)``."""
     b, m, n = shape
     g = torch.randn(shape, generator=gen, device=device)
@@ -173,8 +199,10 @@ def stress_inputs(kind: str, shape, gen: torch.Generator, variant: int = 0, devi
 
 def run_stress_section(inputs: int) -> tuple[list[str], dict]:
     """Section N: NaN/Inf over ``inputs`` random inputs per shape class, ours and the baseline."""
-    rows = ["| shape class | inputs | kinds | NaN/Inf baseline | NaN/Inf ours (Triton) | max ‖out‖ ours / √m | s |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| shape class | inputs | kinds | NaN/Inf baseline | NaN/Inf ours (Triton) | max ‖out‖ ours / √m | s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     ours = NewtonSchulz(kernel="triton")
     bad_total = {}
     for name, (m, n, stack) in STRESS_CLASSES.items():
@@ -193,14 +221,18 @@ def run_stress_section(inputs: int) -> tuple[list[str], dict]:
             bad_ours += int((~torch.isfinite(out)).flatten(1).any(1).sum())
             bad_base += int((~torch.isfinite(base)).flatten(1).any(1).sum())
             # An orthogonalised matrix has Frobenius norm ≈ √min(m, n): a blow-up shows here.
-            worst_norm = max(worst_norm, float(torch.linalg.vector_norm(out.float(), dim=(-2, -1)).max())
-                             / min(m, n) ** 0.5)
+            worst_norm = max(
+                worst_norm,
+                float(torch.linalg.vector_norm(out.float(), dim=(-2, -1)).max()) / min(m, n) ** 0.5,
+            )
             done += b
             i += 1
         torch.cuda.synchronize()
         bad_total[name] = bad_ours
-        rows.append(f"| {name} | {done} | {len(INPUT_KINDS)} | {bad_base}/{done} | {bad_ours}/{done} | "
-                    f"{worst_norm:.3f} | {time.time() - t0:.0f} |")
+        rows.append(
+            f"| {name} | {done} | {len(INPUT_KINDS)} | {bad_base}/{done} | {bad_ours}/{done} | "
+            f"{worst_norm:.3f} | {time.time() - t0:.0f} |"
+        )
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     return rows, bad_total
@@ -210,25 +242,31 @@ def run_syrk_section(ms, batched_too: bool) -> tuple[list[str], dict, dict]:
     from dmuon_compile.kernels import autotune
     from dmuon_compile.kernels.syrk import choose_kernel
 
-    rows = ["| m | k | batch | torch.mm ms | torch.addmm ms | syrk ms | syrk+C ms | verdict | speedup vs mm "
-            "| speedup vs addmm | eff. TFLOP/s | actual TFLOP/s | mm TFLOP/s | exact symmetry "
-            "| GPU ms mm / syrk (graph) | GPU speedup vs mm |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| m | k | batch | torch.mm ms | torch.addmm ms | syrk ms | syrk+C ms | verdict | speedup vs mm "
+        "| speedup vs addmm | eff. TFLOP/s | actual TFLOP/s | mm TFLOP/s | exact symmetry "
+        "| GPU ms mm / syrk (graph) | GPU speedup vs mm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     speedups, gpu_speedups = {}, {}
     for m in ms:
         for k in (m, int(3.5 * m)):
-            for batch in ([1, SYRK_BATCH[m]] if batched_too else [1]):
+            for batch in [1, SYRK_BATCH[m]] if batched_too else [1]:
                 shape = (batch, m, k) if batch > 1 else (m, k)
                 gen = torch.Generator(device="cuda").manual_seed(m + k)
                 a = (torch.randn(shape, generator=gen, device="cuda") / k**0.25).to(torch.bfloat16)
-                c = torch.randn(shape[:-2] + (m, m), generator=gen, device="cuda").to(torch.bfloat16)
+                c = torch.randn(shape[:-2] + (m, m), generator=gen, device="cuda").to(
+                    torch.bfloat16
+                )
                 out = torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0)  # autotunes this key
                 torch.ops.dmuon.syrk(a, c, 1.0, 1.0, 0.0)
                 verdict = choose_kernel("syrk", a, None, None, 0.0)
                 verdict = verdict if verdict == autotune.CUBLAS else verdict.name
                 symmetric = bool(torch.equal(out, out.mT))
                 t_mm = bench_ms(lambda: a @ a.mT)
-                t_addmm = bench_ms(lambda: torch.baddbmm(c, a, a.mT) if a.dim() == 3 else torch.addmm(c, a, a.T))
+                t_addmm = bench_ms(
+                    lambda: torch.baddbmm(c, a, a.mT) if a.dim() == 3 else torch.addmm(c, a, a.T)
+                )
                 t_syrk = bench_ms(lambda: torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0))
                 t_syrk_c = bench_ms(lambda: torch.ops.dmuon.syrk(a, c, 1.0, 1.0, 0.0))
                 # GPU time alone: replayed CUDA graphs carry no Python, so small products that
@@ -239,7 +277,11 @@ def run_syrk_section(ms, batched_too: bool) -> tuple[list[str], dict, dict]:
                 speedups[(m, k, batch)] = t_mm / t_syrk
                 if g_mm and g_syrk:
                     gpu_speedups[(m, k, batch)] = g_mm / g_syrk
-                gpu = f"{g_mm:.3f} / {g_syrk:.3f} | {g_mm / g_syrk:.2f}×" if g_mm and g_syrk else "n/a | n/a"
+                gpu = (
+                    f"{g_mm:.3f} / {g_syrk:.3f} | {g_mm / g_syrk:.2f}×"
+                    if g_mm and g_syrk
+                    else "n/a | n/a"
+                )
                 rows.append(
                     f"| {m} | {k} | {batch} | {t_mm:.3f} | {t_addmm:.3f} | {t_syrk:.3f} | {t_syrk_c:.3f} | "
                     f"{verdict} | {t_mm / t_syrk:.2f}× | {t_addmm / t_syrk_c:.2f}× | {full / t_syrk / 1e9:.0f} | "
@@ -264,15 +306,27 @@ def graph_ms(fn) -> float | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and inputs")
     parser.add_argument("--out", default=None, help="write the markdown tables here")
-    parser.add_argument("--sections", default="CA",
-                        help="which sections to run: C (SYRK), A (NS per matrix), N (NaN/Inf stress); e.g. CAN")
-    parser.add_argument("--stress-inputs", type=int, default=1000, help="inputs per shape class in section N")
-    parser.add_argument("--nan-inputs", type=int, default=None, help="random inputs per shape for the NaN count")
-    parser.add_argument("--profile-ns", action="store_true",
-                        help="section A: also print each shape's top GPU kernels (torch.profiler, 3 calls)")
+    parser.add_argument(
+        "--sections",
+        default="CA",
+        help="which sections to run: C (SYRK), A (NS per matrix), N (NaN/Inf stress); e.g. CAN",
+    )
+    parser.add_argument(
+        "--stress-inputs", type=int, default=1000, help="inputs per shape class in section N"
+    )
+    parser.add_argument(
+        "--nan-inputs", type=int, default=None, help="random inputs per shape for the NaN count"
+    )
+    parser.add_argument(
+        "--profile-ns",
+        action="store_true",
+        help="section A: also print each shape's top GPU kernels (torch.profiler, 3 calls)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -295,50 +349,81 @@ def main(argv=None) -> int:
     def write_markdown() -> None:  # after each section, so a cut-off run still leaves a table
         if args.out:
             with open(args.out, "w") as handle:
-                handle.write("\n".join(lines + ["## Headlines", ""] + [f"- {h}" for h in headlines] + [""]))
+                handle.write(
+                    "\n".join(lines + ["## Headlines", ""] + [f"- {h}" for h in headlines] + [""])
+                )
 
     if "C" in args.sections:
         ms = [2048, 4096, 8192] if args.quick else [1024, 2048, 4096, 8192]
         rows, sp, gpu_sp = run_syrk_section(ms, batched_too=True)
-        lines += ["## C. SYRK vs cuBLAS (`torch.ops.dmuon.syrk` after autotune)", "",
-                  "eff. TFLOP/s counts the full GEMM (2·m²·k per matrix), actual half of it. Wall times "
-                  "are per eager call (host-bound for small products); the graph columns replay CUDA "
-                  "graphs of the same calls: GPU time alone.", ""]
+        lines += [
+            "## C. SYRK vs cuBLAS (`torch.ops.dmuon.syrk` after autotune)",
+            "",
+            "eff. TFLOP/s counts the full GEMM (2·m²·k per matrix), actual half of it. Wall times "
+            "are per eager call (host-bound for small products); the graph columns replay CUDA "
+            "graphs of the same calls: GPU time alone.",
+            "",
+        ]
         lines += rows + [""]
         big = [v for (m, _k, _b), v in sp.items() if m >= 4096]
         if big:
-            headlines.append(f"HEADLINE SYRK m>=4096: speedup vs torch.mm(A, A.T) min {min(big):.2f}x, "
-                             f"max {max(big):.2f}x (target >= 1.4x)")
-        headlines.append(f"HEADLINE SYRK all shapes: min speedup vs torch.mm {min(sp.values()):.2f}x per eager call "
-                         "(wall, host dispatch included)")
+            headlines.append(
+                f"HEADLINE SYRK m>=4096: speedup vs torch.mm(A, A.T) min {min(big):.2f}x, "
+                f"max {max(big):.2f}x (target >= 1.4x)"
+            )
+        headlines.append(
+            f"HEADLINE SYRK all shapes: min speedup vs torch.mm {min(sp.values()):.2f}x per eager call "
+            "(wall, host dispatch included)"
+        )
         if gpu_sp:
-            headlines.append(f"HEADLINE SYRK all shapes, GPU time (CUDA graphs): min speedup vs torch.mm "
-                             f"{min(gpu_sp.values()):.2f}x (target: never below ~1.0x after autotune)")
+            headlines.append(
+                f"HEADLINE SYRK all shapes, GPU time (CUDA graphs): min speedup vs torch.mm "
+                f"{min(gpu_sp.values()):.2f}x (target: never below ~1.0x after autotune)"
+            )
         write_markdown()
     if "A" in args.sections:
         nan_inputs = args.nan_inputs if args.nan_inputs is not None else (3 if args.quick else 20)
-        rows, sp = run_ns_section(QUICK_NS_SHAPES if args.quick else NS_SHAPES, nan_inputs, args.profile_ns)
-        lines += ["## A. Newton–Schulz per matrix", "",
-                  "(1) baseline: torch.optim.Muon NS (direct, Keller Jordan, bf16, cuBLAS); "
-                  "(2) `NewtonSchulz(kernel=\"cublas\")`; (3) `NewtonSchulz(kernel=\"triton\")`, eager. "
-                  "TFLOP/s count each algorithm's own FLOPs (NewtonSchulz.flops for ours). rel.err: "
-                  "‖out − float64 run of the same iteration‖/‖ref‖. NaN/Inf: inputs whose output had any, "
-                  "inputs scaled 1e-3..1e3.", ""]
+        rows, sp = run_ns_section(
+            QUICK_NS_SHAPES if args.quick else NS_SHAPES, nan_inputs, args.profile_ns
+        )
+        lines += [
+            "## A. Newton–Schulz per matrix",
+            "",
+            "(1) baseline: torch.optim.Muon NS (direct, Keller Jordan, bf16, cuBLAS); "
+            '(2) `NewtonSchulz(kernel="cublas")`; (3) `NewtonSchulz(kernel="triton")`, eager. '
+            "TFLOP/s count each algorithm's own FLOPs (NewtonSchulz.flops for ours). rel.err: "
+            "‖out − float64 run of the same iteration‖/‖ref‖. NaN/Inf: inputs whose output had any, "
+            "inputs scaled 1e-3..1e3.",
+            "",
+        ]
         lines += rows + [""]
-        targets = {"4096×14336": 1.8, "14336×4096": 1.8, "8192×28672": 1.8, "32×(2048×5632)": 1.5,
-                   "4096×4096": 1.0}
+        targets = {
+            "4096×14336": 1.8,
+            "14336×4096": 1.8,
+            "8192×28672": 1.8,
+            "32×(2048×5632)": 1.5,
+            "4096×4096": 1.0,
+        }
         for name, target in targets.items():
             if name in sp:
-                headlines.append(f"HEADLINE NS {name}: {sp[name]:.2f}x vs baseline (target >= {target}x)")
+                headlines.append(
+                    f"HEADLINE NS {name}: {sp[name]:.2f}x vs baseline (target >= {target}x)"
+                )
     if "N" in args.sections:
         rows, bad = run_stress_section(args.stress_inputs)
-        lines += ["## N. NaN/Inf stress: random inputs per shape class", "",
-                  "Input kinds cycle through " + ", ".join(INPUT_KINDS) + " (bf16). Ours: "
-                  "`NewtonSchulz(kernel=\"triton\")` (default Gram NS, Polar Express, fp16, restart); "
-                  "baseline: torch.optim.Muon's NS. Counted: inputs whose output had any NaN/Inf.", ""]
+        lines += [
+            "## N. NaN/Inf stress: random inputs per shape class",
+            "",
+            "Input kinds cycle through " + ", ".join(INPUT_KINDS) + " (bf16). Ours: "
+            '`NewtonSchulz(kernel="triton")` (default Gram NS, Polar Express, fp16, restart); '
+            "baseline: torch.optim.Muon's NS. Counted: inputs whose output had any NaN/Inf.",
+            "",
+        ]
         lines += rows + [""]
-        headlines.append(f"HEADLINE NaN/Inf over {args.stress_inputs} inputs per class: "
-                         f"{sum(bad.values())} bad outputs in {len(bad)} classes (target 0)")
+        headlines.append(
+            f"HEADLINE NaN/Inf over {args.stress_inputs} inputs per class: "
+            f"{sum(bad.values())} bad outputs in {len(bad)} classes (target 0)"
+        )
     write_markdown()
     print("\n".join(headlines))
     return 0

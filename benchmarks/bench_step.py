@@ -50,8 +50,14 @@ MODELS = {  # D, F, layers
     "M": (4096, 14336, 4),
     "tiny": (64, 176, 2),  # CPU smoke run
 }
-CONFIGS = ("torch_muon", "torch_muon_compiled", "ours_eager_cublas", "ours_eager", "ours_compiled",
-           "ours_compiled_cudagraphs")
+CONFIGS = (
+    "torch_muon",
+    "torch_muon_compiled",
+    "ours_eager_cublas",
+    "ours_eager",
+    "ours_compiled",
+    "ours_compiled_cudagraphs",
+)
 LR = 0.02
 PROFILE_STEPS = 3
 SAVED_TRACES = ("ours_compiled",)
@@ -89,7 +95,9 @@ def build(config: str, params):
             opt.step = torch.compile(opt.step)
         return opt
     if config == "ours_eager_cublas":
-        return dmuon.Muon(params, lr=LR, compile=False, ns_backend=dmuon.NewtonSchulz(kernel="cublas"))
+        return dmuon.Muon(
+            params, lr=LR, compile=False, ns_backend=dmuon.NewtonSchulz(kernel="cublas")
+        )
     if config == "ours_eager":
         return dmuon.Muon(params, lr=LR, compile=False)
     if config == "ours_compiled":
@@ -140,7 +148,9 @@ def trace_analysis():
     return ta
 
 
-def run_config(config: str, model: str, device, warmup: int, repeats: int, profile_dir: str | None = None) -> dict:
+def run_config(
+    config: str, model: str, device, warmup: int, repeats: int, profile_dir: str | None = None
+) -> dict:
     params = make_params(matrix_shapes(model), device)
     opt = build(config, params)
     row = {"model": model, "config": config, "first_step_s": first_step_s(opt, device)}
@@ -151,8 +161,11 @@ def run_config(config: str, model: str, device, warmup: int, repeats: int, profi
     row["median_ms"] = statistics.median(times)
     row["min_ms"] = min(times)
     if profile_dir is not None:
-        save = (os.path.join(profile_dir, f"trace_step_{model}_{config}.json.gz")
-                if config in SAVED_TRACES else None)
+        save = (
+            os.path.join(profile_dir, f"trace_step_{model}_{config}.json.gz")
+            if config in SAVED_TRACES
+            else None
+        )
         row["profile"] = trace_analysis().profile_calls(opt.step, PROFILE_STEPS, device, save)
     if config.startswith("ours_compiled"):
         # A second optimizer after a Dynamo reset: Inductor's FX graph cache now holds the graph.
@@ -172,19 +185,34 @@ def run_config(config: str, model: str, device, warmup: int, repeats: int, profi
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "", ("| model | configuration | median step ms | min ms | first step s | "
-                          "warm first step s | × torch.optim.Muon | × ours eager | × ours eager-cuBLAS |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        (
+            "| model | configuration | median step ms | min ms | first step s | "
+            "warm first step s | × torch.optim.Muon | × ours eager | × ours eager-cuBLAS |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        base = next((x for x in rows if x["model"] == r["model"] and x["config"] == "torch_muon"), None)
-        eager = next((x for x in rows if x["model"] == r["model"] and x["config"] == "ours_eager"), None)
+        base = next(
+            (x for x in rows if x["model"] == r["model"] and x["config"] == "torch_muon"), None
+        )
+        eager = next(
+            (x for x in rows if x["model"] == r["model"] and x["config"] == "ours_eager"), None
+        )
         vs_base = f"{base['median_ms'] / r['median_ms']:.2f}" if base else "–"
         vs_eager = f"{eager['median_ms'] / r['median_ms']:.2f}" if eager else "–"
-        ecub = next((x for x in rows if x["model"] == r["model"] and x["config"] == "ours_eager_cublas"), None)
+        ecub = next(
+            (x for x in rows if x["model"] == r["model"] and x["config"] == "ours_eager_cublas"),
+            None,
+        )
         vs_ecub = f"{ecub['median_ms'] / r['median_ms']:.2f}" if ecub else "–"
         warm = f"{r['warm_first_step_s']:.1f}" if "warm_first_step_s" in r else "–"
-        lines.append(f"| {r['model']} | {r['config']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
-                     f"{r['first_step_s']:.1f} | {warm} | {vs_base} | {vs_eager} | {vs_ecub} |")
+        lines.append(
+            f"| {r['model']} | {r['config']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
+            f"{r['first_step_s']:.1f} | {warm} | {vs_base} | {vs_eager} | {vs_ecub} |"
+        )
     ns = sorted({r["ns"] for r in rows if "ns" in r})
     if ns:
         lines += ["", "NS backend (ours): " + "; ".join(ns)]
@@ -192,16 +220,26 @@ def markdown(rows: list[dict], header: str) -> str:
     if profiled:
         cats = list(profiled[0]["profile"]["breakdown_ms_per_step"])
         title = f"Where the GPU time goes (ms per step, {PROFILE_STEPS} profiled steps; sum of kernel durations):"
-        lines += ["", title, "",
-                  "| model | configuration | GPU ms | " + " | ".join(cats) + " |",
-                  "|---|---|---|" + "---|" * len(cats)]
+        lines += [
+            "",
+            title,
+            "",
+            "| model | configuration | GPU ms | " + " | ".join(cats) + " |",
+            "|---|---|---|" + "---|" * len(cats),
+        ]
         for r in profiled:
             p = r["profile"]
-            lines.append(f"| {r['model']} | {r['config']} | {p['gpu_ms_per_step']:.2f} | "
-                         + " | ".join(f"{p['breakdown_ms_per_step'][c]:.2f}" for c in cats) + " |")
+            lines.append(
+                f"| {r['model']} | {r['config']} | {p['gpu_ms_per_step']:.2f} | "
+                + " | ".join(f"{p['breakdown_ms_per_step'][c]:.2f}" for c in cats)
+                + " |"
+            )
     if not all(r["finite"] for r in rows):
-        lines += ["", "WARNING: non-finite parameters after the run: " +
-                  ", ".join(f"{r['model']}/{r['config']}" for r in rows if not r["finite"])]
+        lines += [
+            "",
+            "WARNING: non-finite parameters after the run: "
+            + ", ".join(f"{r['model']}/{r['config']}" for r in rows if not r["finite"]),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -213,33 +251,54 @@ def headline(rows: list[dict]) -> list[str]:
         if comp is None:
             continue
         if "torch_muon" in by:
-            out.append(f"{model}: ours compiled vs torch.optim.Muon = "
-                       f"{by['torch_muon']['median_ms'] / comp['median_ms']:.2f}x (target >= 2x on M)")
+            out.append(
+                f"{model}: ours compiled vs torch.optim.Muon = "
+                f"{by['torch_muon']['median_ms'] / comp['median_ms']:.2f}x (target >= 2x on M)"
+            )
         if "ours_eager_cublas" in by:
-            out.append(f"{model}: ours compiled vs ours eager-cuBLAS = "
-                       f"{by['ours_eager_cublas']['median_ms'] / comp['median_ms']:.2f}x (target >= 1.3x on M)")
+            out.append(
+                f"{model}: ours compiled vs ours eager-cuBLAS = "
+                f"{by['ours_eager_cublas']['median_ms'] / comp['median_ms']:.2f}x (target >= 1.3x on M)"
+            )
         if "ours_eager" in by:
-            out.append(f"{model}: ours compiled vs ours eager (Triton where tuned) = "
-                       f"{by['ours_eager']['median_ms'] / comp['median_ms']:.2f}x")
-        out.append(f"{model}: first compiled step {comp['first_step_s']:.1f} s cold (target <= 60 s on M), "
-                   f"{comp.get('warm_first_step_s', float('nan')):.1f} s warm (target <= 10 s)")
+            out.append(
+                f"{model}: ours compiled vs ours eager (Triton where tuned) = "
+                f"{by['ours_eager']['median_ms'] / comp['median_ms']:.2f}x"
+            )
+        out.append(
+            f"{model}: first compiled step {comp['first_step_s']:.1f} s cold (target <= 60 s on M), "
+            f"{comp.get('warm_first_step_s', float('nan')):.1f} s warm (target <= 10 s)"
+        )
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", nargs="+", default=None, choices=sorted(MODELS),
-                    help="models to run (default: S M on CUDA, tiny with --device cpu)")
+    ap.add_argument(
+        "--model",
+        nargs="+",
+        default=None,
+        choices=sorted(MODELS),
+        help="models to run (default: S M on CUDA, tiny with --device cpu)",
+    )
     ap.add_argument("--configs", nargs="+", default=None, choices=CONFIGS)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (and tiny shapes on CPU)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--fresh-cache", action=argparse.BooleanOptionalAction, default=True,
-                    help="use an empty Inductor cache dir so the first step measures a cold compile")
+    ap.add_argument(
+        "--fresh-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="use an empty Inductor cache dir so the first step measures a cold compile",
+    )
     ap.add_argument("--out", default=None, help="write the markdown table here")
-    ap.add_argument("--profile", default=None, metavar="DIR",
-                    help=f"after timing, profile {PROFILE_STEPS} steps per configuration: GPU time by kernel category")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help=f"after timing, profile {PROFILE_STEPS} steps per configuration: GPU time by kernel category",
+    )
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -261,8 +320,11 @@ def main(argv=None) -> int:
         for config in configs:
             row = run_config(config, model, device, warmup, repeats, args.profile)
             rows.append(row)
-            print(f"{model:5s} {config:26s} median {row['median_ms']:9.2f} ms  first step "
-                  f"{row['first_step_s']:6.1f} s", flush=True)
+            print(
+                f"{model:5s} {config:26s} median {row['median_ms']:9.2f} ms  first step "
+                f"{row['first_step_s']:6.1f} s",
+                flush=True,
+            )
             if "profile" in row:
                 print("\n".join(trace_analysis().where_the_time_goes(row["profile"])), flush=True)
 
@@ -273,9 +335,11 @@ def main(argv=None) -> int:
     except ImportError:
         triton_version = "not installed"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    header = (f"### B1: optimizer step ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
-              f"UTC, {name}, torch {torch.__version__}, triton {triton_version})\n\n"
-              f"Command: `python {' '.join(sys.argv)}`; warmup {warmup}, repeats {repeats}.")
+    header = (
+        f"### B1: optimizer step ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
+        f"UTC, {name}, torch {torch.__version__}, triton {triton_version})\n\n"
+        f"Command: `python {' '.join(sys.argv)}`; warmup {warmup}, repeats {repeats}."
+    )
     table = markdown(rows, header)
     print()
     print(table)

@@ -1,9 +1,10 @@
 """Quick GPU check of the in-place mirror kernel and both ops' dispatch (run before the bench)."""
-import torch
 
-import dmuon_compile  # noqa: F401
+import torch
 from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
 from dmuon_compile.kernels.syrk_triton import mirror_lower_inplace
+
+import dmuon_compile  # noqa: F401
 
 for shape in [(1, 1), (77, 77), (3, 300, 300), (2048, 2048), (5, 1000, 1000)]:
     p = torch.randn(shape, device="cuda").half()

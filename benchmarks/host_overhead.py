@@ -50,13 +50,16 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("host_overhead.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    import dmuon_compile  # noqa: F401  (registers torch.ops.dmuon.*)
     from dmuon_compile.kernels import syrk
     from dmuon_compile.kernels.syrk_triton import launch_symmetric_product, mirror_lower_inplace
 
+    import dmuon_compile  # noqa: F401  (registers torch.ops.dmuon.*)
+
     cases = {
         "1024×1024 (cuBLAS verdict)": torch.randn(1024, 1024, device="cuda").to(torch.bfloat16),
-        "16×1024×3584 (Triton verdict)": torch.randn(16, 1024, 3584, device="cuda").to(torch.bfloat16),
+        "16×1024×3584 (Triton verdict)": torch.randn(16, 1024, 3584, device="cuda").to(
+            torch.bfloat16
+        ),
     }
     print("| case | piece | host µs per call |\n|---|---|---|")
     for name, a in cases.items():
@@ -67,11 +70,15 @@ def main() -> int:
             "torch.mm(a, aᵀ)": lambda: a @ a.mT,
             "torch.ops.dmuon.syrk (whole op)": lambda: torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0),
             "syrk_cuda (no dispatcher)": lambda: syrk.syrk_cuda(a, None, 1.0, 0.0, 0.0),
-            "choose_kernel (memoised verdict)": lambda: syrk.choose_kernel("syrk", a, None, None, 0.0),
+            "choose_kernel (memoised verdict)": lambda: syrk.choose_kernel(
+                "syrk", a, None, None, 0.0
+            ),
             "mirror_lower_inplace (Triton launch)": lambda: mirror_lower_inplace(p),
         }
         if verdict != "cublas":
-            pieces["launch_symmetric_product"] = lambda: launch_symmetric_product(a, None, None, 1.0, 0.0, 0.0, verdict)
+            pieces["launch_symmetric_product"] = lambda: launch_symmetric_product(
+                a, None, None, 1.0, 0.0, 0.0, verdict
+            )
         for piece, fn in pieces.items():
             print(f"| {name} | {piece} | {enqueue_us(fn):.1f} |", flush=True)
     for name, a in cases.items():

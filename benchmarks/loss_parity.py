@@ -26,11 +26,15 @@ def train_losses(path: Path) -> dict[int, float]:
     with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))
     if not rows or "train_loss" not in rows[0] or "step" not in rows[0]:
-        raise ValueError(f"{path}: not a training-demo log.csv (needs 'step' and 'train_loss' columns)")
+        raise ValueError(
+            f"{path}: not a training-demo log.csv (needs 'step' and 'train_loss' columns)"
+        )
     return {int(r["step"]): float(r["train_loss"]) for r in rows if r["train_loss"]}
 
 
-def compare(reference: dict[int, float], other: dict[int, float]) -> tuple[list[tuple[int, float, float, float]], list[int]]:
+def compare(
+    reference: dict[int, float], other: dict[int, float]
+) -> tuple[list[tuple[int, float, float, float]], list[int]]:
     """Per common step ``(step, reference, other, relative difference)``, and the steps only one log has."""
     common = sorted(set(reference) & set(other))
     rows = []
@@ -42,10 +46,14 @@ def compare(reference: dict[int, float], other: dict[int, float]) -> tuple[list[
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("reference", type=Path, help="log.csv of the reference run (e.g. 1 GPU)")
     parser.add_argument("other", type=Path, help="log.csv of the run to check (e.g. 8 GPUs)")
-    parser.add_argument("--rtol", type=float, default=2e-2, help="largest allowed relative loss difference")
+    parser.add_argument(
+        "--rtol", type=float, default=2e-2, help="largest allowed relative loss difference"
+    )
     args = parser.parse_args(argv)
     try:
         reference, other = train_losses(args.reference), train_losses(args.other)
@@ -54,16 +62,21 @@ def main(argv=None) -> int:
         return 2
     rows, unmatched = compare(reference, other)
     if not rows:
-        print("loss_parity: the two logs share no step with a train loss; run both with --log-every 1",
-              file=sys.stderr)
+        print(
+            "loss_parity: the two logs share no step with a train loss; run both with --log-every 1",
+            file=sys.stderr,
+        )
         return 1
     print("| step | reference loss | other loss | rel. diff |\n|---|---|---|---|")
     for step, ref, val, rel in rows:
         print(f"| {step} | {ref:.5f} | {val:.5f} | {rel:.2e} |")
     worst = max(rel for *_, rel in rows)
     ok = worst <= args.rtol and not unmatched
-    print(f"PARITY {'ok' if ok else 'FAILED'}: {len(rows)} steps, max relative loss difference "
-          f"{worst:.2e} (rtol {args.rtol:g})" + (f"; steps in one log only: {unmatched}" if unmatched else ""))
+    print(
+        f"PARITY {'ok' if ok else 'FAILED'}: {len(rows)} steps, max relative loss difference "
+        f"{worst:.2e} (rtol {args.rtol:g})"
+        + (f"; steps in one log only: {unmatched}" if unmatched else "")
+    )
     return 0 if ok else 1
 
 

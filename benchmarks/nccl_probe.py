@@ -46,19 +46,35 @@ def main() -> None:
             part = torch.empty(numel // world, device="cuda", dtype=dtype)
             nbytes = full.numel() * full.element_size()
             cases = {
-                "all_gather": (lambda: dist.all_gather_into_tensor(full, part), (world - 1) / world),
-                "reduce_scatter": (lambda: dist.reduce_scatter_tensor(part, full), (world - 1) / world),
+                "all_gather": (
+                    lambda: dist.all_gather_into_tensor(full, part),
+                    (world - 1) / world,
+                ),
+                "reduce_scatter": (
+                    lambda: dist.reduce_scatter_tensor(part, full),
+                    (world - 1) / world,
+                ),
                 "all_reduce": (lambda: dist.all_reduce(full), 2 * (world - 1) / world),
                 "broadcast": (lambda: dist.broadcast(full, src=0), 1.0),
                 "reduce": (lambda: dist.reduce(full, dst=0), 1.0),
             }
             for name, (fn, factor) in cases.items():
                 t = timed(fn)
-                rows.append((name, str(dtype).replace("torch.", ""), mib, t * 1e3, nbytes / t / 1e9,
-                             nbytes * factor / t / 1e9))
+                rows.append(
+                    (
+                        name,
+                        str(dtype).replace("torch.", ""),
+                        mib,
+                        t * 1e3,
+                        nbytes / t / 1e9,
+                        nbytes * factor / t / 1e9,
+                    )
+                )
     if rank == 0:
-        print(f"NCCL probe: {world} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+        print(
+            f"NCCL probe: {world} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+        )
         print("| collective | dtype | MiB | ms | algbw GB/s | busbw GB/s |")
         print("|---|---|---|---|---|---|")
         for name, dt, mib, ms, alg, bus in rows:

@@ -30,7 +30,9 @@ def load(paths: list[Path]) -> list[dict]:
         reports.append(report)
     models = {r.get("model") for r in reports}
     if len(models) > 1:
-        raise ValueError(f"reports of several models {sorted(map(str, models))}: plot one model at a time")
+        raise ValueError(
+            f"reports of several models {sorted(map(str, models))}: plot one model at a time"
+        )
     return sorted(reports, key=lambda r: (r["world_size"], mesh_name(r)))
 
 
@@ -46,9 +48,11 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 
 def table(reports: list[dict]) -> list[str]:
-    rows = ["| GPUs | mesh | config | iter ms | back-to-back ms | Muon tax (b2b) | step balance max/mean "
-            "| planned NS max/mean | peak GiB |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| GPUs | mesh | config | iter ms | back-to-back ms | Muon tax (b2b) | step balance max/mean "
+        "| planned NS max/mean | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for report in reports:
         for config, r in report["results"].items():
             tax = r.get("b2b_muon_tax")
@@ -81,7 +85,10 @@ def plot(reports: list[dict], png: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plot skipped: matplotlib is not installed (pip install 'dmuon_compile[plot]')", file=sys.stderr)
+        print(
+            "plot skipped: matplotlib is not installed (pip install 'dmuon_compile[plot]')",
+            file=sys.stderr,
+        )
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, points in series(reports).items():
@@ -90,7 +97,9 @@ def plot(reports: list[dict], png: Path) -> bool:
     model = reports[0].get("model", "?")
     ax.set_xlabel("GPUs")
     ax.set_ylabel("iteration, back to back (ms)")
-    ax.set_title(f"model {model}: iteration time vs GPUs ({reports[0].get('tokens_per_rank', '?')} tokens/GPU)")
+    ax.set_title(
+        f"model {model}: iteration time vs GPUs ({reports[0].get('tokens_per_rank', '?')} tokens/GPU)"
+    )
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
@@ -100,9 +109,13 @@ def plot(reports: list[dict], png: Path) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("reports", nargs="+", type=Path, help="bench_fsdp.py --out JSON files")
-    parser.add_argument("--png", type=Path, default=None, help="write the plot here (needs matplotlib)")
+    parser.add_argument(
+        "--png", type=Path, default=None, help="write the plot here (needs matplotlib)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     args = parser.parse_args(argv)
     try:

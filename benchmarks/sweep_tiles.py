@@ -22,7 +22,6 @@ import sys
 import time
 
 import torch
-
 from dmuon_compile.kernels.autotune import time_ms
 from dmuon_compile.kernels.syrk import CANDIDATES, _lower_matches, symmetric_product_cublas
 from dmuon_compile.kernels.syrk_triton import TileConfig, launch_symmetric_product, tma_descriptors
@@ -51,7 +50,13 @@ def _inputs(case: str, gen: torch.Generator):
     if case == "syrk_wide":  # R = X·Xᵀ of a 4096×14336 matrix
         return randn(4096, 14336, scale=14336**-0.25), None, None, 0.0, "syrk 4096×14336, row-major"
     if case == "syrk_tall":  # the transposed view of a 14336×4096 matrix
-        return randn(14336, 4096, scale=14336**-0.25).mT, None, None, 0.0, "syrk 4096×14336, column-major"
+        return (
+            randn(14336, 4096, scale=14336**-0.25).mT,
+            None,
+            None,
+            0.0,
+            "syrk 4096×14336, column-major",
+        )
     if case == "syrk_huge":
         return randn(8192, 28672, scale=28672**-0.25), None, None, 0.0, "syrk 8192×28672, row-major"
     if case == "gram_4096":  # Z·RZ + a·RZ: symmetric row-major 4096² operands, with C
@@ -80,8 +85,16 @@ def _inputs(case: str, gen: torch.Generator):
     raise SystemExit(f"unknown case {case!r}")
 
 
-CASES = ("syrk_wide", "syrk_tall", "syrk_huge", "gram_4096", "gram_4096_tune", "gram_4096_ns", "syrk_stack",
-         "gram_stack")
+CASES = (
+    "syrk_wide",
+    "syrk_tall",
+    "syrk_huge",
+    "gram_4096",
+    "gram_4096_tune",
+    "gram_4096_ns",
+    "syrk_stack",
+    "gram_stack",
+)
 
 
 def sweep_case(case: str, configs) -> list[str]:
@@ -92,8 +105,14 @@ def sweep_case(case: str, configs) -> list[str]:
     flops = 2.0 * batch * m * m * k
     reference = symmetric_product_cublas(a, b, c, 1.0, beta, 0.0, mirror=False)
     t_cublas = time_ms(lambda: symmetric_product_cublas(a, b, c, 1.0, beta, 0.0, mirror=False))
-    rows = [f"### {what}", "", f"cuBLAS: {t_cublas:.3f} ms, {flops / t_cublas / 1e9:.0f} TFLOP/s", "",
-            "| config | loads | ms | actual TFLOP/s | vs cuBLAS | matches |", "|---|---|---|---|---|---|"]
+    rows = [
+        f"### {what}",
+        "",
+        f"cuBLAS: {t_cublas:.3f} ms, {flops / t_cublas / 1e9:.0f} TFLOP/s",
+        "",
+        "| config | loads | ms | actual TFLOP/s | vs cuBLAS | matches |",
+        "|---|---|---|---|---|---|",
+    ]
     for config in configs:
         loads = "tma" if config.tma and tma_descriptors(a, b, config) is not None else "ptr"
         if config.tma and loads == "ptr":
@@ -101,11 +120,17 @@ def sweep_case(case: str, configs) -> list[str]:
         try:
             out = launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config)
             ok = _lower_matches(out, reference)
-            t = time_ms(lambda config=config: launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config))
-            rows.append(f"| {config.name} | {loads} | {t:.3f} | {flops / 2 / t / 1e9:.0f} | "
-                        f"{t_cublas / t:.2f}× | {'yes' if ok else 'NO'} |")
+            t = time_ms(
+                lambda config=config: launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config)
+            )
+            rows.append(
+                f"| {config.name} | {loads} | {t:.3f} | {flops / 2 / t / 1e9:.0f} | "
+                f"{t_cublas / t:.2f}× | {'yes' if ok else 'NO'} |"
+            )
         except Exception as exc:  # a config that does not fit the GPU is a result too
-            rows.append(f"| {config.name} | {loads} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |")
+            rows.append(
+                f"| {config.name} | {loads} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |"
+            )
         print(rows[-1], flush=True)
     del a, b, c, reference
     torch.cuda.empty_cache()
@@ -113,16 +138,25 @@ def sweep_case(case: str, configs) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {CASES}")
-    parser.add_argument("--extra", action="store_true", help="also time the exploratory configurations")
+    parser.add_argument(
+        "--extra", action="store_true", help="also time the exploratory configurations"
+    )
     parser.add_argument("--out", default=None, help="write the markdown tables here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_tiles.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    configs = list(CANDIDATES) + ([c for c in EXPLORATORY if c not in CANDIDATES] if args.extra else [])
-    lines = [f"## Tile sweep, {datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}", ""]
+    configs = list(CANDIDATES) + (
+        [c for c in EXPLORATORY if c not in CANDIDATES] if args.extra else []
+    )
+    lines = [
+        f"## Tile sweep, {datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        "",
+    ]
     for case in args.cases.split(","):
         start = time.time()
         print(f"== {case}", flush=True)

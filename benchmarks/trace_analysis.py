@@ -75,17 +75,26 @@ def _records(trace, device=None):
         if device is not None and str(dev) != str(device):
             continue
         group = args.get("Process Group Description") or args.get("Process Group Name")
-        out.append({
-            "name": str(ev.get("name", "")), "start": start, "end": start + max(dur, 0.0),
-            "stream": args.get("stream", ev.get("tid")), "cat": ev["cat"], "device": dev,
-            "collective": args.get("Collective name"), "group": None if group is None else str(group),
-        })
+        out.append(
+            {
+                "name": str(ev.get("name", "")),
+                "start": start,
+                "end": start + max(dur, 0.0),
+                "stream": args.get("stream", ev.get("tid")),
+                "cat": ev["cat"],
+                "device": dev,
+                "collective": args.get("Collective name"),
+                "group": None if group is None else str(group),
+            }
+        )
     return out
 
 
 def gpu_events(trace, device=None):
     """``[(name, start_us, end_us, stream, cat)]`` for kernels, memcpys and memsets."""
-    return [(r["name"], r["start"], r["end"], r["stream"], r["cat"]) for r in _records(trace, device)]
+    return [
+        (r["name"], r["start"], r["end"], r["stream"], r["cat"]) for r in _records(trace, device)
+    ]
 
 
 # ---------------------------------------------------------------------------- classification
@@ -185,18 +194,33 @@ def _by_device(records):
 
 
 def _exposed_one(records):
-    compute = [(r["start"], r["end"]) for r in records if r["cat"] == "kernel" and not is_comm_kernel(r["name"])]
+    compute = [
+        (r["start"], r["end"])
+        for r in records
+        if r["cat"] == "kernel" and not is_comm_kernel(r["name"])
+    ]
     comm_recs = [r for r in records if r["cat"] == "kernel" and is_comm_kernel(r["name"])]
     comm = [(r["start"], r["end"]) for r in comm_recs]
     window = (max(r["end"] for r in records) - min(r["start"] for r in records)) if records else 0.0
     by_kind = {}
     for kind in COMM_KINDS:
-        iv = [(r["start"], r["end"]) for r in comm_recs if comm_kind(r["name"], r["collective"]) == kind]
+        iv = [
+            (r["start"], r["end"])
+            for r in comm_recs
+            if comm_kind(r["name"], r["collective"]) == kind
+        ]
         if iv:
-            by_kind[kind] = {"count": len(iv), "comm_us": total_length(iv), "exposed_us": minus_length(iv, compute)}
+            by_kind[kind] = {
+                "count": len(iv),
+                "comm_us": total_length(iv),
+                "exposed_us": minus_length(iv, compute),
+            }
     return {
-        "window_us": float(window), "busy_compute_us": total_length(compute), "comm_us": total_length(comm),
-        "exposed_comm_us": minus_length(comm, compute), "by_kind": by_kind,
+        "window_us": float(window),
+        "busy_compute_us": total_length(compute),
+        "comm_us": total_length(comm),
+        "exposed_comm_us": minus_length(comm, compute),
+        "by_kind": by_kind,
     }
 
 
@@ -211,7 +235,13 @@ def exposed_comm(trace, device=None) -> dict:
 
 def _exposed(records) -> dict:
     per_device = {dev: _exposed_one(recs) for dev, recs in _by_device(records).items()}
-    out = {"window_us": 0.0, "busy_compute_us": 0.0, "comm_us": 0.0, "exposed_comm_us": 0.0, "by_kind": {}}
+    out = {
+        "window_us": 0.0,
+        "busy_compute_us": 0.0,
+        "comm_us": 0.0,
+        "exposed_comm_us": 0.0,
+        "by_kind": {},
+    }
     for res in per_device.values():
         for key in ("window_us", "busy_compute_us", "comm_us", "exposed_comm_us"):
             out[key] += res[key]
@@ -219,7 +249,9 @@ def _exposed(records) -> dict:
             agg = out["by_kind"].setdefault(kind, {"count": 0, "comm_us": 0.0, "exposed_us": 0.0})
             for key in agg:
                 agg[key] += k[key]
-    out["exposed_fraction"] = out["exposed_comm_us"] / out["window_us"] if out["window_us"] > 0 else None
+    out["exposed_fraction"] = (
+        out["exposed_comm_us"] / out["window_us"] if out["window_us"] > 0 else None
+    )
     out["devices"] = list(per_device)
     if len(per_device) > 1:
         out["per_device"] = {str(d): r for d, r in per_device.items()}
@@ -238,11 +270,19 @@ def hidden_fraction(trace, kind: str = "broadcast", device=None, group: str | No
 def _hidden(records, kind, group=None):
     covered = total = 0.0
     for recs in _by_device(records).values():
-        compute = [(r["start"], r["end"]) for r in recs if r["cat"] == "kernel" and not is_comm_kernel(r["name"])]
-        mine = [(r["start"], r["end"]) for r in recs
-                if r["cat"] == "kernel" and is_comm_kernel(r["name"])
-                and comm_kind(r["name"], r["collective"]) == kind
-                and (group is None or (r["group"] is not None and group in r["group"]))]
+        compute = [
+            (r["start"], r["end"])
+            for r in recs
+            if r["cat"] == "kernel" and not is_comm_kernel(r["name"])
+        ]
+        mine = [
+            (r["start"], r["end"])
+            for r in recs
+            if r["cat"] == "kernel"
+            and is_comm_kernel(r["name"])
+            and comm_kind(r["name"], r["collective"]) == kind
+            and (group is None or (r["group"] is not None and group in r["group"]))
+        ]
         total += total_length(mine)
         covered += overlap_length(mine, compute)
     return covered / total if total > 0 else None
@@ -255,9 +295,14 @@ def last_annotation_start(trace, name: str = "Optimizer.step"):
     comm kernels issued by the last optimizer step of a profile have no next forward inside
     the window that could hide them.
     """
-    starts = [float(ev["ts"]) for ev in load_trace(trace).get("traceEvents", [])
-              if isinstance(ev, dict) and ev.get("cat") in ("user_annotation", "cpu_op", "python_function")
-              and name in str(ev.get("name", "")) and "ts" in ev]
+    starts = [
+        float(ev["ts"])
+        for ev in load_trace(trace).get("traceEvents", [])
+        if isinstance(ev, dict)
+        and ev.get("cat") in ("user_annotation", "cpu_op", "python_function")
+        and name in str(ev.get("name", ""))
+        and "ts" in ev
+    ]
     return max(starts) if starts else None
 
 
@@ -284,7 +329,9 @@ def _breakdown(records) -> dict:
         cat = category(r["name"], r["cat"])
         dur = (r["end"] - r["start"]) / 1e3
         ms[cat] += dur
-        entry = per_name.setdefault(r["name"], {"name": r["name"][:NAME_CHARS], "category": cat, "count": 0, "ms": 0.0})
+        entry = per_name.setdefault(
+            r["name"], {"name": r["name"][:NAME_CHARS], "category": cat, "count": 0, "ms": 0.0}
+        )
         entry["count"] += 1
         entry["ms"] += dur
     top = sorted(per_name.values(), key=lambda e: -e["ms"])[:TOP_KERNELS]
@@ -307,9 +354,12 @@ def summarize(path_or_dict, iterations: int = 1, device=None) -> dict:
     bd = _breakdown(records)
     by_kind = {}
     for kind, k in exp["by_kind"].items():
-        by_kind[kind] = {"count": k["count"], "ms_per_iter": per(k["comm_us"]),
-                         "exposed_ms_per_iter": per(k["exposed_us"]),
-                         "hidden_fraction": _hidden(records, kind)}
+        by_kind[kind] = {
+            "count": k["count"],
+            "ms_per_iter": per(k["comm_us"]),
+            "exposed_ms_per_iter": per(k["exposed_us"]),
+            "hidden_fraction": _hidden(records, kind),
+        }
     return {
         "iterations": n,
         "gpu_events": len(records),
@@ -321,7 +371,9 @@ def summarize(path_or_dict, iterations: int = 1, device=None) -> dict:
         "exposed_fraction": exp["exposed_fraction"],
         "comm_by_kind": by_kind,
         "broadcast_hidden_fraction": _hidden(records, "broadcast"),
-        "publish_hidden_fraction": _hidden(before_last, "broadcast") if last_step is not None else None,
+        "publish_hidden_fraction": _hidden(before_last, "broadcast")
+        if last_step is not None
+        else None,
         "gpu_idle_ms_per_iter": per(gpu_idle_us(records)) if records else 0.0,
         "replicate_broadcast_hidden_fraction": _hidden(records, "broadcast", group="replicate"),
         "breakdown_ms_per_iter": {c: v / n for c, v in bd["ms"].items()},
@@ -340,28 +392,42 @@ def format_summary(summary: dict, top: int = 5) -> list[str]:
     n = summary["iterations"]
     if not summary["gpu_events"]:
         return [f"- no GPU events in the trace ({n} iterations profiled; CPU run?)"]
-    lines = [(
-        f"- GPU window {summary['window_ms_per_iter']:.3f} ms/iter ({n} iters): compute busy "
-        f"{summary['compute_ms_per_iter']:.3f} ms, comm {summary['comm_ms_per_iter']:.3f} ms, exposed comm "
-        f"{summary['exposed_comm_ms_per_iter']:.3f} ms ({_pct(summary['exposed_fraction'])} of the window)"
-    )]
+    lines = [
+        (
+            f"- GPU window {summary['window_ms_per_iter']:.3f} ms/iter ({n} iters): compute busy "
+            f"{summary['compute_ms_per_iter']:.3f} ms, comm {summary['comm_ms_per_iter']:.3f} ms, exposed comm "
+            f"{summary['exposed_comm_ms_per_iter']:.3f} ms ({_pct(summary['exposed_fraction'])} of the window)"
+        )
+    ]
     if summary["comm_by_kind"]:
-        kinds = ", ".join(f"{k} {v['ms_per_iter']:.3f} ms (exposed {v['exposed_ms_per_iter']:.3f}, hidden "
-                          f"{_pct(v['hidden_fraction'])}, {v['count']} kernels)"
-                          for k, v in summary["comm_by_kind"].items())
+        kinds = ", ".join(
+            f"{k} {v['ms_per_iter']:.3f} ms (exposed {v['exposed_ms_per_iter']:.3f}, hidden "
+            f"{_pct(v['hidden_fraction'])}, {v['count']} kernels)"
+            for k, v in summary["comm_by_kind"].items()
+        )
         lines.append(f"- comm per iter: {kinds}")
-    lines.append(f"- GPU idle (no kernel, copy or collective at all: host-bound) "
-                 f"{summary.get('gpu_idle_ms_per_iter', 0.0):.3f} ms/iter")
+    lines.append(
+        f"- GPU idle (no kernel, copy or collective at all: host-bound) "
+        f"{summary.get('gpu_idle_ms_per_iter', 0.0):.3f} ms/iter"
+    )
     if summary.get("publish_hidden_fraction") is not None:
-        lines.append(f"- broadcasts issued before the last step (a next forward follows them): "
-                     f"{_pct(summary['publish_hidden_fraction'])} hidden under compute")
+        lines.append(
+            f"- broadcasts issued before the last step (a next forward follows them): "
+            f"{_pct(summary['publish_hidden_fraction'])} hidden under compute"
+        )
     if summary.get("replicate_broadcast_hidden_fraction") is not None:
-        lines.append(f"- replicate broadcast hidden under compute: "
-                     f"{_pct(summary['replicate_broadcast_hidden_fraction'])}")
+        lines.append(
+            f"- replicate broadcast hidden under compute: "
+            f"{_pct(summary['replicate_broadcast_hidden_fraction'])}"
+        )
     cats = " | ".join(f"{c} {v:.3f}" for c, v in summary["breakdown_ms_per_iter"].items() if v > 0)
-    lines.append(f"- where the time goes (GPU ms/iter, sum over streams {summary['gpu_ms_per_iter']:.3f}): {cats}")
+    lines.append(
+        f"- where the time goes (GPU ms/iter, sum over streams {summary['gpu_ms_per_iter']:.3f}): {cats}"
+    )
     for e in summary["top_kernels"][:top]:
-        lines.append(f"  - {e['ms_per_iter']:.3f} ms/iter  {e['count'] / n:.3g}×  [{e['category']}] {e['name'][:100]}")
+        lines.append(
+            f"  - {e['ms_per_iter']:.3f} ms/iter  {e['count'] / n:.3g}×  [{e['category']}] {e['name'][:100]}"
+        )
     return lines
 
 
@@ -399,10 +465,19 @@ def profile_calls(fn, calls: int, device, save_as: str | None = None) -> dict:
     finally:
         os.remove(tmp)
     out = {
-        "steps": calls, "gpu_events": summary["gpu_events"], "gpu_ms_per_step": summary["gpu_ms_per_iter"],
+        "steps": calls,
+        "gpu_events": summary["gpu_events"],
+        "gpu_ms_per_step": summary["gpu_ms_per_iter"],
         "breakdown_ms_per_step": summary["breakdown_ms_per_iter"],
-        "top_kernels": [{"name": e["name"], "category": e["category"], "count_per_step": e["count"] / calls,
-                         "ms_per_step": e["ms_per_iter"]} for e in summary["top_kernels"]],
+        "top_kernels": [
+            {
+                "name": e["name"],
+                "category": e["category"],
+                "count_per_step": e["count"] / calls,
+                "ms_per_step": e["ms_per_iter"],
+            }
+            for e in summary["top_kernels"]
+        ],
     }
     if save_as:
         out["trace_file"] = save_as
@@ -412,11 +487,17 @@ def profile_calls(fn, calls: int, device, save_as: str | None = None) -> dict:
 def where_the_time_goes(profile: dict, top: int = 5, unit: str = "step") -> list[str]:
     """A short block for stdout from a :func:`profile_calls` result."""
     if not profile["gpu_events"]:
-        return [f"  where the time goes: no GPU events in {profile['steps']} profiled {unit}s (CPU run)"]
+        return [
+            f"  where the time goes: no GPU events in {profile['steps']} profiled {unit}s (CPU run)"
+        ]
     cats = " | ".join(f"{c} {v:.3f}" for c, v in profile["breakdown_ms_per_step"].items() if v > 0)
-    lines = [f"  where the time goes (GPU ms/{unit}, {profile['gpu_ms_per_step']:.3f} in all): {cats}"]
+    lines = [
+        f"  where the time goes (GPU ms/{unit}, {profile['gpu_ms_per_step']:.3f} in all): {cats}"
+    ]
     for e in profile["top_kernels"][:top]:
-        lines.append(f"    {e['ms_per_step']:8.3f} ms  {e['count_per_step']:.3g}×  [{e['category']}] {e['name'][:90]}")
+        lines.append(
+            f"    {e['ms_per_step']:8.3f} ms  {e['count_per_step']:.3g}×  [{e['category']}] {e['name'][:90]}"
+        )
     return lines
 
 

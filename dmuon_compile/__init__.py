@@ -21,20 +21,6 @@ from dmuon_compile._compat import check_torch_version as _check_torch_version
 _check_torch_version(_torch.__version__)
 
 from dmuon_compile import coefficients  # noqa: E402
-from dmuon_compile.functional import lr_scale  # noqa: E402
-from dmuon_compile.newton_schulz import (  # noqa: E402
-    NewtonSchulz,
-    get_ns_backend,
-    matrix_view,
-)
-from dmuon_compile.optimizer import Muon, default_muon_predicate  # noqa: E402
-from dmuon_compile.kernels.consistency import check_ns_backend_consistent  # noqa: E402
-from dmuon_compile.distributed.clip import clip_grad_norm_  # noqa: E402
-from dmuon_compile.distributed._owned import full_tensor  # noqa: E402
-from dmuon_compile.distributed.checkpoint import (  # noqa: E402
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from dmuon_compile.distributed import (  # noqa: E402
     MixedPrecision,
     ParamPolicy,
@@ -44,6 +30,20 @@ from dmuon_compile.distributed import (  # noqa: E402
     summarize_param_groups,
     wait_all_replicate_broadcasts,
 )
+from dmuon_compile.distributed._owned import full_tensor  # noqa: E402
+from dmuon_compile.distributed.checkpoint import (  # noqa: E402
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from dmuon_compile.distributed.clip import clip_grad_norm_  # noqa: E402
+from dmuon_compile.functional import lr_scale  # noqa: E402
+from dmuon_compile.kernels.consistency import check_ns_backend_consistent  # noqa: E402
+from dmuon_compile.newton_schulz import (  # noqa: E402
+    NewtonSchulz,
+    get_ns_backend,
+    matrix_view,
+)
+from dmuon_compile.optimizer import Muon, default_muon_predicate  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -76,7 +76,9 @@ def resolve(
             return (KELLER_JORDAN,) * (steps or DEFAULT_STEPS)
         if name == "you":
             if steps not in (None, len(YOU)):
-                raise ValueError(f"the 'you' table has exactly {len(YOU)} steps (asked for {steps})")
+                raise ValueError(
+                    f"the 'you' table has exactly {len(YOU)} steps (asked for {steps})"
+                )
             return YOU
         if name == "polar_express":
             return polar_express(steps or DEFAULT_STEPS)
@@ -91,7 +93,9 @@ def resolve(
     for i, triple in enumerate(seq):
         triple = tuple(float(v) for v in triple)
         if len(triple) != 3:
-            raise ValueError(f"coefficient step {i} has {len(triple)} values; each step needs (a, b, c)")
+            raise ValueError(
+                f"coefficient step {i} has {len(triple)} values; each step needs (a, b, c)"
+            )
         table.append(triple)
     if not table:
         raise ValueError("coefficients must hold at least one (a, b, c) step")

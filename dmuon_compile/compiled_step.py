@@ -49,8 +49,8 @@ from torch import Tensor
 
 from dmuon_compile import functional as F
 from dmuon_compile._compat import parse_version
-from dmuon_compile.newton_schulz import NewtonSchulz, matrix_view
 from dmuon_compile.log import progress
+from dmuon_compile.newton_schulz import NewtonSchulz, matrix_view
 
 log = logging.getLogger("dmuon_compile.compiled_step")
 
@@ -64,11 +64,15 @@ def check_compile_args(compile: bool | None, compile_mode: str | None) -> None:
     >>> check_compile_args(None, "reduce-overhead")
     """
     if compile not in (None, True, False):
-        raise TypeError(f"compile must be True, False or None (auto: True on CUDA), got {compile!r}")
+        raise TypeError(
+            f"compile must be True, False or None (auto: True on CUDA), got {compile!r}"
+        )
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode={compile_mode!r}: choose one of {COMPILE_MODES}")
     if compile is False and compile_mode is not None:
-        raise ValueError(f"compile_mode={compile_mode!r} needs compile=True (or None), got compile=False")
+        raise ValueError(
+            f"compile_mode={compile_mode!r} needs compile=True (or None), got compile=False"
+        )
 
 
 def compile_enabled(compile: bool | None, params: list[Tensor]) -> bool:
@@ -88,12 +92,16 @@ class StepPlan:
     ns: NewtonSchulz  # configured to issue the torch-primitive chain (the pass rewrites it)
 
     @staticmethod
-    def build(params: list[Tensor], ns: NewtonSchulz, nesterov: bool, adjust_lr_fn: str | None) -> StepPlan:
+    def build(
+        params: list[Tensor], ns: NewtonSchulz, nesterov: bool, adjust_lr_fn: str | None
+    ) -> StepPlan:
         buckets: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(params):
             buckets[(tuple(p.shape), p.dtype, p.device)].append(i)
         scales = tuple(F.lr_scale(matrix_view(p).shape, adjust_lr_fn) for p in params)
-        return StepPlan(tuple(tuple(v) for v in buckets.values()), scales, bool(nesterov), torch_chain(ns))
+        return StepPlan(
+            tuple(tuple(v) for v in buckets.values()), scales, bool(nesterov), torch_chain(ns)
+        )
 
 
 def torch_chain(ns: NewtonSchulz) -> NewtonSchulz:
@@ -188,7 +196,9 @@ class CompiledMuonStep:
              adjust_lr_fn="match_rms_adamw")
     """
 
-    def __init__(self, ns: NewtonSchulz, mode: str | None = None, options: dict | None = None) -> None:
+    def __init__(
+        self, ns: NewtonSchulz, mode: str | None = None, options: dict | None = None
+    ) -> None:
         check_compile_args(True, mode)
         self.ns = ns
         self.mode = mode
@@ -196,7 +206,9 @@ class CompiledMuonStep:
         opts = default_compile_options(mode, rewrite=self.rewrites)
         opts.update(options or {})
         self.options = opts
-        self.fn = torch.compile(_fresh_copy(muon_step_body), fullgraph=True, dynamic=False, options=opts)
+        self.fn = torch.compile(
+            _fresh_copy(muon_step_body), fullgraph=True, dynamic=False, options=opts
+        )
         self._hyper: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
         self._plan_key: tuple | None = None
         self._plan: StepPlan | None = None
@@ -218,18 +230,27 @@ class CompiledMuonStep:
         return hyper
 
     def plan(self, params, nesterov: bool, adjust_lr_fn: str | None) -> StepPlan:
-        key = (tuple(id(p) for p in params), tuple(tuple(p.shape) for p in params), nesterov, adjust_lr_fn)
+        key = (
+            tuple(id(p) for p in params),
+            tuple(tuple(p.shape) for p in params),
+            nesterov,
+            adjust_lr_fn,
+        )
         if key != self._plan_key:
             self._plan = StepPlan.build(params, self.ns, nesterov, adjust_lr_fn)
             self._plan_key = key
         return self._plan  # type: ignore[return-value]
 
-    def __call__(self, params, grads, bufs, *, lr, weight_decay, momentum, nesterov, adjust_lr_fn) -> None:
+    def __call__(
+        self, params, grads, bufs, *, lr, weight_decay, momentum, nesterov, adjust_lr_fn
+    ) -> None:
         if not params:
             return
         devices = {p.device for p in params}
         if len(devices) != 1:
-            raise ValueError(f"the compiled Muon step needs one device per group, got {sorted(map(str, devices))}")
+            raise ValueError(
+                f"the compiled Muon step needs one device per group, got {sorted(map(str, devices))}"
+            )
         device = next(iter(devices))
         lr_t, wd_t, mu_t = self.hyper_tensors(device, lr, weight_decay, momentum)
         plan = self.plan(params, nesterov, adjust_lr_fn)
@@ -237,16 +258,27 @@ class CompiledMuonStep:
             self._mark_static(list(params) + list(grads) + list(bufs) + [lr_t, wd_t, mu_t])
         start = time.perf_counter() if self.calls == 0 else None
         if start is not None:  # compiles take tens of seconds on big models: say so per rank
-            progress(f"compiling the Muon step ({len(params)} matrices, {len(plan.buckets)} shape "
-                     "bucket(s)); DMUON_COMPILE_LOG=0 silences this", switch="DMUON_COMPILE_LOG")
+            progress(
+                f"compiling the Muon step ({len(params)} matrices, {len(plan.buckets)} shape "
+                "bucket(s)); DMUON_COMPILE_LOG=0 silences this",
+                switch="DMUON_COMPILE_LOG",
+            )
         self.fn(list(params), list(grads), list(bufs), lr_t, wd_t, mu_t, plan)
         self.calls += 1
         if start is not None:
             self.first_call_s = time.perf_counter() - start
-            progress(f"compiled Muon step ready: first call (trace + compile + run) took "
-                     f"{self.first_call_s:.1f} s", switch="DMUON_COMPILE_LOG")
-            log.info("compiled Muon step: first call (trace + compile + run) took %.1f s for %d "
-                     "matrices in %d shape bucket(s)", self.first_call_s, len(params), len(plan.buckets))
+            progress(
+                f"compiled Muon step ready: first call (trace + compile + run) took "
+                f"{self.first_call_s:.1f} s",
+                switch="DMUON_COMPILE_LOG",
+            )
+            log.info(
+                "compiled Muon step: first call (trace + compile + run) took %.1f s for %d "
+                "matrices in %d shape bucket(s)",
+                self.first_call_s,
+                len(params),
+                len(plan.buckets),
+            )
 
     def _mark_static(self, tensors) -> None:
         for t in tensors:
@@ -289,6 +321,14 @@ def run_group_step(opt, group: dict, params, grads, bufs, part: str = "all") -> 
     if step is None or step.ns is not ns:
         step = CompiledMuonStep(ns, mode=getattr(opt, "compile_mode", None))
         steps[key] = step
-    step(params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"],
-         momentum=group["momentum"], nesterov=group["nesterov"], adjust_lr_fn=group["adjust_lr_fn"])
+    step(
+        params,
+        grads,
+        bufs,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        momentum=group["momentum"],
+        nesterov=group["nesterov"],
+        adjust_lr_fn=group["adjust_lr_fn"],
+    )
     return True

@@ -41,7 +41,9 @@ def lr_scale(shape: Sequence[int], adjust_lr_fn: str | None) -> float:
     raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
 
 
-def momentum_update(grads: list[Tensor], bufs: list[Tensor], momentum: float, nesterov: bool) -> list[Tensor]:
+def momentum_update(
+    grads: list[Tensor], bufs: list[Tensor], momentum: float, nesterov: bool
+) -> list[Tensor]:
     """buf ← μ·buf + g; returns g + μ·buf (Nesterov) or buf. Updates ``bufs`` in place."""
     if not grads:
         return []
@@ -52,7 +54,9 @@ def momentum_update(grads: list[Tensor], bufs: list[Tensor], momentum: float, ne
     return list(bufs)
 
 
-def orthogonalize(updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: bool = True) -> list[Tensor]:
+def orthogonalize(
+    updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: bool = True
+) -> list[Tensor]:
     """NS(u) for every update; same-shape matrices are stacked into one batched call."""
     out: list[Tensor | None] = [None] * len(updates)
     if not batch_same_shape:
@@ -72,7 +76,11 @@ def orthogonalize(updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: boo
 
 
 def apply_muon_update(
-    params: list[Tensor], ortho: list[Tensor], lr: float, weight_decay: float, adjust_lr_fn: str | None
+    params: list[Tensor],
+    ortho: list[Tensor],
+    lr: float,
+    weight_decay: float,
+    adjust_lr_fn: str | None,
 ) -> None:
     """W ← (1 − lr·wd)·W − lr·scale(W)·O, in place."""
     for p, o in zip(params, ortho):

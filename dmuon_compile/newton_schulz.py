@@ -168,7 +168,9 @@ def matrix_view(t: Tensor) -> Tensor:
     return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
 
 
-def normalize(g: Tensor, work_dtype: torch.dtype, eps: float = EPS, transpose: bool = False) -> Tensor:
+def normalize(
+    g: Tensor, work_dtype: torch.dtype, eps: float = EPS, transpose: bool = False
+) -> Tensor:
     """Scale each matrix to Frobenius norm ≤ 1 (in fp32 or better), then cast to the work dtype;
     ``transpose=True`` returns the scaled ``g.mT``.
 
@@ -257,7 +259,7 @@ def direct_ns_flops(m: int, n: int, steps: int, symmetric: bool = True) -> float
 
 
 # ----------------------------------------------------------------------------- public class
-_ACTIVE: "NewtonSchulz | None" = None
+_ACTIVE: NewtonSchulz | None = None
 
 
 class NewtonSchulz:
@@ -326,7 +328,10 @@ class NewtonSchulz:
             raise ValueError("restart_iterations only applies to backend='gram'")
         self.restart_iterations = restart_iterations
         if work_dtype is not None and work_dtype not in (
-            torch.float16, torch.bfloat16, torch.float32, torch.float64
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
         ):
             raise ValueError(f"work_dtype={work_dtype} is not a floating dtype NS can run in")
         self.requested_work_dtype = work_dtype
@@ -396,7 +401,9 @@ class NewtonSchulz:
         small, large = min(m, n), max(m, n)
         sym = self.kernel == "triton"
         if self.uses_gram(small, large):
-            return gram_ns_flops(small, large, len(self.coefficients), len(self.restart_iterations), sym)
+            return gram_ns_flops(
+                small, large, len(self.coefficients), len(self.restart_iterations), sym
+            )
         return direct_ns_flops(small, large, len(self.coefficients), sym)
 
     def __call__(self, g: Tensor) -> Tensor:
@@ -424,7 +431,7 @@ def set_active_ns(ns: NewtonSchulz) -> None:
     _ACTIVE = ns
 
 
-def get_ns_backend(ns: "NewtonSchulz | None" = None) -> str:
+def get_ns_backend(ns: NewtonSchulz | None = None) -> str:
     """Describe the active Newton–Schulz backend and kernel on this rank.
 
     With no argument, reports the orthogonaliser of the most recently built ``Muon`` (or the
@@ -439,7 +446,9 @@ def get_ns_backend(ns: "NewtonSchulz | None" = None) -> str:
     elif not isinstance(ns, NewtonSchulz):
         inner = getattr(ns, "ns", None)
         if not isinstance(inner, NewtonSchulz):
-            raise TypeError(f"get_ns_backend() takes a NewtonSchulz or a Muon, got {type(ns).__name__}")
+            raise TypeError(
+                f"get_ns_backend() takes a NewtonSchulz or a Muon, got {type(ns).__name__}"
+            )
         ns = inner
     return ns.describe()
 

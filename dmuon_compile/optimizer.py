@@ -47,8 +47,8 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
 
     dedicated = dedicated_names(model)
     module_of = {}
-    for mod_name, mod in model.named_modules():
-        for p_name, p in mod.named_parameters(recurse=False):
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
             module_of[id(p)] = mod
     muon, adamw = [], []
     for name, p in model.named_parameters():  # named_parameters dedups tied weights
@@ -57,7 +57,9 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
         if name in dedicated:
             chosen = True
         elif dedicated and hasattr(p, "to_local"):
-            chosen = False  # an FSDP2 shard next to dedicated params: NS on a shard is wrong -> AdamW
+            chosen = (
+                False  # an FSDP2 shard next to dedicated params: NS on a shard is wrong -> AdamW
+            )
         elif predicate is not None:
             chosen = bool(predicate(name, p))
             if chosen and p.ndim < 2:
@@ -148,7 +150,9 @@ class Muon(torch.optim.Optimizer):
         if adjust_lr_fn not in F.ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {F.ADJUST_LR_FNS}")
         if nonfinite_grads not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite_grads={nonfinite_grads!r}: choose one of {NONFINITE_MODES}")
+            raise ValueError(
+                f"nonfinite_grads={nonfinite_grads!r}: choose one of {NONFINITE_MODES}"
+            )
 
         self.model = params if isinstance(params, nn.Module) else None
         self.ns = resolve_ns_backend(ns_backend)
@@ -162,11 +166,18 @@ class Muon(torch.optim.Optimizer):
         self._param_names: dict[int, str] = {}
 
         muon_defaults = dict(
-            use_muon=True, lr=lr, momentum=momentum, nesterov=nesterov,
-            weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn,
+            use_muon=True,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            adjust_lr_fn=adjust_lr_fn,
         )
         adamw_defaults = dict(
-            use_muon=False, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+            use_muon=False,
+            lr=adamw_lr,
+            betas=tuple(adamw_betas),
+            eps=adamw_eps,
             weight_decay=adamw_weight_decay,
         )
         groups = self._build_groups(params, predicate, muon_defaults, adamw_defaults)
@@ -196,27 +207,40 @@ class Muon(torch.optim.Optimizer):
                     groups.append(dict(defaults, params=[p for _, p in named]))
             return groups
         if predicate is not None:
-            raise ValueError("predicate= needs a model (names); with parameter lists set use_muon per group")
+            raise ValueError(
+                "predicate= needs a model (names); with parameter lists set use_muon per group"
+            )
         params = list(params)
         if params and not isinstance(params[0], dict):
             params = [{"params": params}]
         groups = []
         for g_index, group in enumerate(params):
-            tensors = list(group["params"]) if not isinstance(group["params"], Tensor) else [group["params"]]
+            tensors = (
+                list(group["params"])
+                if not isinstance(group["params"], Tensor)
+                else [group["params"]]
+            )
             extra = {k: v for k, v in group.items() if k != "params"}
             for p_index, p in enumerate(tensors):
                 self._param_names.setdefault(id(p), f"param_groups[{g_index}][{p_index}]")
             if "use_muon" in extra:
                 split = {bool(extra["use_muon"]): tensors}
             else:
-                split = {True: [p for p in tensors if p.ndim >= 2], False: [p for p in tensors if p.ndim < 2]}
+                split = {
+                    True: [p for p in tensors if p.ndim >= 2],
+                    False: [p for p in tensors if p.ndim < 2],
+                }
             for use_muon, ps in split.items():
                 if not ps:
                     continue
                 if use_muon and any(p.ndim < 2 for p in ps):
-                    raise ValueError("a group with use_muon=True holds a parameter with fewer than 2 dims")
+                    raise ValueError(
+                        "a group with use_muon=True holds a parameter with fewer than 2 dims"
+                    )
                 base = muon_defaults if use_muon else adamw_defaults
-                groups.append(dict(base, **{k: v for k, v in extra.items() if k != "use_muon"}, params=ps))
+                groups.append(
+                    dict(base, **{k: v for k, v in extra.items() if k != "use_muon"}, params=ps)
+                )
         return groups
 
     @staticmethod
@@ -229,7 +253,9 @@ class Muon(torch.optim.Optimizer):
         return self._param_names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
 
     # ------------------------------------------------------------------ state
-    def _init_group(self, group: dict, params: list, grads: list, state_a: list, state_b: list) -> None:
+    def _init_group(
+        self, group: dict, params: list, grads: list, state_a: list, state_b: list
+    ) -> None:
         """Fill the lists with the params that have grads and their state, creating state eagerly.
 
         torch.optim's convention (lists in, nothing out): under ``torch.compile(opt.step)`` Dynamo
@@ -246,7 +272,9 @@ class Muon(torch.optim.Optimizer):
             grads.append(p.grad)
             if group["use_muon"]:
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
                 state_a.append(state["momentum_buffer"])
             else:
                 if "step" not in state:
@@ -315,10 +343,12 @@ class Muon(torch.optim.Optimizer):
                     "Load through torch.distributed.checkpoint's set_state_dict to map state by name."
                 )
             index_to_param.update(zip(saved["params"], group["params"]))
-        fix = ("Optimizer state of a dedicated parameter only loads where it was saved (same owner, "
-               "same mesh). To resume on another cluster shape, save and load with "
-               "torch.distributed.checkpoint: state = get_state_dict(model, opt); dcp.load(state, ...); "
-               "set_state_dict(model, opt, model_state_dict=..., optim_state_dict=...).")
+        fix = (
+            "Optimizer state of a dedicated parameter only loads where it was saved (same owner, "
+            "same mesh). To resume on another cluster shape, save and load with "
+            "torch.distributed.checkpoint: state = get_state_dict(model, opt); dcp.load(state, ...); "
+            "set_state_dict(model, opt, model_state_dict=..., optim_state_dict=...)."
+        )
         for index, values in state_dict.get("state", {}).items():
             p = index_to_param.get(index)
             if p is None:
@@ -332,8 +362,11 @@ class Muon(torch.optim.Optimizer):
                         f"{tuple(value.shape)}, the parameter {tuple(p.shape)}. {fix}"
                     )
                 if is_owned(p) and not (is_owned(value) and same_layout(value, p)):
-                    where = (f"{value.device_mesh} {tuple(value.placements)}" if hasattr(value, "placements")
-                             else "a plain tensor")
+                    where = (
+                        f"{value.device_mesh} {tuple(value.placements)}"
+                        if hasattr(value, "placements")
+                        else "a plain tensor"
+                    )
                     raise ValueError(
                         f"Muon.load_state_dict: {key} of {self.param_name(p)} was saved as {where}; the "
                         f"parameter is {p.device_mesh} {tuple(p.placements)}. {fix}"
@@ -370,7 +403,9 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Check every gradient before touching any weight or state: a bad step changes nothing.
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        with_grad = [
+            p for group in self.param_groups for p in group["params"] if p.grad is not None
+        ]
         bad = self._nonfinite_names(with_grad, [p.grad for p in with_grad])
         if bad:
             shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
@@ -396,26 +431,43 @@ class Muon(torch.optim.Optimizer):
                 if group["use_muon"]:
                     pick = [i for i, p in enumerate(params) if id(p) in early]
                     if pick:
-                        self._muon_group_step(group, [params[i] for i in pick], [grads[i] for i in pick],
-                                              [state_a[i] for i in pick], part="early")
+                        self._muon_group_step(
+                            group,
+                            [params[i] for i in pick],
+                            [grads[i] for i in pick],
+                            [state_a[i] for i in pick],
+                            part="early",
+                        )
             runtime.publish_early()
         for group, params, grads, state_a, state_b in collected:
             if group["use_muon"]:
                 if split:
                     rest = [i for i, p in enumerate(params) if id(p) not in early]
-                    params, grads, state_a = ([xs[i] for i in rest] for xs in (params, grads, state_a))
+                    params, grads, state_a = (
+                        [xs[i] for i in rest] for xs in (params, grads, state_a)
+                    )
                     if not params:
                         continue
-                self._muon_group_step(group, params, grads, state_a, part="rest" if split else "all")
+                self._muon_group_step(
+                    group, params, grads, state_a, part="rest" if split else "all"
+                )
             else:
                 F.adamw_update(
-                    params, grads, state_a, [b[0] for b in state_b], [b[1] for b in state_b],
-                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                    params,
+                    grads,
+                    state_a,
+                    [b[0] for b in state_b],
+                    [b[1] for b in state_b],
+                    lr=group["lr"],
+                    betas=group["betas"],
+                    eps=group["eps"],
                     weight_decay=group["weight_decay"],
                 )
         return loss
 
-    def _muon_group_step(self, group: dict, params: list, grads: list, bufs: list, part: str = "all") -> None:
+    def _muon_group_step(
+        self, group: dict, params: list, grads: list, bufs: list, part: str = "all"
+    ) -> None:
         """Muon math for some of a group's matrices (``part`` names the subset: one compiled
         graph each): the compiled step if enabled, else the eager reference.
 
@@ -431,9 +483,15 @@ class Muon(torch.optim.Optimizer):
         if run_group_step(self, group, params, grads, bufs, part=part):
             return
         F.muon_update(
-            params, grads, bufs,
-            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-            nesterov=group["nesterov"], ns=self.ns, adjust_lr_fn=group["adjust_lr_fn"],
+            params,
+            grads,
+            bufs,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            ns=self.ns,
+            adjust_lr_fn=group["adjust_lr_fn"],
         )
 
 
@@ -468,9 +526,9 @@ def _local(t: Tensor) -> Tensor:
 def _check_nonneg(name: str, value: float) -> None:
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} as a Tensor must have one element, got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name} as a Tensor must have one element, got shape {tuple(value.shape)}"
+            )
         value = float(value)
     if not value >= 0.0:
         raise ValueError(f"{name} must be >= 0, got {value}")
-
-

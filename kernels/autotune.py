@@ -120,7 +120,9 @@ class VerdictCache:
                     stacklevel=3,
                 )
             return {}
-        return {str(k): v for k, v in data["verdicts"].items() if isinstance(v, dict) and "choice" in v}
+        return {
+            str(k): v for k, v in data["verdicts"].items() if isinstance(v, dict) and "choice" in v
+        }
 
     def get(self, key: str) -> dict | None:
         """The stored verdict for ``key`` (a dict with ``choice``), or ``None``."""
@@ -195,7 +197,9 @@ def tune(
     is ``{"choice": "cublas" | config.name, "config": {...} | None, "cublas_ms": t,
     "timings_ms": {name: t}}``.
     """
-    progress(f"SYRK autotune started for {key}: {len(candidates)} Triton candidates + cuBLAS", LOG_SWITCH)
+    progress(
+        f"SYRK autotune started for {key}: {len(candidates)} Triton candidates + cuBLAS", LOG_SWITCH
+    )
     reference = run_cublas()
     cublas_ms = time_ms(run_cublas)
     timings: dict[str, float] = {}
@@ -205,12 +209,18 @@ def tune(
         try:
             out = run_candidate(config)
             if not matches(out, reference):
-                progress(f"SYRK autotune candidate {config.name} rejected: result differs from cuBLAS", LOG_SWITCH)
+                progress(
+                    f"SYRK autotune candidate {config.name} rejected: result differs from cuBLAS",
+                    LOG_SWITCH,
+                )
                 continue
             timings[config.name] = time_ms(lambda config=config: run_candidate(config))
             configs[config.name] = config
         except Exception as exc:  # a config that does not fit this GPU must not stop training
-            progress(f"SYRK autotune candidate {config.name} failed: {type(exc).__name__}: {exc}", LOG_SWITCH)
+            progress(
+                f"SYRK autotune candidate {config.name} failed: {type(exc).__name__}: {exc}",
+                LOG_SWITCH,
+            )
     verdict = {"choice": CUBLAS, "config": None, "cublas_ms": cublas_ms, "timings_ms": timings}
     if timings:
         best = min(timings, key=timings.get)

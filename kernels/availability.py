@@ -8,7 +8,7 @@ import os
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_status(device_index: int | None = None) -> tuple[bool, str]:
     """Return ``(available, reason)`` for the Triton SYRK kernels on the current CUDA device.
 

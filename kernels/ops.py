@@ -41,7 +41,12 @@ def mirror_lower(acc: Tensor) -> Tensor:
 
 
 def symmetric_epilogue(
-    product_fp32: Tensor, c: Tensor | None, alpha: float, beta: float, gamma: float, dtype: torch.dtype
+    product_fp32: Tensor,
+    c: Tensor | None,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    dtype: torch.dtype,
 ) -> Tensor:
     """fp32 ``alpha·product + beta·c + gamma·I`` mirrored from the lower triangle, cast to dtype."""
     acc = product_fp32 * alpha if alpha != 1.0 else product_fp32

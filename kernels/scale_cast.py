@@ -34,7 +34,11 @@ def _scale_cast_kernel(g_ptr, denom_ptr, out_ptr, numel, per_matrix, BLOCK: tl.c
     values = tl.load(g_ptr + offsets, mask=inside).to(tl.float32)
     denom = tl.load(denom_ptr + offsets // per_matrix, mask=inside, other=1.0)
     scaled = tl.math.div_rn(values, denom)
-    tl.store(out_ptr + offsets, scaled.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
+    tl.store(
+        out_ptr + offsets,
+        scaled.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+        mask=inside,
+    )
 
 
 def scale_cast_reference(g: Tensor, denom: Tensor, dtype: torch.dtype) -> Tensor:
@@ -63,11 +67,17 @@ def scale_cast(g: Tensor, denom: Tensor, dtype: torch.dtype) -> Tensor:
             f"got g {tuple(g.shape)} and denom {tuple(denom.shape)}"
         )
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests run it on CPU tensors
-    if not (g.is_cuda or interpreting) or not g.is_contiguous() or denom.dtype != torch.float32 or g.numel() == 0:
+    if (
+        not (g.is_cuda or interpreting)
+        or not g.is_contiguous()
+        or denom.dtype != torch.float32
+        or g.numel() == 0
+    ):
         return scale_cast_reference(g, denom, dtype)
     out = torch.empty_like(g, dtype=dtype)
     per_matrix = g.shape[-2] * g.shape[-1]
     grid = (triton.cdiv(g.numel(), BLOCK),)
-    _scale_cast_kernel[grid](g, denom.contiguous(), out, g.numel(), per_matrix, BLOCK=BLOCK, num_warps=8)
+    _scale_cast_kernel[grid](
+        g, denom.contiguous(), out, g.numel(), per_matrix, BLOCK=BLOCK, num_warps=8
+    )
     return out
-

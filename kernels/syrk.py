@@ -20,8 +20,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import Tensor
-
 from dmuon_compile.kernels import autotune
 from dmuon_compile.kernels.availability import triton_status
 from dmuon_compile.kernels.ops import _check_operands
@@ -31,6 +29,7 @@ from dmuon_compile.kernels.syrk_triton import (
     mirror_lower_inplace,
     tma_descriptors,
 )
+from torch import Tensor
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -68,10 +67,16 @@ DEFAULT_TMA_CONFIG = TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True)
 
 def default_config_for(a: Tensor, b: Tensor | None) -> TileConfig:
     """The tile used without timing (``DMUON_SYRK_AUTOTUNE=0``, or inside a CUDA graph capture)."""
-    return DEFAULT_TMA_CONFIG if tma_descriptors(a, b, DEFAULT_TMA_CONFIG) is not None else DEFAULT_CONFIG
+    return (
+        DEFAULT_TMA_CONFIG
+        if tma_descriptors(a, b, DEFAULT_TMA_CONFIG) is not None
+        else DEFAULT_CONFIG
+    )
 
 
-def candidates_for(m: int, a: Tensor | None = None, b: Tensor | None = None) -> tuple[TileConfig, ...]:
+def candidates_for(
+    m: int, a: Tensor | None = None, b: Tensor | None = None
+) -> tuple[TileConfig, ...]:
     """Candidates worth timing for an ``m×m`` output (no tile much larger than the matrix).
 
     With the operands given, TMA configurations whose descriptors cannot read them are left
@@ -94,7 +99,12 @@ def mirror_lower_triangle(p: Tensor) -> Tensor:
 
 
 def symmetric_product_cublas(
-    a: Tensor, b: Tensor | None, c: Tensor | None, alpha: float, beta: float, gamma: float,
+    a: Tensor,
+    b: Tensor | None,
+    c: Tensor | None,
+    alpha: float,
+    beta: float,
+    gamma: float,
     mirror: bool = True,
 ) -> Tensor:
     """``alpha·a·b + beta·c + gamma·I`` (``b=None``: ``a·aᵀ``) with cuBLAS, mirrored lower triangle.
@@ -121,7 +131,9 @@ def symmetric_product_cublas(
     return mirror_lower_triangle(p) if mirror else p
 
 
-def _tuning_inputs(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def _tuning_inputs(
+    a: Tensor, b: Tensor | None, c: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Random inputs with the shapes, dtype and layouts of the call, from a private generator.
 
     For ``sym_mm`` the tuning ``b`` is ``aᵀ`` so its product is symmetric, as the op requires.
@@ -138,7 +150,9 @@ def _tuning_inputs(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple[Tenso
     a_tune = random_like(a, max(k, 1) ** -0.25)
     b_tune = None
     if b is not None:
-        b_tune = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=b.device).copy_(a_tune.mT)
+        b_tune = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=b.device).copy_(
+            a_tune.mT
+        )
     c_tune = None if c is None else random_like(c, 1.0)
     return a_tune, b_tune, c_tune
 
@@ -150,7 +164,7 @@ def _lower_matches(out: Tensor, reference: Tensor) -> bool:
     return bool(torch.isfinite(out).all()) and float(torch.linalg.vector_norm(diff) / scale) < 2e-2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
@@ -204,11 +218,16 @@ def _row_or_column_major(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
-def _symmetric_product_cuda(op: str, a: Tensor, b: Tensor | None, c: Tensor | None,
-                            alpha: float, beta: float, gamma: float) -> Tensor:
+def _symmetric_product_cuda(
+    op: str, a: Tensor, b: Tensor | None, c: Tensor | None, alpha: float, beta: float, gamma: float
+) -> Tensor:
     a = _row_or_column_major(a)
     b = None if b is None else _row_or_column_major(b)
-    usable = a.dtype in TRITON_DTYPES and (b is None or b.dtype == a.dtype) and triton_status(a.device.index)[0]
+    usable = (
+        a.dtype in TRITON_DTYPES
+        and (b is None or b.dtype == a.dtype)
+        and triton_status(a.device.index)[0]
+    )
     choice = choose_kernel(op, a, b, c, beta) if usable and a.numel() > 0 else autotune.CUBLAS
     if choice == autotune.CUBLAS:
         return symmetric_product_cublas(a, b, c, alpha, beta, gamma).to(a.dtype)
@@ -221,7 +240,9 @@ def syrk_cuda(x: Tensor, c: Tensor | None, alpha: float, beta: float, gamma: flo
     return _symmetric_product_cuda("syrk", x, None, c, alpha, beta, gamma)
 
 
-def sym_mm_cuda(a: Tensor, b: Tensor, c: Tensor | None, alpha: float, beta: float, gamma: float) -> Tensor:
+def sym_mm_cuda(
+    a: Tensor, b: Tensor, c: Tensor | None, alpha: float, beta: float, gamma: float
+) -> Tensor:
     """CUDA kernel of ``dmuon::sym_mm``: autotuned Triton (lower tiles of a·b) or cuBLAS, mirrored."""
     _check_operands("sym_mm", a, b, c)
     if a.shape[-2] != b.shape[-1]:

@@ -78,9 +78,13 @@ class TileConfig:
 
     def __post_init__(self) -> None:
         if self.block_n and self.block_n % self.block:
-            raise ValueError(f"TileConfig: block_n={self.block_n} must be a multiple of block={self.block}")
+            raise ValueError(
+                f"TileConfig: block_n={self.block_n} must be a multiple of block={self.block}"
+            )
         if (self.flatten or self.tma_store) and not self.tma:
-            raise ValueError("TileConfig: flatten=True and tma_store=True belong to the TMA kernel; set tma=True too")
+            raise ValueError(
+                "TileConfig: flatten=True and tma_store=True belong to the TMA kernel; set tma=True too"
+            )
 
     @property
     def cols(self) -> int:
@@ -89,17 +93,28 @@ class TileConfig:
     @property
     def name(self) -> str:
         shape = f"b{self.block}" if self.cols == self.block else f"b{self.block}x{self.cols}"
-        loads = ("_tma" + ("_flat" if self.flatten else "") + ("_st" if self.tma_store else "")) if self.tma else ""
+        loads = (
+            ("_tma" + ("_flat" if self.flatten else "") + ("_st" if self.tma_store else ""))
+            if self.tma
+            else ""
+        )
         return f"{shape}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_p{self.ctas_per_sm}{loads}"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TileConfig":
-        fields = {k: int(data[k]) for k in ("block", "block_k", "num_warps", "num_stages", "ctas_per_sm")}
-        return cls(**fields, block_n=int(data.get("block_n", 0)), tma=bool(data.get("tma", False)),
-                   flatten=bool(data.get("flatten", False)), tma_store=bool(data.get("tma_store", False)))
+    def from_dict(cls, data: dict) -> TileConfig:
+        fields = {
+            k: int(data[k]) for k in ("block", "block_k", "num_warps", "num_stages", "ctas_per_sm")
+        }
+        return cls(
+            **fields,
+            block_n=int(data.get("block_n", 0)),
+            tma=bool(data.get("tma", False)),
+            flatten=bool(data.get("flatten", False)),
+            tma_store=bool(data.get("tma_store", False)),
+        )
 
 
 @triton.jit
@@ -151,15 +166,41 @@ def mirror_lower_inplace(p: Tensor, block: int = 64) -> Tensor:
 
 @triton.jit
 def _store_symmetric_tile(
-    acc, offs_m, offs_n, batch64, m,
-    c_ptr, stride_cb, stride_cm, stride_cn,
-    out_ptr, stride_ob, stride_om, stride_on,
-    alpha, beta, gamma,
+    acc,
+    offs_m,
+    offs_n,
+    batch64,
+    m,
+    c_ptr,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    out_ptr,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    gamma,
     HAS_C: tl.constexpr,
 ):
     """fp32 epilogue ``alpha·acc + beta·C + gamma·I`` of one tile, stored with its mirror."""
-    value = _epilogue_value(acc, offs_m, offs_n, batch64, m, c_ptr, stride_cb, stride_cm, stride_cn,
-                            alpha, beta, gamma, out_ptr.dtype.element_ty, HAS_C)
+    value = _epilogue_value(
+        acc,
+        offs_m,
+        offs_n,
+        batch64,
+        m,
+        c_ptr,
+        stride_cb,
+        stride_cm,
+        stride_cn,
+        alpha,
+        beta,
+        gamma,
+        out_ptr.dtype.element_ty,
+        HAS_C,
+    )
     in_bounds = (offs_m[:, None] < m) & (offs_n[None, :] < m)
 
     # Element rule, the same for every tile: (i, j) with i >= j is stored in place, and
@@ -167,20 +208,36 @@ def _store_symmetric_tile(
     # the upper part of a strip was computed but is never stored.
     out_base = out_ptr + batch64 * stride_ob
     lower_mask = in_bounds & (offs_m[:, None] >= offs_n[None, :])
-    tl.store(out_base + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, value, mask=lower_mask)
+    tl.store(
+        out_base + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, value, mask=lower_mask
+    )
     # The mirror is stored as the transposed tile, indexed (n, m), so consecutive lanes
     # write consecutive addresses (the transpose goes through shared memory) instead of
     # one element per output row.
-    mirror_mask = (offs_n[:, None] < m) & (offs_m[None, :] < m) & (offs_m[None, :] > offs_n[:, None])
-    tl.store(out_base + offs_n[:, None] * stride_om + offs_m[None, :] * stride_on, tl.trans(value),
-             mask=mirror_mask)
+    mirror_mask = (
+        (offs_n[:, None] < m) & (offs_m[None, :] < m) & (offs_m[None, :] > offs_n[:, None])
+    )
+    tl.store(
+        out_base + offs_n[:, None] * stride_om + offs_m[None, :] * stride_on,
+        tl.trans(value),
+        mask=mirror_mask,
+    )
 
 
 @triton.jit
 def _epilogue_value(
-    acc, offs_m, offs_n, batch64, m,
-    c_ptr, stride_cb, stride_cm, stride_cn,
-    alpha, beta, gamma,
+    acc,
+    offs_m,
+    offs_n,
+    batch64,
+    m,
+    c_ptr,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    alpha,
+    beta,
+    gamma,
     OUT_DTYPE: tl.constexpr,
     HAS_C: tl.constexpr,
 ):
@@ -200,13 +257,28 @@ def _epilogue_value(
 
 @triton.jit
 def _symmetric_product_kernel(
-    a_ptr, b_ptr, c_ptr, out_ptr,
-    batch, m, k,
-    stride_ab, stride_am, stride_ak,
-    stride_bb, stride_bk, stride_bn,
-    stride_cb, stride_cm, stride_cn,
-    stride_ob, stride_om, stride_on,
-    alpha, beta, gamma,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    out_ptr,
+    batch,
+    m,
+    k,
+    stride_ab,
+    stride_am,
+    stride_ak,
+    stride_bb,
+    stride_bk,
+    stride_bn,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    gamma,
     num_programs,
     B_FROM_A: tl.constexpr,
     HAS_C: tl.constexpr,
@@ -240,11 +312,23 @@ def _symmetric_product_kernel(
         # Rows past m read a valid row (wrapped) instead of masking every load; never stored.
         safe_m = offs_m % m
         safe_n = offs_n % m
-        a_rows = a_ptr + batch64 * stride_ab + safe_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        a_rows = (
+            a_ptr + batch64 * stride_ab + safe_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        )
         if B_FROM_A:
-            b_cols = a_ptr + batch64 * stride_ab + safe_n[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_cols = (
+                a_ptr
+                + batch64 * stride_ab
+                + safe_n[:, None] * stride_am
+                + offs_k[None, :] * stride_ak
+            )
         else:
-            b_cols = b_ptr + batch64 * stride_bb + offs_k[:, None] * stride_bk + safe_n[None, :] * stride_bn
+            b_cols = (
+                b_ptr
+                + batch64 * stride_bb
+                + offs_k[:, None] * stride_bk
+                + safe_n[None, :] * stride_bn
+            )
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(0, k_steps):
@@ -272,18 +356,48 @@ def _symmetric_product_kernel(
                 b_cols += BLOCK_K * stride_bk
 
         _store_symmetric_tile(
-            acc, offs_m, offs_n, batch64, m, c_ptr, stride_cb, stride_cm, stride_cn,
-            out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
+            acc,
+            offs_m,
+            offs_n,
+            batch64,
+            m,
+            c_ptr,
+            stride_cb,
+            stride_cm,
+            stride_cn,
+            out_ptr,
+            stride_ob,
+            stride_om,
+            stride_on,
+            alpha,
+            beta,
+            gamma,
+            HAS_C,
         )
 
 
 @triton.jit
 def _tma_tile(
-    a_desc, b_desc, c_ptr, out_ptr, out_desc, out_t_desc,
-    batch_index, first_m, first_n, m, k,
-    stride_cb, stride_cm, stride_cn,
-    stride_ob, stride_om, stride_on,
-    alpha, beta, gamma,
+    a_desc,
+    b_desc,
+    c_ptr,
+    out_ptr,
+    out_desc,
+    out_t_desc,
+    batch_index,
+    first_m,
+    first_n,
+    m,
+    k,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    gamma,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -319,42 +433,106 @@ def _tma_tile(
     offs_n = first_n + tl.arange(0, COLS)
     if TMA_STORE:
         if first_m >= first_n + COLS:
-            value = _epilogue_value(acc, offs_m, offs_n, batch_index.to(tl.int64), m,
-                                    c_ptr, stride_cb, stride_cm, stride_cn, alpha, beta, gamma,
-                                    out_ptr.dtype.element_ty, HAS_C)
+            value = _epilogue_value(
+                acc,
+                offs_m,
+                offs_n,
+                batch_index.to(tl.int64),
+                m,
+                c_ptr,
+                stride_cb,
+                stride_cm,
+                stride_cn,
+                alpha,
+                beta,
+                gamma,
+                out_ptr.dtype.element_ty,
+                HAS_C,
+            )
             if COLS == 2 * ROWS:
                 # Strips store as two square halves through ROWS×ROWS descriptors (out_desc
                 # serves both orientations): half the epilogue's staging buffer of a
                 # 128×256 tile, which in one piece does not fit beside the pipeline.
                 left, right = tl.split(tl.permute(tl.reshape(value, (ROWS, 2, ROWS)), (0, 2, 1)))
                 out_desc.store([batch_index, first_m, first_n], tl.reshape(left, (1, ROWS, ROWS)))
-                out_desc.store([batch_index, first_n, first_m], tl.reshape(tl.trans(left), (1, ROWS, ROWS)))
-                out_desc.store([batch_index, first_m, first_n + ROWS], tl.reshape(right, (1, ROWS, ROWS)))
-                out_desc.store([batch_index, first_n + ROWS, first_m], tl.reshape(tl.trans(right), (1, ROWS, ROWS)))
+                out_desc.store(
+                    [batch_index, first_n, first_m], tl.reshape(tl.trans(left), (1, ROWS, ROWS))
+                )
+                out_desc.store(
+                    [batch_index, first_m, first_n + ROWS], tl.reshape(right, (1, ROWS, ROWS))
+                )
+                out_desc.store(
+                    [batch_index, first_n + ROWS, first_m],
+                    tl.reshape(tl.trans(right), (1, ROWS, ROWS)),
+                )
             else:
                 out_desc.store([batch_index, first_m, first_n], tl.reshape(value, (1, ROWS, COLS)))
-                out_t_desc.store([batch_index, first_n, first_m], tl.reshape(tl.trans(value), (1, COLS, ROWS)))
+                out_t_desc.store(
+                    [batch_index, first_n, first_m], tl.reshape(tl.trans(value), (1, COLS, ROWS))
+                )
         else:
             _store_symmetric_tile(
-                acc, offs_m, offs_n, batch_index.to(tl.int64), m,
-                c_ptr, stride_cb, stride_cm, stride_cn,
-                out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
+                acc,
+                offs_m,
+                offs_n,
+                batch_index.to(tl.int64),
+                m,
+                c_ptr,
+                stride_cb,
+                stride_cm,
+                stride_cn,
+                out_ptr,
+                stride_ob,
+                stride_om,
+                stride_on,
+                alpha,
+                beta,
+                gamma,
+                HAS_C,
             )
     else:
         _store_symmetric_tile(
-            acc, offs_m, offs_n, batch_index.to(tl.int64), m,
-            c_ptr, stride_cb, stride_cm, stride_cn,
-            out_ptr, stride_ob, stride_om, stride_on, alpha, beta, gamma, HAS_C,
+            acc,
+            offs_m,
+            offs_n,
+            batch_index.to(tl.int64),
+            m,
+            c_ptr,
+            stride_cb,
+            stride_cm,
+            stride_cn,
+            out_ptr,
+            stride_ob,
+            stride_om,
+            stride_on,
+            alpha,
+            beta,
+            gamma,
+            HAS_C,
         )
 
 
 @triton.jit
 def _symmetric_product_tma_kernel(
-    a_desc, b_desc, b_narrow_desc, c_ptr, out_ptr, out_desc, out_t_desc,
-    batch, m, k,
-    stride_cb, stride_cm, stride_cn,
-    stride_ob, stride_om, stride_on,
-    alpha, beta, gamma,
+    a_desc,
+    b_desc,
+    b_narrow_desc,
+    c_ptr,
+    out_ptr,
+    out_desc,
+    out_t_desc,
+    batch,
+    m,
+    k,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    gamma,
     num_programs,
     A_ROWS_ARE_M: tl.constexpr,
     B_ROWS_ARE_N: tl.constexpr,
@@ -403,11 +581,34 @@ def _symmetric_product_tma_kernel(
                 col = j // 2
                 strip = tl.where(col == row, 1, j % 2)
                 _tma_tile(
-                    a_desc, b_desc, c_ptr, out_ptr, out_desc, out_t_desc,
-                    batch_index, row * BLOCK_N + strip * BLOCK_M, col * BLOCK_N, m, k,
-                    stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
-                    alpha, beta, gamma,
-                    BLOCK_M, BLOCK_N, BLOCK_K, A_ROWS_ARE_M, B_ROWS_ARE_N, HAS_C, INPUT_PRECISION, DOT_IN_FP32,
+                    a_desc,
+                    b_desc,
+                    c_ptr,
+                    out_ptr,
+                    out_desc,
+                    out_t_desc,
+                    batch_index,
+                    row * BLOCK_N + strip * BLOCK_M,
+                    col * BLOCK_N,
+                    m,
+                    k,
+                    stride_cb,
+                    stride_cm,
+                    stride_cn,
+                    stride_ob,
+                    stride_om,
+                    stride_on,
+                    alpha,
+                    beta,
+                    gamma,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                    A_ROWS_ARE_M,
+                    B_ROWS_ARE_N,
+                    HAS_C,
+                    INPUT_PRECISION,
+                    DOT_IN_FP32,
                     TMA_STORE,
                 )
             else:
@@ -417,12 +618,35 @@ def _symmetric_product_tma_kernel(
                         batch_index = d // tiles_per_side
                         first = (d - batch_index * tiles_per_side) * BLOCK_N
                         _tma_tile(
-                            a_desc, b_narrow_desc, c_ptr, out_ptr, out_desc, out_t_desc,
-                            batch_index, first, first, m, k,
-                            stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
-                            alpha, beta, gamma,
-                            BLOCK_M, BLOCK_M, BLOCK_K, A_ROWS_ARE_M, B_ROWS_ARE_N, HAS_C, INPUT_PRECISION,
-                            DOT_IN_FP32, False,  # narrow tiles sit on the diagonal: masked stores
+                            a_desc,
+                            b_narrow_desc,
+                            c_ptr,
+                            out_ptr,
+                            out_desc,
+                            out_t_desc,
+                            batch_index,
+                            first,
+                            first,
+                            m,
+                            k,
+                            stride_cb,
+                            stride_cm,
+                            stride_cn,
+                            stride_ob,
+                            stride_om,
+                            stride_on,
+                            alpha,
+                            beta,
+                            gamma,
+                            BLOCK_M,
+                            BLOCK_M,
+                            BLOCK_K,
+                            A_ROWS_ARE_M,
+                            B_ROWS_ARE_N,
+                            HAS_C,
+                            INPUT_PRECISION,
+                            DOT_IN_FP32,
+                            False,  # narrow tiles sit on the diagonal: masked stores
                         )
     else:
         STRIPS: tl.constexpr = BLOCK_N // BLOCK_M
@@ -433,11 +657,34 @@ def _symmetric_product_tma_kernel(
             row, col = _lower_tile_coords(t // STRIPS)
             strip = t % STRIPS
             _tma_tile(
-                a_desc, b_desc, c_ptr, out_ptr, out_desc, out_t_desc,
-                batch_index, row * BLOCK_N + strip * BLOCK_M, col * BLOCK_N, m, k,
-                stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
-                alpha, beta, gamma,
-                BLOCK_M, BLOCK_N, BLOCK_K, A_ROWS_ARE_M, B_ROWS_ARE_N, HAS_C, INPUT_PRECISION, DOT_IN_FP32,
+                a_desc,
+                b_desc,
+                c_ptr,
+                out_ptr,
+                out_desc,
+                out_t_desc,
+                batch_index,
+                row * BLOCK_N + strip * BLOCK_M,
+                col * BLOCK_N,
+                m,
+                k,
+                stride_cb,
+                stride_cm,
+                stride_cn,
+                stride_ob,
+                stride_om,
+                stride_on,
+                alpha,
+                beta,
+                gamma,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                A_ROWS_ARE_M,
+                B_ROWS_ARE_N,
+                HAS_C,
+                INPUT_PRECISION,
+                DOT_IN_FP32,
                 TMA_STORE,
             )
 
@@ -445,7 +692,7 @@ def _symmetric_product_tma_kernel(
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessor_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -480,11 +727,15 @@ def launch_symmetric_product(
     >>> out = launch_symmetric_product(x, None, None, 1.0, 0.0, 0.0, TileConfig(128, 64, 8, 3))  # doctest: +SKIP
     """
     if a.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"symmetric-product kernel: dtype {a.dtype} is not one of {_SUPPORTED_DTYPES}")
+        raise TypeError(
+            f"symmetric-product kernel: dtype {a.dtype} is not one of {_SUPPORTED_DTYPES}"
+        )
     if b is not None and b.dtype != a.dtype:
         raise TypeError(f"symmetric-product kernel: operand dtypes differ ({a.dtype} vs {b.dtype})")
     if a.dim() not in (2, 3):
-        raise ValueError(f"symmetric-product kernel: expected 2-D or 3-D input, got {tuple(a.shape)}")
+        raise ValueError(
+            f"symmetric-product kernel: expected 2-D or 3-D input, got {tuple(a.shape)}"
+        )
     m, k = a.shape[-2], a.shape[-1]
     batch = a.shape[0] if a.dim() == 3 else 1
     out_shape = tuple(a.shape[:-2]) + (m, m)
@@ -525,13 +776,29 @@ def launch_symmetric_product(
             total_items = batch * tiles_per_side**2 + triton.cdiv(batch * tiles_per_side, 2)
             num_programs = max(1, min(total_items, num_sms * config.ctas_per_sm))
         out_descs = output_descriptors(out, config) if config.tma_store else None
-        out_desc, out_t_desc = out_descs if out_descs is not None else (a_desc, a_desc)  # unused if None
+        out_desc, out_t_desc = (
+            out_descs if out_descs is not None else (a_desc, a_desc)
+        )  # unused if None
         _symmetric_product_tma_kernel[(num_programs,)](
-            a_desc, b_desc, b_narrow_desc, c_arg, out, out_desc, out_t_desc,
-            batch, m, k,
-            scb, scm, scn,
-            sob, som, son,
-            float(alpha), float(beta), float(gamma),
+            a_desc,
+            b_desc,
+            b_narrow_desc,
+            c_arg,
+            out,
+            out_desc,
+            out_t_desc,
+            batch,
+            m,
+            k,
+            scb,
+            scm,
+            scn,
+            sob,
+            som,
+            son,
+            float(alpha),
+            float(beta),
+            float(gamma),
             num_programs,
             A_ROWS_ARE_M=a_rows_are_m,
             B_ROWS_ARE_N=b_rows_are_n,
@@ -546,13 +813,28 @@ def launch_symmetric_product(
     sab, sam, sak = _stack_strides(a)
     sbb, sbk, sbn = _stack_strides(b_arg) if b is not None else (0, 0, 0)
     _symmetric_product_kernel[(num_programs,)](
-        a, b_arg, c_arg, out,
-        batch, m, k,
-        sab, sam, sak,
-        sbb, sbk, sbn,
-        scb, scm, scn,
-        sob, som, son,
-        float(alpha), float(beta), float(gamma),
+        a,
+        b_arg,
+        c_arg,
+        out,
+        batch,
+        m,
+        k,
+        sab,
+        sam,
+        sak,
+        sbb,
+        sbk,
+        sbn,
+        scb,
+        scm,
+        scn,
+        sob,
+        som,
+        son,
+        float(alpha),
+        float(beta),
+        float(gamma),
         num_programs,
         B_FROM_A=b is None,
         EVEN_K=k % config.block_k == 0,
@@ -576,11 +858,13 @@ def output_descriptors(out: Tensor, config: TileConfig):
     if config.cols == 2 * config.block:  # two-strip tiles store square halves (see _tma_tile)
         square = TensorDescriptor(out, shape, strides, [1, config.block, config.block])
         return square, square
-    return (TensorDescriptor(out, shape, strides, [1, config.block, config.cols]),
-            TensorDescriptor(out, shape, strides, [1, config.cols, config.block]))
+    return (
+        TensorDescriptor(out, shape, strides, [1, config.block, config.cols]),
+        TensorDescriptor(out, shape, strides, [1, config.cols, config.block]),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_has_descriptors() -> bool:
     """Host-side TMA descriptors (``triton.tools.tensor_descriptor``) exist in this Triton."""
     try:
@@ -600,7 +884,7 @@ def tma_supported(device: torch.device) -> bool:
     return _capability_major(device.index) >= 9
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability_major(device_index: int | None) -> int:
     # Asked on every launch (operand and output descriptors): read the device once.
     return torch.cuda.get_device_capability(device_index)[0]
@@ -650,12 +934,16 @@ def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
         """(descriptor, rows_are_outer) of ``t`` (m_or_k × k_or_m), trying row-major then its transpose."""
         flat = _flat_rows(t)
         if flat is not None and t.stride(-1) == 1:
-            return TensorDescriptor(t, [flat[0], t.shape[-1]], [flat[1], 1], [rows_block, cols_block]), True
+            return TensorDescriptor(
+                t, [flat[0], t.shape[-1]], [flat[1], 1], [rows_block, cols_block]
+            ), True
         if not k_along_rows_ok:
             return None
         flat_t = _flat_rows(t.mT)
         if flat_t is not None:
-            return TensorDescriptor(t.mT, [flat_t[0], t.shape[-2]], [flat_t[1], 1], [cols_block, rows_block]), False
+            return TensorDescriptor(
+                t.mT, [flat_t[0], t.shape[-2]], [flat_t[1], 1], [cols_block, rows_block]
+            ), False
         return None
 
     a_side = describe(a, config.block, config.block_k, k_tiles_stay_inside)
@@ -664,9 +952,13 @@ def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
     a_desc, a_rows_are_m = a_side
     if b is None:  # b = aᵀ: the rows of the output's columns are a's rows
         if a_rows_are_m:
-            b_desc = TensorDescriptor(a, list(a_desc.shape), list(a_desc.strides), [config.cols, config.block_k])
+            b_desc = TensorDescriptor(
+                a, list(a_desc.shape), list(a_desc.strides), [config.cols, config.block_k]
+            )
         else:
-            b_desc = TensorDescriptor(a.mT, list(a_desc.shape), list(a_desc.strides), [config.block_k, config.cols])
+            b_desc = TensorDescriptor(
+                a.mT, list(a_desc.shape), list(a_desc.strides), [config.block_k, config.cols]
+            )
         return a_desc, b_desc, a_desc, a_rows_are_m, a_rows_are_m  # narrow b tiles = a's tiles
     # b is (k, m): its row-major orientation has rows along K, its transpose rows along N.
     bt_side = describe(b.mT, config.cols, config.block_k, k_tiles_stay_inside)
@@ -675,6 +967,10 @@ def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
     b_desc, b_rows_are_n = bt_side
     if config.cols == config.block:  # square tiles: the narrow tiles are b's own tiles
         return a_desc, b_desc, b_desc, a_rows_are_m, b_rows_are_n
-    narrow_block = [config.block, config.block_k] if b_rows_are_n else [config.block_k, config.block]
-    b_narrow_desc = TensorDescriptor(b_desc.base, list(b_desc.shape), list(b_desc.strides), narrow_block)
+    narrow_block = (
+        [config.block, config.block_k] if b_rows_are_n else [config.block_k, config.block]
+    )
+    b_narrow_desc = TensorDescriptor(
+        b_desc.base, list(b_desc.shape), list(b_desc.strides), narrow_block
+    )
     return a_desc, b_desc, b_narrow_desc, a_rows_are_m, b_rows_are_n

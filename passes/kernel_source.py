@@ -44,7 +44,11 @@ def kernel_sources() -> dict[str, str]:
             continue
         for attr, obj in list(vars(module).items()):
             src = getattr(obj, "src", None)  # triton.runtime.jit.JITFunction keeps its source
-            if isinstance(src, str) and type(obj).__name__ in ("JITFunction", "Autotuner", "Heuristics"):
+            if isinstance(src, str) and type(obj).__name__ in (
+                "JITFunction",
+                "Autotuner",
+                "Heuristics",
+            ):
                 found.setdefault(f"{mod_name}.{attr}", src)
             elif type(obj).__name__ in ("Autotuner", "Heuristics"):
                 inner = getattr(obj, "fn", None)
@@ -61,21 +65,36 @@ def log_kernel_sources(graph: Graph, ops_inserted, devices=None) -> None:
     from dmuon_compile.passes.symmetry import val
 
     if devices is None:
-        devices = sorted({
-            val(n).device.type for n in graph.nodes
-            if n.op == "call_function" and str(n.target).startswith("dmuon.") and val(n) is not None
-        })
+        devices = sorted(
+            {
+                val(n).device.type
+                for n in graph.nodes
+                if n.op == "call_function"
+                and str(n.target).startswith("dmuon.")
+                and val(n) is not None
+            }
+        )
     ops = ", ".join(f"dmuon::{name}" for name in sorted(ops_inserted))
     if "cuda" not in devices:
-        log.debug("kernel source: %s run their torch reference implementation on %s (no Triton "
-                  "kernel involved; on CUDA the Triton sources are logged here)", ops,
-                  "/".join(devices) or "an unknown device")
+        log.debug(
+            "kernel source: %s run their torch reference implementation on %s (no Triton "
+            "kernel involved; on CUDA the Triton sources are logged here)",
+            ops,
+            "/".join(devices) or "an unknown device",
+        )
         return
     sources = kernel_sources()
     if not sources:
-        log.debug("kernel source: no Triton kernel of dmuon_compile.kernels is loaded; %s use "
-                  "their torch reference implementation", ops)
+        log.debug(
+            "kernel source: no Triton kernel of dmuon_compile.kernels is loaded; %s use "
+            "their torch reference implementation",
+            ops,
+        )
         return
     for name, src in sorted(sources.items()):
-        log.debug("dmuon kernel source %s (behind %s; per shape, autotune may pick cuBLAS "
-                  "instead):\n%s", name, ops, src)
+        log.debug(
+            "dmuon kernel source %s (behind %s; per shape, autotune may pick cuBLAS instead):\n%s",
+            name,
+            ops,
+            src,
+        )

@@ -83,10 +83,14 @@ class NSChainPass(CustomGraphPass):
                 "use wrap_pass(), which returns an existing NSChainPass unchanged"
             )
         if user_pass is not None and not callable(user_pass):
-            raise TypeError(f"user_pass must be callable (a CustomGraphPass), got {type(user_pass).__name__}")
+            raise TypeError(
+                f"user_pass must be callable (a CustomGraphPass), got {type(user_pass).__name__}"
+            )
         unknown = set(subpasses) - set(SUBPASSES)
         if unknown:
-            raise ValueError(f"unknown dmuon sub-pass(es) {sorted(unknown)}; choose from {sorted(SUBPASSES)}")
+            raise ValueError(
+                f"unknown dmuon sub-pass(es) {sorted(unknown)}; choose from {sorted(SUBPASSES)}"
+            )
         self.user_pass = user_pass
         self.subpasses = tuple(name for name in SUBPASSES if name in subpasses)
         self.prove = bool(prove)
@@ -103,8 +107,13 @@ class NSChainPass(CustomGraphPass):
             log.info(
                 "NS-chain pass: %d rewrite(s) %s, %d candidate(s) skipped, %d sympy proof(s); "
                 "symmetric kernels do %.3g of %.3g MFLOP (saves %.3g MFLOP)",
-                made, dict(stats.rewrites), len(stats.skipped), stats.proved,
-                stats.flops_after / 1e6, stats.flops_before / 1e6, saved / 1e6,
+                made,
+                dict(stats.rewrites),
+                len(stats.skipped),
+                stats.proved,
+                stats.flops_after / 1e6,
+                stats.flops_before / 1e6,
+                saved / 1e6,
             )
         if stats.ops_inserted and log.isEnabledFor(logging.DEBUG):
             from dmuon_compile.passes.kernel_source import log_kernel_sources
@@ -118,11 +127,16 @@ class NSChainPass(CustomGraphPass):
             user_uuid = get() if callable(get) else None
             if user_uuid is None:
                 return None
-        extra = "|".join([
-            f"pass={PASS_VERSION}", f"subpasses={','.join(self.subpasses)}", f"prove={self.prove}",
-            f"templates={_template_versions()}", f"user={user_uuid!r}",
-            f"kernel_env={os.environ.get('DMUON_NS_KERNEL', '')}",
-        ])
+        extra = "|".join(
+            [
+                f"pass={PASS_VERSION}",
+                f"subpasses={','.join(self.subpasses)}",
+                f"prove={self.prove}",
+                f"templates={_template_versions()}",
+                f"user={user_uuid!r}",
+                f"kernel_env={os.environ.get('DMUON_NS_KERNEL', '')}",
+            ]
+        )
         return get_hash_for_files(_source_files(), extra).hex()
 
     def __repr__(self) -> str:
@@ -147,7 +161,9 @@ def compile_options(extra: dict | None = None, **kwargs) -> dict:
     ['post_grad_custom_pre_pass']
     """
     options = dict(extra or {})
-    current = options.get("post_grad_custom_pre_pass", torch._inductor.config.post_grad_custom_pre_pass)
+    current = options.get(
+        "post_grad_custom_pre_pass", torch._inductor.config.post_grad_custom_pre_pass
+    )
     options["post_grad_custom_pre_pass"] = wrap_pass(current, **kwargs)
     return options
 
@@ -169,6 +185,9 @@ def install_global_pass() -> NSChainPass:
         return current
     wrapped = wrap_pass(current)
     config.post_grad_custom_pre_pass = wrapped
-    log.info("installed the dmuon NS-chain pass as torch._inductor.config.post_grad_custom_pre_pass"
-             " (wrapping %r)", current)
+    log.info(
+        "installed the dmuon NS-chain pass as torch._inductor.config.post_grad_custom_pre_pass"
+        " (wrapping %r)",
+        current,
+    )
     return wrapped

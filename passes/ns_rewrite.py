@@ -107,7 +107,14 @@ def _insert(ctx: RewriteContext, before: Node, target, args: tuple) -> Node:
     if mode is not None:
         with mode:
             new.meta["val"] = target(*fake_args)
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "original_aten", "from_node"):
+    for key in (
+        "stack_trace",
+        "nn_module_stack",
+        "source_fn_stack",
+        "seq_nr",
+        "original_aten",
+        "from_node",
+    ):
         if key in before.meta:
             new.meta[key] = before.meta[key]
     return new
@@ -136,8 +143,11 @@ class SyrkRewrite:
             alpha = float(node.kwargs.get("alpha", 1))
             beta = float(node.kwargs.get("beta", 1))
             if not ctx.analysis.is_symmetric(c) or _shape(c) != _shape(node):
-                ctx.skip(node, f"X·Xᵀ + C with C={ctx.analysis.describe(c)} not provably symmetric "
-                               "(or broadcast)")
+                ctx.skip(
+                    node,
+                    f"X·Xᵀ + C with C={ctx.analysis.describe(c)} not provably symmetric "
+                    "(or broadcast)",
+                )
                 return None
             c = strip_noop_views(c)
         new = _insert(ctx, node, _syrk(), (x, c, alpha, beta, 0.0))
@@ -149,8 +159,18 @@ class SyrkRewrite:
         log.debug(
             "rewrite %s = %s(%s, %sᵀ) -> dmuon.syrk(%s, c=%s, alpha=%g, beta=%g): Gram product, "
             "lower triangle only (%s×%s from k=%s, batch %s)",
-            node.name, _short(node.target), x.name, x.name, x.name,
-            getattr(c, "name", None), alpha, beta, m, m, k, batch,
+            node.name,
+            _short(node.target),
+            x.name,
+            x.name,
+            x.name,
+            getattr(c, "name", None),
+            alpha,
+            beta,
+            m,
+            m,
+            k,
+            batch,
         )
         return new
 
@@ -173,8 +193,11 @@ class SymmetricProductRewrite:
             beta = float(node.kwargs.get("beta", 1))
         sa, sb = _shape(a), _shape(b)
         if len(sa) < 2 or len(sb) < 2 or sa[-2] != sa[-1] or sb[-2] != sb[-1]:
-            ctx.skip(node, f"rectangular product {sa}·{sb}: no symmetric form (a·X + B·X stays "
-                           "a BLAS addmm; there is no fused dmuon op for it)")
+            ctx.skip(
+                node,
+                f"rectangular product {sa}·{sb}: no symmetric form (a·X + B·X stays "
+                "a BLAS addmm; there is no fused dmuon op for it)",
+            )
             return None
         root = an.common_root(a, b)
         if root is None or root is IDENTITY:
@@ -184,8 +207,10 @@ class SymmetricProductRewrite:
             elif root is IDENTITY:
                 why = "both operands are multiples of I"
             else:
-                why = (f"operands {an.describe(a)} and {an.describe(b)} are symmetric but not "
-                       "polynomials of one root, so A·B need not be symmetric")
+                why = (
+                    f"operands {an.describe(a)} and {an.describe(b)} are symmetric but not "
+                    "polynomials of one root, so A·B need not be symmetric"
+                )
             ctx.skip(node, why)
             return None
         if c is not None and (not an.is_symmetric(c) or _shape(c) != _shape(node)):
@@ -213,8 +238,15 @@ class SymmetricProductRewrite:
         log.debug(
             "rewrite %s = %s -> dmuon.sym_mm(%s, %s, c=%s, alpha=%g, beta=%g): operands are "
             "polynomials of root %s; %s",
-            node.name, _short(node.target), a.name, b.name, getattr(c, "name", None), alpha,
-            beta, root.name, proof,
+            node.name,
+            _short(node.target),
+            a.name,
+            b.name,
+            getattr(c, "name", None),
+            alpha,
+            beta,
+            root.name,
+            proof,
         )
         return new
 
@@ -256,7 +288,10 @@ def _add_terms(node: Node):
     sign = -1.0 if node.target == aten.sub.Tensor else 1.0
     alpha = float(node.kwargs.get("alpha", 1)) * sign
     (x, sx), (y, sy) = _scaled(node.args[0]), _scaled(node.args[1])
-    return [(node.args[0], strip_noop_views(x), sx), (node.args[1], strip_noop_views(y), sy * alpha)]
+    return [
+        (node.args[0], strip_noop_views(x), sx),
+        (node.args[1], strip_noop_views(y), sy * alpha),
+    ]
 
 
 def _is_dmuon(node) -> bool:
@@ -272,7 +307,7 @@ class IdentityFold:
         terms = _add_terms(node)
         if terms is None:
             return None
-        for (p_term, p, sp), (i_term, ident, gi) in (terms, terms[::-1]):
+        for (_, p, sp), (_, ident, gi) in (terms, terms[::-1]):
             if not (_is_dmuon(p) and sp == 1.0 and _is_identity(ident)):
                 continue
             if _shape(p) != _shape(node) or _shape(ident)[-2:] != _shape(node)[-2:]:
@@ -289,8 +324,14 @@ class IdentityFold:
                 args[5] = float(args[5]) + gi
             new = _insert(ctx, node, p.target, tuple(args))
             ctx.stats.count(self.name)
-            log.debug("rewrite %s = %s + %g·I -> %s with gamma=%g (identity in the fp32 epilogue)",
-                      node.name, p.name, gi, _short(p.target), args[-1])
+            log.debug(
+                "rewrite %s = %s + %g·I -> %s with gamma=%g (identity in the fp32 epilogue)",
+                node.name,
+                p.name,
+                gi,
+                _short(p.target),
+                args[-1],
+            )
             return new
         return None
 
@@ -305,7 +346,7 @@ class EpilogueFold:
         if terms is None:
             return None
         an = ctx.analysis
-        for (p_term, p, tp), (c_term, c, sc) in (terms, terms[::-1]):
+        for (_, p, tp), (_, c, sc) in (terms, terms[::-1]):
             if not (isinstance(p, Node) and p.target == _sym_mm()):
                 continue
             a, b, c_old, alpha, _beta, gamma = p.args  # beta multiplies c_old, which is None
@@ -324,14 +365,27 @@ class EpilogueFold:
             if ctx.prove and original is not None and original.poly is not None:
                 replacement = P.affine_product(an.poly(a), an.poly(b), an.poly(c), *new_args[3:])
                 if not P.prove_same(original.poly, replacement):
-                    ctx.skip(node, "sympy could not prove the folded epilogue is the same polynomial")
+                    ctx.skip(
+                        node, "sympy could not prove the folded epilogue is the same polynomial"
+                    )
                     return None
                 ctx.stats.proved += 1
                 counters["dmuon"]["proved"] += 1
             new = _insert(ctx, node, _sym_mm(), new_args)
             ctx.stats.count(self.name)
-            log.debug("rewrite %s = %g·%s + %g·%s -> dmuon.sym_mm(%s, %s, c=%s, alpha=%g, beta=%g)",
-                      node.name, sc, c.name, tp, p.name, a.name, b.name, c.name, new_args[3], sc)
+            log.debug(
+                "rewrite %s = %g·%s + %g·%s -> dmuon.sym_mm(%s, %s, c=%s, alpha=%g, beta=%g)",
+                node.name,
+                sc,
+                c.name,
+                tp,
+                p.name,
+                a.name,
+                b.name,
+                c.name,
+                new_args[3],
+                sc,
+            )
             return new
         return None
 
@@ -357,7 +411,9 @@ def below_size_gate(node: Node) -> str | None:
     if v is None or v.device.type != "cuda" or v.dim() not in (2, 3):
         return None
     if not all(isinstance(d, int) for d in v.shape) or v.shape[-1] != v.shape[-2]:
-        return None  # symbolic sizes (no guard added here) or a rectangular product (never rewritten)
+        return (
+            None  # symbolic sizes (no guard added here) or a rectangular product (never rewritten)
+        )
     from dmuon_compile.newton_schulz import triton_worthwhile
 
     batch = v.shape[0] if v.dim() == 3 else 1
@@ -376,7 +432,9 @@ def rewrite_ns_chain(graph: Graph, enabled=tuple(SUBPASSES), prove: bool = True)
     """
     unknown = set(enabled) - set(SUBPASSES)
     if unknown:
-        raise ValueError(f"unknown dmuon sub-pass(es) {sorted(unknown)}; choose from {sorted(SUBPASSES)}")
+        raise ValueError(
+            f"unknown dmuon sub-pass(es) {sorted(unknown)}; choose from {sorted(SUBPASSES)}"
+        )
     subpasses = [SUBPASSES[name]() for name in SUBPASSES if name in enabled]
     ctx = RewriteContext(graph, SymmetryAnalysis(), RewriteStats(), prove)
     for node in list(graph.nodes):

@@ -81,8 +81,16 @@ def val(node) -> torch.Tensor | None:
 
 def strip_noop_views(node):
     """Look through ``expand``/``view``/``reshape`` that keep the shape (bmm inserts them)."""
-    while isinstance(node, Node) and node.op == "call_function" and node.target in (
-        aten.expand.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    while (
+        isinstance(node, Node)
+        and node.op == "call_function"
+        and node.target
+        in (
+            aten.expand.default,
+            aten.view.default,
+            aten.reshape.default,
+            aten._unsafe_view.default,
+        )
     ):
         src, out = val(node.args[0]), val(node)
         if src is None or out is None or tuple(src.shape) != tuple(out.shape):
@@ -271,7 +279,9 @@ class SymmetryAnalysis:
             alpha, beta, gamma = args[3], args[4], args[5]
             root = self.common_root(a, b, c)
             if root is not None and root is not IDENTITY:
-                poly = P.affine_product(self.poly(a), self.poly(b), self.poly(c), alpha, beta, gamma)
+                poly = P.affine_product(
+                    self.poly(a), self.poly(b), self.poly(c), alpha, beta, gamma
+                )
                 return self._in_root(root, poly, "sym_mm of polynomials of one root")
             return self._fresh(node, "dmuon::sym_mm output (symmetric by contract)")
         if t in MATMULS or t in ADDMMS:
@@ -344,8 +354,10 @@ class SymmetryAnalysis:
             return None
         # S + s·11ᵀ (a broadcast scalar) is symmetric but not a polynomial of S's root.
         for mat, other in ((a, b), (b, a)):
-            if full[(0 if mat is a else 1)] and self.is_symmetric(mat) and (
-                _scalar_value(other) is not None or _is_per_matrix_scalar(other, out)
+            if (
+                full[(0 if mat is a else 1)]
+                and self.is_symmetric(mat)
+                and (_scalar_value(other) is not None or _is_per_matrix_scalar(other, out))
             ):
                 return self._fresh(node, "symmetric matrix plus a broadcast scalar")
         return None

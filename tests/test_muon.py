@@ -49,9 +49,13 @@ def test_matches_torch_optim_muon_step_for_step():
     torch.manual_seed(0)
     mats = [nn.Parameter(torch.randn(24, 40) * 0.1), nn.Parameter(torch.randn(40, 16) * 0.1)]
     ours_p = [nn.Parameter(p.detach().clone()) for p in mats]
-    theirs = torch.optim.Muon(mats, lr=0.05, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original")
+    theirs = torch.optim.Muon(
+        mats, lr=0.05, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original"
+    )
     ns = NewtonSchulz(backend="direct", coefficients="keller_jordan", work_dtype=torch.bfloat16)
-    ours = dmuon.Muon(ours_p, lr=0.05, weight_decay=0.1, momentum=0.9, ns_backend=ns, adjust_lr_fn="original")
+    ours = dmuon.Muon(
+        ours_p, lr=0.05, weight_decay=0.1, momentum=0.9, ns_backend=ns, adjust_lr_fn="original"
+    )
     for step in range(6):
         grads = [torch.randn_like(p, generator=None) for p in mats]
         for p, q, g in zip(mats, ours_p, grads):
@@ -108,7 +112,9 @@ def test_adamw_part_matches_torch_adamw():
         for r, g in zip(ref, grads):
             r.grad = g.clone()
         torch_opt.step()
-        adamw_update(ours, grads, m, v, steps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        adamw_update(
+            ours, grads, m, v, steps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+        )
     for r, o in zip(ref, ours):
         torch.testing.assert_close(o, r.detach(), rtol=1e-6, atol=1e-7)
 

@@ -36,7 +36,12 @@ def svd_oracle(g: torch.Tensor, table) -> torch.Tensor:
     return u @ torch.diag_embed(s) @ vh
 
 
-@given(shape=shapes, table=tables, backend=st.sampled_from(["gram", "direct"]), seed=st.integers(0, 2**16))
+@given(
+    shape=shapes,
+    table=tables,
+    backend=st.sampled_from(["gram", "direct"]),
+    seed=st.integers(0, 2**16),
+)
 def test_float64_matches_svd_oracle(shape, table, backend, seed):
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     ns = NewtonSchulz(backend=backend, coefficients=table, work_dtype=torch.float64)
@@ -45,8 +50,13 @@ def test_float64_matches_svd_oracle(shape, table, backend, seed):
     assert _rel(out, svd_oracle(g, ns.coefficients)) < 1e-9
 
 
-@given(shape=shapes, table=tables, backend=st.sampled_from(["gram", "direct"]), dtype=work_dtypes,
-       seed=st.integers(0, 2**16))
+@given(
+    shape=shapes,
+    table=tables,
+    backend=st.sampled_from(["gram", "direct"]),
+    dtype=work_dtypes,
+    seed=st.integers(0, 2**16),
+)
 def test_work_dtype_close_to_float64_run(shape, table, backend, dtype, seed):
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
     ns = NewtonSchulz(backend=backend, coefficients=table, work_dtype=dtype)
@@ -57,8 +67,13 @@ def test_work_dtype_close_to_float64_run(shape, table, backend, dtype, seed):
     assert _rel(out, ref) < TOLERANCE[dtype]
 
 
-@given(m=st.integers(2, 40), aspect=st.floats(2.0, 6.0), dtype=work_dtypes, seed=st.integers(0, 2**16),
-       batch=st.sampled_from([None, 2]))
+@given(
+    m=st.integers(2, 40),
+    aspect=st.floats(2.0, 6.0),
+    dtype=work_dtypes,
+    seed=st.integers(0, 2**16),
+    batch=st.sampled_from([None, 2]),
+)
 def test_gram_agrees_with_direct_for_wide_matrices(m, aspect, dtype, seed, batch):
     n = int(m * aspect)
     shape = (m, n) if batch is None else (batch, m, n)
@@ -73,7 +88,9 @@ def test_gram_agrees_with_direct_for_wide_matrices(m, aspect, dtype, seed, batch
 def test_gram_equals_direct_exactly_in_float64():
     g = torch.randn(3, 24, 100, dtype=torch.float64)
     gram = NewtonSchulz(backend="gram", coefficients="polar_express", work_dtype=torch.float64)(g)
-    direct = NewtonSchulz(backend="direct", coefficients="polar_express", work_dtype=torch.float64)(g)
+    direct = NewtonSchulz(backend="direct", coefficients="polar_express", work_dtype=torch.float64)(
+        g
+    )
     assert _rel(gram, direct) < 1e-12
 
 
@@ -84,8 +101,12 @@ def test_restart_positions_keep_the_polynomial(restarts):
     assert _rel(ns(g), svd_oracle(g, ns.coefficients)) < 1e-9
 
 
-@given(shape=st.tuples(st.integers(4, 32), st.integers(4, 96)), table=tables,
-       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**16))
+@given(
+    shape=st.tuples(st.integers(4, 32), st.integers(4, 96)),
+    table=tables,
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
 def test_singular_values_inside_promised_band(shape, table, dtype, seed):
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     ns = NewtonSchulz(backend="gram", coefficients=table, work_dtype=dtype)
@@ -210,7 +231,9 @@ def test_default_work_dtype_is_fp32_on_cpu_and_half_on_gpus():
     transpose=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_normalize_single_pass_equals_upcast_expression(batch, m, n, in_dtype, work_dtype, transpose, seed):
+def test_normalize_single_pass_equals_upcast_expression(
+    batch, m, n, in_dtype, work_dtype, transpose, seed
+):
     """The eager one-pass normalisation (no fp32 copy of g) gives the same bits, dtype and
     layout as the plain upcast-divide-cast expression the traced path uses."""
     shape = (batch, m, n) if batch else (m, n)

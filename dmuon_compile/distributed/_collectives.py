@@ -94,5 +94,7 @@ def private_group(mesh):
     key = tuple(groups)
     created = _PRIVATE_GROUPS[1].get(key)
     if created is None:  # every rank creates every group, in the same order (the key is shared)
-        created = _PRIVATE_GROUPS[1][key] = {ranks: dist.new_group(ranks=list(ranks)) for ranks in groups}
+        created = _PRIVATE_GROUPS[1][key] = {
+            ranks: dist.new_group(ranks=list(ranks)) for ranks in groups
+        }
     return created[order]

@@ -143,7 +143,11 @@ class DedicatedGroup:
         # The buffer is allocated on the compute stream, which reads and frees it.
         self._alloc()
         side = None
-        if self.replicate is not None and self.replicate.publish_works and self.device.type == "cuda":
+        if (
+            self.replicate is not None
+            and self.replicate.publish_works
+            and self.device.type == "cuda"
+        ):
             # The weights this rank sends must be the published ones. Wait for the replicate
             # broadcast on a side stream, not the compute stream: a prefetch issued from the
             # previous group's pre-hook must not hold that group's forward back until *this*
@@ -168,7 +172,9 @@ class DedicatedGroup:
         else:
             self.works = []
             for owner in self.owners():
-                chunk = flat[self.chunk_base[owner] : self.chunk_base[owner] + self.chunk_numel[owner]]
+                chunk = flat[
+                    self.chunk_base[owner] : self.chunk_base[owner] + self.chunk_numel[owner]
+                ]
                 if owner == self.rank:
                     for p in own:
                         flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
@@ -177,9 +183,10 @@ class DedicatedGroup:
         if self.record_profile:
             self.profile.unshards += 1
             self.profile.prefetched += int(prefetch)
-            self.profile.bytes_received += sum(
-                self.chunk_numel[o] for o in range(self.world) if o != self.rank
-            ) * flat.element_size()
+            self.profile.bytes_received += (
+                sum(self.chunk_numel[o] for o in range(self.world) if o != self.rank)
+                * flat.element_size()
+            )
 
     def wait_unshard(self) -> None:
         """Make the buffer usable on the current stream (waits for the collectives)."""
@@ -247,7 +254,9 @@ class DedicatedGroup:
         else:
             works, out, base = [], grads, 0
             for owner in self.owners():
-                chunk = grads[self.chunk_base[owner] : self.chunk_base[owner] + self.chunk_numel[owner]]
+                chunk = grads[
+                    self.chunk_base[owner] : self.chunk_base[owner] + self.chunk_numel[owner]
+                ]
                 works.append(C.reduce_sum(chunk, owner, self.pg))
         self.pending_reduce.append((works, out, base, grads))
         self.grads_ready.clear()
@@ -288,10 +297,10 @@ class DedicatedGroup:
             self.replicate.drain()
 
 
-_UNSHARD_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+_UNSHARD_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _unshard_stream(device: torch.device) -> "torch.cuda.Stream":
+def _unshard_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per CUDA device for unshards that must first wait for a publish."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _UNSHARD_STREAMS.get(index)

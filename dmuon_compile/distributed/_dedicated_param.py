@@ -85,7 +85,9 @@ class DedicatedParam:
         tensor, or ``None`` off the owner) and put it in ``module._parameters``."""
         # nn.Parameter(x) of a tensor subclass returns x.detach() marked as a parameter; build
         # the OwnerTensor leaf directly and mark it the same way (FSDP2 registers DTensors so).
-        self.param = make_owned(master, mesh, self.shape, self.orig_dtype, device, requires_grad=True)
+        self.param = make_owned(
+            master, mesh, self.shape, self.orig_dtype, device, requires_grad=True
+        )
         self.param._is_param = True
         self._empty_grad = None if master is not None else wrap_like(None, self.param)
         self.owns = master is not None
@@ -106,7 +108,9 @@ class DedicatedParam:
         if grad is None and full is None:
             # Off the owner: the same empty gradient every step (nothing to allocate or wrap on
             # the per-backward path; in-place ops on it, e.g. clip's scaling, are no-ops).
-            self.param.grad = self._empty_grad if self._empty_grad is not None else wrap_like(None, self.param)
+            self.param.grad = (
+                self._empty_grad if self._empty_grad is not None else wrap_like(None, self.param)
+            )
         elif grad is None:
             self.param.grad = wrap_like(full.to(self.orig_dtype), self.param)
         elif full is not None:

@@ -33,8 +33,12 @@ class DedicatedHolder(nn.Module):
 
     _dmuon_dedicated: dict  # attr -> DedicatedParam
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        items = super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ):
+        items = super().named_parameters(
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        )
         if recurse or not sys._getframe(1).f_globals.get("__name__", "").startswith(_FSDP_PREFIX):
             return items
         hidden = {f"{prefix}.{a}" if prefix else a for a in self._dmuon_dedicated}
@@ -47,7 +51,7 @@ class DedicatedHolder(nn.Module):
             result = super()._apply(fn, recurse)
         finally:
             self._parameters.update(held)
-        for attr, dp in dedicated.items():
+        for dp in dedicated.values():
             probe = torch.empty(0, dtype=dp.orig_dtype, device=dp.master_device)
             with torch.no_grad():
                 moved = fn(probe)

@@ -77,18 +77,27 @@ def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
     _DP_MESH_OF[id(mesh)] = dp_mesh
 
 
-def _norm_on_dp_mesh(t: "OwnerTensor", ord) -> Tensor:
+def _norm_on_dp_mesh(t: OwnerTensor, ord) -> Tensor:
     """‖t‖ as a ``_NormPartial`` DTensor on its model's data-parallel mesh (0 off the owner)."""
     from torch.distributed.tensor._ops._math_ops import _NormPartial
 
     local = t._local_tensor
-    value = (torch.linalg.vector_norm(local, ord) if local.numel()
-             else torch.zeros((), dtype=t.dtype, device=local.device))
+    value = (
+        torch.linalg.vector_norm(local, ord)
+        if local.numel()
+        else torch.zeros((), dtype=t.dtype, device=local.device)
+    )
     dp_mesh = _DP_MESH_OF.get(id(t.device_mesh))
     if dp_mesh is None:
         return value
-    return DTensor.from_local(value.reshape(()), dp_mesh, [_NormPartial(ord)] * dp_mesh.ndim,
-                              run_check=False, shape=torch.Size(()), stride=())
+    return DTensor.from_local(
+        value.reshape(()),
+        dp_mesh,
+        [_NormPartial(ord)] * dp_mesh.ndim,
+        run_check=False,
+        shape=torch.Size(()),
+        stride=(),
+    )
 
 
 def _split(tensors):
@@ -104,7 +113,9 @@ def _foreach_norm(args, kwargs):
         return False, None
     mine, others = _split(tensors)
     rest = iter(torch._foreach_norm(others, ord) if others else [])
-    return True, [_norm_on_dp_mesh(t, ord) if i in mine else next(rest) for i, t in enumerate(tensors)]
+    return True, [
+        _norm_on_dp_mesh(t, ord) if i in mine else next(rest) for i, t in enumerate(tensors)
+    ]
 
 
 def _vector_norm(args, kwargs):
@@ -112,12 +123,17 @@ def _vector_norm(args, kwargs):
     ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
-    if not isinstance(t, OwnerTensor) or dim is not None or keepdim or kwargs.get("dtype") is not None:
+    if (
+        not isinstance(t, OwnerTensor)
+        or dim is not None
+        or keepdim
+        or kwargs.get("dtype") is not None
+    ):
         return False, None
     return True, _norm_on_dp_mesh(t, ord)
 
 
-def _scale_locally(t: "OwnerTensor", factor) -> None:
+def _scale_locally(t: OwnerTensor, factor) -> None:
     local = t._local_tensor
     if local.numel():
         local.mul_(local_of(factor).to(local.device) if isinstance(factor, Tensor) else factor)
@@ -137,8 +153,11 @@ def _foreach_mul_(args, kwargs):
 
 def _mul_(args, kwargs):
     t, factor = args[0], args[1]
-    if not isinstance(t, OwnerTensor) or isinstance(factor, OwnerTensor) or (
-            isinstance(factor, Tensor) and factor.numel() != 1):
+    if (
+        not isinstance(t, OwnerTensor)
+        or isinstance(factor, OwnerTensor)
+        or (isinstance(factor, Tensor) and factor.numel() != 1)
+    ):
         return False, None
     _scale_locally(t, factor)
     return True, t
@@ -184,17 +203,27 @@ def empty_local(dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
 
-def make_owned(local: Tensor | None, mesh: DeviceMesh, shape, dtype: torch.dtype,
-               device: torch.device, requires_grad: bool = False) -> DTensor:
+def make_owned(
+    local: Tensor | None,
+    mesh: DeviceMesh,
+    shape,
+    dtype: torch.dtype,
+    device: torch.device,
+    requires_grad: bool = False,
+) -> DTensor:
     """An :class:`OwnerTensor` of global ``shape`` on the owner ``mesh``; ``local`` (the owner's
     whole tensor, shared, not copied) or ``None`` off the owner."""
     shape = torch.Size(shape)
     if local is None:
         local = empty_local(dtype, device)
     elif tuple(local.shape) != tuple(shape):
-        raise ValueError(f"the owner's tensor has shape {tuple(local.shape)}, expected {tuple(shape)}")
+        raise ValueError(
+            f"the owner's tensor has shape {tuple(local.shape)}, expected {tuple(shape)}"
+        )
     stride = torch.empty(shape, device="meta").stride()
-    plain = DTensor.from_local(local, mesh, [Replicate()], run_check=False, shape=shape, stride=stride)
+    plain = DTensor.from_local(
+        local, mesh, [Replicate()], run_check=False, shape=shape, stride=stride
+    )
     return OwnerTensor(plain._local_tensor, plain._spec, requires_grad=requires_grad)
 
 
@@ -221,8 +250,11 @@ def is_owned(t) -> bool:
     mesh = t.device_mesh
     if id(mesh) in _OWNER_OF_MESH:  # the per-step path: the very mesh objects made here
         return True
-    return mesh.ndim == 1 and mesh.size() == 1 and _OWNER_MESHES.get(
-        (mesh.device_type, int(mesh.mesh.reshape(-1)[0]))) == mesh
+    return (
+        mesh.ndim == 1
+        and mesh.size() == 1
+        and _OWNER_MESHES.get((mesh.device_type, int(mesh.mesh.reshape(-1)[0]))) == mesh
+    )
 
 
 def owner_rank(t: DTensor) -> int:
@@ -233,7 +265,12 @@ def owner_rank(t: DTensor) -> int:
 
 def same_layout(a, b) -> bool:
     """Both owner tensors of the same global shape on the same owner."""
-    return is_owned(a) and is_owned(b) and owner_rank(a) == owner_rank(b) and tuple(a.shape) == tuple(b.shape)
+    return (
+        is_owned(a)
+        and is_owned(b)
+        and owner_rank(a) == owner_rank(b)
+        and tuple(a.shape) == tuple(b.shape)
+    )
 
 
 def full_tensor(t: Tensor) -> Tensor:

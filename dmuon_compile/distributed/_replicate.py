@@ -123,7 +123,11 @@ class ReplicateStage:
             offset = 0
             for p in self.params:
                 if p.owns:
-                    g = column_grads[offset : offset + p.numel].view(p.shape).to(p.orig_dtype, copy=True)
+                    g = (
+                        column_grads[offset : offset + p.numel]
+                        .view(p.shape)
+                        .to(p.orig_dtype, copy=True)
+                    )
                     p.accumulate_grad(g.div_(scale))
                 offset += p.numel
         self.pending_reduce.clear()
@@ -136,7 +140,8 @@ class ReplicateStage:
         for p, view in self.copy_in:
             view.copy_(p.master)
         self.publish_works = [
-            C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg) for s in self.segments
+            C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg)
+            for s in self.segments
         ]
         if profile is not None and self.segments:
             profile.publishes += 1

@@ -77,9 +77,18 @@ def _in_backward() -> bool:
 class DedicatedRuntime:
     """State of the dedicated parameters of one model (plan, groups, hooks, profile)."""
 
-    def __init__(self, model: nn.Module, plan: OwnerPlan, params: list[DedicatedParam],
-                 groups: list[DedicatedGroup], mesh, rank: int, world: int,
-                 record_profile: bool, replicate_mesh=None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: OwnerPlan,
+        params: list[DedicatedParam],
+        groups: list[DedicatedGroup],
+        mesh,
+        rank: int,
+        world: int,
+        record_profile: bool,
+        replicate_mesh=None,
+    ) -> None:
         self.model = model
         self.plan = plan
         self.params = params
@@ -139,13 +148,20 @@ class DedicatedRuntime:
 
     # ------------------------------------------------------------------ hooks
     def _install(self, group: DedicatedGroup) -> None:
-        self.handles.append(group.module.register_forward_pre_hook(
-            lambda _m, _a, g=group: self._pre_forward(g)))
-        self.handles.append(group.module.register_forward_hook(
-            lambda _m, _a, out, g=group: self._post_forward(g, out), always_call=True))
+        self.handles.append(
+            group.module.register_forward_pre_hook(lambda _m, _a, g=group: self._pre_forward(g))
+        )
+        self.handles.append(
+            group.module.register_forward_hook(
+                lambda _m, _a, out, g=group: self._post_forward(g, out), always_call=True
+            )
+        )
         for p in group.params:
-            self.handles.append(p.unsharded.register_post_accumulate_grad_hook(
-                lambda _t, g=group, p=p: self._on_grad(g, p)))
+            self.handles.append(
+                p.unsharded.register_post_accumulate_grad_hook(
+                    lambda _t, g=group, p=p: self._on_grad(g, p)
+                )
+            )
 
     def _neighbour(self, group: DedicatedGroup, step: int) -> DedicatedGroup | None:
         i = self._index.get(id(group))
@@ -318,7 +334,9 @@ class DedicatedRuntime:
     def after_step(self, replicate_async: bool = True) -> None:
         """Called by ``Muon.step`` last (also when it raised or skipped): publish the weights."""
         early = self._published_early
-        self._publish_groups(g for g in self.groups if g.replicate is not None and id(g) not in early)
+        self._publish_groups(
+            g for g in self.groups if g.replicate is not None and id(g) not in early
+        )
         self._published_early = set()
         self._publish_due = False
         if not replicate_async:
@@ -341,4 +359,3 @@ class DedicatedRuntime:
             group.reshard()
             group.grads_ready.clear()
         self._backward_queued, self._sync, self._reducing = False, None, []
-

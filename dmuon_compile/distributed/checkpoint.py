@@ -58,8 +58,12 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[
     state = dcp_state_dict.get_model_state_dict(model, options=options)
     keep = not cpu_offload or not dist.is_initialized() or dist.get_rank() == 0
     live = _live_storages(model)
-    state = {k: v.clone() if isinstance(v, Tensor) and v.numel() and v.untyped_storage().data_ptr() in live
-             else v for k, v in state.items()}
+    state = {
+        k: v.clone()
+        if isinstance(v, Tensor) and v.numel() and v.untyped_storage().data_ptr() in live
+        else v
+        for k, v in state.items()
+    }
     for dp in runtime.params if runtime is not None else []:  # plan order: the same on every rank
         whole = full_tensor(dp.param)  # a broadcast from the owner (a fresh tensor everywhere)
         if keep:
@@ -67,7 +71,9 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[
     return state if keep else {}
 
 
-def set_model_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, strict: bool = True) -> None:
+def set_model_state_dict(
+    model: nn.Module, state_dict: dict[str, Tensor], *, strict: bool = True
+) -> None:
     """Load a full state dict (from :func:`get_model_state_dict` or a single-process model).
 
     Collective: call it on every rank with the same full dict. Owners copy their dedicated
@@ -95,8 +101,11 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, str
             "a full dict from dmuon.get_model_state_dict (or strict=False to keep current values)"
         )
     if strict:  # every check before anything is loaded: a bad dict changes nothing
-        expected = set(dcp_state_dict.get_model_state_dict(
-            model, options=dcp_state_dict.StateDictOptions(full_state_dict=False)))
+        expected = set(
+            dcp_state_dict.get_model_state_dict(
+                model, options=dcp_state_dict.StateDictOptions(full_state_dict=False)
+            )
+        )
         absent = sorted(expected - set(state_dict))
         if absent:
             raise KeyError(f"set_model_state_dict: the state dict lacks {absent[:6]}")
@@ -119,4 +128,5 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, str
     rest = {k: v for k, v in state_dict.items() if k not in dedicated}
     if dist.is_initialized() or rest:
         dcp_state_dict.set_model_state_dict(
-            model, rest, options=dcp_state_dict.StateDictOptions(full_state_dict=True, strict=False))
+            model, rest, options=dcp_state_dict.StateDictOptions(full_state_dict=True, strict=False)
+        )

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor, nn
 
 
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> Tensor:
+def clip_grad_norm_(
+    parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over parameters (or a model); the norm as a plain tensor.
 
     Collective when the gradients are DTensors (FSDP2, dedicated weights): call it on every rank,

@@ -63,7 +63,9 @@ def _no_match_warning(model: nn.Module) -> None:
     )
 
 
-def _boundary_module(model: nn.Module, fqn: str, hook_boundary_predicate, layer_id_fn) -> tuple[str, nn.Module]:
+def _boundary_module(
+    model: nn.Module, fqn: str, hook_boundary_predicate, layer_id_fn
+) -> tuple[str, nn.Module]:
     """The module whose forward hooks unshard/reshard this parameter (its hook group)."""
     module_path = fqn.rsplit(".", 1)[0] if "." in fqn else ""
     parts = module_path.split(".") if module_path else []
@@ -175,7 +177,8 @@ def dedicate_params(
         for p in mod.parameters(recurse=False):
             module_of.setdefault(id(p), []).append(mod)
     selected = [
-        (name, p) for name, p in model.named_parameters()
+        (name, p)
+        for name, p in model.named_parameters()
         if p.requires_grad and _call_predicate(predicate, name, p, module_of[id(p)][0])
     ]
     if not selected:
@@ -184,11 +187,17 @@ def dedicate_params(
     mesh_checks.check_tp_params(selected, mesh)
     for name, p in selected:
         if p.ndim < 2:
-            raise ValueError(f"dedicate_params: {name} has shape {tuple(p.shape)}; only ≥2-D weights can be dedicated")
+            raise ValueError(
+                f"dedicate_params: {name} has shape {tuple(p.shape)}; only ≥2-D weights can be dedicated"
+            )
         if len(module_of[id(p)]) > 1:
-            raise ValueError(f"dedicate_params: {name} is shared by several modules (tied weights); exclude it with predicate=")
+            raise ValueError(
+                f"dedicate_params: {name} is shared by several modules (tied weights); exclude it with predicate="
+            )
         if p.is_meta:
-            raise ValueError(f"dedicate_params: {name} is on the meta device; materialise the model first")
+            raise ValueError(
+                f"dedicate_params: {name} is on the meta device; materialise the model first"
+            )
 
     # Communicators of our own: FSDP2's collectives on the mesh's groups never queue behind ours.
     pg = C.private_group(mesh)
@@ -196,7 +205,11 @@ def dedicate_params(
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     rep_pg = C.private_group(replicate_mesh) if replicas > 1 else None
     rep_rank = replicate_mesh.get_local_rank() if replicas > 1 else 0
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    device = (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
     specs = [MatrixSpec(n, tuple(p.shape), p.element_size()) for n, p in selected]
     plan = plan_owners(specs, replicas * world, layer_id_fn=layer_id_fn)
     plan.replicate_size = replicas
@@ -218,7 +231,9 @@ def dedicate_params(
         attr = name.rsplit(".", 1)[-1]
         param_dtype, reduce_dtype = resolve_dtypes(p.dtype, param_policy, compute_dtype)
         rep_owner, owner = divmod(owners[name], world)
-        dp = DedicatedParam(name, module, attr, owner, p.shape, p.dtype, param_dtype, replica_owner=rep_owner)
+        dp = DedicatedParam(
+            name, module, attr, owner, p.shape, p.dtype, param_dtype, replica_owner=rep_owner
+        )
         if owner == rank:
             initial[name] = p.detach().to(device)
         else:
@@ -236,11 +251,23 @@ def dedicate_params(
         label = path or "<root>"
         if sum(1 for k in grouped if k[0] == path) > 1:
             label = f"{label}[{key[1]}]"
-        g = DedicatedGroup(label, bmod, members, rank, world, pg, device, key[1], key[2],
-                           reshard_after_forward=reshard_after_forward)
+        g = DedicatedGroup(
+            label,
+            bmod,
+            members,
+            rank,
+            world,
+            pg,
+            device,
+            key[1],
+            key[2],
+            reshard_after_forward=reshard_after_forward,
+        )
         g.build()
         if rep_pg is not None:
-            g.replicate = ReplicateStage(g.params_of(rank), rep_rank, replicas, world, rep_pg, device, key[1])
+            g.replicate = ReplicateStage(
+                g.params_of(rank), rep_rank, replicas, world, rep_pg, device, key[1]
+            )
             masters.update(g.replicate.build(initial))
         else:
             masters.update({dp.fqn: initial[dp.fqn] for dp in g.params_of(rank)})
@@ -257,7 +284,9 @@ def dedicate_params(
             g.replicate.wait_publish()
     initial.clear()
     masters.clear()
-    runtime = DedicatedRuntime(model, plan, params, groups, mesh, rank, world, record, replicate_mesh)
+    runtime = DedicatedRuntime(
+        model, plan, params, groups, mesh, rank, world, record, replicate_mesh
+    )
     setattr(model, PLAN_ATTR, runtime)
     return owners
 
@@ -266,5 +295,7 @@ def dedicated_runtime(model: nn.Module) -> DedicatedRuntime:
     """The runtime ``dedicate_params`` attached to ``model`` (error naming the fix otherwise)."""
     runtime = getattr(model, PLAN_ATTR, None)
     if runtime is None:
-        raise ValueError("this model has no dedicated parameters: call dmuon.dedicate_params(model, mesh, ...) first")
+        raise ValueError(
+            "this model has no dedicated parameters: call dmuon.dedicate_params(model, mesh, ...) first"
+        )
     return runtime

@@ -26,7 +26,9 @@ def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
     import torch.distributed as dist
 
     runtime = _runtime(model)
-    rank = runtime.rank if runtime is not None else (dist.get_rank() if dist.is_initialized() else 0)
+    rank = (
+        runtime.rank if runtime is not None else (dist.get_rank() if dist.is_initialized() else 0)
+    )
     params = []
     in_opt: dict[int, str] = {}
     if optimizer is not None:
@@ -39,24 +41,37 @@ def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
         for dp in runtime.params:
             nbytes = dp.numel * torch.empty((), dtype=dp.orig_dtype).element_size()
             bytes_per_owner[dp.owner] = bytes_per_owner.get(dp.owner, 0) + nbytes
-            params.append({
-                "name": dp.fqn, "route": "dedicated/muon", "shape": list(dp.shape),
-                "dtype": _dtype(dp.orig_dtype), "compute_dtype": _dtype(dp.compute_dtype),
-                "owner": dp.owner, "replica_owner": dp.replica_owner,
-                "owned_here": dp.master is not None, "replica_here": dp.replica is not None,
-                "bytes": nbytes,
-                "in_optimizer": in_opt.get(id(dp.param)),
-            })
+            params.append(
+                {
+                    "name": dp.fqn,
+                    "route": "dedicated/muon",
+                    "shape": list(dp.shape),
+                    "dtype": _dtype(dp.orig_dtype),
+                    "compute_dtype": _dtype(dp.compute_dtype),
+                    "owner": dp.owner,
+                    "replica_owner": dp.replica_owner,
+                    "owned_here": dp.master is not None,
+                    "replica_here": dp.replica is not None,
+                    "bytes": nbytes,
+                    "in_optimizer": in_opt.get(id(dp.param)),
+                }
+            )
     dedicated = {dp.fqn for dp in runtime.params} if runtime is not None else set()
     for name, p in model.named_parameters():
         if name in dedicated:
             continue  # listed above, with its owner
         local = p.to_local() if hasattr(p, "to_local") else p
-        params.append({
-            "name": name, "route": in_opt.get(id(p), "fsdp" if hasattr(p, "to_local") else "local"),
-            "shape": list(p.shape), "dtype": _dtype(p.dtype), "owner": None,
-            "sharded": hasattr(p, "to_local"), "local_bytes": local.numel() * local.element_size(),
-        })
+        params.append(
+            {
+                "name": name,
+                "route": in_opt.get(id(p), "fsdp" if hasattr(p, "to_local") else "local"),
+                "shape": list(p.shape),
+                "dtype": _dtype(p.dtype),
+                "owner": None,
+                "sharded": hasattr(p, "to_local"),
+                "local_bytes": local.numel() * local.element_size(),
+            }
+        )
     counts: dict[str, int] = {}
     for row in params:
         counts[str(row["route"])] = counts.get(str(row["route"]), 0) + 1
@@ -66,7 +81,9 @@ def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
         "params": params,
         "counts_by_route": counts,
         "dedicated_bytes_per_owner": {str(k): v for k, v in sorted(bytes_per_owner.items())},
-        "ns_backend": optimizer.ns.describe() if optimizer is not None and hasattr(optimizer, "ns") else None,
+        "ns_backend": optimizer.ns.describe()
+        if optimizer is not None and hasattr(optimizer, "ns")
+        else None,
     }
 
 
@@ -94,30 +111,51 @@ def summarize_comm_plan(model: nn.Module) -> dict:
             unshard = [{"op": "all_gather", "bytes": g.flat.numel() * item}]
             reduce = [{"op": "reduce_scatter", "bytes": g.flat.numel() * ritem}]
         else:
-            unshard = [{"op": "broadcast", "root": o, "bytes": g.chunk_numel[o] * item} for o in g.owners()]
-            reduce = [{"op": "reduce", "root": o, "bytes": g.chunk_numel[o] * ritem} for o in g.owners()]
-        groups.append({
-            "group": g.name, "params": [p.fqn for p in g.params], "mode": g.mode,
-            "compute_dtype": _dtype(g.compute_dtype), "reduce_dtype": _dtype(g.reduce_dtype),
-            "bytes_per_owner": {str(o): g.chunk_numel[o] * item for o in range(g.world) if g.chunk_numel[o]},
-            "payload_bytes": payload * item, "padding_bytes": (g.flat.numel() - payload) * item,
-            "unshard": unshard, "reduce": reduce,
-            "reshard_after_forward": g.reshard_after_forward,
-        })
+            unshard = [
+                {"op": "broadcast", "root": o, "bytes": g.chunk_numel[o] * item} for o in g.owners()
+            ]
+            reduce = [
+                {"op": "reduce", "root": o, "bytes": g.chunk_numel[o] * ritem} for o in g.owners()
+            ]
+        groups.append(
+            {
+                "group": g.name,
+                "params": [p.fqn for p in g.params],
+                "mode": g.mode,
+                "compute_dtype": _dtype(g.compute_dtype),
+                "reduce_dtype": _dtype(g.reduce_dtype),
+                "bytes_per_owner": {
+                    str(o): g.chunk_numel[o] * item for o in range(g.world) if g.chunk_numel[o]
+                },
+                "payload_bytes": payload * item,
+                "padding_bytes": (g.flat.numel() - payload) * item,
+                "unshard": unshard,
+                "reduce": reduce,
+                "reshard_after_forward": g.reshard_after_forward,
+            }
+        )
         if g.replicate is not None:
             rs = g.replicate
             rep_item = torch.empty((), dtype=g.reduce_dtype).element_size()
             groups[-1]["replicate"] = {
                 "column_params": [p.fqn for p in rs.params],
                 "owned_here": [p.fqn for p in rs.params if p.master is not None],
-                "reduce": [{"op": "reduce", "root": s.root, "bytes": s.numel * rep_item} for s in rs.segments],
-                "publish": [{"op": "broadcast", "root": s.root, "bytes": s.numel * rs.element_size}
-                            for s in rs.segments],
+                "reduce": [
+                    {"op": "reduce", "root": s.root, "bytes": s.numel * rep_item}
+                    for s in rs.segments
+                ],
+                "publish": [
+                    {"op": "broadcast", "root": s.root, "bytes": s.numel * rs.element_size}
+                    for s in rs.segments
+                ],
             }
     plan = runtime.plan
     return {
-        "dedicated": True, "rank": runtime.rank, "world_size": runtime.world,
-        "plan_digest": plan.digest(), "balance": plan.balance(),
+        "dedicated": True,
+        "rank": runtime.rank,
+        "world_size": runtime.world,
+        "plan_digest": plan.digest(),
+        "balance": plan.balance(),
         "ns_flops_per_owner": {str(r): v for r, v in enumerate(plan.ns_loads())},
         "bytes_per_owner": {str(r): v for r, v in enumerate(plan.byte_loads())},
         "forward_order": [g.name for g in runtime.forward_order],
@@ -134,7 +172,9 @@ def _replicate_summary(runtime, groups: list[dict]) -> dict | None:
         return {"size": size, "active": False}
     stages = [g["replicate"] for g in groups if "replicate" in g]
     return {
-        "size": size, "active": True, "shard_size": runtime.world,
+        "size": size,
+        "active": True,
+        "shard_size": runtime.world,
         "rank": runtime.replicate_mesh.get_local_rank(),
         "owned_here": sum(len(s["owned_here"]) for s in stages),
         "publish_broadcasts_per_step": sum(len(s["publish"]) for s in stages),
@@ -173,7 +213,10 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = True) 
     if synchronize and runtime.groups and runtime.groups[0].device.type == "cuda":
         torch.cuda.synchronize(runtime.groups[0].device)
     if not runtime.record_profile:
-        return {"enabled": False, "reason": "set DMUON_RECORD_FORWARD_PROFILE=1 before dmuon.dedicate_params()"}
+        return {
+            "enabled": False,
+            "reason": "set DMUON_RECORD_FORWARD_PROFILE=1 before dmuon.dedicate_params()",
+        }
     groups = {}
     total = None
     for g in runtime.groups:

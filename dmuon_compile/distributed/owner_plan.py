@@ -28,7 +28,15 @@ from dataclasses import asdict, dataclass, field
 # Container names whose next path component is a layer index: Llama/Mistral ``layers.N``,
 # ViT/timm ``blocks.N`` (the seed's ViT bug: without it all blocks collapsed into one layer),
 # GPT-2 ``h.N``, BERT ``layer.N``, and a few common spellings.
-LAYER_CONTAINER_NAMES = ("layers", "blocks", "h", "layer", "block", "decoder_layers", "encoder_layers")
+LAYER_CONTAINER_NAMES = (
+    "layers",
+    "blocks",
+    "h",
+    "layer",
+    "block",
+    "decoder_layers",
+    "encoder_layers",
+)
 _INDEX = re.compile(r"^\d+$")
 
 
@@ -186,8 +194,11 @@ class OwnerPlan:
         return hashlib.sha256(self.canonical().encode()).hexdigest()
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, "replicate_size": self.replicate_size,
-                "entries": [asdict(e) for e in self.entries]}
+        return {
+            "world_size": self.world_size,
+            "replicate_size": self.replicate_size,
+            "entries": [asdict(e) for e in self.entries],
+        }
 
 
 def ns_cost_fn(ns=None) -> Callable[[int, int], float]:
@@ -254,7 +265,10 @@ def plan_owners(
         lb = layer_bytes[layers[i]]
         # Equal loads (within float noise) are ties: the layer's bytes decide, then the rank.
         low = min(loads)
-        r = min(range(world_size), key=lambda k: (loads[k] > low * (1 + 1e-9) + 1e-15, lb[k], byte_loads[k], loads[k], k))
+        r = min(
+            range(world_size),
+            key=lambda k: (loads[k] > low * (1 + 1e-9) + 1e-15, lb[k], byte_loads[k], loads[k], k),
+        )
         owner[i] = r
         loads[r] += cost[i]
         byte_loads[r] += sizes[i]
@@ -315,7 +329,9 @@ def _improve(owner: list[int], cost: list[float], loads: list[float], rounds: in
             loads[hi] += cost[j]
 
 
-def llama_matrix_specs(layers: int, dim: int, ffn: int, kv_dim: int, prefix: str = "model.layers") -> list[MatrixSpec]:
+def llama_matrix_specs(
+    layers: int, dim: int, ffn: int, kv_dim: int, prefix: str = "model.layers"
+) -> list[MatrixSpec]:
     """Synthetic Llama matrix list (q/k/v/o, gate/up/down per layer) for planning studies."""
     shapes = {
         "self_attn.q_proj.weight": (dim, dim),

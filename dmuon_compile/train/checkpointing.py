@@ -44,9 +44,15 @@ def find(path: Path) -> Path:
     if (path / META).is_file():
         return path
     for root in (path, path / "checkpoints"):
-        steps = sorted(
-            (int(m.group(1)), p) for p in root.glob("step-*") if (m := _STEP_DIR.match(p.name)) and (p / META).is_file()
-        ) if root.is_dir() else []
+        steps = (
+            sorted(
+                (int(m.group(1)), p)
+                for p in root.glob("step-*")
+                if (m := _STEP_DIR.match(p.name)) and (p / META).is_file()
+            )
+            if root.is_dir()
+            else []
+        )
         if steps:
             return steps[-1][1]
     raise FileNotFoundError(
@@ -57,7 +63,9 @@ def find(path: Path) -> Path:
 
 def run_dir(checkpoint: Path) -> Path:
     """The run directory a checkpoint belongs to (``<run>/checkpoints/step-k`` → ``<run>``)."""
-    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    return (
+        checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    )
 
 
 def load(directory: Path, model, opt, sched, optimizer: str) -> int:

@@ -36,52 +36,118 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--optimizer", choices=(*OPTIMIZERS, "both"), default="dmuon",
-                   help="both: dmuon then adamw, same data, seed and initial weights")
+    p.add_argument(
+        "--optimizer",
+        choices=(*OPTIMIZERS, "both"),
+        default="dmuon",
+        help="both: dmuon then adamw, same data, seed and initial weights",
+    )
     p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps per run")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size,
-                   help="global batch (sequences per step), split evenly across processes")
-    p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, help="tokens (bytes) per sequence")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULTS.batch_size,
+        help="global batch (sequences per step), split evenly across processes",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=DEFAULTS.seq_len, help="tokens (bytes) per sequence"
+    )
     p.add_argument("--d-model", type=int, default=DEFAULTS.d_model, help="model width")
     p.add_argument("--layers", type=int, default=DEFAULTS.layers, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=DEFAULTS.heads, help="attention heads (must divide --d-model)")
-    p.add_argument("--lr", type=float, default=DEFAULTS.lr, help="Muon learning rate for the *_proj matrices")
-    p.add_argument("--adamw-lr", type=float, default=DEFAULTS.adamw_lr,
-                   help="AdamW learning rate (the adamw run, and dmuon's embeddings/head/norms)")
-    p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the weights and the data order")
-    p.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="validate every N steps")
-    p.add_argument("--eval-batches", type=int, default=DEFAULTS.eval_batches,
-                   help="global batches of held-out windows per validation")
-    p.add_argument("--log-every", type=int, default=DEFAULTS.log_every, help="CSV row / progress update every N steps")
+    p.add_argument(
+        "--heads", type=int, default=DEFAULTS.heads, help="attention heads (must divide --d-model)"
+    )
+    p.add_argument(
+        "--lr", type=float, default=DEFAULTS.lr, help="Muon learning rate for the *_proj matrices"
+    )
+    p.add_argument(
+        "--adamw-lr",
+        type=float,
+        default=DEFAULTS.adamw_lr,
+        help="AdamW learning rate (the adamw run, and dmuon's embeddings/head/norms)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=DEFAULTS.seed, help="seed of the weights and the data order"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=DEFAULTS.eval_every, help="validate every N steps"
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=DEFAULTS.eval_batches,
+        help="global batches of held-out windows per validation",
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=DEFAULTS.log_every,
+        help="CSV row / progress update every N steps",
+    )
     p.add_argument("--corpus-mb", type=float, default=8.0, help="cap on the corpus size read (MB)")
-    p.add_argument("--corpus-dir", type=Path, default=None,
-                   help="directory of .py files to train on (default: this Python's standard library)")
-    p.add_argument("--out-dir", type=Path, default=None, help="where log.csv and loss.png go (default ./runs/<timestamp>)")
-    p.add_argument("--device", choices=runtime.DEVICES, default="auto", help="auto: CUDA when available, else CPU")
+    p.add_argument(
+        "--corpus-dir",
+        type=Path,
+        default=None,
+        help="directory of .py files to train on (default: this Python's standard library)",
+    )
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where log.csv and loss.png go (default ./runs/<timestamp>)",
+    )
+    p.add_argument(
+        "--device",
+        choices=runtime.DEVICES,
+        default="auto",
+        help="auto: CUDA when available, else CPU",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress lines (summary only)")
-    p.add_argument("--save-every", type=int, default=0,
-                   help="write a DCP checkpoint (model + optimizer + LR schedule) every N steps and "
-                        "after the last one, under <out-dir>/checkpoints/step-N (default 0: never)")
-    p.add_argument("--resume", type=Path, default=None,
-                   help="continue from a checkpoint: a step-N directory, or a run/checkpoints directory "
-                        "(its newest step); any number of processes. The CSV log of that run continues")
-    p.add_argument("--no-dedicate", action="store_true",
-                   help="with several processes, keep the *_proj matrices whole on every rank and "
-                        "all-reduce their gradients instead of dmuon.dedicate_params (the naive baseline)")
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="write a DCP checkpoint (model + optimizer + LR schedule) every N steps and "
+        "after the last one, under <out-dir>/checkpoints/step-N (default 0: never)",
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="continue from a checkpoint: a step-N directory, or a run/checkpoints directory "
+        "(its newest step); any number of processes. The CSV log of that run continues",
+    )
+    p.add_argument(
+        "--no-dedicate",
+        action="store_true",
+        help="with several processes, keep the *_proj matrices whole on every rank and "
+        "all-reduce their gradients instead of dmuon.dedicate_params (the naive baseline)",
+    )
     return p
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_size: int) -> None:
     """Reject bad arguments with an argparse error that names the fix (exits with status 2)."""
     positive = {
-        "--steps": args.steps, "--batch-size": args.batch_size, "--seq-len": args.seq_len,
-        "--d-model": args.d_model, "--layers": args.layers, "--heads": args.heads,
-        "--eval-every": args.eval_every, "--eval-batches": args.eval_batches, "--log-every": args.log_every,
+        "--steps": args.steps,
+        "--batch-size": args.batch_size,
+        "--seq-len": args.seq_len,
+        "--d-model": args.d_model,
+        "--layers": args.layers,
+        "--heads": args.heads,
+        "--eval-every": args.eval_every,
+        "--eval-batches": args.eval_batches,
+        "--log-every": args.log_every,
     }
     for flag, value in positive.items():
         if value <= 0:
             parser.error(f"{flag} must be > 0, got {value}")
-    for flag, value in {"--lr": args.lr, "--adamw-lr": args.adamw_lr, "--corpus-mb": args.corpus_mb}.items():
+    for flag, value in {
+        "--lr": args.lr,
+        "--adamw-lr": args.adamw_lr,
+        "--corpus-mb": args.corpus_mb,
+    }.items():
         if not (math.isfinite(value) and value > 0):
             parser.error(f"{flag} must be a finite number > 0, got {value}")
     if args.d_model % args.heads:
@@ -102,14 +168,18 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_si
     if args.save_every < 0:
         parser.error(f"--save-every must be >= 0, got {args.save_every}")
     if (args.save_every or args.resume is not None) and args.optimizer == "both":
-        parser.error("--save-every/--resume need one optimizer: pass --optimizer dmuon or --optimizer adamw")
+        parser.error(
+            "--save-every/--resume need one optimizer: pass --optimizer dmuon or --optimizer adamw"
+        )
     if args.resume is not None:
         try:
             args.resume = checkpointing.find(args.resume)
         except FileNotFoundError as exc:
             parser.error(str(exc))
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but no CUDA GPU is usable here; use --device cpu or --device auto")
+        parser.error(
+            "--device cuda, but no CUDA GPU is usable here; use --device cpu or --device auto"
+        )
 
 
 def make_out_dir(out_dir: Path | None) -> Path:
@@ -121,9 +191,18 @@ def make_out_dir(out_dir: Path | None) -> Path:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, d_model=args.d_model,
-        layers=args.layers, heads=args.heads, lr=args.lr, adamw_lr=args.adamw_lr, seed=args.seed,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        layers=args.layers,
+        heads=args.heads,
+        lr=args.lr,
+        adamw_lr=args.adamw_lr,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        log_every=args.log_every,
     )
 
 
@@ -134,8 +213,11 @@ def main(argv: list[str] | None = None) -> dict:
     validate(args, parser, runtime.env_world_size())
     cfg = config_from_args(args)
     try:
-        corpus = load_corpus(max_bytes=int(args.corpus_mb * 1024 * 1024), val_fraction=DEFAULT_VAL_FRACTION,
-                             root=args.corpus_dir)
+        corpus = load_corpus(
+            max_bytes=int(args.corpus_mb * 1024 * 1024),
+            val_fraction=DEFAULT_VAL_FRACTION,
+            root=args.corpus_dir,
+        )
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
     for split, tokens in (("train", corpus.train), ("validation", corpus.val)):
@@ -162,21 +244,34 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
     say = print if env.is_main else (lambda *a, **k: None)
     names = list(OPTIMIZERS) if args.optimizer == "both" else [args.optimizer]
     say(corpus.describe())
-    say(f"run: {env.describe()}, torch {torch.__version__}, optimizers {', '.join(names)}, "
-        f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens")
+    say(
+        f"run: {env.describe()}, torch {torch.__version__}, optimizers {', '.join(names)}, "
+        f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens"
+    )
     resumed_step = None
     if args.resume is not None:
         resumed_step = json.loads((args.resume / checkpointing.META).read_text())["step"]
     log = CsvLog(out_dir / "log.csv" if out_dir is not None else None, keep_until=resumed_step)
     results = []
     for name in names:
-        result = train_one(name, cfg, corpus, env, log, show_progress=not args.no_progress,
-                           dedicate=not args.no_dedicate, save_every=args.save_every,
-                           out_dir=out_dir, resume=args.resume)
+        result = train_one(
+            name,
+            cfg,
+            corpus,
+            env,
+            log,
+            show_progress=not args.no_progress,
+            dedicate=not args.no_dedicate,
+            save_every=args.save_every,
+            out_dir=out_dir,
+            resume=args.resume,
+        )
         results.append(result)
         resumed = f" (resumed at step {resumed_step})" if resumed_step is not None else ""
-        say(f"{name} [{result.mode}]: validation loss {result.first_val:.4f} -> {result.final_val:.4f} "
-            f"in {result.wall_s:.1f}s{resumed}")
+        say(
+            f"{name} [{result.mode}]: validation loss {result.first_val:.4f} -> {result.final_val:.4f} "
+            f"in {result.wall_s:.1f}s{resumed}"
+        )
     summary = {
         "out_dir": str(out_dir) if out_dir is not None else None,
         "world_size": env.world_size,
@@ -184,8 +279,11 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
         "config": vars(cfg),
         "runs": [
             {
-                "optimizer": r.optimizer, "mode": r.mode, "first_val_loss": r.first_val,
-                "final_val_loss": r.final_val, "final_train_loss": r.train_losses[-1][1],
+                "optimizer": r.optimizer,
+                "mode": r.mode,
+                "first_val_loss": r.first_val,
+                "final_val_loss": r.final_val,
+                "final_train_loss": r.train_losses[-1][1],
                 "wall_s": r.wall_s,
                 "ms_per_step": {k: v / max(1, r.timed_steps) for k, v in r.phase_ms.items()},
                 "exposed_comm": r.comm_kind,

@@ -45,7 +45,9 @@ def _hash01(text: str, salt: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def list_source_files(root: Path | None = None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> list[Path]:
+def list_source_files(
+    root: Path | None = None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> list[Path]:
     """All ``*.py`` files under ``root`` (default: the stdlib) in a fixed hash order.
 
     Raises ``FileNotFoundError`` with a clear message when there are none (e.g. a Python
@@ -65,10 +67,14 @@ def list_source_files(root: Path | None = None, max_file_bytes: int = DEFAULT_MA
             f"no *.py source files found under {root}; this Python seems to ship without its "
             "standard-library sources. Point --corpus-dir at any directory of .py files."
         )
-    return sorted(files, key=lambda p: (_hash01(p.relative_to(root).as_posix(), "order"), p.as_posix()))
+    return sorted(
+        files, key=lambda p: (_hash01(p.relative_to(root).as_posix(), "order"), p.as_posix())
+    )
 
 
-def split_files(files: list[Path], root: Path, val_fraction: float = DEFAULT_VAL_FRACTION) -> tuple[list[Path], list[Path]]:
+def split_files(
+    files: list[Path], root: Path, val_fraction: float = DEFAULT_VAL_FRACTION
+) -> tuple[list[Path], list[Path]]:
     """Split ``files`` into (train, validation) by a hash of each relative path.
 
     The split is disjoint by file and keeps the input order. Validation gets at least one
@@ -77,10 +83,14 @@ def split_files(files: list[Path], root: Path, val_fraction: float = DEFAULT_VAL
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if len(files) < 2:
-        raise ValueError(f"need at least 2 source files to split train/validation, got {len(files)}")
+        raise ValueError(
+            f"need at least 2 source files to split train/validation, got {len(files)}"
+        )
     train, val = [], []
     for path in files:
-        (val if _hash01(path.relative_to(root).as_posix(), "split") < val_fraction else train).append(path)
+        (
+            val if _hash01(path.relative_to(root).as_posix(), "split") < val_fraction else train
+        ).append(path)
     if not val:
         val.append(train.pop())
     if not train:
@@ -98,7 +108,9 @@ def _read(files: list[Path], budget: int) -> tuple[Tensor, list[Path]]:
         used.append(path)
         total += len(data)
     buf = bytearray(b"".join(chunks))
-    return torch.frombuffer(buf, dtype=torch.uint8).clone() if buf else torch.empty(0, dtype=torch.uint8), used
+    return torch.frombuffer(buf, dtype=torch.uint8).clone() if buf else torch.empty(
+        0, dtype=torch.uint8
+    ), used
 
 
 @dataclass
@@ -146,7 +158,15 @@ class WindowSampler:
     this rank's rows. ``x`` is ``int64 [B/W, seq_len]``; ``y`` is ``x`` shifted by one token.
     """
 
-    def __init__(self, tokens: Tensor, seq_len: int, global_batch: int, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        tokens: Tensor,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if seq_len <= 0:
             raise ValueError(f"seq_len must be > 0, got {seq_len}")
         if tokens.numel() < seq_len + 1:
@@ -155,7 +175,9 @@ class WindowSampler:
                 "use a smaller --seq-len or a larger --corpus-mb"
             )
         if global_batch <= 0 or global_batch % world_size:
-            raise ValueError(f"global batch {global_batch} must be > 0 and divisible by world size {world_size}")
+            raise ValueError(
+                f"global batch {global_batch} must be > 0 and divisible by world size {world_size}"
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world size {world_size}")
         self.tokens = tokens

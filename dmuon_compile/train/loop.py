@@ -79,8 +79,12 @@ class RunResult:
 
     def breakdown(self) -> str:
         return breakdown_table(
-            f"{self.optimizer}, {self.mode}", self.phase_ms, self.timed_steps, self.timed_wall_ms,
-            self.comm_kind, self.comm_note,
+            f"{self.optimizer}, {self.mode}",
+            self.phase_ms,
+            self.timed_steps,
+            self.timed_wall_ms,
+            self.comm_kind,
+            self.comm_note,
         )
 
 
@@ -92,7 +96,9 @@ def lr_lambda(total_steps: int):
         if step < warmup:
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, total_steps - warmup)
-        return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (
+            1 + math.cos(math.pi * min(1.0, progress))
+        )
 
     return factor
 
@@ -100,11 +106,15 @@ def lr_lambda(total_steps: int):
 def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
     """The model with the run's seed: identical weights on every rank and for every optimizer."""
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(seq_len=cfg.seq_len, d_model=cfg.d_model, layers=cfg.layers, heads=cfg.heads))
+    model = GPT(
+        GPTConfig(seq_len=cfg.seq_len, d_model=cfg.d_model, layers=cfg.layers, heads=cfg.heads)
+    )
     return model.to(device)
 
 
-def build_optimizer(name: str, model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    name: str, model: torch.nn.Module, cfg: TrainConfig, device: torch.device
+) -> torch.optim.Optimizer:
     """``dmuon``: Muon on every ``*_proj`` matrix, AdamW (``adamw_lr``) on the rest; ``adamw``: AdamW.
 
     On CPU Newton–Schulz iterates in fp32: CPUs have no fast half-precision matmul (fp16 NS
@@ -113,9 +123,13 @@ def build_optimizer(name: str, model: torch.nn.Module, cfg: TrainConfig, device:
     """
     if name == "dmuon":
         ns = dmuon.NewtonSchulz(work_dtype=torch.float32) if device.type == "cpu" else "gram"
-        return dmuon.Muon(model, lr=cfg.lr, adamw_lr=cfg.adamw_lr, predicate=is_matrix_param, ns_backend=ns)
+        return dmuon.Muon(
+            model, lr=cfg.lr, adamw_lr=cfg.adamw_lr, predicate=is_matrix_param, ns_backend=ns
+        )
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
+        return torch.optim.AdamW(
+            model.parameters(), lr=cfg.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0
+        )
     raise ValueError(f"unknown optimizer {name!r}: choose one of {OPTIMIZERS}")
 
 
@@ -156,8 +170,17 @@ def train_one(
     model = wrapped.model
     opt = build_optimizer(name, model, cfg, env.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps))
-    train = WindowSampler(corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed, env.rank, env.world_size)
-    val = WindowSampler(corpus.val, cfg.seq_len, cfg.batch_size, cfg.seed + VAL_SEED_OFFSET, env.rank, env.world_size)
+    train = WindowSampler(
+        corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed, env.rank, env.world_size
+    )
+    val = WindowSampler(
+        corpus.val,
+        cfg.seq_len,
+        cfg.batch_size,
+        cfg.seed + VAL_SEED_OFFSET,
+        env.rank,
+        env.world_size,
+    )
     comm_kind, comm_note = runtime.comm_source(wrapped)
     result = RunResult(name, wrapped.mode, comm_kind=comm_kind, comm_note=comm_note)
     progress = Progress(name, cfg.steps, enabled=env.is_main and show_progress)
@@ -183,8 +206,23 @@ def train_one(
             print(f"{name}: checkpoint {directory} ({time.perf_counter() - t0:.1f}s)")
 
     try:
-        _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progress, timer, log,
-                     start=start, save_every=save_every, save=save)
+        _train_steps(
+            name,
+            cfg,
+            env,
+            wrapped,
+            opt,
+            sched,
+            train,
+            val,
+            result,
+            progress,
+            timer,
+            log,
+            start=start,
+            save_every=save_every,
+            save=save,
+        )
     except KeyboardInterrupt:
         if wrapped.mode == runtime.DEDICATED:
             dmuon.wait_all_replicate_broadcasts(model)  # drain in-flight collectives, then stop
@@ -195,8 +233,23 @@ def train_one(
     return result
 
 
-def _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progress, timer, log,
-                 start: int = 0, save_every: int = 0, save=None) -> None:
+def _train_steps(
+    name,
+    cfg,
+    env,
+    wrapped,
+    opt,
+    sched,
+    train,
+    val,
+    result,
+    progress,
+    timer,
+    log,
+    start: int = 0,
+    save_every: int = 0,
+    save=None,
+) -> None:
     """The step loop of :func:`train_one` from step ``start`` (fills ``result`` and ``log``)."""
     model = wrapped.model
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -234,7 +287,9 @@ def _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progre
             wait_now = runtime.profile_wait_ms(wrapped) or wait_start
             phases["comm"] = wait_now - wait_start
         if not math.isfinite(train_loss):
-            raise FloatingPointError(f"{name}: training loss is {train_loss} at step {done}; lower --lr/--adamw-lr")
+            raise FloatingPointError(
+                f"{name}: training loss is {train_loss} at step {done}; lower --lr/--adamw-lr"
+            )
         # The first interval pays one-time costs (allocation, optimizer state): keep it out of
         # the breakdown unless it is the only one.
         if done > start + cfg.log_every or done == cfg.steps and result.timed_steps == 0:
@@ -249,8 +304,12 @@ def _train_steps(name, cfg, env, wrapped, opt, sched, train, val, result, progre
             val_loss = evaluate(model, val, cfg.eval_batches, env)
             result.val_losses.append((done, val_loss))
         log.write(
-            step=done, optimizer=name, train_loss=train_loss, val_loss="" if val_loss is None else val_loss,
-            tokens_per_s=tok_s, **{f"{k}_ms": v / interval_steps for k, v in phases.items()},
+            step=done,
+            optimizer=name,
+            train_loss=train_loss,
+            val_loss="" if val_loss is None else val_loss,
+            tokens_per_s=tok_s,
+            **{f"{k}_ms": v / interval_steps for k, v in phases.items()},
         )
         progress.update(done, train_loss, val_loss, tok_s)
         loss_sum.zero_()

@@ -16,8 +16,15 @@ import torch
 
 PHASES = ("forward", "backward", "comm", "step")
 CSV_FIELDS = (
-    "step", "optimizer", "train_loss", "val_loss", "tokens_per_s",
-    "forward_ms", "backward_ms", "comm_ms", "step_ms",
+    "step",
+    "optimizer",
+    "train_loss",
+    "val_loss",
+    "tokens_per_s",
+    "forward_ms",
+    "backward_ms",
+    "comm_ms",
+    "step_ms",
 )
 
 
@@ -94,10 +101,17 @@ class Progress:
         self._last_len = 0
         self._last_printed = -1
 
-    def update(self, step: int, train_loss: float | None, val_loss: float | None, tokens_per_s: float) -> None:
+    def update(
+        self, step: int, train_loss: float | None, val_loss: float | None, tokens_per_s: float
+    ) -> None:
         if not self.enabled:
             return
-        if not self.tty and val_loss is None and step < self.total and step - self._last_printed < self.total / 20:
+        if (
+            not self.tty
+            and val_loss is None
+            and step < self.total
+            and step - self._last_printed < self.total / 20
+        ):
             return
         self._last_printed = step
         frac = step / self.total if self.total else 1.0
@@ -139,7 +153,11 @@ class CsvLog:
             path.parent.mkdir(parents=True, exist_ok=True)
             kept = []
             if keep_until is not None and path.is_file():
-                kept = [r for r in read_csv(path) if r.get("step", "") != "" and int(r["step"]) <= keep_until]
+                kept = [
+                    r
+                    for r in read_csv(path)
+                    if r.get("step", "") != "" and int(r["step"]) <= keep_until
+                ]
             with open(path, "w", newline="") as f:
                 writer = csv.DictWriter(f, CSV_FIELDS)
                 writer.writeheader()
@@ -217,10 +235,16 @@ def breakdown_table(
     lines = [f"step-time breakdown ({name}; mean over {steps} steps, {per_step:.1f} ms/step wall):"]
 
     def row(label: str, ms: float, note: str = "") -> str:
-        return f"  {label:<24}{ms:9.2f} ms {100 * ms / per_step:5.1f}%" + (f"   ({note})" if note else "")
+        return f"  {label:<24}{ms:9.2f} ms {100 * ms / per_step:5.1f}%" + (
+            f"   ({note})" if note else ""
+        )
 
     accounted = 0.0
-    for key, label in (("forward", "forward"), ("backward", "backward"), ("step", "optimizer step")):
+    for key, label in (
+        ("forward", "forward"),
+        ("backward", "backward"),
+        ("step", "optimizer step"),
+    ):
         ms = totals.get(key, 0.0) / steps
         accounted += ms
         lines.append(row(label, ms))

@@ -138,7 +138,9 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[1]
         if t > self.cfg.seq_len:
-            raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len={self.cfg.seq_len}")
+            raise ValueError(
+                f"sequence of {t} tokens is longer than the model's seq_len={self.cfg.seq_len}"
+            )
         pos = torch.arange(t, device=idx.device)
         x = self.embed(idx) + self.pos_embed(pos)
         for block in self.blocks:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass, field
-
 from pathlib import Path
 
 import torch
@@ -78,7 +77,9 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda, but this machine has no usable CUDA GPU; use --device cpu or auto")
+            raise ValueError(
+                "--device cuda, but this machine has no usable CUDA GPU; use --device cpu or auto"
+            )
         if local_rank >= torch.cuda.device_count():
             raise ValueError(
                 f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
@@ -146,7 +147,9 @@ class Wrapped:
             return
         grads = [p.grad for p in self.replicated if p.grad is not None]
         if len(grads) != len(self.replicated):
-            raise RuntimeError("a replicated matrix got no gradient; every rank must run the same forward")
+            raise RuntimeError(
+                "a replicated matrix got no gradient; every rank must run the same forward"
+            )
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         flat.div_(self.world_size)
@@ -224,7 +227,11 @@ def runtime_comm_profile(wrapped: Wrapped):
         profile = collect(wrapped.model, synchronize=True)
     except Exception as exc:  # noqa: BLE001 - a diagnostics failure must not end the run
         return {"enabled": False, "reason": f"{type(exc).__name__}: {exc}"}
-    return profile if isinstance(profile, dict) else {"enabled": False, "reason": f"unexpected {profile!r}"}
+    return (
+        profile
+        if isinstance(profile, dict)
+        else {"enabled": False, "reason": f"unexpected {profile!r}"}
+    )
 
 
 def profile_wait_ms(wrapped: Wrapped) -> float | None:
@@ -258,7 +265,9 @@ def comm_source(wrapped: Wrapped) -> tuple[str, str]:
                 "waits for dedicated-weight unshards, from dmuon.collect_forward_unshard_profile; "
                 "part of forward/backward above"
             )
-        reason = (runtime_comm_profile(wrapped) or {}).get("reason", "the runtime offers no profile")
+        reason = (runtime_comm_profile(wrapped) or {}).get(
+            "reason", "the runtime offers no profile"
+        )
         return "n/a", f"n/a: {reason}"
     return "n/a", (
         "n/a: FSDP2's all-gathers/reduce-scatters run inside forward/backward and FSDP2 "

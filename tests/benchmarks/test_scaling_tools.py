@@ -73,13 +73,26 @@ def test_parity_relative_difference_property(losses, scale):
 def _report(world: int, replicate: int | None = None, model: str = "M") -> dict:
     mesh = {"replicate": replicate, "shard": world // replicate} if replicate else {"shard": world}
     return {
-        "model": model, "world_size": world, "mesh": mesh, "tokens_per_rank": 8192,
+        "model": model,
+        "world_size": world,
+        "mesh": mesh,
+        "tokens_per_rank": 8192,
         "results": {
-            "adamw": {"iter_ms": 100.0, "back_to_back_ms": 98.0, "b2b_muon_tax": 0.0,
-                      "step_balance": 1.01, "peak_mem_gib": 10.0},
-            "ours_compiled": {"iter_ms": 120.0 / world, "back_to_back_ms": 118.0 / world,
-                              "b2b_muon_tax": 0.2, "step_balance": 1.04,
-                              "planned_balance": {"ns_max_over_mean": 1.02}, "peak_mem_gib": 12.5},
+            "adamw": {
+                "iter_ms": 100.0,
+                "back_to_back_ms": 98.0,
+                "b2b_muon_tax": 0.0,
+                "step_balance": 1.01,
+                "peak_mem_gib": 10.0,
+            },
+            "ours_compiled": {
+                "iter_ms": 120.0 / world,
+                "back_to_back_ms": 118.0 / world,
+                "b2b_muon_tax": 0.2,
+                "step_balance": 1.04,
+                "planned_balance": {"ns_max_over_mean": 1.02},
+                "peak_mem_gib": 12.5,
+            },
         },
     }
 
@@ -95,7 +108,9 @@ def test_scaling_table_and_series(tmp_path, capsys):
     lines = out.read_text().splitlines()
     body = [line for line in lines[2:]]
     assert [line.split(" | ")[0] for line in body] == ["| 1", "| 1", "| 4", "| 4", "| 8", "| 8"]
-    assert "| 8 | HSDP 2×4 | ours_compiled | 15.00 | 14.75 | +20.0% | 1.040 | 1.020 | 12.50 |" in lines
+    assert (
+        "| 8 | HSDP 2×4 | ours_compiled | 15.00 | 14.75 | +20.0% | 1.040 | 1.020 | 12.50 |" in lines
+    )
     lines_by_kind = scaling.series(scaling.load([Path(p) for p in paths]))
     assert lines_by_kind["ours_compiled (1-D)"] == [(1, 118.0), (4, 29.5)]
     assert lines_by_kind["ours_compiled (HSDP)"] == [(8, 14.75)]
@@ -118,16 +133,32 @@ def test_where_the_time_goes_lists_gpu_kernels_per_call():
     top kernels (trace_analysis.profile_calls result), and a clear line when there were no GPU events."""
     ta = _load("trace_analysis")
     profile = {
-        "steps": 3, "gpu_events": 48, "gpu_ms_per_step": 4.0,
+        "steps": 3,
+        "gpu_events": 48,
+        "gpu_ms_per_step": 4.0,
         "breakdown_ms_per_step": {"gemm": 1.0, "triton": 3.0, "nccl": 0.0},
         "top_kernels": [
-            {"name": "_symmetric_product_tma_kernel", "category": "triton", "count_per_step": 14.0, "ms_per_step": 3.0},
-            {"name": "nvjet_sm90_gemm", "category": "gemm", "count_per_step": 2.0, "ms_per_step": 1.0},
+            {
+                "name": "_symmetric_product_tma_kernel",
+                "category": "triton",
+                "count_per_step": 14.0,
+                "ms_per_step": 3.0,
+            },
+            {
+                "name": "nvjet_sm90_gemm",
+                "category": "gemm",
+                "count_per_step": 2.0,
+                "ms_per_step": 1.0,
+            },
         ],
     }
     lines = ta.where_the_time_goes(profile, top=8, unit="call")
-    assert lines[0] == "  where the time goes (GPU ms/call, 4.000 in all): gemm 1.000 | triton 3.000"
-    assert "3.000 ms" in lines[1] and "14×" in lines[1] and "_symmetric_product_tma_kernel" in lines[1]
+    assert (
+        lines[0] == "  where the time goes (GPU ms/call, 4.000 in all): gemm 1.000 | triton 3.000"
+    )
+    assert (
+        "3.000 ms" in lines[1] and "14×" in lines[1] and "_symmetric_product_tma_kernel" in lines[1]
+    )
     assert "nvjet_sm90_gemm" in lines[2] and len(lines) == 3
 
 
@@ -139,4 +170,5 @@ def test_profile_calls_on_cpu_reports_no_gpu_events():
     found = ta.profile_calls(lambda: x @ x, 2, x.device)
     assert found["steps"] == 2 and found["gpu_events"] == 0
     assert ta.where_the_time_goes(found, unit="call") == [
-        "  where the time goes: no GPU events in 2 profiled calls (CPU run)"]
+        "  where the time goes: no GPU events in 2 profiled calls (CPU run)"
+    ]

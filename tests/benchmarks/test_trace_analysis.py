@@ -25,27 +25,55 @@ ELT = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor
 
 
 def ev(name, ts, dur, stream=7, device=0, cat="kernel", **args):
-    return {"ph": "X", "cat": cat, "name": name, "pid": device, "tid": stream, "ts": ts, "dur": dur,
-            "args": {"device": device, "stream": stream, **args}}
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "pid": device,
+        "tid": stream,
+        "ts": ts,
+        "dur": dur,
+        "args": {"device": device, "stream": stream, **args},
+    }
 
 
 def trace(*events):
-    cpu = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": -500, "dur": 9000,
-           "args": {}}
-    return {"traceEvents": [cpu, {"ph": "M", "name": "process_name", "pid": 0, "args": {}}, *events]}
+    cpu = {
+        "ph": "X",
+        "cat": "cpu_op",
+        "name": "aten::mm",
+        "pid": 1,
+        "tid": 1,
+        "ts": -500,
+        "dur": 9000,
+        "args": {},
+    }
+    return {
+        "traceEvents": [cpu, {"ph": "M", "name": "process_name", "pid": 0, "args": {}}, *events]
+    }
 
 
 def test_fully_hidden_comm_is_not_exposed():
     t = trace(ev(GEMM, 0, 100), ev(AG, 10, 50, stream=20))
     r = ta.exposed_comm(t)
-    assert (r["window_us"], r["busy_compute_us"], r["comm_us"], r["exposed_comm_us"]) == (100, 100, 50, 0)
+    assert (r["window_us"], r["busy_compute_us"], r["comm_us"], r["exposed_comm_us"]) == (
+        100,
+        100,
+        50,
+        0,
+    )
     assert r["exposed_fraction"] == 0
     assert r["by_kind"] == {"all_gather": {"count": 1, "comm_us": 50, "exposed_us": 0}}
 
 
 def test_comm_alone_is_all_exposed():
     r = ta.exposed_comm(trace(ev(AG, 0, 40, stream=20)))
-    assert (r["window_us"], r["comm_us"], r["exposed_comm_us"], r["exposed_fraction"]) == (40, 40, 40, 1.0)
+    assert (r["window_us"], r["comm_us"], r["exposed_comm_us"], r["exposed_fraction"]) == (
+        40,
+        40,
+        40,
+        1.0,
+    )
     r = ta.exposed_comm(trace(ev(AG, 0, 40, stream=20), ev(GEMM, 50, 50)))
     assert (r["window_us"], r["exposed_comm_us"], r["exposed_fraction"]) == (100, 40, 0.4)
 
@@ -60,18 +88,27 @@ def test_partial_overlap_and_kinds():
 
 
 def test_memcpy_is_not_compute():
-    t = trace(ev(AG, 0, 40, stream=20), ev("Memcpy DtoD (Device -> Device)", 0, 40, cat="gpu_memcpy"))
+    t = trace(
+        ev(AG, 0, 40, stream=20), ev("Memcpy DtoD (Device -> Device)", 0, 40, cat="gpu_memcpy")
+    )
     assert ta.exposed_comm(t)["exposed_comm_us"] == 40
 
 
 def test_streams_and_devices():
     t = trace(
-        ev(GEMM, 0, 20, stream=7), ev(ELT, 10, 20, stream=8),          # compute union [0, 30]
-        ev(AG, 25, 20, stream=20), ev(RS, 40, 20, stream=21),           # comm union [25, 60]
-        ev(BC, 0, 10, stream=20, device=1),                             # device 1: comm alone
+        ev(GEMM, 0, 20, stream=7),
+        ev(ELT, 10, 20, stream=8),  # compute union [0, 30]
+        ev(AG, 25, 20, stream=20),
+        ev(RS, 40, 20, stream=21),  # comm union [25, 60]
+        ev(BC, 0, 10, stream=20, device=1),  # device 1: comm alone
     )
     d0, d1, both = ta.exposed_comm(t, device=0), ta.exposed_comm(t, device=1), ta.exposed_comm(t)
-    assert (d0["window_us"], d0["busy_compute_us"], d0["comm_us"], d0["exposed_comm_us"]) == (60, 30, 35, 30)
+    assert (d0["window_us"], d0["busy_compute_us"], d0["comm_us"], d0["exposed_comm_us"]) == (
+        60,
+        30,
+        35,
+        30,
+    )
     assert (d1["window_us"], d1["comm_us"], d1["exposed_comm_us"]) == (10, 10, 10)
     # device 0's compute does not hide device 1's collective: the devices add up
     assert (both["window_us"], both["exposed_comm_us"]) == (70, 40)
@@ -93,26 +130,41 @@ def test_hidden_fraction():
 def test_hidden_fraction_by_group():
     rep = {"Process Group Description": "mesh_replicate"}
     shard = {"Process Group Description": "mesh_shard"}
-    t = trace(ev(BC, 0, 100, stream=20, **rep), ev(BC, 200, 100, stream=21, **shard), ev(GEMM, 200, 100),
-              ev(GEMM, 0, 25))
+    t = trace(
+        ev(BC, 0, 100, stream=20, **rep),
+        ev(BC, 200, 100, stream=21, **shard),
+        ev(GEMM, 200, 100),
+        ev(GEMM, 0, 25),
+    )
     assert ta.hidden_fraction(t, "broadcast") == 125 / 200
     assert ta.hidden_fraction(t, "broadcast", group="replicate") == 0.25
     assert ta.hidden_fraction(t, "broadcast", group="shard") == 1.0
     assert ta.hidden_fraction(t, "broadcast", group="tensor") is None
     s = ta.summarize(t, 1)
-    assert s["replicate_broadcast_hidden_fraction"] == 0.25 and s["broadcast_hidden_fraction"] == 0.625
+    assert (
+        s["replicate_broadcast_hidden_fraction"] == 0.25 and s["broadcast_hidden_fraction"] == 0.625
+    )
 
 
-@pytest.mark.parametrize("name, collective, kind", [
-    (AG, None, "all_gather"), (RS, None, "reduce_scatter"), (BC, None, "broadcast"),
-    ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", None, "all_reduce"),
-    ("ncclDevKernel_Reduce_Sum_bf16_RING_LL", None, "reduce"),
-    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", None, "other"),
-    ("ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)", None, "other"),
-    ("ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)", "_allgather_base", "all_gather"),
-    ("ncclDevKernel_Generic_4", "reduce_scatter_tensor_coalesced", "reduce_scatter"),
-    (AG, "coalesced", "all_gather"),
-])
+@pytest.mark.parametrize(
+    "name, collective, kind",
+    [
+        (AG, None, "all_gather"),
+        (RS, None, "reduce_scatter"),
+        (BC, None, "broadcast"),
+        ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", None, "all_reduce"),
+        ("ncclDevKernel_Reduce_Sum_bf16_RING_LL", None, "reduce"),
+        ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", None, "other"),
+        ("ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)", None, "other"),
+        (
+            "ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)",
+            "_allgather_base",
+            "all_gather",
+        ),
+        ("ncclDevKernel_Generic_4", "reduce_scatter_tensor_coalesced", "reduce_scatter"),
+        (AG, "coalesced", "all_gather"),
+    ],
+)
 def test_comm_kind(name, collective, kind):
     assert ta.is_comm_kernel(name)
     assert ta.comm_kind(name, collective) == kind
@@ -123,32 +175,55 @@ def test_comm_kind_uses_collective_name_from_args():
     assert ta.hidden_fraction(t, "broadcast") == 0.0
 
 
-@pytest.mark.parametrize("name", [
-    "void c10d::detail::copy_kernel<float>(float*)", "void at::native::(anonymous)::chunk_cat_cuda_kernel",
-    GEMM, "triton_poi_fused_0", "Memcpy DtoD"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "void c10d::detail::copy_kernel<float>(float*)",
+        "void at::native::(anonymous)::chunk_cat_cuda_kernel",
+        GEMM,
+        "triton_poi_fused_0",
+        "Memcpy DtoD",
+    ],
+)
 def test_not_comm(name):
     assert not ta.is_comm_kernel(name)
 
 
 def test_breakdown():
     t = trace(
-        ev(GEMM, 0, 1000), ev("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm>(...)", 0, 500, stream=8),
-        ev("_symmetric_product_kernel", 1000, 200), ev("_symmetric_product_tma_kernel", 1200, 100),
+        ev(GEMM, 0, 1000),
+        ev("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm>(...)", 0, 500, stream=8),
+        ev("_symmetric_product_kernel", 1000, 200),
+        ev("_symmetric_product_tma_kernel", 1200, 100),
         ev("_mirror_lower_kernel", 1300, 100),
-        ev("triton_poi_fused_add_mul_0", 1400, 50), ev(AG, 0, 2000, stream=20),
+        ev("triton_poi_fused_add_mul_0", 1400, 50),
+        ev(AG, 0, 2000, stream=20),
         ev("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>(...)", 2000, 700),
-        ev(ELT, 2700, 40), ev(ELT, 2740, 60),
+        ev(ELT, 2700, 40),
+        ev(ELT, 2740, 60),
         ev("Memcpy HtoD (Pageable -> Device)", 3000, 30, cat="gpu_memcpy"),
         ev("Memset (Device)", 3030, 20, cat="gpu_memset"),
     )
     b = ta.breakdown(t)
-    assert b["ms"] == pytest.approx({"gemm": 1.5, "triton": 0.45, "nccl": 2.0, "attention": 0.7,
-                                     "elementwise_other": 0.1, "memcpy_memset": 0.05})
+    assert b["ms"] == pytest.approx(
+        {
+            "gemm": 1.5,
+            "triton": 0.45,
+            "nccl": 2.0,
+            "attention": 0.7,
+            "elementwise_other": 0.1,
+            "memcpy_memset": 0.05,
+        }
+    )
     assert b["total_ms"] == pytest.approx(4.8)
     top = b["top_kernels"]
     assert [e["name"] for e in top[:2]] == [AG, GEMM]
     elt = next(e for e in top if e["name"] == ELT)
-    assert elt["count"] == 2 and elt["ms"] == pytest.approx(0.1) and elt["category"] == "elementwise_other"
+    assert (
+        elt["count"] == 2
+        and elt["ms"] == pytest.approx(0.1)
+        and elt["category"] == "elementwise_other"
+    )
     s = ta.summarize(t, iterations=2)
     assert s["breakdown_ms_per_iter"]["gemm"] == pytest.approx(0.75)
     assert s["gpu_ms_per_iter"] == pytest.approx(2.4)
@@ -176,7 +251,11 @@ def test_summarize_per_iteration_and_format():
 
 def test_gzip_round_trip(tmp_path):
     t = trace(ev(GEMM, 0, 50), ev(RS, 30, 50, stream=20))
-    plain, packed, misnamed = tmp_path / "t.json", tmp_path / "t.json.gz", tmp_path / "gz_named.json"
+    plain, packed, misnamed = (
+        tmp_path / "t.json",
+        tmp_path / "t.json.gz",
+        tmp_path / "gz_named.json",
+    )
     plain.write_text(json.dumps(t))
     with gzip.open(packed, "wt") as f:
         json.dump(t, f)
@@ -222,7 +301,10 @@ _interval = st.tuples(st.integers(0, 40), st.integers(0, 12), st.booleans(), st.
 
 @given(st.lists(_interval, max_size=12))
 def test_exposed_matches_brute_force(items):
-    events = [ev(AG if comm else GEMM, s, d, stream=stream + (20 if comm else 0)) for s, d, comm, stream in items]
+    events = [
+        ev(AG if comm else GEMM, s, d, stream=stream + (20 if comm else 0))
+        for s, d, comm, stream in items
+    ]
     r = ta.exposed_comm(trace(*events))
     grid = range(60)
     comm_at = {t for s, d, c, _ in items if c for t in grid if s <= t < s + d}
@@ -239,15 +321,28 @@ def test_exposed_matches_brute_force(items):
 
 
 def _step_annotation(ts):
-    return {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#Muon.step", "pid": 1, "tid": 1,
-            "ts": ts, "dur": 5, "args": {}}
+    return {
+        "ph": "X",
+        "cat": "user_annotation",
+        "name": "Optimizer.step#Muon.step",
+        "pid": 1,
+        "tid": 1,
+        "ts": ts,
+        "dur": 5,
+        "args": {},
+    }
 
 
 def test_publish_hidden_fraction_excludes_the_last_steps_broadcasts():
     # Two iterations: a broadcast after step 1 hidden under the next forward's GEMM, and the
     # last step's broadcast with nothing after it (excluded from publish_hidden_fraction).
-    t = trace(_step_annotation(100), ev(BC, 110, 20, stream=20), ev(GEMM, 105, 40),
-              _step_annotation(200), ev(BC, 210, 20, stream=20))
+    t = trace(
+        _step_annotation(100),
+        ev(BC, 110, 20, stream=20),
+        ev(GEMM, 105, 40),
+        _step_annotation(200),
+        ev(BC, 210, 20, stream=20),
+    )
     assert ta.last_annotation_start(t) == 200
     s = ta.summarize(t, iterations=2)
     assert s["publish_hidden_fraction"] == 1.0

@@ -50,8 +50,13 @@ def _worker(fn, rank, world_size, port, args, env, results, backend="gloo"):
     import torch.distributed as dist
 
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
@@ -69,16 +74,25 @@ def _worker(fn, rank, world_size, port, args, env, results, backend="gloo"):
                 pass
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, env: dict | None = None,
-              backend: str = "gloo") -> list:
+def run_ranks(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    env: dict | None = None,
+    backend: str = "gloo",
+) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; ``backend="nccl"``
     puts rank r on cuda:r); return their results."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, dict(env or {}), results, backend),
-                    daemon=True)
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, args, dict(env or {}), results, backend),
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -100,10 +114,14 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, en
                 got[rank] = (status, payload)
                 if status == "error":
                     break  # other ranks may now wait forever on a collective: stop them
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+            except queue.Empty as empty:
+                dead = [
+                    i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got
+                ]
                 if dead:
-                    raise RuntimeError(f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                    raise RuntimeError(
+                        f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})"
+                    ) from empty
     finally:
         for p in procs:
             if p.is_alive():
@@ -144,8 +162,15 @@ def full_state(model) -> dict:
     runtime.wait_all()
     for dp in runtime.params:
         device = runtime.groups[0].device
-        buf = dp.source.detach().clone() if dp.source is not None else torch.empty(dp.shape, device=device)
-        dist.broadcast(buf, src=dist.get_global_rank(runtime.mesh.get_group(), dp.owner),
-                       group=runtime.mesh.get_group())
+        buf = (
+            dp.source.detach().clone()
+            if dp.source is not None
+            else torch.empty(dp.shape, device=device)
+        )
+        dist.broadcast(
+            buf,
+            src=dist.get_global_rank(runtime.mesh.get_group(), dp.owner),
+            group=runtime.mesh.get_group(),
+        )
         state[dp.fqn] = buf
     return state

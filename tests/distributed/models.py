@@ -33,7 +33,10 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, t, d = x.shape
-        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        def split(y):
+            return y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
@@ -64,7 +67,9 @@ class Block(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, dim: int = D, ffn: int = FFN, heads: int = HEADS, layers: int = LAYERS) -> None:
+    def __init__(
+        self, dim: int = D, ffn: int = FFN, heads: int = HEADS, layers: int = LAYERS
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Block(dim, ffn, heads) for _ in range(layers))
         self.norm = RMSNorm(dim)
@@ -89,7 +94,7 @@ def build_llama(seed: int = 0, **kw) -> TinyLlama:
     torch.manual_seed(seed)
     model = TinyLlama(**kw)
     with torch.no_grad():  # non-trivial norm weights so AdamW-routed params matter
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model
@@ -146,8 +151,9 @@ def build_dedicated(world: int, seed: int = 0, hsdp: bool = False):
     model = build_llama(seed=seed)
     if hsdp:
         mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
-        owners = dmuon.dedicate_params(model, mesh["shard"], predicate=proj_predicate,
-                                       replicate_mesh=mesh["replicate"])
+        owners = dmuon.dedicate_params(
+            model, mesh["shard"], predicate=proj_predicate, replicate_mesh=mesh["replicate"]
+        )
     else:
         mesh = init_device_mesh("cpu", (world,))
         owners = dmuon.dedicate_params(model, mesh, predicate=proj_predicate)
@@ -178,13 +184,19 @@ def owned_masters(model) -> list:
     whole local tensors (writable in place)."""
     import dmuon_compile as dmuon
 
-    return [(n, p.to_local()) for n, p in dmuon.dedicated_registry.dedicated_parameters(model)
-            if p.to_local().numel() == p.numel()]
+    return [
+        (n, p.to_local())
+        for n, p in dmuon.dedicated_registry.dedicated_parameters(model)
+        if p.to_local().numel() == p.numel()
+    ]
 
 
 def owned_grads(model) -> dict:
     """``{fqn: gradient}`` of the dedicated weights this rank owns (the live local tensors)."""
     import dmuon_compile as dmuon
 
-    return {n: p.grad.to_local() for n, p in dmuon.dedicated_registry.dedicated_parameters(model)
-            if p.grad is not None and p.grad.to_local().numel() == p.numel()}
+    return {
+        n: p.grad.to_local()
+        for n, p in dmuon.dedicated_registry.dedicated_parameters(model)
+        if p.grad is not None and p.grad.to_local().numel() == p.numel()
+    }

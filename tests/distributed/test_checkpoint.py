@@ -22,7 +22,7 @@ def _save_then_load(rank, world, hsdp=False):
     opt = dmuon.Muon(model, compile=False)
     for x in models.batches(2, world):
         per = x.shape[0] // world
-        model(x[rank * per:(rank + 1) * per]).square().mean().backward()
+        model(x[rank * per : (rank + 1) * per]).square().mean().backward()
         opt.step()
         opt.zero_grad()
     plain = model.state_dict()  # registered parameters: every dedicated weight is in it
@@ -43,9 +43,13 @@ def _save_then_load(rank, world, hsdp=False):
     except KeyError as exc:
         missing_error = str(exc)
     return {
-        "full": full, "rank0_len": len(rank0_only), "after": after, "before_differs":
-        any(not torch.equal(before[k], full[k]) for k in full), "same_output": same_output,
-        "plain_keys": plain_keys, "missing_error": missing_error,
+        "full": full,
+        "rank0_len": len(rank0_only),
+        "after": after,
+        "before_differs": any(not torch.equal(before[k], full[k]) for k in full),
+        "same_output": same_output,
+        "plain_keys": plain_keys,
+        "missing_error": missing_error,
     }
 
 

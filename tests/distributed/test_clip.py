@@ -26,7 +26,7 @@ def _clip(rank, world, max_norm, use_torch, hsdp):
     model, _ = models.build_dedicated(world, hsdp=hsdp)
     x = next(iter(models.batches(1, world)))
     per = x.shape[0] // world
-    model(x[rank * per:(rank + 1) * per]).square().mean().backward()
+    model(x[rank * per : (rank + 1) * per]).square().mean().backward()
     if use_torch:  # the user's unchanged FSDP2 line
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()
     else:

@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 def test_unknown_keyword_is_python_type_error():
     import dmuon_compile as dmuon
 
-    with pytest.raises(TypeError, match="dedicate_params\\(\\) got an unexpected keyword argument 'bogus'"):
+    with pytest.raises(
+        TypeError, match="dedicate_params\\(\\) got an unexpected keyword argument 'bogus'"
+    ):
         dmuon.dedicate_params(models.build_llama(), None, bogus=1)
 
 
@@ -47,20 +49,28 @@ def _api_checks(rank, world):
         "not_a_mesh": (hsdp["shard"], "replicate"),
     }.items():
         try:
-            dmuon.dedicate_params(models.build_llama(), m, predicate=models.proj_predicate, replicate_mesh=rep)
+            dmuon.dedicate_params(
+                models.build_llama(), m, predicate=models.proj_predicate, replicate_mesh=rep
+            )
             errors[label] = None
         except ValueError as exc:
             errors[label] = str(exc)
     out["mesh_errors"] = errors
     # the right HSDP mesh (replicate size 1) is accepted
-    ok = dmuon.dedicate_params(models.build_llama(), hsdp["shard"], predicate=models.proj_predicate,
-                               replicate_mesh=hsdp["replicate"])
+    ok = dmuon.dedicate_params(
+        models.build_llama(),
+        hsdp["shard"],
+        predicate=models.proj_predicate,
+        replicate_mesh=hsdp["replicate"],
+    )
     out["hsdp_ok"] = len(ok)
     # TP detection needs named meshes
     unnamed = init_device_mesh("cpu", (world,))
     tp_model = models.build_llama()
     w = tp_model.layers[0].mlp.up_proj.weight
-    tp_model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(distribute_tensor(w.detach(), unnamed, [Replicate()]))
+    tp_model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(
+        distribute_tensor(w.detach(), unnamed, [Replicate()])
+    )
     try:
         dmuon.dedicate_params(tp_model, mesh, predicate=models.proj_predicate)
         out["tp_error"] = None
@@ -86,14 +96,18 @@ def test_api_checks_two_ranks():
     msg = r["no_match"][0]
     assert msg.startswith("dedicate_params: no parameters matched the predicate")
     assert "layers.0.self_attn.q_proj.weight (32, 32)" in msg  # the hint lists 2-D names
-    assert r["no_match_owners"] == {} and r["params_after"] == len(list(models.build_llama().parameters()))
+    assert r["no_match_owners"] == {} and r["params_after"] == len(
+        list(models.build_llama().parameters())
+    )
     for label, err in r["mesh_errors"].items():
         assert err is not None, label
         assert "HSDP mesh must be 2D with names ('replicate', 'shard')" in err, (label, err)
         assert "init_device_mesh(" in err and 'mesh_dim_names=("replicate", "shard")' in err
     assert r["hsdp_ok"] == 7 * models.LAYERS
     assert r["order_error"] is not None and "must run before fully_shard" in r["order_error"]
-    assert r["tp_error"] is not None and r["tp_error"].startswith("DMuon requires named DeviceMesh for TP detection")
+    assert r["tp_error"] is not None and r["tp_error"].startswith(
+        "DMuon requires named DeviceMesh for TP detection"
+    )
 
 
 def _mismatch(rank, world):

@@ -54,15 +54,20 @@ def _accum_distributed(rank, world):
             flags.append(_fsdp_compat.requires_gradient_sync(model))
             x = data[s * MICRO + m]
             per = x.shape[0] // world
-            (model(x[rank * per:(rank + 1) * per]).square().mean() / MICRO).backward()
+            (model(x[rank * per : (rank + 1) * per]).square().mean() / MICRO).backward()
             # between micro-steps no owner holds a gradient yet: nothing was reduced
             reduces.append(sum(1 for dp in runtime.params if dp.owns and dp.param.grad is not None))
         if first is None:
             first = {n: g.clone() for n, g in models.owned_grads(model).items()}
         opt.step()
         opt.zero_grad()
-    return {"flags": flags, "first": first, "reduces": reduces, "state": full_state(model),
-            "owned": len(models.owned_masters(model))}
+    return {
+        "flags": flags,
+        "first": first,
+        "reduces": reduces,
+        "state": full_state(model),
+        "owned": len(models.owned_masters(model)),
+    }
 
 
 def test_gradient_accumulation_with_set_requires_gradient_sync():
@@ -75,7 +80,9 @@ def test_gradient_accumulation_with_set_requires_gradient_sync():
         for name, g in r["first"].items():
             torch.testing.assert_close(g, ref_first[name], rtol=1e-4, atol=1e-6)
     for name, ref in ref_state.items():
-        torch.testing.assert_close(r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def _outputs_and_modes(rank, world):
@@ -128,8 +135,12 @@ def _outputs_and_modes(rank, world):
     out["stale_diff"] = float((y - b.lm_head(b.norm(x))).abs().max())
     # hook_boundary_predicate: one group per attention / MLP module instead of per block
     c = models.build_llama()
-    dmuon.dedicate_params(c, mesh, predicate=models.proj_predicate,
-                          hook_boundary_predicate=lambda name, m: isinstance(m, (models.Attention, models.MLP)))
+    dmuon.dedicate_params(
+        c,
+        mesh,
+        predicate=models.proj_predicate,
+        hook_boundary_predicate=lambda name, m: isinstance(m, (models.Attention, models.MLP)),
+    )
     c(x).square().mean().backward()
     out["boundary_groups"] = [g.name for g in dmuon.distributed.dedicated_runtime(c).forward_order]
     out["boundary_grads"] = models.owned_grads(c)
@@ -159,7 +170,9 @@ def test_outputs_untouched_and_reshard_modes():
             torch.testing.assert_close(r["ckpt_grads"][n], b[n], rtol=1e-5, atol=1e-7)
         assert r["ckpt_states"] == ["sharded"]
         assert r["stale_diff"] < 1e-6
-        assert r["boundary_groups"] == [f"layers.{i}.{m}" for i in range(models.LAYERS) for m in ("self_attn", "mlp")]
+        assert r["boundary_groups"] == [
+            f"layers.{i}.{m}" for i in range(models.LAYERS) for m in ("self_attn", "mlp")
+        ]
 
 
 def _hf_model(rank, world):
@@ -169,8 +182,14 @@ def _hf_model(rank, world):
 
     import dmuon_compile as dmuon
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     torch.manual_seed(0)
@@ -184,9 +203,14 @@ def _hf_model(rank, world):
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     want = plain(input_ids=ids, labels=ids)
-    return {"type": type(out).__name__, "logits": tuple(out.logits.shape), "has_loss": out.loss is not None,
-            "loss_diff": abs(float(out.loss) - float(want.loss)), "dedicated": len(owners),
-            "groups": [g.name for g in dmuon.distributed.dedicated_runtime(model).groups]}
+    return {
+        "type": type(out).__name__,
+        "logits": tuple(out.logits.shape),
+        "has_loss": out.loss is not None,
+        "loss_diff": abs(float(out.loss) - float(want.loss)),
+        "dedicated": len(owners),
+        "groups": [g.name for g in dmuon.distributed.dedicated_runtime(model).groups],
+    }
 
 
 def test_huggingface_model_output_keeps_attribute_access():
@@ -208,11 +232,17 @@ def _precision_and_recovery(rank, world):
     out = {}
     # param_policy: bf16 compute copies, fp32 masters and fp32 owner gradients
     model = models.build_llama()
-    policy = dmuon.ParamPolicy(dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    policy = dmuon.ParamPolicy(
+        dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
     dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate, param_policy=policy)
     seen = []
-    model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
-    model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: (a[0].to(torch.bfloat16),))
+    model.layers[0].self_attn.q_proj.register_forward_pre_hook(
+        lambda m, a: seen.append(m.weight.dtype)
+    )
+    model.layers[0].self_attn.q_proj.register_forward_pre_hook(
+        lambda m, a: (a[0].to(torch.bfloat16),)
+    )
     for block in model.layers:  # the blocks run in bf16 like FSDP2's param_dtype would make them
         for module in block.modules():  # (the dedicated weights' dtype is param_policy's business)
             if isinstance(module, models.RMSNorm):
@@ -225,13 +255,27 @@ def _precision_and_recovery(rank, world):
     out["compute_dtype"] = str(seen[0])
     out["master_dtypes"] = sorted({str(p.dtype) for _, p in owned})
     out["grad_dtypes"] = sorted({str(p.grad.dtype) for _, p in owned})
-    out["comm_dtypes"] = sorted({(g["compute_dtype"], g["reduce_dtype"]) for g in dmuon.summarize_comm_plan(model)["groups"]})
+    out["comm_dtypes"] = sorted(
+        {
+            (g["compute_dtype"], g["reduce_dtype"])
+            for g in dmuon.summarize_comm_plan(model)["groups"]
+        }
+    )
     legacy = models.build_llama()
-    dmuon.dedicate_params(legacy, mesh, predicate=models.proj_predicate, compute_dtype=torch.bfloat16)
-    out["legacy_dtypes"] = sorted({g["compute_dtype"] for g in dmuon.summarize_comm_plan(legacy)["groups"]})
+    dmuon.dedicate_params(
+        legacy, mesh, predicate=models.proj_predicate, compute_dtype=torch.bfloat16
+    )
+    out["legacy_dtypes"] = sorted(
+        {g["compute_dtype"] for g in dmuon.summarize_comm_plan(legacy)["groups"]}
+    )
     try:
-        dmuon.dedicate_params(models.build_llama(), mesh, predicate=models.proj_predicate,
-                              compute_dtype=torch.float16, param_policy=policy)
+        dmuon.dedicate_params(
+            models.build_llama(),
+            mesh,
+            predicate=models.proj_predicate,
+            compute_dtype=torch.float16,
+            param_policy=policy,
+        )
         out["conflict"] = None
     except ValueError as exc:
         out["conflict"] = str(exc)
@@ -247,7 +291,9 @@ def _precision_and_recovery(rank, world):
     models.interrupt_forward(model, x, layer=1)
     dmuon.wait_all_replicate_broadcasts(model)
     runtime = dedicated_runtime(model)
-    out["after_interrupt"] = sorted({(g.state, len(g.works), len(g.pending_reduce)) for g in runtime.groups})
+    out["after_interrupt"] = sorted(
+        {(g.state, len(g.works), len(g.pending_reduce)) for g in runtime.groups}
+    )
     grads = []
     for m in (model, fresh):
         m(x).square().mean().backward()
@@ -262,7 +308,11 @@ def test_mixed_precision_policy_and_recovery_after_interrupt():
         assert r["master_dtypes"] == ["torch.float32"] and r["grad_dtypes"] == ["torch.float32"]
         assert r["comm_dtypes"] == [("bfloat16", "float32")]
         assert r["legacy_dtypes"] == ["bfloat16"]
-        assert r["conflict"] is not None and "compute_dtype" in r["conflict"] and "param_dtype" in r["conflict"]
+        assert (
+            r["conflict"] is not None
+            and "compute_dtype" in r["conflict"]
+            and "param_dtype" in r["conflict"]
+        )
         assert r["after_interrupt"] == [("sharded", 0, 0)]
         a, b = r["resume_grads"]
         assert a.keys() == b.keys() and a
@@ -278,8 +328,10 @@ def _private_groups(rank, world):
 
     flat = init_device_mesh("cpu", (world,))
     own = C.private_group(flat)
-    out = {"own_is_new": own is not flat.get_group(),
-           "own_ranks": dist.get_process_group_ranks(own)}
+    out = {
+        "own_is_new": own is not flat.get_group(),
+        "own_ranks": dist.get_process_group_ranks(own),
+    }
     hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     shard, rep = C.private_group(hsdp["shard"]), C.private_group(hsdp["replicate"])
     out["shard_ranks"] = dist.get_process_group_ranks(shard)

@@ -18,7 +18,13 @@ from .harness import full_state, run_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
 STEPS = 10
-HYPER = {"lr": 0.02, "momentum": 0.95, "adamw_lr": 1e-2, "weight_decay": 0.01, "adamw_weight_decay": 0.01}
+HYPER = {
+    "lr": 0.02,
+    "momentum": 0.95,
+    "adamw_lr": 1e-2,
+    "weight_decay": 0.01,
+    "adamw_weight_decay": 0.01,
+}
 
 
 def _ns():
@@ -42,7 +48,9 @@ def reference(world: int, steps: int = STEPS, device: str = "cpu"):
     import dmuon_compile as dmuon
 
     model = models.build_llama().to(device)
-    opt = dmuon.Muon(model, predicate=models.proj_predicate, ns_backend=_ns(), **_muon_kwargs(device))
+    opt = dmuon.Muon(
+        model, predicate=models.proj_predicate, ns_backend=_ns(), **_muon_kwargs(device)
+    )
     losses, first_grads = [], {}
     for x in models.batches(steps, world):
         x = x.to(device)
@@ -76,12 +84,15 @@ def train_distributed(rank: int, world: int, steps: int, profile: bool, device: 
     routes = {}
     for group in opt.param_groups:
         for p in group["params"]:
-            routes[opt.param_name(p)] = ("muon" if group["use_muon"] else "adamw", hasattr(p, "to_local"))
+            routes[opt.param_name(p)] = (
+                "muon" if group["use_muon"] else "adamw",
+                hasattr(p, "to_local"),
+            )
     losses, first_grads = [], None
     for x in models.batches(steps, world):
         x = x.to(dev)
         per = x.shape[0] // world
-        loss = model(x[rank * per:(rank + 1) * per]).square().mean()
+        loss = model(x[rank * per : (rank + 1) * per]).square().mean()
         loss.backward()
         if first_grads is None:  # the owner holds the full gradient averaged over ranks
             first_grads = {n: g.clone() for n, g in models.owned_grads(model).items()}
@@ -91,7 +102,10 @@ def train_distributed(rank: int, world: int, steps: int, profile: bool, device: 
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     out = {
-        "owners": owners, "losses": losses, "first_grads": first_grads, "routes": routes,
+        "owners": owners,
+        "losses": losses,
+        "first_grads": first_grads,
+        "routes": routes,
         "groups": json.dumps(dmuon.summarize_param_groups(model, opt)),
         "comm": json.dumps(dmuon.summarize_comm_plan(model)),
         "profile": dmuon.collect_forward_unshard_profile(model, synchronize=True),
@@ -109,18 +123,29 @@ def test_fsdp2_dedicated_matches_single_process(world):
 def check_against_reference(world: int, device: str) -> None:
     """Train both ways and compare (shared by the CPU/gloo tests and the GPU/NCCL test)."""
     ref_losses, ref_state, ref_grads = reference(world, device=device)
-    results = run_ranks(train_distributed, world, STEPS, True, device,
-                        env={"DMUON_RECORD_FORWARD_PROFILE": "1"}, timeout=120,
-                        backend="nccl" if device == "cuda" else "gloo")
+    results = run_ranks(
+        train_distributed,
+        world,
+        STEPS,
+        True,
+        device,
+        env={"DMUON_RECORD_FORWARD_PROFILE": "1"},
+        timeout=120,
+        backend="nccl" if device == "cuda" else "gloo",
+    )
     r0 = results[0]
     # every rank agrees on the owner plan and on the losses
     assert all(r["owners"] == r0["owners"] for r in results)
     assert sorted(set(r0["owners"].values())) == list(range(world))
     assert len(r0["owners"]) == 7 * models.LAYERS
-    torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(r0["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6
+    )
     assert ref_losses[-1] < ref_losses[0]  # it trained (the comparison is not on a flat line)
     for name, ref in ref_state.items():
-        torch.testing.assert_close(r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
     # Muon is invariant to the gradient's scale, so check the averaged owner gradients directly
     seen = set()
     for r in results:

@@ -58,10 +58,13 @@ def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None, de
     from dmuon_compile.distributed import dedicated_runtime
 
     dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
-    hsdp = init_device_mesh(device, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    hsdp = init_device_mesh(
+        device, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+    )
     model = models.build_llama().to(dev)
-    owners = dmuon.dedicate_params(model, hsdp["shard"], predicate=models.proj_predicate,
-                                   replicate_mesh=hsdp["replicate"])
+    owners = dmuon.dedicate_params(
+        model, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"]
+    )
     for block in model.layers:
         fully_shard(block, mesh=hsdp)
     fully_shard(model, mesh=hsdp)
@@ -70,7 +73,7 @@ def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None, de
     losses, first, in_flight = [], None, []
     for i, x in enumerate(models.batches(steps, world)):
         per = x.shape[0] // world
-        loss = model(x[rank * per:(rank + 1) * per].to(dev)).square().mean()
+        loss = model(x[rank * per : (rank + 1) * per].to(dev)).square().mean()
         loss.backward()
         if first is None:
             first = {n: g.clone() for n, g in models.owned_grads(model).items()}
@@ -83,10 +86,18 @@ def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None, de
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     # the Muon matrices this rank holds whole: the ones its step runs Newton–Schulz on
-    muon_params = [opt.param_name(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]
-                   if p.to_local().numel() == p.numel()]
+    muon_params = [
+        opt.param_name(p)
+        for g in opt.param_groups
+        if g["use_muon"]
+        for p in g["params"]
+        if p.to_local().numel() == p.numel()
+    ]
     out = {
-        "owners": owners, "losses": losses, "first": first, "muon": muon_params,
+        "owners": owners,
+        "losses": losses,
+        "first": first,
+        "muon": muon_params,
         "in_flight": in_flight,
         "comm": json.dumps(dmuon.summarize_comm_plan(model)),
         "profile": json.dumps(dmuon.collect_forward_unshard_profile(model, synchronize=True)),
@@ -116,12 +127,15 @@ def _check_run(results, ref, world: int, replicas: int) -> None:
     assert sorted(owned) == sorted(r0["owners"])
     for rank, r in enumerate(results):
         assert sorted(r["muon"]) == sorted(k for k, o in r["owners"].items() if o == rank)
-    torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(r0["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6
+    )
     assert ref_losses[-1] < ref_losses[0]
     for name, want in ref_state.items():
         for r in results:  # every replica holds the same, right weights
-            torch.testing.assert_close(r["state"][name], want, rtol=0, atol=2e-4,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                r["state"][name], want, rtol=0, atol=2e-4, msg=lambda m, name=name: f"{name}: {m}"
+            )
     seen = set()  # gradient scale: the global owner holds the global-batch gradient
     for r in results:
         for name, g in r["first"].items():
@@ -151,8 +165,12 @@ def test_hsdp_2x2_matches_fsdp_over_4_and_single_process():
         # async leaves the publish in flight after step(); sync does not
         assert all(k > 0 for k in r["async"]["in_flight"]) and set(r["sync"]["in_flight"]) == {0}
         # and equals 1-D FSDP over the same 4 ranks
-        torch.testing.assert_close(torch.tensor(r["async"]["losses"]), torch.tensor(r["fsdp"]["losses"]),
-                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(r["async"]["losses"]),
+            torch.tensor(r["fsdp"]["losses"]),
+            rtol=1e-4,
+            atol=1e-6,
+        )
         prof = json.loads(r["async"]["profile"])["total"]
         # one publish per group and step, waited for in the next forward (the last step's
         # publish is drained by full_state), each forward unshard of a group waits once
@@ -201,7 +219,9 @@ def _mesh_errors(rank, world):
     errors = {}
     for label, (mesh, rep) in cases.items():
         try:
-            dmuon.dedicate_params(models.build_llama(), mesh, predicate=models.proj_predicate, replicate_mesh=rep)
+            dmuon.dedicate_params(
+                models.build_llama(), mesh, predicate=models.proj_predicate, replicate_mesh=rep
+            )
             errors[label] = None
         except ValueError as exc:
             errors[label] = str(exc)
@@ -213,7 +233,10 @@ def test_hsdp_mesh_errors_name_the_fix():
         for label, err in errors.items():
             assert err is not None, label
             assert "HSDP mesh must be 2D with names ('replicate', 'shard')" in err, (label, err)
-            assert 'mesh_dim_names=("replicate", "shard")' in err and 'replicate_mesh=hsdp["replicate"]' in err
+            assert (
+                'mesh_dim_names=("replicate", "shard")' in err
+                and 'replicate_mesh=hsdp["replicate"]' in err
+            )
 
 
 def _interrupt(rank, world):
@@ -227,7 +250,9 @@ def _interrupt(rank, world):
     twins = []
     for _ in range(2):
         m = models.build_llama()
-        dmuon.dedicate_params(m, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"])
+        dmuon.dedicate_params(
+            m, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"]
+        )
         opt = _muon(m)
         m(x).square().mean().backward()
         opt.step()  # the publish is now in flight
@@ -240,7 +265,8 @@ def _interrupt(rank, world):
     before = runtime.pending_collectives()
     dmuon.wait_all_replicate_broadcasts(model)
     out = {
-        "before": before, "after": runtime.pending_collectives(),
+        "before": before,
+        "after": runtime.pending_collectives(),
         "states": sorted({g.state for g in runtime.groups}),
     }
     with torch.no_grad():
@@ -269,7 +295,9 @@ def _replica_mismatch(rank, world):
 
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     pred = models.proj_predicate if rank == 0 else (lambda n, p: n.endswith("q_proj.weight"))
-    dmuon.dedicate_params(models.build_llama(), hsdp["shard"], predicate=pred, replicate_mesh=hsdp["replicate"])
+    dmuon.dedicate_params(
+        models.build_llama(), hsdp["shard"], predicate=pred, replicate_mesh=hsdp["replicate"]
+    )
 
 
 def _fallback_and_precision(rank, world):
@@ -280,22 +308,29 @@ def _fallback_and_precision(rank, world):
     from dmuon_compile.distributed import dedicated_runtime
 
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
-    x = torch.randn(2, 8, models.D, generator=torch.Generator().manual_seed(9))  # same on every rank
+    x = torch.randn(
+        2, 8, models.D, generator=torch.Generator().manual_seed(9)
+    )  # same on every rank
     out = {}
     # Muon(model) publishes in step(); a parameter-list Muon cannot, so the first forward after
     # the synchronising backward publishes instead: both give the same outputs
     outs = []
     for by_model in (True, False):
         m = models.build_llama()
-        dmuon.dedicate_params(m, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"])
+        dmuon.dedicate_params(
+            m, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"]
+        )
         if by_model:
             opt = _muon(m)
         else:
             dedicated = [p for _, p in dedicated_parameters(m)]
             others = [p for n, p in m.named_parameters() if not models.proj_predicate(n, p)]
-            opt = dmuon.Muon([{"params": dedicated, "use_muon": True},
-                              {"params": others, "use_muon": False}],
-                             ns_backend=_ns(), compile=False, **HYPER)
+            opt = dmuon.Muon(
+                [{"params": dedicated, "use_muon": True}, {"params": others, "use_muon": False}],
+                ns_backend=_ns(),
+                compile=False,
+                **HYPER,
+            )
         for _ in range(2):
             m(x).square().mean().backward()
             opt.step()
@@ -308,15 +343,26 @@ def _fallback_and_precision(rank, world):
     for module in m.modules():  # the rest of the model computes in bf16 too
         if isinstance(module, models.RMSNorm) or module is m.lm_head:
             module.to(torch.bfloat16)
-    policy = dmuon.ParamPolicy(dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    dmuon.dedicate_params(m, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"],
-                          param_policy=policy)
+    policy = dmuon.ParamPolicy(
+        dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
+    dmuon.dedicate_params(
+        m,
+        hsdp["shard"],
+        predicate=models.proj_predicate,
+        replicate_mesh=hsdp["replicate"],
+        param_policy=policy,
+    )
     opt = _muon(m)
     m(x.bfloat16()).float().square().mean().backward()
     opt.step()
     runtime = dedicated_runtime(m)
-    out["master_dtypes"] = sorted({str(dp.master.dtype) for dp in runtime.params if dp.master is not None})
-    out["replica_dtypes"] = sorted({str(dp.replica.dtype) for dp in runtime.params if dp.replica is not None})
+    out["master_dtypes"] = sorted(
+        {str(dp.master.dtype) for dp in runtime.params if dp.master is not None}
+    )
+    out["replica_dtypes"] = sorted(
+        {str(dp.replica.dtype) for dp in runtime.params if dp.replica is not None}
+    )
     comm = dmuon.summarize_comm_plan(m)
     out["publish_bytes"] = comm["replicate"]["publish_bytes_per_step"]
     out["weight_numel"] = sum(dp.numel for dp in runtime.params)
@@ -351,7 +397,9 @@ def _two_gpus(rank, world):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
 def test_hsdp_on_two_gpus_nccl():
     """2×1 and 1×2 on 2 GPUs with NCCL: CUDA streams/events of the async publish."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -374,13 +422,17 @@ def _early_publish_order(rank, world):
 
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     model = models.build_llama()
-    dmuon.dedicate_params(model, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"])
+    dmuon.dedicate_params(
+        model, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"]
+    )
     opt = _muon(model)
     runtime = dedicated_runtime(model)
     x = torch.randn(2, 8, models.D, generator=torch.Generator().manual_seed(3))
     model(x).square().mean().backward()  # records the forward order
     first = runtime.forward_order[0]
-    others = [p.master for g in runtime.groups if g is not first for p in g.params if p.master is not None]
+    others = [
+        p.master for g in runtime.groups if g is not first for p in g.params if p.master is not None
+    ]
     before = [m.detach().clone() for m in others]
     names = {id(g.replicate): g.name for g in runtime.groups}
     events = []
@@ -398,8 +450,12 @@ def _early_publish_order(rank, world):
         _replicate.ReplicateStage.publish = original
     opt.zero_grad()
     dmuon.wait_all_replicate_broadcasts(model)
-    return {"events": events, "first": first.name, "groups": len(runtime.groups),
-            "has_others": bool(others)}
+    return {
+        "events": events,
+        "first": first.name,
+        "groups": len(runtime.groups),
+        "has_others": bool(others),
+    }
 
 
 def test_first_forward_group_is_published_before_the_rest_of_the_step():

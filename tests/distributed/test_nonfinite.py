@@ -19,7 +19,7 @@ def _nan_on_rank0(rank, world, mode):
     opt = dmuon.Muon(model, compile=False, nonfinite_grads=mode)
     x = next(iter(models.batches(1, world)))
     per = x.shape[0] // world
-    model(x[rank * per:(rank + 1) * per]).square().mean().backward()
+    model(x[rank * per : (rank + 1) * per]).square().mean().backward()
     if rank == 0:  # poison a gradient only this rank holds: an owned matrix
         name = next(n for n, o in owners.items() if o == 0)
         models.owned_grads(model)[name][0, 0] = float("nan")
@@ -34,7 +34,7 @@ def _nan_on_rank0(rank, world, mode):
         outcome = "skipped"
     # both ranks must still be in step with each other: one more collective completes
     opt.zero_grad()
-    model(x[rank * per:(rank + 1) * per]).square().mean().backward()
+    model(x[rank * per : (rank + 1) * per]).square().mean().backward()
     return outcome
 
 

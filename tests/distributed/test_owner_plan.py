@@ -61,22 +61,29 @@ def test_layer_spread_within_a_group():
         assert sorted(owners) == list(range(8))
 
 
-@pytest.mark.parametrize("fqn,layer", [
-    ("model.layers.3.self_attn.q_proj.weight", "model.layers.3"),
-    ("blocks.11.attn.qkv.weight", "blocks.11"),  # the seed's ViT bug: blocks.N must be a layer
-    ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0"),
-    ("bert.encoder.layer.2.attention.self.query.weight", "bert.encoder.layer.2"),
-    ("lm_head.weight", None),
-    ("hidden.0.weight", None),
-])
+@pytest.mark.parametrize(
+    "fqn,layer",
+    [
+        ("model.layers.3.self_attn.q_proj.weight", "model.layers.3"),
+        ("blocks.11.attn.qkv.weight", "blocks.11"),  # the seed's ViT bug: blocks.N must be a layer
+        ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0"),
+        ("bert.encoder.layer.2.attention.self.query.weight", "bert.encoder.layer.2"),
+        ("lm_head.weight", None),
+        ("hidden.0.weight", None),
+    ],
+)
 def test_extract_layer_id(fqn, layer):
     assert extract_layer_id(fqn) == layer
 
 
 def test_vit_blocks_do_not_collapse_and_override_wins():
-    specs = [MatrixSpec(f"blocks.{i}.mlp.fc{j}.weight", (96, 384)) for i in range(12) for j in (1, 2)]
+    specs = [
+        MatrixSpec(f"blocks.{i}.mlp.fc{j}.weight", (96, 384)) for i in range(12) for j in (1, 2)
+    ]
     plan = plan_owners(specs, 4, ns=NS)
     assert len({e.layer for e in plan.entries}) == 12
-    custom = plan_owners(specs, 4, ns=NS, layer_id_fn=lambda n: "stage" + str(int(n.split(".")[1]) // 6))
+    custom = plan_owners(
+        specs, 4, ns=NS, layer_id_fn=lambda n: "stage" + str(int(n.split(".")[1]) // 6)
+    )
     assert {e.layer for e in custom.entries} == {"stage0", "stage1"}
     assert max(plan.ns_loads()) / (sum(plan.ns_loads()) / 4) <= 1.05

@@ -26,8 +26,9 @@ def _build(world: int, mesh_shape: tuple[int, ...], seed: int = 0):
     model = models.build_llama(seed=seed)
     if len(mesh_shape) == 2:
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-        dmuon.dedicate_params(model, mesh["shard"], predicate=models.proj_predicate,
-                              replicate_mesh=mesh["replicate"])
+        dmuon.dedicate_params(
+            model, mesh["shard"], predicate=models.proj_predicate, replicate_mesh=mesh["replicate"]
+        )
     else:
         mesh = init_device_mesh("cpu", (world,))
         dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
@@ -42,7 +43,7 @@ def _global_loss(model, x, rank: int, world: int) -> float:
     import torch.distributed as dist
 
     per = x.shape[0] // world
-    loss = model(x[rank * per:(rank + 1) * per]).square().mean()
+    loss = model(x[rank * per : (rank + 1) * per]).square().mean()
     loss.backward()
     value = loss.detach().clone()
     if dist.is_initialized() and world > 1:
@@ -63,8 +64,9 @@ def _opt(model):
 
 # ---------------------------------------------------------------------------------- what is seen
 def _seen(rank, world):
-    import dmuon_compile as dmuon
     from torch.distributed.tensor import DTensor
+
+    import dmuon_compile as dmuon
 
     model = _build(world, (world,))
     names = [n for n, _ in model.named_parameters()]
@@ -75,7 +77,9 @@ def _seen(rank, world):
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
         if callable(state):
-            for group in getattr(state(), "_fsdp_param_groups", None) or [state()._fsdp_param_group]:
+            for group in getattr(state(), "_fsdp_param_groups", None) or [
+                state()._fsdp_param_group
+            ]:
                 if group is not None:
                     fsdp_params.update(id(fp.sharded_param) for fp in group.fsdp_params)
     sharded_by_fsdp = [dp.fqn for dp in runtime.params if id(dp.param) in fsdp_params]
@@ -92,9 +96,9 @@ def _seen(rank, world):
     read = {
         "is_dtensor": isinstance(w, DTensor),
         "local_numel": w.to_local().numel(),
-        "full": dmuon.full_tensor(w),                 # collective: the weight on every rank
-        "full_method": w.full_tensor(),               # the DTensor method, collective too
-        "sum": float(dmuon.full_tensor(w.sum())),     # a reduction on the DTensor itself
+        "full": dmuon.full_tensor(w),  # collective: the weight on every rank
+        "full_method": w.full_tensor(),  # the DTensor method, collective too
+        "sum": float(dmuon.full_tensor(w.sum())),  # a reduction on the DTensor itself
     }
     snapshot = dmuon.get_model_state_dict(model, cpu_offload=False)
     before = {k: v.clone() for k, v in snapshot.items()}
@@ -110,9 +114,15 @@ def _seen(rank, world):
         to_error = str(exc)
     model.to(torch.float32)  # no change: allowed
     return {
-        "names": names, "numel": numel, "keys": keys, "sharded_by_fsdp": sharded_by_fsdp,
-        "registered": registered, "all_in_optimizer": all(id(p) in in_groups for p in model.parameters()),
-        "read": read, "snapshot_unchanged": snapshot_unchanged, "weights_moved": weights_moved,
+        "names": names,
+        "numel": numel,
+        "keys": keys,
+        "sharded_by_fsdp": sharded_by_fsdp,
+        "registered": registered,
+        "all_in_optimizer": all(id(p) in in_groups for p in model.parameters()),
+        "read": read,
+        "snapshot_unchanged": snapshot_unchanged,
+        "weights_moved": weights_moved,
         "to_error": to_error,
     }
 
@@ -132,7 +142,9 @@ def test_parameters_state_dict_reads_and_conversions():
         assert r["keys"] == sorted(reference.state_dict())
         assert r["sharded_by_fsdp"] == [] and r["registered"] and r["all_in_optimizer"]
         assert r["read"]["is_dtensor"]
-        torch.testing.assert_close(r["read"]["full"], ref_w, rtol=1e-4, atol=1e-5)  # fp32 reduction order
+        torch.testing.assert_close(
+            r["read"]["full"], ref_w, rtol=1e-4, atol=1e-5
+        )  # fp32 reduction order
         assert torch.equal(r["read"]["full_method"], r["read"]["full"])
         assert r["read"]["sum"] == pytest.approx(float(ref_w.sum()), rel=1e-4, abs=1e-5)
         assert r["snapshot_unchanged"] and r["weights_moved"]
@@ -167,12 +179,18 @@ def _train_and_save(rank, world, mesh_shape, path):
 def _resume(rank, world, mesh_shape, path, fresh_optimizer=False):
     """Build on another cluster shape, load the checkpoint, run the CONTINUE steps."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     if mesh_shape == (1,) and world == 1:
         model = models.build_llama(seed=5)  # one process, no dedicate_params at all
     else:
-        model = _build(world, mesh_shape, seed=5)  # other initial values: the load must replace them
+        model = _build(
+            world, mesh_shape, seed=5
+        )  # other initial values: the load must replace them
     opt = _opt(model)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
@@ -210,7 +228,9 @@ def test_resume_same_topology_is_bit_exact(saved):
         assert losses == expected
 
 
-@pytest.mark.parametrize("world,mesh_shape", [(1, (1,)), (4, (2, 2))], ids=["one_process", "hsdp_2x2"])
+@pytest.mark.parametrize(
+    "world,mesh_shape", [(1, (1,)), (4, (2, 2))], ids=["one_process", "hsdp_2x2"]
+)
 def test_resume_on_another_cluster_shape(saved, world, mesh_shape):
     path, expected = saved
     results = run_ranks(_resume, world, mesh_shape, path, timeout=180)
@@ -252,7 +272,9 @@ def _incompatible(rank, world):
 def test_incompatible_optimizer_state_fails_at_load():
     for errors in run_ranks(_incompatible, 2):
         assert "plain" in errors
-        assert "_proj.weight" in errors["plain"] and "torch.distributed.checkpoint" in errors["plain"]
+        assert (
+            "_proj.weight" in errors["plain"] and "torch.distributed.checkpoint" in errors["plain"]
+        )
 
 
 # ---------------------------------------------------------------------------------- HF
@@ -264,8 +286,15 @@ def _hf_round_trip(rank, world, directory):
 
     import dmuon_compile as dmuon
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     count_before = model.num_parameters()

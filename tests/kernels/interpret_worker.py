@@ -19,7 +19,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("interpret_worker.py must run with TRITON_INTERPRET=1")
 
 import torch  # noqa: E402
-
 from dmuon_compile.kernels.scale_cast import scale_cast  # noqa: E402
 from dmuon_compile.kernels.syrk_triton import (  # noqa: E402
     TileConfig,
@@ -49,8 +48,15 @@ def main() -> None:
             config = TileConfig(**case["config"])
             used_tma = config.tma and tma_descriptors(case["a"], case["b"], config) is not None
             result = launch_symmetric_product(
-                case["a"], case["b"], case["c"], case["alpha"], case["beta"], case["gamma"],
-                config, num_sms=case["num_sms"], out=case["out"],
+                case["a"],
+                case["b"],
+                case["c"],
+                case["alpha"],
+                case["beta"],
+                case["gamma"],
+                config,
+                num_sms=case["num_sms"],
+                out=case["out"],
             )
             torch.save(result, out_path)
             print("ok tma" if used_tma else "ok ptr", flush=True)

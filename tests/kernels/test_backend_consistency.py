@@ -8,9 +8,9 @@ import socket
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dmuon_compile.kernels.consistency import check_ns_backend_consistent
 
 from dmuon_compile import NewtonSchulz
-from dmuon_compile.kernels.consistency import check_ns_backend_consistent
 
 
 def test_without_process_group_returns_local_backend():
@@ -19,8 +19,11 @@ def test_without_process_group_returns_local_backend():
 
 
 def test_disagreeing_ranks_are_listed(monkeypatch):
-    backends = ["Gram NS · kernel=triton (SM90, x)", "Gram NS · kernel=cublas (SM90, y)",
-                "Gram NS · kernel=triton (SM90, x)"]
+    backends = [
+        "Gram NS · kernel=triton (SM90, x)",
+        "Gram NS · kernel=cublas (SM90, y)",
+        "Gram NS · kernel=triton (SM90, x)",
+    ]
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
 
@@ -37,7 +40,11 @@ def test_agreeing_ranks_pass(monkeypatch):
     ns = NewtonSchulz(kernel="cublas")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj]))
+    monkeypatch.setattr(
+        dist,
+        "all_gather_object",
+        lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj]),
+    )
     assert check_ns_backend_consistent(ns) == ns.describe()
 
 

@@ -12,7 +12,6 @@ import warnings
 
 import pytest
 import torch
-
 from dmuon_compile.kernels import autotune, syrk
 from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
 from dmuon_compile.kernels.syrk_triton import TileConfig
@@ -140,7 +139,9 @@ def test_autotune_disabled_prefers_the_tma_default_where_descriptors_fit(cache_d
     monkeypatch.setenv("DMUON_SYRK_AUTOTUNE", "0")
     gpu = FakeGPU(monkeypatch, {})
     readable = []
-    monkeypatch.setattr(syrk, "tma_descriptors", lambda a, b, config: readable[0] if readable else None)
+    monkeypatch.setattr(
+        syrk, "tma_descriptors", lambda a, b, config: readable[0] if readable else None
+    )
     syrk.syrk_cuda(torch.randn(1024, 64, dtype=torch.bfloat16), None, 1.0, 0.0, 0.0)
     assert gpu.launches == [syrk.DEFAULT_CONFIG.name]  # descriptors cannot read it: pointers
     autotune.clear_memory_caches()
@@ -151,8 +152,12 @@ def test_autotune_disabled_prefers_the_tma_default_where_descriptors_fit(cache_d
 
 def test_verdict_round_trip_through_a_new_process_cache(cache_dir):
     cache = autotune.verdict_cache("NVIDIA H200")
-    verdict = {"choice": "b128_k64_w8_s3_p1", "config": TileConfig(128, 64, 8, 3).to_dict(),
-               "cublas_ms": 1.0, "timings_ms": {"b128_k64_w8_s3_p1": 0.7}}
+    verdict = {
+        "choice": "b128_k64_w8_s3_p1",
+        "config": TileConfig(128, 64, 8, 3).to_dict(),
+        "cublas_ms": 1.0,
+        "timings_ms": {"b128_k64_w8_s3_p1": 0.7},
+    }
     cache.put("syrk|b1|m4096|k14336|bfloat16|c0|row", verdict)
     cache.put("sym_mm|b1|m512|k512|float16|c1|row", {"choice": "cublas", "config": None})
     autotune.clear_memory_caches()
@@ -174,7 +179,9 @@ def test_corrupt_cache_file_warns_and_is_replaced(cache_dir):
     assert json.loads(path.read_text())["verdicts"]["k"]["choice"] == "cublas"
 
 
-@pytest.mark.parametrize("field,value", [("version", autotune.CACHE_VERSION + 1), ("triton", "0.0.1")])
+@pytest.mark.parametrize(
+    "field,value", [("version", autotune.CACHE_VERSION + 1), ("triton", "0.0.1")]
+)
 def test_stale_cache_file_is_ignored_with_a_warning(cache_dir, field, value):
     path = autotune.cache_path("NVIDIA H200")
     payload = {**autotune._versions(), "verdicts": {"k": {"choice": "b128_k64_w8_s3_p1"}}}

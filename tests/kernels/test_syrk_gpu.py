@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
 
 pytestmark = pytest.mark.gpu
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(out.double() - ref.double()) / torch.linalg.vector_norm(ref.double()))
+    return float(
+        torch.linalg.vector_norm(out.double() - ref.double())
+        / torch.linalg.vector_norm(ref.double())
+    )
 
 
 def _ref64_syrk(x, c, alpha, beta, gamma):
@@ -28,11 +30,15 @@ def _needs_triton():
 
 # Each (config, dtype, layout class) is a separate Triton compile, so dtypes and layouts are
 # paired rather than crossed: fp16 is what Gram NS runs, bf16 what direct NS runs.
-@pytest.mark.parametrize("shape,dtype", [
-    ((4096, 14336), torch.float16), ((4096, 14336), torch.bfloat16),  # TMA-readable, EVEN_K
-    ((3, 1000, 3000), torch.float16),  # TMA-readable stack, ragged K
-    ((1, 513, 777), torch.bfloat16),  # unaligned rows: pointer loads for every config
-])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((4096, 14336), torch.float16),
+        ((4096, 14336), torch.bfloat16),  # TMA-readable, EVEN_K
+        ((3, 1000, 3000), torch.float16),  # TMA-readable stack, ragged K
+        ((1, 513, 777), torch.bfloat16),  # unaligned rows: pointer loads for every config
+    ],
+)
 def test_triton_syrk_every_config_real_sizes(shape, dtype):
     _needs_triton()
     from dmuon_compile.kernels.syrk import CANDIDATES
@@ -125,18 +131,29 @@ def test_newton_schulz_triton_matches_cublas():
 
 
 @pytest.mark.parametrize("shape", [(4096, 14336), (5, 2048, 5632), (3, 37, 1001)])
-@pytest.mark.parametrize("in_dtype,out_dtype", [(torch.bfloat16, torch.float16), (torch.float32, torch.float16),
-                                                (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "in_dtype,out_dtype",
+    [
+        (torch.bfloat16, torch.float16),
+        (torch.float32, torch.float16),
+        (torch.float16, torch.bfloat16),
+    ],
+)
 def test_scale_cast_kernel_bitwise_equals_torch(shape, in_dtype, out_dtype):
     """NS's one-pass normalisation: the Triton kernel gives torch's bits (fp32 division,
     round-to-nearest-even store)."""
     _needs_triton()
     from dmuon_compile.kernels.scale_cast import scale_cast, scale_cast_reference
+
     from dmuon_compile.newton_schulz import normalize
 
     g = (torch.randn(shape, device="cuda") * 30.0).to(in_dtype)
     denom = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=torch.float32) + 1e-7
     out = scale_cast(g, denom, out_dtype)
     assert torch.equal(out, scale_cast_reference(g, denom, out_dtype))
-    traced_expression = (g.float() / (torch.linalg.vector_norm(g.float(), dim=(-2, -1), keepdim=True) + 1e-7))
-    assert torch.equal(normalize(g, out_dtype, 1e-7, transpose=True), traced_expression.mT.to(out_dtype))
+    traced_expression = g.float() / (
+        torch.linalg.vector_norm(g.float(), dim=(-2, -1), keepdim=True) + 1e-7
+    )
+    assert torch.equal(
+        normalize(g, out_dtype, 1e-7, transpose=True), traced_expression.mT.to(out_dtype)
+    )

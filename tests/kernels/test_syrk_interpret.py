@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
 
 pytest.importorskip("triton")
 
@@ -29,8 +28,22 @@ SMALL_TILES = {"block": 16, "block_k": 16, "num_warps": 4, "num_stages": 2, "cta
 WIDE_K_TILES = {"block": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1}
 # Rectangular strips (the 128×256 GPU candidates at small scale): 16×32 strips of 32² super-
 # tiles, so m in {1, 5, 16, 33} has diagonal super-tiles whose upper strip parts are dropped.
-STRIP_TILES = {"block": 16, "block_k": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1, "block_n": 32}
-WIDE_STRIP_TILES = {"block": 8, "block_k": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1, "block_n": 32}
+STRIP_TILES = {
+    "block": 16,
+    "block_k": 16,
+    "num_warps": 4,
+    "num_stages": 2,
+    "ctas_per_sm": 1,
+    "block_n": 32,
+}
+WIDE_STRIP_TILES = {
+    "block": 8,
+    "block_k": 16,
+    "num_warps": 4,
+    "num_stages": 2,
+    "ctas_per_sm": 1,
+    "block_n": 32,
+}
 # The TMA kernel (descriptor loads; the interpreter emulates TMA's bounds and zero fill), with
 # square tiles and with flattened strips.
 TMA_TILES = dict(SMALL_TILES, tma=True)
@@ -51,8 +64,11 @@ class InterpretedKernel:
         self.count = 0
         self.last_loads = None  # "tma" or "ptr": which loads the last kernel case used
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=env,
+            [sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         ready = self.proc.stdout.readline().strip()
         if ready != "ready":
@@ -75,14 +91,28 @@ class InterpretedKernel:
     def run(self, a, b, c, alpha, beta, gamma, config=SMALL_TILES, num_sms=3) -> torch.Tensor:
         m = a.shape[-2]
         out = torch.full(tuple(a.shape[:-2]) + (m, m), float("nan"), dtype=a.dtype)
-        return self._request({"a": a, "b": b, "c": c, "alpha": alpha, "beta": beta, "gamma": gamma,
-                              "config": config, "num_sms": num_sms, "out": out}, "kernel")
+        return self._request(
+            {
+                "a": a,
+                "b": b,
+                "c": c,
+                "alpha": alpha,
+                "beta": beta,
+                "gamma": gamma,
+                "config": config,
+                "num_sms": num_sms,
+                "out": out,
+            },
+            "kernel",
+        )
 
     def mirror(self, p: torch.Tensor, block: int) -> torch.Tensor:
         return self._request({"kind": "mirror", "p": p, "block": block}, "mirror kernel")
 
     def scale_cast(self, g: torch.Tensor, denom: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._request({"kind": "scale_cast", "g": g, "denom": denom, "dtype": dtype}, "scale_cast kernel")
+        return self._request(
+            {"kind": "scale_cast", "g": g, "denom": denom, "dtype": dtype}, "scale_cast kernel"
+        )
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -106,7 +136,9 @@ def _random(shape, dtype, gen, transposed=False):
 def check_against_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert out.is_contiguous()
-    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite elements in the output"
+    assert torch.isfinite(out).all(), (
+        "unwritten (NaN-poisoned) or non-finite elements in the output"
+    )
     assert torch.equal(out, out.mT), "output is not bitwise symmetric"
     scale = float(ref.float().abs().max()) + 1.0
     tol = 2 * ULP[out.dtype] * scale
@@ -142,7 +174,9 @@ def test_syrk_kernel_matches_reference(kernel, m, k, batch, dtype):
 def test_sym_mm_kernel_matches_reference(kernel, m, k, batch, dtype):
     gen = torch.Generator().manual_seed(m * 100 + k + 1)
     a = _random(_batch_shape(batch) + (m, k), dtype, gen)
-    b = _random(_batch_shape(batch) + (k, m), dtype, gen)  # a·b need not be symmetric: lower tiles only
+    b = _random(
+        _batch_shape(batch) + (k, m), dtype, gen
+    )  # a·b need not be symmetric: lower tiles only
     out = kernel.run(a, b, None, 1.5, 0.0, -0.25)
     check_against_reference(out, sym_mm_reference(a, b, None, 1.5, 0.0, -0.25))
 
@@ -217,7 +251,10 @@ def test_sym_mm_property(kernel, m, k, batch, dtype, alpha, beta, gamma, transpo
     check_against_reference(out, sym_mm_reference(a, b, c, alpha, beta, gamma))
 
 
-@pytest.mark.parametrize("shape,block", [((1, 1), 16), ((5, 5), 16), ((3, 33, 33), 16), ((40, 40), 32), ((2, 16, 16), 16)])
+@pytest.mark.parametrize(
+    "shape,block",
+    [((1, 1), 16), ((5, 5), 16), ((3, 33, 33), 16), ((40, 40), 32), ((2, 16, 16), 16)],
+)
 def test_mirror_lower_inplace(kernel, shape, block):
     """The cuBLAS path's in-place mirror: upper := lowerᵀ, lower and diagonal untouched."""
     p = torch.randn(shape, generator=torch.Generator().manual_seed(3)).half()
@@ -249,7 +286,10 @@ def test_tile_config_names_and_round_trip():
     square, strips = TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 3, 1, block_n=256)
     assert square.name == "b128_k64_w8_s3_p1" and strips.name == "b128x256_k64_w8_s3_p1"
     assert TileConfig.from_dict(strips.to_dict()) == strips
-    assert TileConfig.from_dict({k: v for k, v in square.to_dict().items() if k != "block_n"}) == square
+    assert (
+        TileConfig.from_dict({k: v for k, v in square.to_dict().items() if k != "block_n"})
+        == square
+    )
     with pytest.raises(ValueError, match="multiple"):
         TileConfig(128, 64, 8, 3, 1, block_n=192)
 
@@ -259,8 +299,14 @@ def run_and_check(kernel, a, b, c, alpha, beta, gamma, config, num_sms=3, loads=
     ``sym_mm``); ``loads``, if given, is the load path the launch must have taken."""
     out = kernel.run(a, b, c, alpha, beta, gamma, config=config, num_sms=num_sms)
     if loads is not None:
-        assert kernel.last_loads == loads, f"expected {loads} loads, b transposed={b is not None and b.stride(-2) == 1}"
-    reference = syrk_reference(a, c, alpha, beta, gamma) if b is None else sym_mm_reference(a, b, c, alpha, beta, gamma)
+        assert kernel.last_loads == loads, (
+            f"expected {loads} loads, b transposed={b is not None and b.stride(-2) == 1}"
+        )
+    reference = (
+        syrk_reference(a, c, alpha, beta, gamma)
+        if b is None
+        else sym_mm_reference(a, b, c, alpha, beta, gamma)
+    )
     check_against_reference(out, reference)
 
 
@@ -278,7 +324,9 @@ TMA_GRID = [
 ]
 
 
-@pytest.mark.parametrize("config", [TMA_TILES, TMA_FLAT_STRIP_TILES], ids=["tma16", "tma16x32_flat"])
+@pytest.mark.parametrize(
+    "config", [TMA_TILES, TMA_FLAT_STRIP_TILES], ids=["tma16", "tma16x32_flat"]
+)
 @pytest.mark.parametrize("m,k,batch,dtype,row_b_tma", TMA_GRID)
 def test_tma_tiles_match_reference(kernel, config, m, k, batch, dtype, row_b_tma):
     """The TMA kernel: poisoned output fully written, bitwise symmetric, equal to the reference,
@@ -338,13 +386,18 @@ def test_tma_config_names_and_flatten_needs_tma():
         TileConfig(128, 64, 8, 3, flatten=True)
 
 
-@pytest.mark.parametrize("config", [TMA_TILES, TMA_FLAT_STRIP_TILES], ids=["tma16", "tma16x32_flat"])
-@pytest.mark.parametrize("m,k,batch,expected", [
-    (16, 32, 3, "tma"),
-    (24, 24, None, "tma"),  # one matrix: the last K tile is zero-filled past k rows
-    (16, 24, 3, "ptr"),  # a K tile would run into the next matrix
-    (9, 32, 2, "ptr"),  # rows of aᵀ are 18 bytes
-])
+@pytest.mark.parametrize(
+    "config", [TMA_TILES, TMA_FLAT_STRIP_TILES], ids=["tma16", "tma16x32_flat"]
+)
+@pytest.mark.parametrize(
+    "m,k,batch,expected",
+    [
+        (16, 32, 3, "tma"),
+        (24, 24, None, "tma"),  # one matrix: the last K tile is zero-filled past k rows
+        (16, 24, 3, "ptr"),  # a K tile would run into the next matrix
+        (9, 32, 2, "ptr"),  # rows of aᵀ are 18 bytes
+    ],
+)
 def test_tma_reads_column_major_a(kernel, config, m, k, batch, expected):
     """A column-major ``a`` (the transposed view NS makes of a tall matrix) is read as ``aᵀ``'s rows."""
     gen = torch.Generator().manual_seed(m + k)
@@ -360,13 +413,23 @@ TMA_STORE_STRIP_TILES = dict(STRIP_TILES, tma=True, tma_store=True)
 TMA_STORE_TILES = dict(SMALL_TILES, tma=True, tma_store=True)
 
 
-@pytest.mark.parametrize("config", [TMA_STORE_TILES, TMA_STORE_STRIP_TILES], ids=["16_st", "16x32_st"])
-@pytest.mark.parametrize("m,k,batch,dtype", [
-    (48, 16, None, torch.float16),  # several tiles strictly below the diagonal
-    (40, 24, 3, torch.bfloat16),  # partial last tiles: TMA clips each matrix's own edge
-    (72, 8, 2, torch.float32),
-    (33, 16, 2, torch.float16),  # 66-byte rows: the output descriptors are refused, masked stores
-])
+@pytest.mark.parametrize(
+    "config", [TMA_STORE_TILES, TMA_STORE_STRIP_TILES], ids=["16_st", "16x32_st"]
+)
+@pytest.mark.parametrize(
+    "m,k,batch,dtype",
+    [
+        (48, 16, None, torch.float16),  # several tiles strictly below the diagonal
+        (40, 24, 3, torch.bfloat16),  # partial last tiles: TMA clips each matrix's own edge
+        (72, 8, 2, torch.float32),
+        (
+            33,
+            16,
+            2,
+            torch.float16,
+        ),  # 66-byte rows: the output descriptors are refused, masked stores
+    ],
+)
 def test_tma_store_matches_reference(kernel, config, m, k, batch, dtype):
     """Off-diagonal tiles stored through output descriptors: every element written once
     (poisoned output), nothing written into a neighbouring matrix of the stack, bitwise symmetric."""
@@ -405,7 +468,9 @@ def test_tma_candidates_only_where_descriptors_can_read_the_operands(monkeypatch
     log_scale=st.integers(-6, 6),
     seed=st.integers(0, 2**16),
 )
-def test_scale_cast_kernel_matches_reference_bitwise(kernel, batch, m, n, in_dtype, out_dtype, log_scale, seed):
+def test_scale_cast_kernel_matches_reference_bitwise(
+    kernel, batch, m, n, in_dtype, out_dtype, log_scale, seed
+):
     """NS's one-pass normalisation kernel against its torch reference: the same bits, for sizes
     that are not multiples of the 2048-element block (and stacks that straddle blocks), inputs
     from 1e-6 to 1e6 and every input/output dtype pair."""

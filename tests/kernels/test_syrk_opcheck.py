@@ -6,10 +6,9 @@ registration and AOT-dispatch checks; the CUDA kernels share the same schema and
 
 from __future__ import annotations
 
+import dmuon_compile.kernels  # noqa: F401  (registers the ops)
 import pytest
 import torch
-
-import dmuon_compile.kernels  # noqa: F401  (registers the ops)
 
 SYRK_SAMPLES = [
     (torch.randn(5, 7), None, 1.0, 0.0, 0.0),
@@ -21,11 +20,20 @@ SYRK_SAMPLES = [
 SYM_MM_SAMPLES = [
     (torch.randn(5, 5), torch.randn(5, 5), None, 1.0, 0.0, 0.0),
     (torch.randn(2, 4, 6), torch.randn(2, 6, 4), torch.randn(2, 4, 4), 1.0, 3.0, -0.5),
-    (torch.randn(6, 6).half(), torch.randn(6, 6).half().mT, torch.randn(6, 6).half(), 0.5, 1.0, 0.0),
+    (
+        torch.randn(6, 6).half(),
+        torch.randn(6, 6).half().mT,
+        torch.randn(6, 6).half(),
+        0.5,
+        1.0,
+        0.0,
+    ),
 ]
 
 
-@pytest.mark.parametrize("args", SYRK_SAMPLES, ids=lambda a: str(tuple(a[0].shape)) if isinstance(a, tuple) else None)
+@pytest.mark.parametrize(
+    "args", SYRK_SAMPLES, ids=lambda a: str(tuple(a[0].shape)) if isinstance(a, tuple) else None
+)
 def test_opcheck_syrk(args):
     torch.library.opcheck(torch.ops.dmuon.syrk.default, args)
 
@@ -41,7 +49,11 @@ def test_fake_impl_gives_contiguous_exact_shape():
     with FakeTensorMode():
         x = torch.empty(3, 10, 40, dtype=torch.bfloat16)
         out = torch.ops.dmuon.syrk(x, None, 1.0, 0.0, 0.0)
-        assert out.shape == (3, 10, 10) and out.stride() == (100, 10, 1) and out.dtype == torch.bfloat16
+        assert (
+            out.shape == (3, 10, 10)
+            and out.stride() == (100, 10, 1)
+            and out.dtype == torch.bfloat16
+        )
         a = torch.empty(7, 7, dtype=torch.float16)
         out = torch.ops.dmuon.sym_mm(a, a, None, 1.0, 0.0, 0.0)
         assert out.shape == (7, 7) and out.stride() == (7, 1)

@@ -113,7 +113,9 @@ def test_compiled_step_equals_eager_step(shapes, work_dtype, backend, coefficien
         work_dtype = torch.float16  # Gram NS iterates in fp16 (docs/architecture.md, Newton–Schulz)
     torch._dynamo.reset()
     ps_c, ps_e = _params(shapes, torch.float32, seed), _params(shapes, torch.float32, seed)
-    ns = NewtonSchulz(backend=backend, kernel="auto", coefficients=coefficients, work_dtype=work_dtype)
+    ns = NewtonSchulz(
+        backend=backend, kernel="auto", coefficients=coefficients, work_dtype=work_dtype
+    )
     kw = {"lr": 0.02, "weight_decay": 0.1, "nesterov": nesterov, "ns_backend": ns}
     opt_c, opt_e = dmuon.Muon(ps_c, compile=True, **kw), dmuon.Muon(ps_e, compile=False, **kw)
     for step in range(2):
@@ -125,15 +127,21 @@ def test_compiled_step_equals_eager_step(shapes, work_dtype, backend, coefficien
     for p, q, p0 in zip(ps_c, ps_e, _params(shapes, torch.float32, seed)):
         assert (p - p0).abs().max() > 1e-3  # the step moved the weights
         torch.testing.assert_close(p, q, atol=tol, rtol=0)
-        torch.testing.assert_close(opt_c.state[p]["momentum_buffer"], opt_e.state[q]["momentum_buffer"],
-                                   atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            opt_c.state[p]["momentum_buffer"],
+            opt_e.state[q]["momentum_buffer"],
+            atol=1e-6,
+            rtol=1e-6,
+        )
 
 
 def test_lr_schedule_never_recompiles_and_no_graph_breaks():
     shapes = [(8, 24), (8, 24), (16, 16)]
     ps_c, ps_e = _params(shapes, torch.float32, 0), _params(shapes, torch.float32, 0)
-    opts = [dmuon.Muon(ps, lr=0.02, weight_decay=0.05, ns_backend="direct", compile=c)
-            for ps, c in ((ps_c, True), (ps_e, False))]
+    opts = [
+        dmuon.Muon(ps, lr=0.02, weight_decay=0.05, ns_backend="direct", compile=c)
+        for ps, c in ((ps_c, True), (ps_e, False))
+    ]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in opts]
     lrs, graphs_after_first = [], None
     for step in range(20):
@@ -190,7 +198,9 @@ def test_compile_arguments_are_checked():
         dmuon.Muon(p, compile="yes")
     assert dmuon.Muon(p).compile is None  # auto: compiled on CUDA only
     ro = default_compile_options("reduce-overhead")
-    assert ro["triton.cudagraphs"] is True and isinstance(ro["post_grad_custom_pre_pass"], NSChainPass)
+    assert ro["triton.cudagraphs"] is True and isinstance(
+        ro["post_grad_custom_pre_pass"], NSChainPass
+    )
     step = CompiledMuonStep(NewtonSchulz(kernel="cublas"), mode="reduce-overhead")
     assert step.options["triton.cudagraphs"] is True
 
@@ -203,7 +213,9 @@ def test_explicit_cublas_kernel_keeps_the_plain_chain_in_the_compiled_step():
     assert not pass_enabled(NewtonSchulz(kernel="cublas"))
     assert not pass_enabled(NewtonSchulz(deterministic=True))
     if not torch.cuda.is_available():
-        assert pass_enabled(NewtonSchulz())  # CPU: the ops run their reference (how CI tests the pass)
+        assert pass_enabled(
+            NewtonSchulz()
+        )  # CPU: the ops run their reference (how CI tests the pass)
     w = torch.nn.Parameter(torch.randn(16, 48))
     opt = dmuon.Muon([w], compile=True, ns_backend=NewtonSchulz("direct", kernel="cublas"))
     w.grad = torch.randn_like(w)

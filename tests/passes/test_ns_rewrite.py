@@ -28,7 +28,9 @@ def targets(gm):
 
 
 def leftover_gram_products(gm) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and is_gram_product(n) is not None)
+    return sum(
+        1 for n in gm.graph.nodes if n.op == "call_function" and is_gram_product(n) is not None
+    )
 
 
 def rewrite(gm, **kw):
@@ -184,8 +186,13 @@ def test_rewrite_proofs_reject_a_wrong_mapping():
 def test_provenance_polynomial_is_the_composed_ns_polynomial(trace):
     """The Q the traced Gram chain builds is q(R) with x·q(x²) = the NS polynomial (exact)."""
     table = coeffs.polar_express(3)
-    ns = NewtonSchulz(backend="gram", kernel="cublas", coefficients=table, restart_iterations=(),
-                      work_dtype=torch.float32)
+    ns = NewtonSchulz(
+        backend="gram",
+        kernel="cublas",
+        coefficients=table,
+        restart_iterations=(),
+        work_dtype=torch.float32,
+    )
     gm = trace(ns, torch.randn(6, 30))
     analysis = SymmetryAnalysis()
     for node in gm.graph.nodes:
@@ -258,12 +265,15 @@ def test_nschainpass_runs_user_pass_first_and_hashes_it(trace):
         NSChainPass(subpasses=("syrk", "nope"))
 
 
-@pytest.mark.parametrize("shape,rewritten", [
-    ((1024, 3000), False),  # one 1024² product: cuBLAS, as eager NS
-    ((4096, 100), True),
-    ((8, 2048, 64), True),  # a stack of 8 × 2048²: Triton
-    ((4, 2048, 64), False),
-])
+@pytest.mark.parametrize(
+    "shape,rewritten",
+    [
+        ((1024, 3000), False),  # one 1024² product: cuBLAS, as eager NS
+        ((4096, 100), True),
+        ((8, 2048, 64), True),  # a stack of 8 × 2048²: Triton
+        ((4, 2048, 64), False),
+    ],
+)
 def test_cuda_products_below_the_size_gate_stay_on_cublas(shape, rewritten):
     """On CUDA the pass applies eager NS's size gate (``triton_worthwhile``): small products keep
     the plain cuBLAS ``mm`` (no mirror pass, no op dispatch), and say why. Fake CUDA tensors:

@@ -58,8 +58,14 @@ def test_torch_logs_module_name_works_from_the_environment():
         "p.NSChainPass()(gm.graph)\n"
     )
     env = dict(os.environ, TORCH_LOGS="+dmuon_compile")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "rewrite mm = mm(x_1, x_1ᵀ) -> dmuon.syrk(x_1" in out.stderr
 
@@ -72,7 +78,8 @@ def test_torch_logs_plus_dmuon_works_through_the_torch_backends_entry_point(tmp_
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dmuon_logs_probe\nVersion: 0.0\n")
     (dist / "entry_points.txt").write_text(
-        "[torch.backends]\ndmuon_logs = dmuon_compile.log:register_torch_logs\n")
+        "[torch.backends]\ndmuon_logs = dmuon_compile.log:register_torch_logs\n"
+    )
     code = (
         "import torch, dmuon_compile.passes as p\n"
         "from torch.fx.experimental.proxy_tensor import make_fx\n"
@@ -81,15 +88,29 @@ def test_torch_logs_plus_dmuon_works_through_the_torch_backends_entry_point(tmp_
     )
     base = dict(os.environ, TORCH_LOGS="+dmuon")
     base.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
-    with_ep = dict(base, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), base.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, "-c", code], env=with_ep, capture_output=True, text=True,
-                         timeout=120, check=False)
+    with_ep = dict(
+        base, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), base.get("PYTHONPATH")]))
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=with_ep,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "-> dmuon.syrk(x_1" in out.stderr
     # without any registration torch rejects the name at import (why the entry point exists)
     bare = dict(base, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    out = subprocess.run([sys.executable, "-c", "import torch"], env=bare, capture_output=True,
-                         text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch"],
+        env=bare,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode != 0 and "Invalid log settings" in out.stderr
 
 

@@ -26,12 +26,18 @@ def _error(capsys, argv) -> str:
         (["--seq-len", "-4"], "--seq-len must be > 0"),
         (["--batch-size", "0"], "--batch-size must be > 0"),
         (["--layers", "0"], "--layers must be > 0"),
-        (["--d-model", "130", "--heads", "4"], "--d-model 130 is not divisible by --heads 4; use e.g. --d-model 128"),
+        (
+            ["--d-model", "130", "--heads", "4"],
+            "--d-model 130 is not divisible by --heads 4; use e.g. --d-model 128",
+        ),
         (["--lr", "nan"], "--lr must be a finite number > 0"),
         (["--adamw-lr=-1e-3"], "--adamw-lr must be a finite number > 0"),
         (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
         (["--corpus-dir", "/definitely/not/here"], "is not a directory"),
-        (["--corpus-mb", "0.001", "--seq-len", "128"], "use a smaller --seq-len or a larger --corpus-mb"),
+        (
+            ["--corpus-mb", "0.001", "--seq-len", "128"],
+            "use a smaller --seq-len or a larger --corpus-mb",
+        ),
     ],
 )
 def test_bad_arguments(capsys, argv, needle):
@@ -54,6 +60,17 @@ def test_help_lists_the_flags(capsys):
         cli.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--optimizer", "--steps", "--batch-size", "--seq-len", "--d-model", "--layers", "--lr",
-                 "--adamw-lr", "--seed", "--out-dir", "--device"):
+    for flag in (
+        "--optimizer",
+        "--steps",
+        "--batch-size",
+        "--seq-len",
+        "--d-model",
+        "--layers",
+        "--lr",
+        "--adamw-lr",
+        "--seed",
+        "--out-dir",
+        "--device",
+    ):
         assert flag in out

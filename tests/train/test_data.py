@@ -93,7 +93,10 @@ def test_windows_in_range_shifted_and_reproducible():
 def test_ranks_read_different_slices_of_the_same_global_batch():
     stream = (torch.arange(5000) * 7 % 256).to(torch.uint8)
     whole, _ = data.WindowSampler(stream, 32, 8, seed=1).batch(2)
-    parts = [data.WindowSampler(stream, 32, 8, seed=1, rank=r, world_size=2).batch(2)[0] for r in range(2)]
+    parts = [
+        data.WindowSampler(stream, 32, 8, seed=1, rank=r, world_size=2).batch(2)[0]
+        for r in range(2)
+    ]
     assert not torch.equal(parts[0], parts[1])
     assert torch.equal(torch.cat(parts), whole)
 

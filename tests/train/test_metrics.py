@@ -83,7 +83,7 @@ def test_plot_with_matplotlib_writes_a_png(tmp_path):
 
 
 def _ms(text: str, label: str) -> float:
-    line = next(l for l in text.splitlines() if l.strip().startswith(label))
+    line = next(row for row in text.splitlines() if row.strip().startswith(label))
     return float(line[len(label) + 2 :].split("ms")[0])
 
 

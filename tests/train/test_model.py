@@ -20,7 +20,9 @@ def test_logits_shape_and_finite():
     assert logits.shape == (3, 16, 256)
     assert torch.isfinite(logits).all()
     loss = model.loss(idx[:, :-1], idx[:, 1:])
-    assert abs(float(loss.detach()) - torch.log(torch.tensor(256.0)).item()) < 0.5  # near-uniform at init
+    assert (
+        abs(float(loss.detach()) - torch.log(torch.tensor(256.0)).item()) < 0.5
+    )  # near-uniform at init
 
 
 def test_future_tokens_do_not_change_past_logits():

@@ -12,9 +12,31 @@ from dmuon_compile.train import cli
 from dmuon_compile.train.metrics import read_csv
 
 TINY = [
-    "--steps", "16", "--batch-size", "8", "--seq-len", "32", "--d-model", "32", "--layers", "2",
-    "--heads", "2", "--log-every", "4", "--eval-every", "8", "--eval-batches", "2",
-    "--corpus-mb", "0.5", "--no-progress", "--seed", "1", "--device", "cpu",
+    "--steps",
+    "16",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--d-model",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--log-every",
+    "4",
+    "--eval-every",
+    "8",
+    "--eval-batches",
+    "2",
+    "--corpus-mb",
+    "0.5",
+    "--no-progress",
+    "--seed",
+    "1",
+    "--device",
+    "cpu",
 ]
 
 
@@ -36,7 +58,11 @@ def _check_log(out_dir, optimizers):
         assert val[-1] < val[0] - 1.0, f"{name}: validation loss did not fall: {val}"
         assert train[-1] < train[0], f"{name}: training loss did not fall: {train}"
         for r in mine[1:]:
-            assert float(r["tokens_per_s"]) > 0 and float(r["forward_ms"]) > 0 and float(r["step_ms"]) > 0
+            assert (
+                float(r["tokens_per_s"]) > 0
+                and float(r["forward_ms"]) > 0
+                and float(r["step_ms"]) > 0
+            )
     return rows
 
 
@@ -74,9 +100,20 @@ def test_single_process_prints_the_breakdown(tmp_path, capsys):
 
 def _torchrun(args, timeout=150):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "dmuon_compile.train", *args]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "dmuon_compile.train",
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
@@ -91,8 +128,12 @@ def test_two_processes_match_one(tmp_path, single_run):
     # The global batch of a step does not depend on the world size: 2 ranks see the same data
     # as 1 and must end at (nearly) the same loss.
     for name in ("dmuon", "adamw"):
-        assert runs[name]["first_val_loss"] == pytest.approx(single[name]["first_val_loss"], rel=1e-5)
-        assert runs[name]["final_val_loss"] == pytest.approx(single[name]["final_val_loss"], rel=1e-2)
+        assert runs[name]["first_val_loss"] == pytest.approx(
+            single[name]["first_val_loss"], rel=1e-5
+        )
+        assert runs[name]["final_val_loss"] == pytest.approx(
+            single[name]["final_val_loss"], rel=1e-2
+        )
     assert "exposed communication" in stdout
 
 
