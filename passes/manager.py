@@ -9,16 +9,15 @@ user already set: their pass runs first, on the graph it would have seen without
 ours. ``install_global_pass()`` does the same wrapping on the global config (used when a user
 compiles ``opt.step`` themselves, see ``compiled_step.py``).
 
-The pass has a stable :meth:`NSChainPass.uuid` (a hash of the pass sources, the kernel
-sources and template versions, the flags and the wrapped pass's uuid), so Inductor's FX graph
-cache stays on; a cache hit then skips the pass — tests that assert it ran disable caches.
+The pass has a stable :meth:`NSChainPass.uuid` (a hash of the pass and kernel sources, the
+flags and the wrapped pass's uuid), so Inductor's FX graph cache stays on; a cache hit then
+skips the pass — tests that assert it ran disable caches.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -44,17 +43,6 @@ def _source_files() -> tuple[str, ...]:
     return tuple(str(f) for f in files)
 
 
-def _template_versions() -> str:
-    """``NAME=VERSION`` of every loaded kernel module exposing a ``TEMPLATE_VERSION``."""
-    parts = []
-    for name, module in sorted(sys.modules.items()):
-        if name.startswith("dmuon_compile.kernels") and module is not None:
-            version = getattr(module, "TEMPLATE_VERSION", None)
-            if version is not None:
-                parts.append(f"{name}={version}")
-    return ";".join(parts)
-
-
 class NSChainPass(CustomGraphPass):
     """Rewrite the Newton–Schulz chain of a post-grad graph into ``torch.ops.dmuon`` kernels.
 
@@ -72,8 +60,8 @@ class NSChainPass(CustomGraphPass):
     Example::
 
         >>> from dmuon_compile.passes import NSChainPass
-        >>> f = torch.compile(ns, fullgraph=True,
-        ...                   options={"post_grad_custom_pre_pass": NSChainPass()})  # doctest: +SKIP
+        >>> options = {"post_grad_custom_pre_pass": NSChainPass()}
+        >>> f = torch.compile(ns, fullgraph=True, options=options)  # doctest: +SKIP
     """
 
     def __init__(self, user_pass=None, *, subpasses=tuple(SUBPASSES), prove: bool = True) -> None:
@@ -132,7 +120,6 @@ class NSChainPass(CustomGraphPass):
                 f"pass={PASS_VERSION}",
                 f"subpasses={','.join(self.subpasses)}",
                 f"prove={self.prove}",
-                f"templates={_template_versions()}",
                 f"user={user_uuid!r}",
                 f"kernel_env={os.environ.get('DMUON_NS_KERNEL', '')}",
             ]
