@@ -56,8 +56,9 @@ def find(path: Path) -> Path:
         if steps:
             return steps[-1][1]
     raise FileNotFoundError(
-        f"--resume {path}: no checkpoint there (looked for {META} in it, and for step-*/{META} in it "
-        "and in its checkpoints/ folder). Pass a directory written by --save-every."
+        f"--resume {path}: no checkpoint there (looked for {META} in it, and for "
+        f"step-*/{META} in it and in its checkpoints/ folder). "
+        "Pass a directory written by --save-every."
     )
 
 
@@ -73,7 +74,8 @@ def load(directory: Path, model, opt, sched, optimizer: str) -> int:
     meta = json.loads((directory / META).read_text())
     if meta.get("optimizer") != optimizer:
         raise ValueError(
-            f"--resume {directory}: that checkpoint was written by --optimizer {meta.get('optimizer')}, "
+            f"--resume {directory}: that checkpoint was written by "
+            f"--optimizer {meta.get('optimizer')}, "
             f"this run uses --optimizer {optimizer}; pass the same --optimizer"
         )
     model_sd, optim_sd = get_state_dict(model, opt)

@@ -171,7 +171,8 @@ class WindowSampler:
             raise ValueError(f"seq_len must be > 0, got {seq_len}")
         if tokens.numel() < seq_len + 1:
             raise ValueError(
-                f"the token stream has {tokens.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+                f"the token stream has {tokens.numel()} tokens, "
+                f"fewer than seq_len + 1 = {seq_len + 1}; "
                 "use a smaller --seq-len or a larger --corpus-mb"
             )
         if global_batch <= 0 or global_batch % world_size:

@@ -32,11 +32,9 @@ FINAL_LR_FRACTION = 0.1
 class TrainConfig:
     """Everything a run needs besides the corpus and the process environment.
 
-    Defaults were measured (2026-11-30): 600 steps take ~1.5 min in one process and ~2 min
-    (``--optimizer dmuon``) in two gloo processes on 2 CPU cores; validation loss goes from
-    5.51 to ~1.5 (Muon) and ~1.95 (AdamW). Learning rates from a 600-step sweep: AdamW
-    1e-3/3e-3/1e-2 → 1.94/1.95/2.41; Muon 0.005/0.01/0.02/0.04 → 1.42/1.46/1.65/2.24 (so the
-    demo uses 0.005, below the package's general-purpose default of 0.02).
+    The defaults are sized for a few minutes on 2 CPU cores. The learning rates come from a
+    600-step sweep on this model (benchmarks/RESULTS.md §4): at this size Muon does best at
+    0.005, below the package's general starting point of 0.02.
     """
 
     steps: int = 600
@@ -115,11 +113,12 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
 def build_optimizer(
     name: str, model: torch.nn.Module, cfg: TrainConfig, device: torch.device
 ) -> torch.optim.Optimizer:
-    """``dmuon``: Muon on every ``*_proj`` matrix, AdamW (``adamw_lr``) on the rest; ``adamw``: AdamW.
+    """``dmuon``: Muon on every ``*_proj`` matrix and AdamW (``adamw_lr``) on the rest;
+    ``adamw``: AdamW on everything.
 
-    On CPU Newton–Schulz iterates in fp32: CPUs have no fast half-precision matmul (fp16 NS
-    of a 128×128 matrix took ~40 ms on the 2-core CI machine, fp32 ~1 ms). On GPU the
-    package default (fp16 Gram NS) is used.
+    On CPU Newton–Schulz iterates in fp32: CPUs have no fast half-precision matmul (fp16 NS is
+    tens of times slower there, benchmarks/RESULTS.md §4). On GPU the package default (fp16
+    Gram NS) is used.
     """
     if name == "dmuon":
         ns = dmuon.NewtonSchulz(work_dtype=torch.float32) if device.type == "cpu" else "gram"

@@ -40,8 +40,9 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.d_model % self.heads:
             raise ValueError(
-                f"d_model={self.d_model} is not divisible by heads={self.heads}; pick d_model as a "
-                f"multiple of {self.heads} (e.g. {self.heads * max(1, round(self.d_model / self.heads))})"
+                f"d_model={self.d_model} is not divisible by heads={self.heads}; pick d_model as "
+                f"a multiple of {self.heads} "
+                f"(e.g. {self.heads * max(1, round(self.d_model / self.heads))})"
             )
 
     @property
@@ -111,7 +112,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Byte-level GPT. ``forward(idx)`` → logits ``[B, T, vocab]``; ``loss(idx, targets)`` → mean CE."""
+    """Byte-level GPT: ``forward(idx)`` → logits ``[B, T, vocab]``, ``loss(idx, targets)`` → mean
+    cross-entropy."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

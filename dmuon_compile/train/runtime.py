@@ -7,13 +7,13 @@ the process group when there is more than one process.
 :func:`parallelize` wraps a freshly built model for one optimizer run:
 
 - one process: the plain model;
-- ``dmuon`` with ``dmuon.dedicate_params`` available (the distributed runtime): dedicate every
-  ``*_proj.weight`` to an owner rank, then ``fully_shard`` each block and the root — the
-  order the troubleshooting page prescribes (after TP, before ``fully_shard``);
-- ``dmuon`` without it (the runtime has not landed): ``fully_shard`` with the ``*_proj``
+- ``dmuon`` (default): ``dmuon.dedicate_params`` gives every ``*_proj.weight`` an owner rank,
+  then ``fully_shard`` wraps each block and the root — the documented order (after TP, before
+  ``fully_shard``);
+- ``dmuon`` with ``--no-dedicate`` (the naive baseline): ``fully_shard`` with the ``*_proj``
   matrices as ``ignored_params`` (kept whole on every rank) and their gradients averaged by
   one flat all-reduce after backward (:meth:`Wrapped.sync_grads`), so ``Muon`` still sees
-  whole matrices. Swapping in ``dedicate_params`` is the single call in :func:`_dedicate`;
+  whole matrices;
 - ``adamw``: plain FSDP2 on every parameter (the standard baseline).
 """
 
@@ -183,8 +183,8 @@ def _dedicate(model: nn.Module, mesh) -> None:
 def parallelize(model: nn.Module, env: DistEnv, optimizer: str, dedicate: bool = True) -> Wrapped:
     """Wrap ``model`` (already on ``env.device``) for ``optimizer`` (``dmuon`` or ``adamw``).
 
-    ``dedicate=False`` (``--no-dedicate``) forces the replicated-matrices path even when the
-    runtime is available: the naive baseline that ``dedicate_params`` replaces.
+    ``dedicate=False`` (``--no-dedicate``) takes the replicated-matrices path: the naive
+    baseline that ``dedicate_params`` replaces.
     """
     if not env.distributed:
         return Wrapped(model, "single process")
@@ -219,12 +219,11 @@ def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
 
 
 def runtime_comm_profile(wrapped: Wrapped):
-    """The runtime's forward-unshard wait profile, when it offers one (else ``None``)."""
-    collect = getattr(dmuon, "collect_forward_unshard_profile", None)
-    if collect is None or wrapped.mode != DEDICATED:
+    """The runtime's forward-unshard wait profile of a dedicated run (else ``None``)."""
+    if wrapped.mode != DEDICATED:
         return None
     try:
-        profile = collect(wrapped.model, synchronize=True)
+        profile = dmuon.collect_forward_unshard_profile(wrapped.model, synchronize=True)
     except Exception as exc:  # noqa: BLE001 - a diagnostics failure must not end the run
         return {"enabled": False, "reason": f"{type(exc).__name__}: {exc}"}
     return (

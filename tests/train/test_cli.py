@@ -1,5 +1,7 @@
 """Bad arguments get argparse errors (exit status 2) that name the fix."""
 
+import argparse
+
 import pytest
 import torch
 
@@ -74,3 +76,33 @@ def test_help_lists_the_flags(capsys):
         "--device",
     ):
         assert flag in out
+
+
+def _option_helps(parser, formatter_class) -> dict[str, str]:
+    """Each option's help as printed (before line wrapping), by its flag."""
+    formatter = formatter_class(parser.prog)
+    return {
+        action.option_strings[-1]: formatter._get_help_string(action) % vars(action)
+        for action in parser._actions
+        if action.help
+    }
+
+
+def test_help_states_each_default_once():
+    helps = _option_helps(cli.build_parser(), cli._HelpFormatter)
+    for flag, text in helps.items():
+        assert text.count("default") <= 1, (flag, text)
+        assert "(default: None)" not in text and "(default: False)" not in text, (flag, text)
+    assert helps["--steps"].endswith("(default: 600)")
+    assert helps["--seed"].endswith("(default: 0)")  # 0 is a value, shown
+    assert helps["--save-every"].endswith("(default 0: never)")
+    assert helps["--out-dir"].endswith("(default ./runs/<timestamp>)")
+    assert helps["--lr"].startswith("Muon learning rate for the *_proj matrices (default: 0.005,")
+
+
+def test_plain_defaults_formatter_repeats_defaults():
+    """Control: argparse's own formatter does produce what the test above rules out."""
+    helps = _option_helps(cli.build_parser(), argparse.ArgumentDefaultsHelpFormatter)
+    assert helps["--out-dir"].endswith(") (default: None)")
+    assert helps["--save-every"].count("default") == 2
+    assert helps["--no-progress"].endswith("(default: False)")
