@@ -6,7 +6,8 @@ Launch with torchrun, one process per GPU (or CPU processes with gloo for a smok
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 2   # HSDP 2×1
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 1 --hsdp  # 1×2
-    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 2 --with-1d ours_compiled
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 2 \
+        --with-1d ours_compiled
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --profile prof/  # + traces
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu --profile /tmp/prof
 
@@ -586,7 +587,8 @@ def main(argv=None):
         shape = f"HSDP {replicas}×{world // replicas}" if hsdp else f"1-D FSDP over {world}"
         print(f"mesh: {shape}")
         print(
-            f"| config | iter ms | step ms | back-to-back ms | exposed comm % | peak GiB | Muon tax | "
+            "| config | iter ms | step ms | back-to-back ms | exposed comm % | peak GiB "
+            "| Muon tax | "
             f"(iter−AdamW)/floor | b2b Muon tax | b2b (iter−AdamW)/floor |  NS floor {floor:.3g} ms"
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
@@ -603,8 +605,8 @@ def main(argv=None):
             )
             b2b_ratio = f"{r['b2b_over_floor']:.2f}" if r.get("b2b_over_floor") is not None else "-"
             print(
-                f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {b2b} | {exposed} | {peak} | {tax} | {ratio} "
-                f"| {b2b_tax} | {b2b_ratio} |"
+                f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {b2b} | {exposed} | {peak} "
+                f"| {tax} | {ratio} | {b2b_tax} | {b2b_ratio} |"
             )
             if "replicate_profile" in r:
                 print(f"  {c} replicate stage: {json.dumps(r['replicate_profile'])}")
@@ -630,7 +632,8 @@ def main(argv=None):
             if "vs_1d" in r:
                 print(
                     f"HSDP vs 1-D, {c}: back-to-back {r['back_to_back_ms']:.2f} / "
-                    f"{results['1d_' + c]['back_to_back_ms']:.2f} ms = {r['vs_1d']:.3f}x (target <= 1.03x)"
+                    f"{results['1d_' + c]['back_to_back_ms']:.2f} ms = {r['vs_1d']:.3f}x "
+                    "(target <= 1.03x)"
                 )
         for c, why in skipped.items():
             print(f"skipped {c}: {why}")

@@ -2,10 +2,10 @@
 
 Run on one GPU::
 
-    python benchmarks/bench_kernels.py --out kernels_results.md  # then fold into benchmarks/RESULTS.md           # full
-    python benchmarks/bench_kernels.py --quick --out /tmp/quick.md                    # short
-    python benchmarks/bench_kernels.py --sections N --stress-inputs 1000              # NaN/Inf stress
-    python benchmarks/bench_kernels.py --sections A --profile-ns                      # + top kernels
+    python benchmarks/bench_kernels.py --out kernels_results.md  # full; fold into RESULTS.md
+    python benchmarks/bench_kernels.py --quick --out /tmp/quick.md         # short
+    python benchmarks/bench_kernels.py --sections N --stress-inputs 1000   # NaN/Inf stress
+    python benchmarks/bench_kernels.py --sections A --profile-ns           # + top kernels
 
 Every number is a median of ``triton.testing.do_bench`` after warm-up; every claim is a ratio
 of two things measured in this run. §A compares (1) the baseline — torch.optim.Muon's NS
@@ -120,8 +120,9 @@ def trace_analysis():
 
 def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list[str], dict]:
     rows = [
-        "| shape | baseline ms | ours-cuBLAS ms | ours-Triton ms | speedup (1)/(3) | speedup (1)/(2) "
-        "| TFLOP/s base | TFLOP/s (3) | rel.err base | rel.err (3) | NaN/Inf base | NaN/Inf (3) |",
+        "| shape | baseline ms | ours-cuBLAS ms | ours-Triton ms | speedup (1)/(3) "
+        "| speedup (1)/(2) | TFLOP/s base | TFLOP/s (3) | rel.err base | rel.err (3) "
+        "| NaN/Inf base | NaN/Inf (3) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ours_cublas, ours_triton = NewtonSchulz(kernel="cublas"), NewtonSchulz(kernel="triton")
@@ -155,8 +156,9 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
         name = shape_name(shape)
         speedups[name] = t_base / t_triton
         rows.append(
-            f"| {name} | {t_base:.3f} | {t_cublas:.3f} | {t_triton:.3f} | {t_base / t_triton:.2f}× | "
-            f"{t_base / t_cublas:.2f}× | {flops_base / t_base / 1e9:.0f} | {flops_ours / t_triton / 1e9:.0f} | "
+            f"| {name} | {t_base:.3f} | {t_cublas:.3f} | {t_triton:.3f} "
+            f"| {t_base / t_triton:.2f}× | {t_base / t_cublas:.2f}× "
+            f"| {flops_base / t_base / 1e9:.0f} | {flops_ours / t_triton / 1e9:.0f} | "
             f"{err_base:.2e} | {err_ours:.2e} | {bad_base}/{nan_inputs} | {bad_ours}/{nan_inputs} |"
         )
         print(rows[-1] + f"  (first call incl. autotune {tune_s:.1f} s)", flush=True)
@@ -200,7 +202,8 @@ def stress_inputs(
 def run_stress_section(inputs: int) -> tuple[list[str], dict]:
     """Section N: NaN/Inf over ``inputs`` random inputs per shape class, ours and the baseline."""
     rows = [
-        "| shape class | inputs | kinds | NaN/Inf baseline | NaN/Inf ours (Triton) | max ‖out‖ ours / √m | s |",
+        "| shape class | inputs | kinds | NaN/Inf baseline | NaN/Inf ours (Triton) "
+        "| max ‖out‖ ours / √m | s |",
         "|---|---|---|---|---|---|---|",
     ]
     ours = NewtonSchulz(kernel="triton")
@@ -243,8 +246,9 @@ def run_syrk_section(ms, batched_too: bool) -> tuple[list[str], dict, dict]:
     from dmuon_compile.kernels.syrk import choose_kernel
 
     rows = [
-        "| m | k | batch | torch.mm ms | torch.addmm ms | syrk ms | syrk+C ms | verdict | speedup vs mm "
-        "| speedup vs addmm | eff. TFLOP/s | actual TFLOP/s | mm TFLOP/s | exact symmetry "
+        "| m | k | batch | torch.mm ms | torch.addmm ms | syrk ms | syrk+C ms | verdict "
+        "| speedup vs mm | speedup vs addmm | eff. TFLOP/s | actual TFLOP/s | mm TFLOP/s "
+        "| exact symmetry "
         "| GPU ms mm / syrk (graph) | GPU speedup vs mm |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -283,10 +287,11 @@ def run_syrk_section(ms, batched_too: bool) -> tuple[list[str], dict, dict]:
                     else "n/a | n/a"
                 )
                 rows.append(
-                    f"| {m} | {k} | {batch} | {t_mm:.3f} | {t_addmm:.3f} | {t_syrk:.3f} | {t_syrk_c:.3f} | "
-                    f"{verdict} | {t_mm / t_syrk:.2f}× | {t_addmm / t_syrk_c:.2f}× | {full / t_syrk / 1e9:.0f} | "
-                    f"{full / 2 / t_syrk / 1e9:.0f} | {full / t_mm / 1e9:.0f} | {'yes' if symmetric else 'NO'} | "
-                    f"{gpu} |"
+                    f"| {m} | {k} | {batch} | {t_mm:.3f} | {t_addmm:.3f} | {t_syrk:.3f} "
+                    f"| {t_syrk_c:.3f} | {verdict} | {t_mm / t_syrk:.2f}× "
+                    f"| {t_addmm / t_syrk_c:.2f}× | {full / t_syrk / 1e9:.0f} "
+                    f"| {full / 2 / t_syrk / 1e9:.0f} | {full / t_mm / 1e9:.0f} "
+                    f"| {'yes' if symmetric else 'NO'} | {gpu} |"
                 )
                 print(rows[-1], flush=True)
                 del a, c, out
@@ -337,7 +342,8 @@ def main(argv=None) -> int:
         "# Kernel benchmarks (benchmarks/README.md §A, §C)",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-        f"- device: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count} SMs)",
+        f"- device: {torch.cuda.get_device_name()} "
+        f"({torch.cuda.get_device_properties(0).multi_processor_count} SMs)",
         f"- torch {torch.__version__}, triton {triton.__version__}",
         f"- command: `python {' '.join(sys.argv)}`",
         "- times: medians of triton.testing.do_bench (ms); bf16 inputs, random normal",
@@ -372,8 +378,8 @@ def main(argv=None) -> int:
                 f"max {max(big):.2f}x (target >= 1.4x)"
             )
         headlines.append(
-            f"HEADLINE SYRK all shapes: min speedup vs torch.mm {min(sp.values()):.2f}x per eager call "
-            "(wall, host dispatch included)"
+            f"HEADLINE SYRK all shapes: min speedup vs torch.mm {min(sp.values()):.2f}x "
+            "per eager call (wall, host dispatch included)"
         )
         if gpu_sp:
             headlines.append(
@@ -392,8 +398,8 @@ def main(argv=None) -> int:
             "(1) baseline: torch.optim.Muon NS (direct, Keller Jordan, bf16, cuBLAS); "
             '(2) `NewtonSchulz(kernel="cublas")`; (3) `NewtonSchulz(kernel="triton")`, eager. '
             "TFLOP/s count each algorithm's own FLOPs (NewtonSchulz.flops for ours). rel.err: "
-            "‖out − float64 run of the same iteration‖/‖ref‖. NaN/Inf: inputs whose output had any, "
-            "inputs scaled 1e-3..1e3.",
+            "‖out − float64 run of the same iteration‖/‖ref‖. "
+            "NaN/Inf: inputs whose output had any, inputs scaled 1e-3..1e3.",
             "",
         ]
         lines += rows + [""]

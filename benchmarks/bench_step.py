@@ -1,10 +1,10 @@
-"""benchmarks/README.md §B1: the optimizer step alone over the matrix sets of models S and M (one GPU).
+"""benchmarks/README.md §B1: the optimizer step alone over the matrices of models S and M (one GPU).
 
-    python benchmarks/bench_step.py --out benchmarks/RESULTS_step.md          # S and M, CUDA
-    python benchmarks/bench_step.py --quick --out /tmp/step.md                # fewer repeats
-    python benchmarks/bench_step.py --quick --device cpu                      # tiny CPU smoke run
-    python benchmarks/bench_step.py --profile prof/                           # + where the time goes
-    python benchmarks/bench_step.py --quick --device cpu --profile /tmp/p     # (CPU: no GPU events)
+    python benchmarks/bench_step.py --out benchmarks/RESULTS_step.md       # S and M, CUDA
+    python benchmarks/bench_step.py --quick --out /tmp/step.md             # fewer repeats
+    python benchmarks/bench_step.py --quick --device cpu                   # tiny CPU smoke run
+    python benchmarks/bench_step.py --profile prof/                        # + where the time goes
+    python benchmarks/bench_step.py --quick --device cpu --profile /tmp/p  # (CPU: no GPU events)
 
 Matrices: per layer q, k, v, o (D×D), gate, up (F×D), down (D×F); S: D=2048, F=5632, 8 layers
 (56 matrices); M: D=4096, F=14336, 4 layers (28 matrices); fp32 parameters, random normal
@@ -219,7 +219,10 @@ def markdown(rows: list[dict], header: str) -> str:
     profiled = [r for r in rows if r.get("profile", {}).get("gpu_events")]
     if profiled:
         cats = list(profiled[0]["profile"]["breakdown_ms_per_step"])
-        title = f"Where the GPU time goes (ms per step, {PROFILE_STEPS} profiled steps; sum of kernel durations):"
+        title = (
+            f"Where the GPU time goes (ms per step, {PROFILE_STEPS} profiled steps; "
+            "sum of kernel durations):"
+        )
         lines += [
             "",
             title,
@@ -258,7 +261,8 @@ def headline(rows: list[dict]) -> list[str]:
         if "ours_eager_cublas" in by:
             out.append(
                 f"{model}: ours compiled vs ours eager-cuBLAS = "
-                f"{by['ours_eager_cublas']['median_ms'] / comp['median_ms']:.2f}x (target >= 1.3x on M)"
+                f"{by['ours_eager_cublas']['median_ms'] / comp['median_ms']:.2f}x "
+                "(target >= 1.3x on M)"
             )
         if "ours_eager" in by:
             out.append(
@@ -266,7 +270,8 @@ def headline(rows: list[dict]) -> list[str]:
                 f"{by['ours_eager']['median_ms'] / comp['median_ms']:.2f}x"
             )
         out.append(
-            f"{model}: first compiled step {comp['first_step_s']:.1f} s cold (target <= 60 s on M), "
+            f"{model}: first compiled step {comp['first_step_s']:.1f} s cold "
+            "(target <= 60 s on M), "
             f"{comp.get('warm_first_step_s', float('nan')):.1f} s warm (target <= 10 s)"
         )
     return out
@@ -297,7 +302,8 @@ def main(argv=None) -> int:
         "--profile",
         default=None,
         metavar="DIR",
-        help=f"after timing, profile {PROFILE_STEPS} steps per configuration: GPU time by kernel category",
+        help=f"after timing, profile {PROFILE_STEPS} steps per configuration: "
+        "GPU time by kernel category",
     )
     args = ap.parse_args(argv)
 

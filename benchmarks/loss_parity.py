@@ -35,7 +35,7 @@ def train_losses(path: Path) -> dict[int, float]:
 def compare(
     reference: dict[int, float], other: dict[int, float]
 ) -> tuple[list[tuple[int, float, float, float]], list[int]]:
-    """Per common step ``(step, reference, other, relative difference)``, and the steps only one log has."""
+    """Per common step ``(step, reference, other, relative difference)``; steps in one log only."""
     common = sorted(set(reference) & set(other))
     rows = []
     for step in common:
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     rows, unmatched = compare(reference, other)
     if not rows:
         print(
-            "loss_parity: the two logs share no step with a train loss; run both with --log-every 1",
+            "loss_parity: the two logs share no step with a train loss; "
+            "run both with --log-every 1",
             file=sys.stderr,
         )
         return 1

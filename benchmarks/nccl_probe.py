@@ -72,7 +72,8 @@ def main() -> None:
                 )
     if rank == 0:
         print(
-            f"NCCL probe: {world} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"NCCL probe: {world} ranks, {torch.cuda.get_device_name()}, "
+            f"torch {torch.__version__}, "
             f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
         )
         print("| collective | dtype | MiB | ms | algbw GB/s | busbw GB/s |")

@@ -49,18 +49,20 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def table(reports: list[dict]) -> list[str]:
     rows = [
-        "| GPUs | mesh | config | iter ms | back-to-back ms | Muon tax (b2b) | step balance max/mean "
-        "| planned NS max/mean | peak GiB |",
+        "| GPUs | mesh | config | iter ms | back-to-back ms | Muon tax (b2b) "
+        "| step balance max/mean | planned NS max/mean | peak GiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for report in reports:
         for config, r in report["results"].items():
             tax = r.get("b2b_muon_tax")
             planned = r.get("planned_balance", {}).get("ns_max_over_mean")
+            tax_pct = None if tax is None else tax * 100
             rows.append(
-                f"| {report['world_size']} | {mesh_name(report)} | {config} | {_fmt(r.get('iter_ms'), '.2f')} "
-                f"| {_fmt(r.get('back_to_back_ms'), '.2f')} | {_fmt(None if tax is None else tax * 100, '+.1f', '%')} "
-                f"| {_fmt(r.get('step_balance'), '.3f')} | {_fmt(planned, '.3f')} | {_fmt(r.get('peak_mem_gib'), '.2f')} |"
+                f"| {report['world_size']} | {mesh_name(report)} | {config} "
+                f"| {_fmt(r.get('iter_ms'), '.2f')} | {_fmt(r.get('back_to_back_ms'), '.2f')} "
+                f"| {_fmt(tax_pct, '+.1f', '%')} | {_fmt(r.get('step_balance'), '.3f')} "
+                f"| {_fmt(planned, '.3f')} | {_fmt(r.get('peak_mem_gib'), '.2f')} |"
             )
     return rows
 
@@ -98,7 +100,8 @@ def plot(reports: list[dict], png: Path) -> bool:
     ax.set_xlabel("GPUs")
     ax.set_ylabel("iteration, back to back (ms)")
     ax.set_title(
-        f"model {model}: iteration time vs GPUs ({reports[0].get('tokens_per_rank', '?')} tokens/GPU)"
+        f"model {model}: iteration time vs GPUs "
+        f"({reports[0].get('tokens_per_rank', '?')} tokens/GPU)"
     )
     ax.set_xscale("log", base=2)
     ax.grid(True, alpha=0.3)

@@ -5,8 +5,8 @@ products Gram NS actually runs (their shapes and operand layouts), each next to 
 cuBLAS product of the same call, and prints one markdown table per case. This is how the
 autotune candidate list is chosen: a configuration earns its place only where it wins.
 
-    python benchmarks/sweep_tiles.py --out sweep.md              # all cases
-    python benchmarks/sweep_tiles.py --cases syrk_wide --extra    # one case, exploratory configs too
+    python benchmarks/sweep_tiles.py --out sweep.md                # all cases
+    python benchmarks/sweep_tiles.py --cases syrk_wide --extra     # one case, exploratory too
 
 "actual TFLOP/s" counts the FLOPs the kernel does (the lower super-tiles only, about half of
 ``2·m²·k``); "vs cuBLAS" is cuBLAS time / kernel time, both measured here with the autotuner's
@@ -33,8 +33,8 @@ EXPLORATORY = (
     TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True),
     TileConfig(128, 64, 4, 3, 2, tma=True, tma_store=True),
     TileConfig(64, 64, 4, 4, 2, tma=True, tma_store=True),
-    # Strips with descriptor stores in two square halves (written after run 5, when the
-    # one-piece 128×256 store needed 278 KB of shared memory; not yet timed).
+    # Strips with descriptor stores in two square halves (the one-piece 128×256 store does not
+    # fit shared memory).
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
     TileConfig(128, 64, 8, 2, 1, block_n=256, tma=True, tma_store=True),
 )
@@ -154,7 +154,8 @@ def main(argv=None) -> int:
         [c for c in EXPLORATORY if c not in CANDIDATES] if args.extra else []
     )
     lines = [
-        f"## Tile sweep, {datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        f"## Tile sweep, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}",
         "",
     ]
     for case in args.cases.split(","):

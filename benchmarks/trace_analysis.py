@@ -339,7 +339,7 @@ def _breakdown(records) -> dict:
 
 
 def summarize(path_or_dict, iterations: int = 1, device=None) -> dict:
-    """Everything above in one JSON-serialisable dict; ``*_ms_per_iter`` divide by ``iterations``."""
+    """Everything above in one JSON-serialisable dict; ``*_ms_per_iter`` are per ``iterations``."""
     n = max(int(iterations), 1)
 
     def per(us):
@@ -395,8 +395,9 @@ def format_summary(summary: dict, top: int = 5) -> list[str]:
     lines = [
         (
             f"- GPU window {summary['window_ms_per_iter']:.3f} ms/iter ({n} iters): compute busy "
-            f"{summary['compute_ms_per_iter']:.3f} ms, comm {summary['comm_ms_per_iter']:.3f} ms, exposed comm "
-            f"{summary['exposed_comm_ms_per_iter']:.3f} ms ({_pct(summary['exposed_fraction'])} of the window)"
+            f"{summary['compute_ms_per_iter']:.3f} ms, comm {summary['comm_ms_per_iter']:.3f} ms, "
+            f"exposed comm {summary['exposed_comm_ms_per_iter']:.3f} ms "
+            f"({_pct(summary['exposed_fraction'])} of the window)"
         )
     ]
     if summary["comm_by_kind"]:
@@ -422,11 +423,13 @@ def format_summary(summary: dict, top: int = 5) -> list[str]:
         )
     cats = " | ".join(f"{c} {v:.3f}" for c, v in summary["breakdown_ms_per_iter"].items() if v > 0)
     lines.append(
-        f"- where the time goes (GPU ms/iter, sum over streams {summary['gpu_ms_per_iter']:.3f}): {cats}"
+        "- where the time goes (GPU ms/iter, sum over streams "
+        f"{summary['gpu_ms_per_iter']:.3f}): {cats}"
     )
     for e in summary["top_kernels"][:top]:
         lines.append(
-            f"  - {e['ms_per_iter']:.3f} ms/iter  {e['count'] / n:.3g}×  [{e['category']}] {e['name'][:100]}"
+            f"  - {e['ms_per_iter']:.3f} ms/iter  {e['count'] / n:.3g}×  "
+            f"[{e['category']}] {e['name'][:100]}"
         )
     return lines
 
@@ -496,7 +499,8 @@ def where_the_time_goes(profile: dict, top: int = 5, unit: str = "step") -> list
     ]
     for e in profile["top_kernels"][:top]:
         lines.append(
-            f"    {e['ms_per_step']:8.3f} ms  {e['count_per_step']:.3g}×  [{e['category']}] {e['name'][:90]}"
+            f"    {e['ms_per_step']:8.3f} ms  {e['count_per_step']:.3g}×  "
+            f"[{e['category']}] {e['name'][:90]}"
         )
     return lines
 

@@ -21,7 +21,7 @@ ADJUST_LR_FNS = ("match_rms_adamw", "original", "none")
 def lr_scale(shape: Sequence[int], adjust_lr_fn: str | None) -> float:
     """Per-matrix learning-rate multiplier.
 
-    - ``"match_rms_adamw"`` (default; the seed's "internal scaling"): 0.2·√max(m, n), so the
+    - ``"match_rms_adamw"`` (default; DMuon's "internal scaling"): 0.2·√max(m, n), so the
       update's RMS matches AdamW's and AdamW-tuned learning rates carry over;
     - ``"original"`` (Keller Jordan's, torch.optim.Muon's default): √max(1, m/n);
     - ``"none"``: 1.
@@ -119,7 +119,10 @@ def adamw_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """Decoupled-weight-decay Adam (torch.optim.AdamW's math), in place; ``steps`` are 0-d CPU tensors."""
+    """Decoupled-weight-decay Adam (torch.optim.AdamW's math), in place.
+
+    ``steps`` are 0-d CPU tensors.
+    """
     if not params:
         return
     beta1, beta2 = betas

@@ -1,7 +1,7 @@
 """Newton–Schulz orthogonalisation: the eager reference every fast path is tested against.
 
-Two algorithms (see docs/architecture.md, Newton–Schulz), both for X of shape (m, n) with m ≤ n (tall inputs are
-transposed) or batched (batch, m, n):
+Two algorithms (see docs/architecture.md, Newton–Schulz), both for X of shape (m, n) with
+m ≤ n (tall inputs are transposed) or batched (batch, m, n):
 
 - **direct**: per step A = X·Xᵀ, B = b·A + c·A², X ← a·X + B·X.
 - **gram**: every odd polynomial of X is Q·X with Q a polynomial of R = X·Xᵀ, so the iteration
@@ -29,7 +29,8 @@ from dmuon_compile.kernels.availability import device_tag, triton_status
 EPS = 1e-7
 BACKENDS = ("gram", "direct")
 KERNELS = ("auto", "triton", "cublas")
-# Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS (docs/architecture.md, Newton–Schulz).
+# Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS
+# (docs/architecture.md, Newton–Schulz).
 DEFAULT_GRAM_MIN_ASPECT = 1.5
 # Size thresholds for the Triton kernels (see NewtonSchulz.primitives_for).
 TRITON_MIN_ROWS = 4096
@@ -82,7 +83,7 @@ class TorchPrimitives:
             # Eager: a copy plus a strided add on the diagonal, with gamma kept in fp32 until the
             # one rounding (as Inductor's fused kernel does). The eye expression below costs a
             # fill, a multiply (gamma rounded to the work dtype) and an add that broadcasts over
-            # a stack in a non-vectorised loop: 0.71 ms per 32 × 2048² Gram NS on H200.
+            # a stack in a non-vectorised loop (its cost: benchmarks/RESULTS.md §1).
             out = a.clone(memory_format=torch.contiguous_format)
             diagonal = out.diagonal(dim1=-2, dim2=-1)
             wide = torch.promote_types(a.dtype, torch.float32)  # CPU's half add_ would round gamma
@@ -105,8 +106,9 @@ class TorchPrimitives:
 def _eager_cuda_kernels(t: Tensor):
     """The CUDA kernel module when ``t`` is on CUDA and nothing is tracing, else ``None``.
 
-    Eager calls skip the op dispatcher (~60 µs of Python per call, ~16 calls per matrix);
-    traced code (torch.compile, the compiler pass) still sees ``torch.ops.dmuon.*``.
+    Eager calls skip the op dispatcher (Python time per call, a dozen or more calls per matrix:
+    ``benchmarks/host_overhead.py``); traced code (torch.compile, the compiler pass) still sees
+    ``torch.ops.dmuon.*``.
     """
     if not t.is_cuda or torch.compiler.is_compiling():
         return None
@@ -150,7 +152,8 @@ def _as_matrix_stack(g: Tensor) -> tuple[Tensor, bool]:
     """
     if g.dim() not in (2, 3):
         raise ValueError(
-            f"Newton–Schulz needs a 2-D matrix or a 3-D stack of matrices, got shape {tuple(g.shape)}; "
+            "Newton–Schulz needs a 2-D matrix or a 3-D stack of matrices, "
+            f"got shape {tuple(g.shape)}; "
             "use dmuon_compile.matrix_view(t) for parameters with more than 2 dims"
         )
     transposed = g.shape[-2] > g.shape[-1]
@@ -175,8 +178,8 @@ def normalize(
     ``transpose=True`` returns the scaled ``g.mT``.
 
     The norm is taken over ``g`` in its own layout, before any transpose: in the compiled step a
-    reduction over a transposed view of a tall stack reads memory with a stride (measured 3.3
-    ms of a 122 ms model-M step on H200 for 8 × 14336×4096, ~3.5× its bandwidth time).
+    reduction over a transposed view of a tall stack reads memory with a stride, several times
+    its bandwidth time (benchmarks/RESULTS.md §2).
     A zero or tiny-norm input stays (near) zero instead of becoming NaN: the eps is added to
     the norm, never divided by alone.
     """
@@ -351,7 +354,8 @@ class NewtonSchulz:
         if requested == "auto" and env:
             if env not in ("triton", "cublas"):
                 raise ValueError(
-                    f"DMUON_NS_KERNEL={env!r} is not a kernel; set it to 'triton' or 'cublas' or unset it"
+                    f"DMUON_NS_KERNEL={env!r} is not a kernel; "
+                    "set it to 'triton' or 'cublas' or unset it"
                 )
             requested = env
         ok, why = triton_status()
@@ -377,10 +381,9 @@ class NewtonSchulz:
     def primitives_for(self, m: int, batch: int = 1):
         """The product implementation for an (m, ·) matrix (stack of ``batch``).
 
-        With ``kernel="triton"``, stacks too small to fill the GPU run the plain cuBLAS chain:
-        on H200 the Triton SYRK lost to cuBLAS below 4096 rows (2048 rows in stacks of ≥ 8),
-        and there each extra launch costs more than the halved FLOPs save
-        (benchmarks/RESULTS.md, kernels section).
+        With ``kernel="triton"``, stacks too small to fill the GPU run the plain cuBLAS chain
+        (:func:`triton_worthwhile`): there the Triton SYRK lost to cuBLAS and each extra launch
+        costs more than the halved FLOPs save (benchmarks/RESULTS.md §1).
         """
         if self.kernel != "triton":
             return TorchPrimitives
@@ -420,8 +423,9 @@ class NewtonSchulz:
 
     def __repr__(self) -> str:
         return (
-            f"NewtonSchulz(backend={self.backend!r}, kernel={self.kernel!r}, steps={len(self.coefficients)}, "
-            f"restart_iterations={self.restart_iterations}, work_dtype={self.work_dtype})"
+            f"NewtonSchulz(backend={self.backend!r}, kernel={self.kernel!r}, "
+            f"steps={len(self.coefficients)}, restart_iterations={self.restart_iterations}, "
+            f"work_dtype={self.work_dtype})"
         )
 
 
@@ -460,7 +464,8 @@ def resolve_ns_backend(ns_backend) -> NewtonSchulz:
     if isinstance(ns_backend, str):
         if ns_backend not in BACKENDS:
             raise ValueError(
-                f"ns_backend={ns_backend!r}: choose 'gram', 'direct' or pass a dmuon.NewtonSchulz(...)"
+                f"ns_backend={ns_backend!r}: choose 'gram', 'direct' "
+                "or pass a dmuon.NewtonSchulz(...)"
             )
         return NewtonSchulz(backend=ns_backend)
     raise TypeError(

@@ -89,7 +89,8 @@ def sym_mm(
     _check_operands("sym_mm", a, b, c)
     if a.shape[-2] != b.shape[-1]:
         raise ValueError(
-            f"dmuon::sym_mm: a·b must be square to be symmetric, got {tuple(a.shape)}·{tuple(b.shape)}"
+            "dmuon::sym_mm: a·b must be square to be symmetric, "
+            f"got {tuple(a.shape)}·{tuple(b.shape)}"
         )
     return sym_mm_reference(a, b, c, alpha, beta, gamma)
 

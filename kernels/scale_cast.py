@@ -3,8 +3,8 @@
 ``NewtonSchulz`` starts every orthogonalisation with ``X = g / (‖g‖_F + eps)`` in fp32, cast to
 fp16. Written in torch ops on a half-precision gradient that is either two fp32 temporaries
 the size of ``g`` or, with ``torch.div(..., out=half)``, PyTorch's dynamically casting
-elementwise loop, which is not vectorised (measured on H200: 1.77 ms for a 32 × 2048×5632
-bf16 stack, 9% of the whole Gram NS, and 0.27 ms of the 4.8 ms for one 4096×14336 matrix).
+elementwise loop, which is not vectorised (a sizeable share of a batched Gram NS on H200:
+benchmarks/RESULTS.md §1).
 This kernel reads ``g`` once in its own dtype and writes the work dtype once: the bandwidth
 floor.
 
@@ -46,7 +46,8 @@ def scale_cast_reference(g: Tensor, denom: Tensor, dtype: torch.dtype) -> Tensor
 
     ``denom`` has one value per matrix (shape ``(..., 1, 1)``). The result keeps ``g``'s layout.
 
-    >>> scale_cast_reference(torch.ones(2, 2, dtype=torch.bfloat16), torch.full((1, 1), 4.0), torch.float16)
+    >>> g = torch.ones(2, 2, dtype=torch.bfloat16)
+    >>> scale_cast_reference(g, torch.full((1, 1), 4.0), torch.float16)
     tensor([[0.2500, 0.2500],
             [0.2500, 0.2500]], dtype=torch.float16)
     """

@@ -33,21 +33,18 @@ from torch import Tensor
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# The autotune list, chosen from benchmarks/sweep_tiles.py on H200 (2026-11-30, fp16, RESULTS.md
-# "Tile sweep"): every entry won at least one NS product class there.
+# The autotune list, chosen with benchmarks/sweep_tiles.py on an H200 in fp16: every entry won
+# at least one NS product class there (the timings are in benchmarks/RESULTS.md §1, "Tile
+# sweep" and the SYRK tables).
 # - TMA loads with off-diagonal tiles stored through output descriptors ("_st"): the epilogue
-#   was the bottleneck of the Gram-space products (k = m): 4096² sym_mm 1.52× cuBLAS (masked
-#   pointer stores: 1.11-1.19×), 32×2048² 1.48× (0.95-1.0×), wide SYRK 1.72×.
-# - 128×256 strips through TMA with the balanced two-strip schedule (masked stores): the
-#   largest matrices (8192×28672 SYRK ~1.6-1.7× cuBLAS). With descriptor stores in one piece
-#   these tiles needed 278 KB of shared memory (limit 227 KB) and did not launch; the kernel now
-#   stores strips in two square halves: 3 stages launch, and were the fastest wide SYRK of run
-#   6's sweep (4096×14336: 0.378 ms, 1.65× cuBLAS; square "_st" tiles 0.389 ms), level with the
-#   square "_st" tiles on stacks; run 6's autotune picked them for most m >= 4096 keys.
+#   was the bottleneck of the Gram-space products (k = m), square and stacked.
+# - 128×256 strips through TMA with the balanced two-strip schedule: the largest matrices.
+#   Stored through descriptors in one piece these tiles do not fit shared memory, so the
+#   kernel stores strips in two square halves; with 3 stages they are the fastest wide SYRK.
 # - Pointer loads: for layouts TMA cannot address (unaligned rows, strided stacks).
-# 256² tiles do not compile usefully (ptxas needs >= 154 registers per thread at 16 warps; at 8
-# warps the accumulator spills); 128×128×128 TMA tiles with 2 stages ran at 0.8-0.96× cuBLAS;
-# flattening the persistent loop changed nothing measurable.
+# Left out: 256² tiles (too many registers per thread at 16 warps, accumulator spills at 8),
+# 128×128×128 TMA tiles with 2 stages (slower than cuBLAS), and flattening the persistent
+# loop (no measurable change).
 CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 4, 1),
     TileConfig(128, 64, 4, 3, 2),
@@ -60,8 +57,8 @@ CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
-# The untimed choice where TMA can read the operands: the most frequent winner of run 5's
-# autotune on H200 (benchmarks/RESULTS.md §1).
+# The untimed choice where TMA can read the operands: the most frequent autotune winner on
+# H200 (benchmarks/RESULTS.md §1).
 DEFAULT_TMA_CONFIG = TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True)
 
 
@@ -186,7 +183,8 @@ def choose_kernel(op: str, a: Tensor, b: Tensor | None, c: Tensor | None, beta: 
 
 
 def _choose_kernel_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
-    """(verdict, whether it may be memoised): from the disk cache, a fresh tuning or the heuristic."""
+    """(verdict, whether it may be memoised) from the disk cache, a fresh tuning or the
+    heuristic."""
     has_c = c is not None
     key = autotune.make_key(op, a, has_c)
     cache = autotune.verdict_cache(_device_name(a.device.index))
@@ -243,11 +241,13 @@ def syrk_cuda(x: Tensor, c: Tensor | None, alpha: float, beta: float, gamma: flo
 def sym_mm_cuda(
     a: Tensor, b: Tensor, c: Tensor | None, alpha: float, beta: float, gamma: float
 ) -> Tensor:
-    """CUDA kernel of ``dmuon::sym_mm``: autotuned Triton (lower tiles of a·b) or cuBLAS, mirrored."""
+    """CUDA kernel of ``dmuon::sym_mm``: autotuned Triton (lower tiles of a·b) or cuBLAS,
+    mirrored."""
     _check_operands("sym_mm", a, b, c)
     if a.shape[-2] != b.shape[-1]:
         raise ValueError(
-            f"dmuon::sym_mm: a·b must be square to be symmetric, got {tuple(a.shape)}·{tuple(b.shape)}"
+            "dmuon::sym_mm: a·b must be square to be symmetric, "
+            f"got {tuple(a.shape)}·{tuple(b.shape)}"
         )
     return _symmetric_product_cuda("sym_mm", a, b, c, alpha, beta, gamma)
 

@@ -26,9 +26,9 @@ strips of ``BLOCK_M × BLOCK_N`` (one program tile each; on a diagonal super-til
 strip above the diagonal is computed but not stored). A *persistent* grid of
 ``min(tiles, SMs·ctas_per_sm)`` programs walks the flat index
 ``tile = batch_index·tiles_per_matrix + t``; ``t // strips`` maps to the super-tile
-``(row, col)`` with ``col ≤ row`` by the square-root formula ``row = ⌊(√(8t+1) − 1)/2⌋`` (corrected by one where
-fp32 rounding lands on the wrong side), ``col = t − row·(row+1)/2``. A stack of same-shape
-matrices is one launch: batching is what fills the chip for small ``m``.
+``(row, col)`` with ``col ≤ row`` by the square-root formula ``row = ⌊(√(8t+1) − 1)/2⌋``
+(corrected by one where fp32 rounding lands on the wrong side), ``col = t − row·(row+1)/2``.
+A stack of same-shape matrices is one launch: batching is what fills the chip for small ``m``.
 
 Epilogue (fp32): ``acc·alpha + beta·C + gamma·I``; each element ``(i, j)`` of a tile with
 ``i ≥ j`` is written in place, and with ``i > j`` also mirrored to ``(j, i)``. Every lower
@@ -40,7 +40,7 @@ operand tiles through pointers (any strides), ``_symmetric_product_tma_kernel`` 
 descriptors (SM90+, 16-byte aligned row- or column-major operands; ``TileConfig(tma=True)``).
 The TMA kernel also has the balanced two-strip schedule (see its comment) and, with
 ``tma_store=True``, stores tiles strictly below the diagonal through output descriptors, which
-was the largest single gain measured on H200 (benchmarks/RESULTS.md §1, run 5).
+was the largest single gain measured on H200 (benchmarks/RESULTS.md §1).
 
 This module imports only triton and torch and registers nothing, so a test can load a second,
 interpreted copy of it under ``TRITON_INTERPRET=1``.
@@ -83,7 +83,8 @@ class TileConfig:
             )
         if (self.flatten or self.tma_store) and not self.tma:
             raise ValueError(
-                "TileConfig: flatten=True and tma_store=True belong to the TMA kernel; set tma=True too"
+                "TileConfig: flatten=True and tma_store=True belong to the TMA kernel; "
+                "set tma=True too"
             )
 
     @property
@@ -98,7 +99,10 @@ class TileConfig:
             if self.tma
             else ""
         )
-        return f"{shape}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_p{self.ctas_per_sm}{loads}"
+        return (
+            f"{shape}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+            f"_p{self.ctas_per_sm}{loads}"
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -408,7 +412,8 @@ def _tma_tile(
     DOT_IN_FP32: tl.constexpr,
     TMA_STORE: tl.constexpr,
 ):
-    """One ROWS × COLS output tile at (first_m, first_n) of matrix ``batch_index``: TMA loads, dot, epilogue.
+    """One ROWS × COLS output tile at (first_m, first_n) of matrix ``batch_index``: TMA loads,
+    dot, epilogue.
 
     With TMA_STORE, a tile entirely below the diagonal (every element stored, in place and
     mirrored) is written through the (batch, m, m) output descriptors: TMA clips rows and
@@ -724,7 +729,8 @@ def launch_symmetric_product(
     given, must be a contiguous tensor of the result's shape and dtype (tests pass a poisoned
     one to prove every element is written).
 
-    >>> out = launch_symmetric_product(x, None, None, 1.0, 0.0, 0.0, TileConfig(128, 64, 8, 3))  # doctest: +SKIP
+    >>> config = TileConfig(128, 64, 8, 3)
+    >>> out = launch_symmetric_product(x, None, None, 1.0, 0.0, 0.0, config)  # doctest: +SKIP
     """
     if a.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(
@@ -846,7 +852,8 @@ def launch_symmetric_product(
 def output_descriptors(out: Tensor, config: TileConfig):
     """``(out_desc, out_t_desc)``: 3-D (batch, m, m) descriptors of a contiguous output with
     ``BLOCK_M × BLOCK_N`` and ``BLOCK_N × BLOCK_M`` tiles (``BLOCK_M²`` for two-strip tiles,
-    stored in halves), or ``None`` if its rows are not 16-byte aligned. 3-D so that TMA clips at each matrix's own edge, never writing into the next.
+    stored in halves), or ``None`` if its rows are not 16-byte aligned. 3-D so that TMA clips at
+    each matrix's own edge, never writing into the next.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -909,7 +916,8 @@ def _flat_rows(t: Tensor) -> tuple[int, int] | None:
 
 
 def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
-    """``(a_desc, b_desc, b_narrow_desc, a_rows_are_m, b_rows_are_n)`` for the TMA kernel, or ``None``.
+    """``(a_desc, b_desc, b_narrow_desc, a_rows_are_m, b_rows_are_n)`` for the TMA kernel, or
+    ``None``.
 
     ``None`` means the layout does not fit TMA. ``b_narrow_desc`` reads ``b`` in ``BLOCK_M``-wide
     tiles (the narrow diagonal tiles of the two-strip schedule).
@@ -931,7 +939,8 @@ def tma_descriptors(a: Tensor, b: Tensor | None, config: TileConfig):
     k_tiles_stay_inside = batch == 1 or k % config.block_k == 0
 
     def describe(t: Tensor, rows_block: int, cols_block: int, k_along_rows_ok: bool):
-        """(descriptor, rows_are_outer) of ``t`` (m_or_k × k_or_m), trying row-major then its transpose."""
+        """(descriptor, rows_are_outer) of ``t`` (m_or_k × k_or_m): row-major, else its
+        transpose."""
         flat = _flat_rows(t)
         if flat is not None and t.stride(-1) == 1:
             return TensorDescriptor(

@@ -96,7 +96,8 @@ def _shape(node) -> tuple:
 
 
 def _insert(ctx: RewriteContext, before: Node, target, args: tuple) -> Node:
-    """Insert ``target(*args)`` before ``before`` with its fake value computed (for later passes)."""
+    """Insert ``target(*args)`` before ``before``, with its fake value computed for later
+    passes."""
     from torch._guards import detect_fake_mode
 
     with ctx.graph.inserting_before(before):

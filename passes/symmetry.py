@@ -169,7 +169,7 @@ def _is_identity(node) -> bool:
 
 
 def _scalar_value(arg):
-    """A Python number, or ``None`` (tensor scalars are handled by :func:`_is_per_matrix_scalar`)."""
+    """A Python number, or ``None`` (:func:`_is_per_matrix_scalar` handles tensor scalars)."""
     return arg if isinstance(arg, (int, float)) and not isinstance(arg, bool) else None
 
 
@@ -208,7 +208,8 @@ class SymmetryAnalysis:
         return self.get(node) is not None
 
     def common_root(self, *nodes):
-        """The one root all ``nodes`` are polynomials of (ignoring ``None`` and identity), else None.
+        """The one root all ``nodes`` are polynomials of (ignoring ``None`` and identity), or
+        ``None``.
 
         Returns :data:`IDENTITY` when all are multiples of the identity.
         """

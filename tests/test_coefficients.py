@@ -19,7 +19,8 @@ def test_you_table_published_values():
 
 
 def test_polar_express_raw_and_safety():
-    # Algorithm 1 of arXiv:2505.16932 (first and fifth steps, rounded as docs/architecture.md quotes them)
+    # Algorithm 1 of arXiv:2505.16932 (first and fifth steps, rounded as docs/architecture.md
+    # quotes them)
     first, fifth = C.POLAR_EXPRESS_RAW[0], C.POLAR_EXPRESS_RAW[4]
     assert [round(v, 5) for v in first] == [8.28721, -23.59589, 17.30039]
     assert [round(v, 5) for v in fifth] == [2.30065, -1.66890, 0.41881]

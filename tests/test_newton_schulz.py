@@ -163,7 +163,8 @@ def test_near_square_uses_direct_and_wide_uses_gram():
 
 
 def test_flop_formulas_match_architecture():
-    # docs/architecture.md (Newton–Schulz), in m³ units at α = 4, T = 5: direct 90, direct+symmetric 65, Gram 38.
+    # docs/architecture.md (Newton–Schulz), in m³ units at α = 4, T = 5: direct 90,
+    # direct+symmetric 65, Gram 38.
     m, n = 1024, 4096
     from dmuon_compile.newton_schulz import direct_ns_flops, gram_ns_flops
 

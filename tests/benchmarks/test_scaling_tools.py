@@ -130,7 +130,8 @@ def test_scaling_refuses_mixed_models_and_foreign_files(tmp_path, capsys):
 
 def test_where_the_time_goes_lists_gpu_kernels_per_call():
     """bench_kernels.py --profile-ns and bench_step.py --profile: per-call ms and launches of the
-    top kernels (trace_analysis.profile_calls result), and a clear line when there were no GPU events."""
+    top kernels (trace_analysis.profile_calls result), and a clear line when there were no GPU
+    events."""
     ta = _load("trace_analysis")
     profile = {
         "steps": 3,

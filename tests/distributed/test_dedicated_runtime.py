@@ -1,4 +1,5 @@
-"""Runtime behaviour: gradient accumulation, ModelOutput-like outputs, no-reshard mode, eval, FSDP compat."""
+"""Runtime behaviour: gradient accumulation, ModelOutput-like outputs, no-reshard mode, eval,
+FSDP compatibility."""
 
 from __future__ import annotations
 
@@ -279,7 +280,8 @@ def _precision_and_recovery(rank, world):
         out["conflict"] = None
     except ValueError as exc:
         out["conflict"] = str(exc)
-    # an exception mid-forward, then wait_all_replicate_broadcasts: nothing pending, training resumes
+    # an exception mid-forward, then wait_all_replicate_broadcasts: nothing pending, training
+    # resumes
     model = models.build_llama()
     fresh = models.build_llama()
     for m in (model, fresh):

@@ -1,4 +1,5 @@
-"""dedicate_params + FSDP2 + Muon over 2 and 4 gloo ranks equals one process with the reference Muon.
+"""dedicate_params + FSDP2 + Muon over 2 and 4 gloo ranks equals one process with the reference
+Muon.
 
 Tolerance: everything runs in fp32 (NewtonSchulz(work_dtype=float32)); the only differences
 are summation orders in the gradient reductions (FSDP2's reduce-scatter, our owner reduce),

@@ -1,4 +1,5 @@
-"""A NaN gradient on one rank stops every rank the same way: no rank left waiting in a collective."""
+"""A NaN gradient on one rank stops every rank the same way: no rank is left waiting in a
+collective."""
 
 from __future__ import annotations
 

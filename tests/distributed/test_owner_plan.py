@@ -1,4 +1,5 @@
-"""Owner planner (no tensors, no processes): balance on Llama-8B/70B shapes, layer ids, determinism."""
+"""Owner planner (no tensors, no processes): balance on Llama-8B/70B shapes, layer ids,
+determinism."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_layer_spread_within_a_group():
     "fqn,layer",
     [
         ("model.layers.3.self_attn.q_proj.weight", "model.layers.3"),
-        ("blocks.11.attn.qkv.weight", "blocks.11"),  # the seed's ViT bug: blocks.N must be a layer
+        ("blocks.11.attn.qkv.weight", "blocks.11"),  # ViT/timm: blocks.N must be a layer
         ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0"),
         ("bert.encoder.layer.2.attention.self.query.weight", "bert.encoder.layer.2"),
         ("lm_head.weight", None),

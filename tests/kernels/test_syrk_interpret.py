@@ -343,7 +343,8 @@ def test_tma_tiles_match_reference(kernel, config, m, k, batch, dtype, row_b_tma
 
 
 def test_tma_kernel_skips_unaligned_and_strided_operands(kernel):
-    """Layouts TMA cannot address (odd row pitch, k = 0, a sliced stack) fall back to pointer loads."""
+    """Layouts TMA cannot address (odd row pitch, k = 0, a sliced stack) fall back to pointer
+    loads."""
     gen = torch.Generator().manual_seed(11)
     odd_k = _random((9, 7), torch.float16, gen)  # 14-byte rows
     run_and_check(kernel, odd_k, None, None, 1.0, 0.0, 0.0, TMA_TILES, loads="ptr")
@@ -399,7 +400,8 @@ def test_tma_config_names_and_flatten_needs_tma():
     ],
 )
 def test_tma_reads_column_major_a(kernel, config, m, k, batch, expected):
-    """A column-major ``a`` (the transposed view NS makes of a tall matrix) is read as ``aᵀ``'s rows."""
+    """A column-major ``a`` (the transposed view NS makes of a tall matrix) is read as ``aᵀ``'s
+    rows."""
     gen = torch.Generator().manual_seed(m + k)
     x = _random(_batch_shape(batch) + (m, k), torch.float16, gen, transposed=True)
     assert not x.is_contiguous()
@@ -432,7 +434,8 @@ TMA_STORE_TILES = dict(SMALL_TILES, tma=True, tma_store=True)
 )
 def test_tma_store_matches_reference(kernel, config, m, k, batch, dtype):
     """Off-diagonal tiles stored through output descriptors: every element written once
-    (poisoned output), nothing written into a neighbouring matrix of the stack, bitwise symmetric."""
+    (poisoned output), nothing written into a neighbouring matrix of the stack, bitwise
+    symmetric."""
     gen = torch.Generator().manual_seed(m + 7 * k)
     x = _random(_batch_shape(batch) + (m, k), dtype, gen)
     c = _random(_batch_shape(batch) + (m, m), dtype, gen)

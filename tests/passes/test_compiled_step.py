@@ -207,7 +207,7 @@ def test_compile_arguments_are_checked():
 
 def test_explicit_cublas_kernel_keeps_the_plain_chain_in_the_compiled_step():
     """kernel="cublas" (= deterministic=True) must mean no project kernels, compiled or not:
-    the seed's way to tell whether the fast SYRK path causes a NaN."""
+    the documented way to tell whether the fast SYRK path causes a NaN."""
     from dmuon_compile.compiled_step import pass_enabled
 
     assert not pass_enabled(NewtonSchulz(kernel="cublas"))
