@@ -1,0 +1,63 @@
+"""The repository itself: CI runs the README's test command, and every cited document exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_DIRS = ("dmuon_compile", "passes", "kernels", "tests", "benchmarks", "docs", ".ci")
+SUFFIXES = {".py", ".md", ".sh", ".toml", ""}
+# A document named in prose: docs/x.md, benchmarks/x.md or an upper-case NAME.md. A name after
+# --out is a file a benchmark writes, not a citation.
+CITATION = re.compile(r"(?<!--out )\b((?:docs/|benchmarks/)?[A-Za-z0-9_]+\.md)\b")
+CITED_AS_DOCUMENT = re.compile(r"^(docs/|benchmarks/)|^[A-Z][A-Z0-9_]*\.md$")
+
+
+def _texts():
+    files = [p for p in ROOT.glob("*") if p.is_file() and p.suffix in {".md", ".toml"}]
+    for folder in SOURCE_DIRS:
+        files += [
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file() and p.suffix in SUFFIXES and "__pycache__" not in p.parts
+        ]
+    for path in files:
+        yield path, path.read_text(encoding="utf-8", errors="replace")
+
+
+def missing_citations(text: str, here: Path) -> set[str]:
+    """Documents ``text`` (a file in folder ``here``) cites that are not in the repository."""
+    missing = set()
+    for name in CITATION.findall(text):
+        if not CITED_AS_DOCUMENT.search(name):
+            continue
+        candidates = [ROOT / name, here / name, ROOT / "docs" / name, ROOT / "benchmarks" / name]
+        if not any(c.is_file() for c in candidates):
+            missing.add(name)
+    return missing
+
+
+def test_every_cited_document_is_in_the_repository():
+    found = {}
+    for path, text in _texts():
+        if path == Path(__file__).resolve():
+            continue
+        missing = missing_citations(text, path.parent)
+        if missing:
+            found[str(path.relative_to(ROOT))] = sorted(missing)
+    assert not found, f"citations of documents that are not in the repository: {found}"
+
+
+def test_missing_citation_check_has_teeth():
+    text = "see ARCHITECTURE.md and docs/nowhere.md; docs/architecture.md exists; --out OUT.md"
+    assert missing_citations(text, ROOT) == {"ARCHITECTURE.md", "docs/nowhere.md"}
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    at = readme.index("# the tests and the lint (what CI runs, .ci/run)")
+    command = readme[at + 1]
+    assert "ruff check ." in command and "ruff format --check ." in command and "pytest" in command
+    assert command in ci
