@@ -7,6 +7,8 @@ optimizer, so one ``step()``, one ``state_dict()`` and one LR scheduler drive bo
 
 from __future__ import annotations
 
+import math
+
 import warnings
 from collections.abc import Callable
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dmuon_compile import functional as F
+from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.distributed._owned import is_owned, local_of, same_layout
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
@@ -142,6 +145,7 @@ class Muon(torch.optim.Optimizer):
         _check_nonneg("weight_decay", weight_decay)
         _check_nonneg("adamw_lr", adamw_lr)
         _check_nonneg("adamw_weight_decay", adamw_weight_decay)
+        _check_nonneg("adamw_eps", adamw_eps)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         for i, beta in enumerate(adamw_betas):
@@ -243,6 +247,31 @@ class Muon(torch.optim.Optimizer):
                 )
         return groups
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
+        flight are dropped (after an exception in forward or backward, reduces already issued
+        would otherwise land on the owners' gradients after this call). Collective when such
+        reduces are pending (every rank issued them); cheap otherwise.
+
+        Example::
+
+            try:
+                loss = model(x).loss; loss.backward()
+            except torch.OutOfMemoryError:
+                opt.zero_grad()  # drop this batch on every rank, then go on
+        """
+        from dmuon_compile.dedicated_registry import PLAN_ATTR
+
+        from dmuon_compile.distributed import _fsdp_compat
+        from dmuon_compile.distributed._runtime import in_backward
+
+        if self.model is not None and not in_backward():
+            _fsdp_compat.finish_aborted_backward(self.model)
+        runtime = getattr(self.model, PLAN_ATTR, None) if self.model is not None else None
+        if runtime is not None:
+            runtime.discard_backward()
+        super().zero_grad(set_to_none=set_to_none)
+
     @staticmethod
     def _has_dedicated(model: nn.Module) -> bool:
         from dmuon_compile.dedicated_registry import dedicated_names
@@ -295,7 +324,11 @@ class Muon(torch.optim.Optimizer):
             # Shards and owners see different gradients: agree on the verdict, or one rank
             # raises/skips while the others enter the next collective and hang.
             flag = torch.tensor([1.0 if bad else 0.0], device=scalar_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            C.wait(
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True),
+                "Muon.step's agreement on non-finite gradients (all-reduce)",
+                dist.distributed_c10d._get_default_group(),
+            )
             if flag.item() > 0 and not bad:
                 bad = ["a gradient held by another rank (see that rank's error)"]
         return bad
@@ -530,5 +563,5 @@ def _check_nonneg(name: str, value: float) -> None:
                 f"{name} as a Tensor must have one element, got shape {tuple(value.shape)}"
             )
         value = float(value)
-    if not value >= 0.0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+    if not (value >= 0.0 and math.isfinite(value)):  # NaN fails the first test
+        raise ValueError(f"Muon: {name} must be a finite number >= 0, got {value}")

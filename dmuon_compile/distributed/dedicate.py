@@ -16,6 +16,7 @@ a copy that the replicate broadcast refreshes after each step (see ``_replicate.
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from collections.abc import Callable
 
@@ -48,6 +49,27 @@ def _call_predicate(predicate, name: str, param: Tensor, module: nn.Module) -> b
     if predicate is None:
         return _default_predicate(name, param, module)
     return bool(predicate(name, param))
+
+
+def _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout) -> None:
+    """Bad arguments fail here, naming the argument and the fix, before anything changes."""
+    for arg, value, form in (
+        ("predicate", predicate, "lambda name, param: name.endswith('proj.weight')"),
+        ("hook_boundary_predicate", hook_boundary_predicate, "lambda name, module: ..."),
+        ("layer_id_fn", layer_id_fn, "lambda fqn: fqn.split('.')[1]"),
+    ):
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"dedicate_params: {arg} must be a callable or None, got "
+                f"{type(value).__name__} {value!r}; e.g. {arg}={form}"
+            )
+    if timeout is not None and (
+        not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0
+    ):
+        raise ValueError(
+            f"dedicate_params: timeout must be a positive datetime.timedelta, got {timeout!r}; "
+            "e.g. timeout=datetime.timedelta(minutes=5)"
+        )
 
 
 def _no_match_warning(model: nn.Module) -> None:
@@ -111,6 +133,7 @@ def dedicate_params(
     hook_boundary_predicate: Callable[[str, nn.Module], bool] | None = None,
     layer_id_fn: Callable[[str], str | None] | None = None,
     reshard_after_forward: bool = True,
+    timeout: datetime.timedelta | None = None,
 ) -> dict[str, int]:
     """Give each selected matrix one owner rank; keep it out of FSDP2; install the hooks.
 
@@ -138,6 +161,9 @@ def dedicate_params(
         layer_id_fn: ``fqn -> layer id`` override for the owner plan and the default groups.
         reshard_after_forward: free the unsharded weights after each group's forward (and
             gather them again in backward); ``False`` keeps them until the end of backward.
+        timeout: timeout of the runtime's own process groups (a frozen or dead peer makes
+            every survivor raise after it, naming the collective). Default: the default
+            process group's, i.e. ``init_process_group(timeout=...)``.
 
     Returns:
         ``{fqn: owner rank}`` for every dedicated parameter: ranks of ``mesh``; with HSDP the
@@ -163,6 +189,7 @@ def dedicate_params(
     """
     if getattr(model, PLAN_ATTR, None) is not None:
         raise RuntimeError("dedicate_params was already called on this model (call it once)")
+    _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout)
     mesh_checks.check_shard_mesh(mesh)
     mesh_checks.check_replicate_mesh(mesh, replicate_mesh)
     if _fsdp_compat.fsdp_modules(model):
@@ -200,10 +227,10 @@ def dedicate_params(
             )
 
     # Communicators of our own: FSDP2's collectives on the mesh's groups never queue behind ours.
-    pg = C.private_group(mesh)
+    pg = C.private_group(mesh, timeout)
     rank, world = mesh.get_local_rank(), mesh.size()
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
-    rep_pg = C.private_group(replicate_mesh) if replicas > 1 else None
+    rep_pg = C.private_group(replicate_mesh, timeout) if replicas > 1 else None
     rep_rank = replicate_mesh.get_local_rank() if replicas > 1 else 0
     device = (
         torch.device(mesh.device_type, torch.cuda.current_device())
