@@ -8,7 +8,6 @@ optimizer, so one ``step()``, one ``state_dict()`` and one LR scheduler drive bo
 from __future__ import annotations
 
 import math
-
 import warnings
 from collections.abc import Callable
 
@@ -44,15 +43,28 @@ def default_muon_predicate(name: str, param: Tensor, module: nn.Module | None = 
     return owner not in HEAD_NAMES and "embed" not in owner
 
 
+def routing_module(modules: list[nn.Module]) -> nn.Module | None:
+    """The module the routing rule judges a parameter by, given every module that holds it.
+
+    A weight tied between an ``nn.Embedding`` and a head (GPT-2's ``wte``/``lm_head``) is an
+    embedding wherever it appears first, so it gets AdamW with and without ``dedicate_params``
+    and on any number of ranks.
+    """
+    for mod in modules:
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+            return mod
+    return modules[0] if modules else None
+
+
 def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | None):
     """Split a model's parameters into (muon [(name, p)], adamw [(name, p)])."""
     from dmuon_compile.dedicated_registry import dedicated_names  # late: avoids an import cycle
 
     dedicated = dedicated_names(model)
-    module_of = {}
+    module_of: dict[int, list[nn.Module]] = {}
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
-            module_of[id(p)] = mod
+            module_of.setdefault(id(p), []).append(mod)
     muon, adamw = [], []
     for name, p in model.named_parameters():  # named_parameters dedups tied weights
         if not p.requires_grad:
@@ -71,7 +83,7 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
                     "weights. Make the predicate return False for it (it then gets AdamW)."
                 )
         else:
-            chosen = default_muon_predicate(name, p, module_of.get(id(p)))
+            chosen = default_muon_predicate(name, p, routing_module(module_of.get(id(p), [])))
         if chosen and hasattr(p, "to_local") and name not in dedicated:
             raise ValueError(
                 f"Muon: {name!r} is a DTensor shard (FSDP2/TP), but Newton–Schulz needs the whole "
@@ -197,6 +209,7 @@ class Muon(torch.optim.Optimizer):
             runtime = getattr(params, PLAN_ATTR, None)
             if runtime is not None:
                 runtime.check_registered()
+                runtime.check_compute_dtypes()
             muon, adamw = _route_model(params, predicate)
             if not muon and not self._has_dedicated(params):
                 warnings.warn(
@@ -261,7 +274,6 @@ class Muon(torch.optim.Optimizer):
                 opt.zero_grad()  # drop this batch on every rank, then go on
         """
         from dmuon_compile.dedicated_registry import PLAN_ATTR
-
         from dmuon_compile.distributed import _fsdp_compat
         from dmuon_compile.distributed._runtime import in_backward
 

@@ -89,3 +89,21 @@ def finish_aborted_backward(model: nn.Module) -> bool:
             state._root_post_backward_final_callback()
             ran = True
     return ran
+
+
+def compute_dtypes(model: nn.Module) -> set:
+    """The dtypes FSDP2 computes ``model``'s parameters in: each ``fully_shard`` call's
+    ``MixedPrecisionPolicy.param_dtype``, or its parameters' own dtype without one."""
+    dtypes = set()
+    for module in fsdp_modules(model):
+        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+        dtype = getattr(policy, "param_dtype", None)
+        if dtype is not None:
+            dtypes.add(dtype)
+            continue
+        for group in _param_groups(module):
+            for fsdp_param in getattr(group, "fsdp_params", []) if group is not None else []:
+                sharded = getattr(fsdp_param, "sharded_param", None)
+                if sharded is not None and sharded.is_floating_point():
+                    dtypes.add(sharded.dtype)
+    return dtypes

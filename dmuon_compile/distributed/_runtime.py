@@ -115,6 +115,7 @@ class DedicatedRuntime:
         self.replicated = any(g.replicate is not None for g in groups)
         self._publish_due = False  # a synchronising backward ran and nothing published since
         self._published_early: set[int] = set()  # groups Muon.step published mid-step
+        self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         for group in groups:
             group.record_profile = record_profile
             self._install(group)
@@ -176,7 +177,26 @@ class DedicatedRuntime:
         j = i + step
         return self.forward_order[j] if 0 <= j < len(self.forward_order) else None
 
+    def check_compute_dtypes(self) -> None:
+        """Note a dedicated compute dtype FSDP2 does not compute in (``Muon(model)`` calls it):
+        outside autocast the forward would then fail deep in ``F.linear``, naming neither."""
+        theirs = _fsdp_compat.compute_dtypes(self.model)
+        ours = {g.compute_dtype for g in self.groups}
+        if theirs and not ours <= theirs:
+            self.dtype_mismatch = (
+                f"dmuon_compile: dedicated weights compute in {sorted(map(str, ours))} but "
+                f"FSDP2 computes the rest of the model in {sorted(map(str, theirs))}, so "
+                "activations and weights meet in different dtypes. Fix: give both the same "
+                "dtype, e.g. fully_shard(..., mp_policy=MixedPrecisionPolicy("
+                "param_dtype=torch.bfloat16)) next to dmuon.ParamPolicy(defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16)), or "
+                "drop param_policy=; or run the forward under torch.autocast."
+            )
+
     def _pre_forward(self, group: DedicatedGroup) -> None:
+        if self.dtype_mismatch is not None and not torch.is_autocast_enabled(
+            self.groups[0].device.type
+        ):
+            raise RuntimeError(self.dtype_mismatch)
         if not in_backward():
             # No backward is running, so none can be pending: forget one that raised before
             # its end-callback ran.

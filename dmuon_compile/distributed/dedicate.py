@@ -39,15 +39,11 @@ from dmuon_compile.log import env_flag
 PROFILE_ENV = "DMUON_RECORD_FORWARD_PROFILE"
 
 
-def _default_predicate(name: str, param: Tensor, module: nn.Module) -> bool:
-    from dmuon_compile.optimizer import default_muon_predicate
-
-    return default_muon_predicate(name, param, module)
-
-
-def _call_predicate(predicate, name: str, param: Tensor, module: nn.Module) -> bool:
+def _call_predicate(predicate, name: str, param: Tensor, modules: list[nn.Module]) -> bool:
     if predicate is None:
-        return _default_predicate(name, param, module)
+        from dmuon_compile.optimizer import default_muon_predicate, routing_module
+
+        return default_muon_predicate(name, param, routing_module(modules))
     return bool(predicate(name, param))
 
 
@@ -106,6 +102,19 @@ def _boundary_module(
             pass
     parent = ".".join(parts[:-1])  # the parent of the parameter's module (e.g. the attention block)
     return parent, model.get_submodule(parent)
+
+
+def _check_boundary_runs(fqn: str, path: str, module: nn.Module) -> None:
+    """A hook group's module must run forward, or its weights are never gathered."""
+    if type(module).forward is nn.Module.forward:  # ModuleList, ModuleDict: no forward of their own
+        raise ValueError(
+            f"dedicate_params: {fqn} would be gathered by the forward hooks of "
+            f"{path or '<root>'!r}, a {type(module).__name__}, which never runs forward (its "
+            "children are called one by one), so the weight would never be gathered. Fix: pass "
+            "hook_boundary_predicate=lambda name, module: <True for modules that run forward, "
+            "e.g. the parameter's own module>, or layer_id_fn= mapping the name to such a "
+            "module's path."
+        )
 
 
 def _check_plan_identical(plan, pg, device, rank: int, axis: str = "shard") -> None:
@@ -206,7 +215,7 @@ def dedicate_params(
     selected = [
         (name, p)
         for name, p in model.named_parameters()
-        if p.requires_grad and _call_predicate(predicate, name, p, module_of[id(p)][0])
+        if p.requires_grad and _call_predicate(predicate, name, p, module_of[id(p)])
     ]
     if not selected:
         _no_match_warning(model)
@@ -225,6 +234,9 @@ def dedicate_params(
             raise ValueError(
                 f"dedicate_params: {name} is on the meta device; materialise the model first"
             )
+        _check_boundary_runs(
+            name, *_boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
+        )
 
     # Communicators of our own: FSDP2's collectives on the mesh's groups never queue behind ours.
     pg = C.private_group(mesh, timeout)

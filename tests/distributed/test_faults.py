@@ -251,3 +251,38 @@ def test_weight_unused_on_one_rank_gets_the_reference_gradient():
                 got = r[k][name]
                 assert got is not None, name
                 torch.testing.assert_close(got, (k + 1) * want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------- dtype mismatch
+def _mixed_dtypes(rank, world, fsdp_bf16):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import dmuon_compile as dmuon
+
+    torch.manual_seed(0)
+    model = models.TinyLlama()
+    mesh = init_device_mesh("cpu", (world,))
+    dmuon.dedicate_params(
+        model,
+        mesh,
+        predicate=models.proj_predicate,
+        param_policy=dmuon.ParamPolicy(defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16)),
+    )
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if fsdp_bf16 else MixedPrecisionPolicy()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    dmuon.Muon(model)
+    x = torch.randn(2, 8, models.D)
+    try:
+        model(x).float().square().mean().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_bf16_dedicated_weights_next_to_fp32_fsdp_fail_with_the_fix():
+    out = run_ranks(_mixed_dtypes, 2, False, timeout=90)
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16)" in out[0], out[0]
+    assert run_ranks(_mixed_dtypes, 2, True, timeout=90) == [None, None]  # matching dtypes train
