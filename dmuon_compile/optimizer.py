@@ -7,6 +7,7 @@ optimizer, so one ``step()``, one ``state_dict()`` and one LR scheduler drive bo
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dmuon_compile import functional as F
+from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.distributed._owned import is_owned, local_of, same_layout
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
@@ -41,15 +43,28 @@ def default_muon_predicate(name: str, param: Tensor, module: nn.Module | None = 
     return owner not in HEAD_NAMES and "embed" not in owner
 
 
+def routing_module(modules: list[nn.Module]) -> nn.Module | None:
+    """The module the routing rule judges a parameter by, given every module that holds it.
+
+    A weight tied between an ``nn.Embedding`` and a head (GPT-2's ``wte``/``lm_head``) is an
+    embedding wherever it appears first, so it gets AdamW with and without ``dedicate_params``
+    and on any number of ranks.
+    """
+    for mod in modules:
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+            return mod
+    return modules[0] if modules else None
+
+
 def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | None):
     """Split a model's parameters into (muon [(name, p)], adamw [(name, p)])."""
     from dmuon_compile.dedicated_registry import dedicated_names  # late: avoids an import cycle
 
     dedicated = dedicated_names(model)
-    module_of = {}
+    module_of: dict[int, list[nn.Module]] = {}
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
-            module_of[id(p)] = mod
+            module_of.setdefault(id(p), []).append(mod)
     muon, adamw = [], []
     for name, p in model.named_parameters():  # named_parameters dedups tied weights
         if not p.requires_grad:
@@ -68,7 +83,7 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
                     "weights. Make the predicate return False for it (it then gets AdamW)."
                 )
         else:
-            chosen = default_muon_predicate(name, p, module_of.get(id(p)))
+            chosen = default_muon_predicate(name, p, routing_module(module_of.get(id(p), [])))
         if chosen and hasattr(p, "to_local") and name not in dedicated:
             raise ValueError(
                 f"Muon: {name!r} is a DTensor shard (FSDP2/TP), but Newton–Schulz needs the whole "
@@ -142,6 +157,7 @@ class Muon(torch.optim.Optimizer):
         _check_nonneg("weight_decay", weight_decay)
         _check_nonneg("adamw_lr", adamw_lr)
         _check_nonneg("adamw_weight_decay", adamw_weight_decay)
+        _check_nonneg("adamw_eps", adamw_eps)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         for i, beta in enumerate(adamw_betas):
@@ -193,6 +209,7 @@ class Muon(torch.optim.Optimizer):
             runtime = getattr(params, PLAN_ATTR, None)
             if runtime is not None:
                 runtime.check_registered()
+                runtime.check_compute_dtypes()
             muon, adamw = _route_model(params, predicate)
             if not muon and not self._has_dedicated(params):
                 warnings.warn(
@@ -242,6 +259,30 @@ class Muon(torch.optim.Optimizer):
                     dict(base, **{k: v for k, v in extra.items() if k != "use_muon"}, params=ps)
                 )
         return groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
+        flight are dropped (after an exception in forward or backward, reduces already issued
+        would otherwise land on the owners' gradients after this call). Collective when such
+        reduces are pending (every rank issued them); cheap otherwise.
+
+        Example::
+
+            try:
+                loss = model(x).loss; loss.backward()
+            except torch.OutOfMemoryError:
+                opt.zero_grad()  # drop this batch on every rank, then go on
+        """
+        from dmuon_compile.dedicated_registry import PLAN_ATTR
+        from dmuon_compile.distributed import _fsdp_compat
+        from dmuon_compile.distributed._runtime import in_backward
+
+        if self.model is not None and not in_backward():
+            _fsdp_compat.finish_aborted_backward(self.model)
+        runtime = getattr(self.model, PLAN_ATTR, None) if self.model is not None else None
+        if runtime is not None:
+            runtime.discard_backward()
+        super().zero_grad(set_to_none=set_to_none)
 
     @staticmethod
     def _has_dedicated(model: nn.Module) -> bool:
@@ -295,7 +336,11 @@ class Muon(torch.optim.Optimizer):
             # Shards and owners see different gradients: agree on the verdict, or one rank
             # raises/skips while the others enter the next collective and hang.
             flag = torch.tensor([1.0 if bad else 0.0], device=scalar_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            C.wait(
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True),
+                "Muon.step's agreement on non-finite gradients (all-reduce)",
+                dist.distributed_c10d._get_default_group(),
+            )
             if flag.item() > 0 and not bad:
                 bad = ["a gradient held by another rank (see that rank's error)"]
         return bad
@@ -530,5 +575,5 @@ def _check_nonneg(name: str, value: float) -> None:
                 f"{name} as a Tensor must have one element, got shape {tuple(value.shape)}"
             )
         value = float(value)
-    if not value >= 0.0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+    if not (value >= 0.0 and math.isfinite(value)):  # NaN fails the first test
+        raise ValueError(f"Muon: {name} must be a finite number >= 0, got {value}")

@@ -17,6 +17,7 @@ the first uncached key each rank prints ``[DMuon][rank=R/W] SYRK autotune ...`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -92,6 +93,7 @@ class VerdictCache:
         self.path = Path(path)
         self._verdicts: dict[str, dict] | None = None
         self._lock = threading.Lock()
+        self._unwritable = False  # a write failed: warn once, keep verdicts in memory
 
     def _read_file(self, warn: bool) -> dict[str, dict]:
         if not self.path.exists():
@@ -140,19 +142,29 @@ class VerdictCache:
             self._verdicts[key] = verdict
             merged = {**self._read_file(warn=False), **self._verdicts}
             payload = {**_versions(), "verdicts": merged}
+            if self._unwritable:
+                return  # warned once already; the verdicts stay in memory
+            tmp = None
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(prefix=self.path.name, dir=self.path.parent)
                 with os.fdopen(fd, "w") as handle:
                     json.dump(payload, handle, indent=1, sort_keys=True)
                 os.replace(tmp, self.path)
+                tmp = None
             except OSError as exc:
+                self._unwritable = True
                 warnings.warn(
                     f"dmuon_compile: could not write the SYRK autotune cache {self.path} ({exc}); "
-                    "verdicts stay in memory for this process",
+                    "verdicts stay in memory for this process. Fix: make the path a writable "
+                    "file location, or point DMUON_CACHE_DIR at a writable directory",
                     RuntimeWarning,
                     stacklevel=2,
                 )
+            finally:
+                if tmp is not None:  # never leave a half-written temporary file behind
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
 
 
 _CACHES: dict[str, VerdictCache] = {}

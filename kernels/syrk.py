@@ -182,6 +182,39 @@ def choose_kernel(op: str, a: Tensor, b: Tensor | None, c: Tensor | None, beta: 
     return choice
 
 
+_VALID_WARPS = (1, 2, 4, 8, 16)
+
+
+def _valid_verdict(key: str, verdict: dict, path) -> bool:
+    """A cached verdict names cuBLAS, or a config this version can build whose name it is."""
+    import warnings
+
+    if verdict.get("choice") == autotune.CUBLAS:
+        return True
+    try:
+        config = TileConfig.from_dict(verdict["config"])
+        sane = (
+            config.name == verdict["choice"]
+            and all(v > 0 and v & (v - 1) == 0 for v in (config.block, config.block_k, config.cols))
+            and config.block <= 512
+            and config.num_warps in _VALID_WARPS
+            and 1 <= config.num_stages <= 8
+            and 1 <= config.ctas_per_sm <= 8
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        sane, why = False, f"{type(exc).__name__}: {exc}"
+    else:
+        why = f"config {verdict.get('config')!r} for choice {verdict.get('choice')!r}"
+    if not sane:
+        warnings.warn(
+            f"dmuon_compile: ignoring the SYRK autotune verdict for {key} in {path} ({why}); "
+            "the shape is re-tuned and the entry rewritten",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return sane
+
+
 def _choose_kernel_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
     """(verdict, whether it may be memoised) from the disk cache, a fresh tuning or the
     heuristic."""
@@ -189,6 +222,8 @@ def _choose_kernel_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
     key = autotune.make_key(op, a, has_c)
     cache = autotune.verdict_cache(_device_name(a.device.index))
     verdict = cache.get(key)
+    if verdict is not None and not _valid_verdict(key, verdict, cache.path):
+        verdict = None  # re-tuned below, and the file's entry replaced
     if verdict is None:
         m, batch = a.shape[-2], (a.shape[0] if a.dim() == 3 else 1)
         if not autotune.autotune_enabled():

@@ -12,6 +12,8 @@ on every backend, so CPU and GPU runs do the same arithmetic.
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -64,7 +66,51 @@ def scalar_device(fallback: torch.device | None = None) -> torch.device:
 _PRIVATE_GROUPS: list = [None, {}]
 
 
-def private_group(mesh):
+def default_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout (the user's ``init_process_group(timeout=...)``).
+
+    ``new_group`` would otherwise give the runtime's groups torch's own default (30 minutes on
+    gloo, 10 on NCCL), and a frozen peer would hold every survivor in a dedicated collective
+    for that long while FSDP2's collectives give up at the user's timeout.
+    """
+    if not dist.is_initialized():
+        return None
+    pg = dist.distributed_c10d._get_default_group()
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            return pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def group_timeout(group) -> datetime.timedelta | None:
+    """``group``'s timeout where the backend exposes it (gloo, NCCL), else ``None``."""
+    for device in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def wait(work, what: str, group) -> None:
+    """``work.wait()``; a failure (a peer died, froze or skipped the collective) is re-raised
+    naming the collective, the group and its timeout, on every rank that waits."""
+    try:
+        work.wait()
+    except Exception as err:  # noqa: BLE001 - re-raised with what failed and what to do
+        ranks = dist.get_process_group_ranks(group) if group is not None else "?"
+        raise RuntimeError(
+            f"dmuon_compile: {what} over ranks {ranks} failed (group timeout "
+            f"{group_timeout(group)}): {err}. A peer rank died, froze or did not issue the same "
+            "collective: see the other ranks' logs. The dedicated runtime's groups use the "
+            "default process group's timeout (init_process_group(timeout=...)), or the one "
+            "passed to dmuon.dedicate_params(timeout=...)."
+        ) from err
+
+
+def private_group(mesh, timeout: datetime.timedelta | None = None):
     """A process group of ``mesh``'s ranks that only the dedicated runtime uses.
 
     FSDP2 issues its own collectives on the mesh's group from its own streams. Sharing one
@@ -91,10 +137,11 @@ def private_group(mesh):
     default = dist.distributed_c10d._get_default_group()
     if _PRIVATE_GROUPS[0] is not default:
         _PRIVATE_GROUPS[:] = [default, {}]
-    key = tuple(groups)
+    timeout = timeout if timeout is not None else default_timeout()
+    key = (tuple(groups), timeout)
     created = _PRIVATE_GROUPS[1].get(key)
     if created is None:  # every rank creates every group, in the same order (the key is shared)
         created = _PRIVATE_GROUPS[1][key] = {
-            ranks: dist.new_group(ranks=list(ranks)) for ranks in groups
+            ranks: dist.new_group(ranks=list(ranks), timeout=timeout) for ranks in groups
         }
     return created[order]

@@ -87,6 +87,7 @@ class DedicatedGroup:
     stall_events: list = field(default_factory=list)  # CUDA event pairs around forward waits
     replicate: ReplicateStage | None = None  # HSDP replicate stage (None in 1-D)
     reduced: bool = False  # a reduce was issued in the current backward
+    ran_forward: bool = False  # its forward ran since the last synchronising backward
 
     # ------------------------------------------------------------------ layout
     def build(self) -> None:
@@ -203,7 +204,7 @@ class DedicatedGroup:
                 before = torch.cuda.Event(enable_timing=True)
                 before.record()
         for w in self.works:
-            w.wait()
+            C.wait(w, f"the unshard ({self.mode}) of dedicated group {self.name!r}", self.pg)
         if self.record_profile:
             self.profile.wait_s += time.perf_counter() - t0  # host time (blocking only on gloo)
             if cuda:
@@ -274,7 +275,7 @@ class DedicatedGroup:
         """
         for works, out, base, _keep in self.pending_reduce:
             for w in works:
-                w.wait()
+                C.wait(w, f"the gradient reduce of dedicated group {self.name!r}", self.pg)
             if self.replicate is not None:
                 start = self.chunk_base[self.rank] - base
                 column = out[start : start + self.chunk_numel[self.rank]]
@@ -287,6 +288,16 @@ class DedicatedGroup:
                 g = out[start : start + p.numel].view(p.shape).to(p.orig_dtype, copy=True)
                 p.accumulate_grad(g.div_(self.world))
         self.pending_reduce.clear()
+
+    @torch.no_grad()
+    def discard_reduces(self) -> None:
+        """Wait for the reduces in flight and drop their results (see ``discard_backward``)."""
+        for works, *_ in self.pending_reduce:
+            for w in works:
+                C.wait(w, f"the gradient reduce of dedicated group {self.name!r}", self.pg)
+        self.pending_reduce.clear()
+        if self.replicate is not None:
+            self.replicate.discard_reduces()
 
     def drain(self) -> None:
         """Wait for every collective in flight (unshard, reduce, HSDP replicate stage)."""

@@ -60,3 +60,50 @@ def requires_gradient_sync(model: nn.Module) -> bool:
             if not group.reduce_grads:
                 return False
     return True
+
+
+def finish_aborted_backward(model: nn.Module) -> bool:
+    """Run FSDP2's end-of-backward callback if a backward that queued it raised before it ran.
+
+    FSDP2 queues that callback on the autograd engine at the first pre-backward hook; when
+    backward raises, the engine drops it and FSDP2 stays mid-backward (parameters unsharded,
+    ``post_backward_final_callback_queued`` left True, so no later backward queues it again
+    and every later gradient goes wrong). Running it here reduces what the aborted backward
+    left and returns every group to idle; ``Muon.zero_grad`` then drops those gradients.
+    Collective when it runs (every rank raised at the same point). Returns whether it ran.
+    """
+    ran = False
+    for module in fsdp_modules(model):
+        state = module._get_fsdp_state()
+        ctx = getattr(state, "_state_ctx", None)
+        if not getattr(state, "_is_root", False) or ctx is None:
+            continue
+        if not hasattr(ctx, "post_backward_final_callback_queued") or not hasattr(
+            state, "_root_post_backward_final_callback"
+        ):
+            raise RuntimeError(
+                "dmuon_compile cannot find FSDP2's end-of-backward state on this torch version; "
+                "update dmuon_compile/distributed/_fsdp_compat.py for it."
+            )
+        if ctx.post_backward_final_callback_queued:
+            state._root_post_backward_final_callback()
+            ran = True
+    return ran
+
+
+def compute_dtypes(model: nn.Module) -> set:
+    """The dtypes FSDP2 computes ``model``'s parameters in: each ``fully_shard`` call's
+    ``MixedPrecisionPolicy.param_dtype``, or its parameters' own dtype without one."""
+    dtypes = set()
+    for module in fsdp_modules(model):
+        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+        dtype = getattr(policy, "param_dtype", None)
+        if dtype is not None:
+            dtypes.add(dtype)
+            continue
+        for group in _param_groups(module):
+            for fsdp_param in getattr(group, "fsdp_params", []) if group is not None else []:
+                sharded = getattr(fsdp_param, "sharded_param", None)
+                if sharded is not None and sharded.is_floating_point():
+                    dtypes.add(sharded.dtype)
+    return dtypes

@@ -71,6 +71,20 @@ class OwnerTensor(DTensor):
                 return out
         return _rewrap(super().__torch_dispatch__(func, types, args, kwargs))
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch 2.11 dispatches every DTensor subclass through DTensor's C++ fast path, which
+        # never calls __torch_dispatch__ above: the same handlers and re-wrapping, one level
+        # up (torch 2.13 reaches both; the clip ops are then handled here first).
+        kwargs = kwargs or {}
+        handler = _CLIP_FUNCTIONS.get(func)
+        if handler is not None:
+            done, out = handler(args, kwargs)
+            if done:
+                return out
+        with torch._C.DisableTorchFunctionSubclass():
+            return _rewrap(func(*args, **kwargs))
+
 
 def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
     """Record the data-parallel mesh (FSDP2's) that owner ``mesh``'s norms are given on."""
@@ -171,6 +185,15 @@ _CLIP_OPS = {
     _aten._foreach_mul_.Scalar: _foreach_mul_,
     _aten.mul_.Tensor: _mul_,
     _aten.mul_.Scalar: _mul_,
+}
+
+
+# The same handlers at the torch-function level (what clip_grad_norm_ calls).
+_CLIP_FUNCTIONS = {
+    torch._foreach_norm: _foreach_norm,
+    torch.linalg.vector_norm: _vector_norm,
+    torch._foreach_mul_: _foreach_mul_,
+    Tensor.mul_: _mul_,
 }
 
 

@@ -119,7 +119,7 @@ class ReplicateStage:
         scale = self.shard_size * self.replicate_size
         for works, column_grads in self.pending_reduce:
             for w in works:
-                w.wait()
+                C.wait(w, "the HSDP gradient reduce to the global owners", self.pg)
             offset = 0
             for p in self.params:
                 if p.owns:
@@ -130,6 +130,13 @@ class ReplicateStage:
                     )
                     p.accumulate_grad(g.div_(scale))
                 offset += p.numel
+        self.pending_reduce.clear()
+
+    def discard_reduces(self) -> None:
+        """Wait for the reduces in flight and drop their results."""
+        for works, _ in self.pending_reduce:
+            for w in works:
+                C.wait(w, "the HSDP gradient reduce to the global owners", self.pg)
         self.pending_reduce.clear()
 
     # ------------------------------------------------------------------ publish
@@ -161,7 +168,7 @@ class ReplicateStage:
                 before = torch.cuda.Event(enable_timing=True)
                 before.record()
         for w in self.publish_works:
-            w.wait()
+            C.wait(w, "the HSDP replicate broadcast of the new weights", self.pg)
         self.publish_works = []
         if profile is not None:
             profile.publish_wait_s += time.perf_counter() - t0

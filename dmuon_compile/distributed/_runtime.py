@@ -47,7 +47,12 @@ import torch
 from torch import Tensor, nn
 
 from dmuon_compile.distributed import _fsdp_compat
-from dmuon_compile.distributed._dedicated_group import SHARDED, UNSHARDED, DedicatedGroup
+from dmuon_compile.distributed._dedicated_group import (
+    SHARDED,
+    UNSHARDED,
+    UNSHARDING,
+    DedicatedGroup,
+)
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 
@@ -69,7 +74,7 @@ def iter_tensors(obj, _depth: int = 0) -> Iterator[Tensor]:
             yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
     return graph_task_id is not None and graph_task_id() != -1
 
@@ -103,12 +108,14 @@ class DedicatedRuntime:
         self._backward_queued = False
         self._sync: bool | None = None
         self._reducing: list[DedicatedGroup] = []
+        self._reduces_issued = 0  # how many groups of this backward's reduce order reduced
         self._order_frozen = False  # forward_order is complete once a backward has run
         self._last_done = False  # the last group of a forward ran since the first group did
         self.handles: list = []
         self.replicated = any(g.replicate is not None for g in groups)
         self._publish_due = False  # a synchronising backward ran and nothing published since
         self._published_early: set[int] = set()  # groups Muon.step published mid-step
+        self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         for group in groups:
             group.record_profile = record_profile
             self._install(group)
@@ -170,11 +177,30 @@ class DedicatedRuntime:
         j = i + step
         return self.forward_order[j] if 0 <= j < len(self.forward_order) else None
 
+    def check_compute_dtypes(self) -> None:
+        """Note a dedicated compute dtype FSDP2 does not compute in (``Muon(model)`` calls it):
+        outside autocast the forward would then fail deep in ``F.linear``, naming neither."""
+        theirs = _fsdp_compat.compute_dtypes(self.model)
+        ours = {g.compute_dtype for g in self.groups}
+        if theirs and not ours <= theirs:
+            self.dtype_mismatch = (
+                f"dmuon_compile: dedicated weights compute in {sorted(map(str, ours))} but "
+                f"FSDP2 computes the rest of the model in {sorted(map(str, theirs))}, so "
+                "activations and weights meet in different dtypes. Fix: give both the same "
+                "dtype, e.g. fully_shard(..., mp_policy=MixedPrecisionPolicy("
+                "param_dtype=torch.bfloat16)) next to dmuon.ParamPolicy(defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16)), or "
+                "drop param_policy=; or run the forward under torch.autocast."
+            )
+
     def _pre_forward(self, group: DedicatedGroup) -> None:
-        if not _in_backward():
+        if self.dtype_mismatch is not None and not torch.is_autocast_enabled(
+            self.groups[0].device.type
+        ):
+            raise RuntimeError(self.dtype_mismatch)
+        if not in_backward():
             # No backward is running, so none can be pending: forget one that raised before
             # its end-callback ran.
-            self._backward_queued, self._sync = False, None
+            self._backward_queued, self._sync, self._reduces_issued = False, None, 0
             if self._publish_due:  # weights changed by something other than Muon(model).step
                 self.publish(wait=False)
             if self._last_done and group is self.forward_order[0]:
@@ -187,18 +213,20 @@ class DedicatedRuntime:
         if id(group) not in self._index:
             self._index[id(group)] = len(self.forward_order)
             self.forward_order.append(group)
+        if torch.is_grad_enabled() and not in_backward():
+            group.ran_forward = True  # its backward (and reduce) is due
         group.wait_unshard()
         nxt = self._neighbour(group, +1)
         if nxt is not None and nxt.state == SHARDED:
             nxt.unshard(prefetch=True)
 
     def _post_forward(self, group: DedicatedGroup, output) -> None:
-        if self._order_frozen and group is self.forward_order[-1] and not _in_backward():
+        if self._order_frozen and group is self.forward_order[-1] and not in_backward():
             self._last_done = True
         if not torch.is_grad_enabled():
             group.reshard()  # no backward follows (eval): never keep weights a step could stale
             return
-        if not group.reshard_after_forward or _in_backward():
+        if not group.reshard_after_forward or in_backward():
             # Activation-checkpoint recomputation runs forwards inside backward: the weights are
             # about to be used, and the end-of-backward callback frees them.
             return
@@ -220,19 +248,44 @@ class DedicatedRuntime:
 
     def _pre_backward(self, group: DedicatedGroup) -> None:
         self._queue_backward_end()
+        # Backward reached this group's output: every group after it in forward order is done.
+        # Their reduces go out now if they are still waiting for a gradient that will not come
+        # (a weight unused on this rank), before this group's prefetch: the collective order
+        # stays the same on every rank whichever weights each rank used.
+        i = self._index.get(id(group))
+        if i is not None and self._sync_on():
+            self._issue_reduces(until=self._position_in_reduce_order(i))
         group.wait_unshard()
         prev = self._neighbour(group, -1)
         if prev is not None and prev.state == SHARDED and prev.reshard_after_forward:
             prev.unshard(prefetch=True)
 
-    def _on_grad(self, group: DedicatedGroup, param: DedicatedParam) -> None:
-        self._queue_backward_end()
+    def _sync_on(self) -> bool:
         if self._sync is None:
             self._sync = _fsdp_compat.requires_gradient_sync(self.model)
-        if not self._sync:
-            return  # gradient accumulation: the grads stay on the unsharded leaves
-        group.grads_ready.add(id(param))
-        if len(group.grads_ready) == len(group.params):
+        return self._sync
+
+    def _reduce_order(self) -> list[DedicatedGroup]:
+        """The groups whose forward ran this iteration, last first: the backward order, the
+        order in which every rank issues their reduces (whichever weights got gradients)."""
+        return [g for g in reversed(self.forward_order) if g.ran_forward]
+
+    def _position_in_reduce_order(self, forward_index: int) -> int:
+        """How many groups of the reduce order come after forward position ``forward_index``."""
+        return sum(1 for g in self.forward_order[forward_index + 1 :] if g.ran_forward)
+
+    def _issue_reduces(self, until: int | None = None, ready: DedicatedGroup | None = None) -> None:
+        """Issue, in reduce order, every reduce not issued yet that may go now: the first
+        ``until`` groups of the order unconditionally, the others once all their gradients
+        arrived (``ready`` just got its last one)."""
+        order = self._reduce_order()
+        limit = len(order) if until is None else until
+        while self._reduces_issued < len(order):
+            group = order[self._reduces_issued]
+            complete = len(group.grads_ready) == len(group.params)
+            if self._reduces_issued >= limit and not complete:
+                return
+            self._reduces_issued += 1
             group.reduce_grads()
             group.reshard()
             # Keep one reduce in flight (FSDP2 does the same with its reduce-scatters): finishing
@@ -243,16 +296,27 @@ class DedicatedRuntime:
                     other.finish_reduce()
             self._reducing = [group]
 
+    def _on_grad(self, group: DedicatedGroup, param: DedicatedParam) -> None:
+        self._queue_backward_end()
+        if not self._sync_on():
+            return  # gradient accumulation: the grads stay on the unsharded leaves
+        group.grads_ready.add(id(param))
+        if len(group.grads_ready) == len(group.params):
+            self._issue_reduces(until=0)
+
     def _post_backward(self) -> None:
         self._backward_queued = False
         self._last_done = False  # everything below is resharded anyway
         self._order_frozen = bool(self.forward_order)
+        sync = bool(self._sync)
+        if sync:
+            # Every group that ran forward reduces, in the same order on every rank; weights
+            # this rank did not use contribute zeros (the reference gradient's meaning).
+            self._issue_reduces()
         self._reducing = []
-        sync = self._sync
         self._sync = None
+        self._reduces_issued = 0
         for group in self.groups:
-            if sync and group.grads_ready:  # some parameters got no gradient: reduce zeros for them
-                group.reduce_grads()
             group.drain()
             if group.state == UNSHARDED or group.reshard_after_forward is False:
                 group.reshard()
@@ -264,8 +328,34 @@ class DedicatedRuntime:
                     if not p.owns and p.param.grad is None:
                         p.accumulate_grad(None)
                 group.reduced = False
+            if sync:
+                group.ran_forward = False
         if sync and self.replicated:
             self._publish_due = True
+
+    def discard_backward(self) -> None:
+        """Drop every gradient still in flight or on the compute copies (``Muon.zero_grad``).
+
+        After an exception in forward or backward, reduces already issued would otherwise land
+        on the owners' gradients later, and the compute copies' local gradients would join the
+        next backward's. The collectives in flight are waited for (every rank issued them) and
+        their results discarded; the HSDP publish of the last step is kept (it carries the
+        weights, not gradients). Cheap when nothing is pending (the normal place of
+        ``zero_grad``).
+        """
+        for group in self.groups:
+            if group.state == UNSHARDING:
+                group.wait_unshard()
+            group.discard_reduces()
+            for p in group.params:
+                p.unsharded.grad = None
+            group.grads_ready.clear()
+            group.reduced = False
+            group.ran_forward = False
+            group.reshard()
+        self._backward_queued, self._sync, self._reducing = False, None, []
+        self._reduces_issued = 0
+        self._last_done = False
 
     # ------------------------------------------------------------------ HSDP publish
     @torch.compiler.disable  # eager and identical on every rank, even under a compiled step

@@ -16,6 +16,7 @@ a copy that the replicate broadcast refreshes after each step (see ``_replicate.
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from collections.abc import Callable
 
@@ -38,16 +39,33 @@ from dmuon_compile.log import env_flag
 PROFILE_ENV = "DMUON_RECORD_FORWARD_PROFILE"
 
 
-def _default_predicate(name: str, param: Tensor, module: nn.Module) -> bool:
-    from dmuon_compile.optimizer import default_muon_predicate
-
-    return default_muon_predicate(name, param, module)
-
-
-def _call_predicate(predicate, name: str, param: Tensor, module: nn.Module) -> bool:
+def _call_predicate(predicate, name: str, param: Tensor, modules: list[nn.Module]) -> bool:
     if predicate is None:
-        return _default_predicate(name, param, module)
+        from dmuon_compile.optimizer import default_muon_predicate, routing_module
+
+        return default_muon_predicate(name, param, routing_module(modules))
     return bool(predicate(name, param))
+
+
+def _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout) -> None:
+    """Bad arguments fail here, naming the argument and the fix, before anything changes."""
+    for arg, value, form in (
+        ("predicate", predicate, "lambda name, param: name.endswith('proj.weight')"),
+        ("hook_boundary_predicate", hook_boundary_predicate, "lambda name, module: ..."),
+        ("layer_id_fn", layer_id_fn, "lambda fqn: fqn.split('.')[1]"),
+    ):
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"dedicate_params: {arg} must be a callable or None, got "
+                f"{type(value).__name__} {value!r}; e.g. {arg}={form}"
+            )
+    if timeout is not None and (
+        not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0
+    ):
+        raise ValueError(
+            f"dedicate_params: timeout must be a positive datetime.timedelta, got {timeout!r}; "
+            "e.g. timeout=datetime.timedelta(minutes=5)"
+        )
 
 
 def _no_match_warning(model: nn.Module) -> None:
@@ -86,6 +104,19 @@ def _boundary_module(
     return parent, model.get_submodule(parent)
 
 
+def _check_boundary_runs(fqn: str, path: str, module: nn.Module) -> None:
+    """A hook group's module must run forward, or its weights are never gathered."""
+    if type(module).forward is nn.Module.forward:  # ModuleList, ModuleDict: no forward of their own
+        raise ValueError(
+            f"dedicate_params: {fqn} would be gathered by the forward hooks of "
+            f"{path or '<root>'!r}, a {type(module).__name__}, which never runs forward (its "
+            "children are called one by one), so the weight would never be gathered. Fix: pass "
+            "hook_boundary_predicate=lambda name, module: <True for modules that run forward, "
+            "e.g. the parameter's own module>, or layer_id_fn= mapping the name to such a "
+            "module's path."
+        )
+
+
 def _check_plan_identical(plan, pg, device, rank: int, axis: str = "shard") -> None:
     digests = C.all_gather_digests(plan.digest(), pg, device)
     if len(set(digests)) != 1:
@@ -111,6 +142,7 @@ def dedicate_params(
     hook_boundary_predicate: Callable[[str, nn.Module], bool] | None = None,
     layer_id_fn: Callable[[str], str | None] | None = None,
     reshard_after_forward: bool = True,
+    timeout: datetime.timedelta | None = None,
 ) -> dict[str, int]:
     """Give each selected matrix one owner rank; keep it out of FSDP2; install the hooks.
 
@@ -138,6 +170,9 @@ def dedicate_params(
         layer_id_fn: ``fqn -> layer id`` override for the owner plan and the default groups.
         reshard_after_forward: free the unsharded weights after each group's forward (and
             gather them again in backward); ``False`` keeps them until the end of backward.
+        timeout: timeout of the runtime's own process groups (a frozen or dead peer makes
+            every survivor raise after it, naming the collective). Default: the default
+            process group's, i.e. ``init_process_group(timeout=...)``.
 
     Returns:
         ``{fqn: owner rank}`` for every dedicated parameter: ranks of ``mesh``; with HSDP the
@@ -163,6 +198,7 @@ def dedicate_params(
     """
     if getattr(model, PLAN_ATTR, None) is not None:
         raise RuntimeError("dedicate_params was already called on this model (call it once)")
+    _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout)
     mesh_checks.check_shard_mesh(mesh)
     mesh_checks.check_replicate_mesh(mesh, replicate_mesh)
     if _fsdp_compat.fsdp_modules(model):
@@ -179,7 +215,7 @@ def dedicate_params(
     selected = [
         (name, p)
         for name, p in model.named_parameters()
-        if p.requires_grad and _call_predicate(predicate, name, p, module_of[id(p)][0])
+        if p.requires_grad and _call_predicate(predicate, name, p, module_of[id(p)])
     ]
     if not selected:
         _no_match_warning(model)
@@ -198,12 +234,15 @@ def dedicate_params(
             raise ValueError(
                 f"dedicate_params: {name} is on the meta device; materialise the model first"
             )
+        _check_boundary_runs(
+            name, *_boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
+        )
 
     # Communicators of our own: FSDP2's collectives on the mesh's groups never queue behind ours.
-    pg = C.private_group(mesh)
+    pg = C.private_group(mesh, timeout)
     rank, world = mesh.get_local_rank(), mesh.size()
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
-    rep_pg = C.private_group(replicate_mesh) if replicas > 1 else None
+    rep_pg = C.private_group(replicate_mesh, timeout) if replicas > 1 else None
     rep_rank = replicate_mesh.get_local_rank() if replicas > 1 else 0
     device = (
         torch.device(mesh.device_type, torch.cuda.current_device())

@@ -46,7 +46,9 @@ def _restore(obj):
     return obj
 
 
-def _worker(fn, rank, world_size, port, args, env, results, backend="gloo"):
+def _worker(fn, rank, world_size, port, args, env, results, backend="gloo", pg_timeout_s=None):
+    import datetime
+
     import torch.distributed as dist
 
     os.environ.update(env)
@@ -61,7 +63,10 @@ def _worker(fn, rank, world_size, port, args, env, results, backend="gloo"):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        kwargs = {}
+        if pg_timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=pg_timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", _portable(out)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the parent
@@ -134,6 +139,55 @@ def run_ranks(
         rank = min(errors)
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
     return [_restore(got[r][1]) for r in range(world_size)]
+
+
+def run_ranks_with_victim(
+    fn, world_size: int, victim: int, *args, timeout: float, pg_timeout_s: float
+) -> dict:
+    """Run ``fn`` where rank ``victim`` is expected to die or freeze (it kills or stops itself):
+    ``{rank: result}`` of every other rank, each of which must report within ``timeout``.
+    The process group gets ``pg_timeout_s``; every process is killed at the end."""
+    import time
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, args, {}, results, "gloo", pg_timeout_s),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    got: dict[int, tuple] = {}
+    survivors = set(range(world_size)) - {victim}
+    try:
+        while not survivors <= set(got):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"survivors {sorted(survivors - set(got))} did not finish within "
+                    f"{timeout:.0f}s after rank {victim} died or froze: a hang"
+                )
+            try:
+                rank, status, payload = results.get(timeout=min(left, 1.0))
+                got[rank] = (status, payload)
+            except queue.Empty:
+                continue
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()  # SIGKILL also ends a SIGSTOPped process
+                p.join(timeout=5)
+    errors = {r: msg for r, (st, msg) in got.items() if st == "error" and r in survivors}
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+    return {r: _restore(got[r][1]) for r in survivors}
 
 
 def run_ranks_expect_errors(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> dict:

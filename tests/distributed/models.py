@@ -113,6 +113,11 @@ class BlockOutput:
     aux: tuple
 
 
+# A pytree node, as transformers registers its ModelOutput: FSDP2 on torch 2.11 finds the tensors
+# of an output by tree_flatten (2.13 also looks into unregistered dataclasses).
+torch.utils._pytree.register_dataclass(BlockOutput)
+
+
 class OutputBlock(nn.Module):
     def __init__(self, dim: int = D) -> None:
         super().__init__()
