@@ -262,3 +262,11 @@ def test_unnamed_mesh_raises():
         assert text is not None and "ValueError" in text
         assert "DMuon requires named DeviceMesh for TP detection" in text
         assert 'mesh_dim_names=("dp", "tp")' in text
+
+
+def test_tp_size_one_is_plain_dedication():
+    """dp 2 × tp 1: the TP stage has nothing to gather; training equals one process."""
+    results = run_ranks(train_tp, 2, 2, 1, 1, 3, True, env=PROFILE, timeout=200)
+    ref_losses, ref_state = reference(2, steps=3)
+    _check(results, ref_losses, ref_state)
+    assert results[0]["comm"]["gather_bytes_per_step"] == 0
