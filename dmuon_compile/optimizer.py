@@ -521,6 +521,9 @@ class Muon(torch.optim.Optimizer):
         """
         from dmuon_compile.compiled_step import run_group_step
 
+        tp = getattr(_replicated_runtime(self.model), "tp", None)
+        if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (``_tp.py``)
+            params, grads, bufs = tp.step(self, group, params, grads, bufs, self.replicate_async)
         params, grads, bufs = _owned_locals(params, grads, bufs)
         if not params:
             return
@@ -555,11 +558,12 @@ def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, li
 
 
 def _replicated_runtime(model: nn.Module | None):
-    """The HSDP runtime ``dedicate_params`` attached to ``model`` (``None`` without HSDP)."""
+    """The HSDP/TP runtime ``dedicate_params`` attached to ``model`` (``None`` without either)."""
     from dmuon_compile.dedicated_registry import PLAN_ATTR
 
     runtime = getattr(model, PLAN_ATTR, None) if model is not None else None
-    return runtime if getattr(runtime, "replicated", False) else None
+    wanted = getattr(runtime, "replicated", False) or getattr(runtime, "tp", None) is not None
+    return runtime if wanted else None
 
 
 def _local(t: Tensor) -> Tensor:

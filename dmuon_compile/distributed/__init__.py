@@ -5,7 +5,8 @@ Files, one concept each (FSDP2's layout): ``dedicate.py`` (entry point), ``owner
 ``_dedicated_param.py`` (one parameter's life), ``_dedicated_group.py`` (a group's buffers and
 collectives), ``_collectives.py`` (the collective calls), ``_runtime.py`` (hooks),
 ``_fsdp_compat.py`` (what is read from FSDP2), ``diagnostics.py``, ``_replicate.py`` (HSDP:
-gradients to the one global owner over the replicate group, the post-step replicate broadcast).
+gradients to the one global owner over the replicate group, the post-step replicate broadcast),
+``_tp.py`` (TP: NS on the whole TP-sharded matrix on its TP owner, the update scattered back).
 
 HSDP in four lines (the seed's order; every matrix is orthogonalised once in the whole job)::
 

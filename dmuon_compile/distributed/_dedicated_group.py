@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._replicate import ReplicateStage
 
 # Padding above this fraction of the group's bytes makes the group use broadcast/reduce.
@@ -88,6 +89,7 @@ class DedicatedGroup:
     replicate: ReplicateStage | None = None  # HSDP replicate stage (None in 1-D)
     reduced: bool = False  # a reduce was issued in the current backward
     ran_forward: bool = False  # its forward ran since the last synchronising backward
+    tp: object | None = None  # TP stage (``_tp.py``) when the group holds TP shards
 
     # ------------------------------------------------------------------ layout
     def build(self) -> None:
@@ -159,6 +161,8 @@ class DedicatedGroup:
             self._issue_unshard(prefetch)
 
     def _issue_unshard(self, prefetch: bool) -> None:
+        if self.tp is not None:  # TP: the last step's update shards land in the masters first
+            self.tp.wait_group(self)
         if self.replicate is not None:
             self.replicate.wait_publish(self.profile if self.record_profile else None)
         flat = self.flat
@@ -246,7 +250,7 @@ class DedicatedGroup:
         for p in self.params:
             g = p.unsharded.grad
             if g is not None:
-                grads[p.offset : p.offset + p.numel].copy_(g.reshape(-1))
+                grads[p.offset : p.offset + p.numel].copy_(local_of(g).reshape(-1))
             p.unsharded.grad = None
         if self.mode == "all_gather":
             out = torch.empty(self.padded_chunk, dtype=self.reduce_dtype, device=self.device)

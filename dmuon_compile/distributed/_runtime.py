@@ -116,6 +116,7 @@ class DedicatedRuntime:
         self._publish_due = False  # a synchronising backward ran and nothing published since
         self._published_early: set[int] = set()  # groups Muon.step published mid-step
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
+        self.tp = None  # TP stage (``_tp.py``): gather → NS on the TP owner → scatter
         for group in groups:
             group.record_profile = record_profile
             self._install(group)
@@ -134,6 +135,10 @@ class DedicatedRuntime:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``[(fqn, registered parameter)]``: the same list on every rank."""
         return [(p.fqn, p.param) for p in self.params]
+
+    def attach_tp(self, stage) -> None:
+        self.tp = stage
+        stage.record_profile = self.record_profile
 
     def _after_load(self, _module, _incompatible) -> None:
         self._publish_due = True
@@ -391,6 +396,8 @@ class DedicatedRuntime:
     def before_step(self) -> None:
         """Called by ``Muon.step`` first: the masters are a broadcast source until it finished."""
         self.wait_publish()
+        if self.tp is not None:  # a step without a forward since the last: apply its updates
+            self.tp.drain()
         self._published_early = set()
 
     def early_group(self) -> DedicatedGroup | None:
@@ -444,8 +451,11 @@ class DedicatedRuntime:
     # ------------------------------------------------------------------ draining
     def wait_all(self) -> None:
         """Finish every collective in flight and free every unsharded buffer."""
+        if self.tp is not None:
+            self.tp.drain()
         for group in self.groups:
             group.drain()
             group.reshard()
             group.grads_ready.clear()
         self._backward_queued, self._sync, self._reducing = False, None, []
+        self._reduces_issued = 0

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from dmuon_compile.dedicated_registry import PLAN_ATTR
 from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed import _fsdp_compat, mesh_checks
+from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._holder import make_holder
@@ -220,7 +220,7 @@ def dedicate_params(
     if not selected:
         _no_match_warning(model)
         return {}
-    mesh_checks.check_tp_params(selected, mesh)
+    tp = _tp.detect_tp(selected, mesh, replicate_mesh)  # None without TP-sharded weights
     for name, p in selected:
         if p.ndim < 2:
             raise ValueError(
@@ -250,7 +250,15 @@ def dedicate_params(
         else torch.device(mesh.device_type)
     )
     specs = [MatrixSpec(n, tuple(p.shape), p.element_size()) for n, p in selected]
-    plan = plan_owners(specs, replicas * world, layer_id_fn=layer_id_fn)
+    if tp is None:
+        plan, tp_plan = plan_owners(specs, replicas * world, layer_id_fn=layer_id_fn), None
+    else:  # owners over DP × TP slots: shard t of a matrix has the same DP owner on every t
+        tp_fqns = {n for n, p in selected if isinstance(p, _tp.DTensor)}
+        plan, tp_plan = _tp.plan_tp_owners(
+            specs, replicas * world, tp.size, tp_fqns, layer_id_fn=layer_id_fn
+        )
+        tp_pg = C.private_group(tp.mesh, timeout)
+        _check_plan_identical(plan, tp_pg, device, tp.rank, axis="tp")
     plan.replicate_size = replicas
     _check_plan_identical(plan, pg, device, rank)
     if rep_pg is not None:  # shard groups and replicate groups together connect every rank
@@ -259,7 +267,7 @@ def dedicate_params(
 
     record = env_flag(PROFILE_ENV, False)
     # Global rank of each (shard rank, replica rank): the owners' one-rank meshes use it.
-    dp_mesh = mesh if replicate_mesh is None else mesh_checks._root(mesh)
+    dp_mesh = _tp.dp_grid_mesh(mesh, replicate_mesh)
     rank_grid = dp_mesh.mesh.reshape(replicas if replicate_mesh is not None else 1, world)
     params: list[DedicatedParam] = []
     initial: dict[str, Tensor] = {}  # this rank's whole copy (owner column), on the device
@@ -270,13 +278,21 @@ def dedicate_params(
         attr = name.rsplit(".", 1)[-1]
         param_dtype, reduce_dtype = resolve_dtypes(p.dtype, param_policy, compute_dtype)
         rep_owner, owner = divmod(owners[name], world)
-        dp = DedicatedParam(
-            name, module, attr, owner, p.shape, p.dtype, param_dtype, replica_owner=rep_owner
-        )
-        if owner == rank:
-            initial[name] = p.detach().to(device)
+        if tp is not None and name in tp_plan.tp_owner:
+            dp = _tp.make_tp_param(
+                name, module, attr, owner, p, p.dtype, param_dtype, rep_owner,
+                tp_plan.tp_owner[name], tp, _tp.owner_group_ranks(tp, rank_grid, rep_owner, owner),
+            )  # fmt: skip
+            if owner == rank:
+                initial[name] = p.to_local().detach().to(device)
         else:
-            p.data = torch.empty(0, dtype=p.dtype, device=device)  # free the non-owner copy
+            dp = DedicatedParam(
+                name, module, attr, owner, p.shape, p.dtype, param_dtype, replica_owner=rep_owner
+            )
+            if owner == rank:
+                initial[name] = p.detach().to(device)
+            else:
+                p.data = torch.empty(0, dtype=p.dtype, device=device)  # free the non-owner copy
         params.append(dp)
         path, bmod = _boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
         key = (path, param_dtype, reduce_dtype)
@@ -326,6 +342,8 @@ def dedicate_params(
     runtime = DedicatedRuntime(
         model, plan, params, groups, mesh, rank, world, record, replicate_mesh
     )
+    if tp is not None:
+        runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, model, replicas > 1))
     setattr(model, PLAN_ATTR, runtime)
     return owners
 

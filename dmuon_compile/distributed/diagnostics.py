@@ -54,6 +54,7 @@ def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
                     "replica_here": dp.replica is not None,
                     "bytes": nbytes,
                     "in_optimizer": in_opt.get(id(dp.param)),
+                    **_tp_fields(dp),
                 }
             )
     dedicated = {dp.fqn for dp in runtime.params} if runtime is not None else set()
@@ -160,8 +161,33 @@ def summarize_comm_plan(model: nn.Module) -> dict:
         "bytes_per_owner": {str(r): v for r, v in enumerate(plan.byte_loads())},
         "forward_order": [g.name for g in runtime.forward_order],
         "replicate": _replicate_summary(runtime, groups),
+        "tp": _tp_summary(runtime),
         "groups": groups,
     }
+
+
+def _tp_fields(dp) -> dict:
+    """TP shard rows: ``shape`` is the local shard's; the TP owner runs NS on the whole matrix."""
+    if not hasattr(dp, "tp_owner"):
+        return {}
+    return {
+        "global_shape": list(dp.global_shape),
+        "placement": f"Shard({dp.shard_dim})",
+        "tp_owner": dp.tp_owner,
+    }
+
+
+def _tp_summary(runtime) -> dict | None:
+    """The TP stage: per matrix its DP owner, TP owner and whether NS runs here; this rank's
+    gather/scatter bytes per step; the NS balance over the DP × TP slots."""
+    stage = getattr(runtime, "tp", None)
+    if stage is None:
+        return None
+    out = stage.summary(runtime)
+    if stage.plan is not None:
+        out["balance"] = stage.plan.balance()
+        out["ns_flops_per_slot"] = {str(k): v for k, v in enumerate(stage.plan.slot_flops)}
+    return out
 
 
 def _replicate_summary(runtime, groups: list[dict]) -> dict | None:
@@ -203,6 +229,11 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = True) 
     the previous compute did not hide), ``publish_wait_s`` (host) and ``publish_stall_s`` (CUDA
     stream stall, events).
 
+    TP adds ``tp``: ``gathers``/``gather_bytes`` and ``scatters``/``scatter_bytes`` of the TP
+    stage (bytes this rank sent to / received from TP owners), ``waits`` (forward unshards that
+    applied a pending update scatter, ``replicate_async=True``), ``not_ready`` (of those, the
+    ones whose scatter had not finished) and host ``wait_s``.
+
     Example::
 
         profile = dmuon.collect_forward_unshard_profile(model, synchronize=True)
@@ -230,6 +261,9 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = True) 
     out = {"enabled": True, "rank": runtime.rank, "groups": groups, "total": total or {}}
     if runtime.replicated:
         out["replicate_rank"] = runtime.replicate_mesh.get_local_rank()
+    stage = getattr(runtime, "tp", None)
+    if stage is not None:  # TP: gathers/scatters and the forwards that waited for a scatter
+        out["tp"] = dict(vars(stage.profile))
     return out
 
 

@@ -1,4 +1,5 @@
-"""Mesh validation for ``dedicate_params``: shard mesh, HSDP replicate mesh, TP detection."""
+"""Mesh validation for ``dedicate_params``: shard mesh, HSDP replicate mesh (TP detection:
+``_tp.detect_tp``, with :data:`TP_ERROR`)."""
 
 from __future__ import annotations
 
@@ -71,18 +72,3 @@ def check_replicate_mesh(mesh: DeviceMesh, replicate_mesh) -> None:
     names = tuple(rep_root.mesh_dim_names or ())
     if names[:2] != ("replicate", "shard"):
         raise ValueError(f"{message}\n(parent mesh names {names or None})")
-
-
-def check_tp_params(named_params, shard_mesh: DeviceMesh) -> None:
-    """Selected DTensor (TP) parameters need named meshes; TP dedication itself is not built yet."""
-    for name, p in named_params:
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is None:
-            continue
-        if mesh.mesh_dim_names is None or shard_mesh.mesh_dim_names is None:
-            raise ValueError(f"{TP_ERROR}\n(parameter {name} is a DTensor on an unnamed mesh)")
-        raise NotImplementedError(
-            f"dedicate_params: {name} is a DTensor (tensor-parallel, mesh dims "
-            f"{mesh.mesh_dim_names}); dedicating TP-sharded parameters is not implemented yet. "
-            "Exclude it with predicate= (it then stays under FSDP2 and gets AdamW)."
-        )

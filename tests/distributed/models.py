@@ -34,12 +34,12 @@ class Attention(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
 
-        def split(y):
-            return y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        def split(y):  # -1: the local heads when q/k/v are column-parallel (TP)
+            return y.view(b, t, -1, d // self.heads).transpose(1, 2)
 
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,272 @@
+"""Tensor parallelism with dedicated weights: NS on the whole TP-sharded matrix, once per step.
+
+``parallelize_module`` (colwise q/k/v/gate/up, rowwise o/down) → ``dedicate_params(mesh["dp"])``
+→ ``fully_shard`` on gloo: 2 ranks (dp 1 × tp 2), 4 ranks (dp 2 × tp 2) and 8 ranks
+(replicate 2 × shard 2 × tp 2) train like one process with the reference ``Muon`` and the global
+batch (fp32 NS, tolerances as in test_dedicated_training). Controls: Newton–Schulz blockwise on
+the TP shards misses the reference. ``replicate_async=True`` and ``False`` give bit-identical
+losses; a double ``step()`` without a forward between stays exact; the mesh errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import models
+from .harness import run_ranks, run_ranks_expect_errors
+from .test_dedicated_training import HYPER, _ns
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
+
+STEPS = 10
+REL = 1e-5  # per-step loss, relative
+WEIGHT_ATOL = 2e-4
+
+
+def tp_plan(layers: int = models.LAYERS, attention: bool = True) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(layers):
+        if attention:  # False: attention stays plain (replicated over TP), dedicated per TP rank
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                plan[f"layers.{i}.{name}"] = ColwiseParallel()
+            plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"layers.{i}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def _muon(model, **kw):
+    import dmuon_compile as dmuon
+
+    return dmuon.Muon(model, ns_backend=_ns(), compile=False, **HYPER, **kw)
+
+
+def reference(dp: int, steps: int = STEPS, double_at: int | None = None):
+    """One process: the same model, the whole global batch (dp × 2 samples), reference Muon."""
+    model = models.build_llama()
+    opt = _muon(model, predicate=models.proj_predicate)
+    losses = []
+    for i, x in enumerate(models.batches(steps, dp)):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        if i == double_at:
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _whole_state(model) -> dict:
+    """Every parameter whole on every rank (TP shards summed in from their owners)."""
+    import torch.distributed as dist
+
+    from dmuon_compile.distributed import _tp, dedicated_runtime
+
+    runtime = dedicated_runtime(model)
+    runtime.wait_all()
+    tp = {p.fqn: p for p in runtime.params if isinstance(p, _tp.TPDedicatedParam)}
+    plain = {p.fqn: p for p in runtime.params if p.fqn not in tp}
+    dp_group = runtime.mesh.get_group()
+    state = {}
+    for name, p in model.named_parameters():
+        if name in plain:  # one owner per TP column: broadcast inside this rank's DP group
+            dp = plain[name]
+            buf = dp.source.detach().clone() if dp.source is not None else torch.empty(dp.shape)
+            dist.broadcast(buf, src=dist.get_global_rank(dp_group, dp.owner), group=dp_group)
+            state[name] = buf
+            continue
+        if name not in tp:
+            state[name] = p.full_tensor().detach().clone()
+            continue
+        dp = tp[name]
+        whole = torch.zeros(dp.global_shape)
+        if dp.owns:  # the global owner group: one holder per shard in the whole job
+            t = runtime.tp.info.rank
+            whole.narrow(dp.shard_dim, t * dp.shape[dp.shard_dim], dp.shape[dp.shard_dim]).copy_(
+                dp.master
+            )
+        dist.all_reduce(whole)
+        state[name] = whole
+    return state
+
+
+def build_tp(rank, world, dp, tp, replicas=1, attention=True):
+    """The model on a (dp, tp) or (replicate, shard, tp) mesh in the documented order."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import dmuon_compile as dmuon
+
+    model = models.build_llama()
+    if replicas == 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], tp_plan(attention=attention))
+        dmuon.dedicate_params(model, mesh["dp"], predicate=models.proj_predicate)
+        fsdp_mesh, dp_rank = mesh["dp"], mesh["dp"].get_local_rank()
+    else:
+        mesh = init_device_mesh(
+            "cpu", (replicas, dp // replicas, tp), mesh_dim_names=("replicate", "shard", "tp")
+        )
+        parallelize_module(model, mesh["tp"], tp_plan())
+        dmuon.dedicate_params(
+            model,
+            mesh["shard"],
+            predicate=models.proj_predicate,
+            replicate_mesh=mesh["replicate"],
+        )
+        fsdp_mesh = mesh["replicate", "shard"]
+        dp_rank = (
+            mesh["replicate"].get_local_rank() * (dp // replicas) + mesh["shard"].get_local_rank()
+        )
+    for block in model.layers:
+        fully_shard(block, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
+    return model, dp_rank
+
+
+PROFILE = {"DMUON_RECORD_FORWARD_PROFILE": "1"}
+
+
+def train_tp(
+    rank,
+    world,
+    dp,
+    tp,
+    replicas=1,
+    steps=STEPS,
+    replicate_async=True,
+    control=None,
+    double_at=None,
+    attention=True,
+):
+    import torch.distributed as dist
+
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import dedicated_runtime
+
+    model, dp_rank = build_tp(rank, world, dp, tp, replicas, attention)
+    stage = dedicated_runtime(model).tp
+    if control == "blockwise":  # NS on each TP shard separately: a different update
+
+        def blockwise(mats, ns, size=stage.info.size):
+            from dmuon_compile import functional as F
+
+            out = []
+            for m in mats:
+                dim = 0 if m.shape[0] > m.shape[1] or m.shape[0] == m.shape[1] else 1
+                parts = F.orthogonalize(list(m.chunk(size, dim=dim)), ns)
+                out.append(torch.cat(parts, dim=dim))
+            return out
+
+        stage.orthogonalize = blockwise
+    opt = _muon(model, replicate_async=replicate_async)
+    losses = []
+    for i, x in enumerate(models.batches(steps, dp)):
+        per = x.shape[0] // dp
+        loss = model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean()
+        loss.backward()
+        opt.step()
+        if i == double_at:
+            opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # TP ranks hold the same loss: the mean over all is the DP mean
+        losses.append(mean.item() / world)
+    out = {
+        "losses": losses,
+        "state": _whole_state(model),
+        "comm": dmuon.summarize_comm_plan(model).get("tp"),
+        "profile": dmuon.collect_forward_unshard_profile(model, synchronize=True).get("tp"),
+    }
+    return out
+
+
+def _check(results, ref_losses, ref_state):
+    for r, res in enumerate(results):
+        for step, (a, b) in enumerate(zip(res["losses"], ref_losses)):
+            assert abs(a - b) <= REL * abs(b), (r, step, a, b)
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(
+                res["state"][name], ref, atol=WEIGHT_ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(1, 2), (2, 2)])
+def test_tp_matches_single_process(dp, tp):
+    results = run_ranks(train_tp, dp * tp, dp, tp, env=PROFILE, timeout=200)
+    ref_losses, ref_state = reference(dp)
+    _check(results, ref_losses, ref_state)
+    comm = results[0]["comm"]
+    assert comm["tp_size"] == tp and len(comm["matrices"]) == 7 * models.LAYERS
+    # NS once per matrix in the whole job: the NS matrices of all ranks add up to the matrices.
+    assert sum(r["comm"]["ns_matrices_here"] for r in results) == 7 * models.LAYERS
+
+
+def test_tp_mixed_with_plain_dedicated_weights():
+    """Only the MLP is TP-sharded: the attention matrices are plain weights of a TP model, each
+    TP rank orthogonalising its own copy (their cost counts on every TP slot of the column)."""
+    results = run_ranks(train_tp, 4, 2, 2, 1, 4, True, None, None, False, env=PROFILE, timeout=200)
+    ref_losses, ref_state = reference(2, steps=4)
+    _check(results, ref_losses, ref_state)
+    assert len(results[0]["comm"]["matrices"]) == 3 * models.LAYERS
+
+
+def test_tp_blockwise_control_misses():
+    results = run_ranks(train_tp, 2, 1, 2, 1, 4, True, "blockwise")
+    ref_losses, _ = reference(1, steps=4)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(results[0]["losses"], ref_losses))
+    assert worst > 100 * REL, worst
+
+
+def test_tp_sync_async_bit_identical_and_double_step():
+    a = run_ranks(train_tp, 2, 1, 2, 1, 4, True, env=PROFILE)
+    s = run_ranks(train_tp, 2, 1, 2, 1, 4, False, env=PROFILE)
+    assert a[0]["losses"] == s[0]["losses"]
+    for name in a[0]["state"]:
+        assert torch.equal(a[0]["state"][name], s[0]["state"][name]), name
+    # Async: each forward waited for the scatter of its groups' updates.
+    assert a[0]["profile"]["waits"] > 0 and s[0]["profile"]["waits"] == 0
+    d = run_ranks(train_tp, 2, 1, 2, 1, 4, True, None, 1)
+    ref_losses, ref_state = reference(1, steps=4, double_at=1)
+    _check(d, ref_losses, ref_state)
+
+
+def test_hsdp_tp_3d_matches_single_process():
+    results = run_ranks(train_tp, 8, 4, 2, 2, 6, True, timeout=300)
+    ref_losses, ref_state = reference(4, steps=6)
+    _check(results, ref_losses, ref_state)
+    assert sum(r["comm"]["ns_matrices_here"] for r in results) == 7 * models.LAYERS
+
+
+def _unnamed_mesh(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import dmuon_compile as dmuon
+
+    model = models.build_llama()
+    mesh = init_device_mesh("cpu", (world,))  # no mesh_dim_names
+    parallelize_module(model, mesh, tp_plan())
+    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
+
+
+def test_unnamed_mesh_raises():
+    errors = run_ranks_expect_errors(_unnamed_mesh, 2)
+    for text in errors.values():
+        assert text is not None and "ValueError" in text
+        assert "DMuon requires named DeviceMesh for TP detection" in text
+        assert 'mesh_dim_names=("dp", "tp")' in text
+
+
+def test_tp_size_one_is_plain_dedication():
+    """dp 2 × tp 1: the TP stage has nothing to gather; training equals one process."""
+    results = run_ranks(train_tp, 2, 2, 1, 1, 3, True, env=PROFILE, timeout=200)
+    ref_losses, ref_state = reference(2, steps=3)
+    _check(results, ref_losses, ref_state)
+    assert results[0]["comm"]["gather_bytes_per_step"] == 0
