@@ -40,7 +40,8 @@ WIN_MARGIN = 0.02
 
 
 def default_cache_dir() -> Path:
-    """``$DMUON_CACHE_DIR``, else ``$XDG_CACHE_HOME/dmuon_compile``, else ``~/.cache/dmuon_compile``.
+    """``$DMUON_CACHE_DIR``, else ``$XDG_CACHE_HOME/dmuon_compile``, else
+    ``~/.cache/dmuon_compile``.
 
     >>> isinstance(default_cache_dir(), Path)
     True

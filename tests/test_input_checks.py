@@ -10,12 +10,12 @@ import warnings
 
 import pytest
 import torch
+from dmuon_compile.kernels import autotune, syrk
+from dmuon_compile.kernels.syrk_triton import TileConfig
 from torch import nn
 
 import dmuon_compile as dmuon
 from dmuon_compile.distributed.dedicate import _call_predicate, _check_boundary_runs
-from dmuon_compile.kernels import autotune, syrk
-from dmuon_compile.kernels.syrk_triton import TileConfig
 
 
 def _model():

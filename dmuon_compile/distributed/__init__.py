@@ -8,9 +8,11 @@ collectives), ``_collectives.py`` (the collective calls), ``_runtime.py`` (hooks
 gradients to the one global owner over the replicate group, the post-step replicate broadcast),
 ``_tp.py`` (TP: NS on the whole TP-sharded matrix on its TP owner, the update scattered back).
 
-HSDP in four lines (the seed's order; every matrix is orthogonalised once in the whole job)::
+HSDP in four lines (the documented order; every matrix is orthogonalised once in the whole job)::
 
-    hsdp = init_device_mesh("cuda", (replicate_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    hsdp = init_device_mesh(
+        "cuda", (replicate_size, shard_size), mesh_dim_names=("replicate", "shard")
+    )
     dmuon.dedicate_params(model, hsdp["shard"], replicate_mesh=hsdp["replicate"])
     for block in model.layers: fully_shard(block, mesh=hsdp)
     fully_shard(model, mesh=hsdp); opt = dmuon.Muon(model, lr=0.02)  # replicate_async=True

@@ -57,7 +57,8 @@ class DedicatedParam:
 
     @property
     def master(self) -> Tensor | None:
-        """The whole weight in its original dtype on the (global) owner: ``param``'s local tensor."""
+        """The whole weight in its original dtype on the (global) owner: ``param``'s local
+        tensor."""
         return local_of(self.param) if self.owns and self.param is not None else None
 
     @property

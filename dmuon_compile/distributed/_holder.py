@@ -57,10 +57,11 @@ class DedicatedHolder(nn.Module):
                 moved = fn(probe)
             if moved.dtype != probe.dtype or moved.device != probe.device:
                 raise RuntimeError(
-                    f"{type(self).__name__}._apply: this conversion would move the dedicated weight "
-                    f"{dp.fqn} from {probe.dtype} on {probe.device} to {moved.dtype} on {moved.device}. "
-                    "Dedicated weights keep the dtype and device they had at dmuon.dedicate_params: "
-                    "convert the model before dedicate_params (model.to(dtype) / model.to(device)), or "
+                    f"{type(self).__name__}._apply: this conversion would move the dedicated "
+                    f"weight {dp.fqn} from {probe.dtype} on {probe.device} to {moved.dtype} on "
+                    f"{moved.device}. Dedicated weights keep the dtype and device they had at "
+                    "dmuon.dedicate_params: convert the model before dedicate_params "
+                    "(model.to(dtype) / model.to(device)), or "
                     "choose the forward/backward dtype with dedicate_params(..., param_policy="
                     "dmuon.ParamPolicy(param_dtype=...)) and keep the masters as they are."
                 )

@@ -262,7 +262,8 @@ def wrap_like(local: Tensor | None, like: DTensor) -> DTensor:
 
 
 def local_of(t: Tensor) -> Tensor:
-    """The local tensor of a DTensor (the whole tensor on its owner, empty elsewhere), else ``t``."""
+    """The local tensor of a DTensor (the whole tensor on its owner, empty elsewhere), else "
+    "``t``."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

@@ -2,7 +2,8 @@
 
 With ``replicate_mesh`` of size R > 1 every matrix has a *global owner* among all R × S ranks
 (replica ``r``, shard ``s``). Its *owner column* is the S-rank coordinate ``s`` in every replica:
-those R ranks hold the whole weight (the global owner as its master — the local tensor of the registered parameter — the
+those R ranks hold the whole weight (the global owner as its master — the local tensor of the
+registered parameter — the
 others as a plain ``replica``), because their shard groups unshard it from them. Per step:
 
 1. backward: the shard group reduces the gradient to the column (``DedicatedGroup``), then this

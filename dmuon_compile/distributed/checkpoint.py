@@ -113,7 +113,8 @@ def set_model_state_dict(
         value = state_dict.get(name)
         if value is not None and tuple(value.shape) != tuple(dp.shape):
             raise ValueError(
-                f"set_model_state_dict: {name} has shape {tuple(value.shape)} in the state dict but "
+                f"set_model_state_dict: {name} has shape {tuple(value.shape)} in the state dict "
+                "but "
                 f"{tuple(dp.shape)} in the model"
             )
     for name, dp in dedicated.items():

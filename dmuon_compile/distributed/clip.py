@@ -27,7 +27,8 @@ def clip_grad_norm_(
     Example::
 
         loss.backward()
-        dmuon.clip_grad_norm_(model, 1.0)   # = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        dmuon.clip_grad_norm_(model, 1.0)
+        # the same as torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     """
     if norm_type not in (2.0, math.inf):

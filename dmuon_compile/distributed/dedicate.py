@@ -5,8 +5,8 @@ Each dedicated weight stays a registered parameter of its module under its origi
 owner, empty elsewhere; ``_owned.py``), the way FSDP2 registers its sharded parameters as
 ``Shard(0)`` DTensors. Its module's class becomes a holder subclass
 (``_holder.py``) so that the user's plain ``fully_shard(block); fully_shard(model)`` calls (made
-afterwards, the seed's order) leave it alone. The group hooks (``_runtime.py``) swap the unsharded
-compute copy in for forward and backward. The design, tensor by tensor: docs/dedicated_params.md.
+afterwards, the documented order) leave it alone. The group hooks (``_runtime.py``) swap the
+unsharded compute copy in for forward and backward. The design, tensor by tensor: docs/dedicated_params.md.
 
 HSDP (``replicate_mesh`` of size R > 1 next to the shard mesh of size S): the plan balances the
 owners over all R × S ranks, so every matrix has exactly one global owner and Newton–Schulz
@@ -122,8 +122,10 @@ def _check_plan_identical(plan, pg, device, rank: int, axis: str = "shard") -> N
     if len(set(digests)) != 1:
         differing = [r for r, d in enumerate(digests) if d != digests[0]]
         raise RuntimeError(
-            f"dedicate_params: the owner plan differs across ranks of the {axis} group (rank {rank}: "
-            f"{digests[rank][:12]}; ranks {differing} differ from rank 0: {digests[0][:12]}). A plan "
+            f"dedicate_params: the owner plan differs across ranks of the {axis} group (rank "
+            f"{rank}: "
+            f"{digests[rank][:12]}; ranks {differing} differ from rank 0: {digests[0][:12]}). A "
+            "plan "
             "mismatch would hang "
             "the first collective, so this stops here. Fix: build the same model on every rank "
             "and pass the same predicate / layer_id_fn / hook_boundary_predicate / param_policy "
@@ -224,11 +226,13 @@ def dedicate_params(
     for name, p in selected:
         if p.ndim < 2:
             raise ValueError(
-                f"dedicate_params: {name} has shape {tuple(p.shape)}; only ≥2-D weights can be dedicated"
+                f"dedicate_params: {name} has shape {tuple(p.shape)}; only ≥2-D weights can be "
+                "dedicated"
             )
         if len(module_of[id(p)]) > 1:
             raise ValueError(
-                f"dedicate_params: {name} is shared by several modules (tied weights); exclude it with predicate="
+                f"dedicate_params: {name} is shared by several modules (tied weights); exclude it "
+                "with predicate="
             )
         if p.is_meta:
             raise ValueError(
@@ -353,6 +357,7 @@ def dedicated_runtime(model: nn.Module) -> DedicatedRuntime:
     runtime = getattr(model, PLAN_ATTR, None)
     if runtime is None:
         raise ValueError(
-            "this model has no dedicated parameters: call dmuon.dedicate_params(model, mesh, ...) first"
+            "this model has no dedicated parameters: call dmuon.dedicate_params(model, mesh, ...) "
+            "first"
         )
     return runtime

@@ -27,12 +27,14 @@ def check_shard_mesh(mesh) -> None:
     """The shard mesh is a 1-D DeviceMesh (``init_device_mesh(dev, (n,))`` or ``hsdp["shard"]``)."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
-            f"dedicate_params(model, mesh, ...): mesh must be a DeviceMesh, got {type(mesh).__name__}. "
+            "dedicate_params(model, mesh, ...): mesh must be a DeviceMesh, got "
+            f"{type(mesh).__name__}. "
             'Fix: mesh = init_device_mesh("cuda", (world_size,))'
         )
     if mesh.ndim != 1:
         raise ValueError(
-            f"dedicate_params: mesh must be the 1-D shard mesh, got a {mesh.ndim}-D mesh with names "
+            f"dedicate_params: mesh must be the 1-D shard mesh, got a {mesh.ndim}-D mesh with "
+            "names "
             f"{mesh.mesh_dim_names}. For HSDP pass mesh=hsdp['shard'] and replicate_mesh="
             f"hsdp['replicate']:\n{HSDP_SNIPPET}"
         )
@@ -48,13 +50,13 @@ def _root(mesh: DeviceMesh) -> DeviceMesh | None:
 def check_replicate_mesh(mesh: DeviceMesh, replicate_mesh) -> None:
     """``replicate_mesh`` is ``hsdp["replicate"]`` and ``mesh`` is ``hsdp["shard"]`` of one 2-D
     ``("replicate", "shard")`` mesh (a 3-D mesh whose first names are those, with TP last, also
-    passes); anything else raises the seed's error with the snippet that builds the right mesh.
+    passes); anything else raises the documented error with the snippet that builds the right mesh.
     """
     if replicate_mesh is None:
         return
     message = f"{HSDP_ERROR}: pass the two 1-D slices of such a mesh. Fix:\n{HSDP_SNIPPET}"
     if not isinstance(replicate_mesh, DeviceMesh):
-        raise ValueError(f"{message}\n(replicate_mesh is a {type(replicate_mesh).__name__})")  # noqa: TRY004 - the seed's documented error
+        raise ValueError(f"{message}\n(replicate_mesh is a {type(replicate_mesh).__name__})")  # noqa: TRY004 - the documented error
     if replicate_mesh.ndim != 1 or replicate_mesh.mesh_dim_names != ("replicate",):
         raise ValueError(
             f"{message}\n(replicate_mesh has {replicate_mesh.ndim} dims named "

@@ -10,7 +10,8 @@ Owners are chosen by LPT (longest processing time first): matrices sorted by est
 each given to the least-loaded rank. The cost is the NS FLOPs (``NewtonSchulz.flops``,
 what the owner computes in ``step()``), optionally mixed with bytes (master weight + momentum +
 gradient the owner holds), both normalised to their totals. Ties among equally loaded ranks go
-to the rank that holds the fewest bytes of the same *layer*, then the fewest bytes overall (``layers.N`` / ``blocks.N`` / ``h.N`` /
+to the rank that holds the fewest bytes of the same *layer*, then the fewest bytes overall
+(``layers.N`` / ``blocks.N`` / ``h.N`` /
 ``layer.N``): that spreads each hook group's bytes, which keeps the owner-packed collectives
 of a group even. A short improvement pass then moves or swaps matrices off the most loaded
 rank while that lowers the maximum (LPT alone can be up to 4/3 off).
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 # Container names whose next path component is a layer index: Llama/Mistral ``layers.N``,
-# ViT/timm ``blocks.N`` (the seed's ViT bug: without it all blocks collapsed into one layer),
+# ViT/timm ``blocks.N`` (without it a ViT's blocks would collapse into one layer),
 # GPT-2 ``h.N``, BERT ``layer.N``, and a few common spellings.
 LAYER_CONTAINER_NAMES = (
     "layers",

@@ -47,7 +47,8 @@ def resolve_dtypes(param_dtype_of: torch.dtype, param_policy=None, compute_dtype
         if not hasattr(defaults, "param_dtype"):
             raise TypeError(
                 "param_policy must have .defaults.param_dtype (e.g. dmuon.ParamPolicy("
-                f"defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16))), got {type(param_policy).__name__}"
+                "defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16))), got "
+                f"{type(param_policy).__name__}"
             )
         policy_dtype = defaults.param_dtype
         reduce_dtype = getattr(defaults, "reduce_dtype", None)
