@@ -6,7 +6,8 @@ owner, empty elsewhere; ``_owned.py``), the way FSDP2 registers its sharded para
 ``Shard(0)`` DTensors. Its module's class becomes a holder subclass
 (``_holder.py``) so that the user's plain ``fully_shard(block); fully_shard(model)`` calls (made
 afterwards, the documented order) leave it alone. The group hooks (``_runtime.py``) swap the
-unsharded compute copy in for forward and backward. The design, tensor by tensor: docs/dedicated_params.md.
+unsharded compute copy in for forward and backward. The design, tensor by tensor:
+docs/dedicated_params.md.
 
 HSDP (``replicate_mesh`` of size R > 1 next to the shard mesh of size S): the plan balances the
 owners over all R × S ranks, so every matrix has exactly one global owner and Newton–Schulz
