@@ -47,6 +47,9 @@ from torch.distributed.tensor import DTensor, Replicate
 _OWNER_MESHES: dict[tuple[str, int], DeviceMesh] = {}
 _OWNER_OF_MESH: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot-path lookups)
 _DP_MESH_OF: dict[int, DeviceMesh] = {}  # id(owner mesh) -> the data-parallel mesh of its model
+# id(mesh) of the registered weights of tensor-parallel models: their owners differ per TP
+# column, so a whole-job broadcast from "the" owner would hang (see full_tensor).
+_TP_MODEL_MESHES: set[int] = set()
 _aten = torch.ops.aten
 _NO_BACKEND = "_init_backend" in inspect.signature(DeviceMesh.__init__).parameters
 
@@ -297,6 +300,11 @@ def same_layout(a, b) -> bool:
     )
 
 
+def mark_tp_model(meshes) -> None:
+    """Record the meshes of a tensor-parallel model's registered weights (``dedicate_params``)."""
+    _TP_MODEL_MESHES.update(id(m) for m in meshes)
+
+
 def full_tensor(t: Tensor) -> Tensor:
     """The whole tensor on every rank. Collective for owner tensors (a broadcast from the owner)
     and for other DTensors (``full_tensor()``); plain tensors come back as they are.
@@ -307,6 +315,13 @@ def full_tensor(t: Tensor) -> Tensor:
     """
     if not isinstance(t, DTensor):
         return t
+    if id(t.device_mesh) in _TP_MODEL_MESHES:
+        raise NotImplementedError(
+            "dmuon.full_tensor / get_model_state_dict: not supported yet for the dedicated "
+            "weights of a tensor-parallel model (their owners differ per TP rank). Save and load "
+            "TP models with torch.distributed.checkpoint (get_state_dict / set_state_dict), "
+            "which reshards them to any layout, one process included."
+        )
     if not is_owned(t):
         return t.full_tensor()
     local = local_of(t)

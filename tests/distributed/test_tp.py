@@ -270,3 +270,23 @@ def test_tp_size_one_is_plain_dedication():
     ref_losses, ref_state = reference(2, steps=3)
     _check(results, ref_losses, ref_state)
     assert results[0]["comm"]["gather_bytes_per_step"] == 0
+
+
+def _full_tensor_on_tp_model(rank, world):
+    import dmuon_compile as dmuon
+
+    model, _ = build_tp(rank, world, 1, 2, attention=False)
+    errors = []
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.up_proj.weight"):
+        try:
+            dmuon.full_tensor(model.get_parameter(name))
+            errors.append(None)
+        except NotImplementedError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_full_tensor_on_a_tp_model_raises_instead_of_hanging():
+    # Owners differ per TP column: a whole-job broadcast from "the" owner would hang.
+    for errors in run_ranks(_full_tensor_on_tp_model, 2, timeout=120):
+        assert all(e is not None and "torch.distributed.checkpoint" in e for e in errors), errors
