@@ -153,3 +153,42 @@ def test_model_compile_no_more_graph_breaks_than_fsdp2():
     traced = _breaks_of(dedicated=True, control=True)
     for f, t in zip(fsdp, traced):
         assert t["error"] is not None or t["breaks"] > f["breaks"], (t, f["breaks"])
+
+
+def _user_compiled_step(rank, world):
+    """Dedicated weights + FSDP2, ``opt.step = torch.compile(opt.step)``, LR changed every step."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import dmuon_compile as dmuon
+
+    results = {}
+    for form in ("eager", "compiled"):
+        torch._dynamo.reset()
+        model, _ = models.build_dedicated(world)
+        opt = dmuon.Muon(
+            model, lr=0.02, adamw_lr=1e-2, compile=False, predicate=models.proj_predicate
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        counter = CompileCounterWithBackend("aot_eager")
+        if form == "compiled":
+            opt.step = torch.compile(opt.step, backend=counter)
+        frames = []
+        for x in models.batches(STEPS, world):
+            per = x.shape[0] // world
+            model(x[rank * per : (rank + 1) * per]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            frames.append(counter.frame_count)
+        results[form] = {"state": full_state(model), "frames": frames}
+    return results
+
+
+def test_user_compiled_step_with_dedicated_weights_and_fsdp2():
+    for r in run_ranks(_user_compiled_step, 2, timeout=240):
+        frames = r["compiled"]["frames"]
+        assert frames[0] >= 1 and frames == [frames[0]] * STEPS  # compiled once, no recompile
+        eager, compiled = r["eager"]["state"], r["compiled"]["state"]
+        assert compiled.keys() == eager.keys()
+        for name, value in compiled.items():
+            torch.testing.assert_close(value, eager[name], rtol=1e-4, atol=1e-5)
