@@ -20,6 +20,12 @@ from dmuon_compile._compat import check_torch_version as _check_torch_version
 
 _check_torch_version(_torch.__version__)
 
+from dmuon_compile.log import register_torch_logs as _register_torch_logs  # noqa: E402
+
+# ``TORCH_LOGS="+dmuon"``: the name exists (and a TORCH_LOGS set after `import torch` applies)
+# from the package's import on, whatever imported torch before.
+_register_torch_logs()
+
 from dmuon_compile import coefficients  # noqa: E402
 from dmuon_compile.distributed import (  # noqa: E402
     MixedPrecision,

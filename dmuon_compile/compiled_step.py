@@ -223,9 +223,9 @@ class CompiledMuonStep:
             hyper = tuple(torch.zeros((), dtype=torch.float32, device=device) for _ in range(3))
             self._hyper[device] = hyper
         for t, v in zip(hyper, (lr, weight_decay, momentum)):
-            if isinstance(v, Tensor):
-                t.copy_(v.detach().reshape(()))  # a tensor lr: copied on device, no host sync
-            else:
+            if isinstance(v, Tensor) and v.device.type != "cpu":
+                t.copy_(v.detach().reshape(()))  # on device: no host sync
+            else:  # a float, or Muon's CPU hyper-parameter tensors: a host read, no H2D copy
                 t.fill_(float(v))
         return hyper
 

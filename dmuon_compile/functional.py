@@ -18,6 +18,20 @@ from dmuon_compile.newton_schulz import NewtonSchulz, matrix_view
 ADJUST_LR_FNS = ("match_rms_adamw", "original", "none")
 
 
+def hyper(value):
+    """A hyper-parameter as the step uses it: a Python float in eager (a 0-d tensor, as
+    ``Muon``'s param groups keep ``lr`` and ``weight_decay``, is read once: exactly the float
+    arithmetic of a float group), the tensor itself while ``torch.compile`` traces (a value
+    change then refills an input instead of failing a guard: no recompile)."""
+    if isinstance(value, Tensor):
+        return value if torch.compiler.is_compiling() else float(value)
+    return value
+
+
+def _traced(*values) -> bool:
+    return any(isinstance(v, Tensor) for v in values)
+
+
 def lr_scale(shape: Sequence[int], adjust_lr_fn: str | None) -> float:
     """Per-matrix learning-rate multiplier.
 
@@ -82,7 +96,13 @@ def apply_muon_update(
     weight_decay: float,
     adjust_lr_fn: str | None,
 ) -> None:
-    """W ← (1 − lr·wd)·W − lr·scale(W)·O, in place."""
+    """W ← (1 − lr·wd)·W − lr·scale(W)·O, in place (``lr``, ``weight_decay``: floats or 0-d
+    tensors)."""
+    if _traced(lr, weight_decay):
+        for p, o in zip(params, ortho):
+            p.mul_(1.0 - lr * weight_decay)
+            p.sub_(o.to(p.dtype) * (lr * lr_scale(matrix_view(p).shape, adjust_lr_fn)))
+        return
     for p, o in zip(params, ortho):
         if weight_decay != 0.0:
             p.mul_(1.0 - lr * weight_decay)
@@ -101,8 +121,16 @@ def muon_update(
     ns: NewtonSchulz,
     adjust_lr_fn: str | None = "match_rms_adamw",
 ) -> None:
-    """One Muon step on whole matrices (eager reference)."""
-    updates = momentum_update(grads, bufs, momentum, nesterov)
+    """One Muon step on whole matrices (eager reference; also what a user-compiled
+    ``opt.step`` traces, with tensor ``lr``/``weight_decay``)."""
+    lr, weight_decay, momentum = hyper(lr), hyper(weight_decay), hyper(momentum)
+    if _traced(momentum):  # foreach ops take no tensor alpha: the same math, per tensor
+        updates = []
+        for g, buf in zip(grads, bufs):
+            buf.mul_(momentum).add_(g)
+            updates.append(g + momentum * buf if nesterov else buf)
+    else:
+        updates = momentum_update(grads, bufs, momentum, nesterov)
     ortho = orthogonalize(updates, ns)
     apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn)
 
@@ -125,7 +153,13 @@ def adamw_update(
     """
     if not params:
         return
+    lr, weight_decay = hyper(lr), hyper(weight_decay)
     beta1, beta2 = betas
+    if torch.compiler.is_compiling():
+        _adamw_traced(
+            params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay
+        )
+        return
     torch._foreach_add_(steps, 1.0)
     if weight_decay != 0.0:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
@@ -139,3 +173,17 @@ def adamw_update(
         bias2 = 1.0 - beta2**t
         denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
         p.addcdiv_(m, denom, value=-lr / bias1)
+
+
+def _adamw_traced(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, wd) -> None:
+    """``adamw_update`` while ``torch.compile`` traces: the step count stays a tensor (no
+    ``.item()``, which would break the graph every step), the same math otherwise."""
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        step.add_(1.0)
+        bias1 = 1.0 - beta1**step
+        bias2 = 1.0 - beta2**step
+        p.mul_(1.0 - lr * wd)
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = (v.sqrt() / bias2.sqrt()).add_(eps)
+        p.sub_((m / denom) * (lr / bias1))

@@ -53,16 +53,19 @@ _TORCH_LOGS_NAME = "dmuon"
 def register_torch_logs() -> None:
     """Register ``dmuon`` with ``torch._logging`` so ``TORCH_LOGS="+dmuon"`` controls it.
 
-    Idempotent; called when ``dmuon_compile.passes`` is imported. ``+dmuon`` is DEBUG (every
-    rewrite, every skipped candidate, kernel sources), ``dmuon`` INFO (one summary per graph).
+    Idempotent; called when ``dmuon_compile`` is imported. ``+dmuon`` is DEBUG (every rewrite,
+    every skipped candidate, kernel sources), ``dmuon`` INFO (one summary per graph).
 
-    Caveat (torch 2.11–2.13): ``import torch`` validates ``TORCH_LOGS`` before any third-party
-    code runs, so ``TORCH_LOGS="+dmuon"`` set *before* Python starts needs the alias to exist at
-    that moment: the package declares a ``torch.backends`` entry point that calls this function
-    during ``import torch`` (torch's plugin autoload, on by default;
-    ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns it off). Without that entry point, use the module
-    name instead — ``TORCH_LOGS="+dmuon_compile"`` always works — or, in-process,
+    ``import torch`` validates ``TORCH_LOGS`` before any third-party package runs, so
+    ``TORCH_LOGS="+dmuon"`` set *before* Python starts needs the name to exist at that moment:
+    the distribution's ``torch.backends`` entry point (``_dmuon_torch_logs.register``, a
+    stdlib-only module outside this package) registers it during ``import torch`` when
+    ``TORCH_LOGS`` mentions it, and imports nothing of ``dmuon_compile``. Without that entry
+    point (a source checkout not installed with pip; ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``), use
+    the module name — ``TORCH_LOGS="+dmuon_compile"`` always works — or, in-process,
     ``torch._logging.set_logs(modules={"dmuon": logging.DEBUG})`` after importing the package.
+    A ``TORCH_LOGS`` that mentions ``dmuon`` and was set in-process after ``import torch`` is
+    re-applied here.
 
     >>> register_torch_logs()
     """

@@ -199,7 +199,10 @@ class Muon(torch.optim.Optimizer):
         groups = self._build_groups(params, predicate, muon_defaults, adamw_defaults)
         if not groups:
             raise ValueError("Muon got no parameters that require grad")
-        super().__init__(groups, defaults=dict(lr=lr, weight_decay=weight_decay))
+        _tensor_hypers(groups)
+        # ``momentum`` (Muon's μ) as torch's momentum optimizers expose it: OneCycleLR/CyclicLR
+        # with cycle_momentum=True (their default) cycle group["momentum"].
+        super().__init__(groups, defaults=dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
 
     # ------------------------------------------------------------------ groups
     def _build_groups(self, params, predicate, muon_defaults, adamw_defaults) -> list[dict]:
@@ -447,6 +450,42 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Under the user's torch.compile(opt.step) the math is traced on plain local tensors:
+        # the owners' and FSDP2's DTensors (meshes, process groups) stay in eager code.
+        prepared = self._prepare(runtime, local=torch.compiler.is_compiling())
+        if prepared is None:
+            return loss  # skipped (nonfinite_grads="skip")
+        split, early_parts, rest_parts, adamw = prepared
+        # HSDP: the first group the next forward needs is updated and published first, so its
+        # broadcast runs under the rest of the step instead of in front of the next forward.
+        for part, group, params, grads, bufs in early_parts:
+            self._muon_group_step(group, params, grads, bufs, part=part)
+        if split:
+            runtime.publish_early()
+        for part, group, params, grads, bufs in rest_parts:
+            self._muon_group_step(group, params, grads, bufs, part=part)
+        for group, params, grads, exp_avgs, exp_avg_sqs, steps in adamw:
+            F.adamw_update(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                steps,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+        return loss
+
+    @torch.compiler.disable  # DTensor bookkeeping and the host-synchronising check stay eager
+    def _prepare(self, runtime, local: bool):
+        """Check every gradient, create state, split the Muon groups (HSDP early part).
+
+        Returns ``None`` when the step is skipped, else ``(split, early_parts, rest_parts,
+        adamw)``; ``local=True`` gives local tensors (the owners' whole matrices, FSDP2's
+        shards: AdamW is elementwise) instead of DTensors.
+        """
         # Check every gradient before touching any weight or state: a bad step changes nothing.
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None
@@ -461,54 +500,35 @@ class Muon(torch.optim.Optimizer):
             )
             if self.nonfinite_grads == "raise":
                 raise FloatingPointError("Muon.step: " + message)
-            warnings.warn("Muon.step skipped: " + message, stacklevel=2)
-            return loss
-        collected = []
-        for group in self.param_groups:
-            lists: tuple[list, list, list, list] = ([], [], [], [])
-            self._init_group(group, *lists)
-            collected.append((group, *lists))
-        # HSDP: the first group the next forward needs is updated and published first, so its
-        # broadcast runs under the rest of the step instead of in front of the next forward.
+            warnings.warn("Muon.step skipped: " + message, stacklevel=4)
+            return None
         split, early = runtime.early_split() if runtime is not None else (False, set())
-        if split:
-            for group, params, grads, state_a, _ in collected:
-                if group["use_muon"]:
-                    pick = [i for i, p in enumerate(params) if id(p) in early]
-                    if pick:
-                        self._muon_group_step(
-                            group,
-                            [params[i] for i in pick],
-                            [grads[i] for i in pick],
-                            [state_a[i] for i in pick],
-                            part="early",
-                        )
-            runtime.publish_early()
-        for group, params, grads, state_a, state_b in collected:
-            if group["use_muon"]:
-                if split:
-                    rest = [i for i, p in enumerate(params) if id(p) not in early]
-                    params, grads, state_a = (
-                        [xs[i] for i in rest] for xs in (params, grads, state_a)
+        early_parts, rest_parts, adamw = [], [], []
+        for group in self.param_groups:
+            params, grads, state_a, state_b = [], [], [], []
+            self._init_group(group, params, grads, state_a, state_b)
+            if not group["use_muon"]:
+                lists = (params, grads, state_a, [b[0] for b in state_b])
+                if local:
+                    lists = tuple([local_of(t) for t in xs] for xs in lists)
+                adamw.append((group, *lists, [b[1] for b in state_b]))
+                continue
+            if not split:
+                rest_parts.append(("all", group, params, grads, state_a))
+                continue
+            for part, keep in (("early", True), ("rest", False)):
+                idx = [i for i, p in enumerate(params) if (id(p) in early) is keep]
+                if idx:
+                    picked = ([params[i] for i in idx], [grads[i] for i in idx])
+                    (early_parts if keep else rest_parts).append(
+                        (part, group, *picked, [state_a[i] for i in idx])
                     )
-                    if not params:
-                        continue
-                self._muon_group_step(
-                    group, params, grads, state_a, part="rest" if split else "all"
-                )
-            else:
-                F.adamw_update(
-                    params,
-                    grads,
-                    state_a,
-                    [b[0] for b in state_b],
-                    [b[1] for b in state_b],
-                    lr=group["lr"],
-                    betas=group["betas"],
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                )
-        return loss
+        if local:
+            early_parts, rest_parts = (
+                [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in parts]
+                for parts in (early_parts, rest_parts)
+            )
+        return split, early_parts, rest_parts, adamw
 
     def _muon_group_step(
         self, group: dict, params: list, grads: list, bufs: list, part: str = "all"
@@ -570,6 +590,31 @@ def _local(t: Tensor) -> Tensor:
     """The local shard of a DTensor, the tensor itself otherwise (read directly: ``to_local()``
     is an autograd function call, ~10 µs each, per gradient and step)."""
     return local_of(t)
+
+
+HYPER_TENSORS = ("lr", "weight_decay")
+
+
+def _tensor_hypers(groups: list[dict]) -> None:
+    """Each group's ``lr`` and ``weight_decay`` become 0-d float64 CPU tensors of their own.
+
+    torch's compiled-optimizer recipe: an LR scheduler refills a tensor ``lr`` in place, so a
+    user-compiled ``opt.step`` sees a new value, not a new constant, and never recompiles (a
+    float is guarded by value). Eager steps read them as Python floats (``functional.hyper``):
+    the same arithmetic as float groups. ``group["lr"] = 0.01`` (a float) keeps working.
+    A tensor the user passed is kept unless another group already holds it (a scheduler
+    refills each group's own).
+    """
+    seen: set[int] = set()
+    for group in groups:
+        for key in HYPER_TENSORS:
+            value = group.get(key)
+            if isinstance(value, Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                continue
+            if value is not None:
+                group[key] = torch.tensor(float(value), dtype=torch.float64)
+                seen.add(id(group[key]))
 
 
 def _check_nonneg(name: str, value: float) -> None:

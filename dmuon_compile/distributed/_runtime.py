@@ -34,6 +34,10 @@ parameter-list ``Muon``), the first forward after a synchronising backward publi
 Every rank issues these collectives in the same order (groups in plan order, roots ascending):
 no per-rank-different branch or compiled graph decides about a collective.
 
+Every hook runs eagerly, outside any ``torch.compile`` trace (``torch.compiler.disable``, as
+FSDP2 does with its hooks): ``block.compile(fullgraph=True)`` and ``torch.compile(model)``
+trace only the model's math, and Dynamo calls the hooks around the compiled code.
+
 With gradient sync off (``FSDPModule.set_requires_gradient_sync(False)``) the reduce is
 skipped: local gradients accumulate on the unsharded leaves and are reduced on the sync step.
 """
@@ -79,6 +83,14 @@ def in_backward() -> bool:
     return graph_task_id is not None and graph_task_id() != -1
 
 
+def _eager_hook(fn):
+    """Run a hook eagerly, outside any ``torch.compile`` trace (FSDP2 does the same with its
+    hooks): they issue async collectives, read autograd state and swap module parameters, none
+    of which belongs in a graph. Dynamo then calls them around the compiled forward, so
+    ``block.compile(fullgraph=True)`` traces only the block's math."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class DedicatedRuntime:
     """State of the dedicated parameters of one model (plan, groups, hooks, profile)."""
 
@@ -117,6 +129,9 @@ class DedicatedRuntime:
         self._published_early: set[int] = set()  # groups Muon.step published mid-step
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self.tp = None  # TP stage (``_tp.py``): gather → NS on the TP owner → scatter
+        # Built once: torch.compiler.disable wraps per call otherwise (every forward, output).
+        self._backward_hooks: dict[int, object] = {}
+        self._end_of_backward = _eager_hook(self._post_backward)
         for group in groups:
             group.record_profile = record_profile
             self._install(group)
@@ -161,17 +176,21 @@ class DedicatedRuntime:
     # ------------------------------------------------------------------ hooks
     def _install(self, group: DedicatedGroup) -> None:
         self.handles.append(
-            group.module.register_forward_pre_hook(lambda _m, _a, g=group: self._pre_forward(g))
+            group.module.register_forward_pre_hook(
+                _eager_hook(lambda _m, _a, g=group: self._pre_forward(g))
+            )
         )
         self.handles.append(
             group.module.register_forward_hook(
-                lambda _m, _a, out, g=group: self._post_forward(g, out), always_call=True
+                _eager_hook(lambda _m, _a, out, g=group: self._post_forward(g, out)),
+                always_call=True,
             )
         )
+        self._backward_hooks[id(group)] = _eager_hook(lambda _grad, g=group: self._pre_backward(g))
         for p in group.params:
             self.handles.append(
                 p.unsharded.register_post_accumulate_grad_hook(
-                    lambda _t, g=group, p=p: self._on_grad(g, p)
+                    _eager_hook(lambda _t, g=group, p=p: self._on_grad(g, p))
                 )
             )
 
@@ -239,7 +258,7 @@ class DedicatedRuntime:
         if not hooked:
             return  # nothing would trigger the backward unshard: keep it until backward ends
         for t in hooked:
-            t.register_hook(lambda grad, g=group: self._pre_backward(g))
+            t.register_hook(self._backward_hooks[id(group)])
         if self._order_frozen and group is self.forward_order[-1]:
             # The last group's backward comes right after the forward: resharding it would only
             # add an exposed all-gather (FSDP2 keeps its root unsharded for the same reason).
@@ -249,7 +268,7 @@ class DedicatedRuntime:
     def _queue_backward_end(self) -> None:
         if not self._backward_queued:
             self._backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, group: DedicatedGroup) -> None:
         self._queue_backward_end()

@@ -481,7 +481,8 @@ class TPStage:
                 out, chunks, src=self._global(dp.tp_owner), group=self.pg, async_op=True
             )
             scale = F.lr_scale(dp.global_shape, group["adjust_lr_fn"])
-            entry = (master, out, work, group["lr"], group["weight_decay"], scale)
+            lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
+            entry = (master, out, work, lr, wd, scale)
             self.pending.setdefault(self.group_of.get(id(dp.param), 0), []).append(entry)
             if self.record_profile:
                 self.profile.scatters += 1

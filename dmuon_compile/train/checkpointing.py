@@ -13,6 +13,7 @@ import json
 import re
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -31,10 +32,17 @@ def save(directory: Path, model, opt, sched, step: int, optimizer: str, is_main:
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
     if is_main:
         meta = {"step": step, "optimizer": optimizer, "scheduler": sched.state_dict()}
-        (directory / META).write_text(json.dumps(meta, indent=2))
+        (directory / META).write_text(json.dumps(meta, indent=2, default=_number))
     if dist.is_initialized():
         dist.barrier()  # meta.json exists on every rank's view before anyone goes on
     return directory
+
+
+def _number(value):
+    """JSON for the scheduler's 0-d tensors (Muon's groups keep ``lr`` as one): a float."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"meta.json: cannot store a {type(value).__name__}")
 
 
 def find(path: Path) -> Path:

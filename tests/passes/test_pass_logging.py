@@ -4,6 +4,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from dmuon_compile.passes import NSChainPass, kernel_sources, register_kernel_source
@@ -72,13 +73,13 @@ def test_torch_logs_module_name_works_from_the_environment():
 
 def test_torch_logs_plus_dmuon_works_through_the_torch_backends_entry_point(tmp_path):
     """The entry point the package declares (``torch.backends``: ``dmuon_logs =
-    dmuon_compile.log:register_torch_logs``) registers the name inside ``import torch``, before
-    torch parses ``TORCH_LOGS``. Simulated with a throw-away dist-info on ``PYTHONPATH``."""
+    _dmuon_torch_logs:register``) registers the name inside ``import torch``, before torch
+    parses ``TORCH_LOGS``. Simulated with a throw-away dist-info on ``PYTHONPATH``."""
     dist = tmp_path / "dmuon_logs_probe-0.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dmuon_logs_probe\nVersion: 0.0\n")
     (dist / "entry_points.txt").write_text(
-        "[torch.backends]\ndmuon_logs = dmuon_compile.log:register_torch_logs\n"
+        "[torch.backends]\ndmuon_logs = _dmuon_torch_logs:register\n"
     )
     code = (
         "import torch, dmuon_compile.passes as p\n"
@@ -88,8 +89,10 @@ def test_torch_logs_plus_dmuon_works_through_the_torch_backends_entry_point(tmp_
     )
     base = dict(os.environ, TORCH_LOGS="+dmuon")
     base.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    root = str(Path(__file__).resolve().parents[2])  # _dmuon_torch_logs.py, installed or not
     with_ep = dict(
-        base, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), base.get("PYTHONPATH")]))
+        base,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), root, base.get("PYTHONPATH")])),
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

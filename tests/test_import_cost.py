@@ -1,0 +1,107 @@
+"""A plain ``import torch`` imports nothing of ``dmuon_compile``; ``TORCH_LOGS="+dmuon"`` still
+works from the environment.
+
+torch calls every ``torch.backends`` entry point on every ``import torch``. The package's
+(``_dmuon_torch_logs:register``) is declared in a throw-away dist-info on ``PYTHONPATH`` here,
+so the tests hold for a source checkout as for an installed one. Control: the entry point the
+package used to declare (``dmuon_compile.log:register_torch_logs``) must fail the same check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY_POINT = "_dmuon_torch_logs:register"
+OLD_ENTRY_POINT = "dmuon_compile.log:register_torch_logs"
+
+PROBE = "import json, sys, torch\nprint(json.dumps(sorted(sys.modules)))\n"
+
+
+def _env(tmp_path: Path, entry_point: str | None, **extra) -> dict:
+    env = dict(os.environ, **extra)
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    paths = [str(ROOT), env.get("PYTHONPATH")]
+    if entry_point is not None:
+        dist = tmp_path / "dmuon_import_probe-0.0.dist-info"
+        dist.mkdir(exist_ok=True)
+        (dist / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: dmuon_import_probe\nVersion: 0.0\n"
+        )
+        (dist / "entry_points.txt").write_text(f"[torch.backends]\ndmuon_logs = {entry_point}\n")
+        paths.insert(0, str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    return env
+
+
+def _modules_after_import_torch(env: dict) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        cwd="/",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _ours(modules: set[str]) -> set[str]:
+    return {m for m in modules if m == "dmuon_compile" or m.startswith("dmuon_compile.")}
+
+
+def test_plain_import_torch_imports_nothing_of_the_package(tmp_path):
+    baseline = _modules_after_import_torch(
+        dict(_env(tmp_path, None), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    )
+    with_ep = _modules_after_import_torch(_env(tmp_path, ENTRY_POINT))
+    assert not _ours(with_ep), sorted(_ours(with_ep))[:10]
+    # Nothing heavy either: what the entry point adds is its own stdlib-only module at most.
+    added = {m for m in with_ep - baseline if "dmuon" in m or m.split(".")[0] == "sympy"}
+    assert added <= {"_dmuon_torch_logs"}, sorted(added)[:10]
+
+
+def test_control_old_entry_point_imports_the_package(tmp_path):
+    with_old = _modules_after_import_torch(_env(tmp_path, OLD_ENTRY_POINT))
+    assert "dmuon_compile" in _ours(with_old)
+
+
+def test_torch_logs_plus_dmuon_from_the_environment(tmp_path):
+    """``import torch`` accepts the name without importing the package; the package's logger
+    then prints the pass's rewrites at DEBUG."""
+    code = (
+        "import sys, logging, torch\n"
+        "assert 'dmuon_compile' not in sys.modules\n"
+        "import dmuon_compile.passes as p\n"
+        "from torch.fx.experimental.proxy_tensor import make_fx\n"
+        "assert logging.getLogger('dmuon_compile').getEffectiveLevel() == logging.DEBUG\n"
+        "gm = make_fx(lambda x: x @ x.T, tracing_mode='fake')(torch.randn(4, 6))\n"
+        "p.NSChainPass()(gm.graph)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_env(tmp_path, ENTRY_POINT, TORCH_LOGS="+dmuon"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        cwd="/",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "-> dmuon.syrk(x_1" in out.stderr
+
+
+def test_registration_only_when_torch_logs_mentions_dmuon():
+    sys.path.insert(0, str(ROOT))
+    try:
+        import _dmuon_torch_logs as reg
+    finally:
+        sys.path.remove(str(ROOT))
+    assert reg.mentions("+dmuon") and reg.mentions("dynamo, -dmuon")
+    assert not reg.mentions("+dmuon_compile") and not reg.mentions("")
