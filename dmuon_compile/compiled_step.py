@@ -105,7 +105,8 @@ class StepPlan:
 
 
 def torch_chain(ns: NewtonSchulz) -> NewtonSchulz:
-    """A copy of ``ns`` that issues plain ``mm``/``addmm``/``baddbmm`` (the graph the pass matches)."""
+    """A copy of ``ns`` that issues plain ``mm``/``addmm``/``baddbmm`` (the graph the pass
+    matches)."""
     if ns.kernel == "cublas":
         return ns
     chain = copy.copy(ns)
@@ -171,7 +172,7 @@ def pass_enabled(ns: NewtonSchulz) -> bool:
     Yes when the orthogonaliser resolved to the Triton kernels, and on CPU (where the ops run
     their torch reference, which is how the pass is tested without a GPU). No for an explicit
     ``kernel="cublas"`` / ``deterministic=True``: that choice must mean plain cuBLAS in the
-    compiled step too (the seed's way to isolate a suspected SYRK kernel), and no for GPUs
+    compiled step too (the documented way to isolate a suspected SYRK kernel), and no for GPUs
     without the Triton kernels.
     """
     from dmuon_compile.kernels.availability import device_tag
@@ -249,7 +250,8 @@ class CompiledMuonStep:
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(
-                f"the compiled Muon step needs one device per group, got {sorted(map(str, devices))}"
+                "the compiled Muon step needs one device per group, got "
+                f"{sorted(map(str, devices))}"
             )
         device = next(iter(devices))
         lr_t, wd_t, mu_t = self.hyper_tensors(device, lr, weight_decay, momentum)

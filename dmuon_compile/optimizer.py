@@ -99,7 +99,7 @@ class Muon(torch.optim.Optimizer):
     """Muon for matrices, AdamW for everything else, in one optimizer.
 
     Args:
-        params: an ``nn.Module`` (the seed's ``dmuon.Muon(model, ...)``), an iterable of
+        params: an ``nn.Module`` (``dmuon.Muon(model, ...)``, the usual way), an iterable of
             parameters, or param groups. With a module, dedicated parameters (see
             ``dedicate_params``) get Muon, others by ``predicate`` or the default rule
             (≥2-D weights except embeddings and output heads). With plain parameters, ≥2-D
@@ -377,24 +377,27 @@ class Muon(torch.optim.Optimizer):
         saved_groups = state_dict.get("param_groups", [])
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
-                f"Muon.load_state_dict: the state has {len(saved_groups)} param groups, this optimizer "
-                f"{len(self.param_groups)} (Muon + AdamW groups of another model or routing). Build the "
-                "optimizer the way the saved run did, or load through torch.distributed.checkpoint's "
+                f"Muon.load_state_dict: the state has {len(saved_groups)} param groups, this "
+                f"optimizer {len(self.param_groups)} (Muon + AdamW groups of another model or "
+                "routing). Build the optimizer the way the saved run did, or load through "
+                "torch.distributed.checkpoint's "
                 "set_state_dict, which maps state by parameter name."
             )
         index_to_param = {}
         for saved, group in zip(saved_groups, self.param_groups):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
-                    f"Muon.load_state_dict: a saved group has {len(saved['params'])} parameters, this "
-                    f"optimizer's has {len(group['params'])} (first here: {self.param_name(group['params'][0])}). "
-                    "Load through torch.distributed.checkpoint's set_state_dict to map state by name."
+                    f"Muon.load_state_dict: a saved group has {len(saved['params'])} parameters, "
+                    f"this optimizer's has {len(group['params'])} (first here: "
+                    f"{self.param_name(group['params'][0])}). Load through "
+                    "torch.distributed.checkpoint's set_state_dict to map state by name."
                 )
             index_to_param.update(zip(saved["params"], group["params"]))
         fix = (
             "Optimizer state of a dedicated parameter only loads where it was saved (same owner, "
             "same mesh). To resume on another cluster shape, save and load with "
-            "torch.distributed.checkpoint: state = get_state_dict(model, opt); dcp.load(state, ...); "
+            "torch.distributed.checkpoint: state = get_state_dict(model, opt); "
+            "dcp.load(state, ...); "
             "set_state_dict(model, opt, model_state_dict=..., optim_state_dict=...)."
         )
         for index, values in state_dict.get("state", {}).items():
@@ -416,7 +419,8 @@ class Muon(torch.optim.Optimizer):
                         else "a plain tensor"
                     )
                     raise ValueError(
-                        f"Muon.load_state_dict: {key} of {self.param_name(p)} was saved as {where}; the "
+                        f"Muon.load_state_dict: {key} of {self.param_name(p)} was saved as "
+                        f"{where}; the "
                         f"parameter is {p.device_mesh} {tuple(p.placements)}. {fix}"
                     )
 
@@ -536,8 +540,8 @@ class Muon(torch.optim.Optimizer):
         """Muon math for some of a group's matrices (``part`` names the subset: one compiled
         graph each): the compiled step if enabled, else the eager reference.
 
-        Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local tensors (the
-        whole matrix on its owner); ranks that hold no rows of a matrix skip it.
+        Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local
+        tensors (the whole matrix on its owner); ranks that hold no rows of a matrix skip it.
         """
         from dmuon_compile.compiled_step import run_group_step
 
@@ -588,7 +592,7 @@ def _replicated_runtime(model: nn.Module | None):
 
 def _local(t: Tensor) -> Tensor:
     """The local shard of a DTensor, the tensor itself otherwise (read directly: ``to_local()``
-    is an autograd function call, ~10 µs each, per gradient and step)."""
+    is an autograd function call, per gradient and step)."""
     return local_of(t)
 
 

@@ -165,9 +165,10 @@ class DedicatedRuntime:
             current = p.module._parameters.get(p.attr)
             if current is not p.param and current is not p.unsharded:
                 raise RuntimeError(
-                    f"{p.fqn} is no longer the dedicated parameter dmuon.dedicate_params registered "
-                    f"(found {type(current).__name__}): something replaced it after dedicate_params "
-                    "(fully_shard with a torch version whose parameter collection dmuon_compile does "
+                    f"{p.fqn} is no longer the dedicated parameter dmuon.dedicate_params "
+                    f"registered (found {type(current).__name__}): something replaced it after "
+                    "dedicate_params (fully_shard with a torch version whose parameter collection "
+                    "dmuon_compile does "
                     "not know, or a reassignment of the weight). Order: dmuon.dedicate_params → "
                     "fully_shard(blocks) → fully_shard(model) → dmuon.Muon(model); do not reassign "
                     "dedicated weights."
@@ -212,7 +213,8 @@ class DedicatedRuntime:
                 f"FSDP2 computes the rest of the model in {sorted(map(str, theirs))}, so "
                 "activations and weights meet in different dtypes. Fix: give both the same "
                 "dtype, e.g. fully_shard(..., mp_policy=MixedPrecisionPolicy("
-                "param_dtype=torch.bfloat16)) next to dmuon.ParamPolicy(defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16)), or "
+                "param_dtype=torch.bfloat16)) next to dmuon.ParamPolicy(defaults="
+                "dmuon.MixedPrecision(param_dtype=torch.bfloat16)), or "
                 "drop param_policy=; or run the forward under torch.autocast."
             )
 
