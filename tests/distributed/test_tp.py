@@ -290,3 +290,71 @@ def test_full_tensor_on_a_tp_model_raises_instead_of_hanging():
     # Owners differ per TP column: a whole-job broadcast from "the" owner would hang.
     for errors in run_ranks(_full_tensor_on_tp_model, 2, timeout=120):
         assert all(e is not None and "torch.distributed.checkpoint" in e for e in errors), errors
+
+
+def sequence_parallel_plan(layers: int = models.LAYERS) -> dict:
+    """The Megatron-style sequence-parallel plan (as torchtitan's Llama): norms and the residual
+    stream sharded on the sequence, attention and MLP column/row-parallel in between."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    def gather_seq():
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+    plan = {
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1)),
+    }
+    for i in range(layers):
+        p = f"layers.{i}"
+        plan[f"{p}.attn_norm"] = SequenceParallel()
+        plan[f"{p}.self_attn"] = gather_seq()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{p}.self_attn.{name}"] = ColwiseParallel()
+        plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1))
+        plan[f"{p}.mlp_norm"] = SequenceParallel()
+        plan[f"{p}.mlp"] = gather_seq()
+        plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+def _train_sequence_parallel(rank, world, steps):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import dmuon_compile as dmuon
+
+    model = models.build_llama()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], sequence_parallel_plan())
+    dmuon.dedicate_params(model, mesh["dp"], predicate=models.proj_predicate)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = _muon(model)
+    losses = []
+    for x in models.batches(steps, 1):
+        chunk = x.shape[1] // world  # each TP rank feeds its slice of the sequence
+        local = model(x[:, rank * chunk : (rank + 1) * chunk]).square().mean()
+        (local / world).backward()  # the mean over the whole sequence, split over the TP ranks
+        opt.step()
+        opt.zero_grad()
+        mean = local.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return {"losses": losses, "state": _whole_state(model)}
+
+
+def test_sequence_parallel_plan_matches_single_process():
+    results = run_ranks(_train_sequence_parallel, 2, 4, timeout=200)
+    ref_losses, ref_state = reference(1, steps=4)
+    _check(results, ref_losses, ref_state)
