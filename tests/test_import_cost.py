@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINT = "_dmuon_torch_logs:register"
 OLD_ENTRY_POINT = "dmuon_compile.log:register_torch_logs"
@@ -72,13 +74,19 @@ def test_control_old_entry_point_imports_the_package(tmp_path):
     assert "dmuon_compile" in _ours(with_old)
 
 
+# torch 2.13 loads the torch.backends entry points before it parses TORCH_LOGS; 2.11 parses
+# first, so there only the module name (which torch imports itself) works from the environment.
+ENTRY_POINTS_FIRST = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
 def test_torch_logs_plus_dmuon_from_the_environment(tmp_path):
     """``import torch`` accepts the name without importing the package; the package's logger
-    then prints the pass's rewrites at DEBUG."""
+    then prints the pass's rewrites at DEBUG (torch 2.11: ``+dmuon_compile``, which imports it)."""
+    name = "+dmuon" if ENTRY_POINTS_FIRST else "+dmuon_compile"
     code = (
         "import sys, logging, torch\n"
-        "assert 'dmuon_compile' not in sys.modules\n"
-        "import dmuon_compile.passes as p\n"
+        + ("assert 'dmuon_compile' not in sys.modules\n" if ENTRY_POINTS_FIRST else "")
+        + "import dmuon_compile.passes as p\n"
         "from torch.fx.experimental.proxy_tensor import make_fx\n"
         "assert logging.getLogger('dmuon_compile').getEffectiveLevel() == logging.DEBUG\n"
         "gm = make_fx(lambda x: x @ x.T, tracing_mode='fake')(torch.randn(4, 6))\n"
@@ -86,7 +94,7 @@ def test_torch_logs_plus_dmuon_from_the_environment(tmp_path):
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env=_env(tmp_path, ENTRY_POINT, TORCH_LOGS="+dmuon"),
+        env=_env(tmp_path, ENTRY_POINT, TORCH_LOGS=name),
         capture_output=True,
         text=True,
         timeout=180,
