@@ -9,9 +9,12 @@ forward hook(G)       reshard G (free its buffer; not the last group, whose back
                       at once); on the output tensors register a gradient hook =
                       "pre-backward(G)"; the output object itself is never touched
 pre-backward(G)       unshard G again (wait), prefetch the group before it in forward order
-grad hooks            when every parameter of G has its gradient: pack, reduce to owners
-                      (async), free the local gradients, reshard G, finish the previous
-                      group's reduce (one reduce in flight bounds the gradient buffers)
+grad hooks            when every parameter of G has its gradient — or backward reached the
+                      group before G, or backward ended, for a weight this rank did not
+                      use (zeros) — pack, reduce to owners (async), free the local
+                      gradients, reshard G, finish the previous group's reduce (one reduce
+                      in flight bounds the gradient buffers). The reduces go out in one
+                      order on every rank: the groups that ran forward, last first
 end of backward       (autograd callback) wait all reduces: each registered ``param.grad``
                       holds the full gradient averaged over the group
 Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
