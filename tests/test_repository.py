@@ -50,8 +50,8 @@ def test_every_cited_document_is_in_the_repository():
 
 
 def test_missing_citation_check_has_teeth():
-    text = "see ARCHITECTURE.md and docs/nowhere.md; docs/architecture.md exists; --out OUT.md"
-    assert missing_citations(text, ROOT) == {"ARCHITECTURE.md", "docs/nowhere.md"}
+    text = "see DESIGN_NOTES.md and docs/nowhere.md; docs/architecture.md exists; --out OUT.md"
+    assert missing_citations(text, ROOT) == {"DESIGN_NOTES.md", "docs/nowhere.md"}
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
