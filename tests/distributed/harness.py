@@ -79,6 +79,24 @@ def _worker(fn, rank, world_size, port, args, env, results, backend="gloo", pg_t
                 pass
 
 
+def _start(fn, world_size: int, args, env: dict, backend: str, pg_timeout_s=None):
+    """Spawn the ``world_size`` worker processes; return them and their result queue."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, args, env, results, backend, pg_timeout_s),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
 def run_ranks(
     fn,
     world_size: int,
@@ -89,19 +107,7 @@ def run_ranks(
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; ``backend="nccl"``
     puts rank r on cuda:r); return their results."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(fn, r, world_size, port, args, dict(env or {}), results, backend),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs, results = _start(fn, world_size, args, dict(env or {}), backend)
     import time
 
     deadline = time.monotonic() + timeout
@@ -149,19 +155,7 @@ def run_ranks_with_victim(
     The process group gets ``pg_timeout_s``; every process is killed at the end."""
     import time
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(fn, r, world_size, port, args, {}, results, "gloo", pg_timeout_s),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs, results = _start(fn, world_size, args, {}, "gloo", pg_timeout_s)
     deadline = time.monotonic() + timeout
     got: dict[int, tuple] = {}
     survivors = set(range(world_size)) - {victim}
