@@ -41,7 +41,9 @@ def test_muon_rejects_bad_hyperparameters(kwargs, needle):
 
 def test_muon_accepts_good_hyperparameters():
     # The control: the same checks pass ordinary values (0 included).
-    dmuon.Muon(_model(), lr=0.02, adamw_eps=0.0, weight_decay=0.0)
+    opt = dmuon.Muon(_model(), lr=0.02, adamw_eps=0.0, weight_decay=0.0)
+    assert float(opt.param_groups[0]["lr"]) == 0.02
+    assert opt.param_groups[-1]["eps"] == 0.0
 
 
 @pytest.mark.parametrize("arg", ["predicate", "hook_boundary_predicate", "layer_id_fn"])
