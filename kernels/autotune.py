@@ -12,7 +12,9 @@ torch, is ignored with a warning (and overwritten on the next verdict), never a 
 The tuning inputs come from a private ``torch.Generator``: the training RNG is untouched. On
 the first uncached key each rank prints ``[DMuon][rank=R/W] SYRK autotune ...`` progress lines
 (``DMUON_SYRK_AUTOTUNE_LOG=0`` silences them). ``DMUON_SYRK_AUTOTUNE=0`` skips timing and uses
-:func:`heuristic_choice` (so does a call made while a CUDA graph is being captured).
+:func:`heuristic_choice` (so does a call made while a CUDA graph is being captured);
+``DMUON_SYRK_AUTOTUNE=all`` times every candidate instead of the shortlist
+(``syrk.candidates_for``).
 """
 
 from __future__ import annotations
@@ -251,6 +253,11 @@ def tune(
 def autotune_enabled() -> bool:
     """False when ``DMUON_SYRK_AUTOTUNE=0`` (the heuristic decides instead)."""
     return env_flag(ENABLE_SWITCH, True)
+
+
+def exhaustive() -> bool:
+    """True when ``DMUON_SYRK_AUTOTUNE=all``: time every candidate, not the shortlist."""
+    return os.environ.get(ENABLE_SWITCH, "").strip().lower() == "all"
 
 
 def heuristic_choice(m: int, batch: int, dtype: torch.dtype, default_config) -> object:

@@ -60,6 +60,14 @@ DEFAULT_CONFIG = CANDIDATES[0]
 # The untimed choice where TMA can read the operands: the most frequent autotune winner on
 # H200 (benchmarks/RESULTS.md §1).
 DEFAULT_TMA_CONFIG = TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True)
+# What autotune times by default where TMA can read the operands: on H200 every verdict of the
+# S and M matrix sets went to one of these two, the other within 8% of it (benchmarks/RESULTS.md
+# §8). Timing the full list costs a Triton compile per candidate and layout, most of a cold first
+# step; ``DMUON_SYRK_AUTOTUNE=all`` times every candidate.
+SHORTLIST: tuple[TileConfig, ...] = (
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
+    DEFAULT_TMA_CONFIG,
+)
 
 
 def default_config_for(a: Tensor, b: Tensor | None) -> TileConfig:
@@ -77,11 +85,15 @@ def candidates_for(
     """Candidates worth timing for an ``m×m`` output (no tile much larger than the matrix).
 
     With the operands given, TMA configurations whose descriptors cannot read them are left
-    out (they would only time the pointer kernel again).
+    out (they would only time the pointer kernel again), and where TMA can read them only the
+    :data:`SHORTLIST` is timed (every candidate with ``DMUON_SYRK_AUTOTUNE=all``).
     """
     fitting = tuple(c for c in CANDIDATES if c.cols <= max(64, 2 * m))
     if a is not None:
         fitting = tuple(c for c in fitting if not c.tma or tma_descriptors(a, b, c) is not None)
+        short = tuple(c for c in fitting if c in SHORTLIST)
+        if short and not autotune.exhaustive():
+            return short
     return fitting or (DEFAULT_CONFIG,)
 
 

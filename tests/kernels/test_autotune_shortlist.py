@@ -1,0 +1,42 @@
+"""The autotune shortlist: where TMA can read the operands only the shortlist is timed, unless
+``DMUON_SYRK_AUTOTUNE=all``; layouts TMA cannot read keep every pointer candidate."""
+
+import torch
+from dmuon_compile.kernels import syrk
+
+
+def _tma_readable(monkeypatch):
+    # CPU tensors have no TMA descriptors; pretend they do to exercise the selection rule.
+    monkeypatch.setattr(syrk, "tma_descriptors", lambda a, b, config: object())
+
+
+def test_tma_operands_time_the_shortlist_only(monkeypatch):
+    _tma_readable(monkeypatch)
+    monkeypatch.delenv("DMUON_SYRK_AUTOTUNE", raising=False)
+    a = torch.empty(512, 1024)
+    assert set(syrk.candidates_for(512, a, None)) == set(syrk.SHORTLIST)
+    assert len(syrk.SHORTLIST) < len(syrk.CANDIDATES)
+
+
+def test_all_times_every_fitting_candidate(monkeypatch):
+    _tma_readable(monkeypatch)
+    monkeypatch.setenv("DMUON_SYRK_AUTOTUNE", "all")
+    a = torch.empty(512, 1024)
+    assert syrk.candidates_for(512, a, None) == syrk.CANDIDATES
+
+
+def test_without_tma_every_pointer_candidate_is_timed(monkeypatch):
+    monkeypatch.setattr(syrk, "tma_descriptors", lambda a, b, config: None)
+    monkeypatch.delenv("DMUON_SYRK_AUTOTUNE", raising=False)
+    a = torch.empty(512, 1024)
+    got = syrk.candidates_for(512, a, None)
+    assert got == tuple(c for c in syrk.CANDIDATES if not c.tma)
+    assert not set(got) & set(syrk.SHORTLIST)
+
+
+def test_small_outputs_drop_wide_tiles_from_the_shortlist(monkeypatch):
+    _tma_readable(monkeypatch)
+    monkeypatch.delenv("DMUON_SYRK_AUTOTUNE", raising=False)
+    a = torch.empty(64, 1024)
+    got = syrk.candidates_for(64, a, None)
+    assert got and all(c.cols <= 128 for c in got)
