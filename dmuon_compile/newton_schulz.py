@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from dmuon_compile import coefficients as coeffs
+from dmuon_compile import ns_graphs
 from dmuon_compile.kernels.availability import device_tag, triton_status
 
 EPS = 1e-7
@@ -346,6 +347,7 @@ class NewtonSchulz:
         self.gram_min_aspect = gram_min_aspect
         self.eps = eps
         self.kernel, self.kernel_reason = self._resolve_kernel(self.requested_kernel)
+        self._graphed = ns_graphs.GraphedCalls()  # per-shape CUDA graphs of small eager calls
 
     # -- kernel ladder
     @staticmethod
@@ -410,7 +412,29 @@ class NewtonSchulz:
         return direct_ns_flops(small, large, len(self.coefficients), sym)
 
     def __call__(self, g: Tensor) -> Tensor:
-        """Orthogonalise ``g`` (2-D, or a 3-D same-shape stack); returns the work dtype."""
+        """Orthogonalise ``g`` (2-D, or a 3-D same-shape stack); returns the work dtype.
+
+        Small CUDA inputs replay a per-shape CUDA graph of this same call after the first one
+        (:mod:`dmuon_compile.ns_graphs`: bitwise the eager result, no launch overhead).
+        """
+        if ns_graphs.wanted(g):
+            return self._graphed(self._config_key(g.device), self._orthogonalize, g)
+        return self._orthogonalize(g)
+
+    def _config_key(self, device: torch.device) -> tuple:
+        """Everything that selects the kernels of a call besides the input (graph cache key;
+        a ``copy.copy`` of this object with another ``kernel`` must not share graphs)."""
+        return (
+            self.backend,
+            self.kernel,
+            self.coefficients,
+            self.restart_iterations,
+            self.work_dtype_for(device),
+            self.gram_min_aspect,
+            self.eps,
+        )
+
+    def _orthogonalize(self, g: Tensor) -> Tensor:
         _, transposed = _as_matrix_stack(g)  # validates the shape
         x = normalize(g, self.work_dtype_for(g.device), self.eps, transpose=transposed)
         m, n = x.shape[-2], x.shape[-1]
