@@ -62,7 +62,8 @@ class _Captured:
         )
         self.static_in.copy_(example)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA calls of other threads (NCCL watchdogs) must not fail the capture
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.static_out = fn(self.static_in)
 
     def __call__(self, g: Tensor) -> Tensor:
