@@ -149,16 +149,20 @@ def _fresh_copy(fn):
 
 
 def default_compile_options(mode: str | None = None, rewrite: bool = True) -> dict:
-    """Inductor options of the compiled step: the NS-chain pass (wrapping a user's pass),
-    the mode's options (``torch.compile`` takes ``mode`` or ``options``, not both), and the
-    torch-2.11 workaround for pytorch#176591 (loop reordering across 2-D/3-D recompiles).
+    """Inductor options of the compiled step: the NS-chain pass (wrapping a user's pass), one
+    elementwise launch config, the mode's options (``torch.compile`` takes ``mode`` or
+    ``options``, not both), and the torch-2.11 workaround for pytorch#176591 (loop reordering
+    across 2-D/3-D recompiles).
 
     >>> "post_grad_custom_pre_pass" in default_compile_options()
     True
     """
     from dmuon_compile.passes import compile_options
 
-    options: dict = {}
+    # One launch config per 1-D elementwise kernel instead of timing several at the first run:
+    # the step's elementwise work is ~1% of its GPU time, and timing its ~200 kernels was
+    # seconds of a cold first step (benchmarks/RESULTS.md §8). Max-autotune modes still tune.
+    options: dict = {"triton.autotune_pointwise": False}
     if mode not in (None, "default"):
         options.update(torch._inductor.list_mode_options(mode))
     if parse_version(torch.__version__) < (2, 13):
