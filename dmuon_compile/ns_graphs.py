@@ -3,7 +3,8 @@
 An eager NS call issues a few dozen kernel launches from Python (normalise, the symmetric
 products, the restarts, the rectangular products). On small matrices the host takes longer
 than the GPU: at 1024×4096 on an H200 the call was host-bound by about 3×
-(``benchmarks/ns_graph_probe.py``). :class:`GraphedCalls` captures one CUDA graph per input
+(``benchmarks/ns_graph_probe.py``, numbers in ``benchmarks/RESULTS.md`` §8). :class:`GraphedCalls`
+captures one CUDA graph per input
 layout after an ordinary first call (which autotunes and compiles the kernels), then replays it:
 the input is copied into the graph's static buffer, the graph replays, and the static output is
 cloned (a caller may keep the result across calls). The replay runs the same kernels on the same
@@ -33,7 +34,9 @@ from torch import Tensor
 from dmuon_compile.log import env_flag
 
 SWITCH = "DMUON_NS_GRAPHS"
-MAX_ELEMENTS = 1 << 23  # 8M: 1024×4096 gains ~3×; 2048×5632 (11.5M) is GPU-bound already
+# 16M: 1024×4096 gained ~3.5× on an H200, 2048×5632 ~1.2×, 4096² nothing (GPU-bound); larger
+# calls would only keep their intermediates' memory in the graph's pool.
+MAX_ELEMENTS = 1 << 24
 _EAGER = "eager"  # a layout whose capture failed
 
 
