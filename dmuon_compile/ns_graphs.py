@@ -3,11 +3,11 @@
 An eager NS call issues a few dozen kernel launches from Python (normalise, the symmetric
 products, the restarts, the rectangular products). On small matrices the host takes longer
 than the GPU: at 1024×4096 on an H200 the call was host-bound by about 3×
-(``benchmarks/ns_graph_probe.py``, numbers in ``benchmarks/RESULTS.md`` §8). :class:`GraphedCalls`
-captures one CUDA graph per input
-layout after an ordinary first call (which autotunes and compiles the kernels), then replays it:
-the input is copied into the graph's static buffer, the graph replays, and the static output is
-cloned (a caller may keep the result across calls). The replay runs the same kernels on the same
+(``benchmarks/ns_graph_probe.py``, numbers in ``benchmarks/RESULTS.md`` §8).
+:class:`GraphedCalls` captures one CUDA graph per input layout after an ordinary first call
+(which autotunes and compiles the kernels), then replays it: the input is copied into the
+graph's static buffer, the graph replays, and the static output is cloned (a caller may keep
+the result across calls). The replay runs the same kernels on the same
 data as the eager call, so the result is bitwise the eager one (``tests/test_ns_graphs.py`` on
 the GPU).
 
