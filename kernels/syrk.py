@@ -60,10 +60,11 @@ DEFAULT_CONFIG = CANDIDATES[0]
 # The untimed choice where TMA can read the operands: the most frequent autotune winner on
 # H200 (benchmarks/RESULTS.md §1).
 DEFAULT_TMA_CONFIG = TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True)
-# What autotune times by default where TMA can read the operands: on H200 every verdict of the
-# S and M matrix sets went to one of these two, the other within 8% of it (benchmarks/RESULTS.md
-# §8). Timing the full list costs a Triton compile per candidate and layout, most of a cold first
-# step; ``DMUON_SYRK_AUTOTUNE=all`` times every candidate.
+# What autotune times by default where TMA can read the operands: on H200 every one of the 17
+# verdicts of the S and M matrix sets went to one of these two, and the best of the other seven
+# candidates was 3-28% slower than the winner (benchmarks/RESULTS.md §8). Timing the full list
+# costs a Triton compile per candidate and layout, most of a cold first step;
+# ``DMUON_SYRK_AUTOTUNE=all`` times every candidate.
 SHORTLIST: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
     DEFAULT_TMA_CONFIG,
