@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 from dmuon_compile.kernels import autotune, syrk
+from dmuon_compile.kernels.lower_tiles import TileConfig
 from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
-from dmuon_compile.kernels.syrk_triton import TileConfig
 
 
 @pytest.fixture

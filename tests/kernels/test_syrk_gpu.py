@@ -41,8 +41,8 @@ def _needs_triton():
 )
 def test_triton_syrk_every_config_real_sizes(shape, dtype):
     _needs_triton()
+    from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
     from dmuon_compile.kernels.syrk import CANDIDATES
-    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(shape, generator=gen, device="cuda").to(dtype) / shape[-1] ** 0.25
@@ -63,8 +63,8 @@ def test_triton_sym_mm_every_config_real_sizes(layout, shape):
     """Every candidate (pointer and TMA loads) on the operand layouts NS produces: symmetric
     row-major Gram-space matrices, and the column-major (transposed) views of tall matrices."""
     _needs_triton()
+    from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
     from dmuon_compile.kernels.syrk import CANDIDATES
-    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(shape, generator=gen, device="cuda") / shape[-1] ** 0.5
@@ -85,8 +85,8 @@ def test_triton_sym_mm_every_config_real_sizes(layout, shape):
 def test_triton_syrk_of_a_tall_matrix_view_every_config():
     """SYRK of the transposed view of a tall matrix (column-major operand), as Gram NS calls it."""
     _needs_triton()
+    from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
     from dmuon_compile.kernels.syrk import CANDIDATES
-    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product
 
     tall = torch.randn(2, 6144, 2048, device="cuda").half() / 6144**0.25
     x = tall.mT  # (2, 2048, 6144), column-major
