@@ -18,6 +18,12 @@ Epilogue (fp32): ``acc·alpha + beta·C + gamma·I``; each element ``(i, j)`` of
 element comes from exactly one fp32 value and the result is bitwise symmetric — the same rule as
 the reference in ``ops.py``.
 
+Launch metadata. Every kernel that is launched from the host is decorated with
+``@triton.jit(launch_metadata=...)``: a function of ``(grid, compiled-kernel metadata,
+{argument name: value})`` that Triton calls only when a launch hook is installed (Triton's
+profiler, proton, reads ``name``, ``flops8/16/32/64`` and ``bytes``). :func:`product_metadata`
+is the one formula both product kernels report; ``TRITON_INTERPRET=1`` never calls it.
+
 This module and the kernel modules import only triton and torch and register nothing, so a test
 can load a second, interpreted copy of them under ``TRITON_INTERPRET=1``.
 """
@@ -245,3 +251,35 @@ def tile_constexprs(a: Tensor, c: Tensor | None, beta: float, config: TileConfig
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def product_metadata(
+    loads: str,
+    *,
+    syrk: bool,
+    batch: int,
+    m: int,
+    k: int,
+    operand_size: int,
+    c_size: int,
+    out_size: int,
+    tile: tuple[int, int, int],
+) -> dict:
+    """Launch metadata of one symmetric-product launch (see the module docstring).
+
+    ``flops`` counts the useful products of the lower triangle, ``2·k`` per element ``i ≥ j``:
+    ``batch·m·(m+1)·k``, half a general product plus the diagonal (the kernels' padding and the
+    upper parts of diagonal tiles are not counted, so a trace's FLOP/s is comparable with a
+    GEMM's). The key carries the operands' width, ``flops16`` for fp16/bf16, ``flops32`` for
+    fp32. ``bytes`` is each operand element read once (``b`` only for ``sym_mm``; ``c``'s lower
+    triangle when the ``beta·C`` term is loaded, ``c_size = 0`` otherwise) and the whole output
+    written once. The name says the op, the loads, the shape and the tile.
+    """
+    lower = m * (m + 1) // 2
+    operands = (1 if syrk else 2) * m * k * operand_size
+    op = "syrk" if syrk else "sym_mm"
+    return {
+        "name": f"{op}_{loads} {m}x{k} b{batch} {tile[0]}x{tile[1]}x{tile[2]}",
+        f"flops{8 * operand_size}": 2 * batch * lower * k,
+        "bytes": batch * (operands + lower * c_size + m * m * out_size),
+    }

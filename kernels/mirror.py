@@ -13,7 +13,18 @@ from dmuon_compile.kernels.lower_tiles import _lower_tile_coords, stack_strides
 from torch import Tensor
 
 
-@triton.jit
+def _mirror_launch_metadata(grid, metadata, args) -> dict:
+    """Profiler name and bytes of one mirror launch: the strict lower triangle read, the strict
+    upper one written (no FLOPs)."""
+    p, m = args["p_ptr"], args["m"]
+    batch = p.shape[0] if p.dim() == 3 else 1
+    return {
+        "name": f"mirror_lower {m}x{m} b{batch}",
+        "bytes": batch * m * (m - 1) * p.element_size(),
+    }
+
+
+@triton.jit(launch_metadata=_mirror_launch_metadata)
 def _mirror_lower_kernel(p_ptr, m, stride_b, stride_m, stride_n, BLOCK: tl.constexpr):
     # One program per lower tile (batch-major); copies the strict lower triangle onto the upper
     # one in place. Reads only i > j and writes only j < i positions, so programs never race.

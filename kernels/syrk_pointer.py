@@ -30,13 +30,29 @@ from dmuon_compile.kernels.lower_tiles import (
     epilogue_operand,
     lower_tile_count,
     persistent_programs,
+    product_metadata,
     stack_strides,
     tile_constexprs,
 )
 from torch import Tensor
 
 
-@triton.jit
+def _pointer_launch_metadata(grid, metadata, args) -> dict:
+    """Profiler name, FLOPs and bytes of one launch (``lower_tiles.product_metadata``)."""
+    return product_metadata(
+        "ptr",
+        syrk=bool(args["B_FROM_A"]),
+        batch=args["batch"],
+        m=args["m"],
+        k=args["k"],
+        operand_size=args["a_ptr"].element_size(),
+        c_size=args["c_ptr"].element_size() if args["HAS_C"] else 0,
+        out_size=args["out_ptr"].element_size(),
+        tile=(args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]),
+    )
+
+
+@triton.jit(launch_metadata=_pointer_launch_metadata)
 def _symmetric_product_kernel(
     a_ptr,
     b_ptr,

@@ -27,10 +27,32 @@ from dmuon_compile.kernels.lower_tiles import (
     epilogue_operand,
     lower_tile_count,
     persistent_programs,
+    product_metadata,
     stack_strides,
     tile_constexprs,
 )
 from torch import Tensor
+
+
+def _tma_launch_metadata(grid, metadata, args) -> dict:
+    """Profiler name, FLOPs and bytes of one launch (``lower_tiles.product_metadata``).
+
+    The kernel has no SYRK switch: SYRK's ``b`` descriptor is built over ``a``'s own memory
+    (see :func:`tma_descriptors`), which is how the name tells it from ``sym_mm`` (a ``sym_mm``
+    whose ``b`` is ``a``'s memory, ``b = aᵀ``, is that SYRK and is named so).
+    """
+    out = args["out_ptr"]
+    return product_metadata(
+        "tma",
+        syrk=args["b_desc"].base.data_ptr() == args["a_desc"].base.data_ptr(),
+        batch=args["batch"],
+        m=args["m"],
+        k=args["k"],
+        operand_size=args["a_desc"].base.element_size(),
+        c_size=args["c_ptr"].element_size() if args["HAS_C"] else 0,
+        out_size=out.element_size(),
+        tile=(args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]),
+    )
 
 
 @triton.jit
@@ -170,7 +192,7 @@ def _tma_tile(
         )
 
 
-@triton.jit
+@triton.jit(launch_metadata=_tma_launch_metadata)
 def _symmetric_product_tma_kernel(
     a_desc,
     b_desc,
