@@ -1,8 +1,8 @@
 """Quick GPU check of the in-place mirror kernel and both ops' dispatch (run before the bench)."""
 
 import torch
+from dmuon_compile.kernels.mirror import mirror_lower_inplace
 from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
-from dmuon_compile.kernels.syrk_triton import mirror_lower_inplace
 
 import dmuon_compile  # noqa: F401
 

@@ -51,7 +51,8 @@ def main() -> int:
         print("host_overhead.py needs a CUDA GPU", file=sys.stderr)
         return 2
     from dmuon_compile.kernels import syrk
-    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product, mirror_lower_inplace
+    from dmuon_compile.kernels.mirror import mirror_lower_inplace
+    from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
 
     import dmuon_compile  # noqa: F401  (registers torch.ops.dmuon.*)
 

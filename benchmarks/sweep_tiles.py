@@ -23,8 +23,10 @@ import time
 
 import torch
 from dmuon_compile.kernels.autotune import time_ms
+from dmuon_compile.kernels.lower_tiles import TileConfig
+from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
 from dmuon_compile.kernels.syrk import CANDIDATES, _lower_matches, symmetric_product_cublas
-from dmuon_compile.kernels.syrk_triton import TileConfig, launch_symmetric_product, tma_descriptors
+from dmuon_compile.kernels.syrk_tma import tma_descriptors
 
 # Configurations tried besides the candidates (--extra): the plain strip walk, descriptor
 # stores on square tiles and on strips.

@@ -6,7 +6,7 @@ keeps the torch reference. Per call:
 
 1. fp16/bf16/fp32 inputs on an SM80+ GPU ask :mod:`autotune` for the verdict of their
    (op, shape, dtype, layout, device) key — tuned once, then cached in memory and on disk;
-2. the verdict is a :class:`TileConfig` (Triton kernel of ``syrk_triton.py``: lower tiles
+2. the verdict is a :class:`TileConfig` (Triton kernels of ``symmetric_product.py``: lower tiles
    only, mirrored, persistent, one launch per stack) or ``"cublas"``;
 3. ``"cublas"`` (and fp64, older GPUs) runs ``torch.mm``/``addmm``/``baddbmm``, adds
    ``gamma·I`` and mirrors the lower triangle so the result is exactly symmetric like the
@@ -22,13 +22,11 @@ import functools
 import torch
 from dmuon_compile.kernels import autotune
 from dmuon_compile.kernels.availability import triton_status
+from dmuon_compile.kernels.lower_tiles import TileConfig
+from dmuon_compile.kernels.mirror import mirror_lower_inplace
 from dmuon_compile.kernels.ops import _check_operands
-from dmuon_compile.kernels.syrk_triton import (
-    TileConfig,
-    launch_symmetric_product,
-    mirror_lower_inplace,
-    tma_descriptors,
-)
+from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
+from dmuon_compile.kernels.syrk_tma import tma_descriptors
 from torch import Tensor
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

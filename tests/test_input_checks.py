@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from dmuon_compile.kernels import autotune, syrk
-from dmuon_compile.kernels.syrk_triton import TileConfig
+from dmuon_compile.kernels.lower_tiles import TileConfig
 from torch import nn
 
 import dmuon_compile as dmuon

@@ -19,13 +19,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("interpret_worker.py must run with TRITON_INTERPRET=1")
 
 import torch  # noqa: E402
+from dmuon_compile.kernels.lower_tiles import TileConfig  # noqa: E402
+from dmuon_compile.kernels.mirror import mirror_lower_inplace  # noqa: E402
 from dmuon_compile.kernels.scale_cast import scale_cast  # noqa: E402
-from dmuon_compile.kernels.syrk_triton import (  # noqa: E402
-    TileConfig,
-    launch_symmetric_product,
-    mirror_lower_inplace,
-    tma_descriptors,
-)
+from dmuon_compile.kernels.symmetric_product import launch_symmetric_product  # noqa: E402
+from dmuon_compile.kernels.syrk_tma import tma_descriptors  # noqa: E402
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 from dmuon_compile.kernels import autotune, syrk
+from dmuon_compile.kernels.lower_tiles import TileConfig
 from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
-from dmuon_compile.kernels.syrk_triton import TileConfig
 
 
 @pytest.fixture
@@ -34,6 +34,9 @@ class FakeGPU:
         self.launches: list[str] = []
         self.timed: list[str] = []
         self._current = None
+        # CPU tensors stand in for the GPU's: TMA cannot read them, whether or not pytest itself
+        # runs under TRITON_INTERPRET=1 (which would make their descriptors buildable).
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         monkeypatch.setattr(syrk, "_device_name", lambda index: "Fake GPU 80GB")
         monkeypatch.setattr(syrk, "triton_status", lambda index=None: (True, "SM90 (mocked)"))
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -41,8 +41,8 @@ def _needs_triton():
 )
 def test_triton_syrk_every_config_real_sizes(shape, dtype):
     _needs_triton()
+    from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
     from dmuon_compile.kernels.syrk import CANDIDATES
-    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(shape, generator=gen, device="cuda").to(dtype) / shape[-1] ** 0.25
@@ -63,8 +63,8 @@ def test_triton_sym_mm_every_config_real_sizes(layout, shape):
     """Every candidate (pointer and TMA loads) on the operand layouts NS produces: symmetric
     row-major Gram-space matrices, and the column-major (transposed) views of tall matrices."""
     _needs_triton()
+    from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
     from dmuon_compile.kernels.syrk import CANDIDATES
-    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(shape, generator=gen, device="cuda") / shape[-1] ** 0.5
@@ -85,8 +85,8 @@ def test_triton_sym_mm_every_config_real_sizes(layout, shape):
 def test_triton_syrk_of_a_tall_matrix_view_every_config():
     """SYRK of the transposed view of a tall matrix (column-major operand), as Gram NS calls it."""
     _needs_triton()
+    from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
     from dmuon_compile.kernels.syrk import CANDIDATES
-    from dmuon_compile.kernels.syrk_triton import launch_symmetric_product
 
     tall = torch.randn(2, 6144, 2048, device="cuda").half() / 6144**0.25
     x = tall.mT  # (2, 2048, 6144), column-major
@@ -157,3 +157,56 @@ def test_scale_cast_kernel_bitwise_equals_torch(shape, in_dtype, out_dtype):
     assert torch.equal(
         normalize(g, out_dtype, 1e-7, transpose=True), traced_expression.mT.to(out_dtype)
     )
+
+
+def _add_launch_hook(hook):
+    """Install ``hook`` as Triton's launch-enter hook, as its profiler does; returns the undo."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        chain = knobs.runtime.launch_enter_hook
+        if hasattr(chain, "add"):  # a chain of hooks (Triton 3.6)
+            chain.add(hook)
+            return lambda: chain.remove(hook)
+        knobs.runtime.launch_enter_hook = hook
+        return lambda: setattr(knobs.runtime, "launch_enter_hook", chain)
+    from triton.compiler.compiler import CompiledKernel  # Triton 3.3: a class attribute
+
+    previous = CompiledKernel.launch_enter_hook
+    CompiledKernel.launch_enter_hook = hook
+    return lambda: setattr(CompiledKernel, "launch_enter_hook", previous)
+
+
+def test_launch_metadata_reaches_a_launch_hook():
+    """Every kernel family reports its name, the lower triangle's FLOPs and its bytes to a
+    launch hook (what profiler traces show), on the pointer, TMA and mirror launches."""
+    _needs_triton()
+    from dmuon_compile.kernels.lower_tiles import TileConfig
+    from dmuon_compile.kernels.mirror import mirror_lower_inplace
+    from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
+    from dmuon_compile.kernels.syrk_tma import tma_supported
+
+    batch, m, k = 3, 512, 256
+    x = torch.randn(batch, m, k, device="cuda", dtype=torch.float16)
+    configs = [TileConfig(128, 64, 8, 4, 1)]
+    if tma_supported(x.device):
+        configs.append(TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True))
+    seen = []
+    undo = _add_launch_hook(lambda metadata: seen.append(dict(metadata.get())))
+    try:
+        for config in configs:
+            launch_symmetric_product(x, None, None, 1.0, 0.0, 0.0, config)
+        mirror_lower_inplace(torch.randn(batch, m, m, device="cuda"))
+        torch.cuda.synchronize()
+    finally:
+        undo()
+    ours = [meta for meta in seen if meta["name"].startswith(("syrk_", "mirror_lower"))]
+    loads = ["ptr", "tma"][: len(configs)]
+    assert [meta["name"] for meta in ours] == [
+        f"syrk_{kind} {m}x{k} b{batch} 128x128x64" for kind in loads
+    ] + [f"mirror_lower {m}x{m} b{batch}"]
+    for meta in ours[:-1]:
+        assert meta["flops16"] == batch * m * (m + 1) * k
+        assert meta["bytes"] == 2 * batch * (m * k + m * m)
+    assert ours[-1]["bytes"] == 4 * batch * m * (m - 1)

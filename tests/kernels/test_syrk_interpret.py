@@ -281,7 +281,7 @@ def test_strip_tiles_match_reference(kernel, config, m, k, batch, dtype):
 
 
 def test_tile_config_names_and_round_trip():
-    from dmuon_compile.kernels.syrk_triton import TileConfig
+    from dmuon_compile.kernels.lower_tiles import TileConfig
 
     square, strips = TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 3, 1, block_n=256)
     assert square.name == "b128_k64_w8_s3_p1" and strips.name == "b128x256_k64_w8_s3_p1"
@@ -377,7 +377,7 @@ def test_tma_property(kernel, m, k8, batch, dtype, flatten, transposed_b, seed):
 
 
 def test_tma_config_names_and_flatten_needs_tma():
-    from dmuon_compile.kernels.syrk_triton import TileConfig
+    from dmuon_compile.kernels.lower_tiles import TileConfig
 
     tma = TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, flatten=True)
     assert tma.name == "b128x256_k64_w8_s3_p1_tma_flat"
@@ -447,18 +447,18 @@ def test_tma_store_matches_reference(kernel, config, m, k, batch, dtype):
 def test_tma_candidates_only_where_descriptors_can_read_the_operands(monkeypatch):
     """The autotune skips TMA candidates on devices / Triton builds without descriptors (they
     would only time the pointer kernel again), and keeps them in the list otherwise."""
-    from dmuon_compile.kernels import syrk, syrk_triton
+    from dmuon_compile.kernels import syrk, syrk_tma
 
     a = torch.randn(256, 512, dtype=torch.float16)
     assert any(c.tma for c in syrk.candidates_for(256))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not syrk_triton.tma_supported(a.device)  # a CPU tensor outside the interpreter
+    assert not syrk_tma.tma_supported(a.device)  # a CPU tensor outside the interpreter
     assert not any(c.tma for c in syrk.candidates_for(256, a, None))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert syrk_triton.tma_supported(a.device) == syrk_triton._triton_has_descriptors()
-    monkeypatch.setattr(syrk_triton, "_triton_has_descriptors", lambda: False)
-    assert not syrk_triton.tma_supported(a.device)
-    assert syrk_triton.tma_descriptors(a, None, next(c for c in syrk.CANDIDATES if c.tma)) is None
+    assert syrk_tma.tma_supported(a.device) == syrk_tma._triton_has_descriptors()
+    monkeypatch.setattr(syrk_tma, "_triton_has_descriptors", lambda: False)
+    assert not syrk_tma.tma_supported(a.device)
+    assert syrk_tma.tma_descriptors(a, None, next(c for c in syrk.CANDIDATES if c.tma)) is None
 
 
 @settings(max_examples=12, deadline=None)
