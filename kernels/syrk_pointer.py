@@ -52,7 +52,9 @@ def _pointer_launch_metadata(grid, metadata, args) -> dict:
     )
 
 
-@triton.jit(launch_metadata=_pointer_launch_metadata)
+# Stack size and grid size take any value: specialising on them (Triton keys ints on ==1 and
+# %16) would compile a stack of 8 apart from one of 16, a cold compile's biggest cost.
+@triton.jit(launch_metadata=_pointer_launch_metadata, do_not_specialize=["batch", "num_programs"])
 def _symmetric_product_kernel(
     a_ptr,
     b_ptr,

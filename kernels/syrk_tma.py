@@ -192,7 +192,9 @@ def _tma_tile(
         )
 
 
-@triton.jit(launch_metadata=_tma_launch_metadata)
+# Stack size and grid size take any value: specialising on them (Triton keys ints on ==1 and
+# %16) would compile a stack of 8 apart from one of 16, a cold compile's biggest cost.
+@triton.jit(launch_metadata=_tma_launch_metadata, do_not_specialize=["batch", "num_programs"])
 def _symmetric_product_tma_kernel(
     a_desc,
     b_desc,
