@@ -167,19 +167,18 @@ def default_compile_options(mode: str | None = None, rewrite: bool = True) -> di
 
 
 def pass_enabled(ns: NewtonSchulz) -> bool:
-    """Whether the compiled step rewrites the NS chain into ``torch.ops.dmuon`` kernels.
+    """Whether the compiled step rewrites the NS chain into ``torch.ops.dmuon`` kernels:
+    :func:`dmuon_compile.kernel_choice.choose_kernel`'s ``site="step"`` rule.
 
-    Yes when the orthogonaliser resolved to the Triton kernels, and on CPU (where the ops run
-    their torch reference, which is how the pass is tested without a GPU). No for an explicit
-    ``kernel="cublas"`` / ``deterministic=True``: that choice must mean plain cuBLAS in the
-    compiled step too (the documented way to isolate a suspected SYRK kernel), and no for GPUs
-    without the Triton kernels.
+    Yes when the orthogonaliser resolved to the Triton kernels, and on a machine without CUDA
+    (the ops run their torch reference: how the pass is tested without a GPU). No for an
+    explicit ``kernel="cublas"`` / ``deterministic=True`` (that choice means plain cuBLAS in
+    the compiled step too: the documented way to isolate a suspected SYRK kernel), and no for
+    GPUs without the Triton kernels.
     """
-    from dmuon_compile.kernels.availability import device_tag
+    from dmuon_compile.kernel_choice import choose_kernel
 
-    if ns.requested_kernel == "cublas":
-        return False
-    return ns.kernel == "triton" or device_tag() == "CPU"
+    return choose_kernel("step", requested=ns.requested_kernel, resolved=ns.kernel).uses_op
 
 
 class CompiledMuonStep:
