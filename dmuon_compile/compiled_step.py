@@ -152,18 +152,26 @@ def default_compile_options(mode: str | None = None, rewrite: bool = True) -> di
     """Inductor options of the compiled step: the NS-chain pass (wrapping a user's pass),
     the mode's options (``torch.compile`` takes ``mode`` or ``options``, not both), and the
     torch-2.11 workaround for pytorch#176591 (loop reordering across 2-D/3-D recompiles).
+    ``rewrite=False`` keeps the NS-chain pass out, also one installed globally.
 
     >>> "post_grad_custom_pre_pass" in default_compile_options()
     True
     """
-    from dmuon_compile.passes import compile_options
+    from dmuon_compile.passes import NSChainPass, compile_options
 
     options: dict = {}
     if mode not in (None, "default"):
         options.update(torch._inductor.list_mode_options(mode))
     if parse_version(torch.__version__) < (2, 13):
         options["loop_ordering_after_fusion"] = False
-    return compile_options(options) if rewrite else options
+    if rewrite:
+        return compile_options(options)
+    current = torch._inductor.config.post_grad_custom_pre_pass
+    if isinstance(current, NSChainPass):
+        # Installed globally for a user-compiled step: without this, a kernel="cublas" step
+        # compiled later in the process would still get the rewrite. The user's pass stays.
+        options["post_grad_custom_pre_pass"] = current.user_pass
+    return options
 
 
 def pass_enabled(ns: NewtonSchulz) -> bool:

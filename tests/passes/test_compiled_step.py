@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from dmuon_compile.passes import NSChainPass, compile_options
+from dmuon_compile.passes import NSChainPass, compile_options, install_global_pass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
@@ -216,6 +216,9 @@ def test_explicit_cublas_kernel_keeps_the_plain_chain_in_the_compiled_step():
         assert pass_enabled(
             NewtonSchulz()
         )  # CPU: the ops run their reference (how CI tests the pass)
+    # A user-compiled step earlier in the process installs the pass globally: this step must
+    # still keep it out (it once inherited the global pass and rewrote the chain).
+    install_global_pass()
     w = torch.nn.Parameter(torch.randn(16, 48))
     opt = dmuon.Muon([w], compile=True, ns_backend=NewtonSchulz("direct", kernel="cublas"))
     w.grad = torch.randn_like(w)
@@ -224,3 +227,14 @@ def test_explicit_cublas_kernel_keeps_the_plain_chain_in_the_compiled_step():
     code = "\n".join(code)
     assert "torch.ops.dmuon" not in code
     assert _count(code, r"extern_kernels\.mm\(") == 5
+
+
+def test_without_the_rewrite_a_global_pass_is_unwrapped_to_the_users_own():
+    """``rewrite=False`` options drop a globally installed NS-chain pass but keep the user's
+    pass it wraps; with the rewrite the same global pass is used (the control)."""
+    user = RecordingUserPass()
+    torch._inductor.config.post_grad_custom_pre_pass = user
+    installed = install_global_pass()
+    assert torch._inductor.config.post_grad_custom_pre_pass is installed
+    assert default_compile_options(rewrite=False)["post_grad_custom_pre_pass"] is user
+    assert default_compile_options(rewrite=True)["post_grad_custom_pre_pass"] is installed
