@@ -1,8 +1,9 @@
 """The compiled Muon step: one ``torch.compile(fullgraph=True)`` graph per Muon group.
 
-``CompiledMuonStep`` is the functional core ``Muon`` dispatches to when ``compile`` is on
-(default on CUDA). One call runs, for every matrix of the group, momentum → Newton–Schulz →
-scaled update, inside a single graph compiled with the NS-chain pass
+``CompiledMuonStep`` is what ``Muon`` dispatches to when ``compile`` is on (default on CUDA):
+``torch.compile`` of :func:`dmuon_compile.functional.muon_update`, the same function the eager
+step runs (the step is written once). One call runs, for every matrix of the group,
+momentum → Newton–Schulz → scaled update, inside a single graph compiled with the NS-chain pass
 (:class:`dmuon_compile.passes.NSChainPass`), which rewrites the torch-primitive NS chain
 (``mm``/``addmm``/``baddbmm``) into the symmetric ``torch.ops.dmuon`` kernels.
 
@@ -12,7 +13,10 @@ What keeps it to one graph and one compile:
 - ``lr``, ``weight_decay`` and ``momentum`` enter as 0-d float32 tensors on the parameters'
   device, refilled in place every step: an LR schedule changes values, never guards, so it
   never recompiles (a Python float would be guarded by value);
-- same-shape matrices are stacked and orthogonalised by one batched (``bmm``) chain;
+- same-shape matrices are stacked and orthogonalised by one batched (``bmm``) chain
+  (``functional.shape_buckets``, traced: shapes are static);
+- the orthogonaliser is a copy of the group's that issues the torch-primitive chain
+  (:func:`torch_chain`); the pass decides which products become ``torch.ops.dmuon`` kernels;
 - each ``CompiledMuonStep`` compiles its own copy of the step function (a fresh code object),
   so several groups or optimizers never share — and exhaust — one Dynamo recompile budget;
 - ``dynamic=False``: parameter shapes are static, and the pass matches static shapes.
@@ -24,8 +28,10 @@ addresses, so gradients must be kept in place (``zero_grad(set_to_none=False)``)
 When the user compiles the optimizer step themselves (``opt.step = torch.compile(opt.step)``),
 ``Muon`` does not nest a second ``torch.compile``: it detects that Dynamo is tracing, installs
 the NS-chain pass into ``torch._inductor.config.post_grad_custom_pre_pass`` (wrapping any pass
-already there) at trace time, and runs the same step body inline, so the user's graph gets
+already there) at trace time, and ``muon_update`` is traced inline, so the user's graph gets
 the same rewrite.
+
+``Muon.compiled_steps`` caches the steps by :class:`StepKey` (group position, part).
 
 Example::
 
@@ -41,8 +47,7 @@ import itertools
 import logging
 import time
 import types
-from collections import defaultdict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -50,7 +55,7 @@ from torch import Tensor
 from dmuon_compile import functional as F
 from dmuon_compile._compat import parse_version
 from dmuon_compile.log import progress
-from dmuon_compile.newton_schulz import NewtonSchulz, matrix_view
+from dmuon_compile.newton_schulz import NewtonSchulz
 
 log = logging.getLogger("dmuon_compile.compiled_step")
 
@@ -82,26 +87,17 @@ def compile_enabled(compile: bool | None, params: list[Tensor]) -> bool:
     return bool(params) and all(p.device.type == "cuda" for p in params)
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """The static structure of one group's step (everything Dynamo may treat as a constant)."""
+class StepKey(NamedTuple):
+    """The key of ``Muon.compiled_steps``: one compiled graph per key.
 
-    buckets: tuple[tuple[int, ...], ...]  # indices of same-shape/dtype matrices
-    scales: tuple[float, ...]  # lr multiplier per matrix (adjust_lr_fn)
-    nesterov: bool
-    ns: NewtonSchulz  # configured to issue the torch-primitive chain (the pass rewrites it)
+    ``group`` is the group's position in ``opt.param_groups``, not the dict:
+    ``load_state_dict()`` replaces the group dicts, and a new step would compile the same graph
+    again. ``part`` is ``"all"``, or with HSDP ``"early"``/``"rest"`` (the group is stepped in
+    two subsets, the first forward group's matrices first).
+    """
 
-    @staticmethod
-    def build(
-        params: list[Tensor], ns: NewtonSchulz, nesterov: bool, adjust_lr_fn: str | None
-    ) -> StepPlan:
-        buckets: dict[tuple, list[int]] = defaultdict(list)
-        for i, p in enumerate(params):
-            buckets[(tuple(p.shape), p.dtype, p.device)].append(i)
-        scales = tuple(F.lr_scale(matrix_view(p).shape, adjust_lr_fn) for p in params)
-        return StepPlan(
-            tuple(tuple(v) for v in buckets.values()), scales, bool(nesterov), torch_chain(ns)
-        )
+    group: int
+    part: str = "all"
 
 
 def torch_chain(ns: NewtonSchulz) -> NewtonSchulz:
@@ -114,50 +110,28 @@ def torch_chain(ns: NewtonSchulz) -> NewtonSchulz:
     return chain
 
 
-def muon_step_body(params, grads, bufs, lr, weight_decay, momentum, plan: StepPlan) -> None:
-    """Momentum → NS → update for one group, in place; traceable (``lr``… tensors or floats).
-
-    The math is ``functional.muon_update``'s: buf ← μ·buf + g; u = g + μ·buf (Nesterov) or
-    buf; W ← (1 − lr·wd)·W − lr·scale·NS(u).
-    """
-    updates = []
-    for g, buf in zip(grads, bufs):
-        buf.mul_(momentum).add_(g)
-        updates.append(g + momentum * buf if plan.nesterov else buf)
-    ortho: list = [None] * len(updates)
-    for idx in plan.buckets:
-        mats = [matrix_view(updates[i]) for i in idx]
-        if len(mats) == 1:
-            results = [plan.ns(mats[0])]
-        else:
-            results = plan.ns(torch.stack(mats)).unbind(0)
-        for i, r in zip(idx, results):
-            ortho[i] = r
-    for i, p in enumerate(params):
-        o = ortho[i].reshape(p.shape).to(p.dtype)
-        p.mul_(1 - lr * weight_decay)
-        p.add_(o * (lr * -plan.scales[i]))
-
-
 def _fresh_copy(fn):
     """A copy of ``fn`` with its own code object: Dynamo keeps caches per code object."""
     n = next(_ids)
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{n}")
     if hasattr(code, "co_qualname"):
         code = code.replace(co_qualname=f"{fn.__qualname__}_{n}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copied = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copied.__kwdefaults__ = fn.__kwdefaults__
+    return copied
 
 
 def default_compile_options(mode: str | None = None, rewrite: bool = True) -> dict:
     """Inductor options of the compiled step: the NS-chain pass (wrapping a user's pass), one
     elementwise launch config, the mode's options (``torch.compile`` takes ``mode`` or
     ``options``, not both), and the torch-2.11 workaround for pytorch#176591 (loop reordering
-    across 2-D/3-D recompiles).
+    across 2-D/3-D recompiles). ``rewrite=False`` keeps the NS-chain pass out, also one
+    installed globally.
 
     >>> "post_grad_custom_pre_pass" in default_compile_options()
     True
     """
-    from dmuon_compile.passes import compile_options
+    from dmuon_compile.passes import NSChainPass, compile_options
 
     # One launch config per 1-D elementwise kernel instead of timing several at the first run:
     # the step's elementwise work is ~1% of its GPU time, and timing its ~200 kernels was
@@ -167,23 +141,29 @@ def default_compile_options(mode: str | None = None, rewrite: bool = True) -> di
         options.update(torch._inductor.list_mode_options(mode))
     if parse_version(torch.__version__) < (2, 13):
         options["loop_ordering_after_fusion"] = False
-    return compile_options(options) if rewrite else options
+    if rewrite:
+        return compile_options(options)
+    current = torch._inductor.config.post_grad_custom_pre_pass
+    if isinstance(current, NSChainPass):
+        # Installed globally for a user-compiled step: without this, a kernel="cublas" step
+        # compiled later in the process would still get the rewrite. The user's pass stays.
+        options["post_grad_custom_pre_pass"] = current.user_pass
+    return options
 
 
 def pass_enabled(ns: NewtonSchulz) -> bool:
-    """Whether the compiled step rewrites the NS chain into ``torch.ops.dmuon`` kernels.
+    """Whether the compiled step rewrites the NS chain into ``torch.ops.dmuon`` kernels:
+    :func:`dmuon_compile.kernel_choice.choose_kernel`'s ``site="step"`` rule.
 
-    Yes when the orthogonaliser resolved to the Triton kernels, and on CPU (where the ops run
-    their torch reference, which is how the pass is tested without a GPU). No for an explicit
-    ``kernel="cublas"`` / ``deterministic=True``: that choice must mean plain cuBLAS in the
-    compiled step too (the documented way to isolate a suspected SYRK kernel), and no for GPUs
-    without the Triton kernels.
+    Yes when the orthogonaliser resolved to the Triton kernels, and on a machine without CUDA
+    (the ops run their torch reference: how the pass is tested without a GPU). No for an
+    explicit ``kernel="cublas"`` / ``deterministic=True`` (that choice means plain cuBLAS in
+    the compiled step too: the documented way to isolate a suspected SYRK kernel), and no for
+    GPUs without the Triton kernels.
     """
-    from dmuon_compile.kernels.availability import device_tag
+    from dmuon_compile.kernel_choice import choose_kernel
 
-    if ns.requested_kernel == "cublas":
-        return False
-    return ns.kernel == "triton" or device_tag() == "CPU"
+    return choose_kernel("step", requested=ns.requested_kernel, resolved=ns.kernel).uses_op
 
 
 class CompiledMuonStep:
@@ -206,17 +186,16 @@ class CompiledMuonStep:
     ) -> None:
         check_compile_args(True, mode)
         self.ns = ns
+        self.chain = torch_chain(ns)  # one object: Dynamo guards on it, never rebuilt
         self.mode = mode
         self.rewrites = pass_enabled(ns)
         opts = default_compile_options(mode, rewrite=self.rewrites)
         opts.update(options or {})
         self.options = opts
         self.fn = torch.compile(
-            _fresh_copy(muon_step_body), fullgraph=True, dynamic=False, options=opts
+            _fresh_copy(F.muon_update), fullgraph=True, dynamic=False, options=opts
         )
         self._hyper: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
-        self._plan_key: tuple | None = None
-        self._plan: StepPlan | None = None
         self._static_marked: set[int] = set()
         self.calls = 0
         self.first_call_s: float | None = None
@@ -234,18 +213,6 @@ class CompiledMuonStep:
                 t.fill_(float(v))
         return hyper
 
-    def plan(self, params, nesterov: bool, adjust_lr_fn: str | None) -> StepPlan:
-        key = (
-            tuple(id(p) for p in params),
-            tuple(tuple(p.shape) for p in params),
-            nesterov,
-            adjust_lr_fn,
-        )
-        if key != self._plan_key:
-            self._plan = StepPlan.build(params, self.ns, nesterov, adjust_lr_fn)
-            self._plan_key = key
-        return self._plan  # type: ignore[return-value]
-
     def __call__(
         self, params, grads, bufs, *, lr, weight_decay, momentum, nesterov, adjust_lr_fn
     ) -> None:
@@ -259,17 +226,27 @@ class CompiledMuonStep:
             )
         device = next(iter(devices))
         lr_t, wd_t, mu_t = self.hyper_tensors(device, lr, weight_decay, momentum)
-        plan = self.plan(params, nesterov, adjust_lr_fn)
         if self.mode == "reduce-overhead":
             self._mark_static(list(params) + list(grads) + list(bufs) + [lr_t, wd_t, mu_t])
         start = time.perf_counter() if self.calls == 0 else None
         if start is not None:  # compiles take tens of seconds on big models: say so per rank
+            buckets = len(F.shape_buckets(params))
             progress(
-                f"compiling the Muon step ({len(params)} matrices, {len(plan.buckets)} shape "
+                f"compiling the Muon step ({len(params)} matrices, {buckets} shape "
                 "bucket(s)); DMUON_COMPILE_LOG=0 silences this",
                 switch="DMUON_COMPILE_LOG",
             )
-        self.fn(list(params), list(grads), list(bufs), lr_t, wd_t, mu_t, plan)
+        self.fn(
+            list(params),
+            list(grads),
+            list(bufs),
+            lr=lr_t,
+            weight_decay=wd_t,
+            momentum=mu_t,
+            nesterov=bool(nesterov),
+            ns=self.chain,
+            adjust_lr_fn=adjust_lr_fn,
+        )
         self.calls += 1
         if start is not None:
             self.first_call_s = time.perf_counter() - start
@@ -283,7 +260,7 @@ class CompiledMuonStep:
                 "matrices in %d shape bucket(s)",
                 self.first_call_s,
                 len(params),
-                len(plan.buckets),
+                buckets,
             )
 
     def _mark_static(self, tensors) -> None:
@@ -302,39 +279,25 @@ def _install_pass_while_tracing() -> bool:
     return True
 
 
-def run_group_step(opt, group: dict, params, grads, bufs, part: str = "all") -> bool:
-    """``Muon._muon_group_step``'s dispatch: run the compiled step if enabled; True if it ran.
+def compiled_step_for(opt, group: dict, params, part: str = "all") -> CompiledMuonStep | None:
+    """The ``CompiledMuonStep`` that runs this group's Muon math, or ``None`` for the eager call
+    of ``functional.muon_update`` (``Muon._muon_group_step`` dispatches on it).
 
     - traced by the user's ``torch.compile`` (``opt.step = torch.compile(opt.step)``): install
-      the NS-chain pass globally (at trace time) and return False: the eager reference
-      (``functional.muon_update``, torch-primitive NS chain) is traced into the user's graph
-      and the pass rewrites it there, as in our own compiled step;
-    - ``compile`` on (default on CUDA): the group's ``CompiledMuonStep``;
-    - otherwise: False, and ``Muon`` runs the eager reference.
+      the NS-chain pass globally (at trace time) and return ``None``: ``muon_update`` is traced
+      into the user's graph and the pass rewrites it there, as in our own compiled step;
+    - ``opt.compile`` on (default on CUDA): the step cached in ``opt.compiled_steps`` under
+      ``StepKey(group position, part)``, created on first use (again if ``opt.ns`` or
+      ``opt.compile_mode`` was replaced since);
+    - otherwise ``None``.
     """
-    ns = opt.ns
     if torch.compiler.is_compiling():
         _install_pass_while_tracing()
-        return False  # Muon's eager reference is traced into the user's graph; the pass rewrites it
-    if not compile_enabled(getattr(opt, "compile", None), params):
-        return False
-    steps = opt.__dict__.setdefault("_dmuon_compiled_steps", {})
-    # Keyed by the group's position: load_state_dict() replaces the group dicts, and a new
-    # CompiledMuonStep would compile the same graph again.
-    # ``part``: HSDP steps a group in two subsets (the first forward group's matrices first).
-    key = (next(i for i, g in enumerate(opt.param_groups) if g is group), part)
-    step = steps.get(key)
-    if step is None or step.ns is not ns:
-        step = CompiledMuonStep(ns, mode=getattr(opt, "compile_mode", None))
-        steps[key] = step
-    step(
-        params,
-        grads,
-        bufs,
-        lr=group["lr"],
-        weight_decay=group["weight_decay"],
-        momentum=group["momentum"],
-        nesterov=group["nesterov"],
-        adjust_lr_fn=group["adjust_lr_fn"],
-    )
-    return True
+        return None
+    if not compile_enabled(opt.compile, params):
+        return None
+    key = StepKey(next(i for i, g in enumerate(opt.param_groups) if g is group), part)
+    step = opt.compiled_steps.get(key)
+    if step is None or step.ns is not opt.ns or step.mode != opt.compile_mode:
+        step = opt.compiled_steps[key] = CompiledMuonStep(opt.ns, mode=opt.compile_mode)
+    return step

@@ -1,13 +1,19 @@
-"""Functional core of the optimizer step (the eager reference the compiled step is tested against).
+"""Functional core of the optimizer step: the one implementation of the update math.
 
 ``muon_update`` and ``adamw_update`` work on lists of tensors and know nothing about models,
-meshes or owners; ``Muon`` (``optimizer.py``) gathers the lists and calls them.
+meshes or owners; ``Muon`` (``optimizer.py``) gathers the lists and calls them. As in
+``torch.optim``'s functional core (``torch/optim/adam.py``: one public function, a per-tensor
+and a ``foreach`` body), the Muon step is written once: the eager step calls
+:func:`muon_update` with float hyper-parameters (``foreach`` ops), a user-compiled
+``opt.step`` traces it, and the compiled step (``compiled_step.CompiledMuonStep``) is
+``torch.compile`` of it with 0-d tensor hyper-parameters (per-tensor ops, one graph). The two
+bodies of a sub-step differ only where the math is identical (``foreach`` ops take no tensor
+``alpha``); each says so where it branches.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -56,11 +62,22 @@ def lr_scale(shape: Sequence[int], adjust_lr_fn: str | None) -> float:
 
 
 def momentum_update(
-    grads: list[Tensor], bufs: list[Tensor], momentum: float, nesterov: bool
+    grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor, nesterov: bool
 ) -> list[Tensor]:
-    """buf ← μ·buf + g; returns g + μ·buf (Nesterov) or buf. Updates ``bufs`` in place."""
+    """buf ← μ·buf + g; returns g + μ·buf (Nesterov) or buf. Updates ``bufs`` in place.
+
+    A float ``momentum`` runs ``foreach`` ops (eager speed); a tensor one (the compiled step's
+    0-d hyper-parameter) the same math one tensor at a time: ``foreach`` ops take no tensor
+    ``alpha``, and Inductor fuses the per-tensor ops anyway.
+    """
     if not grads:
         return []
+    if isinstance(momentum, Tensor):
+        updates = []
+        for g, buf in zip(grads, bufs):
+            buf.mul_(momentum).add_(g)
+            updates.append(g + momentum * buf if nesterov else buf)
+        return updates
     torch._foreach_mul_(bufs, momentum)
     torch._foreach_add_(bufs, grads)
     if nesterov:
@@ -68,17 +85,28 @@ def momentum_update(
     return list(bufs)
 
 
+def shape_buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (shape, dtype, device), in first-seen order: the stacks
+    Newton–Schulz orthogonalises in one batched call. The step's only bucketing; traceable (the
+    keys are static under ``dynamic=False``).
+
+    >>> shape_buckets([torch.zeros(2, 3), torch.zeros(4, 4), torch.zeros(2, 3)])
+    [[0, 2], [1]]
+    """
+    buckets: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        buckets.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    return list(buckets.values())
+
+
 def orthogonalize(
     updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: bool = True
 ) -> list[Tensor]:
     """NS(u) for every update; same-shape matrices are stacked into one batched call."""
-    out: list[Tensor | None] = [None] * len(updates)
     if not batch_same_shape:
         return [ns(matrix_view(u)).reshape(u.shape) for u in updates]
-    buckets: dict[tuple, list[int]] = defaultdict(list)
-    for i, u in enumerate(updates):
-        buckets[(tuple(u.shape), u.dtype, u.device)].append(i)
-    for idx in buckets.values():
+    out: list[Tensor | None] = [None] * len(updates)
+    for idx in shape_buckets(updates):
         mats = [matrix_view(updates[i]) for i in idx]
         if len(mats) == 1:
             results = [ns(mats[0])]
@@ -92,12 +120,17 @@ def orthogonalize(
 def apply_muon_update(
     params: list[Tensor],
     ortho: list[Tensor],
-    lr: float,
-    weight_decay: float,
+    lr: float | Tensor,
+    weight_decay: float | Tensor,
     adjust_lr_fn: str | None,
 ) -> None:
     """W ← (1 − lr·wd)·W − lr·scale(W)·O, in place (``lr``, ``weight_decay``: floats or 0-d
-    tensors)."""
+    tensors).
+
+    Floats (eager) skip a zero decay and fold the step into ``add_``'s ``alpha``; tensors (the
+    compiled step: no value may pick a branch, and ``alpha`` takes no tensor) always decay and
+    scale explicitly. The same math.
+    """
     if _traced(lr, weight_decay):
         for p, o in zip(params, ortho):
             p.mul_(1.0 - lr * weight_decay)
@@ -114,23 +147,30 @@ def muon_update(
     grads: list[Tensor],
     bufs: list[Tensor],
     *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
+    lr: float | Tensor,
+    weight_decay: float | Tensor,
+    momentum: float | Tensor,
     nesterov: bool,
     ns: NewtonSchulz,
     adjust_lr_fn: str | None = "match_rms_adamw",
 ) -> None:
-    """One Muon step on whole matrices (eager reference; also what a user-compiled
-    ``opt.step`` traces, with tensor ``lr``/``weight_decay``)."""
+    """One Muon step on whole matrices, in place: momentum → Newton–Schulz → scaled update.
+
+    buf ← μ·buf + g; u = g + μ·buf (Nesterov) or buf; W ← (1 − lr·wd)·W − lr·scale(W)·NS(u),
+    with same-shape matrices orthogonalised as one stack.
+
+    The only implementation of the Muon step: ``Muon``'s eager step calls it (hyper-parameters
+    read as floats, :func:`hyper`), a user's ``torch.compile(opt.step)`` traces it, and
+    ``CompiledMuonStep`` compiles it (``fullgraph=True``, 0-d tensor ``lr``/``weight_decay``/
+    ``momentum``: a new value refills an input, never recompiles).
+
+    Example::
+
+        muon_update([w], [w.grad], [buf], lr=0.02, weight_decay=0.0, momentum=0.95,
+                    nesterov=True, ns=NewtonSchulz())
+    """
     lr, weight_decay, momentum = hyper(lr), hyper(weight_decay), hyper(momentum)
-    if _traced(momentum):  # foreach ops take no tensor alpha: the same math, per tensor
-        updates = []
-        for g, buf in zip(grads, bufs):
-            buf.mul_(momentum).add_(g)
-            updates.append(g + momentum * buf if nesterov else buf)
-    else:
-        updates = momentum_update(grads, bufs, momentum, nesterov)
+    updates = momentum_update(grads, bufs, momentum, nesterov)
     ortho = orthogonalize(updates, ns)
     apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn)
 

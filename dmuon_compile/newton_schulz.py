@@ -25,6 +25,13 @@ from torch import Tensor
 
 from dmuon_compile import coefficients as coeffs
 from dmuon_compile import ns_graphs
+from dmuon_compile.kernel_choice import (  # noqa: F401  (the size gate's constants, re-exported)
+    TRITON_MIN_BATCH,
+    TRITON_MIN_ROWS,
+    TRITON_MIN_ROWS_BATCHED,
+    choose_kernel,
+    size_gate,
+)
 from dmuon_compile.kernels.availability import device_tag, triton_status
 
 EPS = 1e-7
@@ -33,10 +40,6 @@ KERNELS = ("auto", "triton", "cublas")
 # Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS
 # (docs/architecture.md, Newton–Schulz).
 DEFAULT_GRAM_MIN_ASPECT = 1.5
-# Size thresholds for the Triton kernels (see NewtonSchulz.primitives_for).
-TRITON_MIN_ROWS = 4096
-TRITON_MIN_ROWS_BATCHED = 2048
-TRITON_MIN_BATCH = 8
 
 
 def _traced(t: Tensor) -> bool:
@@ -46,17 +49,14 @@ def _traced(t: Tensor) -> bool:
 
 
 def triton_worthwhile(m: int, batch: int = 1) -> bool:
-    """Whether an ``m×m`` symmetric product (a stack of ``batch``) runs the Triton kernels on a GPU.
-
-    Below these sizes the plain cuBLAS product is used, in eager NS (``primitives_for``) and in
-    the compiled step (the rewrite pass leaves such products as ``mm``): on H200 the Triton
-    kernels lost there, and the op's exact-symmetry mirror pass and host dispatch cost as much
-    as the product (benchmarks/RESULTS.md §1).
+    """Whether an ``m×m`` symmetric product (a stack of ``batch``) is large enough for the Triton
+    kernels: the size gate of :func:`dmuon_compile.kernel_choice.choose_kernel`, which decides
+    for eager NS and the compiled step alike.
 
     >>> triton_worthwhile(4096), triton_worthwhile(2048, batch=8), triton_worthwhile(2048)
     (True, True, False)
     """
-    return m >= TRITON_MIN_ROWS or (m >= TRITON_MIN_ROWS_BATCHED and batch >= TRITON_MIN_BATCH)
+    return size_gate(m, batch)
 
 
 # ----------------------------------------------------------------------------- primitives
@@ -381,15 +381,13 @@ class NewtonSchulz:
         return torch.float32 if device.type == "cpu" else self.work_dtype
 
     def primitives_for(self, m: int, batch: int = 1):
-        """The product implementation for an (m, ·) matrix (stack of ``batch``).
-
-        With ``kernel="triton"``, stacks too small to fill the GPU run the plain cuBLAS chain
-        (:func:`triton_worthwhile`): there the Triton SYRK lost to cuBLAS and each extra launch
-        costs more than the halved FLOPs save (benchmarks/RESULTS.md §1).
-        """
-        if self.kernel != "triton":
-            return TorchPrimitives
-        return CustomOpPrimitives if triton_worthwhile(m, batch) else TorchPrimitives
+        """The product implementation for an (m, ·) matrix (stack of ``batch``): the project ops
+        where :func:`~dmuon_compile.kernel_choice.choose_kernel` picks them for eager NS
+        (resolved kernel Triton and the size gate passed), the plain cuBLAS chain otherwise."""
+        choice = choose_kernel(
+            "eager", m=m, batch=batch, requested=self.requested_kernel, resolved=self.kernel
+        )
+        return CustomOpPrimitives if choice.uses_op else TorchPrimitives
 
     def describe(self) -> str:
         """One honest line naming the algorithm and the active kernel."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,9 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.distributed._owned import is_owned, local_of, same_layout
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
+
+if TYPE_CHECKING:
+    from dmuon_compile.compiled_step import CompiledMuonStep, StepKey
 
 # Module names that mark an output head: its weight is 2-D but is a classifier, not a hidden
 # matrix, and Muon's orthogonalised update is wrong for it (Keller Jordan; Moonlight).
@@ -126,6 +130,12 @@ class Muon(torch.optim.Optimizer):
         compile_mode: ``torch.compile`` mode of that step, e.g. ``"reduce-overhead"`` (CUDA
             graphs; keep gradients in place with ``zero_grad(set_to_none=False)``).
 
+    Attributes:
+        compiled_steps: the compiled steps (``dmuon_compile.compiled_step.CompiledMuonStep``,
+            one graph each) keyed by ``StepKey(group, part)``: the group's position in
+            ``param_groups`` and ``"all"`` (HSDP: ``"early"``/``"rest"``). Empty until a
+            compiled step runs; kept across ``load_state_dict`` (no recompile).
+
     Example::
 
         opt = dmuon.Muon(model, lr=0.02)
@@ -179,6 +189,9 @@ class Muon(torch.optim.Optimizer):
 
         check_compile_args(compile, compile_mode)
         self.compile, self.compile_mode = compile, compile_mode
+        # The compiled Muon steps, one graph each, by StepKey(group position, part): positions
+        # survive load_state_dict (it replaces the group dicts, not this attribute).
+        self.compiled_steps: dict[StepKey, CompiledMuonStep] = {}
         self._param_names: dict[int, str] = {}
 
         muon_defaults = dict(
@@ -543,7 +556,7 @@ class Muon(torch.optim.Optimizer):
         Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local
         tensors (the whole matrix on its owner); ranks that hold no rows of a matrix skip it.
         """
-        from dmuon_compile.compiled_step import run_group_step
+        from dmuon_compile.compiled_step import compiled_step_for
 
         tp = getattr(_replicated_runtime(self.model), "tp", None)
         if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (``_tp.py``)
@@ -551,20 +564,20 @@ class Muon(torch.optim.Optimizer):
         params, grads, bufs = _owned_locals(params, grads, bufs)
         if not params:
             return
-
-        if run_group_step(self, group, params, grads, bufs, part=part):
-            return
-        F.muon_update(
-            params,
-            grads,
-            bufs,
+        hypers = dict(
             lr=group["lr"],
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
             nesterov=group["nesterov"],
-            ns=self.ns,
             adjust_lr_fn=group["adjust_lr_fn"],
         )
+        # Both run functional.muon_update: compiled (one graph) or called eagerly (also what a
+        # user's torch.compile(opt.step) traces).
+        compiled = compiled_step_for(self, group, params, part=part)
+        if compiled is not None:
+            compiled(params, grads, bufs, **hypers)
+        else:
+            F.muon_update(params, grads, bufs, ns=self.ns, **hypers)
 
 
 def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, list]:

@@ -261,10 +261,11 @@ def exhaustive() -> bool:
 
 
 def heuristic_choice(m: int, batch: int, dtype: torch.dtype, default_config) -> object:
-    """Untimed choice: Triton for half-precision work with ≥ 1024 rows of output per launch.
-
-    A single matrix below ~1024 rows has too few tiles for the chip (docs/architecture.md, Kernels).
+    """Untimed choice: ``default_config`` where
+    :func:`dmuon_compile.kernel_choice.choose_kernel` (``site="op"``) picks Triton — half
+    precision with ≥ 1024 rows of output per launch (m·√batch) — else ``"cublas"``.
     """
-    if dtype in (torch.float16, torch.bfloat16) and m * max(batch, 1) ** 0.5 >= 1024:
-        return default_config
-    return CUBLAS
+    from dmuon_compile.kernel_choice import choose_kernel
+
+    choice = choose_kernel("op", m=m, batch=batch, dtype=dtype, device="cuda")
+    return default_config if choice.uses_op else CUBLAS

@@ -400,28 +400,26 @@ SUBPASSES = {
 
 
 def below_size_gate(node: Node) -> str | None:
-    """Why a CUDA product stays on cuBLAS (too small for the Triton kernels), or ``None``.
+    """Why a product stays on cuBLAS (too small for the Triton kernels), or ``None``.
 
-    The same gate as eager NS (``newton_schulz.triton_worthwhile``), so a compiled step runs the
-    kernels eager NS runs. Only ``mm``-family nodes on CUDA are gated; elsewhere (the CPU
-    reference, tests) every product is rewritten.
+    The decision is :func:`dmuon_compile.kernel_choice.choose_kernel`'s (``site="graph"``):
+    the size gate of eager NS for CUDA products, so a compiled step runs the kernels eager NS
+    runs; products elsewhere (the CPU reference, tests) are all rewritten. Only square
+    ``mm``-family outputs with static sizes are asked (no guard is added here; a rectangular
+    product is never rewritten anyway).
     """
     if node.target not in MATMULS and node.target not in ADDMMS:
         return None
     v = val(node)
-    if v is None or v.device.type != "cuda" or v.dim() not in (2, 3):
+    if v is None or v.dim() not in (2, 3):
         return None
     if not all(isinstance(d, int) for d in v.shape) or v.shape[-1] != v.shape[-2]:
-        return (
-            None  # symbolic sizes (no guard added here) or a rectangular product (never rewritten)
-        )
-    from dmuon_compile.newton_schulz import triton_worthwhile
+        return None
+    from dmuon_compile.kernel_choice import choose_kernel
 
     batch = v.shape[0] if v.dim() == 3 else 1
-    m = v.shape[-1]
-    if triton_worthwhile(m, batch):
-        return None
-    return f"{batch}×{m}×{m} output is below the Triton size gate: cuBLAS, as in eager NS"
+    choice = choose_kernel("graph", m=v.shape[-1], batch=batch, device=v.device.type)
+    return None if choice.uses_op else choice.reason
 
 
 def rewrite_ns_chain(graph: Graph, enabled=tuple(SUBPASSES), prove: bool = True) -> RewriteStats:

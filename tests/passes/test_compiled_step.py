@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from dmuon_compile.passes import NSChainPass, compile_options
+from dmuon_compile.passes import NSChainPass, compile_options, install_global_pass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
@@ -17,7 +17,8 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import dmuon_compile as dmuon
-from dmuon_compile.compiled_step import CompiledMuonStep, default_compile_options
+from dmuon_compile import functional as F
+from dmuon_compile.compiled_step import CompiledMuonStep, StepKey, default_compile_options
 from dmuon_compile.newton_schulz import NewtonSchulz
 
 
@@ -155,7 +156,8 @@ def test_lr_schedule_never_recompiles_and_no_graph_breaks():
     assert len(set(lrs)) == 20  # the schedule really changed lr every step
     assert graphs_after_first == 1
     assert counters["stats"]["unique_graphs"] == 1  # zero recompiles over 19 more steps
-    (compiled,) = opts[0]._dmuon_compiled_steps.values()
+    assert list(opts[0].compiled_steps) == [StepKey(group=0, part="all")]
+    (compiled,) = opts[0].compiled_steps.values()
     assert compiled.calls == 20  # ... and every step ran the compiled graph, not eager
     # a checkpoint round trip (new group dicts, new momentum tensors) does not recompile either
     for o in opts:
@@ -216,6 +218,9 @@ def test_explicit_cublas_kernel_keeps_the_plain_chain_in_the_compiled_step():
         assert pass_enabled(
             NewtonSchulz()
         )  # CPU: the ops run their reference (how CI tests the pass)
+    # A user-compiled step earlier in the process installs the pass globally: this step must
+    # still keep it out (it once inherited the global pass and rewrote the chain).
+    install_global_pass()
     w = torch.nn.Parameter(torch.randn(16, 48))
     opt = dmuon.Muon([w], compile=True, ns_backend=NewtonSchulz("direct", kernel="cublas"))
     w.grad = torch.randn_like(w)
@@ -224,3 +229,47 @@ def test_explicit_cublas_kernel_keeps_the_plain_chain_in_the_compiled_step():
     code = "\n".join(code)
     assert "torch.ops.dmuon" not in code
     assert _count(code, r"extern_kernels\.mm\(") == 5
+
+
+def test_without_the_rewrite_a_global_pass_is_unwrapped_to_the_users_own():
+    """``rewrite=False`` options drop a globally installed NS-chain pass but keep the user's
+    pass it wraps; with the rewrite the same global pass is used (the control)."""
+    user = RecordingUserPass()
+    torch._inductor.config.post_grad_custom_pre_pass = user
+    installed = install_global_pass()
+    assert torch._inductor.config.post_grad_custom_pre_pass is installed
+    assert default_compile_options(rewrite=False)["post_grad_custom_pre_pass"] is user
+    assert default_compile_options(rewrite=True)["post_grad_custom_pre_pass"] is installed
+
+
+def test_the_compiled_step_compiles_the_eager_function():
+    """One implementation: the compiled step's function is a copy of ``functional.muon_update``
+    (its own code object, the same bytecode and keyword defaults), not a second body."""
+    step = CompiledMuonStep(NewtonSchulz(kernel="cublas"))
+    fn = step.fn._torchdynamo_orig_callable
+    assert fn.__code__ is not F.muon_update.__code__  # a fresh Dynamo cache per step
+    assert fn.__code__.co_code == F.muon_update.__code__.co_code
+    assert fn.__kwdefaults__ == F.muon_update.__kwdefaults__
+    assert fn.__code__.co_code != F.adamw_update.__code__.co_code  # the check can tell
+
+
+def test_compiled_steps_are_keyed_by_group_position_and_part():
+    """``Muon.compiled_steps``: one step per (group position, part) — HSDP's two parts get two
+    — the same one again after ``load_state_dict`` (new group dicts), a new one when ``opt.ns``
+    is replaced. Nothing is compiled here (``torch.compile`` compiles at the first call)."""
+    from dmuon_compile.compiled_step import compiled_step_for
+
+    ps = _params([(8, 24), (16, 16)], torch.float32, 0)
+    opt = dmuon.Muon(ps, compile=True)
+    assert opt.compiled_steps == {}  # created by __init__, empty until a compiled step runs
+    group = opt.param_groups[0]
+    early = compiled_step_for(opt, group, ps[:1], part="early")
+    rest = compiled_step_for(opt, group, ps[1:], part="rest")
+    assert early is not rest
+    assert set(opt.compiled_steps) == {StepKey(0, "early"), StepKey(0, "rest")}
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups[0] is not group  # the dicts were replaced ...
+    assert compiled_step_for(opt, opt.param_groups[0], ps[:1], part="early") is early  # ... not it
+    opt.ns = NewtonSchulz(backend="direct")
+    assert compiled_step_for(opt, opt.param_groups[0], ps[:1], part="early") is not early
+    assert compiled_step_for(dmuon.Muon(ps, compile=False), group, ps) is None  # eager

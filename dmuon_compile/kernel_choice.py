@@ -1,0 +1,139 @@
+"""Triton SYRK kernels or plain cuBLAS: the one function that decides, for every caller.
+
+Eager Newton–Schulz (``NewtonSchulz.primitives_for``), the compiled step (whether it runs the
+NS-chain pass: ``compiled_step.pass_enabled``), the pass itself (which products it leaves on
+cuBLAS: ``passes.ns_rewrite.below_size_gate``) and the ops' untimed fallback when autotune does
+not time (``kernels.autotune.heuristic_choice``) all call :func:`choose_kernel`; its docstring
+holds every rule. No other module compares sizes, dtypes or kernel names to pick a path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Size gate of the Newton–Schulz products (m×m outputs, a stack of ``batch``): on H200 the
+# Triton kernels lost to cuBLAS below it (benchmarks/RESULTS.md §1).
+TRITON_MIN_ROWS = 4096
+TRITON_MIN_ROWS_BATCHED = 2048
+TRITON_MIN_BATCH = 8
+# The op's untimed fallback: a launch needs about this many rows of output (m·√batch) to fill
+# the chip with tiles (docs/architecture.md, Kernels).
+UNTIMED_MIN_ROWS = 1024
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+SITES = ("eager", "step", "graph", "op")
+TRITON, CUBLAS, REFERENCE = "triton", "cublas", "reference"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What runs a symmetric product: ``"triton"`` (the ``torch.ops.dmuon`` op with its Triton
+    kernel), ``"reference"`` (the op with its torch reference: no CUDA) or ``"cublas"`` (plain
+    ``mm``/``addmm``/``baddbmm``), and why."""
+
+    kernel: str
+    reason: str
+
+    @property
+    def uses_op(self) -> bool:
+        """Whether the product goes through ``torch.ops.dmuon`` (Triton or its reference)."""
+        return self.kernel != CUBLAS
+
+
+def size_gate(m: int, batch: int = 1) -> bool:
+    """Whether an m×m symmetric product (a stack of ``batch``) is large enough for Triton.
+
+    >>> size_gate(4096), size_gate(2048, batch=8), size_gate(2048)
+    (True, True, False)
+    """
+    return m >= TRITON_MIN_ROWS or (m >= TRITON_MIN_ROWS_BATCHED and batch >= TRITON_MIN_BATCH)
+
+
+def choose_kernel(
+    site: str,
+    *,
+    m: int | None = None,
+    batch: int = 1,
+    dtype: torch.dtype | None = None,
+    device: str | None = None,
+    requested: str = "auto",
+    resolved: str = CUBLAS,
+    cuda_machine: bool | None = None,
+) -> KernelChoice:
+    """Triton or cuBLAS for one symmetric product (or one compiled step), by these rules.
+
+    Args:
+        site: who asks. ``"eager"``: eager NS, per product; ``"step"``: the compiled step, once
+            (does it run the NS-chain pass at all); ``"graph"``: the pass, per product of a
+            compiled graph (only asked when ``"step"`` said yes); ``"op"``: inside
+            ``torch.ops.dmuon`` on CUDA when autotune does not time (``DMUON_SYRK_AUTOTUNE=0``
+            or a CUDA graph being captured).
+        m, batch: the m×m output and the stack size of the product.
+        dtype: the product's dtype (read at ``"op"`` only).
+        device: the product's device type (read at ``"graph"`` only).
+        requested: ``NewtonSchulz.requested_kernel``: ``"auto"``, ``"triton"`` or ``"cublas"``
+            (``deterministic=True`` is ``"cublas"``).
+        resolved: ``NewtonSchulz.kernel``: what its kernel ladder resolved on this machine
+            (``"triton"`` only with SM80+ CUDA and Triton, and ``DMUON_NS_KERNEL`` not
+            ``cublas``).
+        cuda_machine: whether this process sees a CUDA device (default: it is detected).
+
+    Rules, first match wins:
+
+    1. **Requested cuBLAS** (``kernel="cublas"`` or ``deterministic=True``): cuBLAS
+       everywhere, the compiled step included (it then runs without the pass) — the documented
+       way to isolate a suspected SYRK kernel.
+    2. **Inside the op, untimed**: Triton for fp16/bf16 with at least ``UNTIMED_MIN_ROWS`` rows of
+       output per launch (m·√batch); fp32/fp64 and smaller launches run cuBLAS. Looser than the
+       size gate because the op is also called directly; products from NS passed the gate.
+    3. **Device**: eager NS uses the op only where ``resolved`` is Triton (the input's device
+       is not consulted: a CPU tensor on a GPU machine follows the size gate to the op, which
+       runs its reference). The compiled step runs the pass where ``resolved`` is Triton, and
+       on a machine without CUDA (the ops run their torch reference: how CI tests the pass);
+       a GPU machine without the kernels keeps the plain chain. In a compiled graph, a
+       product not on CUDA is always rewritten (the reference).
+    4. **Size gate** (eager NS and CUDA products of compiled graphs): Triton for m ≥
+       ``TRITON_MIN_ROWS``, or m ≥ ``TRITON_MIN_ROWS_BATCHED`` in stacks of ≥
+       ``TRITON_MIN_BATCH``; smaller products run cuBLAS (the kernels lost there, and the op's
+       exact-symmetry mirror and host dispatch cost as much as the product).
+
+    >>> choose_kernel("eager", m=4096, resolved="triton").kernel
+    'triton'
+    >>> choose_kernel("step", requested="cublas").kernel
+    'cublas'
+    >>> choose_kernel("op", m=512, batch=4, dtype=torch.bfloat16).kernel
+    'triton'
+    """
+    if site not in SITES:
+        raise ValueError(f"choose_kernel(site={site!r}): choose one of {SITES}")
+    if requested == CUBLAS:
+        return KernelChoice(CUBLAS, "kernel='cublas' / deterministic=True requested")
+    if site == "op":
+        if m is None:
+            raise ValueError("choose_kernel('op', ...) needs m (rows of the output)")
+        if dtype not in HALF_DTYPES:
+            return KernelChoice(CUBLAS, f"untimed: {dtype} runs cuBLAS")
+        if m * max(batch, 1) ** 0.5 < UNTIMED_MIN_ROWS:
+            return KernelChoice(CUBLAS, f"untimed: {batch}×{m}×{m} has too few tiles")
+        return KernelChoice(TRITON, f"untimed: {batch}×{m}×{m} {dtype} fills the chip")
+    if site == "step":
+        if resolved == TRITON:
+            return KernelChoice(TRITON, "the Triton kernels run here")
+        if cuda_machine is None:
+            cuda_machine = torch.cuda.is_available()
+        if not cuda_machine:
+            return KernelChoice(REFERENCE, "no CUDA: the ops run their torch reference")
+        return KernelChoice(CUBLAS, "no Triton kernels on this GPU: the plain chain")
+    if m is None:
+        raise ValueError(f"choose_kernel({site!r}, ...) needs m (rows of the output)")
+    if site == "eager" and resolved != TRITON:
+        return KernelChoice(CUBLAS, f"kernel resolved to {resolved}")
+    if site == "graph" and device != "cuda":
+        return KernelChoice(REFERENCE, f"{device} product: the op's torch reference")
+    if not size_gate(m, batch):
+        return KernelChoice(
+            CUBLAS, f"{batch}×{m}×{m} output is below the Triton size gate: cuBLAS, as in eager NS"
+        )
+    return KernelChoice(TRITON, f"{batch}×{m}×{m} output passes the Triton size gate")
