@@ -68,6 +68,7 @@ for stage in $STAGES; do
         --out "$WORK/${stage}_${ngpu}gpu.json" --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -40 ;;
     fsdp1_*)
       timeout $T torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py --model "$model" \
+        --configs ${FSDP_CONFIGS:-adamw,naive_muon,ours_eager,ours_compiled} \
         --out "$WORK/${stage}_1gpu.json" 2>&1 | quiet | tee "$log" | tail -25 ;;
     hsdp_*|hsdp2_*)  # replicate over all GPUs (ngpu×1), or over 2 (2×ngpu/2)
       replicas=$ngpu; [ "${stage%%_*}" = hsdp2 ] && replicas=2
