@@ -272,11 +272,26 @@ class CompiledMuonStep:
 
 @torch.compiler.assume_constant_result
 def _install_pass_while_tracing() -> bool:
-    """Runs at Dynamo trace time (not in the graph): Inductor reads the global pass later."""
+    """Runs at Dynamo trace time (not in the graph): Inductor reads the global pass later.
+
+    Says so once per process: the user's first compiled step is where the trace, Inductor and
+    the SYRK autotune of new shapes spend their time.
+    """
     from dmuon_compile.passes import install_global_pass
 
+    global _announced_user_trace
+    if not _announced_user_trace:
+        _announced_user_trace = True
+        progress(
+            "tracing the Muon step into your torch.compile graph (the NS-chain pass rewrites its "
+            "Newton–Schulz products; the first call compiles); DMUON_COMPILE_LOG=0 silences this",
+            switch="DMUON_COMPILE_LOG",
+        )
     install_global_pass()
     return True
+
+
+_announced_user_trace = False
 
 
 def compiled_step_for(opt, group: dict, params, part: str = "all") -> CompiledMuonStep | None:

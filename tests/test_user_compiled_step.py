@@ -122,3 +122,15 @@ def test_one_cycle_lr_defaults_cycle_muon_momentum():
         momenta.append(opt.param_groups[0]["momentum"])
     assert len(set(momenta)) > 1 and all(0.85 <= m <= 0.95 for m in momenta)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_user_compiled_step_says_it_is_tracing_once(capfd, monkeypatch):
+    from dmuon_compile import compiled_step
+
+    monkeypatch.setattr(compiled_step, "_announced_user_trace", False)
+    monkeypatch.delenv("DMUON_COMPILE_LOG", raising=False)
+    _train("assigned")
+    _train("decorated")  # a second trace in the same process stays quiet
+    err = capfd.readouterr().err
+    assert err.count("tracing the Muon step into your torch.compile graph") == 1
+    assert "[DMuon][rank=" in err
