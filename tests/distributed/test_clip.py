@@ -1,5 +1,7 @@
 """torch.nn.utils.clip_grad_norm_(model.parameters()) sees the dedicated gradients, as does the
-dmuon.clip_grad_norm_ alias: the norm and the clipped gradients equal one process's (1-D, HSDP)."""
+dmuon.clip_grad_norm_ alias: the norm and the clipped gradients equal one process's (1-D, HSDP,
+and TP: dp 1 × tp 2 and dp 2 × tp 2, TP shards and plain weights of a TP model). Control: TP
+norms that count only each TP rank's own shards (``Replicate`` over TP) miss."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from .harness import run_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
-def _reference(max_norm):
+def _reference(max_norm, dp=2):
     model = models.build_llama()
-    x = next(iter(models.batches(1, 2)))
+    x = next(iter(models.batches(1, dp)))
     model(x).square().mean().backward()
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return float(total), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -64,3 +66,49 @@ def test_bad_norm_type():
 
     with pytest.raises(ValueError, match="norm_type"):
         dmuon.clip_grad_norm_(models.build_llama(), 1.0, norm_type=1.0)
+
+
+def _clip_tp(rank, world, dp, attention, use_torch, control):
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import _owned, dedicated_runtime, mesh_checks
+
+    from .test_tp import build_tp
+
+    model, dp_rank = build_tp(rank, world, dp, 2, attention=attention)
+    if control:  # each TP shard's norm partial over DP only: every TP rank counts its own shards
+        stage = dedicated_runtime(model).tp
+        root = mesh_checks._root(stage.info.mesh)
+        for p in stage.params:
+            _owned.set_norm_mesh(p.param.device_mesh, root, {"dp"})
+    x = next(iter(models.batches(1, dp)))
+    per = x.shape[0] // dp
+    model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
+    if use_torch:
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).full_tensor()
+    else:
+        total = dmuon.clip_grad_norm_(model, 1e-3)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # collective
+    return float(total), grads
+
+
+@pytest.mark.parametrize(
+    ("dp", "attention", "use_torch"),
+    [(1, True, True), (2, False, True), (2, True, False)],
+    ids=["dp1xtp2", "dp2xtp2-mixed", "dp2xtp2-alias"],
+)
+def test_clip_tp_matches_single_process(dp, attention, use_torch):
+    """attention=False: q/k/v/o stay plain dedicated weights of the TP model (one owner per TP
+    column) beside the TP-sharded MLP; the rest of the model is FSDP2's on the DP mesh."""
+    ref_total, ref_grads = _reference(1e-3, dp)
+    results = run_ranks(_clip_tp, 2 * dp, dp, attention, use_torch, False, timeout=150)
+    for total, grads in results:
+        assert total == pytest.approx(ref_total, rel=1e-5)
+        assert set(grads) == set(ref_grads)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def test_clip_tp_control_counting_own_shards_misses():
+    ref_total, _ = _reference(1e-3, 1)
+    for total, _ in run_ranks(_clip_tp, 2, 1, True, True, True, timeout=150):
+        assert abs(total - ref_total) > 1e-3 * ref_total, (total, ref_total)
