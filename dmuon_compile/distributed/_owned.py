@@ -451,9 +451,17 @@ def full_tensor(t: Tensor) -> Tensor:
         return t.full_tensor()
     local = local_of(t)
     placement = t.placements[0]
-    shape = list(t.shape)
+    if placement.is_partial() and placement.reduce_op not in ("sum", "avg"):
+        raise NotImplementedError(
+            f"dmuon.full_tensor: a {placement} result on a TP weight's owner group; reduce it "
+            "after gathering instead (dmuon.full_tensor(p) first)"
+        )
+    if placement.is_replicate():  # every member holds the whole tensor: the first one sends
+        sources = sources[:1]
+    shape = list(t.shape)  # of each piece: the whole, or one even shard
     dim = placement.dim if placement.is_shard() else 0
-    shape[dim] //= len(sources)
+    if placement.is_shard():
+        shape[dim] //= len(sources)
     me = dist.get_rank()
     pieces = []
     for src in sources:  # the same broadcasts, in the same order, on every rank
@@ -463,4 +471,9 @@ def full_tensor(t: Tensor) -> Tensor:
             buf = torch.empty(shape, dtype=t.dtype, device=local.device)
         dist.broadcast(buf, src=src)
         pieces.append(buf)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+    if len(pieces) == 1:
+        return pieces[0]
+    if placement.is_partial():  # e.g. p.sum() of a TP weight: one partial sum per member
+        total = torch.stack(pieces).sum(0)
+        return total / len(pieces) if placement.reduce_op == "avg" else total
+    return torch.cat(pieces, dim=dim)

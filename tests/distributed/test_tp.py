@@ -273,9 +273,18 @@ def test_tp_size_one_is_plain_dedication():
 
 
 def _full_tensor_on_tp_model(rank, world, dp):
+    import dmuon_compile as dmuon
+
     model, _ = build_tp(rank, world, dp, 2, attention=False)
-    names = ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.up_proj.weight")
-    return {n: model.get_parameter(n).full_tensor() for n in names}
+    out = {}
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.up_proj.weight"):
+        w = model.get_parameter(name)
+        out[name] = {
+            "full": w.full_tensor(),
+            "doubled": (w.detach() * 2).full_tensor(),  # op results stay owner tensors
+            "sum": dmuon.full_tensor(w.sum()),  # a TP shard's sum is partial over its group
+        }
+    return out
 
 
 @pytest.mark.parametrize("dp", [1, 2])
@@ -285,7 +294,10 @@ def test_full_tensor_on_a_tp_model(dp):
     want = dict(models.build_llama().named_parameters())
     for got in run_ranks(_full_tensor_on_tp_model, 2 * dp, dp, timeout=120):
         for name, value in got.items():
-            assert torch.equal(value, want[name].detach()), name
+            ref = want[name].detach()
+            assert torch.equal(value["full"], ref), name
+            assert torch.equal(value["doubled"], ref * 2), name
+            torch.testing.assert_close(value["sum"], ref.sum(), rtol=1e-5, atol=1e-6)
 
 
 def sequence_parallel_plan(layers: int = models.LAYERS) -> dict:
