@@ -1,7 +1,8 @@
 """torch.nn.utils.clip_grad_norm_(model.parameters()) sees the dedicated gradients, as does the
 dmuon.clip_grad_norm_ alias: the norm and the clipped gradients equal one process's (1-D, HSDP,
-and TP: dp 1 × tp 2 and dp 2 × tp 2, TP shards and plain weights of a TP model). Control: TP
-norms that count only each TP rank's own shards (``Replicate`` over TP) miss."""
+and TP: dp 1 × tp 2 and dp 2 × tp 2, TP shards and plain weights of a TP model, a
+sequence-parallel plan). Control: TP norms that count only each TP rank's own shards (``Replicate``
+over TP) miss."""
 
 from __future__ import annotations
 
@@ -104,6 +105,41 @@ def test_clip_tp_matches_single_process(dp, attention, use_torch):
     for total, grads in results:
         assert total == pytest.approx(ref_total, rel=1e-5)
         assert set(grads) == set(ref_grads)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def _clip_sequence_parallel(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import dmuon_compile as dmuon
+
+    from .test_tp import sequence_parallel_plan
+
+    model = models.build_llama()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], sequence_parallel_plan())
+    dmuon.dedicate_params(model, mesh["dp"], predicate=models.proj_predicate)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    x = next(iter(models.batches(1, 1)))
+    chunk = x.shape[1] // world  # each TP rank feeds its slice of the sequence
+    (model(x[:, rank * chunk : (rank + 1) * chunk]).square().mean() / world).backward()
+    meshes = {p.grad.device_mesh.mesh_dim_names for p in model.parameters()}
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).full_tensor()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return float(total), grads, sorted(meshes)
+
+
+def test_clip_sequence_parallel_plan():
+    """torchtitan's layout: FSDP2's norms and head on the 2-D (dp, tp) mesh beside the TP shards."""
+    ref_total, ref_grads = _reference(1e-3, 1)
+    for total, grads, meshes in run_ranks(_clip_sequence_parallel, 2, timeout=150):
+        assert ("dp", "tp") in meshes  # FSDP2 + TP gradients on the 2-D mesh
+        assert total == pytest.approx(ref_total, rel=1e-5)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
 
