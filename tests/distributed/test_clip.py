@@ -1,8 +1,8 @@
 """torch.nn.utils.clip_grad_norm_(model.parameters()) sees the dedicated gradients, as does the
 dmuon.clip_grad_norm_ alias: the norm and the clipped gradients equal one process's (1-D, HSDP,
 and TP: dp 1 × tp 2 and dp 2 × tp 2, TP shards and plain weights of a TP model, a
-sequence-parallel plan). Control: TP norms that count only each TP rank's own shards (``Replicate``
-over TP) miss."""
+sequence-parallel plan, HSDP × TP). Control: TP norms that count only each TP rank's own
+shards (``Replicate`` over TP) miss."""
 
 from __future__ import annotations
 
@@ -139,6 +139,26 @@ def test_clip_sequence_parallel_plan():
     ref_total, ref_grads = _reference(1e-3, 1)
     for total, grads, meshes in run_ranks(_clip_sequence_parallel, 2, timeout=150):
         assert ("dp", "tp") in meshes  # FSDP2 + TP gradients on the 2-D mesh
+        assert total == pytest.approx(ref_total, rel=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def _clip_hsdp_tp(rank, world):
+    from .test_tp import build_tp
+
+    model, dp_rank = build_tp(rank, world, 4, 2, replicas=2)
+    x = next(iter(models.batches(1, 4)))
+    per = x.shape[0] // 4
+    model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).full_tensor()
+    return float(total), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_clip_hsdp_tp_3d():
+    """replicate 2 × shard 2 × tp 2: FSDP2's norms on the (replicate, shard) slice."""
+    ref_total, ref_grads = _reference(1e-3, 4)
+    for total, grads in run_ranks(_clip_hsdp_tp, 8, timeout=240):
         assert total == pytest.approx(ref_total, rel=1e-5)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
