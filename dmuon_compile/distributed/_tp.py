@@ -25,9 +25,11 @@ The owners ``(d, t*)`` are spread by LPT over all DP × TP slots (:func:`plan_tp
 TP matrix costs its whole-matrix NS on one slot; a plain (TP-replicated) matrix costs its NS on
 every TP slot of its DP column (each TP rank orthogonalises its own copy).
 
-The registered parameter is a DTensor of the global shape on the owner TP group (the TP ranks
-at DP coordinate ``d``) with the plan's placement: there its local tensor is the master shard,
-elsewhere it is empty. DCP therefore sees a TP-sharded weight and reshards it. The compute copy
+The registered parameter is an ``OwnerTensor`` (a DTensor, ``_owned.py``) of the global shape on
+the owner TP group (the TP ranks at DP coordinate ``d``) with the plan's placement: there its
+local tensor is the master shard, elsewhere it is empty. DCP therefore sees a TP-sharded weight
+and reshards it; ``full_tensor()``, torch's full state dict and ``clip_grad_norm_`` work on it
+as on a plain dedicated weight. The compute copy
 swapped in for forward is a DTensor on this rank's TP mesh with the plan's placement, over the
 group's unsharded buffer, so ``parallelize_module``'s input/output redistribution is unchanged.
 """
@@ -298,7 +300,8 @@ _TP_MESHES: dict[tuple, DeviceMesh] = {}
 
 def owner_tp_mesh(info: TPInfo, ranks: list[int]) -> DeviceMesh:
     """The TP group of the owner's DP coordinate: this rank's own TP mesh when it is a member
-    (it has a process group, so ``full_tensor()`` works there), else a backend-less mesh."""
+    (it has a process group, so DTensor ops that communicate work there), else a backend-less
+    mesh (``full_tensor()`` broadcasts on the default group, so it needs none)."""
     if sorted(ranks) == sorted(int(r) for r in info.mesh.mesh.flatten().tolist()):
         return info.mesh
     key = (info.mesh.device_type, tuple(ranks), info.dim_name)
