@@ -26,6 +26,20 @@ def _runtime(model: nn.Module):
     return getattr(model, PLAN_ATTR, None)
 
 
+def _whole_shape(dp) -> tuple:
+    """The weight's shape in a full dict (a TP weight: its global shape, not this shard's)."""
+    shape = getattr(dp, "global_shape", None)
+    return tuple(shape if shape is not None else dp.shape)
+
+
+def _piece(dp, value: Tensor, runtime) -> Tensor:
+    """This rank's part of a full ``value``: all of it, or its TP shard (shard t on TP rank t)."""
+    if getattr(dp, "global_shape", None) is None:
+        return value
+    size = dp.shape[dp.shard_dim]
+    return value.narrow(dp.shard_dim, runtime.tp.info.rank * size, size)
+
+
 def _live_storages(model: nn.Module) -> set[int]:
     ptrs = set()
     for t in list(model.parameters()) + list(model.buffers()):
@@ -73,8 +87,9 @@ def set_model_state_dict(
     """Load a full state dict (from :func:`get_model_state_dict` or a single-process model).
 
     Collective: call it on every rank with the same full dict. Owners copy their dedicated
-    matrices into their masters (the next forward unshards them; with HSDP they are broadcast
-    to the other replicas before this returns); FSDP2 parameters are loaded by torch's
+    matrices (a TP weight: each owner group member its shard) into their masters (the next
+    forward unshards them; with HSDP they are broadcast to the other replicas before this
+    returns); FSDP2 parameters are loaded by torch's
     ``set_model_state_dict(full_state_dict=True)``. ``strict=True`` raises a ``KeyError`` naming
     missing dedicated entries and torch's error for the rest; a wrong shape raises a ``ValueError``.
 
@@ -107,16 +122,15 @@ def set_model_state_dict(
             raise KeyError(f"set_model_state_dict: the state dict lacks {absent[:6]}")
     for name, dp in dedicated.items():
         value = state_dict.get(name)
-        if value is not None and tuple(value.shape) != tuple(dp.shape):
+        if value is not None and tuple(value.shape) != _whole_shape(dp):
             raise ValueError(
                 f"set_model_state_dict: {name} has shape {tuple(value.shape)} in the state dict "
-                "but "
-                f"{tuple(dp.shape)} in the model"
+                f"but {_whole_shape(dp)} in the model"
             )
     for name, dp in dedicated.items():
         if name not in state_dict:
             continue
-        value = state_dict[name]
+        value = _piece(dp, state_dict[name], runtime)
         if dp.master is not None:
             with torch.no_grad():
                 dp.master.copy_(value.to(device=dp.master.device, dtype=dp.master.dtype))

@@ -10,12 +10,14 @@ parameters (TP shards are DTensors of the global shape on their owner TP group).
   weight whole on every rank, equal to the one-process model after 3 steps (dp 1 × tp 2; dp 2 ×
   tp 2 with plain dedicated weights beside the TP ones and ``cpu_offload=True``). Control: with
   DTensor's own ``redistribute`` (a rank outside a weight's owner group keeps its empty local
-  tensor) the dict misses.
+  tensor) the dict misses;
+- ``dmuon.set_model_state_dict`` loads the one-process model's full dict into dp 2 × tp 2.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from . import models
 from .harness import run_ranks
@@ -160,8 +162,6 @@ def _full_state(rank, world, dp, attention, offload):
     ids=["dp1xtp2", "dp2xtp2-mixed-offload"],
 )
 def test_full_state_dict_matches_single_process(dp, attention, offload):
-    import torch
-
     results = run_ranks(_full_state, 2 * dp, dp, attention, offload, timeout=200)
     _, ref = reference(dp, steps=FULL_STEPS)
     for rank, res in enumerate(results):
@@ -182,3 +182,26 @@ def test_full_state_dict_matches_single_process(dp, attention, offload):
         for r in results
     ]
     assert all(missed) if dp > 1 else not any(missed), missed
+
+
+def _load_full(rank, world, dp, state):
+    import dmuon_compile as dmuon
+
+    model, _ = build_tp(rank, world, dp, 2, attention=False)
+    with torch.no_grad():  # other values than the dict's: the load must replace them all
+        for p in model.parameters():
+            p.to_local().add_(1.0)
+    before = dmuon.get_model_state_dict(model, cpu_offload=False)
+    dmuon.set_model_state_dict(model, state)
+    return before, dmuon.get_model_state_dict(model, cpu_offload=False)
+
+
+def test_full_state_dict_loads_into_tp_model():
+    """The one-process model's dict (HF ``from_pretrained``-style) into dp 2 × tp 2: every
+    weight, TP shards included, reads back bit for bit; before the load it did not."""
+    _, ref = reference(2, steps=FULL_STEPS)
+    for before, after in run_ranks(_load_full, 4, 2, ref, timeout=200):
+        assert set(after) == set(ref)
+        for name, want in ref.items():
+            assert torch.equal(after[name], want), name
+            assert not torch.equal(before[name], want), name
