@@ -11,24 +11,31 @@ The placement is DTensor's own (no placement of ours), so every DTensor op means
 saved layout back into it (another owner, FSDP2's ``Shard(0)``, a plain tensor on one process),
 which is what lets checkpoints move between cluster shapes.
 
-Two PyTorch tools assume a whole model on one mesh; the subclass :class:`OwnerTensor` makes both
-work (checked on torch 2.13; the DCP behaviour also on 2.11):
+A TP-sharded dedicated weight (``_tp.py``) is an ``OwnerTensor`` too, on its *owner group*
+mesh (the TP ranks at its DP owner coordinate) with its TP placement ``Shard(d)``: shard ``t`` on
+the group's ``t``-th rank, empty elsewhere. Every piece of an owner tensor is thus held by one
+rank of the whole job (a plain weight of a TP model: by one rank per TP column, the same copy).
+
+Two PyTorch tools assume a whole model on one mesh; :class:`OwnerTensor` makes both work (checked
+on torch 2.13 and 2.11):
 
 - ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms, and DTensor refuses to stack
   norms of different meshes ("must have the same mesh", pytorch issue 180346). The norm of an
-  :class:`OwnerTensor` is therefore given on the *data-parallel mesh* of its model (the mesh
-  FSDP2's norms live on), as a ``_NormPartial`` whose only non-zero part is the owner's: stacked
-  with FSDP2's norms and reduced, it is the exact global norm. The in-place scaling that follows
-  (``_foreach_mul_`` / ``mul_``) scales the owner's local tensor. So torch's
-  ``clip_grad_norm_(model.parameters(), max_norm)`` works unchanged;
+  owner tensor is therefore given on its model's *norm mesh* — FSDP2's data-parallel mesh, or
+  the DP × TP mesh of a TP model — as a ``_NormPartial`` whose only non-zero parts are the
+  holders' (``Replicate`` over TP for a plain weight of a TP model). It is an
+  :class:`_OwnerNorm`, so ``torch.stack`` of the norms comes here and lifts FSDP2's norms of a
+  TP model (on the DP slice) onto the DP × TP mesh; stacked and reduced, it is the exact global
+  norm. The in-place scaling that follows (``_foreach_mul_`` / ``mul_``) scales local tensors.
+  So torch's ``clip_grad_norm_(model.parameters(), max_norm)`` works unchanged;
   ``dmuon.clip_grad_norm_`` is the same with a plain-tensor result.
-- ``DTensor.full_tensor()`` of a plain one-rank DTensor gives the tensor on its owner and an
-  empty one elsewhere. Owner tensors are therefore of the subclass :class:`OwnerTensor`, whose
-  ``full_tensor()`` is a broadcast from the owner (collective, like ``full_tensor()`` of FSDP2's
-  DTensors) and whose ops return ``OwnerTensor`` again, so ``p.full_tensor()`` and ``p.detach()
-  .full_tensor()`` give the weight on every rank. ``dmuon.full_tensor(t)`` does the same for any
-  tensor. (torch's ``get_model_state_dict(full_state_dict=True)`` takes a ``Replicate`` DTensor's
-  local tensor without ``full_tensor()``: use ``dmuon.get_model_state_dict``.)
+- ``DTensor.full_tensor()`` of a one-rank DTensor gives the tensor on its owner and an empty one
+  elsewhere. ``OwnerTensor.full_tensor()`` broadcasts each piece from its holder (collective,
+  like ``full_tensor()`` of FSDP2's DTensors, the same broadcasts on every rank) and its ops
+  return ``OwnerTensor`` again, so ``p.full_tensor()`` and ``p.detach().full_tensor()`` give the
+  weight on every rank; ``dmuon.full_tensor(t)`` does the same for any tensor. Its
+  ``redistribute(Replicate)`` does the same, which is how torch's
+  ``get_model_state_dict(full_state_dict=True)`` gathers a DTensor.
 - A shard-like placement on FSDP2's mesh (``Shard(0)`` subclass) was tried first and dropped:
   DTensor's sharding rules rebuild plain ``Shard(0)`` for its outputs (wrong labels), and its
   foreach rules mixed it up with FSDP2's own ``Shard(0)`` gradients of the same shape (a hang).
@@ -43,13 +50,19 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 _OWNER_MESHES: dict[tuple[str, int], DeviceMesh] = {}
 _OWNER_OF_MESH: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot-path lookups)
-_DP_MESH_OF: dict[int, DeviceMesh] = {}  # id(owner mesh) -> the data-parallel mesh of its model
-# id(mesh) of the registered weights of tensor-parallel models: their owners differ per TP
-# column, so a whole-job broadcast from "the" owner would hang (see full_tensor).
-_TP_MODEL_MESHES: set[int] = set()
+# id(owner mesh) -> (norm mesh, placements): where the norms of its tensors are given (clip).
+_NORM_OF: dict[int, tuple[DeviceMesh, tuple]] = {}
+# id(owner group mesh) -> its global ranks in mesh order: a TP weight's owner group, shard t on
+# the t-th rank (its mesh may be this rank's TP mesh itself, see _tp.owner_tp_mesh).
+_GROUP_RANKS: dict[int, tuple[int, ...]] = {}
+# id(one-rank owner mesh) -> the rank full_tensor broadcasts from. In a TP model a plain weight
+# has one owner per TP column (each column's copy is the same): all ranks agree on column 0's.
+_SOURCE_OF: dict[int, int] = {}
+_KEEP: list[DeviceMesh] = []  # the meshes keyed by id() above stay alive (no id reuse)
 _aten = torch.ops.aten
 _NO_BACKEND = "_init_backend" in inspect.signature(DeviceMesh.__init__).parameters
 
@@ -63,6 +76,20 @@ class OwnerTensor(DTensor):
 
     def full_tensor(self, *, grad_placements=None) -> Tensor:  # noqa: ARG002 - DTensor's signature
         return full_tensor(self)
+
+    def redistribute(self, device_mesh=None, placements=None, **kwargs) -> DTensor:
+        # Replicate on its own mesh: the whole tensor on every rank (collective, like full_tensor).
+        # torch.distributed.checkpoint's full state dict gathers each DTensor this way.
+        same_mesh = device_mesh is None or device_mesh == self.device_mesh
+        if same_mesh and placements is not None and all(p.is_replicate() for p in placements):
+            whole = full_tensor(self)
+            spec = DTensorSpec(
+                self.device_mesh,
+                tuple(placements),
+                tensor_meta=TensorMeta(self.shape, whole.stride(), self.dtype),
+            )
+            return DTensor(whole, spec, requires_grad=False)
+        return super().redistribute(device_mesh, placements, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -89,32 +116,112 @@ class OwnerTensor(DTensor):
             return _rewrap(func(*args, **kwargs))
 
 
-def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
-    """Record the data-parallel mesh (FSDP2's) that owner ``mesh``'s norms are given on."""
-    _DP_MESH_OF[id(mesh)] = dp_mesh
+class _OwnerNorm(DTensor):
+    """The norm of an owner tensor, a ``_NormPartial`` DTensor on its model's norm mesh.
+
+    Its own type makes the two steps of ``clip_grad_norm_`` that mix it with FSDP2's results
+    come here: ``torch.stack`` of the per-tensor norms puts every norm on the norm mesh first
+    (FSDP2's norms of a TP model live on the data-parallel mesh, a slice of it), and
+    ``grad.mul_(clip_coef)`` scales the local tensor of any gradient, whatever its mesh. Results
+    of other ops on it (``+``, ``/``, ``clamp``, ``.to``) keep the type, so the clip coefficient
+    does too.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.stack and args:
+            args = (_on_norm_mesh(list(args[0])), *args[1:])
+        elif func is Tensor.mul_ and isinstance(args[1], _OwnerNorm) and not kwargs:
+            _scale_locally(args[0], args[1])
+            return args[0]
+        elif func is torch._foreach_mul_ and isinstance(args[1], _OwnerNorm) and not kwargs:
+            for t in args[0]:
+                _scale_locally(t, args[1])
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        return _as_norm(out)
 
 
-def _norm_on_dp_mesh(t: OwnerTensor, ord) -> Tensor:
-    """‖t‖ as a ``_NormPartial`` DTensor on its model's data-parallel mesh (0 off the owner)."""
+def _as_norm(out):
+    if type(out) is DTensor:
+        return _OwnerNorm(out._local_tensor, out._spec, requires_grad=False)
+    return out
+
+
+def _on_norm_mesh(tensors: list) -> list:
+    """The norms on the mesh of the first owner norm: FSDP2's norms on a slice of it (the DP
+    dims of a DP × TP mesh) get ``Replicate`` on the dims they lack (their gradients are the same
+    on every TP rank). Norms on unrelated meshes are left for DTensor to refuse."""
+    mesh = next(t.device_mesh for t in tensors if isinstance(t, _OwnerNorm))
+    names = mesh.mesh_dim_names
+    out = []
+    for t in tensors:
+        src = t.device_mesh if isinstance(t, DTensor) else None
+        own = src.mesh_dim_names if src is not None else None
+        if src is None or src == mesh or names is None or own is None or not set(own) <= set(names):
+            out.append(t)
+            continue
+        placements = [t.placements[own.index(n)] if n in own else Replicate() for n in names]
+        out.append(
+            DTensor.from_local(
+                t._local_tensor, mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+        )
+    return out
+
+
+def set_norm_mesh(mesh: DeviceMesh, norm_mesh: DeviceMesh, partial_dims=None) -> None:
+    """Give the norms of owner ``mesh``'s tensors on ``norm_mesh`` (FSDP2's mesh, or the DP × TP
+    mesh of a TP model), partial over the dims named in ``partial_dims`` (``None``: all) and
+    ``Replicate`` over the others (a plain weight of a TP model: one owner per TP column)."""
     from torch.distributed.tensor._ops._math_ops import _NormPartial
 
+    names = norm_mesh.mesh_dim_names or (None,) * norm_mesh.ndim
+    partial = [partial_dims is None or n in partial_dims for n in names]
+    _NORM_OF[id(mesh)] = (norm_mesh, partial, _NormPartial)
+    _KEEP.append(mesh)
+
+
+def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
+    """Record the data-parallel mesh (FSDP2's) that owner ``mesh``'s norms are given on."""
+    set_norm_mesh(mesh, dp_mesh)
+
+
+def register_group(mesh: DeviceMesh, ranks) -> None:
+    """Record an owner group mesh (a TP weight's owner TP group) and its global ranks."""
+    _GROUP_RANKS[id(mesh)] = tuple(int(r) for r in ranks)
+    _KEEP.append(mesh)
+
+
+def set_source(mesh: DeviceMesh, rank: int) -> None:
+    """The rank ``full_tensor`` broadcasts owner ``mesh``'s tensors from (default: the owner)."""
+    _SOURCE_OF[id(mesh)] = int(rank)
+
+
+def _norm_of(t: DTensor, ord) -> Tensor:
+    """‖t's local tensor‖ (0 when empty) as an :class:`_OwnerNorm` on its model's norm mesh.
+
+    Every piece of an owner tensor is held by one rank in the whole job (the owner, or one member
+    of the owner group per shard), so partial over all dims of the norm mesh it sums each piece
+    once; a plain weight of a TP model is held once per TP column, hence ``Replicate`` there.
+    """
     local = t._local_tensor
     value = (
         torch.linalg.vector_norm(local, ord)
         if local.numel()
         else torch.zeros((), dtype=t.dtype, device=local.device)
     )
-    dp_mesh = _DP_MESH_OF.get(id(t.device_mesh))
-    if dp_mesh is None:
+    entry = _NORM_OF.get(id(t.device_mesh))
+    if entry is None:
         return value
-    return DTensor.from_local(
-        value.reshape(()),
-        dp_mesh,
-        [_NormPartial(ord)] * dp_mesh.ndim,
-        run_check=False,
-        shape=torch.Size(()),
-        stride=(),
+    mesh, partial, norm_partial = entry
+    placements = [norm_partial(ord) if p else Replicate() for p in partial]
+    plain = DTensor.from_local(
+        value.reshape(()), mesh, placements, run_check=False, shape=torch.Size(()), stride=()
     )
+    return _as_norm(plain)
 
 
 def _split(tensors):
@@ -130,9 +237,7 @@ def _foreach_norm(args, kwargs):
         return False, None
     mine, others = _split(tensors)
     rest = iter(torch._foreach_norm(others, ord) if others else [])
-    return True, [
-        _norm_on_dp_mesh(t, ord) if i in mine else next(rest) for i, t in enumerate(tensors)
-    ]
+    return True, [_norm_of(t, ord) if i in mine else next(rest) for i, t in enumerate(tensors)]
 
 
 def _vector_norm(args, kwargs):
@@ -147,13 +252,24 @@ def _vector_norm(args, kwargs):
         or kwargs.get("dtype") is not None
     ):
         return False, None
-    return True, _norm_on_dp_mesh(t, ord)
+    return True, _norm_of(t, ord)
 
 
-def _scale_locally(t: OwnerTensor, factor) -> None:
-    local = t._local_tensor
+def _value_of(factor):
+    """A scale factor as a plain tensor or number (a DTensor's replicated value)."""
+    if not isinstance(factor, DTensor):
+        return factor
+    if not all(p.is_replicate() for p in factor.placements):
+        factor = factor.redistribute(factor.device_mesh, [Replicate()] * factor.device_mesh.ndim)
+    return factor._local_tensor
+
+
+def _scale_locally(t: Tensor, factor) -> None:
+    """``t *= factor`` on ``t``'s local tensor (a scalar factor: right for every placement)."""
+    local = local_of(t)
     if local.numel():
-        local.mul_(local_of(factor).to(local.device) if isinstance(factor, Tensor) else factor)
+        value = _value_of(factor)
+        local.mul_(value.to(local.device) if isinstance(value, Tensor) else value)
 
 
 def _foreach_mul_(args, kwargs):
@@ -201,11 +317,15 @@ _CLIP_FUNCTIONS = {
 
 
 def _rewrap(out):
-    if type(out) is DTensor and id(out.device_mesh) in _OWNER_OF_MESH:
+    if type(out) is DTensor and _is_owner_mesh(out.device_mesh):
         return OwnerTensor(out._local_tensor, out._spec, requires_grad=out.requires_grad)
     if isinstance(out, (tuple, list)):
         return type(out)(_rewrap(o) for o in out)
     return out
+
+
+def _is_owner_mesh(mesh: DeviceMesh) -> bool:
+    return id(mesh) in _OWNER_OF_MESH or id(mesh) in _GROUP_RANKS
 
 
 def owner_mesh(device_type: str, global_rank: int) -> DeviceMesh:
@@ -236,19 +356,22 @@ def make_owned(
     dtype: torch.dtype,
     device: torch.device,
     requires_grad: bool = False,
+    placement=None,
 ) -> DTensor:
     """An :class:`OwnerTensor` of global ``shape`` on the owner ``mesh``; ``local`` (the owner's
-    whole tensor, shared, not copied) or ``None`` off the owner."""
+    whole tensor, shared, not copied) or ``None`` off the owner. ``placement``: ``Replicate()``
+    (default, a one-rank mesh) or ``Shard(d)`` on an owner group mesh (``local``: this member's
+    shard, not checked)."""
     shape = torch.Size(shape)
     if local is None:
         local = empty_local(dtype, device)
-    elif tuple(local.shape) != tuple(shape):
+    elif placement is None and tuple(local.shape) != tuple(shape):
         raise ValueError(
             f"the owner's tensor has shape {tuple(local.shape)}, expected {tuple(shape)}"
         )
     stride = torch.empty(shape, device="meta").stride()
     plain = DTensor.from_local(
-        local, mesh, [Replicate()], run_check=False, shape=shape, stride=stride
+        local, mesh, [placement or Replicate()], run_check=False, shape=shape, stride=stride
     )
     return OwnerTensor(plain._local_tensor, plain._spec, requires_grad=requires_grad)
 
@@ -271,7 +394,8 @@ def local_of(t: Tensor) -> Tensor:
 
 
 def is_owned(t) -> bool:
-    """True for a DTensor on an owner mesh (a dedicated weight, its gradient or its state)."""
+    """True for a DTensor on a one-rank owner mesh (a dedicated weight, its gradient or its
+    state; the shards of a TP weight on their owner group are not)."""
     if not isinstance(t, DTensor):
         return False
     mesh = t.device_mesh
@@ -300,14 +424,21 @@ def same_layout(a, b) -> bool:
     )
 
 
-def mark_tp_model(meshes) -> None:
-    """Record the meshes of a tensor-parallel model's registered weights (``dedicate_params``)."""
-    _TP_MODEL_MESHES.update(id(m) for m in meshes)
+def _sources(t: DTensor) -> tuple[int, ...] | None:
+    """The global ranks that hold ``t``'s pieces, in order (``None``: not an owner tensor)."""
+    ranks = _GROUP_RANKS.get(id(t.device_mesh))
+    if ranks is not None:
+        return ranks
+    if is_owned(t):
+        return (_SOURCE_OF.get(id(t.device_mesh), owner_rank(t)),)
+    return None
 
 
 def full_tensor(t: Tensor) -> Tensor:
-    """The whole tensor on every rank. Collective for owner tensors (a broadcast from the owner)
-    and for other DTensors (``full_tensor()``); plain tensors come back as they are.
+    """The whole tensor on every rank. Collective for owner tensors (a broadcast from each rank
+    that holds a piece: the owner, or each member of a TP weight's owner group) and for other
+    DTensors (``full_tensor()``); plain tensors come back as they are. Every rank calls it in the
+    same order (the collectives are the same everywhere).
 
     Example::
 
@@ -315,19 +446,34 @@ def full_tensor(t: Tensor) -> Tensor:
     """
     if not isinstance(t, DTensor):
         return t
-    if id(t.device_mesh) in _TP_MODEL_MESHES:
-        raise NotImplementedError(
-            "dmuon.full_tensor / get_model_state_dict: not supported yet for the dedicated "
-            "weights of a tensor-parallel model (their owners differ per TP rank). Save and load "
-            "TP models with torch.distributed.checkpoint (get_state_dict / set_state_dict), "
-            "which reshards them to any layout, one process included."
-        )
-    if not is_owned(t):
+    sources = _sources(t)
+    if sources is None:
         return t.full_tensor()
     local = local_of(t)
-    if dist.get_rank() == owner_rank(t):
-        buf = local.clone(memory_format=torch.contiguous_format)
-    else:
-        buf = torch.empty(t.shape, dtype=t.dtype, device=local.device)
-    dist.broadcast(buf, src=owner_rank(t))
-    return buf
+    placement = t.placements[0]
+    if placement.is_partial() and placement.reduce_op not in ("sum", "avg"):
+        raise NotImplementedError(
+            f"dmuon.full_tensor: a {placement} result on a TP weight's owner group; reduce it "
+            "after gathering instead (dmuon.full_tensor(p) first)"
+        )
+    if placement.is_replicate():  # every member holds the whole tensor: the first one sends
+        sources = sources[:1]
+    shape = list(t.shape)  # of each piece: the whole, or one even shard
+    dim = placement.dim if placement.is_shard() else 0
+    if placement.is_shard():
+        shape[dim] //= len(sources)
+    me = dist.get_rank()
+    pieces = []
+    for src in sources:  # the same broadcasts, in the same order, on every rank
+        if me == src:
+            buf = local.clone(memory_format=torch.contiguous_format)
+        else:
+            buf = torch.empty(shape, dtype=t.dtype, device=local.device)
+        dist.broadcast(buf, src=src)
+        pieces.append(buf)
+    if len(pieces) == 1:
+        return pieces[0]
+    if placement.is_partial():  # e.g. p.sum() of a TP weight: one partial sum per member
+        total = torch.stack(pieces).sum(0)
+        return total / len(pieces) if placement.reduce_op == "avg" else total
+    return torch.cat(pieces, dim=dim)

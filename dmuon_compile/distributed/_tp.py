@@ -25,9 +25,11 @@ The owners ``(d, t*)`` are spread by LPT over all DP × TP slots (:func:`plan_tp
 TP matrix costs its whole-matrix NS on one slot; a plain (TP-replicated) matrix costs its NS on
 every TP slot of its DP column (each TP rank orthogonalises its own copy).
 
-The registered parameter is a DTensor of the global shape on the owner TP group (the TP ranks
-at DP coordinate ``d``) with the plan's placement: there its local tensor is the master shard,
-elsewhere it is empty. DCP therefore sees a TP-sharded weight and reshards it. The compute copy
+The registered parameter is an ``OwnerTensor`` (a DTensor, ``_owned.py``) of the global shape on
+the owner TP group (the TP ranks at DP coordinate ``d``) with the plan's placement: there its
+local tensor is the master shard, elsewhere it is empty. DCP therefore sees a TP-sharded weight
+and reshards it; ``full_tensor()``, torch's full state dict and ``clip_grad_norm_`` work on it
+as on a plain dedicated weight. The compute copy
 swapped in for forward is a DTensor on this rank's TP mesh with the plan's placement, over the
 group's unsharded buffer, so ``parallelize_module``'s input/output redistribution is unchanged.
 """
@@ -46,9 +48,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dmuon_compile import functional as F
 from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed import mesh_checks
+from dmuon_compile.distributed import _owned, mesh_checks
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
-from dmuon_compile.distributed._owned import _NO_BACKEND, local_of
+from dmuon_compile.distributed._owned import _NO_BACKEND, local_of, make_owned, wrap_like
 from dmuon_compile.distributed.owner_plan import (
     MatrixSpec,
     OwnerPlan,
@@ -298,7 +300,8 @@ _TP_MESHES: dict[tuple, DeviceMesh] = {}
 
 def owner_tp_mesh(info: TPInfo, ranks: list[int]) -> DeviceMesh:
     """The TP group of the owner's DP coordinate: this rank's own TP mesh when it is a member
-    (it has a process group, so ``full_tensor()`` works there), else a backend-less mesh."""
+    (it has a process group, so DTensor ops that communicate work there), else a backend-less
+    mesh (``full_tensor()`` broadcasts on the default group, so it needs none)."""
     if sorted(ranks) == sorted(int(r) for r in info.mesh.mesh.flatten().tolist()):
         return info.mesh
     key = (info.mesh.device_type, tuple(ranks), info.dim_name)
@@ -329,19 +332,24 @@ class TPDedicatedParam(DedicatedParam):
         self.unsharded = _dtensor(local, self.tp_mesh, self.shard_dim, self.global_shape, True)
 
     def register(self, mesh, master: Tensor | None, device: torch.device) -> None:  # noqa: ARG002
-        local = (
-            master if master is not None else torch.empty(0, dtype=self.orig_dtype, device=device)
+        # An OwnerTensor on the owner group: full_tensor(), clip_grad_norm_ and DCP's full state
+        # dict treat it like a plain dedicated weight (_owned.py).
+        self.param = make_owned(
+            master,
+            self.reg_mesh,
+            self.global_shape,
+            self.orig_dtype,
+            device,
+            requires_grad=True,
+            placement=Shard(self.shard_dim),
         )
-        self.param = _dtensor(local, self.reg_mesh, self.shard_dim, self.global_shape, True)
         self.param._is_param = True
         self.owns = master is not None
         self._empty_grad = None if self.owns else self._wrap(None)
         self.module._parameters[self.attr] = self.param
 
     def _wrap(self, local: Tensor | None) -> DTensor:
-        if local is None:
-            local = torch.empty(0, dtype=self.orig_dtype, device=local_of(self.param).device)
-        return DTensor(local, self.param._spec, requires_grad=False)
+        return wrap_like(local, self.param)
 
     @torch.no_grad()
     def accumulate_grad(self, full: Tensor | None) -> None:
@@ -577,17 +585,7 @@ def _is_done(work) -> bool:
 
 def owner_group_ranks(info: TPInfo, rank_grid, replica_owner: int, owner: int) -> list[int]:
     """Global ranks of the TP group at DP coordinate ``(replica_owner, owner)``, in TP order."""
-    member = int(rank_grid[replica_owner, owner])  # that coordinate's rank in this TP column
-    root = mesh_checks._root(info.mesh)
-    if root is None:
-        rows = info.mesh.mesh.reshape(1, -1)
-    else:
-        axis = list(root.mesh_dim_names).index(info.dim_name)
-        rows = root.mesh.movedim(axis, -1).reshape(-1, info.size)
-    for row in rows.tolist():
-        if member in row:
-            return [int(r) for r in row]
-    raise RuntimeError(f"rank {member} is in no TP group of {root}")  # a mesh we cannot read
+    return _tp_row(info, int(rank_grid[replica_owner, owner]))  # that coordinate in this column
 
 
 def build_stage(info, pg, tp_plan, params, groups, model, replicated: bool) -> TPStage:
@@ -601,4 +599,41 @@ def build_stage(info, pg, tp_plan, params, groups, model, replicated: bool) -> T
             g.tp = stage
     stage.plan = tp_plan
     stage.handle = install_state_dict_drain(model, stage)
+    _register_owner_meshes(info, params)
     return stage
+
+
+def _tp_row(info: TPInfo, global_rank: int) -> list[int]:
+    """Global ranks of the TP group that holds ``global_rank``, in TP order."""
+    root = mesh_checks._root(info.mesh)
+    if root is None:
+        rows = info.mesh.mesh.reshape(1, -1)
+    else:
+        axis = list(root.mesh_dim_names).index(info.dim_name)
+        rows = root.mesh.movedim(axis, -1).reshape(-1, info.size)
+    for row in rows.tolist():
+        if global_rank in row:
+            return [int(r) for r in row]
+    raise RuntimeError(f"rank {global_rank} is in no TP group of {root}")  # a mesh we cannot read
+
+
+def _register_owner_meshes(info: TPInfo, params) -> None:
+    """What ``_owned`` needs for the registered weights of a TP model.
+
+    Norms (``clip_grad_norm_``) are given on the DP × TP mesh: a TP shard is held by one rank
+    of the whole job (partial over every dim); a plain weight once per TP column (partial over
+    the DP dims, ``Replicate`` over TP). ``full_tensor`` broadcasts each TP shard from its owner
+    group member, and a plain weight from its owner in TP column 0, which every rank can name
+    (each column's owner differs; a broadcast from "this column's owner" would not be SPMD).
+    """
+    root = mesh_checks._root(info.mesh)
+    norm_mesh = root if root is not None else info.mesh
+    dp_dims = {n for n in norm_mesh.mesh_dim_names or () if n != info.dim_name}
+    for p in params:
+        mesh = p.param.device_mesh
+        if isinstance(p, TPDedicatedParam):
+            _owned.register_group(mesh, mesh.mesh.flatten().tolist())
+            _owned.set_norm_mesh(mesh, norm_mesh)
+        else:
+            _owned.set_norm_mesh(mesh, norm_mesh, dp_dims)
+            _owned.set_source(mesh, _tp_row(info, _owned.owner_rank(p.param))[0])

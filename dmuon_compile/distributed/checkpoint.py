@@ -4,11 +4,12 @@ Dedicated weights are registered parameters (DTensors on their owners' one-rank 
 ``model.state_dict()`` and torch's ``torch.distributed.checkpoint.state_dict`` functions see them
 under their original names, and DCP (``dcp.save`` / ``dcp.load`` of ``get_state_dict(model, opt)``)
 checkpoints and reshards them like FSDP2's parameters: that is the path for resuming on another
-cluster shape. The two helpers here are the troubleshooting page's full-state-dict pair: one dict
-with every tensor whole (for ``torch.save``, HF ``save_pretrained(state_dict=...)``, or a
-single-process model), and its way back in. Use them rather than torch's
-``get_model_state_dict(full_state_dict=True)``, which takes a ``Replicate`` DTensor's local tensor
-instead of gathering it (other ranks than the owner, rank 0 included, get an empty tensor).
+cluster shape. torch's ``get_model_state_dict(full_state_dict=True)`` gathers each DTensor with
+``redistribute(Replicate)``, which an owner tensor answers with the whole weight on every rank
+(a plain dedicated weight, or a TP weight's shards from its owner group), so that works too. The
+two helpers here are the full-state-dict pair: one dict with every tensor whole and a copy (for
+``torch.save``, HF ``save_pretrained(state_dict=...)``, or a single-process model), and its way
+back in.
 """
 
 from __future__ import annotations
@@ -19,11 +20,24 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
 from dmuon_compile.dedicated_registry import PLAN_ATTR
-from dmuon_compile.distributed._owned import full_tensor
 
 
 def _runtime(model: nn.Module):
     return getattr(model, PLAN_ATTR, None)
+
+
+def _whole_shape(dp) -> tuple:
+    """The weight's shape in a full dict (a TP weight: its global shape, not this shard's)."""
+    shape = getattr(dp, "global_shape", None)
+    return tuple(shape if shape is not None else dp.shape)
+
+
+def _piece(dp, value: Tensor, runtime) -> Tensor:
+    """This rank's part of a full ``value``: all of it, or its TP shard (shard t on TP rank t)."""
+    if getattr(dp, "global_shape", None) is None:
+        return value
+    size = dp.shape[dp.shard_dim]
+    return value.narrow(dp.shard_dim, runtime.tp.info.rank * size, size)
 
 
 def _live_storages(model: nn.Module) -> set[int]:
@@ -40,10 +54,10 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[
 
     Collective: call it on every rank. Every DTensor (FSDP2 shards and dedicated weights alike)
     is gathered whole by ``torch.distributed.checkpoint.state_dict.get_model_state_dict(
-    full_state_dict=True)``. With ``cpu_offload=True`` (default) tensors go to the CPU and — as in
-    torch's full-state-dict convention — only rank 0 gets the dict (other ranks get ``{}``); with
-    ``False`` every rank gets it on its device. Every tensor is a copy: later steps do not change
-    it. Pending replicate broadcasts are drained first.
+    full_state_dict=True)`` (TP models included). With ``cpu_offload=True`` (default) tensors go
+    to the CPU and — as in torch's full-state-dict convention — only rank 0 gets the dict (other
+    ranks get ``{}``); with ``False`` every rank gets it on its device. Every tensor is a copy:
+    later steps do not change it. Pending replicate broadcasts and TP updates are applied first.
 
     Example::
 
@@ -64,10 +78,6 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[
         else v
         for k, v in state.items()
     }
-    for dp in runtime.params if runtime is not None else []:  # plan order: the same on every rank
-        whole = full_tensor(dp.param)  # a broadcast from the owner (a fresh tensor everywhere)
-        if keep:
-            state[dp.fqn] = whole.cpu() if cpu_offload else whole
     return state if keep else {}
 
 
@@ -77,8 +87,9 @@ def set_model_state_dict(
     """Load a full state dict (from :func:`get_model_state_dict` or a single-process model).
 
     Collective: call it on every rank with the same full dict. Owners copy their dedicated
-    matrices into their masters (the next forward unshards them; with HSDP they are broadcast
-    to the other replicas before this returns); FSDP2 parameters are loaded by torch's
+    matrices (a TP weight: each owner group member its shard) into their masters (the next
+    forward unshards them; with HSDP they are broadcast to the other replicas before this
+    returns); FSDP2 parameters are loaded by torch's
     ``set_model_state_dict(full_state_dict=True)``. ``strict=True`` raises a ``KeyError`` naming
     missing dedicated entries and torch's error for the rest; a wrong shape raises a ``ValueError``.
 
@@ -111,16 +122,15 @@ def set_model_state_dict(
             raise KeyError(f"set_model_state_dict: the state dict lacks {absent[:6]}")
     for name, dp in dedicated.items():
         value = state_dict.get(name)
-        if value is not None and tuple(value.shape) != tuple(dp.shape):
+        if value is not None and tuple(value.shape) != _whole_shape(dp):
             raise ValueError(
                 f"set_model_state_dict: {name} has shape {tuple(value.shape)} in the state dict "
-                "but "
-                f"{tuple(dp.shape)} in the model"
+                f"but {_whole_shape(dp)} in the model"
             )
     for name, dp in dedicated.items():
         if name not in state_dict:
             continue
-        value = state_dict[name]
+        value = _piece(dp, state_dict[name], runtime)
         if dp.master is not None:
             with torch.no_grad():
                 dp.master.copy_(value.to(device=dp.master.device, dtype=dp.master.dtype))

@@ -30,7 +30,7 @@ from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._holder import make_holder
-from dmuon_compile.distributed._owned import mark_tp_model, owner_mesh, set_dp_mesh
+from dmuon_compile.distributed._owned import owner_mesh, set_dp_mesh
 from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
@@ -348,7 +348,6 @@ def dedicate_params(
         model, plan, params, groups, mesh, rank, world, record, replicate_mesh
     )
     if tp is not None:
-        mark_tp_model(dp.param.device_mesh for dp in params)
         runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, model, replicas > 1))
     setattr(model, PLAN_ATTR, runtime)
     return owners

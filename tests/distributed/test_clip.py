@@ -1,5 +1,8 @@
 """torch.nn.utils.clip_grad_norm_(model.parameters()) sees the dedicated gradients, as does the
-dmuon.clip_grad_norm_ alias: the norm and the clipped gradients equal one process's (1-D, HSDP)."""
+dmuon.clip_grad_norm_ alias: the norm and the clipped gradients equal one process's (1-D, HSDP,
+and TP: dp 1 × tp 2 and dp 2 × tp 2, TP shards and plain weights of a TP model, a
+sequence-parallel plan, HSDP × TP). Control: TP norms that count only each TP rank's own
+shards (``Replicate`` over TP) miss."""
 
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ from .harness import run_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
-def _reference(max_norm):
+def _reference(max_norm, dp=2):
     model = models.build_llama()
-    x = next(iter(models.batches(1, 2)))
+    x = next(iter(models.batches(1, dp)))
     model(x).square().mean().backward()
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return float(total), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -64,3 +67,104 @@ def test_bad_norm_type():
 
     with pytest.raises(ValueError, match="norm_type"):
         dmuon.clip_grad_norm_(models.build_llama(), 1.0, norm_type=1.0)
+
+
+def _clip_tp(rank, world, dp, attention, use_torch, control):
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import _owned, dedicated_runtime, mesh_checks
+
+    from .test_tp import build_tp
+
+    model, dp_rank = build_tp(rank, world, dp, 2, attention=attention)
+    if control:  # each TP shard's norm partial over DP only: every TP rank counts its own shards
+        stage = dedicated_runtime(model).tp
+        root = mesh_checks._root(stage.info.mesh)
+        for p in stage.params:
+            _owned.set_norm_mesh(p.param.device_mesh, root, {"dp"})
+    x = next(iter(models.batches(1, dp)))
+    per = x.shape[0] // dp
+    model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
+    if use_torch:
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).full_tensor()
+    else:
+        total = dmuon.clip_grad_norm_(model, 1e-3)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # collective
+    return float(total), grads
+
+
+@pytest.mark.parametrize(
+    ("dp", "attention", "use_torch"),
+    [(1, True, True), (2, False, True), (2, True, False)],
+    ids=["dp1xtp2", "dp2xtp2-mixed", "dp2xtp2-alias"],
+)
+def test_clip_tp_matches_single_process(dp, attention, use_torch):
+    """attention=False: q/k/v/o stay plain dedicated weights of the TP model (one owner per TP
+    column) beside the TP-sharded MLP; the rest of the model is FSDP2's on the DP mesh."""
+    ref_total, ref_grads = _reference(1e-3, dp)
+    results = run_ranks(_clip_tp, 2 * dp, dp, attention, use_torch, False, timeout=150)
+    for total, grads in results:
+        assert total == pytest.approx(ref_total, rel=1e-5)
+        assert set(grads) == set(ref_grads)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def _clip_sequence_parallel(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import dmuon_compile as dmuon
+
+    from .test_tp import sequence_parallel_plan
+
+    model = models.build_llama()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], sequence_parallel_plan())
+    dmuon.dedicate_params(model, mesh["dp"], predicate=models.proj_predicate)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    x = next(iter(models.batches(1, 1)))
+    chunk = x.shape[1] // world  # each TP rank feeds its slice of the sequence
+    (model(x[:, rank * chunk : (rank + 1) * chunk]).square().mean() / world).backward()
+    meshes = {p.grad.device_mesh.mesh_dim_names for p in model.parameters()}
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).full_tensor()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return float(total), grads, sorted(meshes)
+
+
+def test_clip_sequence_parallel_plan():
+    """torchtitan's layout: FSDP2's norms and head on the 2-D (dp, tp) mesh beside the TP shards."""
+    ref_total, ref_grads = _reference(1e-3, 1)
+    for total, grads, meshes in run_ranks(_clip_sequence_parallel, 2, timeout=150):
+        assert ("dp", "tp") in meshes  # FSDP2 + TP gradients on the 2-D mesh
+        assert total == pytest.approx(ref_total, rel=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def _clip_hsdp_tp(rank, world):
+    from .test_tp import build_tp
+
+    model, dp_rank = build_tp(rank, world, 4, 2, replicas=2)
+    x = next(iter(models.batches(1, 4)))
+    per = x.shape[0] // 4
+    model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).full_tensor()
+    return float(total), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_clip_hsdp_tp_3d():
+    """replicate 2 × shard 2 × tp 2: FSDP2's norms on the (replicate, shard) slice."""
+    ref_total, ref_grads = _reference(1e-3, 4)
+    for total, grads in run_ranks(_clip_hsdp_tp, 8, timeout=240):
+        assert total == pytest.approx(ref_total, rel=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def test_clip_tp_control_counting_own_shards_misses():
+    ref_total, _ = _reference(1e-3, 1)
+    for total, _ in run_ranks(_clip_tp, 2, 1, True, True, True, timeout=150):
+        assert abs(total - ref_total) > 1e-3 * ref_total, (total, ref_total)

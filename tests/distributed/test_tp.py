@@ -272,24 +272,32 @@ def test_tp_size_one_is_plain_dedication():
     assert results[0]["comm"]["gather_bytes_per_step"] == 0
 
 
-def _full_tensor_on_tp_model(rank, world):
+def _full_tensor_on_tp_model(rank, world, dp):
     import dmuon_compile as dmuon
 
-    model, _ = build_tp(rank, world, 1, 2, attention=False)
-    errors = []
-    for name in ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.up_proj.weight"):
-        try:
-            dmuon.full_tensor(model.get_parameter(name))
-            errors.append(None)
-        except NotImplementedError as exc:
-            errors.append(str(exc))
-    return errors
+    model, _ = build_tp(rank, world, dp, 2, attention=False)
+    out = {}
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.up_proj.weight"):
+        w = model.get_parameter(name)
+        out[name] = {
+            "full": w.full_tensor(),
+            "doubled": (w.detach() * 2).full_tensor(),  # op results stay owner tensors
+            "sum": dmuon.full_tensor(w.sum()),  # a TP shard's sum is partial over its group
+        }
+    return out
 
 
-def test_full_tensor_on_a_tp_model_raises_instead_of_hanging():
-    # Owners differ per TP column: a whole-job broadcast from "the" owner would hang.
-    for errors in run_ranks(_full_tensor_on_tp_model, 2, timeout=120):
-        assert all(e is not None and "torch.distributed.checkpoint" in e for e in errors), errors
+@pytest.mark.parametrize("dp", [1, 2])
+def test_full_tensor_on_a_tp_model(dp):
+    # A plain weight (one owner per TP column) and a TP weight (shards on the owner group): the
+    # whole initial weight on every rank, bit for bit.
+    want = dict(models.build_llama().named_parameters())
+    for got in run_ranks(_full_tensor_on_tp_model, 2 * dp, dp, timeout=120):
+        for name, value in got.items():
+            ref = want[name].detach()
+            assert torch.equal(value["full"], ref), name
+            assert torch.equal(value["doubled"], ref * 2), name
+            torch.testing.assert_close(value["sum"], ref.sum(), rtol=1e-5, atol=1e-6)
 
 
 def sequence_parallel_plan(layers: int = models.LAYERS) -> dict:

@@ -4,17 +4,25 @@ parameters (TP shards are DTensors of the global shape on their owner TP group).
 - dp 1 × tp 2 saves at step 3; one plain process (no TP, no dedicate_params) loads it and the
   next 5 losses equal the uninterrupted TP run (rel 1e-5);
 - a 1-D dedicated run on 2 ranks saves; dp 1 × tp 2 loads it and continues like the 1-D run;
-- control: the same TP resume with a fresh optimizer (no momentum / AdamW moments) misses.
+- control: the same TP resume with a fresh optimizer (no momentum / AdamW moments) misses;
+- full state dicts (HF ``save_pretrained``-style): torch's ``get_model_state_dict(
+  full_state_dict=True)``, ``dmuon.get_model_state_dict`` and ``p.full_tensor()`` give every
+  weight whole on every rank, equal to the one-process model after 3 steps (dp 1 × tp 2; dp 2 ×
+  tp 2 with plain dedicated weights beside the TP ones and ``cpu_offload=True``). Control: with
+  DTensor's own ``redistribute`` (a rank outside a weight's owner group keeps its empty local
+  tensor) the dict misses;
+- ``dmuon.set_model_state_dict`` loads the one-process model's full dict into dp 2 × tp 2.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from . import models
 from .harness import run_ranks
 from .test_registered_params import CONTINUE, SAVE_AT, _batches, _build, _global_loss, _opt
-from .test_tp import tp_plan
+from .test_tp import WEIGHT_ATOL, _muon, build_tp, reference, tp_plan
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -111,3 +119,89 @@ def test_1d_checkpoint_loads_into_tp2(tmp_path):
     path = str(tmp_path / "fsdp2")
     expected = run_ranks(_train_and_save, 2, "fsdp", path)[0][SAVE_AT:]
     assert _close(run_ranks(_resume, 2, "tp", path)[0], expected)
+
+
+FULL_STEPS = 3
+
+
+def _full_state(rank, world, dp, attention, offload):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed._owned import OwnerTensor
+
+    model, dp_rank = build_tp(rank, world, dp, 2, attention=attention)
+    opt = _muon(model)
+    for x in models.batches(FULL_STEPS, dp):
+        per = x.shape[0] // dp
+        model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=offload)
+    out = {
+        "torch": get_model_state_dict(model, options=options),
+        "dmuon": dmuon.get_model_state_dict(model, cpu_offload=offload),
+        "full_tensor": {n: p.full_tensor() for n, p in model.named_parameters()},
+    }
+    mine = OwnerTensor.redistribute
+    OwnerTensor.redistribute = DTensor.redistribute  # control: DTensor's own gather
+    try:
+        control = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    finally:
+        OwnerTensor.redistribute = mine
+    out["control_shapes"] = {k: list(v.shape) for k, v in control.items()}
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("dp", "attention", "offload"),
+    [(1, True, False), (2, False, True)],
+    ids=["dp1xtp2", "dp2xtp2-mixed-offload"],
+)
+def test_full_state_dict_matches_single_process(dp, attention, offload):
+    results = run_ranks(_full_state, 2 * dp, dp, attention, offload, timeout=200)
+    _, ref = reference(dp, steps=FULL_STEPS)
+    for rank, res in enumerate(results):
+        for kind in ("torch", "dmuon", "full_tensor"):
+            state = res[kind]
+            if offload and rank > 0 and kind != "full_tensor":
+                assert state == {}, (rank, kind)  # torch's convention: the dict on rank 0 only
+                continue
+            assert set(state) == set(ref), (rank, kind)
+            for name, want in ref.items():
+                torch.testing.assert_close(
+                    state[name], want, atol=WEIGHT_ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+                )
+    # The control misses where a rank is outside an owner group: with dp 2 every rank is outside
+    # some; with dp 1 every rank is in every owner group and DTensor's own gather is right too.
+    missed = [
+        sorted(n for n, shape in r["control_shapes"].items() if shape != list(ref[n].shape))
+        for r in results
+    ]
+    assert all(missed) if dp > 1 else not any(missed), missed
+
+
+def _load_full(rank, world, dp, state):
+    import dmuon_compile as dmuon
+
+    model, _ = build_tp(rank, world, dp, 2, attention=False)
+    with torch.no_grad():  # other values than the dict's: the load must replace them all
+        for p in model.parameters():
+            p.to_local().add_(1.0)
+    before = dmuon.get_model_state_dict(model, cpu_offload=False)
+    dmuon.set_model_state_dict(model, state)
+    return before, dmuon.get_model_state_dict(model, cpu_offload=False)
+
+
+def test_full_state_dict_loads_into_tp_model():
+    """The one-process model's dict (HF ``from_pretrained``-style) into dp 2 × tp 2: every
+    weight, TP shards included, reads back bit for bit; before the load it did not."""
+    _, ref = reference(2, steps=FULL_STEPS)
+    for before, after in run_ranks(_load_full, 4, 2, ref, timeout=200):
+        assert set(after) == set(ref)
+        for name, want in ref.items():
+            assert torch.equal(after[name], want), name
+            assert not torch.equal(before[name], want), name
