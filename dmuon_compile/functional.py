@@ -123,23 +123,27 @@ def apply_muon_update(
     lr: float | Tensor,
     weight_decay: float | Tensor,
     adjust_lr_fn: str | None,
+    matrix_shapes: Sequence[Sequence[int]] | None = None,
 ) -> None:
     """W ← (1 − lr·wd)·W − lr·scale(W)·O, in place (``lr``, ``weight_decay``: floats or 0-d
     tensors).
 
     Floats (eager) skip a zero decay and fold the step into ``add_``'s ``alpha``; tensors (the
     compiled step: no value may pick a branch, and ``alpha`` takes no tensor) always decay and
-    scale explicitly. The same math.
+    scale explicitly. The same math. ``matrix_shapes``: the whole matrices' shapes when
+    ``params`` are shards of them (TP: the scale is the whole matrix's), else each param's own.
     """
+    if matrix_shapes is None:
+        matrix_shapes = [matrix_view(p).shape for p in params]
     if _traced(lr, weight_decay):
-        for p, o in zip(params, ortho):
+        for p, o, shape in zip(params, ortho, matrix_shapes):
             p.mul_(1.0 - lr * weight_decay)
-            p.sub_(o.to(p.dtype) * (lr * lr_scale(matrix_view(p).shape, adjust_lr_fn)))
+            p.sub_(o.to(p.dtype) * (lr * lr_scale(shape, adjust_lr_fn)))
         return
-    for p, o in zip(params, ortho):
+    for p, o, shape in zip(params, ortho, matrix_shapes):
         if weight_decay != 0.0:
             p.mul_(1.0 - lr * weight_decay)
-        p.add_(o.to(p.dtype), alpha=-lr * lr_scale(matrix_view(p).shape, adjust_lr_fn))
+        p.add_(o.to(p.dtype), alpha=-lr * lr_scale(shape, adjust_lr_fn))
 
 
 def muon_update(

@@ -488,9 +488,8 @@ class TPStage:
             work = dist.scatter(
                 out, chunks, src=self._global(dp.tp_owner), group=self.pg, async_op=True
             )
-            scale = F.lr_scale(dp.global_shape, group["adjust_lr_fn"])
             lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
-            entry = (master, out, work, lr, wd, scale)
+            entry = (master, out, work, lr, wd, group["adjust_lr_fn"], dp.global_shape)
             self.pending.setdefault(self.group_of.get(id(dp.param), 0), []).append(entry)
             if self.record_profile:
                 self.profile.scatters += 1
@@ -511,11 +510,10 @@ class TPStage:
             self.profile.waits += 1
             self.profile.not_ready += int(not all(_is_done(e[2]) for e in entries))
             t0 = time.perf_counter()
-        for master, out, work, lr, wd, scale in entries:
+        for master, out, work, lr, wd, adjust_lr_fn, global_shape in entries:
             C.wait(work, "the TP scatter of Newton–Schulz updates", self.pg)
-            if wd != 0.0:  # the reference's apply_muon_update, on this rank's shard
-                master.mul_(1.0 - lr * wd)
-            master.add_(out.to(master.dtype), alpha=-lr * scale)
+            # The reference's update on this rank's shard, scaled as the whole matrix.
+            F.apply_muon_update([master], [out], lr, wd, adjust_lr_fn, [global_shape])
         if forward and self.record_profile:
             self.profile.wait_s += time.perf_counter() - t0
 
