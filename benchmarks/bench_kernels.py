@@ -243,7 +243,7 @@ def run_stress_section(inputs: int) -> tuple[list[str], dict]:
 
 def run_syrk_section(ms, batched_too: bool) -> tuple[list[str], dict, dict]:
     from dmuon_compile.kernels import autotune
-    from dmuon_compile.kernels.syrk import choose_kernel
+    from dmuon_compile.kernels.syrk import tuned_choice
 
     rows = [
         "| m | k | batch | torch.mm ms | torch.addmm ms | syrk ms | syrk+C ms | verdict "
@@ -264,7 +264,7 @@ def run_syrk_section(ms, batched_too: bool) -> tuple[list[str], dict, dict]:
                 )
                 out = torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0)  # autotunes this key
                 torch.ops.dmuon.syrk(a, c, 1.0, 1.0, 0.0)
-                verdict = choose_kernel("syrk", a, None, None, 0.0)
+                verdict = tuned_choice("syrk", a, None, None, 0.0)
                 verdict = verdict if verdict == autotune.CUBLAS else verdict.name
                 symmetric = bool(torch.equal(out, out.mT))
                 t_mm = bench_ms(lambda: a @ a.mT)

@@ -65,13 +65,13 @@ def main() -> int:
     print("| case | piece | host µs per call |\n|---|---|---|")
     for name, a in cases.items():
         torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0)  # tune or load the verdict
-        verdict = syrk.choose_kernel("syrk", a, None, None, 0.0)
+        verdict = syrk.tuned_choice("syrk", a, None, None, 0.0)
         p = a @ a.mT
         pieces = {
             "torch.mm(a, aᵀ)": lambda: a @ a.mT,
             "torch.ops.dmuon.syrk (whole op)": lambda: torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0),
             "syrk_cuda (no dispatcher)": lambda: syrk.syrk_cuda(a, None, 1.0, 0.0, 0.0),
-            "choose_kernel (memoised verdict)": lambda: syrk.choose_kernel(
+            "tuned_choice (memoised verdict)": lambda: syrk.tuned_choice(
                 "syrk", a, None, None, 0.0
             ),
             "mirror_lower_inplace (Triton launch)": lambda: mirror_lower_inplace(p),

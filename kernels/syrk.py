@@ -177,7 +177,7 @@ def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def choose_kernel(op: str, a: Tensor, b: Tensor | None, c: Tensor | None, beta: float):
+def tuned_choice(op: str, a: Tensor, b: Tensor | None, c: Tensor | None, beta: float):
     """The cached or freshly tuned verdict for this call: a :class:`TileConfig` or ``"cublas"``.
 
     A shape seen before costs one dict lookup (``autotune.RESOLVED``); NS calls these ops ~16
@@ -187,7 +187,7 @@ def choose_kernel(op: str, a: Tensor, b: Tensor | None, c: Tensor | None, beta: 
     fast_key = (op, a.shape, a.stride(), a.dtype, a.device, has_c)
     choice = autotune.RESOLVED.get(fast_key)
     if choice is None:
-        choice, final = _choose_kernel_slow(op, a, b, c if has_c else None)
+        choice, final = _tuned_choice_slow(op, a, b, c if has_c else None)
         if final:
             autotune.RESOLVED[fast_key] = choice
     return choice
@@ -226,7 +226,7 @@ def _valid_verdict(key: str, verdict: dict, path) -> bool:
     return sane
 
 
-def _choose_kernel_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
+def _tuned_choice_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
     """(verdict, whether it may be memoised) from the disk cache, a fresh tuning or the
     heuristic."""
     has_c = c is not None
@@ -272,7 +272,7 @@ def _symmetric_product_cuda(
         and (b is None or b.dtype == a.dtype)
         and triton_status(a.device.index)[0]
     )
-    choice = choose_kernel(op, a, b, c, beta) if usable and a.numel() > 0 else autotune.CUBLAS
+    choice = tuned_choice(op, a, b, c, beta) if usable and a.numel() > 0 else autotune.CUBLAS
     if choice == autotune.CUBLAS:
         return symmetric_product_cublas(a, b, c, alpha, beta, gamma).to(a.dtype)
     return launch_symmetric_product(a, b, c, alpha, beta, gamma, choice)

@@ -26,3 +26,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty autotune verdict directory (``DMUON_CACHE_DIR``), in-memory verdicts cleared."""
+    from dmuon_compile.kernels import autotune
+
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
+    autotune.clear_memory_caches()
+    yield tmp_path
+    autotune.clear_memory_caches()

@@ -92,14 +92,6 @@ def test_tied_embedding_gets_adamw_with_and_without_dedicate_params():
 
 
 # ---------------------------------------------------------------------- autotune cache
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
-    autotune.clear_memory_caches()
-    yield tmp_path
-    autotune.clear_memory_caches()
-
-
 def test_a_directory_in_place_of_the_cache_file_warns_once_and_leaves_nothing(cache_dir):
     path = autotune.cache_path("Fake GPU")
     path.mkdir(parents=True)

@@ -110,21 +110,9 @@ def test_clip_tp_matches_single_process(dp, attention, use_torch):
 
 
 def _clip_sequence_parallel(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
+    from .test_tp import sequence_parallel_model
 
-    import dmuon_compile as dmuon
-
-    from .test_tp import sequence_parallel_plan
-
-    model = models.build_llama()
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], sequence_parallel_plan())
-    dmuon.dedicate_params(model, mesh["dp"], predicate=models.proj_predicate)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    model = sequence_parallel_model(world)
     x = next(iter(models.batches(1, 1)))
     chunk = x.shape[1] // world  # each TP rank feeds its slice of the sequence
     (model(x[:, rank * chunk : (rank + 1) * chunk]).square().mean() / world).backward()

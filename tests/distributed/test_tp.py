@@ -333,8 +333,9 @@ def sequence_parallel_plan(layers: int = models.LAYERS) -> dict:
     return plan
 
 
-def _train_sequence_parallel(rank, world, steps):
-    import torch.distributed as dist
+def sequence_parallel_model(world: int):
+    """dp 1 × tp ``world``: the sequence-parallel plan, the projections dedicated, FSDP2 per
+    block (the page's order)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -348,6 +349,13 @@ def _train_sequence_parallel(rank, world, steps):
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _train_sequence_parallel(rank, world, steps):
+    import torch.distributed as dist
+
+    model = sequence_parallel_model(world)
     opt = _muon(model)
     losses = []
     for x in models.batches(steps, 1):

@@ -17,14 +17,6 @@ from dmuon_compile.kernels.lower_tiles import TileConfig
 from dmuon_compile.kernels.ops import sym_mm_reference, syrk_reference
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
-    autotune.clear_memory_caches()
-    yield tmp_path
-    autotune.clear_memory_caches()
-
-
 class FakeGPU:
     """Scripted timings per candidate name (``"cublas"`` for cuBLAS) and a reference 'kernel'."""
 
