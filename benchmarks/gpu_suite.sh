@@ -23,8 +23,10 @@
 #   hsdp2_S/M   HSDP 2×(ngpu/2) (>= 4 GPUs: 2×2, 2×4), with the 1-D run of ours in the same process
 #   scale_S/M   bench_fsdp.py (adamw, ours_compiled) on SCALING_GPUS (default "1 2 4 8", capped at
 #               the GPUs present), then plot_scaling.py: table + scaling_<model>.png
-#   cold        cold_compile.py on S and M with every cache in a new empty directory, then again
-#               in a second process on those caches (warm): first compiled step split into
+#   cold        cold_compile.py per model (COLD_MODELS, default "S M") with every cache in a new
+#               empty directory, then again in a second process on those caches (warm), each
+#               model in its own processes, COLD_REPEATS times (default 1); COLD_WARM_ARGS
+#               (e.g. "--cprofile 40") go to the warm runs: first compiled step split into
 #               SYRK autotune, Triton compiles, Dynamo and Inductor
 #   nsgraph     ns_graph_probe.py: eager NS per call vs torch.optim.Muon's, with graph replay
 #   parity      the training demo for 20 steps on 1 GPU and on all GPUs, compared step by step
@@ -90,11 +92,19 @@ for stage in $STAGES; do
       python3 benchmarks/plot_scaling.py "$WORK"/scale_${model}_*gpu.json --out "$WORK/scaling_$model.md" \
         --png "$WORK/scaling_$model.png" 2>&1 | tee -a "$log" ;;
     cold)
-      C=$(mktemp -d)
-      for phase in cold warm; do
-        DMUON_CACHE_DIR=$C/d TRITON_CACHE_DIR=$C/t TORCHINDUCTOR_CACHE_DIR=$C/i timeout ${COLD_TIMEOUT:-200} \
-          python3 benchmarks/cold_compile.py --model S M --out "$WORK/$phase.md" 2>&1 | quiet > "$WORK/$phase.log"
-        echo "== $phase"; grep -E "^\| |per key" "$WORK/$phase.md"
+      # One process per model and phase (a model's first step must not ride on another's warm
+      # torch), COLD_REPEATS times, each repeat with its own empty caches.
+      for rep in $(seq ${COLD_REPEATS:-1}); do
+        for m in ${COLD_MODELS:-S M}; do
+          C=$(mktemp -d)
+          for phase in cold warm; do
+            extra=""; [ "$phase" = warm ] && extra=${COLD_WARM_ARGS:-}
+            DMUON_CACHE_DIR=$C/d TRITON_CACHE_DIR=$C/t TORCHINDUCTOR_CACHE_DIR=$C/i timeout ${COLD_TIMEOUT:-120} \
+              python3 benchmarks/cold_compile.py --model "$m" $extra --out "$WORK/${phase}_${m}_$rep.md" \
+              2>&1 | quiet > "$WORK/${phase}_${m}_$rep.log"
+            echo "== $phase $m repeat $rep (rc=$?)"; grep -E "^\| [SM] |per key" "$WORK/${phase}_${m}_$rep.md"
+          done
+        done
       done 2>&1 | tee "$log" ;;
     nsgraph)
       timeout $T python3 benchmarks/ns_graph_probe.py 2>&1 | quiet | tee "$log" ;;

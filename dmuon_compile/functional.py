@@ -4,11 +4,11 @@
 meshes or owners; ``Muon`` (``optimizer.py``) gathers the lists and calls them. As in
 ``torch.optim``'s functional core (``torch/optim/adam.py``: one public function, a per-tensor
 and a ``foreach`` body), the Muon step is written once: the eager step calls
-:func:`muon_update` with float hyper-parameters (``foreach`` ops), a user-compiled
-``opt.step`` traces it, and the compiled step (``compiled_step.CompiledMuonStep``) is
-``torch.compile`` of it with 0-d tensor hyper-parameters (per-tensor ops, one graph). The two
-bodies of a sub-step differ only where the math is identical (``foreach`` ops take no tensor
-``alpha``); each says so where it branches.
+:func:`muon_update` with float hyper-parameters, a user-compiled ``opt.step`` traces it, and
+the compiled step (``compiled_step.CompiledMuonStep``) is ``torch.compile`` of it with 0-d
+tensor hyper-parameters (one graph). Both run ``foreach`` ops, so a traced step costs Dynamo a
+few calls per matrix, not one per operation; the bodies differ only where ``foreach`` ops take
+no tensor ``alpha``, and each says so where it branches.
 """
 
 from __future__ import annotations
@@ -66,23 +66,20 @@ def momentum_update(
 ) -> list[Tensor]:
     """buf ← μ·buf + g; returns g + μ·buf (Nesterov) or buf. Updates ``bufs`` in place.
 
-    A float ``momentum`` runs ``foreach`` ops (eager speed); a tensor one (the compiled step's
-    0-d hyper-parameter) the same math one tensor at a time: ``foreach`` ops take no tensor
-    ``alpha``, and Inductor fuses the per-tensor ops anyway.
+    ``foreach`` ops for a float ``momentum`` (eager) and a 0-d tensor one (traced: the
+    ``Tensor`` overloads; one traced call per list, not per matrix, which keeps Dynamo's trace
+    of a many-matrix step short). The same math: ``alpha`` takes no tensor, so the traced
+    Nesterov term is a separate multiply, as Inductor fuses it anyway.
     """
     if not grads:
         return []
-    if isinstance(momentum, Tensor):
-        updates = []
-        for g, buf in zip(grads, bufs):
-            buf.mul_(momentum).add_(g)
-            updates.append(g + momentum * buf if nesterov else buf)
-        return updates
     torch._foreach_mul_(bufs, momentum)
     torch._foreach_add_(bufs, grads)
-    if nesterov:
-        return torch._foreach_add(grads, bufs, alpha=momentum)
-    return list(bufs)
+    if not nesterov:
+        return list(bufs)
+    if isinstance(momentum, Tensor):
+        return torch._foreach_add(grads, torch._foreach_mul(bufs, momentum))
+    return torch._foreach_add(grads, bufs, alpha=momentum)
 
 
 def shape_buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
@@ -113,7 +110,8 @@ def orthogonalize(
         else:
             results = ns(torch.stack(mats)).unbind(0)
         for i, r in zip(idx, results):
-            out[i] = r.reshape(updates[i].shape)
+            # 2-D parameters need no reshape (and a traced step skips a call per matrix).
+            out[i] = r if r.shape == updates[i].shape else r.reshape(updates[i].shape)
     return out  # type: ignore[return-value]
 
 
@@ -130,20 +128,41 @@ def apply_muon_update(
 
     Floats (eager) skip a zero decay and fold the step into ``add_``'s ``alpha``; tensors (the
     compiled step: no value may pick a branch, and ``alpha`` takes no tensor) always decay and
-    scale explicitly. The same math. ``matrix_shapes``: the whole matrices' shapes when
+    scale by a 0-d factor. The same math. ``matrix_shapes``: the whole matrices' shapes when
     ``params`` are shards of them (TP: the scale is the whole matrix's), else each param's own.
     """
     if matrix_shapes is None:
         matrix_shapes = [matrix_view(p).shape for p in params]
+    scales = [lr_scale(shape, adjust_lr_fn) for shape in matrix_shapes]
     if _traced(lr, weight_decay):
-        for p, o, shape in zip(params, ortho, matrix_shapes):
-            p.mul_(1.0 - lr * weight_decay)
-            p.sub_(o.to(p.dtype) * (lr * lr_scale(shape, adjust_lr_fn)))
+        _apply_traced(params, ortho, lr, weight_decay, scales)
         return
-    for p, o, shape in zip(params, ortho, matrix_shapes):
+    for p, o, scale in zip(params, ortho, scales):
         if weight_decay != 0.0:
             p.mul_(1.0 - lr * weight_decay)
-        p.add_(o.to(p.dtype), alpha=-lr * lr_scale(shape, adjust_lr_fn))
+        p.add_(o.to(p.dtype), alpha=-lr * scale)
+
+
+def _apply_traced(params, ortho, lr: Tensor, weight_decay: Tensor, scales: list[float]) -> None:
+    """``apply_muon_update`` while traced: ``foreach`` ops, one traced call per list or per
+    distinct scale (same-shape matrices share one), not several per matrix.
+
+    ``addcmul_`` computes W + O·(−lr·scale) in W's dtype: a half-precision O times a 0-d
+    factor would round the product to O's dtype first (0-d tensors do not promote).
+    """
+    if not params:
+        return
+    torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    by_scale: dict[float, list[int]] = {}
+    for i, scale in enumerate(scales):
+        by_scale.setdefault(scale, []).append(i)
+    for scale, idx in by_scale.items():
+        factor = -(lr * scale)
+        mine, theirs = [params[i] for i in idx], [ortho[i] for i in idx]
+        if isinstance(factor, Tensor):
+            torch._foreach_addcmul_(mine, theirs, [factor] * len(idx))
+        else:  # a float lr with a tensor weight decay
+            torch._foreach_add_(mine, theirs, alpha=factor)
 
 
 def muon_update(
