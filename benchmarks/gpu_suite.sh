@@ -7,6 +7,7 @@
 # (the autotune verdicts alone, small enough to always come back).
 #   STAGES="probe kernels gputests step_M" bash benchmarks/gpu_suite.sh           # 1 GPU
 #   STAGES="probe fsdp_S fsdp_M hsdp_S hsdp1x_S" bash benchmarks/gpu_suite.sh     # 2 GPUs
+# SUITE_DEADLINE=N starts no stage after N seconds (the archive is written in any case).
 # Stages:
 #   probe       nvidia-smi topology + NCCL bandwidth (benchmarks/nccl_probe.py, >= 2 GPUs)
 #   sweep       sweep_tiles.py --extra: every tile configuration vs cuBLAS on the NS products
@@ -44,8 +45,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton, dmuon_compile as d; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count(), 'GPUs'); print(d.get_ns_backend())"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 quiet() { grep -v "autotune candidate"; }
+suite_start=$(date +%s)
 for stage in $STAGES; do
   start=$(date +%s)
+  # SUITE_DEADLINE (s): start no stage after it, so the archive is still written inside the
+  # device call's limit.
+  if [ -n "${SUITE_DEADLINE:-}" ] && [ $(( start - suite_start )) -ge "$SUITE_DEADLINE" ]; then
+    echo "== $stage: skipped (SUITE_DEADLINE=${SUITE_DEADLINE}s reached)"; continue
+  fi
   model=${stage##*_}
   log="$WORK/$stage.log"
   case $stage in
