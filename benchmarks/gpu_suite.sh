@@ -34,8 +34,8 @@
 #               the 1-D configurations over 2 interleaved (--tp 2 --with-1d), profiled; HSDP 2×1
 #               against 1-D (TWO_GPU_HSDP_MODELS, default S); the demo's loss parity over 20
 #               steps, 1 GPU against 1-D over 2 and against --tp 2. Time limits (s):
-#               TWO_GPU_T_S 130, TWO_GPU_T_M 190, TWO_GPU_T_HSDP 90, TWO_GPU_T_PARITY 35 per run
-#               (sum 515). CPU dry run of the same commands: TWO_GPU_NGPU=2 TWO_GPU_BENCH_EXTRA=
+#               TWO_GPU_T_S 110, TWO_GPU_T_M 190, TWO_GPU_T_HSDP 80, TWO_GPU_T_PARITY 40 per demo
+#               run (sum 500; carry .gpu_cache from an earlier call: a cold compile of M is slow). CPU dry run of the same commands: TWO_GPU_NGPU=2 TWO_GPU_BENCH_EXTRA=
 #               "--quick --device cpu" TWO_GPU_DEMO_EXTRA="--device cpu --d-model 64 --layers 2"
 set -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
@@ -120,7 +120,7 @@ for stage in $STAGES; do
       else
         : >"$log"
         for m in ${TWO_GPU_MODELS:-S M}; do  # TP 2 and 1-D over 2: one process pair, interleaved
-          t=TWO_GPU_T_$m; t=${!t:-$([ "$m" = M ] && echo 190 || echo 130)}
+          t=TWO_GPU_T_$m; t=${!t:-$([ "$m" = M ] && echo 190 || echo 110)}
           echo "== two_gpu: model $m, tp 2 + 1-D (limit $t s)" | tee -a "$log"
           DMUON_RECORD_FORWARD_PROFILE=1 timeout "$t" torchrun --standalone --nproc_per_node 2 \
             benchmarks/bench_fsdp.py --model "$m" --tp 2 --configs ${TWO_GPU_CONFIGS:-adamw,ours_eager,ours_compiled} \
@@ -130,15 +130,15 @@ for stage in $STAGES; do
           echo "== two_gpu: model $m, tp 2 + 1-D: rc=${PIPESTATUS[0]}" | tee -a "$log"
         done
         for m in ${TWO_GPU_HSDP_MODELS:-S}; do  # HSDP 2×1 against the 1-D run, same process pair
-          echo "== two_gpu: model $m, HSDP 2x1 + 1-D (limit ${TWO_GPU_T_HSDP:-90} s)" | tee -a "$log"
-          DMUON_RECORD_FORWARD_PROFILE=1 timeout ${TWO_GPU_T_HSDP:-90} torchrun --standalone --nproc_per_node 2 \
+          echo "== two_gpu: model $m, HSDP 2x1 + 1-D (limit ${TWO_GPU_T_HSDP:-80} s)" | tee -a "$log"
+          DMUON_RECORD_FORWARD_PROFILE=1 timeout ${TWO_GPU_T_HSDP:-80} torchrun --standalone --nproc_per_node 2 \
             benchmarks/bench_fsdp.py --model "$m" --replicate 2 --configs adamw,ours_eager,ours_compiled \
             --with-1d ours_compiled --out "$WORK/two_gpu_hsdp2x1_$m.json" --profile "$WORK/prof" \
             ${TWO_GPU_BENCH_EXTRA:-} 2>&1 | quiet | tee -a "$log" \
             | grep -E "^mesh|^\| |^  |^HSDP|^FAILED|replicate broadcast|broadcasts issued"
           echo "== two_gpu: model $m, HSDP 2x1: rc=${PIPESTATUS[0]}" | tee -a "$log"
         done
-        P=${TWO_GPU_T_PARITY:-35}
+        P=${TWO_GPU_T_PARITY:-40}
         demo="-m dmuon_compile.train --device cuda --steps 20 --log-every 1 --eval-every 20 --no-progress ${TWO_GPU_DEMO_EXTRA:-}"
         timeout "$P" python3 $demo --out-dir "$WORK/two_gpu_parity_1gpu" >>"$log" 2>&1
         echo "== two_gpu: demo on 1 GPU: rc=$?" | tee -a "$log"
