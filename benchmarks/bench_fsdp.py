@@ -8,6 +8,9 @@ Launch with torchrun, one process per GPU (or CPU processes with gloo for a smok
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 1 --hsdp  # 1×2
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --replicate 2 \
         --with-1d ours_compiled
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --tp 2 \
+        --with-1d adamw,ours_compiled                                   # TP 2 and 1-D, one run
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu --tp 2
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --profile prof/  # + traces
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu --profile /tmp/prof
 
@@ -25,6 +28,19 @@ Configurations (all built up front, then run interleaved iteration by iteration)
 ``fully_shard(..., mesh=hsdp)``, ``dedicate_params(model, hsdp["shard"],
 replicate_mesh=hsdp["replicate"])``, the naive baseline gathers over the shard group. HSDP
 runs also report the replicate-stage profile when ``DMUON_RECORD_FORWARD_PROFILE=1`` is set.
+
+``--tp T`` runs every configuration on the mesh ``init_device_mesh(dev, (world // T, T),
+mesh_dim_names=("dp", "tp"))``: the attention and MLP projections column-parallel in
+(q/k/v, gate/up) and row-parallel out (o, down) by ``parallelize_module`` on ``mesh["tp"]``, as
+torchtitan's Llama; ``adamw`` is then FSDP2 over ``mesh["dp"]`` + AdamW on every weight, the
+``ours_*`` configurations dedicate the (TP-sharded) projections over ``mesh["dp"]`` first
+(Newton–Schulz once per whole matrix, on its TP owner). The ranks of a TP group read the same
+batch; ``naive_muon`` has no TP version. ``ours_eager_sync`` (the TP scatter applied inside
+``step()``) is added next to ``ours_eager``. With ``DMUON_RECORD_FORWARD_PROFILE=1`` the ours
+configurations report the TP stage's forward waits (``not_ready``: scatters the previous
+compute did not finish); ``--profile`` adds the TP scatter's hidden share under the next
+forward. ``--with-1d`` works with ``--tp`` too; each mesh's Muon tax is against its own AdamW
+(``1d_adamw`` for the ``1d_*`` configurations when it runs).
 
 Every run also reports ``back_to_back_ms``: blocks of iterations run back to back with one
 device sync per block and the inputs already on the device — how a training loop runs, and
@@ -112,13 +128,13 @@ class Block(nn.Module):
         b, t, d = x.shape
         h = self.attn_norm(x)
 
-        def split(y):
-            return y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        def split(y):  # -1: the local heads when q/k/v are column-parallel (--tp)
+            return y.view(b, t, -1, d // self.heads).transpose(1, 2)
 
         y = F.scaled_dot_product_attention(
             split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h)), is_causal=True
         )
-        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -136,6 +152,39 @@ class Stack(nn.Module):
 
 def is_proj(name, p):
     return name.endswith("_proj.weight")
+
+
+def tp_plan(layers):
+    """Megatron/torchtitan's Llama plan: q/k/v and gate/up column-parallel, o/down row-parallel
+    (one all-reduce after attention and one after the MLP); norms stay replicated over TP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(layers):
+        for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("o_proj", "down_proj"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def check_tp(tp, world, model, replicate=None, hsdp=False):
+    """``--tp`` against the world size and the model: the error names the fix (SystemExit)."""
+    if tp is None:
+        return
+    if tp < 1 or world % tp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise SystemExit(
+            f"--tp {tp}: must divide the world size {world} (dp = world / tp); "
+            f"use one of {divisors} or start a multiple of {tp} processes"
+        )
+    if replicate is not None or hsdp:
+        raise SystemExit("--tp runs on a (dp, tp) mesh: drop --replicate/--hsdp")
+    dim, ffn, _layers = MODELS[model]
+    heads = dim // (HEAD_DIM if model != "quick" else 16)
+    for what, n in (("attention heads", heads), ("the MLP width", ffn)):
+        if n % tp:
+            raise SystemExit(f"--tp {tp}: {what} of model {model} ({n}) do not split over {tp}")
 
 
 class NaiveMuon:
@@ -175,7 +224,10 @@ class NaiveMuon:
 
 
 def ns_floor_ms(dim, ffn, layers, world):
-    """§B floor: Gram NS (one restart, symmetric) where α ≥ 2, direct symmetric otherwise."""
+    """§B floor: Gram NS (one restart, symmetric) where α ≥ 2, direct symmetric otherwise.
+
+    The same with ``--tp``: NS runs once per whole matrix in the job (on its TP owner), so the
+    per-matrix work is divided over all ``world`` ranks, as on the 1-D mesh."""
     shapes = [(dim, dim)] * 4 + [(ffn, dim)] * 2 + [(dim, ffn)]
     total = 0.0
     for m, n in shapes * layers:
@@ -189,16 +241,22 @@ def ns_floor_ms(dim, ffn, layers, world):
 
 
 def build(config, args, meshes, device):
-    """``meshes = (fsdp_mesh, shard_mesh, replicate_mesh or None)``."""
+    """``meshes = (fsdp_mesh, shard_mesh, replicate_mesh or None, tp_mesh or None)``: with a TP
+    mesh the model is TP-parallelised first (``parallelize_module``), then dedicated over the
+    data-parallel mesh, then FSDP2 over it (the documented order)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh, shard_mesh, replicate_mesh = meshes
+    mesh, shard_mesh, replicate_mesh, tp_mesh = meshes
     config = config.removeprefix("1d_")  # the same configuration, built on the 1-D mesh given
     dim, ffn, layers = MODELS[args.model]
     head_dim = HEAD_DIM if args.model != "quick" else 16
     torch.manual_seed(0)
     with torch.device(device):
         model = Stack(dim, ffn, layers, head_dim)
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, tp_mesh, tp_plan(layers))
     cuda = device.type == "cuda"
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -298,11 +356,20 @@ def main(argv=None):
         help="use the 2-D HSDP mesh even with --replicate 1 (1×world)",
     )
     ap.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="T",
+        help="tensor parallel: mesh (world/T, T) named (dp, tp); attention and MLP projections "
+        "column/row-parallel, FSDP2 (and dedicate_params) over dp. T must divide the world",
+    )
+    ap.add_argument(
         "--with-1d",
         default="",
-        help="HSDP runs: also build these configurations (comma list, e.g. ours_compiled) on the "
-        "1-D mesh over all ranks, as 1d_<config>, interleaved in the same run; reports "
-        "vs_1d = back-to-back iteration / the 1-D one",
+        help="HSDP and --tp runs: also build these configurations (comma list, e.g. "
+        "adamw,ours_compiled) on the 1-D mesh over all ranks, as 1d_<config>, interleaved in the "
+        "same run; reports vs_1d = back-to-back iteration / the 1-D one (1d_<config>'s Muon tax "
+        "is against 1d_adamw when that runs too)",
     )
     ap.add_argument(
         "--profile",
@@ -345,25 +412,40 @@ def main(argv=None):
     replicas = args.replicate or 1
     if replicas < 1 or world % replicas:
         raise SystemExit(f"--replicate {replicas}: must divide the world size {world}")
-    if hsdp:
+    check_tp(args.tp, world, args.model, args.replicate, args.hsdp)  # same verdict on every rank
+    tp = args.tp
+    dp_rank = rank  # ranks of one TP group read the same batch
+    if tp is not None:
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        meshes = (mesh["dp"], mesh["dp"], None, mesh["tp"])
+        dp_rank = mesh["dp"].get_local_rank()
+    elif hsdp:
         mesh = init_device_mesh(
             device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
         )
-        meshes = (mesh, mesh["shard"], mesh["replicate"])
+        meshes = (mesh, mesh["shard"], mesh["replicate"], None)
     else:
         mesh = init_device_mesh(device.type, (world,))
-        meshes = (mesh, mesh, None)
+        meshes = (mesh, mesh, None, None)
     configs = [c for c in args.configs.split(",") if c]
-    if hsdp and replicas > 1 and "ours_eager" in configs and "ours_eager_sync" not in configs:
+    if (
+        (hsdp and replicas > 1 or tp is not None)
+        and "ours_eager" in configs
+        and "ours_eager_sync" not in configs
+    ):  # the control of the async publish / TP scatter: the same step, applied inside step()
         configs.insert(configs.index("ours_eager") + 1, "ours_eager_sync")
     with_1d = [c for c in args.with_1d.split(",") if c]
-    if with_1d and not hsdp:
+    if with_1d and not (hsdp or tp is not None):
         raise SystemExit(
-            "--with-1d compares an HSDP mesh with the 1-D one: add --replicate R (or --hsdp)"
+            "--with-1d compares an HSDP or TP mesh with the 1-D one: add --replicate R (or "
+            "--hsdp) or --tp T"
         )
     mesh_1d = init_device_mesh(device.type, (world,)) if with_1d else None
     configs += [f"1d_{c}" for c in with_1d]
     skipped = {}
+    if tp is not None and "naive_muon" in configs:  # it all-gathers FSDP2 shards: no TP version
+        configs.remove("naive_muon")
+        skipped["naive_muon"] = "no TP version (1-D and HSDP only; use --with-1d naive_muon)"
     cpu_skip = device.type != "cuda" and not args.cpu_compile
     for c in ("ours_compiled", "1d_ours_compiled"):
         if c in configs and (cpu_skip or "compile" not in inspect.signature(dmuon.Muon).parameters):
@@ -381,13 +463,13 @@ def main(argv=None):
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         try:
             built[c] = build(
-                c, args, (mesh_1d, mesh_1d, None) if c.startswith("1d_") else meshes, device
+                c, args, (mesh_1d, mesh_1d, None, None) if c.startswith("1d_") else meshes, device
             )
         except Exception as exc:  # noqa: BLE001 - one broken configuration must not sink the run
             built[c] = None
             errors[c] = f"build: {type(exc).__name__}: {exc}"
         resident[c] = before
-    gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    gen = torch.Generator(device="cpu").manual_seed(1234 + dp_rank)
     times = {c: {"iter": [], "step": [], "peak": []} for c in configs}
 
     def run(c, timed):
@@ -454,6 +536,17 @@ def main(argv=None):
 
     replicate_info = {}  # read before profiling, so the counters cover the timed runs only
     for c in configs:
+        if c.startswith("ours") and tp is not None:
+            plan = dmuon.summarize_comm_plan(built[c][0]).get("tp") or {}
+            keep = {k: v for k, v in plan.items() if k not in ("matrices", "scatter_async")}
+            # the configuration's choice: the scatter left in flight for the next forward or not
+            keep["replicate_async"] = bool(built[c][1].replicate_async)
+            replicate_info[c] = {"tp_plan": keep}
+            prof = dmuon.collect_forward_unshard_profile(built[c][0], synchronize=True)
+            if prof.get("enabled") and "tp" in prof:
+                # forward waits that applied a pending update scatter, and how many of them
+                # found it unfinished (the part the previous compute did not hide)
+                replicate_info[c]["tp_profile"] = prof["tp"]
         if c.startswith("ours") and hsdp:
             plan = dmuon.summarize_comm_plan(built[c][0]).get("replicate")
             if plan and plan.get("active"):
@@ -475,7 +568,13 @@ def main(argv=None):
             else list(configs)
         )
         save = {c for c in args.save_traces.split(",") if c}
-        mesh_tag = f"hsdp{replicas}x{world // replicas}" if hsdp else f"fsdp{world}"
+        mesh_tag = (
+            f"dp{world // tp}tp{tp}"
+            if tp is not None
+            else f"hsdp{replicas}x{world // replicas}"
+            if hsdp
+            else f"fsdp{world}"
+        )
         if rank == 0:
             os.makedirs(args.profile, exist_ok=True)
             for c in wanted:
@@ -550,28 +649,33 @@ def main(argv=None):
             worst = profiles[c].get("exposed_fraction_max_over_ranks")
             results[c]["exposed_comm_pct"] = worst * 100 if worst is not None else None
             results[c]["profile"] = profiles[c]
-    base = results.get("adamw", {}).get("iter_ms")
-    base_b2b = results.get("adamw", {}).get("back_to_back_ms")
     for c, r in results.items():
+        # Each mesh's configurations against that mesh's AdamW (1d_adamw when it ran).
+        ref = "1d_adamw" if c.startswith("1d_") and "1d_adamw" in results else "adamw"
+        base = results.get(ref, {}).get("iter_ms")
+        base_b2b = results.get(ref, {}).get("back_to_back_ms")
+        r["tax_against"] = ref if base else None
         r["muon_tax"] = r["iter_ms"] / base - 1 if base else None
-        r["over_floor"] = (r["iter_ms"] - base) / floor if base and c != "adamw" else None
+        r["over_floor"] = (r["iter_ms"] - base) / floor if base and c != ref else None
         b2b = r.get("back_to_back_ms")
         r["b2b_muon_tax"] = b2b / base_b2b - 1 if base_b2b and b2b else None
-        r["b2b_over_floor"] = (
-            (b2b - base_b2b) / floor if base_b2b and b2b and c != "adamw" else None
-        )
+        r["b2b_over_floor"] = (b2b - base_b2b) / floor if base_b2b and b2b and c != ref else None
         one_d = results.get(f"1d_{c}", {}).get("back_to_back_ms")
         if one_d and b2b:
-            r["vs_1d"] = b2b / one_d  # same model and tokens per GPU, HSDP mesh / 1-D mesh
+            r["vs_1d"] = b2b / one_d  # same model and tokens per GPU, HSDP/TP mesh / 1-D mesh
     report = {
         "model": args.model,
         "dims": MODELS[args.model],
         "world_size": world,
         "device": str(device),
-        "mesh": {"replicate": replicas, "shard": world // replicas} if hsdp else {"shard": world},
+        "mesh": {"dp": world // tp, "tp": tp}
+        if tp is not None
+        else {"replicate": replicas, "shard": world // replicas}
+        if hsdp
+        else {"shard": world},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "tokens_per_rank": batch * seq,
+        "tokens_per_rank": batch * seq,  # with --tp: per TP group (its ranks share the batch)
         "iters": iters,
         "warmup": warmup,
         "ns_floor_ms": floor,
@@ -584,8 +688,14 @@ def main(argv=None):
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     if rank == 0:
-        shape = f"HSDP {replicas}×{world // replicas}" if hsdp else f"1-D FSDP over {world}"
-        print(f"mesh: {shape}")
+        shape = (
+            f"dp {world // tp} × tp {tp}"
+            if tp is not None
+            else f"HSDP {replicas}×{world // replicas}"
+            if hsdp
+            else f"1-D FSDP over {world}"
+        )
+        print(f"mesh: {shape}" + (" (1d_*: 1-D FSDP over all ranks)" if with_1d else ""))
         print(
             "| config | iter ms | step ms | back-to-back ms | exposed comm % | peak GiB "
             "| Muon tax | "
@@ -610,6 +720,10 @@ def main(argv=None):
             )
             if "replicate_profile" in r:
                 print(f"  {c} replicate stage: {json.dumps(r['replicate_profile'])}")
+            if "tp_plan" in r:
+                print(f"  {c} TP stage: {json.dumps(r['tp_plan'])}")
+            if "tp_profile" in r:
+                print(f"  {c} TP scatter waits at forward: {json.dumps(r['tp_profile'])}")
         for c, prof in profiles.items():
             print(f"profile {c} (rank 0, {args.profile_iters} back-to-back iterations):")
             if "error" in prof:
@@ -619,7 +733,7 @@ def main(argv=None):
             if prof.get("trace_file"):
                 print(f"- trace: {prof['trace_file']}")
         for c, r in results.items():
-            if c != "adamw":
+            if c not in ("adamw", "1d_adamw"):
                 planned = r.get("planned_balance", {}).get("ns_max_over_mean")
                 planned = f", planned NS max/mean {planned:.3f}" if planned is not None else ""
                 print(
@@ -631,10 +745,22 @@ def main(argv=None):
         for c, r in results.items():
             if "vs_1d" in r:
                 print(
-                    f"HSDP vs 1-D, {c}: back-to-back {r['back_to_back_ms']:.2f} / "
-                    f"{results['1d_' + c]['back_to_back_ms']:.2f} ms = {r['vs_1d']:.3f}x "
-                    "(target <= 1.03x)"
+                    f"{'TP' if tp is not None else 'HSDP'} vs 1-D, {c}: back-to-back "
+                    f"{r['back_to_back_ms']:.2f} / {results['1d_' + c]['back_to_back_ms']:.2f} ms "
+                    f"= {r['vs_1d']:.3f}x" + ("" if tp is not None else " (target <= 1.03x)")
                 )
+        if tp is not None:
+            for c, r in results.items():
+                if c.startswith("ours") and r.get("over_floor") is not None:
+                    scatter = r.get("profile", {}).get("tp_scatter_hidden_fraction")
+                    hidden = f"{scatter * 100:.1f}%" if scatter is not None else "-"
+                    b2b = r.get("b2b_over_floor")
+                    b2b = f"{b2b:.2f}" if b2b is not None else "-"
+                    print(
+                        f"TP {tp}, {c}: Muon tax / NS floor {r['over_floor']:.2f} (back to back "
+                        f"{b2b}; target <= 1.3), TP scatter hidden under the next forward "
+                        f"{hidden} (target >= 90% with replicate_async=True)"
+                    )
         for c, why in skipped.items():
             print(f"skipped {c}: {why}")
         for c, why in errors.items():

@@ -32,6 +32,14 @@
 #   nsgraph     ns_graph_probe.py: eager NS per call vs torch.optim.Muon's, with graph replay
 #   parity      the training demo for 20 steps on 1 GPU and on all GPUs, compared step by step
 #               (benchmarks/loss_parity.py)
+#   two_gpu     the two-GPU issue on GPUs 0 and 1 (refused with fewer than 2): per model
+#               (TWO_GPU_MODELS, default "S M") one bench_fsdp.py run with TP 2 (dp 1 × tp 2) and
+#               the 1-D configurations over 2 interleaved (--tp 2 --with-1d), profiled; HSDP 2×1
+#               against 1-D (TWO_GPU_HSDP_MODELS, default S); the demo's loss parity over 20
+#               steps, 1 GPU against 1-D over 2 and against --tp 2. Time limits (s):
+#               TWO_GPU_T_S 110, TWO_GPU_T_M 190, TWO_GPU_T_HSDP 80, TWO_GPU_T_PARITY 40 per demo
+#               run (sum 500; carry .gpu_cache from an earlier call: a cold compile of M is slow). CPU dry run of the same commands: TWO_GPU_NGPU=2 TWO_GPU_BENCH_EXTRA=
+#               "--quick --device cpu" TWO_GPU_DEMO_EXTRA="--device cpu --d-model 64 --layers 2"
 set -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
 WORK=${WORK:-$(mktemp -d)}
@@ -122,6 +130,46 @@ for stage in $STAGES; do
         --log-every 1 --eval-every 20 --no-progress --out-dir "$WORK/parity_${ngpu}gpu" >> "$log" 2>&1
       python3 benchmarks/loss_parity.py "$WORK/parity_1gpu/log.csv" "$WORK/parity_${ngpu}gpu/log.csv" \
         --rtol ${PARITY_RTOL:-2e-2} 2>&1 | tee -a "$log" | tail -8 ;;
+    two_gpu)
+      if [ "${TWO_GPU_NGPU:-$ngpu}" -lt 2 ]; then
+        echo "two_gpu: needs 2 GPUs, this machine has $ngpu: run it on a 2-GPU machine" | tee "$log"
+        (exit 2)
+      else
+        : >"$log"
+        for m in ${TWO_GPU_MODELS:-S M}; do  # TP 2 and 1-D over 2: one process pair, interleaved
+          t=TWO_GPU_T_$m; t=${!t:-$([ "$m" = M ] && echo 190 || echo 110)}
+          echo "== two_gpu: model $m, tp 2 + 1-D (limit $t s)" | tee -a "$log"
+          DMUON_RECORD_FORWARD_PROFILE=1 timeout "$t" torchrun --standalone --nproc_per_node 2 \
+            benchmarks/bench_fsdp.py --model "$m" --tp 2 --configs ${TWO_GPU_CONFIGS:-adamw,ours_eager,ours_compiled} \
+            --with-1d ${TWO_GPU_CONFIGS:-adamw,ours_eager,ours_compiled} --out "$WORK/two_gpu_tp2_$m.json" \
+            --profile "$WORK/prof" ${TWO_GPU_BENCH_EXTRA:-} 2>&1 | quiet | tee -a "$log" \
+            | grep -E "^mesh|^\| |^  |^TP|^balance|^FAILED|^skipped|exposed|hidden"
+          echo "== two_gpu: model $m, tp 2 + 1-D: rc=${PIPESTATUS[0]}" | tee -a "$log"
+        done
+        for m in ${TWO_GPU_HSDP_MODELS:-S}; do  # HSDP 2×1 against the 1-D run, same process pair
+          echo "== two_gpu: model $m, HSDP 2x1 + 1-D (limit ${TWO_GPU_T_HSDP:-80} s)" | tee -a "$log"
+          DMUON_RECORD_FORWARD_PROFILE=1 timeout ${TWO_GPU_T_HSDP:-80} torchrun --standalone --nproc_per_node 2 \
+            benchmarks/bench_fsdp.py --model "$m" --replicate 2 --configs adamw,ours_eager,ours_compiled \
+            --with-1d ours_compiled --out "$WORK/two_gpu_hsdp2x1_$m.json" --profile "$WORK/prof" \
+            ${TWO_GPU_BENCH_EXTRA:-} 2>&1 | quiet | tee -a "$log" \
+            | grep -E "^mesh|^\| |^  |^HSDP|^FAILED|replicate broadcast|broadcasts issued"
+          echo "== two_gpu: model $m, HSDP 2x1: rc=${PIPESTATUS[0]}" | tee -a "$log"
+        done
+        P=${TWO_GPU_T_PARITY:-40}
+        demo="-m dmuon_compile.train --device cuda --steps 20 --log-every 1 --eval-every 20 --no-progress ${TWO_GPU_DEMO_EXTRA:-}"
+        timeout "$P" python3 $demo --out-dir "$WORK/two_gpu_parity_1gpu" >>"$log" 2>&1
+        echo "== two_gpu: demo on 1 GPU: rc=$?" | tee -a "$log"
+        for run in 1d tp2; do
+          flag=; [ $run = tp2 ] && flag="--tp 2"
+          timeout "$P" torchrun --standalone --nproc_per_node 2 $demo $flag --out-dir "$WORK/two_gpu_parity_$run" >>"$log" 2>&1
+          echo "== two_gpu: demo on 2 GPUs ($run): rc=$?" | tee -a "$log"
+        done
+        for run in 1d tp2; do
+          echo "== two_gpu: loss parity, 2 GPUs ($run) against 1 GPU" | tee -a "$log"
+          python3 benchmarks/loss_parity.py "$WORK/two_gpu_parity_1gpu/log.csv" "$WORK/two_gpu_parity_$run/log.csv" \
+            --rtol ${PARITY_RTOL:-2e-2} 2>&1 | tee -a "$log" | tail -1
+        done
+      fi ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: rc=$? in $(( $(date +%s) - start )) s"

@@ -7,6 +7,10 @@ should follow the same loss curve up to the numerics of the NS kernels and reduc
     python -m dmuon_compile.train --steps 20 --log-every 1 --out-dir ref                # 1 GPU
     torchrun --nproc_per_node 8 -m dmuon_compile.train --steps 20 --log-every 1 --out-dir run8
     python benchmarks/loss_parity.py ref/log.csv run8/log.csv --rtol 2e-2
+    torchrun --nproc_per_node 2 -m dmuon_compile.train --tp 2 --steps 20 --log-every 1 --out-dir tp2
+    python benchmarks/loss_parity.py ref/log.csv tp2/log.csv --rtol 2e-2     # tensor parallel
+
+A log of ``--optimizer both`` holds two curves: pick one with ``--optimizer``.
 
 Prints one line per step and the largest relative difference; exits 1 if it exceeds
 ``--rtol`` or the two logs do not cover the same steps, 2 on unreadable input.
@@ -21,14 +25,22 @@ import sys
 from pathlib import Path
 
 
-def train_losses(path: Path) -> dict[int, float]:
-    """``{step: train_loss}`` from a demo ``log.csv`` (rows without a train loss are skipped)."""
+def train_losses(path: Path, optimizer: str | None = None) -> dict[int, float]:
+    """``{step: train_loss}`` from a demo ``log.csv`` (rows without a train loss are skipped),
+    of ``optimizer``'s rows; without one the log must hold a single optimizer's curve."""
     with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))
     if not rows or "train_loss" not in rows[0] or "step" not in rows[0]:
         raise ValueError(
             f"{path}: not a training-demo log.csv (needs 'step' and 'train_loss' columns)"
         )
+    names = sorted({r.get("optimizer") or "" for r in rows})
+    if optimizer is not None:
+        rows = [r for r in rows if r.get("optimizer") == optimizer]
+        if not rows:
+            raise ValueError(f"{path}: no rows of optimizer {optimizer!r} (it holds {names})")
+    elif len(names) > 1:  # two curves on the same steps: one would silently replace the other
+        raise ValueError(f"{path}: holds the runs of {names}; pick one with --optimizer")
     return {int(r["step"]): float(r["train_loss"]) for r in rows if r["train_loss"]}
 
 
@@ -54,9 +66,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--rtol", type=float, default=2e-2, help="largest allowed relative loss difference"
     )
+    parser.add_argument(
+        "--optimizer", default=None, help="compare this optimizer's rows (logs of --optimizer both)"
+    )
     args = parser.parse_args(argv)
     try:
-        reference, other = train_losses(args.reference), train_losses(args.other)
+        reference = train_losses(args.reference, args.optimizer)
+        other = train_losses(args.other, args.optimizer)
     except (OSError, ValueError) as exc:
         print(f"loss_parity: {exc}", file=sys.stderr)
         return 2

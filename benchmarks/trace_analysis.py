@@ -33,7 +33,16 @@ import json
 from collections import defaultdict
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "other")
+COMM_KINDS = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "other",
+)
 CATEGORIES = ("gemm", "triton", "nccl", "attention", "elementwise_other", "memcpy_memset")
 TOP_KERNELS = 15
 NAME_CHARS = 160  # kernel names (demangled templates) can run to kilobytes
@@ -122,6 +131,12 @@ def comm_kind(name: str, collective: str | None = None) -> str:
             return "broadcast"
         if "reduce" in t:
             return "reduce"
+        # c10d's gather/scatter (the TP stage's) run as NCCL send/recv: only the profiler's
+        # collective name tells them apart, the kernel name (SendRecv) does not.
+        if "gather" in t:
+            return "gather"
+        if "scatter" in t:
+            return "scatter"
     return "other"
 
 
@@ -376,6 +391,12 @@ def summarize(path_or_dict, iterations: int = 1, device=None) -> dict:
         else None,
         "gpu_idle_ms_per_iter": per(gpu_idle_us(records)) if records else 0.0,
         "replicate_broadcast_hidden_fraction": _hidden(records, "broadcast", group="replicate"),
+        # TP stage: the gather of Muon inputs runs inside step(); the update scatter of every
+        # step but the last can hide under the next forward (the last one has none after it).
+        "tp_gather_hidden_fraction": _hidden(records, "gather"),
+        "tp_scatter_hidden_fraction": _hidden(before_last, "scatter")
+        if last_step is not None
+        else None,
         "breakdown_ms_per_iter": {c: v / n for c, v in bd["ms"].items()},
         "gpu_ms_per_iter": bd["total_ms"] / n,
         "top_kernels": [dict(e, ms_per_iter=e["ms"] / n) for e in bd["top_kernels"]],
@@ -420,6 +441,12 @@ def format_summary(summary: dict, top: int = 5) -> list[str]:
         lines.append(
             f"- replicate broadcast hidden under compute: "
             f"{_pct(summary['replicate_broadcast_hidden_fraction'])}"
+        )
+    if summary.get("tp_scatter_hidden_fraction") is not None:
+        lines.append(
+            f"- TP scatter issued before the last step (a next forward follows it): "
+            f"{_pct(summary['tp_scatter_hidden_fraction'])} hidden under compute; TP gather "
+            f"{_pct(summary.get('tp_gather_hidden_fraction'))}"
         )
     cats = " | ".join(f"{c} {v:.3f}" for c, v in summary["breakdown_ms_per_iter"].items() if v > 0)
     lines.append(

@@ -4,6 +4,7 @@ Examples::
 
     python -m dmuon_compile.train                                  # one process, Muon
     torchrun --nproc_per_node 2 -m dmuon_compile.train             # 2 ranks, gloo/CPU or NCCL/GPU
+    torchrun --nproc_per_node 2 -m dmuon_compile.train --tp 2      # tensor parallel over the 2
     python -m dmuon_compile.train --optimizer both --steps 200     # Muon vs AdamW, same data/init
 """
 
@@ -22,6 +23,7 @@ from dmuon_compile.train import checkpointing, runtime
 from dmuon_compile.train.data import DEFAULT_VAL_FRACTION, load_corpus
 from dmuon_compile.train.loop import OPTIMIZERS, TrainConfig, train_one
 from dmuon_compile.train.metrics import CsvLog, plot_losses
+from dmuon_compile.train.model import GPTConfig
 
 DEFAULTS = TrainConfig()
 
@@ -139,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(its newest step); any number of processes. The CSV log of that run continues",
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor parallel over T processes (T must divide them): mesh (processes/T, T) "
+        "named (dp, tp), attention and MLP projections column-/row-parallel (parallelize_module),"
+        " then dedicate_params and FSDP2 over dp; the ranks of a TP group share a batch slice",
+    )
+    p.add_argument(
         "--no-dedicate",
         action="store_true",
         help="with several processes, keep the *_proj matrices whole on every rank and "
@@ -178,11 +189,27 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_si
         )
     if (args.d_model // args.heads) % 2:
         parser.error(f"head size --d-model/--heads = {args.d_model // args.heads} must be even")
-    if args.batch_size % world_size:
-        lo = max(world_size, args.batch_size // world_size * world_size)
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1, got {args.tp}")
+    if world_size % args.tp:
         parser.error(
-            f"--batch-size {args.batch_size} is not divisible by the world size {world_size} "
-            f"(processes); use a multiple of {world_size}, e.g. --batch-size {lo}"
+            f"--tp {args.tp} does not divide the {world_size} process(es); start a multiple of "
+            f"{args.tp} processes (torchrun --nproc_per_node {args.tp}) or change --tp"
+        )
+    if args.tp > 1:
+        hidden = GPTConfig(d_model=args.d_model, heads=args.heads).mlp_hidden
+        for what, n in (("--heads", args.heads), ("the MLP width", hidden)):
+            if n % args.tp:
+                parser.error(f"--tp {args.tp}: {what} ({n}) must be a multiple of {args.tp}")
+        if args.no_dedicate:
+            parser.error("--no-dedicate has no TP version: drop --tp or --no-dedicate")
+    dp = world_size // args.tp  # data-parallel ranks: the batch splits over these
+    if args.batch_size % dp:
+        lo = max(dp, args.batch_size // dp * dp)
+        what = f"the world size {dp} (processes)" if args.tp == 1 else f"dp = processes/--tp = {dp}"
+        parser.error(
+            f"--batch-size {args.batch_size} is not divisible by {what}; "
+            f"use a multiple of {dp}, e.g. --batch-size {lo}"
         )
     if args.corpus_dir is not None and not args.corpus_dir.is_dir():
         parser.error(f"--corpus-dir {args.corpus_dir} is not a directory")
@@ -251,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
 
     try:
-        env = runtime.setup(args.device)
+        env = runtime.setup(args.device, tp=args.tp)
     except ValueError as exc:  # e.g. more processes per node than GPUs
         parser.error(str(exc))
     try:
@@ -299,6 +326,7 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
     summary = {
         "out_dir": str(out_dir) if out_dir is not None else None,
         "world_size": env.world_size,
+        "tp": env.tp,
         "device": str(env.device),
         "config": vars(cfg),
         "runs": [

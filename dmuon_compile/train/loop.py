@@ -170,15 +170,15 @@ def train_one(
     opt = build_optimizer(name, model, cfg, env.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps))
     train = WindowSampler(
-        corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed, env.rank, env.world_size
+        corpus.train, cfg.seq_len, cfg.batch_size, cfg.seed, env.dp_rank, env.dp_size
     )
     val = WindowSampler(
         corpus.val,
         cfg.seq_len,
         cfg.batch_size,
         cfg.seed + VAL_SEED_OFFSET,
-        env.rank,
-        env.world_size,
+        env.dp_rank,
+        env.dp_size,
     )
     comm_kind, comm_note = runtime.comm_source(wrapped)
     result = RunResult(name, wrapped.mode, comm_kind=comm_kind, comm_note=comm_note)
@@ -223,11 +223,11 @@ def train_one(
             save=save,
         )
     except KeyboardInterrupt:
-        if wrapped.mode == runtime.DEDICATED:
+        if wrapped.dedicated:
             dmuon.wait_all_replicate_broadcasts(model)  # drain in-flight collectives, then stop
         raise
     result.comm_profile = runtime.runtime_comm_profile(wrapped)
-    if wrapped.mode == runtime.DEDICATED:
+    if wrapped.dedicated:
         dmuon.wait_all_replicate_broadcasts(model)  # nothing left in flight before teardown
     return result
 

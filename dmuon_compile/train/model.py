@@ -74,12 +74,12 @@ class Attention(nn.Module):
         b, t, d = x.shape
         h = self.heads
 
-        def split(z: Tensor) -> Tensor:
-            return z.view(b, t, h, d // h).transpose(1, 2)
+        def split(z: Tensor) -> Tensor:  # -1: the local heads when q/k/v are column-parallel
+            return z.view(b, t, -1, d // h).transpose(1, 2)
 
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):

@@ -15,6 +15,12 @@ the process group when there is more than one process.
   one flat all-reduce after backward (:meth:`Wrapped.sync_grads`), so ``Muon`` still sees
   whole matrices;
 - ``adamw``: plain FSDP2 on every parameter (the standard baseline).
+
+With ``--tp T`` the processes form the mesh ``(world / T, T)`` named ``("dp", "tp")``; every
+block's attention and MLP projections are made column-parallel in (q/k/v, gate/up) and
+row-parallel out (o, down) by ``parallelize_module`` on ``mesh["tp"]`` (:func:`tp_plan`) before
+anything else, then ``dedicate_params`` and ``fully_shard`` run over ``mesh["dp"]``. The ranks
+of one TP group read the same rows of the global batch (:attr:`DistEnv.dp_rank`).
 """
 
 from __future__ import annotations
@@ -45,11 +51,23 @@ class DistEnv:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
-    mesh: object = None
+    mesh: object = None  # the data-parallel mesh (FSDP2 and dedicate_params)
+    tp: int = 1
+    tp_mesh: object = None
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads its own slice of the global batch."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's slice of the batch: the same on every rank of one TP group."""
+        return self.mesh.get_local_rank() if self.tp > 1 else self.rank
 
     @property
     def is_main(self) -> bool:
@@ -58,7 +76,8 @@ class DistEnv:
     def describe(self) -> str:
         if not self.distributed:
             return f"1 process on {self.device}"
-        return f"{self.world_size} processes ({self.backend}) on {self.device.type}"
+        tp = f", dp {self.dp_size} × tp {self.tp}" if self.tp > 1 else ""
+        return f"{self.world_size} processes ({self.backend}) on {self.device.type}{tp}"
 
 
 def env_world_size() -> int:
@@ -89,15 +108,22 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def setup(requested_device: str = "auto") -> DistEnv:
-    """Start the process group if launched with several processes; return the environment."""
+def setup(requested_device: str = "auto", tp: int = 1) -> DistEnv:
+    """Start the process group if launched with several processes; return the environment.
+
+    ``tp`` > 1 (it must divide the world size) builds the ``("dp", "tp")`` mesh."""
     world = env_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(requested_device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    env = DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    if tp < 1 or world % tp:
+        raise ValueError(
+            f"--tp {tp} must divide the number of processes ({world}); "
+            f"start a multiple of {tp} processes (torchrun --nproc_per_node)"
+        )
+    env = DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, tp=tp)
     if world > 1:
         env.backend = "nccl" if device.type == "cuda" else "gloo"
         if not dist.is_initialized():
@@ -105,7 +131,11 @@ def setup(requested_device: str = "auto") -> DistEnv:
             dist.init_process_group(env.backend, **kwargs)
         from torch.distributed.device_mesh import init_device_mesh
 
-        env.mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+        if tp > 1:
+            mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+            env.mesh, env.tp_mesh = mesh["dp"], mesh["tp"]
+        else:
+            env.mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     return env
 
 
@@ -131,6 +161,7 @@ class Wrapped:
     mode: str
     replicated: list[nn.Parameter] = field(default_factory=list)
     world_size: int = 1
+    dedicated: bool = False  # dedicate_params ran (its runtime has profiles and broadcasts)
 
     @property
     def has_explicit_comm(self) -> bool:
@@ -170,6 +201,20 @@ def _fully_shard(model: nn.Module, mesh, ignored: set | None = None) -> None:
     fully_shard(model, **kwargs)
 
 
+def tp_plan(model: nn.Module) -> dict:
+    """The demo's TP plan (torchtitan's for Llama): q/k/v and gate/up column-parallel, o/down
+    row-parallel; embeddings, norms and the head stay replicated over TP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(len(model.blocks)):
+        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.o_proj", "mlp.down_proj"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
 def _dedicate(model: nn.Module, mesh) -> None:
     """The one call into the distributed runtime: dedicate every ``*_proj.weight``.
 
@@ -188,13 +233,21 @@ def parallelize(model: nn.Module, env: DistEnv, optimizer: str, dedicate: bool =
     """
     if not env.distributed:
         return Wrapped(model, "single process")
+    tp = ""
+    if env.tp > 1:  # TP first, then dedicate_params and fully_shard over the dp mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if not dedicate and optimizer != "adamw":
+            raise ValueError("--no-dedicate has no TP version: drop --tp or --no-dedicate")
+        parallelize_module(model, env.tp_mesh, tp_plan(model))
+        tp = f"TP {env.tp} + "
     if optimizer == "adamw":
         _fully_shard(model, env.mesh)
-        return Wrapped(model, "FSDP2", world_size=env.world_size)
+        return Wrapped(model, f"{tp}FSDP2", world_size=env.world_size)
     if dedicate:
         _dedicate(model, env.mesh)
         _fully_shard(model, env.mesh)
-        return Wrapped(model, DEDICATED, world_size=env.world_size)
+        return Wrapped(model, tp + DEDICATED, world_size=env.world_size, dedicated=True)
     matrices = [p for name, p in model.named_parameters() if is_matrix_param(name, p)]
     _fully_shard(model, env.mesh, ignored=set(matrices))
     return Wrapped(model, REPLICATED, replicated=matrices, world_size=env.world_size)
@@ -220,7 +273,7 @@ def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
 
 def runtime_comm_profile(wrapped: Wrapped):
     """The runtime's forward-unshard wait profile of a dedicated run (else ``None``)."""
-    if wrapped.mode != DEDICATED:
+    if not wrapped.dedicated:
         return None
     try:
         profile = dmuon.collect_forward_unshard_profile(wrapped.model, synchronize=True)
@@ -258,7 +311,7 @@ def comm_source(wrapped: Wrapped) -> tuple[str, str]:
             "synchronous all-reduce of the whole matrices' gradients; FSDP2's own collectives "
             "are inside forward/backward"
         )
-    if wrapped.mode == DEDICATED:
+    if wrapped.dedicated:
         if profile_wait_ms(wrapped) is not None:
             return "profile", (
                 "waits for dedicated-weight unshards, from dmuon.collect_forward_unshard_profile; "

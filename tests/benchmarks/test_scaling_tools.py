@@ -173,3 +173,17 @@ def test_profile_calls_on_cpu_reports_no_gpu_events():
     assert ta.where_the_time_goes(found, unit="call") == [
         "  where the time goes: no GPU events in 2 profiled calls (CPU run)"
     ]
+
+
+def test_parity_of_a_two_optimizer_log_needs_optimizer(tmp_path, capsys):
+    both = tmp_path / "both.csv"
+    both.write_text(
+        "step,optimizer,train_loss,val_loss\n1,dmuon,5.0,\n2,dmuon,4.0,\n1,adamw,6.0,\n2,adamw,5.5,\n"
+    )
+    ref = _log(tmp_path / "ref.csv", {1: 5.0, 2: 4.0})
+    # Without --optimizer the adamw rows would replace the dmuon ones step by step: refused.
+    assert parity.main([str(ref), str(both)]) == 2
+    assert "pick one with --optimizer" in capsys.readouterr().err
+    assert parity.main([str(ref), str(both), "--optimizer", "dmuon"]) == 0
+    assert parity.main([str(ref), str(both), "--optimizer", "adamw"]) == 2  # ref has no adamw
+    assert "no rows of optimizer 'adamw'" in capsys.readouterr().err

@@ -163,6 +163,11 @@ def test_hidden_fraction_by_group():
         ),
         ("ncclDevKernel_Generic_4", "reduce_scatter_tensor_coalesced", "reduce_scatter"),
         (AG, "coalesced", "all_gather"),
+        # c10d gather/scatter (the TP stage) run as send/recv: the collective name decides
+        ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "gather", "gather"),
+        ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "scatter", "scatter"),
+        ("ncclDevKernel_Generic", "allgather_into_tensor_coalesced", "all_gather"),
+        ("ncclDevKernel_Generic", "reduce_scatter_tensor", "reduce_scatter"),
     ],
 )
 def test_comm_kind(name, collective, kind):
@@ -357,3 +362,30 @@ def test_gpu_idle_is_the_window_minus_every_gpu_event():
     assert ta.gpu_idle_us(recs) == 15.0  # device 0: window 40, busy [0, 15) ∪ [30, 40)
     s = ta.summarize(t, iterations=1)
     assert s["gpu_idle_ms_per_iter"] == pytest.approx(0.015)
+
+
+SR = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+
+
+def test_tp_scatter_hidden_fraction_excludes_the_last_steps_scatter():
+    # Step 1's scatter half under the next forward's GEMM; the last step's scatter has nothing
+    # after it (left out); the gather (inside step) is counted over the whole window.
+    gather, scatter = {"Collective name": "gather"}, {"Collective name": "scatter"}
+    t = trace(
+        _step_annotation(100),
+        ev(SR, 100, 10, stream=20, **gather),
+        ev(SR, 120, 20, stream=20, **scatter),
+        ev(GEMM, 130, 40),
+        _step_annotation(200),
+        ev(SR, 200, 10, stream=20, **gather),
+        ev(SR, 210, 20, stream=20, **scatter),
+    )
+    s = ta.summarize(t, iterations=2)
+    assert s["tp_scatter_hidden_fraction"] == 0.5
+    assert s["tp_gather_hidden_fraction"] == 0.0
+    assert set(s["comm_by_kind"]) == {"gather", "scatter"}
+    assert any("TP scatter issued before the last step" in line for line in ta.format_summary(s))
+    # Control: without the collective names the same kernels are "other" and get no TP share.
+    bare = trace(_step_annotation(100), ev(SR, 120, 20, stream=20), _step_annotation(200))
+    b = ta.summarize(bare, iterations=2)
+    assert b["tp_scatter_hidden_fraction"] is None and set(b["comm_by_kind"]) == {"other"}

@@ -74,6 +74,7 @@ def test_help_lists_the_flags(capsys):
         "--seed",
         "--out-dir",
         "--device",
+        "--tp",
     ):
         assert flag in out
 
@@ -106,3 +107,27 @@ def test_plain_defaults_formatter_repeats_defaults():
     assert helps["--out-dir"].endswith(") (default: None)")
     assert helps["--save-every"].count("default") == 2
     assert helps["--no-progress"].endswith("(default: False)")
+
+
+@pytest.mark.parametrize(
+    "world, argv, needle",
+    [
+        ("2", ["--tp", "3"], "--tp 3 does not divide the 2 process(es)"),
+        ("1", ["--tp", "2"], "start a multiple of 2 processes (torchrun --nproc_per_node 2)"),
+        ("2", ["--tp", "0"], "--tp must be >= 1"),
+        ("2", ["--tp", "2", "--d-model", "48", "--heads", "3"], "--heads (3) must be a multiple"),
+        ("2", ["--tp", "2", "--no-dedicate"], "--no-dedicate has no TP version"),
+        ("4", ["--tp", "2", "--batch-size", "5"], "not divisible by dp = processes/--tp = 2"),
+    ],
+)
+def test_bad_tp_arguments(capsys, monkeypatch, world, argv, needle):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert needle in _error(capsys, argv)
+
+
+def test_tp_batch_splits_over_dp_only(capsys, monkeypatch):
+    """Control for the batch rule: with --tp 2 on 2 processes (dp 1) an odd batch is valid."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parser = cli.build_parser()
+    cli.validate(parser.parse_args(["--tp", "2", "--batch-size", "7"]), parser, 2)
+    assert "not divisible" in _error(capsys, ["--batch-size", "7"])  # without --tp it is not
