@@ -24,7 +24,7 @@ import torch
 from . import models
 from .harness import full_state, run_ranks
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(480)]
 
 STEPS = 3
 WORLD = 2
@@ -110,7 +110,7 @@ def _train_compiled(rank: int, world: int, cache: str) -> dict:
 
 
 def test_compiled_step_matches_eager_single_process(tmp_path, cache_dir):
-    results = run_ranks(_train_compiled, WORLD, str(tmp_path), timeout=240)
+    results = run_ranks(_train_compiled, WORLD, str(tmp_path), timeout=360)
     ref, control = reference(), reference(schedule=False)
     r0 = results[0]
     assert sorted(set(r0["owners"].values())) == list(range(WORLD))  # both ranks own matrices
