@@ -11,8 +11,8 @@ parameters (TP shards are DTensors of the global shape on their owner TP group).
   tp 2 with plain dedicated weights beside the TP ones and ``cpu_offload=True``). Control: with
   DTensor's own ``redistribute`` (a rank outside a weight's owner group keeps its empty local
   tensor) the dict misses;
-- the same full state dicts on HSDP × TP (replicate 2 × shard 1 × tp 2), read while the last
-  step's replicate publish is still in flight;
+- the same full state dicts on HSDP × TP (replicate 2 × shard 1 × tp 2), read right after the
+  last step, its replicate publish left in flight (``replicate_async=True``);
 - ``dmuon.set_model_state_dict`` loads the one-process model's full dict into dp 2 × tp 2 and
   into HSDP 2 × 1 × tp 2 (the other replica's copies included).
 """
@@ -136,7 +136,7 @@ def _full_state(rank, world, dp, attention, offload, replicas=1):
     from dmuon_compile.distributed._owned import OwnerTensor
 
     model, dp_rank = build_tp(rank, world, dp, 2, replicas=replicas, attention=attention)
-    opt = _muon(model)  # HSDP: replicate_async, the last step's publish is still in flight
+    opt = _muon(model)  # HSDP: replicate_async, the last step's publish is left in flight
     for x in models.batches(FULL_STEPS, dp):
         per = x.shape[0] // dp
         model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
