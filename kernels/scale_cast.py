@@ -13,6 +13,11 @@ the matrix's fp32 ``denom`` (``div_rn``), one round-to-nearest-even cast on the 
 kernel and :func:`scale_cast_reference` agree bit for bit, which the tests check.
 
 Only contiguous CUDA tensors take the kernel; anything else runs the reference.
+
+Launch metadata (``@triton.jit(launch_metadata=...)``, read by Triton's profiler, proton, as for
+the other kernels: ``kernels/lower_tiles.py``): the name says the shape and the two dtypes,
+``flops32`` counts one fp32 division per element, ``bytes`` is ``g`` read once, one fp32
+denominator per matrix and the output written once (the bandwidth floor above).
 """
 
 from __future__ import annotations
@@ -27,7 +32,24 @@ from torch import Tensor
 BLOCK = 2048  # elements per program: 8 warps × 32 lanes × 8 contiguous values
 
 
-@triton.jit
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _scale_cast_launch_metadata(grid, metadata, args) -> dict:
+    """Profiler name, FLOPs and bytes of one launch (see the module docstring)."""
+    g, out, denom = args["g_ptr"], args["out_ptr"], args["denom_ptr"]
+    m, n = g.shape[-2], g.shape[-1]
+    batch = args["numel"] // args["per_matrix"]
+    return {
+        "name": f"scale_cast {m}x{n} b{batch} {_short(g.dtype)}->{_short(out.dtype)}",
+        "flops32": args["numel"],
+        "bytes": args["numel"] * (g.element_size() + out.element_size())
+        + batch * denom.element_size(),
+    }
+
+
+@triton.jit(launch_metadata=_scale_cast_launch_metadata)
 def _scale_cast_kernel(g_ptr, denom_ptr, out_ptr, numel, per_matrix, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < numel

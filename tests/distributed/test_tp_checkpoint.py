@@ -11,7 +11,10 @@ parameters (TP shards are DTensors of the global shape on their owner TP group).
   tp 2 with plain dedicated weights beside the TP ones and ``cpu_offload=True``). Control: with
   DTensor's own ``redistribute`` (a rank outside a weight's owner group keeps its empty local
   tensor) the dict misses;
-- ``dmuon.set_model_state_dict`` loads the one-process model's full dict into dp 2 × tp 2.
+- the same full state dicts on HSDP × TP (replicate 2 × shard 1 × tp 2), read right after the
+  last step, its replicate publish left in flight (``replicate_async=True``);
+- ``dmuon.set_model_state_dict`` loads the one-process model's full dict into dp 2 × tp 2 and
+  into HSDP 2 × 1 × tp 2 (the other replica's copies included).
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ def test_1d_checkpoint_loads_into_tp2(tmp_path):
 FULL_STEPS = 3
 
 
-def _full_state(rank, world, dp, attention, offload):
+def _full_state(rank, world, dp, attention, offload, replicas=1):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
@@ -132,8 +135,8 @@ def _full_state(rank, world, dp, attention, offload):
     import dmuon_compile as dmuon
     from dmuon_compile.distributed._owned import OwnerTensor
 
-    model, dp_rank = build_tp(rank, world, dp, 2, attention=attention)
-    opt = _muon(model)
+    model, dp_rank = build_tp(rank, world, dp, 2, replicas=replicas, attention=attention)
+    opt = _muon(model)  # HSDP: replicate_async, the last step's publish is left in flight
     for x in models.batches(FULL_STEPS, dp):
         per = x.shape[0] // dp
         model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
@@ -157,12 +160,12 @@ def _full_state(rank, world, dp, attention, offload):
 
 
 @pytest.mark.parametrize(
-    ("dp", "attention", "offload"),
-    [(1, True, False), (2, False, True)],
-    ids=["dp1xtp2", "dp2xtp2-mixed-offload"],
+    ("dp", "attention", "offload", "replicas"),
+    [(1, True, False, 1), (2, False, True, 1), (2, True, False, 2)],
+    ids=["dp1xtp2", "dp2xtp2-mixed-offload", "hsdp2x1xtp2"],
 )
-def test_full_state_dict_matches_single_process(dp, attention, offload):
-    results = run_ranks(_full_state, 2 * dp, dp, attention, offload, timeout=200)
+def test_full_state_dict_matches_single_process(dp, attention, offload, replicas):
+    results = run_ranks(_full_state, 2 * dp, dp, attention, offload, replicas, timeout=200)
     _, ref = reference(dp, steps=FULL_STEPS)
     for rank, res in enumerate(results):
         for kind in ("torch", "dmuon", "full_tensor"):
@@ -184,24 +187,68 @@ def test_full_state_dict_matches_single_process(dp, attention, offload):
     assert all(missed) if dp > 1 else not any(missed), missed
 
 
-def _load_full(rank, world, dp, state):
+def _load_full(rank, world, dp, state, replicas=1, control=False):
     import dmuon_compile as dmuon
+    from dmuon_compile.distributed import dedicated_runtime
 
-    model, _ = build_tp(rank, world, dp, 2, attention=False)
+    model, _ = build_tp(rank, world, dp, 2, replicas=replicas, attention=replicas > 1)
+    runtime = dedicated_runtime(model)
     with torch.no_grad():  # other values than the dict's: the load must replace them all
         for p in model.parameters():
             p.to_local().add_(1.0)
+        for dp_ in runtime.params:
+            if dp_.replica is not None:  # HSDP's column copies too (what their forward reads)
+                dp_.replica.add_(1.0)
     before = dmuon.get_model_state_dict(model, cpu_offload=False)
+    if control:  # the load without its HSDP publish: the other replicas keep their old copies
+        runtime.publish = lambda wait=True: None
     dmuon.set_model_state_dict(model, state)
-    return before, dmuon.get_model_state_dict(model, cpu_offload=False)
+    # Every whole weight (or TP shard) this rank holds, master or HSDP replica, against its
+    # piece of the dict: the load reached the copies the next forward unshards from.
+    held = {}
+    for dp_ in runtime.params:
+        if dp_.source is None:
+            continue
+        want = state[dp_.fqn]
+        if getattr(dp_, "global_shape", None) is not None:  # TP shard t on TP rank t
+            size = dp_.shape[dp_.shard_dim]
+            want = want.narrow(dp_.shard_dim, runtime.tp.info.rank * size, size)
+        held[dp_.fqn] = (dp_.source.clone(), want.clone(), dp_.master is None)
+    return before, dmuon.get_model_state_dict(model, cpu_offload=False), held
 
 
-def test_full_state_dict_loads_into_tp_model():
-    """The one-process model's dict (HF ``from_pretrained``-style) into dp 2 × tp 2: every
-    weight, TP shards included, reads back bit for bit; before the load it did not."""
+@pytest.mark.parametrize("replicas", [1, 2], ids=["dp2xtp2", "hsdp2x1xtp2"])
+def test_full_state_dict_loads_into_tp_model(replicas):
+    """The one-process model's dict (HF ``from_pretrained``-style) into dp 2 × tp 2 (plain
+    attention weights beside the TP MLP) and into HSDP 2 × 1 × tp 2: every weight, TP shards
+    included, reads back bit for bit, and every copy a rank holds (HSDP: the other replica's
+    too) equals its piece of the dict; before the load none did."""
     _, ref = reference(2, steps=FULL_STEPS)
-    for before, after in run_ranks(_load_full, 4, 2, ref, timeout=200):
+    results = run_ranks(_load_full, 4, 2, ref, replicas, timeout=200)
+    replica_copies = 0
+    for before, after, held in results:
         assert set(after) == set(ref)
         for name, want in ref.items():
             assert torch.equal(after[name], want), name
             assert not torch.equal(before[name], want), name
+        assert held  # every rank holds some weights whole (or their TP shards)
+        for name, (got, want, is_replica) in held.items():
+            assert torch.equal(got, want), name
+            replica_copies += is_replica
+    assert (replica_copies > 0) == (replicas > 1)  # HSDP: the replicas were checked too
+
+
+def test_hsdp_tp_load_control_without_publish_misses():
+    """Control of the HSDP load check: without the publish to the other replicas their copies
+    keep the old values, and the per-copy check above sees it (the owners' dict still reads
+    back right: only the replica check catches it)."""
+    _, ref = reference(2, steps=FULL_STEPS)
+    missed, replica_copies = [], 0
+    for _, after, held in run_ranks(_load_full, 4, 2, ref, 2, True, timeout=200):
+        assert all(torch.equal(after[name], want) for name, want in ref.items())
+        for name, (got, want, is_replica) in held.items():
+            replica_copies += is_replica
+            if not torch.equal(got, want):
+                assert is_replica, name  # the global owners' masters did load
+                missed.append(name)
+    assert missed and len(missed) == replica_copies

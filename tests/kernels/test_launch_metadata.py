@@ -5,7 +5,8 @@ exactly as the launcher passes them; the kernel's metadata function is then call
 way Triton's launch hook calls it, ``fn(grid, compiled-kernel metadata, {name: value})``. The
 FLOPs must be those of the lower triangle (``2·k`` per element ``i >= j``, counted here from
 ``torch.tril``) and the bytes those of each operand read once and the output written once; a
-metadata function that counts the full product must fail the same check.
+metadata function that counts the full product must fail the same check. The normalisation
+kernel (``scale_cast``) reports one fp32 division per element and the bandwidth floor.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dmuon_compile.kernels import mirror, syrk_pointer, syrk_tma  # noqa: E402
+from dmuon_compile.kernels import mirror, scale_cast, syrk_pointer, syrk_tma  # noqa: E402
 from dmuon_compile.kernels.lower_tiles import TileConfig  # noqa: E402
 from dmuon_compile.kernels.symmetric_product import launch_symmetric_product  # noqa: E402
 
@@ -205,6 +206,63 @@ def test_mirror_kernel_metadata(monkeypatch, shape):
         "name": f"mirror_lower {m}x{m} b{batch}",
         "bytes": 2 * batch * strict_lower * p.element_size(),
     }
+
+
+def check_scale_cast_metadata(meta, g, out) -> None:
+    """One fp32 division per element; ``g`` read once, one fp32 denominator per matrix, the
+    output written once."""
+    m, n = g.shape[-2:]
+    batch = g.shape[0] if g.dim() == 3 else 1
+    src, dst = (str(t.dtype).removeprefix("torch.") for t in (g, out))
+    assert meta["name"] == f"scale_cast {m}x{n} b{batch} {src}->{dst}", meta["name"]
+    assert [name for name in meta if name.startswith("flops")] == ["flops32"], meta
+    assert meta["flops32"] == g.numel()
+    expected_bytes = g.numel() * g.element_size() + batch * 4 + out.numel() * out.element_size()
+    assert meta["bytes"] == expected_bytes, f"bytes {meta['bytes']} != {expected_bytes}"
+
+
+# (shape of g, its dtype, the work dtype): numels off the block size, one element, one matrix
+SCALE_CAST_CASES = [
+    ((37, 20), torch.float32, torch.float16),
+    ((3, 40, 24), torch.bfloat16, torch.float16),
+    ((2, 70, 33), torch.float16, torch.bfloat16),
+    ((1, 1, 1), torch.float32, torch.bfloat16),
+]
+
+
+def _scale_cast_launch(monkeypatch, shape, dtype, work_dtype):
+    # scale_cast launches on CPU tensors only "under the interpreter"; the launch is recorded.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = _random(shape, dtype)
+    denom = torch.linalg.vector_norm(g.float(), dim=(-2, -1), keepdim=True) + 1e-7
+    launches = []
+    grid, args, fn = recorded_launch(
+        monkeypatch,
+        scale_cast,
+        "_scale_cast_kernel",
+        lambda: launches.append(scale_cast.scale_cast(g, denom, work_dtype)),
+    )
+    return g, launches[0], fn(grid, None, args), fn
+
+
+@pytest.mark.parametrize("shape,dtype,work_dtype", SCALE_CAST_CASES)
+def test_scale_cast_kernel_metadata(monkeypatch, shape, dtype, work_dtype):
+    g, out, meta, fn = _scale_cast_launch(monkeypatch, shape, dtype, work_dtype)
+    assert fn is scale_cast._scale_cast_launch_metadata
+    assert out.dtype == work_dtype and out.shape == g.shape
+    check_scale_cast_metadata(meta, g, out)
+
+
+def test_scale_cast_metadata_that_counts_a_denominator_per_element_fails(monkeypatch):
+    """Control: the check tells one denominator per matrix from one per element (the kernel's
+    per-element load of it hits the cache) and a wrong dtype pair in the name."""
+    g, out, meta, _ = _scale_cast_launch(monkeypatch, (2, 24, 8), torch.bfloat16, torch.float16)
+    per_element = meta | {"bytes": g.numel() * (g.element_size() + 4 + out.element_size())}
+    with pytest.raises(AssertionError, match="bytes"):
+        check_scale_cast_metadata(per_element, g, out)
+    with pytest.raises(AssertionError, match="scale_cast"):
+        check_scale_cast_metadata(meta, g, out.to(torch.bfloat16))
+    check_scale_cast_metadata(meta, g, out)  # ... and the real function passes
 
 
 def test_flops_keys_are_what_tritons_profiler_reads():
