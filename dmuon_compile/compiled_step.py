@@ -195,6 +195,7 @@ class CompiledMuonStep:
         self.fn = torch.compile(
             _fresh_copy(F.muon_update), fullgraph=True, dynamic=False, options=opts
         )
+        self._orthogonalize = None  # compiled on first use: TP owners' NS (``orthogonalize``)
         self._hyper: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
         self._static_marked: set[int] = set()
         self.calls = 0
@@ -262,6 +263,22 @@ class CompiledMuonStep:
                 len(params),
                 buckets,
             )
+
+    def orthogonalize(self, mats: list[Tensor]) -> list[Tensor]:
+        """Newton–Schulz of whole matrices in one compiled graph with this step's options and
+        pass: the TP owners' part of a step (``distributed/_tp.py`` gathers the shards before
+        and scatters the result after; momentum and the update run on the shards)."""
+        if self._orthogonalize is None:
+            progress(
+                f"compiling the TP owners' Newton–Schulz ({len(mats)} matrices); "
+                "DMUON_COMPILE_LOG=0 silences this",
+                switch="DMUON_COMPILE_LOG",
+            )
+            self._orthogonalize = torch.compile(
+                _fresh_copy(F.orthogonalize), fullgraph=True, dynamic=False, options=self.options
+            )
+        self.calls += 1
+        return self._orthogonalize(list(mats), self.chain)
 
     def _mark_static(self, tensors) -> None:
         for t in tensors:

@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dmuon_compile import functional as F
+from dmuon_compile.compiled_step import compiled_step_for
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _owned, mesh_checks
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
@@ -477,7 +478,15 @@ class TPStage:
             for i, ((dp, *_), parts) in enumerate(zip(mine, gathered))
             if parts is not None
         ]
-        ortho = dict(zip((i for i, _ in whole), self.orthogonalize([m for _, m in whole], opt.ns)))
+        mats = [m for _, m in whole]
+        # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
+        compiled = compiled_step_for(opt, group, mats, part="tp") if mats else None
+        out = (
+            compiled.orthogonalize(mats)
+            if compiled is not None
+            else self.orthogonalize(mats, opt.ns)
+        )
+        ortho = dict(zip((i for i, _ in whole), out))
         for i, ((dp, master, _g, _b), u) in enumerate(zip(mine, updates)):
             out = torch.empty_like(u)
             chunks = None
@@ -501,7 +510,8 @@ class TPStage:
         return rest
 
     def orthogonalize(self, mats: list[Tensor], ns) -> list[Tensor]:
-        """Newton–Schulz on whole matrices (the reference's ``functional.orthogonalize``)."""
+        """Newton–Schulz on whole matrices, eager (the reference's ``functional.orthogonalize``;
+        the compiled step's ``orthogonalize`` where ``compile`` is on)."""
         return F.orthogonalize(mats, ns)
 
     @torch.no_grad()

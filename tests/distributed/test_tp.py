@@ -10,6 +10,8 @@ losses; a double ``step()`` without a forward between stays exact; the mesh erro
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -39,10 +41,10 @@ def tp_plan(layers: int = models.LAYERS, attention: bool = True) -> dict:
     return plan
 
 
-def _muon(model, **kw):
+def _muon(model, compile=False, **kw):
     import dmuon_compile as dmuon
 
-    return dmuon.Muon(model, ns_backend=_ns(), compile=False, **HYPER, **kw)
+    return dmuon.Muon(model, ns_backend=_ns(), compile=compile, **HYPER, **kw)
 
 
 def reference(dp: int, steps: int = STEPS, double_at: int | None = None):
@@ -144,7 +146,9 @@ def train_tp(
     control=None,
     double_at=None,
     attention=True,
+    compile_cache=None,
 ):
+    """``compile_cache``: a directory for this rank's Inductor cache, and ``compile=True``."""
     import torch.distributed as dist
 
     import dmuon_compile as dmuon
@@ -165,7 +169,9 @@ def train_tp(
             return out
 
         stage.orthogonalize = blockwise
-    opt = _muon(model, replicate_async=replicate_async)
+    if compile_cache is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(compile_cache, f"inductor-{rank}")
+    opt = _muon(model, compile=compile_cache is not None, replicate_async=replicate_async)
     losses = []
     for i, x in enumerate(models.batches(steps, dp)):
         per = x.shape[0] // dp
@@ -183,6 +189,7 @@ def train_tp(
         "state": _whole_state(model),
         "comm": dmuon.summarize_comm_plan(model).get("tp"),
         "profile": dmuon.collect_forward_unshard_profile(model, synchronize=True).get("tp"),
+        "compiled": {f"{k.group}/{k.part}": step.calls for k, step in opt.compiled_steps.items()},
     }
     return out
 
@@ -215,6 +222,20 @@ def test_tp_mixed_with_plain_dedicated_weights():
     ref_losses, ref_state = reference(2, steps=4)
     _check(results, ref_losses, ref_state)
     assert len(results[0]["comm"]["matrices"]) == 3 * models.LAYERS
+
+
+@pytest.mark.timeout(480)
+def test_tp_compiled_matches_single_process(tmp_path, cache_dir):
+    """``compile=True`` compiles the TP owners' Newton–Schulz too (one graph per rank, the NS-chain
+    pass included; on CPU its ops run their torch reference) and trains like one process."""
+    steps = 3
+    results = run_ranks(
+        train_tp, 2, 1, 2, 1, steps, True, None, None, True, str(tmp_path), timeout=400
+    )
+    ref_losses, ref_state = reference(1, steps=steps)
+    _check(results, ref_losses, ref_state)
+    for res in results:  # every TP matrix is in the TP stage: its compiled NS ran every step
+        assert res["compiled"] == {"0/tp": steps}, res["compiled"]
 
 
 def test_tp_blockwise_control_misses():
