@@ -93,7 +93,8 @@ class StepKey(NamedTuple):
     ``group`` is the group's position in ``opt.param_groups``, not the dict:
     ``load_state_dict()`` replaces the group dicts, and a new step would compile the same graph
     again. ``part`` is ``"all"``, or with HSDP ``"early"``/``"rest"`` (the group is stepped in
-    two subsets, the first forward group's matrices first).
+    two subsets, the first forward group's matrices first), or ``"tp"`` (the TP owners'
+    Newton–Schulz, :meth:`CompiledMuonStep.orthogonalize`).
     """
 
     group: int
