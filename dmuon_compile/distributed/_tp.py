@@ -458,7 +458,10 @@ class TPStage:
             return rest
         size, me = self.info.size, self.info.rank
         updates = F.momentum_update(
-            [g for *_, g, _b in mine], [b for *_, b in mine], group["momentum"], group["nesterov"]
+            [g for *_, g, _b in mine],
+            [b for *_, b in mine],
+            F.hyper(group["momentum"]),
+            group["nesterov"],
         )
         gathered, works = [], []
         for (dp, *_), u in zip(mine, updates):
