@@ -23,19 +23,13 @@ import torch
 
 from . import models
 from .harness import full_state, run_ranks
+from .test_dedicated_training import HYPER
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(480)]
 
 STEPS = 3
 WORLD = 2
 ATOL = 3e-5
-HYPER = {
-    "lr": 0.02,
-    "momentum": 0.95,
-    "adamw_lr": 1e-2,
-    "weight_decay": 0.01,
-    "adamw_weight_decay": 0.01,
-}
 
 
 def _ns():
