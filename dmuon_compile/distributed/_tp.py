@@ -47,7 +47,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dmuon_compile import functional as F
-from dmuon_compile.compiled_step import compiled_step_for
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _owned, mesh_checks
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
@@ -482,6 +481,8 @@ class TPStage:
             if parts is not None
         ]
         mats = [m for _, m in whole]
+        from dmuon_compile.compiled_step import compiled_step_for  # imports Dynamo: only here
+
         # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
         compiled = compiled_step_for(opt, group, mats, part="tp") if mats else None
         out = (
