@@ -3,7 +3,8 @@
 - 4 gloo ranks as a 2×2 mesh (``fully_shard(..., mesh=hsdp)``) train like 1-D FSDP over 4 and
   like one process with the global batch (fp32 NS; tolerances as in test_dedicated_training);
   ``replicate_async=True`` and ``False`` give bit-identical losses and weights.
-- 2 ranks as 2×1 (pure replicate) and 1×2, and a 2×1 run with a double ``step()``.
+- 2 ranks as 2×1 (pure replicate) and 1×2, and a 2×1 run with a double ``step()``; 2×1 with
+  ``compile=True`` (the early/rest graphs).
 - The mesh errors; ``wait_all_replicate_broadcasts`` after an exception mid-forward.
 """
 
@@ -24,10 +25,10 @@ STEPS = 6
 DOUBLE_AT = 2  # the scenario run calls step() twice at this iteration
 
 
-def _muon(model, **kw):
+def _muon(model, compile=False, **kw):
     import dmuon_compile as dmuon
 
-    return dmuon.Muon(model, ns_backend=_ns(), compile=False, **HYPER, **kw)
+    return dmuon.Muon(model, ns_backend=_ns(), compile=compile, **HYPER, **kw)
 
 
 def reference(world: int, steps: int = STEPS, double_at: int | None = None, device: str = "cpu"):
@@ -49,7 +50,12 @@ def reference(world: int, steps: int = STEPS, double_at: int | None = None, devi
     return losses, state, {n: g.cpu() for n, g in first.items()}
 
 
-def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None, device="cpu"):
+def train_hsdp(
+    rank, world, replicas, steps, replicate_async, double_at=None, device="cpu", compile_cache=None
+):
+    """``compile_cache``: a directory for this rank's Inductor cache, and ``compile=True``."""
+    import os
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -68,7 +74,9 @@ def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None, de
     for block in model.layers:
         fully_shard(block, mesh=hsdp)
     fully_shard(model, mesh=hsdp)
-    opt = _muon(model, replicate_async=replicate_async)
+    if compile_cache is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(compile_cache, f"inductor-{rank}")
+    opt = _muon(model, compile=compile_cache is not None, replicate_async=replicate_async)
     runtime = dedicated_runtime(model)
     losses, first, in_flight = [], None, []
     for i, x in enumerate(models.batches(steps, world)):
@@ -102,6 +110,7 @@ def train_hsdp(rank, world, replicas, steps, replicate_async, double_at=None, de
         "comm": json.dumps(dmuon.summarize_comm_plan(model)),
         "profile": json.dumps(dmuon.collect_forward_unshard_profile(model, synchronize=True)),
         "state": full_state(model),
+        "compiled": {f"{k.group}/{k.part}": step.calls for k, step in opt.compiled_steps.items()},
     }
     dmuon.wait_all_replicate_broadcasts(model)
     out["pending_after"] = runtime.pending_collectives()
@@ -195,6 +204,21 @@ def test_hsdp_2x1_pure_replicate_1x2_and_double_step():
     _check_run([r["1x2"] for r in results], ref, 2, 1)
     _check_run([r["double"] for r in results], reference(2, double_at=DOUBLE_AT), 2, 2)
     assert json.loads(results[0]["1x2"]["comm"])["replicate"] == {"size": 1, "active": False}
+
+
+def _two_ranks_compiled(rank, world, cache):
+    return train_hsdp(rank, world, 2, 3, True, compile_cache=cache)
+
+
+@pytest.mark.timeout(480)
+def test_hsdp_2x1_compiled_matches_single_process(tmp_path, cache_dir):
+    """``compile=True`` on HSDP 2×1: the step is two graphs per rank (the first forward group's
+    matrices, published early, and the rest), each run every step; the job trains like one
+    process."""
+    results = run_ranks(_two_ranks_compiled, 2, str(tmp_path), timeout=400)
+    _check_run(results, reference(2, steps=3), 2, 2)
+    for r in results:
+        assert r["compiled"] == {"0/early": 3, "0/rest": 3}, r["compiled"]
 
 
 def _mesh_errors(rank, world):
