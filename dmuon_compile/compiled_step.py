@@ -42,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
@@ -230,56 +231,61 @@ class CompiledMuonStep:
         lr_t, wd_t, mu_t = self.hyper_tensors(device, lr, weight_decay, momentum)
         if self.mode == "reduce-overhead":
             self._mark_static(list(params) + list(grads) + list(bufs) + [lr_t, wd_t, mu_t])
-        start = time.perf_counter() if self.calls == 0 else None
-        if start is not None:  # compiles take tens of seconds on big models: say so per rank
-            buckets = len(F.shape_buckets(params))
-            progress(
-                f"compiling the Muon step ({len(params)} matrices, {buckets} shape "
-                "bucket(s)); DMUON_COMPILE_LOG=0 silences this",
-                switch="DMUON_COMPILE_LOG",
+        with self._first_call("Muon step", params):
+            self.fn(
+                list(params),
+                list(grads),
+                list(bufs),
+                lr=lr_t,
+                weight_decay=wd_t,
+                momentum=mu_t,
+                nesterov=bool(nesterov),
+                ns=self.chain,
+                adjust_lr_fn=adjust_lr_fn,
             )
-        self.fn(
-            list(params),
-            list(grads),
-            list(bufs),
-            lr=lr_t,
-            weight_decay=wd_t,
-            momentum=mu_t,
-            nesterov=bool(nesterov),
-            ns=self.chain,
-            adjust_lr_fn=adjust_lr_fn,
+
+    @contextlib.contextmanager
+    def _first_call(self, name: str, mats):
+        """Counts a call (when it returns); the first one (trace + compile + run: tens of
+        seconds on big models) is announced per rank, before and after, with its time."""
+        if self.calls > 0:
+            yield
+            self.calls += 1
+            return
+        buckets = len(F.shape_buckets(mats))
+        progress(
+            f"compiling the {name} ({len(mats)} matrices, {buckets} shape bucket(s)); "
+            "DMUON_COMPILE_LOG=0 silences this",
+            switch="DMUON_COMPILE_LOG",
         )
+        start = time.perf_counter()
+        yield
         self.calls += 1
-        if start is not None:
-            self.first_call_s = time.perf_counter() - start
-            progress(
-                f"compiled Muon step ready: first call (trace + compile + run) took "
-                f"{self.first_call_s:.1f} s",
-                switch="DMUON_COMPILE_LOG",
-            )
-            log.info(
-                "compiled Muon step: first call (trace + compile + run) took %.1f s for %d "
-                "matrices in %d shape bucket(s)",
-                self.first_call_s,
-                len(params),
-                buckets,
-            )
+        self.first_call_s = time.perf_counter() - start
+        progress(
+            f"compiled {name} ready: first call (trace + compile + run) took "
+            f"{self.first_call_s:.1f} s",
+            switch="DMUON_COMPILE_LOG",
+        )
+        log.info(
+            "compiled %s: first call (trace + compile + run) took %.1f s for %d matrices in %d "
+            "shape bucket(s)",
+            name,
+            self.first_call_s,
+            len(mats),
+            buckets,
+        )
 
     def orthogonalize(self, mats: list[Tensor]) -> list[Tensor]:
         """Newton–Schulz of whole matrices in one compiled graph with this step's options and
         pass: the TP owners' part of a step (``distributed/_tp.py`` gathers the shards before
         and scatters the result after; momentum and the update run on the shards)."""
         if self._orthogonalize is None:
-            progress(
-                f"compiling the TP owners' Newton–Schulz ({len(mats)} matrices); "
-                "DMUON_COMPILE_LOG=0 silences this",
-                switch="DMUON_COMPILE_LOG",
-            )
             self._orthogonalize = torch.compile(
                 _fresh_copy(F.orthogonalize), fullgraph=True, dynamic=False, options=self.options
             )
-        self.calls += 1
-        return self._orthogonalize(list(mats), self.chain)
+        with self._first_call("TP owners' Newton–Schulz", mats):
+            return self._orthogonalize(list(mats), self.chain)
 
     def _mark_static(self, tensors) -> None:
         for t in tensors:
