@@ -13,7 +13,11 @@
 #   sweep       sweep_tiles.py --extra: every tile configuration vs cuBLAS on the NS products
 #   kernels     bench_kernels.py sections C, A and N (SYRK, NS per matrix, NaN/Inf stress);
 #               KERNEL_ARGS=--profile-ns adds each NS shape's top GPU kernels
-#   gputests    pytest -m gpu (GPUTEST_PATHS, default tests/: kernels, dedicated runtime, HSDP)
+#   gputests    pytest -m "gpu and not tier" (GPUTEST_PATHS, default tests/: kernels, NCCL runtime)
+#   tier        the multi-rank CUDA tier on one GPU: 2–8 gloo ranks share cuda:0
+#               (pytest -m gpu tests/distributed/test_gpu_tier.py, TIER_TIMEOUT s, default 540;
+#               TIER_K is pytest's -k: a device call holds ~10 min, so run the tier in two calls,
+#               TIER_K="not compiled" then TIER_K=compiled); its log and JUnit XML are archived
 #   step_S/M    bench_step.py (§B1) with a profile of each configuration
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
 #   fsdp1_S/M   the same on one GPU
@@ -73,8 +77,12 @@ for stage in $STAGES; do
       timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} ${KERNEL_ARGS:-} \
         --out "$WORK/kernels.md" 2>&1 | quiet | tee "$log" | tail -40 ;;
     gputests)
-      timeout ${GPUTEST_TIMEOUT:-$T} python3 -u -m pytest ${GPUTEST_PATHS:-tests} -m gpu -v -p no:cacheprovider \
+      timeout ${GPUTEST_TIMEOUT:-$T} python3 -u -m pytest ${GPUTEST_PATHS:-tests} -m "gpu and not tier" -v -p no:cacheprovider \
         2>&1 | tee "$log" | grep -v PASSED | tail -25 ;;
+    tier)
+      timeout ${TIER_TIMEOUT:-540} python3 -u -m pytest tests/distributed/test_gpu_tier.py -m gpu -v \
+        -p no:cacheprovider --durations=0 --junitxml="$WORK/tier.xml" ${TIER_K:+-k "$TIER_K"} \
+        2>&1 | tee "$log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|s call" | tail -60 ;;
     step_*)
       timeout ${STEP_TIMEOUT:-200} python3 benchmarks/bench_step.py --model "$model" \
         --configs ${STEP_CONFIGS:-torch_muon torch_muon_compiled ours_eager_cublas ours_eager ours_compiled} \

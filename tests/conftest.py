@@ -1,4 +1,4 @@
-"""Shared test settings: hypothesis profiles and the GPU marker."""
+"""Shared test settings: hypothesis profiles, the GPU marker and the CUDA tier's device."""
 
 import os
 
@@ -19,13 +19,29 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def _tier_device() -> str:
+    """Where the multi-rank CUDA tier (``tier`` marker) runs: ``DMUON_TIER_DEVICE``, default
+    ``cuda``; ``cpu`` runs the same tests over gloo on the CPU (to check the tier itself)."""
+    device = os.environ.get("DMUON_TIER_DEVICE", "cuda")
+    if device not in ("cuda", "cpu"):
+        raise pytest.UsageError(f"DMUON_TIER_DEVICE={device!r}: use cuda (default) or cpu")
+    return device
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
+    tier_on_cpu = _tier_device() == "cpu"
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not (tier_on_cpu and "tier" in item.keywords):
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def tier_device() -> str:
+    """The multi-rank CUDA tier's device, ``"cuda"`` or (``DMUON_TIER_DEVICE=cpu``) ``"cpu"``."""
+    return _tier_device()
 
 
 @pytest.fixture

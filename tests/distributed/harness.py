@@ -1,29 +1,42 @@
-"""One small multi-process harness for the distributed tests: gloo on CPU, spawned processes.
+"""One small multi-process harness for the distributed tests: spawned processes, gloo on CPU.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each runs
 ``fn(rank, world_size, *args)`` inside an initialised gloo process group, and returns the
 per-rank results (tensors come back as CPU tensors). A rank that raises makes the call raise
 with that rank's traceback; a run that outlives ``timeout`` kills every process and fails —
 a distributed test never hangs.
+
+``device="cuda"`` runs every rank on ``cuda:0`` (still gloo, on CUDA tensors): several ranks
+share one GPU, which exercises CUDA streams, events and the allocator with several ranks on a
+one-GPU machine. ``backend="nccl"`` puts rank r on ``cuda:r`` instead (one GPU per rank).
+Inside a worker, :func:`local_device` is the device this rank computes on.
+
+Rendezvous: the launcher (this process) binds a ``TCPStore`` on port 0 and keeps it for the
+whole run; the workers connect to it as clients. No port is ever chosen, released and bound
+again, so two runs (or another program) cannot take each other's port.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
-import socket
+import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 90.0
+DEVICES = ("cpu", "cuda")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def local_device(device: str) -> torch.device:
+    """The device this rank computes on, inside a worker: the CPU, or the CUDA device the harness
+    made current (``cuda:0`` for every rank with ``device="cuda"``, ``cuda:rank`` with NCCL)."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
 
 
 def _portable(obj):
@@ -46,27 +59,36 @@ def _restore(obj):
     return obj
 
 
-def _worker(fn, rank, world_size, port, args, env, results, backend="gloo", pg_timeout_s=None):
-    import datetime
-
+def _worker(fn, rank, world_size, store_port, args, env, results, backend, pg_timeout_s, device):
     import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
 
     os.environ.update(env)
+    shared_gpu = device == "cuda" and backend != "nccl"
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT=str(store_port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
+        # DeviceMesh sets the current CUDA device from LOCAL_RANK when CUDA is not initialised
+        LOCAL_RANK="0" if shared_gpu else str(rank),
     )
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        kwargs = {}
-        if pg_timeout_s is not None:
-            kwargs["timeout"] = datetime.timedelta(seconds=pg_timeout_s)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+        elif shared_gpu:
+            torch.cuda.set_device(0)
+            torch.cuda.init()  # initialised: DeviceMesh keeps cuda:0 instead of choosing one
+        timeout = (
+            datetime.timedelta(seconds=pg_timeout_s)
+            if pg_timeout_s is not None
+            else default_pg_timeout
+        )
+        # a client of the launcher's store (the rendezvous env:// would use, with its timeout)
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, False, timeout=timeout)
+        kwargs = {"timeout": timeout} if pg_timeout_s is not None else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", _portable(out)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the parent
@@ -79,22 +101,67 @@ def _worker(fn, rank, world_size, port, args, env, results, backend="gloo", pg_t
                 pass
 
 
-def _start(fn, world_size: int, args, env: dict, backend: str, pg_timeout_s=None):
-    """Spawn the ``world_size`` worker processes; return them and their result queue."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(fn, r, world_size, port, args, env, results, backend, pg_timeout_s),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    return procs, results
+class _Launch:
+    """The spawned workers, their result queue and the rendezvous store they connect to.
+
+    The store is bound to port 0 here, in the launcher, and lives until :meth:`stop`: the port
+    is never released while the workers may still connect to it.
+    """
+
+    def __init__(self, fn, world_size, args, env, backend, pg_timeout_s, device):
+        import torch.distributed as dist
+
+        if device not in DEVICES:
+            raise ValueError(f"device={device!r}: the harness runs ranks on one of {DEVICES}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' needs a CUDA GPU (DMUON_TIER_DEVICE=cpu runs on CPU)")
+        if backend == "nccl" and torch.cuda.device_count() < world_size:
+            raise RuntimeError(
+                f"backend='nccl' puts rank r on cuda:r: {world_size} ranks need {world_size} GPUs, "
+                f"this machine has {torch.cuda.device_count()}; device='cuda' with gloo shares one"
+            )
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    fn,
+                    r,
+                    world_size,
+                    self.store.port,
+                    args,
+                    env,
+                    self.results,
+                    backend,
+                    pg_timeout_s,
+                    device,
+                ),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Join each worker for ``grace_s``, kill the rest (SIGKILL also ends a SIGSTOPped
+        process), then close the store."""
+        for p in self.procs:
+            if p.is_alive():
+                p.join(timeout=grace_s)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.store = None
+
+
+def _raise_first_error(got: dict, ranks) -> None:
+    errors = {r: msg for r, (st, msg) in got.items() if st == "error" and r in ranks}
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
 
 
 def run_ranks(
@@ -104,12 +171,16 @@ def run_ranks(
     timeout: float = DEFAULT_TIMEOUT_S,
     env: dict | None = None,
     backend: str = "gloo",
+    device: str = "cpu",
 ) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; ``backend="nccl"``
-    puts rank r on cuda:r); return their results."""
-    procs, results = _start(fn, world_size, args, dict(env or {}), backend)
-    import time
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
 
+    gloo on the CPU by default; ``device="cuda"``: gloo with every rank on ``cuda:0``;
+    ``backend="nccl"``: rank r on ``cuda:r``. ``env`` is set in each worker before anything
+    else (e.g. ``CUDA_LAUNCH_BLOCKING``)."""
+    if backend == "nccl":
+        device = "cuda"
+    launch = _Launch(fn, world_size, args, dict(env or {}), backend, None, device)
     deadline = time.monotonic() + timeout
     got: dict[int, tuple] = {}
     try:
@@ -121,11 +192,12 @@ def run_ranks(
                     f"(ranks done: {sorted(got)}); killed all ranks"
                 )
             try:
-                rank, status, payload = results.get(timeout=min(left, 1.0))
+                rank, status, payload = launch.results.get(timeout=min(left, 1.0))
                 got[rank] = (status, payload)
                 if status == "error":
                     break  # other ranks may now wait forever on a collective: stop them
             except queue.Empty as empty:
+                procs = launch.procs
                 dead = [
                     i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got
                 ]
@@ -134,28 +206,25 @@ def run_ranks(
                         f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})"
                     ) from empty
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.join(timeout=0.5 if len(got) == world_size else 0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    errors = {r: msg for r, (st, msg) in got.items() if st == "error"}
-    if errors:
-        rank = min(errors)
-        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+        launch.stop(grace_s=0.5 if len(got) == world_size else 0)
+    _raise_first_error(got, range(world_size))
     return [_restore(got[r][1]) for r in range(world_size)]
 
 
 def run_ranks_with_victim(
-    fn, world_size: int, victim: int, *args, timeout: float, pg_timeout_s: float
+    fn,
+    world_size: int,
+    victim: int,
+    *args,
+    timeout: float,
+    pg_timeout_s: float,
+    env: dict | None = None,
+    device: str = "cpu",
 ) -> dict:
     """Run ``fn`` where rank ``victim`` is expected to die or freeze (it kills or stops itself):
     ``{rank: result}`` of every other rank, each of which must report within ``timeout``.
     The process group gets ``pg_timeout_s``; every process is killed at the end."""
-    import time
-
-    procs, results = _start(fn, world_size, args, {}, "gloo", pg_timeout_s)
+    launch = _Launch(fn, world_size, args, dict(env or {}), "gloo", pg_timeout_s, device)
     deadline = time.monotonic() + timeout
     got: dict[int, tuple] = {}
     survivors = set(range(world_size)) - {victim}
@@ -168,25 +237,22 @@ def run_ranks_with_victim(
                     f"{timeout:.0f}s after rank {victim} died or froze: a hang"
                 )
             try:
-                rank, status, payload = results.get(timeout=min(left, 1.0))
+                rank, status, payload = launch.results.get(timeout=min(left, 1.0))
                 got[rank] = (status, payload)
             except queue.Empty:
                 continue
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()  # SIGKILL also ends a SIGSTOPped process
-                p.join(timeout=5)
-    errors = {r: msg for r, (st, msg) in got.items() if st == "error" and r in survivors}
-    if errors:
-        rank = min(errors)
-        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+        launch.stop(grace_s=0)
+    _raise_first_error(got, survivors)
     return {r: _restore(got[r][1]) for r in survivors}
 
 
-def run_ranks_expect_errors(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Like :func:`run_ranks` but returns ``{rank: error text or None}`` (every rank must end)."""
-    out = run_ranks(_catching, world_size, fn, *args, timeout=timeout)
+def run_ranks_expect_errors(
+    fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs
+) -> dict:
+    """Like :func:`run_ranks` (``env``, ``device`` too) but returns ``{rank: error text or
+    None}`` (every rank must end)."""
+    out = run_ranks(_catching, world_size, fn, *args, timeout=timeout, **kwargs)
     return dict(enumerate(out))
 
 

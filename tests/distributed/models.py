@@ -142,25 +142,28 @@ class OutputModel(nn.Module):
         return outs
 
 
-def build_dedicated(world: int, seed: int = 0, hsdp: bool = False):
+def build_dedicated(world: int, seed: int = 0, hsdp: bool = False, device: str = "cpu"):
     """The Llama-like model with its ``*_proj`` matrices dedicated and FSDP2 on the rest.
 
     ``hsdp=True`` builds ``world`` replicas of one shard each (``replicate_mesh`` of size world).
-    Returns ``(model, owners)``. Call inside an initialised gloo process group.
+    Returns ``(model, owners)``. Call inside an initialised gloo process group; ``device``: the
+    harness's (``"cuda"``: this rank's current CUDA device).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon_compile as dmuon
 
-    model = build_llama(seed=seed)
+    from .harness import local_device
+
+    model = build_llama(seed=seed).to(local_device(device))
     if hsdp:
-        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
         owners = dmuon.dedicate_params(
             model, mesh["shard"], predicate=proj_predicate, replicate_mesh=mesh["replicate"]
         )
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         owners = dmuon.dedicate_params(model, mesh, predicate=proj_predicate)
     for block in model.layers:
         fully_shard(block, mesh=mesh)

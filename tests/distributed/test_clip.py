@@ -10,24 +10,24 @@ import pytest
 import torch
 
 from . import models
-from .harness import run_ranks
+from .harness import local_device, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 
-def _reference(max_norm, dp=2):
-    model = models.build_llama()
+def _reference(max_norm, dp=2, device="cpu"):
+    model = models.build_llama().to(device)
     x = next(iter(models.batches(1, dp)))
-    model(x).square().mean().backward()
+    model(x.to(device)).square().mean().backward()
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return float(total), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return float(total), {n: p.grad.cpu().clone() for n, p in model.named_parameters()}
 
 
-def _clip(rank, world, max_norm, use_torch, hsdp):
+def _clip(rank, world, max_norm, use_torch, hsdp, device="cpu"):
     import dmuon_compile as dmuon
 
-    model, _ = models.build_dedicated(world, hsdp=hsdp)
-    x = next(iter(models.batches(1, world)))
+    model, _ = models.build_dedicated(world, hsdp=hsdp, device=device)
+    x = next(iter(models.batches(1, world))).to(local_device(device))
     per = x.shape[0] // world
     model(x[rank * per : (rank + 1) * per]).square().mean().backward()
     if use_torch:  # the user's unchanged FSDP2 line
@@ -69,19 +69,19 @@ def test_bad_norm_type():
         dmuon.clip_grad_norm_(models.build_llama(), 1.0, norm_type=1.0)
 
 
-def _clip_tp(rank, world, dp, attention, use_torch, control):
+def _clip_tp(rank, world, dp, attention, use_torch, control, device="cpu"):
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import _owned, dedicated_runtime, mesh_checks
 
     from .test_tp import build_tp
 
-    model, dp_rank = build_tp(rank, world, dp, 2, attention=attention)
+    model, dp_rank = build_tp(rank, world, dp, 2, attention=attention, device=device)
     if control:  # each TP shard's norm partial over DP only: every TP rank counts its own shards
         stage = dedicated_runtime(model).tp
         root = mesh_checks._root(stage.info.mesh)
         for p in stage.params:
             _owned.set_norm_mesh(p.param.device_mesh, root, {"dp"})
-    x = next(iter(models.batches(1, dp)))
+    x = next(iter(models.batches(1, dp))).to(local_device(device))
     per = x.shape[0] // dp
     model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
     if use_torch:
@@ -132,11 +132,11 @@ def test_clip_sequence_parallel_plan():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7)
 
 
-def _clip_hsdp_tp(rank, world):
+def _clip_hsdp_tp(rank, world, device="cpu"):
     from .test_tp import build_tp
 
-    model, dp_rank = build_tp(rank, world, 4, 2, replicas=2)
-    x = next(iter(models.batches(1, 4)))
+    model, dp_rank = build_tp(rank, world, 4, 2, replicas=2, device=device)
+    x = next(iter(models.batches(1, 4))).to(local_device(device))
     per = x.shape[0] // 4
     model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).full_tensor()

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, run_ranks
+from .harness import full_state, local_device, run_ranks
 from .test_dedicated_training import HYPER
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(480)]
@@ -44,25 +44,25 @@ def _schedule(step: int) -> float:
     return 1.0 / (1 + step)
 
 
-def reference(schedule: bool = True) -> dict:
+def reference(schedule: bool = True, device: str = "cpu") -> dict:
     """One process, eager Muon, the whole global batch; ``schedule=False`` is the control."""
     import dmuon_compile as dmuon
 
-    model = models.build_llama()
+    model = models.build_llama().to(device)
     opt = dmuon.Muon(
         model, predicate=models.proj_predicate, ns_backend=_ns(), compile=False, **HYPER
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule) if schedule else None
     for x in models.batches(STEPS, WORLD):
-        model(x).square().mean().backward()
+        model(x.to(device)).square().mean().backward()
         opt.step()
         opt.zero_grad()
         if sched is not None:
             sched.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
-def _train_compiled(rank: int, world: int, cache: str) -> dict:
+def _train_compiled(rank: int, world: int, cache: str, device: str = "cpu") -> dict:
     import os
 
     # Before anything compiles: this rank's own, empty Inductor cache (no hits from other tests).
@@ -73,11 +73,12 @@ def _train_compiled(rank: int, world: int, cache: str) -> dict:
 
     torch._dynamo.reset()
     counters.clear()
-    model, owners = models.build_dedicated(world)
+    model, owners = models.build_dedicated(world, device=device)
     opt = dmuon.Muon(model, ns_backend=_ns(), compile=True, **HYPER)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
     graphs, lrs = [], []
     for x in models.batches(STEPS, world):
+        x = x.to(local_device(device))
         per = x.shape[0] // world
         model(x[rank * per : (rank + 1) * per]).square().mean().backward()
         lrs.append([float(g["lr"]) for g in opt.param_groups])  # the lr this step ran with
@@ -104,8 +105,13 @@ def _train_compiled(rank: int, world: int, cache: str) -> dict:
 
 
 def test_compiled_step_matches_eager_single_process(tmp_path, cache_dir):
-    results = run_ranks(_train_compiled, WORLD, str(tmp_path), timeout=360)
-    ref, control = reference(), reference(schedule=False)
+    check_compiled(tmp_path, "cpu")
+
+
+def check_compiled(tmp_path, device: str) -> None:
+    """Train compiled on WORLD ranks and eagerly in one process on ``device``; compare."""
+    results = run_ranks(_train_compiled, WORLD, str(tmp_path), device, timeout=360, device=device)
+    ref, control = reference(device=device), reference(schedule=False, device=device)
     r0 = results[0]
     assert sorted(set(r0["owners"].values())) == list(range(WORLD))  # both ranks own matrices
     for res in results:

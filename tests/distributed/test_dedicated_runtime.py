@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, run_ranks
+from .harness import full_state, local_device, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -21,29 +21,29 @@ def _ns():
     return dmuon.NewtonSchulz(kernel="cublas", work_dtype=torch.float32)
 
 
-def _accum_reference(world):
+def _accum_reference(world, device="cpu"):
     import dmuon_compile as dmuon
 
-    model = models.build_llama()
+    model = models.build_llama().to(device)
     opt = dmuon.Muon(model, predicate=models.proj_predicate, ns_backend=_ns(), **HYPER)
     data = models.batches(STEPS * MICRO, world)
     first = None
     for s in range(STEPS):
         for m in range(MICRO):
-            (model(data[s * MICRO + m]).square().mean() / MICRO).backward()
+            (model(data[s * MICRO + m].to(device)).square().mean() / MICRO).backward()
         if first is None:
-            first = {n: p.grad.clone() for n, p in model.named_parameters()}
+            first = {n: p.grad.cpu().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, first
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}, first
 
 
-def _accum_distributed(rank, world):
+def _accum_distributed(rank, world, device="cpu"):
 
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import _fsdp_compat, dedicated_runtime
 
-    model, _ = models.build_dedicated(world)
+    model, _ = models.build_dedicated(world, device=device)
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
     data = models.batches(STEPS * MICRO, world)
     runtime = dedicated_runtime(model)
@@ -53,7 +53,7 @@ def _accum_distributed(rank, world):
             sync = m == MICRO - 1
             model.set_requires_gradient_sync(sync)
             flags.append(_fsdp_compat.requires_gradient_sync(model))
-            x = data[s * MICRO + m]
+            x = data[s * MICRO + m].to(local_device(device))
             per = x.shape[0] // world
             (model(x[rank * per : (rank + 1) * per]).square().mean() / MICRO).backward()
             # between micro-steps no owner holds a gradient yet: nothing was reduced
@@ -72,8 +72,12 @@ def _accum_distributed(rank, world):
 
 
 def test_gradient_accumulation_with_set_requires_gradient_sync():
-    ref_state, ref_first = _accum_reference(2)
-    results = run_ranks(_accum_distributed, 2, timeout=120)
+    check_gradient_accumulation("cpu")
+
+
+def check_gradient_accumulation(device: str) -> None:
+    ref_state, ref_first = _accum_reference(2, device)
+    results = run_ranks(_accum_distributed, 2, device, timeout=120, device=device)
     r0 = results[0]
     assert r0["flags"] == [False, True] * STEPS
     for r in results:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, run_ranks
+from .harness import full_state, local_device, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -73,7 +73,7 @@ def train_distributed(rank: int, world: int, steps: int, profile: bool, device: 
 
     import dmuon_compile as dmuon
 
-    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    dev = local_device(device)
     mesh = init_device_mesh(device, (world,))
     model = models.build_llama().to(dev)
     owners = dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
@@ -121,8 +121,9 @@ def test_fsdp2_dedicated_matches_single_process(world):
     check_against_reference(world, "cpu")
 
 
-def check_against_reference(world: int, device: str) -> None:
-    """Train both ways and compare (shared by the CPU/gloo tests and the GPU/NCCL test)."""
+def check_against_reference(world: int, device: str, backend: str = "gloo") -> None:
+    """Train both ways and compare (shared by the CPU/gloo tests, the one-GPU tier's gloo ranks
+    on ``cuda:0`` and the NCCL test with one GPU per rank)."""
     ref_losses, ref_state, ref_grads = reference(world, device=device)
     results = run_ranks(
         train_distributed,
@@ -132,7 +133,8 @@ def check_against_reference(world: int, device: str) -> None:
         device,
         env={"DMUON_RECORD_FORWARD_PROFILE": "1"},
         timeout=120,
-        backend="nccl" if device == "cuda" else "gloo",
+        backend=backend,
+        device=device,
     )
     r0 = results[0]
     # every rank agrees on the owner plan and on the losses

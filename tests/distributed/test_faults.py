@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tests.distributed import models
-from tests.distributed.harness import run_ranks, run_ranks_with_victim
+from tests.distributed.harness import local_device, run_ranks, run_ranks_with_victim
 
 pytestmark = pytest.mark.distributed
 
@@ -215,26 +215,26 @@ def _batch(rank):
     return torch.randn(2, 8, models.D, generator=torch.Generator().manual_seed(10 + rank))
 
 
-def _reference_grads(world):
+def _reference_grads(world, device="cpu"):
     torch.manual_seed(0)
-    model = RoutedStack()
+    model = RoutedStack().to(device)
     for rank in range(world):
-        (model(_batch(rank), USED[rank]).square().mean() / world).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+        (model(_batch(rank).to(device), USED[rank]).square().mean() / world).backward()
+    return {n: p.grad.cpu().clone() for n, p in model.named_parameters()}
 
 
-def _unused_on_one_rank(rank, world):
+def _unused_on_one_rank(rank, world, device="cpu"):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon_compile as dmuon
 
     torch.manual_seed(0)
-    model = RoutedStack()
-    mesh = init_device_mesh("cpu", (world,))
+    model = RoutedStack().to(local_device(device))
+    mesh = init_device_mesh(device, (world,))
     dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2)
     grads = {}
     for _ in range(2):  # the second backward accumulates onto the first
-        model(_batch(rank), USED[rank]).square().mean().backward()
+        model(_batch(rank).to(local_device(device)), USED[rank]).square().mean().backward()
         grads[len(grads)] = {
             n: (p.grad.full_tensor() if p.grad is not None else None)
             for n, p in model.named_parameters()
@@ -243,8 +243,12 @@ def _unused_on_one_rank(rank, world):
 
 
 def test_weight_unused_on_one_rank_gets_the_reference_gradient():
-    ref = _reference_grads(2)
-    out = run_ranks(_unused_on_one_rank, 2, timeout=90)
+    check_unused_on_one_rank("cpu")
+
+
+def check_unused_on_one_rank(device: str) -> None:
+    ref = _reference_grads(2, device)
+    out = run_ranks(_unused_on_one_rank, 2, device, timeout=90, device=device)
     for r in out:
         for k in (0, 1):
             for name, want in ref.items():

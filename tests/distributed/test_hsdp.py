@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, run_ranks, run_ranks_expect_errors
+from .harness import full_state, local_device, run_ranks, run_ranks_expect_errors
 from .test_dedicated_training import HYPER, _ns, train_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
@@ -63,7 +63,7 @@ def train_hsdp(
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
 
-    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    dev = local_device(device)
     hsdp = init_device_mesh(
         device, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
     )

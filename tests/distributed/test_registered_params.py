@@ -9,28 +9,28 @@ import pytest
 import torch
 
 from . import models
-from .harness import run_ranks
+from .harness import local_device, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 GLOBAL_BATCH = 4  # samples per step, split over the data-parallel ranks
 
 
-def _build(world: int, mesh_shape: tuple[int, ...], seed: int = 0):
+def _build(world: int, mesh_shape: tuple[int, ...], seed: int = 0, device: str = "cpu"):
     """The test Llama with its ``*_proj`` weights dedicated and FSDP2 on the rest."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon_compile as dmuon
 
-    model = models.build_llama(seed=seed)
+    model = models.build_llama(seed=seed).to(local_device(device))
     if len(mesh_shape) == 2:
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device, mesh_shape, mesh_dim_names=("replicate", "shard"))
         dmuon.dedicate_params(
             model, mesh["shard"], predicate=models.proj_predicate, replicate_mesh=mesh["replicate"]
         )
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
@@ -43,7 +43,8 @@ def _global_loss(model, x, rank: int, world: int) -> float:
     import torch.distributed as dist
 
     per = x.shape[0] // world
-    loss = model(x[rank * per : (rank + 1) * per]).square().mean()
+    device = next(model.parameters()).device  # the batch goes where the model is
+    loss = model(x[rank * per : (rank + 1) * per].to(device)).square().mean()
     loss.backward()
     value = loss.detach().clone()
     if dist.is_initialized() and world > 1:
@@ -157,12 +158,12 @@ def test_parameters_state_dict_reads_and_conversions():
 SAVE_AT, CONTINUE = 3, 5
 
 
-def _train_and_save(rank, world, mesh_shape, path):
+def _train_and_save(rank, world, mesh_shape, path, device="cpu"):
     """The uninterrupted run: SAVE_AT steps, a DCP checkpoint, then CONTINUE more steps."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model = _build(world, mesh_shape)
+    model = _build(world, mesh_shape, device=device)
     opt = _opt(model)
     x = _batches(SAVE_AT + CONTINUE)
     losses = []
@@ -176,7 +177,7 @@ def _train_and_save(rank, world, mesh_shape, path):
     return losses
 
 
-def _resume(rank, world, mesh_shape, path, fresh_optimizer=False):
+def _resume(rank, world, mesh_shape, path, fresh_optimizer=False, device="cpu"):
     """Build on another cluster shape, load the checkpoint, run the CONTINUE steps."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -186,11 +187,9 @@ def _resume(rank, world, mesh_shape, path, fresh_optimizer=False):
     )
 
     if mesh_shape == (1,) and world == 1:
-        model = models.build_llama(seed=5)  # one process, no dedicate_params at all
-    else:
-        model = _build(
-            world, mesh_shape, seed=5
-        )  # other initial values: the load must replace them
+        model = models.build_llama(seed=5).to(local_device(device))  # one process, plain model
+    else:  # other initial values: the load must replace them
+        model = _build(world, mesh_shape, seed=5, device=device)
     opt = _opt(model)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import run_ranks, run_ranks_expect_errors
+from .harness import local_device, run_ranks, run_ranks_expect_errors
 from .test_dedicated_training import HYPER, _ns
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
@@ -47,20 +47,20 @@ def _muon(model, compile=False, **kw):
     return dmuon.Muon(model, ns_backend=_ns(), compile=compile, **HYPER, **kw)
 
 
-def reference(dp: int, steps: int = STEPS, double_at: int | None = None):
+def reference(dp: int, steps: int = STEPS, double_at: int | None = None, device: str = "cpu"):
     """One process: the same model, the whole global batch (dp × 2 samples), reference Muon."""
-    model = models.build_llama()
+    model = models.build_llama().to(device)
     opt = _muon(model, predicate=models.proj_predicate)
     losses = []
     for i, x in enumerate(models.batches(steps, dp)):
-        loss = model(x).square().mean()
+        loss = model(x.to(device)).square().mean()
         loss.backward()
         opt.step()
         if i == double_at:
             opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def _whole_state(model) -> dict:
@@ -71,6 +71,7 @@ def _whole_state(model) -> dict:
 
     runtime = dedicated_runtime(model)
     runtime.wait_all()
+    device = runtime.groups[0].device
     tp = {p.fqn: p for p in runtime.params if isinstance(p, _tp.TPDedicatedParam)}
     plain = {p.fqn: p for p in runtime.params if p.fqn not in tp}
     dp_group = runtime.mesh.get_group()
@@ -78,7 +79,11 @@ def _whole_state(model) -> dict:
     for name, p in model.named_parameters():
         if name in plain:  # one owner per TP column: broadcast inside this rank's DP group
             dp = plain[name]
-            buf = dp.source.detach().clone() if dp.source is not None else torch.empty(dp.shape)
+            buf = (
+                dp.source.detach().clone()
+                if dp.source is not None
+                else torch.empty(dp.shape, device=device)
+            )
             dist.broadcast(buf, src=dist.get_global_rank(dp_group, dp.owner), group=dp_group)
             state[name] = buf
             continue
@@ -86,7 +91,7 @@ def _whole_state(model) -> dict:
             state[name] = p.full_tensor().detach().clone()
             continue
         dp = tp[name]
-        whole = torch.zeros(dp.global_shape)
+        whole = torch.zeros(dp.global_shape, device=device)
         if dp.owns:  # the global owner group: one holder per shard in the whole job
             t = runtime.tp.info.rank
             whole.narrow(dp.shard_dim, t * dp.shape[dp.shard_dim], dp.shape[dp.shard_dim]).copy_(
@@ -97,7 +102,7 @@ def _whole_state(model) -> dict:
     return state
 
 
-def build_tp(rank, world, dp, tp, replicas=1, attention=True):
+def build_tp(rank, world, dp, tp, replicas=1, attention=True, device="cpu"):
     """The model on a (dp, tp) or (replicate, shard, tp) mesh in the documented order."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -105,15 +110,15 @@ def build_tp(rank, world, dp, tp, replicas=1, attention=True):
 
     import dmuon_compile as dmuon
 
-    model = models.build_llama()
+    model = models.build_llama().to(local_device(device))
     if replicas == 1:
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], tp_plan(attention=attention))
         dmuon.dedicate_params(model, mesh["dp"], predicate=models.proj_predicate)
         fsdp_mesh, dp_rank = mesh["dp"], mesh["dp"].get_local_rank()
     else:
         mesh = init_device_mesh(
-            "cpu", (replicas, dp // replicas, tp), mesh_dim_names=("replicate", "shard", "tp")
+            device, (replicas, dp // replicas, tp), mesh_dim_names=("replicate", "shard", "tp")
         )
         parallelize_module(model, mesh["tp"], tp_plan())
         dmuon.dedicate_params(
@@ -147,6 +152,7 @@ def train_tp(
     double_at=None,
     attention=True,
     compile_cache=None,
+    device="cpu",
 ):
     """``compile_cache``: a directory for this rank's Inductor cache, and ``compile=True``."""
     import torch.distributed as dist
@@ -154,7 +160,7 @@ def train_tp(
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
 
-    model, dp_rank = build_tp(rank, world, dp, tp, replicas, attention)
+    model, dp_rank = build_tp(rank, world, dp, tp, replicas, attention, device)
     stage = dedicated_runtime(model).tp
     if control == "blockwise":  # NS on each TP shard separately: a different update
 
@@ -175,7 +181,8 @@ def train_tp(
     losses = []
     for i, x in enumerate(models.batches(steps, dp)):
         per = x.shape[0] // dp
-        loss = model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean()
+        loss = model(x[dp_rank * per : (dp_rank + 1) * per].to(local_device(device)))
+        loss = loss.square().mean()
         loss.backward()
         opt.step()
         if i == double_at:

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from dmuon_compile.kernels.consistency import check_ns_backend_consistent
 
 from dmuon_compile import NewtonSchulz
@@ -48,29 +44,16 @@ def test_agreeing_ranks_pass(monkeypatch):
     assert check_ns_backend_consistent(ns) == ns.describe()
 
 
-def _worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        ns = NewtonSchulz(backend="gram" if rank == 0 else "direct", kernel="cublas")
-        try:
-            check_ns_backend_consistent(ns)
-            results[rank] = "no error"
-        except RuntimeError as exc:
-            results[rank] = str(exc)
-    finally:
-        dist.destroy_process_group()
+def _disagreeing_kernels(rank: int, world: int) -> None:
+    ns = NewtonSchulz(backend="gram" if rank == 0 else "direct", kernel="cublas")
+    check_ns_backend_consistent(ns)
 
 
 @pytest.mark.distributed
 def test_two_gloo_ranks_with_different_backends_both_raise():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_worker, args=(port, results), nprocs=2, join=True)
-    assert set(results.keys()) == {0, 1}
+    from tests.distributed.harness import run_ranks_expect_errors
+
+    errors = run_ranks_expect_errors(_disagreeing_kernels, 2, timeout=60)
     for rank in (0, 1):
-        assert "ranks resolved different Newton–Schulz kernels" in results[rank]
-        assert "Direct NS" in results[rank] and "Gram NS" in results[rank]
+        assert "ranks resolved different Newton–Schulz kernels" in errors[rank]
+        assert "Direct NS" in errors[rank] and "Gram NS" in errors[rank]

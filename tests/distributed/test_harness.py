@@ -1,0 +1,51 @@
+"""The harness itself: the rendezvous port cannot be taken from under a run.
+
+The race a bind-to-0-then-release launcher loses: between the launcher closing its probe socket
+and rank 0 binding the port, another process takes it, and rank 0 fails with ``EADDRINUSE``.
+The test makes that race certain: every socket the launcher opens from Python has its port taken
+by a listening socket the moment it is closed.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from .harness import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+
+def _rank_sum(rank, world):
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return float(t)
+
+
+def test_run_survives_a_port_thief(monkeypatch):
+    real = socket.socket
+    stolen = []
+
+    class PortThief(real):
+        def close(self):
+            try:
+                port = self.getsockname()[1]
+            except OSError:
+                port = 0
+            super().close()
+            if port:  # another program binds the port the moment it is free
+                thief = real()
+                thief.bind(("127.0.0.1", port))
+                thief.listen()
+                stolen.append(thief)
+
+    monkeypatch.setattr(socket, "socket", PortThief)
+    try:
+        assert run_ranks(_rank_sum, 2, timeout=60) == [3.0, 3.0]
+    finally:
+        for s in stolen:
+            s.close()
