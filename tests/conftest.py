@@ -33,8 +33,12 @@ def pytest_collection_modifyitems(config, items):
         return
     tier_on_cpu = _tier_device() == "cpu"
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_tier = pytest.mark.skip(reason="needs a CUDA GPU (DMUON_TIER_DEVICE=cpu: on the CPU)")
     for item in items:
-        if "gpu" in item.keywords and not (tier_on_cpu and "tier" in item.keywords):
+        if "tier" in item.keywords:
+            if not tier_on_cpu:
+                item.add_marker(skip_tier)
+        elif "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
 
