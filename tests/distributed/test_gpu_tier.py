@@ -399,7 +399,9 @@ def _race_run(rank, world, device, compile_cache):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_run_equals_the_run_under_cuda_launch_blocking(tier_device, tmp_path, cache_dir, compiled):
+def test_race_detector_run_equals_run_under_cuda_launch_blocking(
+    tier_device, tmp_path, cache_dir, compiled
+):
     """A missing stream wait or event shows as a difference between a run and the same run with
     every launch synchronous. A second free run first proves the run deterministic (else the
     comparison could not judge)."""
