@@ -16,8 +16,9 @@
 #   gputests    pytest -m "gpu and not tier" (GPUTEST_PATHS, default tests/: kernels, NCCL runtime)
 #   tier        the multi-rank CUDA tier on one GPU: 2–8 gloo ranks share cuda:0
 #               (pytest -m gpu tests/distributed/test_gpu_tier.py, TIER_TIMEOUT s, default 540;
-#               TIER_K is pytest's -k: a device call holds ~10 min, so run the tier in two calls,
-#               TIER_K="not compiled" then TIER_K=compiled); its log and JUnit XML are archived
+#               TIER_K is pytest's -k: a device call holds ~10 min, so run the tier in three
+#               calls, TIER_K="not compiled", "compiled and not race", "race and compiled");
+#               its log and JUnit XML are archived
 #   step_S/M    bench_step.py (§B1) with a profile of each configuration
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
 #   fsdp1_S/M   the same on one GPU

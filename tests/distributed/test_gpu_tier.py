@@ -24,6 +24,7 @@ from . import test_hsdp as hsdp
 from . import test_registered_params as dcp_tests
 from . import test_tp as tp
 from .harness import full_state, local_device, run_ranks
+from .test_compiled_step_dist import _ns as _auto_ns
 from .test_compiled_step_dist import check_compiled
 from .test_dedicated_runtime import check_gradient_accumulation
 from .test_dedicated_training import HYPER, _ns, check_against_reference
@@ -359,8 +360,9 @@ RACE_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def _race_run(rank, world, device, compile_cache):
-    """HSDP 2×2 at width 1024 (FSDP2's streams, the owner reduce, the async publish) with no host
-    sync in the loop: the losses stay on the device until the end."""
+    """HSDP 2×2 at width 1024 (FSDP2's streams, the owner reduce, the async publish; compiled:
+    each rank's own step graph) with no host sync in the loop: the losses stay on the device
+    until the end."""
     import os
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -381,8 +383,13 @@ def _race_run(rank, world, device, compile_cache):
     fully_shard(model, mesh=mesh)
     if compile_cache is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(compile_cache, f"inductor-{rank}")
+    compiled = compile_cache is not None  # the NS-chain pass and its kernels, one graph per rank
     opt = dmuon.Muon(
-        model, ns_backend=_ns(), compile=compile_cache is not None, replicate_async=True, **HYPER
+        model,
+        ns_backend=_auto_ns() if compiled else _ns(),
+        compile=compiled,
+        replicate_async=True,
+        **HYPER,
     )
     batches = [x.to(dev) for x in models.batches(RACE_STEPS, world, dim=RACE_WIDTH)]
     per = batches[0].shape[0] // world
