@@ -353,14 +353,18 @@ def test_gradient_accumulation(tier_device):
 
 
 # ---------------------------------------------------------------------------------- races
-RACE_WIDTH, RACE_LAYERS, RACE_STEPS = 1024, 2, 3
+RACE_LAYERS, RACE_STEPS = 2, 3
+# Model width: 1024 on the GPU (kernels with many blocks, long enough to overlap the
+# communication); on the CPU, where CUDA_LAUNCH_BLOCKING means nothing and the run only checks
+# the tier itself, 256 keeps it short.
+RACE_WIDTH = {"cuda": 1024, "cpu": 256}
 # Both runs pick the same kernels, deterministic ones: cuBLAS with a fixed workspace, the math
 # attention (the fused ones' backward may accumulate in any order).
 RACE_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
-def _race_run(rank, world, device, compile_cache):
-    """HSDP 2×2 at width 1024 (FSDP2's streams, the owner reduce, the async publish; compiled:
+def _race_run(rank, world, device, width, compile_cache):
+    """HSDP 2×2 at ``width`` (FSDP2's streams, the owner reduce, the async publish; compiled:
     each rank's own step graph) with no host sync in the loop: the losses stay on the device
     until the end."""
     import os
@@ -374,7 +378,7 @@ def _race_run(rank, world, device, compile_cache):
     torch.use_deterministic_algorithms(True, warn_only=True)
     dev = local_device(device)
     mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    model = models.build_llama(dim=RACE_WIDTH, ffn=RACE_WIDTH, heads=8, layers=RACE_LAYERS).to(dev)
+    model = models.build_llama(dim=width, ffn=width, heads=8, layers=RACE_LAYERS).to(dev)
     dmuon.dedicate_params(
         model, mesh["shard"], predicate=models.proj_predicate, replicate_mesh=mesh["replicate"]
     )
@@ -391,7 +395,7 @@ def _race_run(rank, world, device, compile_cache):
         replicate_async=True,
         **HYPER,
     )
-    batches = [x.to(dev) for x in models.batches(RACE_STEPS, world, dim=RACE_WIDTH)]
+    batches = [x.to(dev) for x in models.batches(RACE_STEPS, world, dim=width)]
     per = batches[0].shape[0] // world
     losses = []
     with sdpa_kernel(SDPBackend.MATH):
@@ -405,6 +409,7 @@ def _race_run(rank, world, device, compile_cache):
     return {"losses": torch.stack(losses), "state": state if rank == 0 else None}
 
 
+@pytest.mark.timeout(1800)  # three runs
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_race_detector_run_equals_run_under_cuda_launch_blocking(
     tier_device, tmp_path, cache_dir, compiled
@@ -416,7 +421,16 @@ def test_race_detector_run_equals_run_under_cuda_launch_blocking(
     def run(blocking, tag):
         cache = str(tmp_path / tag) if compiled else None
         env = {**RACE_ENV, "CUDA_LAUNCH_BLOCKING": "1" if blocking else "0"}
-        return run_ranks(_race_run, 4, tier_device, cache, device=tier_device, env=env, timeout=500)
+        return run_ranks(
+            _race_run,
+            4,
+            tier_device,
+            RACE_WIDTH[tier_device],
+            cache,
+            device=tier_device,
+            env=env,
+            timeout=500,
+        )
 
     free, again, blocking = run(False, "a"), run(False, "b"), run(True, "c")
     for other, what in ((again, "a second free run: not deterministic"), (blocking, "a race")):
