@@ -280,6 +280,16 @@ class DedicatedRuntime:
         unshard goes out here; nothing is prefetched: the group after it in forward order has
         finished its backward, and the pre-backward hooks prefetch the next one (FSDP2 skips
         its forward hooks in recomputation too)."""
+        if not group.ran_forward:
+            # Reentrant checkpointing ran the first forward without gradients: no reduce is
+            # due for this group, so its gradients would be dropped. Fail on every rank alike.
+            raise RuntimeError(
+                f"dmuon_compile: dedicated hook group {group.name!r} is recomputed in backward "
+                "but its forward did not run with gradients in this iteration: reentrant "
+                "activation checkpointing is not supported (its dedicated weights would get no "
+                "gradient). Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                "checkpoint_wrapper with its default CheckpointImpl.NO_REENTRANT."
+            )
         group.wait_unshard()
 
     def _post_forward(self, group: DedicatedGroup, output) -> None:
