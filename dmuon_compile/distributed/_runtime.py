@@ -5,16 +5,21 @@ iteration, for each hook group G (in the forward order recorded on the first for
 on every rank, so collectives are issued in the same order everywhere):
 
 forward pre-hook(G)   wait G's unshard (issue it if no prefetch did), prefetch the next group
-forward hook(G)       reshard G (free its buffer; not the last group, whose backward follows
-                      at once); on the output tensors register a gradient hook =
-                      "pre-backward(G)"; the output object itself is never touched
-pre-backward(G)       unshard G again (wait), prefetch the group before it in forward order
+forward hook(G)       reshard G (free its buffer; not the group whose forward ends last, whose
+                      backward follows at once); on the output tensors register a gradient
+                      hook = "pre-backward(G)"; the output object itself is never touched
+pre-backward(G)       unshard G again (wait), prefetch the group whose forward ended just
+                      before G's (a group whose forward encloses others — a root holding a
+                      ``pos_embed`` — ends last, so its backward comes first)
+recompute(G)          activation checkpointing runs G's forward hooks inside backward: wait
+                      G's unshard only, no prefetch (the groups after G are done)
 grad hooks            when every parameter of G has its gradient — or backward reached the
-                      group before G, or backward ended, for a weight this rank did not
-                      use (zeros) — pack, reduce to owners (async), free the local
-                      gradients, reshard G, finish the previous group's reduce (one reduce
-                      in flight bounds the gradient buffers). The reduces go out in one
-                      order on every rank: the groups that ran forward, last first
+                      output of a group whose forward ended before G's started (never one
+                      enclosing G), or backward ended, for a weight this rank did not use
+                      (zeros) — pack, reduce to owners (async), free the local gradients,
+                      reshard G, finish the previous group's reduce (one reduce in flight
+                      bounds the gradient buffers). The reduces go out in one order on every
+                      rank: the groups that ran forward, last started first
 end of backward       (autograd callback) wait all reduces: each registered ``param.grad``
                       holds the full gradient averaged over the group
 Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
