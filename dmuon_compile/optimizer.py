@@ -62,9 +62,11 @@ def routing_module(modules: list[nn.Module]) -> nn.Module | None:
 
 def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | None):
     """Split a model's parameters into (muon [(name, p)], adamw [(name, p)])."""
-    from dmuon_compile.dedicated_registry import dedicated_names  # late: avoids an import cycle
+    from dmuon_compile.dedicated_registry import dedicated_parameters  # late: no import cycle
 
-    dedicated = dedicated_names(model)
+    # By identity, not name: a module wrapped after dedicate_params (checkpoint_wrapper adds
+    # ``_checkpoint_wrapped_module.`` to the names) still holds the same dedicated parameters.
+    dedicated = {id(p) for _, p in dedicated_parameters(model)}
     module_of: dict[int, list[nn.Module]] = {}
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
@@ -73,7 +75,7 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
     for name, p in model.named_parameters():  # named_parameters dedups tied weights
         if not p.requires_grad:
             continue
-        if name in dedicated:
+        if id(p) in dedicated:
             chosen = True
         elif dedicated and hasattr(p, "to_local"):
             chosen = (
@@ -88,7 +90,7 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
                 )
         else:
             chosen = default_muon_predicate(name, p, routing_module(module_of.get(id(p), [])))
-        if chosen and hasattr(p, "to_local") and name not in dedicated:
+        if chosen and hasattr(p, "to_local") and id(p) not in dedicated:
             raise ValueError(
                 f"Muon: {name!r} is a DTensor shard (FSDP2/TP), but Newton–Schulz needs the whole "
                 "matrix. Call dmuon.dedicate_params(model, mesh, ...) before fully_shard so each "

@@ -5,16 +5,21 @@ iteration, for each hook group G (in the forward order recorded on the first for
 on every rank, so collectives are issued in the same order everywhere):
 
 forward pre-hook(G)   wait G's unshard (issue it if no prefetch did), prefetch the next group
-forward hook(G)       reshard G (free its buffer; not the last group, whose backward follows
-                      at once); on the output tensors register a gradient hook =
-                      "pre-backward(G)"; the output object itself is never touched
-pre-backward(G)       unshard G again (wait), prefetch the group before it in forward order
+forward hook(G)       reshard G (free its buffer; not the group whose forward ends last, whose
+                      backward follows at once); on the output tensors register a gradient
+                      hook = "pre-backward(G)"; the output object itself is never touched
+pre-backward(G)       unshard G again (wait), prefetch the group whose forward ended just
+                      before G's (a group whose forward encloses others — a root holding a
+                      ``pos_embed`` — ends last, so its backward comes first)
+recompute(G)          activation checkpointing runs G's forward hooks inside backward: wait
+                      G's unshard only, no prefetch (the groups after G are done)
 grad hooks            when every parameter of G has its gradient — or backward reached the
-                      group before G, or backward ended, for a weight this rank did not
-                      use (zeros) — pack, reduce to owners (async), free the local
-                      gradients, reshard G, finish the previous group's reduce (one reduce
-                      in flight bounds the gradient buffers). The reduces go out in one
-                      order on every rank: the groups that ran forward, last first
+                      output of a group whose forward ended before G's started (never one
+                      enclosing G), or backward ended, for a weight this rank did not use
+                      (zeros) — pack, reduce to owners (async), free the local gradients,
+                      reshard G, finish the previous group's reduce (one reduce in flight
+                      bounds the gradient buffers). The reduces go out in one order on every
+                      rank: the groups that ran forward, last started first
 end of backward       (autograd callback) wait all reduces: each registered ``param.grad``
                       holds the full gradient averaged over the group
 Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
@@ -118,8 +123,20 @@ class DedicatedRuntime:
         self.rank = rank
         self.world = world
         self.record_profile = record_profile
-        self.forward_order: list[DedicatedGroup] = []
+        self.forward_order: list[DedicatedGroup] = []  # by forward start (first forward)
         self._index: dict[int, int] = {}
+        # By forward *end*: an enclosing group (a root holding a dedicated weight) ends after
+        # the groups its forward runs, so its backward comes first; the order of backward
+        # prefetches. Without nesting it equals forward_order.
+        self.end_order: list[DedicatedGroup] = []
+        self._end_index: dict[int, int] = {}
+        # This iteration's forward clock: a tick per group forward (grad on, outside
+        # backward); each group's first start tick and last end tick since the last backward.
+        # A group that started after G's forward ended has finished its backward once backward
+        # reaches G's output; one that started inside G's forward (nested) has not.
+        self._clock = 0
+        self._started_at: dict[int, int] = {}
+        self._ended_at: dict[int, int] = {}
         self._backward_queued = False
         self._sync: bool | None = None
         self._reducing: list[DedicatedGroup] = []
@@ -198,12 +215,20 @@ class DedicatedRuntime:
                 )
             )
 
-    def _neighbour(self, group: DedicatedGroup, step: int) -> DedicatedGroup | None:
-        i = self._index.get(id(group))
+    def _neighbour(self, group: DedicatedGroup, step: int, by_end: bool = False):
+        """The group ``step`` places from ``group`` in forward order (``by_end``: in the order
+        the forwards ended), or ``None``."""
+        order = self.end_order if by_end else self.forward_order
+        i = (self._end_index if by_end else self._index).get(id(group))
         if i is None:
             return None
         j = i + step
-        return self.forward_order[j] if 0 <= j < len(self.forward_order) else None
+        return order[j] if 0 <= j < len(order) else None
+
+    def _last_group(self) -> DedicatedGroup | None:
+        """The group whose forward ends last, so whose backward comes first: known once the
+        order is frozen (a root group enclosing the blocks, else the last block)."""
+        return self.end_order[-1] if self._order_frozen and self.end_order else None
 
     def check_compute_dtypes(self) -> None:
         """Note a dedicated compute dtype FSDP2 does not compute in (``Muon(model)`` calls it):
@@ -226,32 +251,61 @@ class DedicatedRuntime:
             self.groups[0].device.type
         ):
             raise RuntimeError(self.dtype_mismatch)
-        if not in_backward():
-            # No backward is running, so none can be pending: forget one that raised before
-            # its end-callback ran.
-            self._backward_queued, self._sync, self._reduces_issued = False, None, 0
-            if self._publish_due:  # weights changed by something other than Muon(model).step
-                self.publish(wait=False)
-            if self._last_done and group is self.forward_order[0]:
-                # A new forward after a complete one that had no backward (or kept its last
-                # group): drop the unsharded copies, the weights may have changed since.
-                self._last_done = False
-                for g in self.groups:
-                    if g.state == UNSHARDED:
-                        g.reshard()
+        if in_backward():
+            self._pre_recompute(group)
+            return
+        # No backward is running, so none can be pending: forget one that raised before
+        # its end-callback ran.
+        self._backward_queued, self._sync, self._reduces_issued = False, None, 0
+        if self._publish_due:  # weights changed by something other than Muon(model).step
+            self.publish(wait=False)
+        if self._last_done and group is self.forward_order[0]:
+            # A new forward after a complete one that had no backward (or kept its last
+            # group): drop the unsharded copies, the weights may have changed since.
+            self._last_done = False
+            for g in self.groups:
+                if g.state == UNSHARDED:
+                    g.reshard()
         if id(group) not in self._index:
             self._index[id(group)] = len(self.forward_order)
             self.forward_order.append(group)
-        if torch.is_grad_enabled() and not in_backward():
+        if torch.is_grad_enabled():
             group.ran_forward = True  # its backward (and reduce) is due
+            self._clock += 1
+            self._started_at.setdefault(id(group), self._clock)
         group.wait_unshard()
         nxt = self._neighbour(group, +1)
         if nxt is not None and nxt.state == SHARDED:
             nxt.unshard(prefetch=True)
 
+    def _pre_recompute(self, group: DedicatedGroup) -> None:
+        """Forward pre-hook inside backward: activation-checkpoint recomputation of ``group``.
+
+        Its pre-backward unshard (or the prefetch of the group after it) already ran, or the
+        unshard goes out here; nothing is prefetched: the group after it in forward order has
+        finished its backward, and the pre-backward hooks prefetch the next one (FSDP2 skips
+        its forward hooks in recomputation too)."""
+        if not group.ran_forward:
+            # Reentrant checkpointing ran the first forward without gradients: no reduce is
+            # due for this group, so its gradients would be dropped. Fail on every rank alike.
+            raise RuntimeError(
+                f"dmuon_compile: dedicated hook group {group.name!r} is recomputed in backward "
+                "but its forward did not run with gradients in this iteration: reentrant "
+                "activation checkpointing is not supported (its dedicated weights would get no "
+                "gradient). Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                "checkpoint_wrapper with its default CheckpointImpl.NO_REENTRANT."
+            )
+        group.wait_unshard()
+
     def _post_forward(self, group: DedicatedGroup, output) -> None:
-        if self._order_frozen and group is self.forward_order[-1] and not in_backward():
-            self._last_done = True
+        if not in_backward():
+            if id(group) not in self._end_index:
+                self._end_index[id(group)] = len(self.end_order)
+                self.end_order.append(group)
+            if torch.is_grad_enabled():
+                self._ended_at[id(group)] = self._clock
+            if group is self._last_group():
+                self._last_done = True
         if not torch.is_grad_enabled():
             group.reshard()  # no backward follows (eval): never keep weights a step could stale
             return
@@ -264,7 +318,7 @@ class DedicatedRuntime:
             return  # nothing would trigger the backward unshard: keep it until backward ends
         for t in hooked:
             t.register_hook(self._backward_hooks[id(group)])
-        if self._order_frozen and group is self.forward_order[-1]:
+        if group is self._last_group():
             # The last group's backward comes right after the forward: resharding it would only
             # add an exposed all-gather (FSDP2 keeps its root unsharded for the same reason).
             return
@@ -277,15 +331,16 @@ class DedicatedRuntime:
 
     def _pre_backward(self, group: DedicatedGroup) -> None:
         self._queue_backward_end()
-        # Backward reached this group's output: every group after it in forward order is done.
-        # Their reduces go out now if they are still waiting for a gradient that will not come
-        # (a weight unused on this rank), before this group's prefetch: the collective order
-        # stays the same on every rank whichever weights each rank used.
-        i = self._index.get(id(group))
-        if i is not None and self._sync_on():
-            self._issue_reduces(until=self._position_in_reduce_order(i))
+        # Backward reached this group's output: every group whose forward started after this
+        # group's forward ended is done (not the groups nested inside it: a root group's output
+        # comes first in backward). Their reduces go out now if they are still waiting for a
+        # gradient that will not come (a weight unused on this rank), before this group's
+        # prefetch: the collective order stays the same on every rank whichever weights each
+        # rank used.
+        if self._sync_on():
+            self._issue_reduces(until=self._finished_before(group))
         group.wait_unshard()
-        prev = self._neighbour(group, -1)
+        prev = self._neighbour(group, -1, by_end=True)
         if prev is not None and prev.state == SHARDED and prev.reshard_after_forward:
             prev.unshard(prefetch=True)
 
@@ -299,9 +354,25 @@ class DedicatedRuntime:
         order in which every rank issues their reduces (whichever weights got gradients)."""
         return [g for g in reversed(self.forward_order) if g.ran_forward]
 
-    def _position_in_reduce_order(self, forward_index: int) -> int:
-        """How many groups of the reduce order come after forward position ``forward_index``."""
-        return sum(1 for g in self.forward_order[forward_index + 1 :] if g.ran_forward)
+    def _finished_before(self, group: DedicatedGroup) -> int:
+        """How many groups at the head of the reduce order have finished their backward when
+        backward reaches ``group``'s output: those whose forward started after ``group``'s
+        ended. Counted from the head and stopped at the first other one, so a group nested in
+        ``group``'s forward (or one without ticks this iteration) is never counted."""
+        end = self._ended_at.get(id(group))
+        if end is None:
+            return 0
+        n = 0
+        for g in self._reduce_order():
+            if self._started_at.get(id(g), end) <= end:
+                break
+            n += 1
+        return n
+
+    def _reset_clock(self) -> None:
+        self._clock = 0
+        self._started_at.clear()
+        self._ended_at.clear()
 
     def _issue_reduces(self, until: int | None = None, ready: DedicatedGroup | None = None) -> None:
         """Issue, in reduce order, every reduce not issued yet that may go now: the first
@@ -335,6 +406,7 @@ class DedicatedRuntime:
 
     def _post_backward(self) -> None:
         self._backward_queued = False
+        self._reset_clock()
         self._last_done = False  # everything below is resharded anyway
         self._order_frozen = bool(self.forward_order)
         sync = bool(self._sync)
@@ -385,6 +457,7 @@ class DedicatedRuntime:
         self._backward_queued, self._sync, self._reducing = False, None, []
         self._reduces_issued = 0
         self._last_done = False
+        self._reset_clock()
 
     # ------------------------------------------------------------------ HSDP publish
     @torch.compiler.disable  # eager and identical on every rank, even under a compiled step
@@ -483,3 +556,4 @@ class DedicatedRuntime:
             group.grads_ready.clear()
         self._backward_queued, self._sync, self._reducing = False, None, []
         self._reduces_issued = 0
+        self._reset_clock()
