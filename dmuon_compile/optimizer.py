@@ -313,13 +313,17 @@ class Muon(torch.optim.Optimizer):
         """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
         flight are dropped (after an exception in forward or backward, reduces already issued
         would otherwise land on the owners' gradients after this call). Collective when such
-        reduces are pending (every rank issued them); cheap otherwise.
+        reduces are pending (every rank issued them; they are waited for until finished, also on
+        CUDA, or this raises by the group timeout); cheap otherwise.
+
+        The exception must reach every rank: one inside ``step()`` does (``MuonStepError`` on
+        every rank); one in forward or backward must happen, or be caught, on every rank.
 
         Example::
 
             try:
-                loss = model(x).loss; loss.backward()
-            except torch.OutOfMemoryError:
+                loss = model(x).loss; loss.backward(); opt.step()
+            except (torch.OutOfMemoryError, dmuon.MuonStepError):
                 opt.zero_grad()  # drop this batch on every rank, then go on
         """
         from dmuon_compile.dedicated_registry import PLAN_ATTR

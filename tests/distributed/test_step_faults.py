@@ -18,6 +18,7 @@ with other weights: the check fails.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -141,7 +142,7 @@ def _train(rank, world, kind, layout, fold=True):
             out["after_s"] = time.monotonic() - start
             out["at"] = i
         opt.zero_grad()
-        out["losses"].append(float(loss))
+        out["losses"].append(loss.item())
     if layout == "tp":
         out["state"] = _whole_state(model)
         dist.barrier()
@@ -150,8 +151,10 @@ def _train(rank, world, kind, layout, fold=True):
     return out
 
 
-def reference() -> dict:
-    """One process, eager Muon, the global batches, the batch ``FAIL_AT`` skipped."""
+@functools.cache
+def reference(dp: int) -> dict:
+    """One process, eager Muon, the global batches of ``dp`` data-parallel ranks, the batch
+    ``FAIL_AT`` skipped."""
     import dmuon_compile as dmuon
 
     model = models.build_llama()
@@ -162,7 +165,7 @@ def reference() -> dict:
         compile=False,
         **HYPER,
     )
-    for i, x in enumerate(models.batches(STEPS + 1, WORLD)):
+    for i, x in enumerate(models.batches(STEPS + 1, dp)):
         model(x).square().mean().backward()
         if i != FAIL_AT:
             opt.step()
@@ -193,11 +196,6 @@ def _problems(results, phase: str, cause: str, ref: dict) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference()
-
-
 CASES = [
     # (kind, layout, phase, the failing rank's own exception)
     ("eager", "1d", "the eager Muon step (momentum, Newton–Schulz)", "InjectedError"),
@@ -208,17 +206,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("kind, layout, phase, cause", CASES, ids=[c[0] for c in CASES])
-def test_one_rank_failure_in_step_raises_everywhere_then_trains_exactly(
-    kind, layout, phase, cause, ref
-):
+def test_one_rank_failure_in_step_raises_everywhere_then_trains_exactly(kind, layout, phase, cause):
     from dmuon_compile import optimizer
 
     phase = next(p for p in optimizer.STEP_PHASES if p.startswith(phase))
     results = run_ranks(_train, WORLD, kind, layout, timeout=120)
+    ref = reference(1 if layout == "tp" else WORLD)
     assert _problems(results, phase, cause, ref) == []
 
 
-def test_control_without_the_agreement_the_ranks_fall_apart(ref):
+def test_control_without_the_agreement_the_ranks_fall_apart():
     """The failing rank raises at once (nothing caught): the others are left in the step's
     all-reduce while it goes on: a hang (killed here), an error elsewhere, or other weights."""
     from dmuon_compile import optimizer
@@ -229,4 +226,4 @@ def test_control_without_the_agreement_the_ranks_fall_apart(ref):
     except (TimeoutError, AssertionError, RuntimeError) as exc:  # a hang or a rank that died
         assert "did not finish" in str(exc) or "failed" in str(exc) or "died" in str(exc)
         return
-    assert _problems(results, phase, "OutOfMemoryError", ref) != []
+    assert _problems(results, phase, "OutOfMemoryError", reference(WORLD)) != []
