@@ -394,14 +394,13 @@ class Muon(torch.optim.Optimizer):
         or raises together; before raising or skipping, the TP scatters the step issued are
         waited for and dropped (every member issued them): the ranks' collectives stay paired.
         """
-        params, finite, fresh = check
         try:
-            commit = self._verdict(params, finite, failure)
+            commit = self._verdict(check.params, check.finite, failure)
         except BaseException:
-            self._abort(halves, fresh)
+            self._abort(halves, check.fresh)
             raise
         if not commit:
-            self._abort(halves, fresh)
+            self._abort(halves, check.fresh)
         return commit
 
     def _verdict(self, params: list[Tensor], finite: Tensor | None, failure: list) -> bool:
@@ -552,6 +551,10 @@ class Muon(torch.optim.Optimizer):
         left in flight with ``replicate_async=True`` (waited for in the next forward), waited
         for here with ``False``. ``dmuon.wait_all_replicate_broadcasts(model)`` drains them.
 
+        An exception in one rank's part of the step (OOM, a compile or autotune error, ...)
+        raises :class:`MuonStepError` on every rank of a sharded or dedicated model, before
+        any weight or state changed anywhere: ``opt.zero_grad()`` on every rank and go on.
+
         Example::
 
             opt.step(); opt.step()  # safe: the second step drains the first one's publish
@@ -661,7 +664,7 @@ class Muon(torch.optim.Optimizer):
                 [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in parts]
                 for parts in (early_parts, rest_parts)
             )
-        return split, early_parts, rest_parts, adamw, (with_grad, finite, fresh)
+        return split, early_parts, rest_parts, adamw, _StepCheck(with_grad, finite, fresh)
 
     def _muon_directions(
         self, part: str, group: dict, params: list, grads: list, bufs: list, failure: list
@@ -719,6 +722,16 @@ class Muon(torch.optim.Optimizer):
             momentum=group["momentum"],
             adjust_lr_fn=group["adjust_lr_fn"],
         )
+
+
+@dataclass
+class _StepCheck:
+    """What ``Muon._agree`` reads, passed through a user-compiled step as one opaque object (a
+    list would be guarded by length there: the first step's new state would recompile)."""
+
+    params: list  # the parameters with gradients
+    finite: Tensor | None  # their finite flags, on the device
+    fresh: list  # those whose state this step created: dropped if the step does not commit
 
 
 @dataclass
