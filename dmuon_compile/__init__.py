@@ -49,12 +49,13 @@ from dmuon_compile.newton_schulz import (  # noqa: E402
     get_ns_backend,
     matrix_view,
 )
-from dmuon_compile.optimizer import Muon, default_muon_predicate  # noqa: E402
+from dmuon_compile.optimizer import Muon, MuonStepError, default_muon_predicate  # noqa: E402
 
 __all__ = [
     "__version__",
     "MixedPrecision",
     "Muon",
+    "MuonStepError",
     "NewtonSchulz",
     "ParamPolicy",
     "collect_forward_unshard_profile",

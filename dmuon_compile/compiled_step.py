@@ -1,18 +1,21 @@
 """The compiled Muon step: one ``torch.compile(fullgraph=True)`` graph per Muon group.
 
 ``CompiledMuonStep`` is what ``Muon`` dispatches to when ``compile`` is on (default on CUDA):
-``torch.compile`` of :func:`dmuon_compile.functional.muon_update`, the same function the eager
-step runs (the step is written once). One call runs, for every matrix of the group,
-momentum → Newton–Schulz → scaled update, inside a single graph compiled with the NS-chain pass
+``torch.compile`` of :func:`dmuon_compile.functional.muon_directions`, the first half of the
+function the eager step runs (the step is written once). One call computes, for every matrix of
+the group, momentum → Newton–Schulz without writing any state, inside a single graph compiled
+with the NS-chain pass
 (:class:`dmuon_compile.passes.NSChainPass`), which rewrites the torch-primitive NS chain
 (``mm``/``addmm``/``baddbmm``) into the symmetric ``torch.ops.dmuon`` kernels.
 
 What keeps it to one graph and one compile:
 
 - optimizer state is created eagerly by ``Muon._init_group`` before the call;
-- ``lr``, ``weight_decay`` and ``momentum`` enter as 0-d float32 tensors on the parameters'
-  device, refilled in place every step: an LR schedule changes values, never guards, so it
-  never recompiles (a Python float would be guarded by value);
+- ``momentum`` enters as a 0-d float32 tensor on the parameters' device, refilled in place
+  every step: a schedule changes values, never guards, so it never recompiles (a Python float
+  would be guarded by value); ``lr`` and ``weight_decay`` are used by the second half,
+  ``functional.commit_muon_step``, which runs eagerly (elementwise ``foreach`` ops) after
+  ``Muon.step``'s agreement across ranks;
 - same-shape matrices are stacked and orthogonalised by one batched (``bmm``) chain
   (``functional.shape_buckets``, traced: shapes are static);
 - the orthogonaliser is a copy of the group's that issues the torch-primitive chain
@@ -22,8 +25,9 @@ What keeps it to one graph and one compile:
 - ``dynamic=False``: parameter shapes are static, and the pass matches static shapes.
 
 ``mode="reduce-overhead"`` adds CUDA graphs (launch overhead dominates small matrices); it
-marks parameters, gradients, momentum buffers and the hyper-parameter tensors as static
-addresses, so gradients must be kept in place (``zero_grad(set_to_none=False)``).
+marks gradients, momentum buffers and the momentum tensor as static
+addresses, so gradients must be kept in place (``zero_grad(set_to_none=False)``). Calling a
+``CompiledMuonStep`` runs both halves (the compiled graph, then the eager commit).
 
 When the user compiles the optimizer step themselves (``opt.step = torch.compile(opt.step)``),
 ``Muon`` does not nest a second ``torch.compile``: it detects that Dynamo is tracing, installs
@@ -195,53 +199,60 @@ class CompiledMuonStep:
         opts.update(options or {})
         self.options = opts
         self.fn = torch.compile(
-            _fresh_copy(F.muon_update), fullgraph=True, dynamic=False, options=opts
+            _fresh_copy(F.muon_directions), fullgraph=True, dynamic=False, options=opts
         )
         self._orthogonalize = None  # compiled on first use: TP owners' NS (``orthogonalize``)
-        self._hyper: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+        self._momentum: dict[torch.device, Tensor] = {}
         self._static_marked: set[int] = set()
         self.calls = 0
         self.first_call_s: float | None = None
 
-    def hyper_tensors(self, device: torch.device, lr: float, weight_decay: float, momentum: float):
-        """The 0-d float32 (lr, weight_decay, momentum) tensors on ``device``, refilled in place."""
-        hyper = self._hyper.get(device)
-        if hyper is None:
-            hyper = tuple(torch.zeros((), dtype=torch.float32, device=device) for _ in range(3))
-            self._hyper[device] = hyper
-        for t, v in zip(hyper, (lr, weight_decay, momentum)):
-            if isinstance(v, Tensor) and v.device.type != "cpu":
-                t.copy_(v.detach().reshape(()))  # on device: no host sync
-            else:  # a float, or Muon's CPU hyper-parameter tensors: a host read, no H2D copy
-                t.fill_(float(v))
-        return hyper
+    def hyper_tensor(self, device: torch.device, momentum: float | Tensor) -> Tensor:
+        """The 0-d float32 momentum tensor on ``device``, refilled in place."""
+        t = self._momentum.get(device)
+        if t is None:
+            t = self._momentum[device] = torch.zeros((), dtype=torch.float32, device=device)
+        if isinstance(momentum, Tensor) and momentum.device.type != "cpu":
+            t.copy_(momentum.detach().reshape(()))  # on device: no host sync
+        else:  # a float, or a CPU tensor: a host read, no H2D copy
+            t.fill_(float(momentum))
+        return t
 
     def __call__(
         self, params, grads, bufs, *, lr, weight_decay, momentum, nesterov, adjust_lr_fn
     ) -> None:
-        if not params:
-            return
-        devices = {p.device for p in params}
+        """The whole step: :meth:`directions`, then ``functional.commit_muon_step`` (eager,
+        elementwise)."""
+        ortho = self.directions(grads, bufs, momentum=momentum, nesterov=nesterov)
+        F.commit_muon_step(
+            list(params),
+            list(grads),
+            list(bufs),
+            ortho,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+
+    def directions(self, grads, bufs, *, momentum, nesterov) -> list[Tensor]:
+        """``functional.muon_directions`` in the compiled graph: NS(u) of every matrix, no
+        state written (``Muon.step`` agrees across ranks, then commits)."""
+        if not grads:
+            return []
+        devices = {g.device for g in grads}
         if len(devices) != 1:
             raise ValueError(
                 "the compiled Muon step needs one device per group, got "
                 f"{sorted(map(str, devices))}"
             )
         device = next(iter(devices))
-        lr_t, wd_t, mu_t = self.hyper_tensors(device, lr, weight_decay, momentum)
+        mu_t = self.hyper_tensor(device, momentum)
         if self.mode == "reduce-overhead":
-            self._mark_static(list(params) + list(grads) + list(bufs) + [lr_t, wd_t, mu_t])
-        with self._first_call("Muon step", params):
-            self.fn(
-                list(params),
-                list(grads),
-                list(bufs),
-                lr=lr_t,
-                weight_decay=wd_t,
-                momentum=mu_t,
-                nesterov=bool(nesterov),
-                ns=self.chain,
-                adjust_lr_fn=adjust_lr_fn,
+            self._mark_static(list(grads) + list(bufs) + [mu_t])
+        with self._first_call("Muon step", grads):
+            return self.fn(
+                list(grads), list(bufs), momentum=mu_t, nesterov=bool(nesterov), ns=self.chain
             )
 
     @contextlib.contextmanager

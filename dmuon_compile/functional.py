@@ -165,6 +165,62 @@ def _apply_traced(params, ortho, lr: Tensor, weight_decay: Tensor, scales: list[
             torch._foreach_add_(mine, theirs, alpha=factor)
 
 
+def muon_directions(
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    *,
+    momentum: float | Tensor,
+    nesterov: bool,
+    ns: NewtonSchulz,
+) -> list[Tensor]:
+    """The first half of a Muon step: NS(u) for every matrix, writing nothing.
+
+    ``u`` is the Nesterov input of the momentum buffer the step will store (buf' = μ·buf + g;
+    u = g + μ·buf', or buf'), computed out of place: every allocation and every kernel that can
+    fail (the Newton–Schulz chain, its compile and autotune) runs here, before any state
+    changes. :func:`commit_muon_step` stores buf' and applies the result. ``Muon.step`` agrees
+    across ranks between the two, so a failure on one rank changes nothing anywhere.
+    """
+    return orthogonalize(nesterov_input(grads, bufs, hyper(momentum), nesterov), ns)
+
+
+def nesterov_input(
+    grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor, nesterov: bool
+) -> list[Tensor]:
+    """The Newton–Schulz input ``u`` of a step, ``bufs`` left unchanged: buf' = μ·buf + g
+    (what :func:`commit_muon_step` stores, by the same two ``foreach`` operations);
+    u = g + μ·buf' (Nesterov) or buf'. One new tensor per matrix (buf' becomes u in place)."""
+    if not grads:
+        return []
+    u = torch._foreach_mul(bufs, momentum)
+    torch._foreach_add_(u, grads)
+    if nesterov:
+        torch._foreach_mul_(u, momentum)
+        torch._foreach_add_(u, grads)
+    return u
+
+
+def commit_muon_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    ortho: list[Tensor],
+    *,
+    lr: float | Tensor,
+    weight_decay: float | Tensor,
+    momentum: float | Tensor,
+    adjust_lr_fn: str | None = "match_rms_adamw",
+) -> None:
+    """The second half of a Muon step, in place: buf ← μ·buf + g (the buf' that
+    :func:`muon_directions` used), W ← (1 − lr·wd)·W − lr·scale(W)·O. Elementwise only."""
+    lr, weight_decay, momentum = hyper(lr), hyper(weight_decay), hyper(momentum)
+    if not params:
+        return
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn)
+
+
 def muon_update(
     params: list[Tensor],
     grads: list[Tensor],
@@ -182,20 +238,30 @@ def muon_update(
     buf ← μ·buf + g; u = g + μ·buf (Nesterov) or buf; W ← (1 − lr·wd)·W − lr·scale(W)·NS(u),
     with same-shape matrices orthogonalised as one stack.
 
-    The only implementation of the Muon step: ``Muon``'s eager step calls it (hyper-parameters
-    read as floats, :func:`hyper`), a user's ``torch.compile(opt.step)`` traces it, and
-    ``CompiledMuonStep`` compiles it (``fullgraph=True``, 0-d tensor ``lr``/``weight_decay``/
-    ``momentum``: a new value refills an input, never recompiles).
+    The only implementation of the Muon step, in two halves: :func:`muon_directions` (computes,
+    writes nothing) and :func:`commit_muon_step` (elementwise, in place). ``Muon``'s step runs
+    the first half for every matrix, agrees across ranks, then commits; eager
+    (hyper-parameters read as floats, :func:`hyper`), traced by a user's
+    ``torch.compile(opt.step)``, or with the first half compiled by ``CompiledMuonStep``
+    (``fullgraph=True``, a 0-d tensor ``momentum``: a new value refills an input, never
+    recompiles).
 
     Example::
 
         muon_update([w], [w.grad], [buf], lr=0.02, weight_decay=0.0, momentum=0.95,
                     nesterov=True, ns=NewtonSchulz())
     """
-    lr, weight_decay, momentum = hyper(lr), hyper(weight_decay), hyper(momentum)
-    updates = momentum_update(grads, bufs, momentum, nesterov)
-    ortho = orthogonalize(updates, ns)
-    apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn)
+    ortho = muon_directions(grads, bufs, momentum=momentum, nesterov=nesterov, ns=ns)
+    commit_muon_step(
+        params,
+        grads,
+        bufs,
+        ortho,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        adjust_lr_fn=adjust_lr_fn,
+    )
 
 
 def adamw_update(

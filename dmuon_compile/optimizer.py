@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,38 @@ if TYPE_CHECKING:
 # matrix, and Muon's orthogonalised update is wrong for it (Keller Jordan; Moonlight).
 HEAD_NAMES = ("lm_head", "head", "output", "output_head", "classifier", "score", "fc_out")
 NONFINITE_MODES = ("raise", "skip")
+
+# Where a step can fail on one rank only (owners differ per rank, and so do compiled graphs,
+# autotune and memory peaks). The agreement all-reduce carries the position + 1; every rank
+# names the failing rank and phase in the error it raises.
+PHASE_STATE = "creating optimizer state"
+PHASE_CHECK = "the gradient check (norms)"
+PHASE_EAGER = "the eager Muon step (momentum, Newton–Schulz)"
+PHASE_COMPILED = "the compiled Muon step (Dynamo trace, Inductor/Triton compile, autotune, run)"
+PHASE_TP_MOMENTUM = "the TP momentum"
+PHASE_TP_NS_EAGER = "the TP owners' Newton–Schulz (eager)"
+PHASE_TP_NS_COMPILED = "the TP owners' Newton–Schulz (compiled: Dynamo, Inductor/Triton, autotune)"
+STEP_PHASES = (
+    PHASE_STATE,
+    PHASE_CHECK,
+    PHASE_EAGER,
+    PHASE_COMPILED,
+    PHASE_TP_MOMENTUM,
+    PHASE_TP_NS_EAGER,
+    PHASE_TP_NS_COMPILED,
+)
+
+
+class MuonStepError(RuntimeError):
+    """Raised by ``Muon.step`` on every rank when the step failed on some rank (an exception
+    in its local work: OOM, a compile or autotune error, ...). ``failed`` maps each failing rank
+    to its phase; on a failing rank the original exception is the ``__cause__``. No weight and
+    no optimizer state changed on any rank, and every rank left the same collectives behind:
+    ``opt.zero_grad()`` on every rank and training goes on (the batch is skipped)."""
+
+    def __init__(self, message: str, failed: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 def default_muon_predicate(name: str, param: Tensor, module: nn.Module | None = None) -> bool:
@@ -282,13 +315,17 @@ class Muon(torch.optim.Optimizer):
         """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
         flight are dropped (after an exception in forward or backward, reduces already issued
         would otherwise land on the owners' gradients after this call). Collective when such
-        reduces are pending (every rank issued them); cheap otherwise.
+        reduces are pending (every rank issued them; they are waited for until finished, also on
+        CUDA, or this raises by the group timeout); cheap otherwise.
+
+        The exception must reach every rank: one inside ``step()`` does (``MuonStepError`` on
+        every rank); one in forward or backward must happen, or be caught, on every rank.
 
         Example::
 
             try:
-                loss = model(x).loss; loss.backward()
-            except torch.OutOfMemoryError:
+                loss = model(x).loss; loss.backward(); opt.step()
+            except (torch.OutOfMemoryError, dmuon.MuonStepError):
                 opt.zero_grad()  # drop this batch on every rank, then go on
         """
         from dmuon_compile.dedicated_registry import PLAN_ATTR
@@ -343,25 +380,90 @@ class Muon(torch.optim.Optimizer):
                 state_a.append(state["exp_avg"])
                 state_b.append((state["exp_avg_sq"], state["step"]))
 
-    def _nonfinite_names(self, params: list[Tensor], grads: list[Tensor]) -> list[str]:
+    def _finite_flags(self, grads: list[Tensor]) -> Tensor | None:
+        """Per gradient: finite or not, on the device (read on the host by the agreement)."""
+        if not grads:
+            return None
+        norms = torch._foreach_norm([_local(g).float() for g in grads])
+        return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
+
+    @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
+    def _agree(self, check, failure: list, halves: list) -> bool:
+        """Between the two halves of the step: whether to commit (``False``: skip), or raise.
+
+        Every rank's verdict on its gradients (finite?) and on its local work (did it raise,
+        in which phase?) goes into the one all-reduce of the step, so every rank commits, skips
+        or raises together; before raising or skipping, the TP scatters the step issued are
+        waited for and dropped (every member issued them): the ranks' collectives stay paired.
+        """
+        try:
+            commit = self._verdict(check.params, check.finite, failure)
+        except BaseException:
+            self._abort(halves, check.fresh)
+            raise
+        if not commit:
+            self._abort(halves, check.fresh)
+        return commit
+
+    def _verdict(self, params: list[Tensor], finite: Tensor | None, failure: list) -> bool:
         bad: list[str] = []
-        if grads:
-            norms = torch._foreach_norm([_local(g).float() for g in grads])
-            finite = torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
-            if not bool(finite.all()):  # one host sync per step
-                bad = [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
-        if self._grads_differ_across_ranks(params):
-            # Shards and owners see different gradients: agree on the verdict, or one rank
-            # raises/skips while the others enter the next collective and hang.
-            flag = torch.tensor([1.0 if bad else 0.0], device=scalar_device())
+        if not self._grads_differ_across_ranks(params):
+            if failure:  # nothing to agree on (one process, or replicated data parallel)
+                raise failure[0][1]
+            if finite is not None and not bool(finite.all()):  # one host sync per step
+                bad = self._nonfinite_names(params, finite)
+        else:
+            # Shards and owners see different gradients and run different local work: agree on
+            # the verdict, or one rank raises/skips while the others enter the next collective.
+            rank, world = dist.get_rank(), dist.get_world_size()
+            votes = torch.zeros(world + 1, device=scalar_device())
+            if finite is not None:
+                votes[0:1].copy_((~finite.all()).reshape(1))
+            if failure:
+                phase = failure[0][0]
+                votes[1 + rank] = STEP_PHASES.index(phase) + 1 if phase in STEP_PHASES else -1
             C.wait(
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True),
-                "Muon.step's agreement on non-finite gradients (all-reduce)",
+                dist.all_reduce(votes, op=dist.ReduceOp.SUM, async_op=True),
+                "Muon.step's agreement on non-finite gradients and failed ranks (all-reduce)",
                 dist.distributed_c10d._get_default_group(),
             )
-            if flag.item() > 0 and not bad:
-                bad = ["a gradient held by another rank (see that rank's error)"]
-        return bad
+            values = votes.tolist()  # one host sync per step
+            failed = {
+                r: STEP_PHASES[int(c) - 1] if c > 0 else "an unnamed phase"
+                for r, c in enumerate(values[1:])
+                if c != 0
+            }
+            if failed:
+                raise _step_error(failed, failure)
+            if values[0] > 0:
+                bad = (
+                    self._nonfinite_names(params, finite)
+                    if finite is not None and not bool(finite.all())
+                    else []
+                ) or ["a gradient held by another rank (see that rank's error)"]
+        if bad:
+            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            message = (
+                f"non-finite (NaN/Inf) gradient in {shown}. Check whether AdamW alone shows the "
+                "same NaN (then the cause is upstream: data, model, dtype); pass "
+                "nonfinite_grads='skip' to skip such steps instead."
+            )
+            if self.nonfinite_grads == "raise":
+                raise FloatingPointError("Muon.step: " + message)
+            warnings.warn("Muon.step skipped: " + message, stacklevel=5)
+            return False
+        return True
+
+    def _nonfinite_names(self, params: list[Tensor], finite: Tensor) -> list[str]:
+        return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
+
+    def _abort(self, halves: list, fresh: list) -> None:
+        """A step that does not commit: no state of its own left behind, TP scatters drained."""
+        for p in fresh:
+            self.state.pop(p, None)
+        for half in halves:
+            if half.tp_half is not None:
+                half.tp.abort(half.tp_half)
 
     def _grads_differ_across_ranks(self, params: list[Tensor]) -> bool:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -451,6 +553,10 @@ class Muon(torch.optim.Optimizer):
         left in flight with ``replicate_async=True`` (waited for in the next forward), waited
         for here with ``False``. ``dmuon.wait_all_replicate_broadcasts(model)`` drains them.
 
+        An exception in one rank's part of the step (OOM, a compile or autotune error, ...)
+        raises :class:`MuonStepError` on every rank of a sharded or dedicated model, before
+        any weight or state changed anywhere: ``opt.zero_grad()`` on every rank and go on.
+
         Example::
 
             opt.step(); opt.step()  # safe: the second step drains the first one's publish
@@ -469,20 +575,28 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Two halves with one agreement between them (``_agree``): first every Muon matrix's
+        # update is computed (nothing written; a failure on this rank is caught and recorded
+        # in ``failure``, and the step's collectives still go out), then all ranks agree on
+        # non-finite gradients and failures, and only then is anything written. A step that
+        # fails on one rank therefore raises on every rank and changes nothing anywhere.
         # Under the user's torch.compile(opt.step) the math is traced on plain local tensors:
         # the owners' and FSDP2's DTensors (meshes, process groups) stay in eager code.
-        prepared = self._prepare(runtime, local=torch.compiler.is_compiling())
-        if prepared is None:
+        failure: list = []  # this rank's [(phase, exception)]
+        split, early_parts, rest_parts, adamw, check = self._prepare(
+            runtime, torch.compiler.is_compiling(), failure
+        )
+        halves = [self._muon_directions(*part, failure) for part in early_parts + rest_parts]
+        if not self._agree(check, failure, halves):
             return loss  # skipped (nonfinite_grads="skip")
-        split, early_parts, rest_parts, adamw = prepared
-        # HSDP: the first group the next forward needs is updated and published first, so its
+        # HSDP: the first group the next forward needs is committed and published first, so its
         # broadcast runs under the rest of the step instead of in front of the next forward.
-        for part, group, params, grads, bufs in early_parts:
-            self._muon_group_step(group, params, grads, bufs, part=part)
+        for half in halves[: len(early_parts)]:
+            self._commit(half)
         if split:
             runtime.publish_early()
-        for part, group, params, grads, bufs in rest_parts:
-            self._muon_group_step(group, params, grads, bufs, part=part)
+        for half in halves[len(early_parts) :]:
+            self._commit(half)
         for group, params, grads, exp_avgs, exp_avg_sqs, steps in adamw:
             F.adamw_update(
                 params,
@@ -497,35 +611,40 @@ class Muon(torch.optim.Optimizer):
             )
         return loss
 
-    @torch.compiler.disable  # DTensor bookkeeping and the host-synchronising check stay eager
-    def _prepare(self, runtime, local: bool):
-        """Check every gradient, create state, split the Muon groups (HSDP early part).
+    @torch.compiler.disable  # DTensor bookkeeping and state creation stay eager
+    def _prepare(self, runtime, local: bool, failure: list):
+        """Create state, split the Muon groups (HSDP early part), flag non-finite gradients.
 
-        Returns ``None`` when the step is skipped, else ``(split, early_parts, rest_parts,
-        adamw)``; ``local=True`` gives local tensors (the owners' whole matrices, FSDP2's
-        shards: AdamW is elementwise) instead of DTensors.
+        Returns ``(split, early_parts, rest_parts, adamw, check)``; ``check`` is what
+        ``_agree`` reads (the parameters with gradients, their finite flags on the device,
+        those whose state this step created: dropped again if the step does not commit).
+        ``local=True`` gives local tensors (the owners' whole matrices, FSDP2's shards: AdamW
+        is elementwise) instead of DTensors. A failure here is appended to ``failure``; the
+        lists then hold placeholders (the gradients): the step only sends them, never commits.
         """
-        # Check every gradient before touching any weight or state: a bad step changes nothing.
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
-        bad = self._nonfinite_names(with_grad, [p.grad for p in with_grad])
-        if bad:
-            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-            message = (
-                f"non-finite (NaN/Inf) gradient in {shown}. Check whether AdamW alone shows the "
-                "same NaN (then the cause is upstream: data, model, dtype); pass "
-                "nonfinite_grads='skip' to skip such steps instead."
-            )
-            if self.nonfinite_grads == "raise":
-                raise FloatingPointError("Muon.step: " + message)
-            warnings.warn("Muon.step skipped: " + message, stacklevel=4)
-            return None
+        grads = [p.grad for p in with_grad]
+        fresh = [p for p in with_grad if not self.state.get(p)]  # state created by this step
+        finite = _guarded(failure, PHASE_CHECK, lambda: self._finite_flags(grads), None)
         split, early = runtime.early_split() if runtime is not None else (False, set())
         early_parts, rest_parts, adamw = [], [], []
         for group in self.param_groups:
             params, grads, state_a, state_b = [], [], [], []
-            self._init_group(group, params, grads, state_a, state_b)
+            if not failure:
+                _guarded(
+                    failure,
+                    PHASE_STATE,
+                    lambda g=group, lists=(params, grads, state_a, state_b): self._init_group(
+                        g, *lists
+                    ),
+                    None,
+                )
+            if failure:
+                params = [p for p in group["params"] if p.grad is not None]
+                grads = [p.grad for p in params]
+                state_a, state_b = list(grads), [(g, None) for g in grads]
             if not group["use_muon"]:
                 lists = (params, grads, state_a, [b[0] for b in state_b])
                 if local:
@@ -547,39 +666,112 @@ class Muon(torch.optim.Optimizer):
                 [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in parts]
                 for parts in (early_parts, rest_parts)
             )
-        return split, early_parts, rest_parts, adamw
+        return split, early_parts, rest_parts, adamw, _StepCheck(with_grad, finite, fresh)
 
-    def _muon_group_step(
-        self, group: dict, params: list, grads: list, bufs: list, part: str = "all"
-    ) -> None:
-        """Muon math for some of a group's matrices (``part`` names the subset: one compiled
-        graph each): the compiled step if enabled, else the eager reference.
+    def _muon_directions(
+        self, part: str, group: dict, params: list, grads: list, bufs: list, failure: list
+    ) -> _StepHalf:
+        """The first half of Muon for some of a group's matrices (``part`` names the subset:
+        one compiled graph each): the compiled step if enabled, else the eager reference.
 
         Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local
         tensors (the whole matrix on its owner); ranks that hold no rows of a matrix skip it.
+        After a failure on this rank (``failure`` non-empty) only the collectives go out.
         """
-        from dmuon_compile.compiled_step import compiled_step_for
+        from dmuon_compile.compiled_step import compile_enabled, compiled_step_for
 
         tp = getattr(_replicated_runtime(self.model), "tp", None)
+        tp_half = None
         if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (``_tp.py``)
-            params, grads, bufs = tp.step(self, group, params, grads, bufs, self.replicate_async)
+            (params, grads, bufs), tp_half = tp.directions(
+                self, group, params, grads, bufs, failure
+            )
         params, grads, bufs = _owned_locals(params, grads, bufs)
-        if not params:
-            return
-        hypers = dict(
+        half = _StepHalf(group, params, grads, bufs, None, tp, tp_half)
+        if not params or failure:
+            return half
+
+        def directions():
+            # Both run functional.muon_directions: compiled (one graph) or called eagerly (also
+            # what a user's torch.compile(opt.step) traces).
+            compiled = compiled_step_for(self, group, params, part=part)
+            hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"])
+            if compiled is not None:
+                return compiled.directions(grads, bufs, **hypers)
+            return F.muon_directions(grads, bufs, ns=self.ns, **hypers)
+
+        if torch.compiler.is_compiling():  # traced: an error raises where torch raises it
+            half.ortho = directions()
+        else:
+            compiling = compile_enabled(self.compile, params)
+            half.ortho = _guarded(
+                failure, PHASE_COMPILED if compiling else PHASE_EAGER, directions, None
+            )
+        return half
+
+    def _commit(self, half: _StepHalf) -> None:
+        """The second half: momentum and weights written (elementwise, after the agreement)."""
+        group = half.group
+        if half.tp_half is not None:
+            half.tp.commit(half.tp_half, self.replicate_async)
+        F.commit_muon_step(
+            half.params,
+            half.grads,
+            half.bufs,
+            half.ortho or [],
             lr=group["lr"],
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
-            nesterov=group["nesterov"],
             adjust_lr_fn=group["adjust_lr_fn"],
         )
-        # Both run functional.muon_update: compiled (one graph) or called eagerly (also what a
-        # user's torch.compile(opt.step) traces).
-        compiled = compiled_step_for(self, group, params, part=part)
-        if compiled is not None:
-            compiled(params, grads, bufs, **hypers)
-        else:
-            F.muon_update(params, grads, bufs, ns=self.ns, **hypers)
+
+
+@dataclass
+class _StepCheck:
+    """What ``Muon._agree`` reads, passed through a user-compiled step as one opaque object (a
+    list would be guarded by length there: the first step's new state would recompile)."""
+
+    params: list  # the parameters with gradients
+    finite: Tensor | None  # their finite flags, on the device
+    fresh: list  # those whose state this step created: dropped if the step does not commit
+
+
+@dataclass
+class _StepHalf:
+    """What the first half of a step leaves for the commit (or the abort) of one part."""
+
+    group: dict
+    params: list
+    grads: list
+    bufs: list
+    ortho: list | None
+    tp: object = None  # the TP stage, when the model has one
+    tp_half: object = None  # its half of this part (``_tp.TPStepHalf``)
+
+
+def _guarded(failure: list, phase: str, compute, placeholder):
+    """``compute()``, or on an exception: ``(phase, exception)`` appended to ``failure`` and
+    ``placeholder`` returned (``Muon.step``'s agreement then makes every rank raise)."""
+    try:
+        return compute()
+    except Exception as err:  # noqa: BLE001 - re-raised on every rank by the agreement
+        failure.append((phase, err))
+        return placeholder
+
+
+def _step_error(failed: dict[int, str], failure: list) -> MuonStepError:
+    where = "; ".join(f"rank {r} in {phase}" for r, phase in sorted(failed.items()))
+    own = failure[0][1] if failure else None
+    cause = f": {type(own).__name__}: {own}" if own is not None else " (see that rank's error)"
+    err = MuonStepError(
+        f"Muon.step failed on {where}{cause}. Every rank raises this error at the same point; "
+        "the step changed no weight and no optimizer state on any rank, and every rank issued "
+        "the same collectives: call opt.zero_grad() on every rank and go on (the batch is "
+        "skipped), or fix the cause on the failing rank.",
+        dict(failed),
+    )
+    err.__cause__ = own
+    return err
 
 
 def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, list]:

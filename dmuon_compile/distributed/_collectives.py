@@ -13,6 +13,7 @@ on every backend, so CPU and GPU runs do the same arithmetic.
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,38 @@ def wait(work, what: str, group) -> None:
             "default process group's timeout (init_process_group(timeout=...)), or the one "
             "passed to dmuon.dedicate_params(timeout=...)."
         ) from err
+
+
+def wait_finished(work, what: str, group, poll_s: float = 1e-3) -> None:
+    """Block the host until ``work`` has really finished on this rank, or raise by the group's
+    timeout naming it (``work.wait()`` alone only orders the current CUDA stream after it).
+
+    For a collective whose result is dropped (``Muon.zero_grad`` after an exception): returning
+    while it is still pending would let this rank issue its next collective on the group while
+    a peer that never issued this one pairs that next collective with it (a hang or garbage).
+    """
+    wait(work, what, group)
+    if _finished(work):
+        return
+    timeout = group_timeout(group)
+    deadline = time.monotonic() + (timeout.total_seconds() if timeout is not None else 1800.0)
+    while not _finished(work):
+        if time.monotonic() > deadline:
+            ranks = dist.get_process_group_ranks(group) if group is not None else "?"
+            raise RuntimeError(
+                f"dmuon_compile: {what} over ranks {ranks} did not finish within the group "
+                f"timeout {timeout}: a peer rank did not issue it (an exception on some ranks "
+                "only in forward or backward, not caught on every rank). The ranks' collectives "
+                "no longer pair: restart from a checkpoint; catch such exceptions on every rank."
+            )
+        time.sleep(poll_s)
+
+
+def _finished(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a backend without it: wait() was a real wait there
+        return True
 
 
 def private_group(mesh, timeout: datetime.timedelta | None = None):

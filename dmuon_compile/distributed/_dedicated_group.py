@@ -295,10 +295,12 @@ class DedicatedGroup:
 
     @torch.no_grad()
     def discard_reduces(self) -> None:
-        """Wait for the reduces in flight and drop their results (see ``discard_backward``)."""
+        """Wait for the reduces in flight to finish for real, then drop their results (see
+        ``discard_backward``): on CUDA ``Work.wait()`` only orders the stream, and returning
+        before the collective completed would let the next step's collectives pair with it."""
         for works, *_ in self.pending_reduce:
             for w in works:
-                C.wait(w, f"the gradient reduce of dedicated group {self.name!r}", self.pg)
+                C.wait_finished(w, f"the gradient reduce of dedicated group {self.name!r}", self.pg)
         self.pending_reduce.clear()
         if self.replicate is not None:
             self.replicate.discard_reduces()

@@ -134,10 +134,11 @@ class ReplicateStage:
         self.pending_reduce.clear()
 
     def discard_reduces(self) -> None:
-        """Wait for the reduces in flight and drop their results."""
+        """Wait for the reduces in flight to finish for real (``C.wait_finished``), then drop
+        their results."""
         for works, _ in self.pending_reduce:
             for w in works:
-                C.wait(w, "the HSDP gradient reduce to the global owners", self.pg)
+                C.wait_finished(w, "the HSDP gradient reduce to the global owners", self.pg)
         self.pending_reduce.clear()
 
     # ------------------------------------------------------------------ publish

@@ -58,6 +58,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat
 from dmuon_compile.distributed._dedicated_group import (
     SHARDED,
@@ -439,13 +440,17 @@ class DedicatedRuntime:
 
         After an exception in forward or backward, reduces already issued would otherwise land
         on the owners' gradients later, and the compute copies' local gradients would join the
-        next backward's. The collectives in flight are waited for (every rank issued them) and
-        their results discarded; the HSDP publish of the last step is kept (it carries the
+        next backward's. The collectives in flight are waited for until they have finished
+        (not only ordered on the CUDA stream: every rank must have issued them, else this raises
+        by the group timeout instead of letting the next step's collectives mispair) and their
+        results discarded; the HSDP publish of the last step is kept (it carries the
         weights, not gradients). Cheap when nothing is pending (the normal place of
         ``zero_grad``).
         """
         for group in self.groups:
             if group.state == UNSHARDING:
+                for w in group.works:  # finished for real, as the reduces below (pairing)
+                    C.wait_finished(w, f"the unshard of dedicated group {group.name!r}", group.pg)
                 group.wait_unshard()
             group.discard_reduces()
             for p in group.params:

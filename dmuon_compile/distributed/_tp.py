@@ -406,6 +406,16 @@ def make_tp_param(
 
 
 @dataclass
+class TPStepHalf:
+    """What :meth:`TPStage.directions` leaves for :meth:`TPStage.commit` / :meth:`TPStage.abort`."""
+
+    grads: list
+    bufs: list
+    momentum: object
+    entries: list  # (id of the hook group, pending apply entry)
+
+
+@dataclass
 class TPProfile:
     gathers: int = 0
     gather_bytes: int = 0  # bytes this rank sent to TP owners (its shards of the NS inputs)
@@ -450,18 +460,33 @@ class TPStage:
         return dist.get_global_rank(self.pg, tp_rank)
 
     @torch.no_grad()
-    def step(self, opt, group: dict, params, grads, bufs, defer: bool) -> tuple[list, list, list]:
-        """Muon on the TP matrices of these lists; returns the other lists for the usual path."""
+    def directions(self, opt, group: dict, params, grads, bufs, failure: list):
+        """The first half of Muon on the TP matrices of these lists (gather → NS on the TP
+        owner → scatter, issued; no state written); returns ``(other lists, TPStepHalf or
+        None)`` for :meth:`commit` or :meth:`abort` after ``Muon.step``'s agreement.
+
+        The gather and the scatter go out on every member whatever happens locally: a member
+        whose momentum or Newton–Schulz raised (or whose step failed earlier: ``failure``
+        non-empty) sends placeholders and appends ``(phase, exception)`` to ``failure``, so
+        the TP group's collectives stay paired and every rank learns of it in the agreement.
+        """
+        from dmuon_compile import optimizer as O  # the step's phases (late: an import cycle)
+
         mine, rest = self.split(params, grads, bufs)
         if not mine:
-            return rest
+            return rest, None
         size, me = self.info.size, self.info.rank
-        updates = F.momentum_update(
-            [g for *_, g, _b in mine],
-            [b for *_, b in mine],
-            F.hyper(group["momentum"]),
-            group["nesterov"],
-        )
+        grads_m, bufs_m = [g for *_, g, _b in mine], [b for *_, b in mine]
+        updates = grads_m  # placeholders (never committed) when this rank has failed
+        if not failure:
+            updates = O._guarded(
+                failure,
+                O.PHASE_TP_MOMENTUM,
+                lambda: F.nesterov_input(
+                    grads_m, bufs_m, F.hyper(group["momentum"]), group["nesterov"]
+                ),
+                grads_m,
+            )
         gathered, works = [], []
         for (dp, *_), u in zip(mine, updates):
             u = u.contiguous()
@@ -481,16 +506,28 @@ class TPStage:
             if parts is not None
         ]
         mats = [m for _, m in whole]
-        from dmuon_compile.compiled_step import compiled_step_for  # imports Dynamo: only here
+        out = mats  # placeholders
+        if mats and not failure:
+            from dmuon_compile.compiled_step import compiled_step_for  # imports Dynamo: only here
 
-        # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
-        compiled = compiled_step_for(opt, group, mats, part="tp") if mats else None
-        out = (
-            compiled.orthogonalize(mats)
-            if compiled is not None
-            else self.orthogonalize(mats, opt.ns)
-        )
+            # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
+            compiled = compiled_step_for(opt, group, mats, part="tp")
+            if compiled is not None:
+                out = O._guarded(
+                    failure,
+                    O.PHASE_TP_NS_COMPILED,
+                    lambda: compiled.orthogonalize(mats),
+                    mats,
+                )
+            else:
+                out = O._guarded(
+                    failure,
+                    O.PHASE_TP_NS_EAGER,
+                    lambda: self.orthogonalize(mats, opt.ns),
+                    mats,
+                )
         ortho = dict(zip((i for i, _ in whole), out))
+        entries = []
         for i, ((dp, master, _g, _b), u) in enumerate(zip(mine, updates)):
             out = torch.empty_like(u)
             chunks = None
@@ -503,15 +540,30 @@ class TPStage:
             )
             lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
             entry = (master, out, work, lr, wd, group["adjust_lr_fn"], dp.global_shape)
-            self.pending.setdefault(self.group_of.get(id(dp.param), 0), []).append(entry)
+            entries.append((self.group_of.get(id(dp.param), 0), entry))
             if self.record_profile:
                 self.profile.scatters += 1
                 self.profile.scatter_bytes += (
                     out.numel() * out.element_size() * int(me != dp.tp_owner)
                 )
+        return rest, TPStepHalf(grads_m, bufs_m, group["momentum"], entries)
+
+    @torch.no_grad()
+    def commit(self, half: TPStepHalf, defer: bool) -> None:
+        """Store the momentum and queue the scattered update shards (applied before the group's
+        next unshard, or now unless ``defer`` and no HSDP)."""
+        torch._foreach_mul_(half.bufs, F.hyper(half.momentum))
+        torch._foreach_add_(half.bufs, half.grads)
+        for key, entry in half.entries:
+            self.pending.setdefault(key, []).append(entry)
         if not (defer and self.deferrable):
             self.drain()
-        return rest
+
+    def abort(self, half: TPStepHalf) -> None:
+        """A step that failed on some rank: wait for the scatters (every member issued them)
+        and drop their results."""
+        for _key, entry in half.entries:
+            C.wait(entry[2], "the TP scatter of Newton–Schulz updates", self.pg)
 
     def orthogonalize(self, mats: list[Tensor], ns) -> list[Tensor]:
         """Newton–Schulz on whole matrices, eager (the reference's ``functional.orthogonalize``;

@@ -243,13 +243,14 @@ def test_without_the_rewrite_a_global_pass_is_unwrapped_to_the_users_own():
 
 
 def test_the_compiled_step_compiles_the_eager_function():
-    """One implementation: the compiled step's function is a copy of ``functional.muon_update``
-    (its own code object, the same bytecode and keyword defaults), not a second body."""
+    """One implementation: the compiled step's function is a copy of
+    ``functional.muon_directions`` (the first half of ``functional.muon_update``: its own code
+    object, the same bytecode and keyword defaults), not a second body."""
     step = CompiledMuonStep(NewtonSchulz(kernel="cublas"))
     fn = step.fn._torchdynamo_orig_callable
-    assert fn.__code__ is not F.muon_update.__code__  # a fresh Dynamo cache per step
-    assert fn.__code__.co_code == F.muon_update.__code__.co_code
-    assert fn.__kwdefaults__ == F.muon_update.__kwdefaults__
+    assert fn.__code__ is not F.muon_directions.__code__  # a fresh Dynamo cache per step
+    assert fn.__code__.co_code == F.muon_directions.__code__.co_code
+    assert fn.__kwdefaults__ == F.muon_directions.__kwdefaults__
     assert fn.__code__.co_code != F.adamw_update.__code__.co_code  # the check can tell
 
 
