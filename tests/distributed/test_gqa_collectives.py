@@ -293,6 +293,14 @@ def test_uneven_collectives_with_an_empty_chunk(results):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_uneven_collectives_gloo_on_one_gpu():
+    """Gloo with CUDA tensors, both ranks on ``cuda:0``: the padded stand-in and the list
+    reduce-scatter on the device."""
+    _check_roundtrip(run_ranks(_uneven_roundtrip, 2, "cuda:0", timeout=60))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
 def test_uneven_collectives_on_nccl():
     """NCCL's own uneven path (one group of broadcasts / reduces), empty chunk included."""
