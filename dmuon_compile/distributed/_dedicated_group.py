@@ -127,9 +127,6 @@ class DedicatedGroup:
     def padded_chunk(self) -> int:
         return max(self.chunk_numel) if self.chunk_numel else 0
 
-    def owners(self) -> list[int]:
-        return sorted({p.owner for p in self.params})
-
     def _chunks(self, buffer: Tensor) -> list[Tensor]:
         """Every rank's chunk of an unpadded group-layout ``buffer`` (``all_gather_v``)."""
         return [buffer[b : b + n] for b, n in zip(self.chunk_base, self.chunk_numel)]
