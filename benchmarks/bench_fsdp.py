@@ -91,8 +91,11 @@ from dmuon_compile.newton_schulz import direct_ns_flops, gram_ns_flops
 MODELS = {  # D, F, layers
     "S": (2048, 5632, 8),
     "M": (4096, 14336, 4),
+    "G": (2048, 7168, 8),  # Llama-3 8B's layout at S's width: F = 3.5·D, grouped-query k/v
     "quick": (64, 128, 2),
 }
+# Query heads per k/v head (grouped-query attention: k/v have D / this rows); 1 elsewhere.
+KV_GROUPS = {"G": 4}
 HEAD_DIM = 128
 PEAK_FLOPS = 700e12  # ~H200 dense bf16/fp16 as in §B
 
@@ -111,12 +114,13 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, ffn, head_dim):
+    def __init__(self, dim, ffn, head_dim, kv_groups=1):
         super().__init__()
-        self.heads = dim // head_dim
+        self.heads, self.kv_groups = dim // head_dim, kv_groups
         self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            nn.Linear(dim, dim, bias=False) for _ in range(4)
+            nn.Linear(dim, rows, bias=False)
+            for rows in (dim, dim // kv_groups, dim // kv_groups, dim)
         )
         self.gate_proj, self.up_proj = (
             nn.Linear(dim, ffn, bias=False),
@@ -132,7 +136,11 @@ class Block(nn.Module):
             return y.view(b, t, -1, d // self.heads).transpose(1, 2)
 
         y = F.scaled_dot_product_attention(
-            split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h)), is_causal=True
+            split(self.q_proj(h)),
+            split(self.k_proj(h)),
+            split(self.v_proj(h)),
+            is_causal=True,
+            enable_gqa=self.kv_groups > 1,
         )
         x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_norm(x)
@@ -140,9 +148,9 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, dim, ffn, layers, head_dim):
+    def __init__(self, dim, ffn, layers, head_dim, kv_groups=1):
         super().__init__()
-        self.layers = nn.ModuleList(Block(dim, ffn, head_dim) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(dim, ffn, head_dim, kv_groups) for _ in range(layers))
 
     def forward(self, x):
         for block in self.layers:
@@ -182,7 +190,8 @@ def check_tp(tp, world, model, replicate=None, hsdp=False):
         raise SystemExit("--tp runs on a (dp, tp) mesh: drop --replicate/--hsdp")
     dim, ffn, _layers = MODELS[model]
     heads = dim // (HEAD_DIM if model != "quick" else 16)
-    for what, n in (("attention heads", heads), ("the MLP width", ffn)):
+    kv_heads = heads // KV_GROUPS.get(model, 1)
+    for what, n in (("attention heads", heads), ("k/v heads", kv_heads), ("the MLP width", ffn)):
         if n % tp:
             raise SystemExit(f"--tp {tp}: {what} of model {model} ({n}) do not split over {tp}")
 
@@ -223,12 +232,13 @@ class NaiveMuon:
         self.adamw.zero_grad()
 
 
-def ns_floor_ms(dim, ffn, layers, world):
+def ns_floor_ms(dim, ffn, layers, world, kv_groups=1):
     """§B floor: Gram NS (one restart, symmetric) where α ≥ 2, direct symmetric otherwise.
 
     The same with ``--tp``: NS runs once per whole matrix in the job (on its TP owner), so the
     per-matrix work is divided over all ``world`` ranks, as on the 1-D mesh."""
-    shapes = [(dim, dim)] * 4 + [(ffn, dim)] * 2 + [(dim, ffn)]
+    kv = (dim // kv_groups, dim)
+    shapes = [(dim, dim), kv, kv, (dim, dim)] + [(ffn, dim)] * 2 + [(dim, ffn)]
     total = 0.0
     for m, n in shapes * layers:
         small, large = min(m, n), max(m, n)
@@ -252,7 +262,7 @@ def build(config, args, meshes, device):
     head_dim = HEAD_DIM if args.model != "quick" else 16
     torch.manual_seed(0)
     with torch.device(device):
-        model = Stack(dim, ffn, layers, head_dim)
+        model = Stack(dim, ffn, layers, head_dim, KV_GROUPS.get(args.model, 1))
     if tp_mesh is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -326,7 +336,7 @@ def profile_iterations(model, opt, inputs, device, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["S", "M"], default="S")
+    ap.add_argument("--model", choices=["S", "M", "G"], default="S")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (smoke run)")
     ap.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
@@ -618,7 +628,7 @@ def main(argv=None):
             del inputs
 
     dim_, ffn, layers = MODELS[args.model]
-    floor = ns_floor_ms(dim_, ffn, layers, world)
+    floor = ns_floor_ms(dim_, ffn, layers, world, KV_GROUPS.get(args.model, 1))
     results = {}
     for c in configs:
         # Owner-load balance: every rank's own median step time, gathered (before the MAX below).
@@ -666,6 +676,7 @@ def main(argv=None):
     report = {
         "model": args.model,
         "dims": MODELS[args.model],
+        "kv_groups": KV_GROUPS.get(args.model, 1),
         "world_size": world,
         "device": str(device),
         "mesh": {"dp": world // tp, "tp": tp}

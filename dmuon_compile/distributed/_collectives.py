@@ -33,6 +33,66 @@ def reduce_scatter_sum(output: Tensor, input: Tensor, group) -> dist.Work:
     return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+def all_gather_v(chunks: list[Tensor], group) -> dist.Work | _CopyOutWork:
+    """``chunks[r]`` on every rank ← group rank ``r``'s ``chunks[r]``; the chunks may differ in
+    size (zero included); one collective launch; async.
+
+    NCCL runs an all-gather of uneven sizes as one group of broadcasts, one per rank, inside
+    ``ncclGroupStart/End``: one launch, and each rank receives exactly the others' bytes. Gloo
+    (and backends not known to do that) take equal sizes only: there the chunks travel padded
+    to the largest through one all-gather and are copied into place by ``wait()``.
+    """
+    rank = dist.get_rank(group)
+    mine = chunks[rank]
+    if _backend(group, mine.device) == "nccl":
+        return dist.all_gather(chunks, mine, group=group, async_op=True)
+    widest = max(c.numel() for c in chunks)
+    send = mine.new_zeros(widest)
+    send[: mine.numel()].copy_(mine)
+    out = mine.new_empty(widest * len(chunks))
+    work = _all_gather(out, send, group=group, async_op=True)
+    return _CopyOutWork(
+        work, [(c, out[r * widest : r * widest + c.numel()]) for r, c in enumerate(chunks)]
+    )
+
+
+def reduce_scatter_v_sum(output: Tensor, chunks: list[Tensor], group) -> dist.Work:
+    """``output`` ← sum over ranks of their ``chunks[rank]`` (this rank's chunk); the chunks may
+    differ in size (zero included); one collective launch; async. The other chunks' contents are
+    undefined afterwards (NCCL reduces into them in place).
+
+    NCCL runs it as one group of reduces, one per rank (one launch; each rank sends each chunk
+    once); gloo as one all-reduce per rank inside the call.
+    """
+    return dist.reduce_scatter(output, chunks, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+class _CopyOutWork:
+    """A padded all-gather standing in for an uneven one: ``wait()`` waits, then copies each
+    rank's piece of the padded buffer into its chunk (the buffers live as long as the work)."""
+
+    def __init__(self, work, copies: list[tuple[Tensor, Tensor]]) -> None:
+        self.work, self.copies = work, copies
+
+    def wait(self) -> bool:
+        self.work.wait()
+        for dst, src in self.copies:
+            dst.copy_(src)
+        self.copies = []
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+def _backend(group, device: torch.device) -> str:
+    """The backend name serving ``device`` in ``group`` (``"cpu:gloo,cuda:nccl"`` → per device)."""
+    name = str(dist.get_backend(group))
+    if ":" in name:
+        name = dict(part.split(":", 1) for part in name.split(",")).get(device.type, name)
+    return name
+
+
 def broadcast(tensor: Tensor, src_group_rank: int, group) -> dist.Work:
     """``tensor`` ← the copy held by group rank ``src_group_rank``; async."""
     src = dist.get_global_rank(group, src_group_rank)

@@ -1,14 +1,18 @@
 """A hook group: the dedicated parameters unsharded, resharded and reduced together.
 
 Owner-packed layout: the group's parameters are ordered by owner, each owner's parameters
-contiguous (its *chunk*). Two collective shapes move the chunks, chosen per group at set-up
-(and shown by ``summarize_comm_plan``):
+contiguous (its *chunk*). Either way a group costs one collective launch per unshard and one per
+gradient reduce; two collective shapes move the chunks, chosen per group at set-up (and shown by
+``summarize_comm_plan``):
 
 - ``all_gather``: chunks padded to the largest one (S); unshard = one all-gather of world·S,
-  gradients = one reduce-scatter of world·S. Best when chunks are even (padding ≤ 25%).
-- ``broadcast``: chunks unpadded; unshard = one broadcast per owner of the group, gradients =
-  one reduce per owner. Each rank receives exactly the group's bytes, so it is bandwidth-
-  optimal when a group's matrices cannot be spread evenly (7 matrices on 8+ ranks).
+  gradients = one reduce-scatter of world·S. Best when chunks are even (padding ≤ 25%): NCCL's
+  ring collectives, at most 25% more bytes.
+- ``all_gather_v``: chunks unpadded (sizes differ, zero for ranks owning nothing here); unshard
+  = one all-gather of uneven chunks, gradients = one reduce-scatter of uneven chunks (NCCL: one
+  group of broadcasts / reduces, one launch). Each rank receives exactly the group's bytes, so it
+  is the shape for groups whose matrices cannot be spread evenly: grouped-query attention's
+  k/v (a quarter of q), or 7 matrices on 8+ ranks.
 
 Every collective is async; its ``Work`` is kept and waited on only when the data is needed
 (forward pre-hook of the group, end of backward).
@@ -32,7 +36,7 @@ from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._replicate import ReplicateStage
 
-# Padding above this fraction of the group's bytes makes the group use broadcast/reduce.
+# Padding above this fraction of the group's bytes makes the group gather uneven chunks.
 MAX_GATHER_PADDING = 0.25
 
 SHARDED, UNSHARDING, UNSHARDED = "sharded", "unsharding", "unsharded"
@@ -102,7 +106,7 @@ class DedicatedGroup:
             self.chunk_numel[p.owner] += p.numel
         total, widest = sum(self.chunk_numel), max(self.chunk_numel)
         padded = widest * self.world
-        self.mode = "all_gather" if padded <= (1 + MAX_GATHER_PADDING) * total else "broadcast"
+        self.mode = "all_gather" if padded <= (1 + MAX_GATHER_PADDING) * total else "all_gather_v"
         if self.mode == "all_gather":
             self.chunk_base = [r * widest for r in range(self.world)]
             size = padded
@@ -123,8 +127,9 @@ class DedicatedGroup:
     def padded_chunk(self) -> int:
         return max(self.chunk_numel) if self.chunk_numel else 0
 
-    def owners(self) -> list[int]:
-        return sorted({p.owner for p in self.params})
+    def _chunks(self, buffer: Tensor) -> list[Tensor]:
+        """Every rank's chunk of an unpadded group-layout ``buffer`` (``all_gather_v``)."""
+        return [buffer[b : b + n] for b, n in zip(self.chunk_base, self.chunk_numel)]
 
     def _storage_bytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
@@ -175,15 +180,9 @@ class DedicatedGroup:
             self.works = [C.all_gather(flat, send, self.pg)]
             self._keepalive = send
         else:
-            self.works = []
-            for owner in self.owners():
-                chunk = flat[
-                    self.chunk_base[owner] : self.chunk_base[owner] + self.chunk_numel[owner]
-                ]
-                if owner == self.rank:
-                    for p in own:
-                        flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
-                self.works.append(C.broadcast(chunk, owner, self.pg))
+            for p in own:
+                flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
+            self.works = [C.all_gather_v(self._chunks(flat), self.pg)]
         self.state = UNSHARDING
         if self.record_profile:
             self.profile.unshards += 1
@@ -252,18 +251,16 @@ class DedicatedGroup:
             if g is not None:
                 grads[p.offset : p.offset + p.numel].copy_(local_of(g).reshape(-1))
             p.unsharded.grad = None
+        # This rank's chunk of the sums, at group offset ``chunk_base[rank]``.
         if self.mode == "all_gather":
             out = torch.empty(self.padded_chunk, dtype=self.reduce_dtype, device=self.device)
-            works = [C.reduce_scatter_sum(out, grads, self.pg)]
-            base = self.chunk_base[self.rank]
+            work = C.reduce_scatter_sum(out, grads, self.pg)
         else:
-            works, out, base = [], grads, 0
-            for owner in self.owners():
-                chunk = grads[
-                    self.chunk_base[owner] : self.chunk_base[owner] + self.chunk_numel[owner]
-                ]
-                works.append(C.reduce_sum(chunk, owner, self.pg))
-        self.pending_reduce.append((works, out, base, grads))
+            out = torch.empty(
+                self.chunk_numel[self.rank], dtype=self.reduce_dtype, device=self.device
+            )
+            work = C.reduce_scatter_v_sum(out, self._chunks(grads), self.pg)
+        self.pending_reduce.append(([work], out, self.chunk_base[self.rank], grads))
         self.grads_ready.clear()
         self.reduced = True
         if self.record_profile:
@@ -283,8 +280,6 @@ class DedicatedGroup:
             if self.replicate is not None:
                 start = self.chunk_base[self.rank] - base
                 column = out[start : start + self.chunk_numel[self.rank]]
-                if self.mode == "broadcast":
-                    column = column.clone()  # do not keep the whole group's buffer alive
                 self.replicate.reduce(column, self.profile if self.record_profile else None)
                 continue
             for p in self.params_of(self.rank):

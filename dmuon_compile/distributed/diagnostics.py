@@ -91,6 +91,9 @@ def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
 def summarize_comm_plan(model: nn.Module) -> dict:
     """The planned collectives per hook group: mode, owners, bytes per owner, padding.
 
+    Each group has one collective per unshard and one per gradient reduce: ``mode``
+    ``all_gather`` (chunks padded to the largest: all-gather / reduce-scatter of ``bytes``) or
+    ``all_gather_v`` (uneven chunks, ``bytes_per_rank`` in shard-group rank order).
     Owners in ``bytes_per_owner``/``unshard``/``reduce`` are ranks of the shard group (HSDP:
     owner columns). With HSDP, ``replicate`` describes the replicate stage of this rank's
     column: per group the gradient ``reduce`` and the post-step ``publish`` broadcasts, each
@@ -111,12 +114,20 @@ def summarize_comm_plan(model: nn.Module) -> dict:
         if g.mode == "all_gather":
             unshard = [{"op": "all_gather", "bytes": g.flat.numel() * item}]
             reduce = [{"op": "reduce_scatter", "bytes": g.flat.numel() * ritem}]
-        else:
+        else:  # one collective of uneven chunks each way: the bytes each rank contributes
             unshard = [
-                {"op": "broadcast", "root": o, "bytes": g.chunk_numel[o] * item} for o in g.owners()
+                {
+                    "op": "all_gather_v",
+                    "bytes": payload * item,
+                    "bytes_per_rank": [n * item for n in g.chunk_numel],
+                }
             ]
             reduce = [
-                {"op": "reduce", "root": o, "bytes": g.chunk_numel[o] * ritem} for o in g.owners()
+                {
+                    "op": "reduce_scatter_v",
+                    "bytes": payload * ritem,
+                    "bytes_per_rank": [n * ritem for n in g.chunk_numel],
+                }
             ]
         groups.append(
             {

@@ -26,6 +26,7 @@ _spec.loader.exec_module(bench)
         (dict(tp=2, world=2, model="S", replicate=2), "drop --replicate/--hsdp"),
         (dict(tp=2, world=2, model="S", hsdp=True), "drop --replicate/--hsdp"),
         (dict(tp=8, world=8, model="quick"), "attention heads of model quick (4) do not split"),
+        (dict(tp=8, world=8, model="G"), "k/v heads of model G (4) do not split over 8"),
     ],
 )
 def test_check_tp_names_the_fix(kwargs, needle):
@@ -35,7 +36,8 @@ def test_check_tp_names_the_fix(kwargs, needle):
 
 
 @pytest.mark.parametrize(
-    "tp, world, model", [(None, 2, "S"), (1, 2, "S"), (2, 2, "S"), (2, 4, "M"), (4, 4, "quick")]
+    "tp, world, model",
+    [(None, 2, "S"), (1, 2, "S"), (2, 2, "S"), (2, 4, "M"), (4, 4, "quick"), (4, 4, "G")],
 )
 def test_check_tp_accepts(tp, world, model):
     bench.check_tp(tp, world, model)  # no exception: each model's heads and FFN split over tp

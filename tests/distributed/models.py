@@ -208,3 +208,73 @@ def owned_grads(model) -> dict:
         for n, p in dmuon.dedicated_registry.dedicated_parameters(model)
         if p.grad is not None and p.grad.to_local().numel() == p.numel()
     }
+
+
+# Grouped-query attention, Llama-3 8B's layout at a tiny width: k/v have a quarter of q's heads
+# (and rows), the MLP is 3.5× wide. Its hook groups cannot be split evenly over 4+ ranks.
+GQA_D, GQA_HEADS, GQA_KV_HEADS, GQA_FFN = 32, 4, 1, 112  # 112 = 3.5 × 32
+
+
+class GQAAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+
+        def split(y):  # -1: the local heads when q/k/v are column-parallel (TP)
+            return y.view(b, t, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        repeat = q.shape[1] // k.shape[1]  # each k/v head serves `repeat` query heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class GQABlock(nn.Module):
+    def __init__(self, dim: int, ffn: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(dim)
+        self.self_attn = GQAAttention(dim, heads, kv_heads)
+        self.mlp_norm = RMSNorm(dim)
+        self.mlp = MLP(dim, ffn)
+
+    def forward(self, x):
+        h = x + self.self_attn(self.attn_norm(x))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class GQALlama(nn.Module):
+    def __init__(
+        self,
+        dim: int = GQA_D,
+        ffn: int = GQA_FFN,
+        heads: int = GQA_HEADS,
+        kv_heads: int = GQA_KV_HEADS,
+        layers: int = LAYERS,
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(GQABlock(dim, ffn, heads, kv_heads) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+def build_gqa(seed: int = 0, **kw) -> GQALlama:
+    torch.manual_seed(seed)
+    model = GQALlama(**kw)
+    with torch.no_grad():  # non-trivial norm weights so AdamW-routed params matter
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
