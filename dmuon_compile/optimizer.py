@@ -564,6 +564,9 @@ class Muon(torch.optim.Optimizer):
         params, grads, bufs = _owned_locals(params, grads, bufs)
         if not params:
             return
+        if tp is not None and not tp.updates_plain():  # plain weights of a TP model: one
+            tp.broadcast_plain(params, bufs)  # master per TP column, updated on TP rank 0
+            return
         hypers = dict(
             lr=group["lr"],
             weight_decay=group["weight_decay"],
@@ -578,6 +581,8 @@ class Muon(torch.optim.Optimizer):
             compiled(params, grads, bufs, **hypers)
         else:
             F.muon_update(params, grads, bufs, ns=self.ns, **hypers)
+        if tp is not None:
+            tp.broadcast_plain(params, bufs)
 
 
 def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, list]:

@@ -224,6 +224,8 @@ def dedicate_params(
         _no_match_warning(model)
         return {}
     tp = _tp.detect_tp(selected, mesh, replicate_mesh)  # None without TP-sharded weights
+    if tp is None:  # a TP model whose dedicated weights are all plain: one master per column
+        tp = _tp.detect_tp_mesh(model, mesh, replicate_mesh)
     for name, p in selected:
         if p.ndim < 2:
             raise ValueError(
