@@ -245,7 +245,8 @@ def dedicate_params(
             name, *_boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
         )
 
-    # Communicators of our own: FSDP2's collectives on the mesh's groups never queue behind ours.
+    # Communicators of our own for the dims FSDP2 issues collectives on (shard, replicate): its
+    # collectives on the mesh's groups never queue behind ours (README: Communicators).
     pg = C.private_group(mesh, timeout)
     rank, world = mesh.get_local_rank(), mesh.size()
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
@@ -264,7 +265,9 @@ def dedicate_params(
         plan, tp_plan = _tp.plan_tp_owners(
             specs, replicas * world, tp.size, tp_fqns, layer_id_fn=layer_id_fn
         )
-        tp_pg = C.private_group(tp.mesh, timeout)
+        # The TP mesh's own group: FSDP2 never issues collectives on it (only TP's activation
+        # collectives do), so a duplicate communicator would buy nothing worth its memory.
+        tp_pg = tp.mesh.get_group()
         _check_plan_identical(plan, tp_pg, device, tp.rank, axis="tp")
     plan.replicate_size = replicas
     _check_plan_identical(plan, pg, device, rank)
