@@ -173,9 +173,11 @@ def dedicate_params(
         layer_id_fn: ``fqn -> layer id`` override for the owner plan and the default groups.
         reshard_after_forward: free the unsharded weights after each group's forward (and
             gather them again in backward); ``False`` keeps them until the end of backward.
-        timeout: timeout of the runtime's own process groups (a frozen or dead peer makes
-            every survivor raise after it, naming the collective). Default: the default
-            process group's, i.e. ``init_process_group(timeout=...)``.
+        timeout: timeout of the process groups this call creates (a frozen or dead peer
+            makes every survivor raise after it, naming the collective). Default: the default
+            process group's, i.e. ``init_process_group(timeout=...)``. The TP stage runs on
+            the TP mesh's own group, with that group's timeout (README: Communicators and
+            timeouts).
 
     Returns:
         ``{fqn: owner rank}`` for every dedicated parameter: ranks of ``mesh``; with HSDP the
