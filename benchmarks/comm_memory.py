@@ -73,12 +73,15 @@ def main(argv=None) -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
-    if "RANK" not in os.environ:  # plain python: a one-process job
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", RANK="0", WORLD_SIZE="1")
     torch.ones(1, device=device)  # the CUDA context exists before the first measurement
 
     def default_group():
-        dist.init_process_group("nccl")  # no device_id: NCCL connects at the first collective
+        # No device_id: NCCL connects at the first collective. Plain python: a one-process
+        # job on an in-memory store (no port); torchrun: its environment.
+        if "RANK" in os.environ:
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
         return dist.group.WORLD
 
     rows = [measure("default_group", default_group, device)]
