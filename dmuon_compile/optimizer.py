@@ -690,6 +690,11 @@ class Muon(torch.optim.Optimizer):
         half = _StepHalf(group, params, grads, bufs, None, tp, tp_half)
         if not params or failure:
             return half
+        if tp is not None and not tp.updates_plain():
+            # Plain weights of a TP model: one master per TP column, stepped on TP rank 0; the
+            # other TP ranks take weights and momentum from its broadcast in the commit.
+            half.receive_plain = True
+            return half
 
         def directions():
             # Both run functional.muon_directions: compiled (one graph) or called eagerly (also
@@ -714,6 +719,9 @@ class Muon(torch.optim.Optimizer):
         group = half.group
         if half.tp_half is not None:
             half.tp.commit(half.tp_half, self.replicate_async)
+        if half.receive_plain:
+            half.tp.broadcast_plain(half.params, half.bufs)
+            return
         F.commit_muon_step(
             half.params,
             half.grads,
@@ -724,6 +732,8 @@ class Muon(torch.optim.Optimizer):
             momentum=group["momentum"],
             adjust_lr_fn=group["adjust_lr_fn"],
         )
+        if half.tp is not None:  # TP rank 0's new plain masters and momentum to its column
+            half.tp.broadcast_plain(half.params, half.bufs)
 
 
 @dataclass
@@ -747,6 +757,7 @@ class _StepHalf:
     ortho: list | None
     tp: object = None  # the TP stage, when the model has one
     tp_half: object = None  # its half of this part (``_tp.TPStepHalf``)
+    receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
 
 
 def _guarded(failure: list, phase: str, compute, placeholder):

@@ -22,8 +22,15 @@ Per step, in that TP group (:class:`TPStage`):
    applied inside ``step()``, before the replicate publish reads the new weights.
 
 The owners ``(d, t*)`` are spread by LPT over all DP × TP slots (:func:`plan_tp_owners`): a
-TP matrix costs its whole-matrix NS on one slot; a plain (TP-replicated) matrix costs its NS on
-every TP slot of its DP column (each TP rank orthogonalises its own copy).
+TP matrix costs its whole-matrix NS on one slot; a plain (TP-replicated) matrix is charged on
+every TP slot of its DP column.
+
+A plain dedicated weight of a TP model has one owner per TP column: ``(d, t)`` for every ``t``
+(each TP rank's own DP group unshards it from there). Those copies must stay bitwise equal —
+separately updated, they drift on GPUs (each column's reduce sums in its own order, kernel
+choices differ per rank) — so only TP rank 0 of the owner TP group updates them, and broadcasts
+the new weight and its momentum over the TP group (:meth:`TPStage.broadcast_plain`): one
+master per weight, the copy ``full_tensor()`` already reads.
 
 The registered parameter is an ``OwnerTensor`` (a DTensor, ``_owned.py``) of the global shape on
 the owner TP group (the TP ranks at DP coordinate ``d``) with the plan's placement: there its
@@ -135,6 +142,26 @@ def detect_tp(selected, dp_mesh: DeviceMesh, replicate_mesh=None) -> TPInfo | No
                 "use one TP mesh for the whole model."
             )
     return info
+
+
+def detect_tp_mesh(model: nn.Module, dp_mesh: DeviceMesh, replicate_mesh=None) -> TPInfo | None:
+    """The TP axis of a model none of whose *dedicated* weights is TP-sharded (``None`` when
+    no parameter is a DTensor on a named mesh with one data-parallel-free dim).
+
+    Its plain dedicated weights are held by every TP rank of the owner's column all the same,
+    so they need the TP stage's one-master rule (:meth:`TPStage.broadcast_plain`).
+    """
+    dp_names = {
+        n for m in (dp_mesh, replicate_mesh) if m is not None for n in m.mesh_dim_names or ()
+    }
+    for p in model.parameters():
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        if mesh is None or mesh.ndim != 1 or mesh.mesh_dim_names is None:
+            continue
+        (name,) = mesh.mesh_dim_names
+        if name not in dp_names and mesh.size() > 1:
+            return TPInfo(mesh, name)
+    return None
 
 
 def dp_grid_mesh(mesh: DeviceMesh, replicate_mesh) -> DeviceMesh:
@@ -424,6 +451,10 @@ class TPProfile:
     waits: int = 0  # forward waits for a pending scatter (async mode)
     not_ready: int = 0  # ... that found it not finished yet
     wait_s: float = 0.0
+    plain_broadcasts: int = 0  # plain dedicated weights and momenta from the TP source
+
+
+PLAIN_SOURCE = 0  # the TP rank that updates a column's plain dedicated weights
 
 
 @dataclass(eq=False)
@@ -595,6 +626,29 @@ class TPStage:
         for entries in pending.values():
             self._apply(entries, forward=False)
 
+    # ------------------------------------------------------- plain weights of a TP model
+
+    def updates_plain(self) -> bool:
+        """Whether this rank updates the plain dedicated weights of its TP column: TP rank 0
+        only; the other TP ranks of the column take the result from :meth:`broadcast_plain`."""
+        return self.info.rank == PLAIN_SOURCE
+
+    @torch.compiler.disable  # collectives stay eager (the user may compile opt.step)
+    @torch.no_grad()
+    def broadcast_plain(self, masters: list[Tensor], bufs: list[Tensor]) -> None:
+        """The TP source's plain masters and momentum buffers, in place on every TP rank.
+
+        ``masters`` are this rank's owned plain weights of one Muon group part (their local
+        tensors): every member of the TP group holds the same list (they share the DP
+        coordinate that owns them), so the broadcasts pair up. In place, no packing buffer:
+        the step's memory stays that of the update.
+        """
+        works = [C.broadcast(t, PLAIN_SOURCE, self.pg) for pair in zip(masters, bufs) for t in pair]
+        for work in works:
+            C.wait(work, "the TP broadcast of plain dedicated weights", self.pg)
+        if self.record_profile:
+            self.profile.plain_broadcasts += len(works)
+
     def pending_count(self) -> int:
         return sum(len(v) for v in self.pending.values())
 
@@ -688,7 +742,8 @@ def _register_owner_meshes(info: TPInfo, params) -> None:
     of the whole job (partial over every dim); a plain weight once per TP column (partial over
     the DP dims, ``Replicate`` over TP). ``full_tensor`` broadcasts each TP shard from its owner
     group member, and a plain weight from its owner in TP column 0, which every rank can name
-    (each column's owner differs; a broadcast from "this column's owner" would not be SPMD).
+    (each column's owner differs; a broadcast from "this column's owner" would not be SPMD):
+    the copy the column's TP rank 0 updates and broadcasts (``TPStage.broadcast_plain``).
     """
     root = mesh_checks._root(info.mesh)
     norm_mesh = root if root is not None else info.mesh
@@ -700,4 +755,4 @@ def _register_owner_meshes(info: TPInfo, params) -> None:
             _owned.set_norm_mesh(mesh, norm_mesh)
         else:
             _owned.set_norm_mesh(mesh, norm_mesh, dp_dims)
-            _owned.set_source(mesh, _tp_row(info, _owned.owner_rank(p.param))[0])
+            _owned.set_source(mesh, _tp_row(info, _owned.owner_rank(p.param))[PLAIN_SOURCE])

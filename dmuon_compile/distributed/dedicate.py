@@ -173,9 +173,11 @@ def dedicate_params(
         layer_id_fn: ``fqn -> layer id`` override for the owner plan and the default groups.
         reshard_after_forward: free the unsharded weights after each group's forward (and
             gather them again in backward); ``False`` keeps them until the end of backward.
-        timeout: timeout of the runtime's own process groups (a frozen or dead peer makes
-            every survivor raise after it, naming the collective). Default: the default
-            process group's, i.e. ``init_process_group(timeout=...)``.
+        timeout: timeout of the process groups this call creates (a frozen or dead peer
+            makes every survivor raise after it, naming the collective). Default: the default
+            process group's, i.e. ``init_process_group(timeout=...)``. The TP stage runs on
+            the TP mesh's own group, with that group's timeout (README: Communicators and
+            timeouts).
 
     Returns:
         ``{fqn: owner rank}`` for every dedicated parameter: ranks of ``mesh``; with HSDP the
@@ -224,6 +226,8 @@ def dedicate_params(
         _no_match_warning(model)
         return {}
     tp = _tp.detect_tp(selected, mesh, replicate_mesh)  # None without TP-sharded weights
+    if tp is None:  # a TP model whose dedicated weights are all plain: one master per column
+        tp = _tp.detect_tp_mesh(model, mesh, replicate_mesh)
     for name, p in selected:
         if p.ndim < 2:
             raise ValueError(
@@ -243,7 +247,8 @@ def dedicate_params(
             name, *_boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
         )
 
-    # Communicators of our own: FSDP2's collectives on the mesh's groups never queue behind ours.
+    # Communicators of our own for the dims FSDP2 issues collectives on (shard, replicate): its
+    # collectives on the mesh's groups never queue behind ours (README: Communicators).
     pg = C.private_group(mesh, timeout)
     rank, world = mesh.get_local_rank(), mesh.size()
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
@@ -262,7 +267,9 @@ def dedicate_params(
         plan, tp_plan = _tp.plan_tp_owners(
             specs, replicas * world, tp.size, tp_fqns, layer_id_fn=layer_id_fn
         )
-        tp_pg = C.private_group(tp.mesh, timeout)
+        # The TP mesh's own group: FSDP2 never issues collectives on it (only TP's activation
+        # collectives do), so a duplicate communicator would buy nothing worth its memory.
+        tp_pg = tp.mesh.get_group()
         _check_plan_identical(plan, tp_pg, device, tp.rank, axis="tp")
     plan.replicate_size = replicas
     _check_plan_identical(plan, pg, device, rank)

@@ -102,7 +102,9 @@ def _whole_state(model) -> dict:
     return state
 
 
-def build_tp(rank, world, dp, tp, replicas=1, attention=True, device="cpu"):
+def build_tp(
+    rank, world, dp, tp, replicas=1, attention=True, device="cpu", predicate=models.proj_predicate
+):
     """The model on a (dp, tp) or (replicate, shard, tp) mesh in the documented order."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -114,17 +116,17 @@ def build_tp(rank, world, dp, tp, replicas=1, attention=True, device="cpu"):
     if replicas == 1:
         mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], tp_plan(attention=attention))
-        dmuon.dedicate_params(model, mesh["dp"], predicate=models.proj_predicate)
+        dmuon.dedicate_params(model, mesh["dp"], predicate=predicate)
         fsdp_mesh, dp_rank = mesh["dp"], mesh["dp"].get_local_rank()
     else:
         mesh = init_device_mesh(
             device, (replicas, dp // replicas, tp), mesh_dim_names=("replicate", "shard", "tp")
         )
-        parallelize_module(model, mesh["tp"], tp_plan())
+        parallelize_module(model, mesh["tp"], tp_plan(attention=attention))
         dmuon.dedicate_params(
             model,
             mesh["shard"],
-            predicate=models.proj_predicate,
+            predicate=predicate,
             replicate_mesh=mesh["replicate"],
         )
         fsdp_mesh = mesh["replicate", "shard"]
