@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from dmuon_compile.distributed import _collectives as C
+from dmuon_compile.distributed import _fsdp_compat
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._replicate import ReplicateStage
@@ -94,6 +95,10 @@ class DedicatedGroup:
     reduced: bool = False  # a reduce was issued in the current backward
     ran_forward: bool = False  # its forward ran since the last synchronising backward
     tp: object | None = None  # TP stage (``_tp.py``) when the group holds TP shards
+    # FSDP2's gradient scaling (``follow_fsdp``): the reduced gradient is the sum over the
+    # data-parallel ranks divided by ``divide_factor``; None: their mean (FSDP2's default).
+    divide_factor: float | None = None
+    policy_reduce_dtype: torch.dtype | None = None  # param_policy's; wins over FSDP2's
 
     # ------------------------------------------------------------------ layout
     def build(self) -> None:
@@ -241,6 +246,19 @@ class DedicatedGroup:
         return [p for p in self.params if p.owner == rank]
 
     # ------------------------------------------------------------------ gradients
+    def follow_fsdp(self, divide_factor: float | None, fsdp_reduce_dtype: torch.dtype | None):
+        """Reduce like FSDP2 reduces the module that would manage these weights: its divide
+        factor, and its ``MixedPrecisionPolicy.reduce_dtype`` unless ``param_policy`` set one
+        (else the compute dtype, the gradients' dtype, as FSDP2's default)."""
+        self.divide_factor = divide_factor
+        self.reduce_dtype = self.policy_reduce_dtype or fsdp_reduce_dtype or self.compute_dtype
+
+    def _divisions(self) -> tuple[float | None, float]:
+        """(before, after) the sum over the data-parallel ranks (shard × replicate)."""
+        ranks = self.world * (self.replicate.replicate_size if self.replicate is not None else 1)
+        factor = ranks if self.divide_factor is None else self.divide_factor
+        return _fsdp_compat.split_divide_factor(factor, self.reduce_dtype)
+
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """Pack the local gradients (owner-packed), issue the reduce to owners, free them."""
@@ -251,6 +269,9 @@ class DedicatedGroup:
             if g is not None:
                 grads[p.offset : p.offset + p.numel].copy_(local_of(g).reshape(-1))
             p.unsharded.grad = None
+        before, _ = self._divisions()
+        if before is not None:
+            grads.div_(before)
         # This rank's chunk of the sums, at group offset ``chunk_base[rank]``.
         if self.mode == "all_gather":
             out = torch.empty(self.padded_chunk, dtype=self.reduce_dtype, device=self.device)
@@ -269,23 +290,25 @@ class DedicatedGroup:
 
     @torch.no_grad()
     def finish_reduce(self) -> None:
-        """Wait for the reduces; each owned ``param.grad`` gets the averaged gradient (accumulated).
+        """Wait for the reduces; each owned ``param.grad`` gets the reduced gradient (accumulated):
+        the sum over the ranks divided as FSDP2 would (:meth:`follow_fsdp`).
 
         HSDP: the owner column's sums go on to the global owner (``ReplicateStage.reduce``,
-        async; :meth:`drain` waits for it).
+        async; :meth:`drain` waits for it), which divides.
         """
+        _, after = self._divisions()
         for works, out, base, _keep in self.pending_reduce:
             for w in works:
                 C.wait(w, f"the gradient reduce of dedicated group {self.name!r}", self.pg)
             if self.replicate is not None:
                 start = self.chunk_base[self.rank] - base
                 column = out[start : start + self.chunk_numel[self.rank]]
-                self.replicate.reduce(column, self.profile if self.record_profile else None)
+                self.replicate.reduce(column, after, self.profile if self.record_profile else None)
                 continue
             for p in self.params_of(self.rank):
                 start = p.offset - base
                 g = out[start : start + p.numel].view(p.shape).to(p.orig_dtype, copy=True)
-                p.accumulate_grad(g.div_(self.world))
+                p.accumulate_grad(g.div_(after))
         self.pending_reduce.clear()
 
     @torch.no_grad()

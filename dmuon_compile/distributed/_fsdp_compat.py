@@ -1,17 +1,31 @@
 """What the runtime reads from FSDP2, in one module.
 
-Checked by tests/distributed/test_dedicated_runtime.py (gradient accumulation test).
+Checked by tests/distributed/test_grad_scaling.py and test_dedicated_runtime.py.
 
-Dedicated parameters never enter FSDP2 (see ``dedicate.py``), so the only thing the runtime
-needs from FSDP is whether the user turned gradient synchronisation off with the public
-``FSDPModule.set_requires_gradient_sync(False)`` (gradient accumulation). FSDP2 keeps that
-flag on its parameter groups: ``state._fsdp_param_groups`` (torch 2.13) or
-``state._fsdp_param_group`` (torch 2.11), attribute ``reduce_grads``. If a new torch moves it,
-:func:`requires_gradient_sync` raises (never silently syncs or skips) and the compat test fails.
+Dedicated parameters never enter FSDP2 (see ``dedicate.py``), but their gradients follow the
+reduction settings of the ``fully_shard`` module that would manage them were they not dedicated
+(:func:`managing_module`), read once per backward (:func:`grad_reduction`):
+
+- ``set_requires_gradient_sync`` (``reduce_grads``): gradient accumulation without sync;
+- ``set_gradient_divide_factor`` (``gradient_divide_factor``; ``set_reduce_scatter_divide_factor``
+  is its deprecated alias): the reduced gradient is the sum over the data-parallel ranks divided
+  by it; ``None`` means the mean over every data-parallel rank (shard × replicate with HSDP);
+- ``MixedPrecisionPolicy.reduce_dtype`` (the ``fully_shard`` call's ``_mp_policy``).
+
+FSDP2 keeps the first two on its parameter groups: ``state._fsdp_param_groups`` (torch 2.13) or
+``state._fsdp_param_group`` (torch 2.11); a module without parameters of its own has none and
+stores no setting. ``set_all_reduce_hook`` (``_all_reduce_hook``), a user callback on FSDP2's
+own reduce output, cannot run on dedicated gradients: :func:`grad_reduction` raises. If a new
+torch moves any of these, the readers raise (never silently sync, skip or mis-scale) and the
+tests fail.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
 try:
@@ -42,24 +56,82 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def requires_gradient_sync(model: nn.Module) -> bool:
-    """False when any FSDP2 module of ``model`` has gradient sync turned off.
+@dataclass(frozen=True)
+class GradReduction:
+    """How FSDP2 reduces the gradients of the parameters of one ``fully_shard`` module."""
 
-    ``set_requires_gradient_sync`` applies recursively by default, so any module with
-    parameters reflects the user's choice; with no FSDP module at all the answer is True.
+    sync: bool = True  # set_requires_gradient_sync
+    divide_factor: float | None = None  # set_gradient_divide_factor; None: the mean
+    reduce_dtype: torch.dtype | None = None  # MixedPrecisionPolicy.reduce_dtype; None: grad's
+
+
+def _update_hint(what: str) -> str:
+    return (
+        f"dmuon_compile cannot read FSDP2's {what} on this torch version "
+        f"({torch.__version__}); update dmuon_compile/distributed/_fsdp_compat.py for it."
+    )
+
+
+def managing_module(model: nn.Module, fqn: str) -> tuple[str, nn.Module] | None:
+    """``(path, module)`` of the ``fully_shard`` module that would manage parameter ``fqn``
+    were it not dedicated: its nearest FSDP ancestor (its own module included) with parameters
+    of its own, since a module without any keeps no gradient settings. ``None`` without one."""
+    if FSDPModule is None:
+        return None
+    parts = fqn.split(".")[:-1]
+    for k in range(len(parts), -1, -1):
+        path = ".".join(parts[:k])
+        module = model.get_submodule(path)
+        if isinstance(module, FSDPModule) and _param_groups(module):
+            return path, module
+    return None
+
+
+def grad_reduction(module: nn.Module, path: str = "<root>") -> GradReduction:
+    """The gradient reduction settings of the ``fully_shard``-ed ``module`` (see the module doc).
+
+    Raises when FSDP2 would pass the gradients through a user hook the dedicated reduce cannot
+    run (``set_all_reduce_hook``), or when this torch keeps the settings elsewhere.
     """
-    for module in fsdp_modules(model):
-        for group in _param_groups(module):
-            if group is None:
-                continue
-            if not hasattr(group, "reduce_grads"):
-                raise RuntimeError(
-                    "dmuon_compile cannot read FSDP2's reduce_grads flag on this torch version; "
-                    "update dmuon_compile/distributed/_fsdp_compat.py for it."
-                )
-            if not group.reduce_grads:
-                return False
-    return True
+    settings = set()
+    for group in _param_groups(module):
+        if group is None:
+            continue
+        for attr in ("reduce_grads", "gradient_divide_factor", "_all_reduce_hook"):
+            if not hasattr(group, attr):
+                raise RuntimeError(_update_hint(f"parameter-group attribute {attr!r}"))
+        if group._all_reduce_hook is not None:
+            raise RuntimeError(
+                f"dmuon_compile: fully_shard module {path!r} has an all-reduce hook "
+                "(set_all_reduce_hook), which FSDP2 runs on its own reduced gradients only; the "
+                "dedicated weights it would manage cannot go through it. Fix: exclude those "
+                "weights from dmuon.dedicate_params (predicate=), or drop the hook."
+            )
+        factor = group.gradient_divide_factor
+        settings.add((bool(group.reduce_grads), None if factor is None else float(factor)))
+    if len(settings) > 1:  # torch 2.13 per-parameter meshes: groups set one by one
+        raise RuntimeError(
+            f"dmuon_compile: the parameter groups of fully_shard module {path!r} have different "
+            f"gradient settings (requires_gradient_sync, divide factor): {sorted(settings)}. "
+            "Fix: set them on the module (FSDPModule.set_...), which sets every group."
+        )
+    sync, factor = settings.pop() if settings else (True, None)
+    state = module._get_fsdp_state()
+    if not hasattr(state, "_mp_policy"):
+        raise RuntimeError(_update_hint("MixedPrecisionPolicy of a fully_shard module"))
+    return GradReduction(sync, factor, getattr(state._mp_policy, "reduce_dtype", None))
+
+
+def split_divide_factor(factor: float, reduce_dtype: torch.dtype) -> tuple[float | None, float]:
+    """``(before, after)``: the divisions around a sum-reduce in ``reduce_dtype``, as FSDP2
+    splits them: all after the sum in fp32/bf16; otherwise (fp16) a power of two near the
+    square root before (so the sum does not overflow) and the rest after."""
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return None, factor
+    pre = 1
+    while math.fmod(factor, pre) == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), factor / pre
 
 
 def finish_aborted_backward(model: nn.Module) -> bool:

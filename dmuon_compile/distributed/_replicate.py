@@ -103,22 +103,22 @@ class ReplicateStage:
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
-    def reduce(self, column_grads: Tensor, profile=None) -> None:
-        """Issue the reduce of the column's gradient sums to each global owner (async)."""
+    def reduce(self, column_grads: Tensor, divide_by: float, profile=None) -> None:
+        """Issue the reduce of the column's gradient sums to each global owner (async); the
+        global owner divides the sum by ``divide_by``."""
         works = [
             C.reduce_sum(column_grads[s.start : s.start + s.numel], s.root, self.pg)
             for s in self.segments
         ]
-        self.pending_reduce.append((works, column_grads))
+        self.pending_reduce.append((works, column_grads, divide_by))
         if profile is not None:
             profile.replicate_reduces += len(works)
             profile.replicate_bytes_reduced += column_grads.numel() * column_grads.element_size()
 
     @torch.no_grad()
     def finish_reduce(self) -> None:
-        """Wait for the reduces; the global owner's ``param.grad`` gets the gradient / (S·R)."""
-        scale = self.shard_size * self.replicate_size
-        for works, column_grads in self.pending_reduce:
+        """Wait for the reduces; the global owner's ``param.grad`` gets the sum / ``divide_by``."""
+        for works, column_grads, divide_by in self.pending_reduce:
             for w in works:
                 C.wait(w, "the HSDP gradient reduce to the global owners", self.pg)
             offset = 0
@@ -129,14 +129,14 @@ class ReplicateStage:
                         .view(p.shape)
                         .to(p.orig_dtype, copy=True)
                     )
-                    p.accumulate_grad(g.div_(scale))
+                    p.accumulate_grad(g.div_(divide_by))
                 offset += p.numel
         self.pending_reduce.clear()
 
     def discard_reduces(self) -> None:
         """Wait for the reduces in flight to finish for real (``C.wait_finished``), then drop
         their results."""
-        for works, _ in self.pending_reduce:
+        for works, *_ in self.pending_reduce:
             for w in works:
                 C.wait_finished(w, "the HSDP gradient reduce to the global owners", self.pg)
         self.pending_reduce.clear()
@@ -190,7 +190,7 @@ class ReplicateStage:
 
     def pending(self) -> int:
         """Collectives of this stage still in flight (0 after ``drain``)."""
-        return len(self.publish_works) + sum(len(w) for w, _ in self.pending_reduce)
+        return len(self.publish_works) + sum(len(w) for w, *_ in self.pending_reduce)
 
 
 def _is_done(work) -> bool:

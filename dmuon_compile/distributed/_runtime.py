@@ -46,8 +46,11 @@ Every hook runs eagerly, outside any ``torch.compile`` trace (``torch.compiler.d
 FSDP2 does with its hooks): ``block.compile(fullgraph=True)`` and ``torch.compile(model)``
 trace only the model's math, and Dynamo calls the hooks around the compiled code.
 
-With gradient sync off (``FSDPModule.set_requires_gradient_sync(False)``) the reduce is
-skipped: local gradients accumulate on the unsharded leaves and are reduced on the sync step.
+The reduces follow FSDP2's settings for the ``fully_shard`` module that would manage each
+group's weights (read at the first hook of each backward, :meth:`DedicatedRuntime.follow_fsdp`):
+its divide factor and reduce dtype; with gradient sync off
+(``FSDPModule.set_requires_gradient_sync(False)``) the reduce is skipped: local gradients
+accumulate on the unsharded leaves and are reduced on the sync step.
 """
 
 from __future__ import annotations
@@ -150,6 +153,8 @@ class DedicatedRuntime:
         self._published_early: set[int] = set()  # groups Muon.step published mid-step
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self.tp = None  # TP stage (``_tp.py``): gather → NS on the TP owner → scatter
+        # group → the fully_shard modules that would manage its weights (set at first use)
+        self._fsdp_managers: dict[int, dict[str, nn.Module]] | None = None
         # Built once: torch.compiler.disable wraps per call otherwise (every forward, output).
         self._backward_hooks: dict[int, object] = {}
         self._end_of_backward = _eager_hook(self._post_backward)
@@ -234,6 +239,7 @@ class DedicatedRuntime:
     def check_compute_dtypes(self) -> None:
         """Note a dedicated compute dtype FSDP2 does not compute in (``Muon(model)`` calls it):
         outside autocast the forward would then fail deep in ``F.linear``, naming neither."""
+        self.follow_fsdp()  # unsupported gradient settings fail at Muon(model), not in backward
         theirs = _fsdp_compat.compute_dtypes(self.model)
         ours = {g.compute_dtype for g in self.groups}
         if theirs and not ours <= theirs:
@@ -347,8 +353,48 @@ class DedicatedRuntime:
 
     def _sync_on(self) -> bool:
         if self._sync is None:
-            self._sync = _fsdp_compat.requires_gradient_sync(self.model)
+            self._sync = self.follow_fsdp()
         return self._sync
+
+    def follow_fsdp(self) -> bool:
+        """Give every group the gradient settings of the ``fully_shard`` module that would
+        manage its weights were they not dedicated (``_fsdp_compat.managing_module``): divide
+        factor and reduce dtype (``DedicatedGroup.follow_fsdp``). Returns whether this backward
+        synchronises (``set_requires_gradient_sync``). Reads local state only (no collective);
+        settings the dedicated reduce cannot follow raise here, on every rank alike."""
+        managers = self._fsdp_managers
+        if managers is None:
+            managers = {}
+            for group in self.groups:
+                found = (_fsdp_compat.managing_module(self.model, p.fqn) for p in group.params)
+                managers[id(group)] = dict(m for m in found if m is not None)
+            if any(managers.values()):  # fully_shard ran: the tree no longer changes
+                self._fsdp_managers = managers
+        syncs: dict[str, bool] = {}
+        for group in self.groups:
+            settings = {
+                path or "<root>": _fsdp_compat.grad_reduction(module, path or "<root>")
+                for path, module in managers[id(group)].items()
+            }
+            if len(set(settings.values())) > 1:
+                raise RuntimeError(
+                    f"dmuon_compile: the weights of dedicated group {group.name!r} lie in "
+                    f"fully_shard modules with different gradient settings {settings}, but a "
+                    "group reduces its weights together. Fix: give those modules the same "
+                    "settings, or pass dedicate_params(hook_boundary_predicate=...) so that each "
+                    "hook group lies inside one fully_shard module."
+                )
+            reduction = next(iter(settings.values()), _fsdp_compat.GradReduction())
+            group.follow_fsdp(reduction.divide_factor, reduction.reduce_dtype)
+            syncs.update(dict.fromkeys(settings, reduction.sync))
+        if len(set(syncs.values())) > 1:
+            raise RuntimeError(
+                "dmuon_compile: set_requires_gradient_sync differs between fully_shard modules "
+                f"that hold dedicated weights ({syncs}); the dedicated gradients of one backward "
+                "are reduced all together or not at all. Fix: set it on the root module, "
+                "model.set_requires_gradient_sync(flag) (recursive by default)."
+            )
+        return all(syncs.values())
 
     def _reduce_order(self) -> list[DedicatedGroup]:
         """The groups whose forward ran this iteration, last first: the backward order, the

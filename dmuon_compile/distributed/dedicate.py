@@ -160,11 +160,13 @@ def dedicate_params(
             (default: ≥2-D weights except embeddings and output heads).
         compute_dtype: legacy name of ``param_policy.defaults.param_dtype``.
         param_policy: object with ``.defaults.param_dtype`` (and optional ``.reduce_dtype``),
-            e.g. ``dmuon.ParamPolicy``; ``None`` inherits each parameter's dtype.
+            e.g. ``dmuon.ParamPolicy``; ``None`` inherits each parameter's dtype. Without a
+            ``reduce_dtype`` the gradient reduce uses FSDP2's (see ``policy.py``).
         replicate_mesh: HSDP replicate mesh (``hsdp["replicate"]``, with ``mesh=hsdp["shard"]``).
             Owners are then spread over all replicate × shard ranks; gradients are reduced over
             the shard group to the owner's column, then over the replicate group to the one
-            global owner (averaged over shard × replicate); after ``Muon.step`` the owner
+            global owner (averaged over shard × replicate, or divided by FSDP2's
+            ``set_gradient_divide_factor``); after ``Muon.step`` the owner
             broadcasts the new weight to its replicate peers — asynchronously, waited for in
             the next forward, with ``Muon(replicate_async=True)`` (default).
         hook_boundary_predicate: ``(module_name, module) -> bool`` picks the modules whose
@@ -327,8 +329,9 @@ def dedicate_params(
             pg,
             device,
             key[1],
-            key[2],
+            key[2] or key[1],  # until the runtime reads FSDP2's (``follow_fsdp``)
             reshard_after_forward=reshard_after_forward,
+            policy_reduce_dtype=key[2],
         )
         g.build()
         if rep_pg is not None:

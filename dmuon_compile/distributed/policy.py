@@ -3,6 +3,9 @@
 Mirrors FSDP2's ``MixedPrecisionPolicy`` fields that matter here: ``param_dtype`` is the dtype
 of the unsharded compute copy used in forward/backward; ``reduce_dtype`` the dtype of the
 gradient reduce to the owner. The master copy on the owner keeps the parameter's own dtype.
+Without a ``reduce_dtype`` here the reduce follows the ``MixedPrecisionPolicy.reduce_dtype`` of
+the ``fully_shard`` module that would manage the weight, else ``param_dtype`` (the gradients'
+dtype), as FSDP2 reduces its own parameters.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class ParamPolicy:
 
 
 def resolve_dtypes(param_dtype_of: torch.dtype, param_policy=None, compute_dtype=None):
-    """(param_dtype, reduce_dtype) for a parameter of dtype ``param_dtype_of``.
+    """(param_dtype, reduce_dtype) for a parameter of dtype ``param_dtype_of``; ``reduce_dtype``
+    is None when the policy sets none (the runtime then follows FSDP2's, see the module doc).
 
     ``param_policy`` is any object with ``.defaults.param_dtype`` (and optionally
     ``.defaults.reduce_dtype``), or FSDP2's ``MixedPrecisionPolicy`` itself. The legacy
@@ -61,4 +65,4 @@ def resolve_dtypes(param_dtype_of: torch.dtype, param_policy=None, compute_dtype
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
-    return param_dtype, reduce_dtype or param_dtype
+    return param_dtype, reduce_dtype

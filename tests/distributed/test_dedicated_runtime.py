@@ -52,7 +52,7 @@ def _accum_distributed(rank, world, device="cpu"):
         for m in range(MICRO):
             sync = m == MICRO - 1
             model.set_requires_gradient_sync(sync)
-            flags.append(_fsdp_compat.requires_gradient_sync(model))
+            flags.append(_fsdp_compat.grad_reduction(model).sync)
             x = data[s * MICRO + m].to(local_device(device))
             per = x.shape[0] // world
             (model(x[rank * per : (rank + 1) * per]).square().mean() / MICRO).backward()
