@@ -623,9 +623,9 @@ class Muon(torch.optim.Optimizer):
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
-        grads = [p.grad for p in with_grad]
+        all_grads = [p.grad for p in with_grad]
         fresh = [p for p in with_grad if not self.state.get(p)]  # state created by this step
-        finite = _guarded(failure, PHASE_CHECK, lambda: self._finite_flags(grads), None)
+        finite = _guarded(failure, PHASE_CHECK, lambda: self._finite_flags(all_grads), None)
         split, early = runtime.early_split() if runtime is not None else (False, set())
         early_parts, rest_parts, adamw = [], [], []
         for group in self.param_groups:
