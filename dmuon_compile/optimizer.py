@@ -228,6 +228,7 @@ class Muon(torch.optim.Optimizer):
         # survive load_state_dict (it replaces the group dicts, not this attribute).
         self.compiled_steps: dict[StepKey, CompiledMuonStep] = {}
         self._param_names: dict[int, str] = {}
+        self._step_check: _StepCheck | None = None  # from _prepare to _agree, within a step
 
         muon_defaults = dict(
             use_muon=True,
@@ -388,7 +389,7 @@ class Muon(torch.optim.Optimizer):
         return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
 
     @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
-    def _agree(self, check, failure: list, halves: list) -> bool:
+    def _agree(self, failure: list, tp_halves: list) -> bool:
         """Between the two halves of the step: whether to commit (``False``: skip), or raise.
 
         Every rank's verdict on its gradients (finite?) and on its local work (did it raise,
@@ -396,13 +397,14 @@ class Muon(torch.optim.Optimizer):
         or raises together; before raising or skipping, the TP scatters the step issued are
         waited for and dropped (every member issued them): the ranks' collectives stay paired.
         """
+        check, self._step_check = self._step_check, None
         try:
             commit = self._verdict(check.params, check.finite, failure)
         except BaseException:
-            self._abort(halves, check.fresh)
+            self._abort(tp_halves, check.fresh)
             raise
         if not commit:
-            self._abort(halves, check.fresh)
+            self._abort(tp_halves, check.fresh)
         return commit
 
     def _verdict(self, params: list[Tensor], finite: Tensor | None, failure: list) -> bool:
@@ -457,13 +459,14 @@ class Muon(torch.optim.Optimizer):
     def _nonfinite_names(self, params: list[Tensor], finite: Tensor) -> list[str]:
         return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
 
-    def _abort(self, halves: list, fresh: list) -> None:
+    def _abort(self, tp_halves: list, fresh: list) -> None:
         """A step that does not commit: no state of its own left behind, TP scatters drained."""
         for p in fresh:
             self.state.pop(p, None)
-        for half in halves:
-            if half.tp_half is not None:
-                half.tp.abort(half.tp_half)
+        tp = getattr(_replicated_runtime(self.model), "tp", None)
+        for half in tp_halves:
+            if half is not None:
+                tp.abort(half)
 
     def _grads_differ_across_ranks(self, params: list[Tensor]) -> bool:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -583,11 +586,11 @@ class Muon(torch.optim.Optimizer):
         # Under the user's torch.compile(opt.step) the math is traced on plain local tensors:
         # the owners' and FSDP2's DTensors (meshes, process groups) stay in eager code.
         failure: list = []  # this rank's [(phase, exception)]
-        split, early_parts, rest_parts, adamw, check = self._prepare(
+        split, early_parts, rest_parts, adamw = self._prepare(
             runtime, torch.compiler.is_compiling(), failure
         )
         halves = [self._muon_directions(*part, failure) for part in early_parts + rest_parts]
-        if not self._agree(check, failure, halves):
+        if not self._agree(failure, [h.tp_half for h in halves]):
             return loss  # skipped (nonfinite_grads="skip")
         # HSDP: the first group the next forward needs is committed and published first, so its
         # broadcast runs under the rest of the step instead of in front of the next forward.
@@ -615,8 +618,8 @@ class Muon(torch.optim.Optimizer):
     def _prepare(self, runtime, local: bool, failure: list):
         """Create state, split the Muon groups (HSDP early part), flag non-finite gradients.
 
-        Returns ``(split, early_parts, rest_parts, adamw, check)``; ``check`` is what
-        ``_agree`` reads (the parameters with gradients, their finite flags on the device,
+        Returns ``(split, early_parts, rest_parts, adamw)`` and keeps what ``_agree`` reads in
+        ``self._step_check`` (the parameters with gradients, their finite flags on the device,
         those whose state this step created: dropped again if the step does not commit).
         ``local=True`` gives local tensors (the owners' whole matrices, FSDP2's shards: AdamW
         is elementwise) instead of DTensors. A failure here is appended to ``failure``; the
@@ -625,9 +628,9 @@ class Muon(torch.optim.Optimizer):
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
-        grads = [p.grad for p in with_grad]
+        all_grads = [p.grad for p in with_grad]
         fresh = [p for p in with_grad if not self.state.get(p)]  # state created by this step
-        finite = _guarded(failure, PHASE_CHECK, lambda: self._finite_flags(grads), None)
+        finite = _guarded(failure, PHASE_CHECK, lambda: self._finite_flags(all_grads), None)
         split, early = runtime.early_split() if runtime is not None else (False, set())
         early_parts, rest_parts, adamw = [], [], []
         for group in self.param_groups:
@@ -666,7 +669,8 @@ class Muon(torch.optim.Optimizer):
                 [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in parts]
                 for parts in (early_parts, rest_parts)
             )
-        return split, early_parts, rest_parts, adamw, _StepCheck(with_grad, finite, fresh)
+        self._step_check = _StepCheck(with_grad, finite, fresh)
+        return split, early_parts, rest_parts, adamw
 
     def _muon_directions(
         self, part: str, group: dict, params: list, grads: list, bufs: list, failure: list
@@ -738,8 +742,9 @@ class Muon(torch.optim.Optimizer):
 
 @dataclass
 class _StepCheck:
-    """What ``Muon._agree`` reads, passed through a user-compiled step as one opaque object (a
-    list would be guarded by length there: the first step's new state would recompile)."""
+    """What ``Muon._prepare`` leaves for ``Muon._agree``, kept on the optimizer: never passed
+    through a user-compiled step (the parameters are DTensors, the list lengths change after
+    the first step: Dynamo would have to rebuild or guard them)."""
 
     params: list  # the parameters with gradients
     finite: Tensor | None  # their finite flags, on the device

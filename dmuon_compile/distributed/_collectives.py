@@ -180,8 +180,8 @@ def wait_finished(work, what: str, group, poll_s: float = 1e-3) -> None:
     a peer that never issued this one pairs that next collective with it (a hang or garbage).
     """
     wait(work, what, group)
-    if _finished(work):
-        return
+    if _host_blocking(group) or _finished(work):
+        return  # gloo's wait() returned: the collective completed (its works may not say so)
     timeout = group_timeout(group)
     deadline = time.monotonic() + (timeout.total_seconds() if timeout is not None else 1800.0)
     while not _finished(work):
@@ -194,6 +194,14 @@ def wait_finished(work, what: str, group, poll_s: float = 1e-3) -> None:
                 "no longer pair: restart from a checkpoint; catch such exceptions on every rank."
             )
         time.sleep(poll_s)
+
+
+def _host_blocking(group) -> bool:
+    """Whether ``Work.wait()`` blocks the host until the collective completed (gloo)."""
+    try:
+        return dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _finished(work) -> bool:
