@@ -20,9 +20,9 @@ from . import models
 from .harness import run_ranks
 from .test_tp import _muon, build_tp
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-STEPS = 3
+STEPS = 2
 PERTURB = 1e-3  # added to TP rank 1's plain gradients: a different reduce order, magnified
 
 
@@ -79,6 +79,24 @@ def _train_perturbed(rank, world, dp, tp, replicas, control, compile_cache, only
     }
 
 
+# (name, only plain weights dedicated, control, compile=True): one 2-rank run trains each.
+VARIANTS = [
+    ("mixed", False, False, False),
+    ("only-plain", True, False, False),
+    ("only-plain-compiled", True, False, True),
+    ("control-own-copies", False, True, False),
+]
+
+
+def _variants(rank, world, compile_cache):
+    return {
+        name: _train_perturbed(
+            rank, world, 1, 2, 1, control, compile_cache if compiled else None, only_plain
+        )
+        for name, only_plain, control, compiled in VARIANTS
+    }
+
+
 def _check(results, control: bool) -> None:
     assert sum(r["owned"] for r in results) > 0, results  # some rank held plain weights
     assert results[0]["plain"] == 4 * models.LAYERS  # q/k/v/o stay plain: the MLP is TP
@@ -90,24 +108,15 @@ def _check(results, control: bool) -> None:
         assert not differing, differing
 
 
-@pytest.mark.parametrize("control", [False, True], ids=["tp-source", "control-own-copies"])
-def test_plain_weights_bitwise_equal_across_tp_ranks(control):
-    _check(run_ranks(_train_perturbed, 2, 1, 2, 1, control, None, timeout=120), control)
-
-
-@pytest.mark.parametrize("control", [False, True], ids=["tp-source", "control-own-copies"])
-def test_tp_model_with_plain_dedicated_weights_only(control):
-    """No dedicated weight is TP-sharded (the MLP's TP shards stay on FSDP2): the model's TP
-    mesh is found all the same and its plain weights get one master per TP column."""
-    _check(run_ranks(_train_perturbed, 2, 1, 2, 1, control, None, True, timeout=120), control)
+def test_plain_weights_bitwise_equal_across_tp_ranks(tmp_path, cache_dir):  # noqa: ARG001
+    """dp 1 × tp 2: TP-sharded MLP dedicated too, or left on FSDP2 (then no dedicated weight
+    is TP-sharded: the model's TP mesh is found all the same), eager and ``compile=True``
+    (TP rank 0's plain step is then one graph); the control differs."""
+    out = run_ranks(_variants, 2, str(tmp_path), timeout=400)
+    for name, _only_plain, control, _compiled in VARIANTS:
+        _check([r[name] for r in out], control)
 
 
 def test_plain_weights_bitwise_equal_hsdp_x_tp():
     """HSDP (2 replicas of 1 shard) × TP 2: the source's update is published to the replica."""
-    _check(run_ranks(_train_perturbed, 4, 2, 2, 2, False, None, timeout=150), False)
-
-
-def test_plain_weights_bitwise_equal_compiled(tmp_path, cache_dir):  # noqa: ARG001
-    """``compile=True``; only plain weights dedicated, so TP rank 0's step is the one graph."""
-    out = run_ranks(_train_perturbed, 2, 1, 2, 1, False, str(tmp_path), True, timeout=250)
-    _check(out, False)
+    _check(run_ranks(_train_perturbed, 4, 2, 2, 2, False, None, timeout=300), False)
