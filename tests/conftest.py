@@ -34,11 +34,11 @@ def pytest_collection_modifyitems(config, items):
     tier_on_cpu = _tier_device() == "cpu"
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_tier = pytest.mark.skip(reason="needs a CUDA GPU (DMUON_TIER_DEVICE=cpu: on the CPU)")
-    for item in items:
-        if "tier" in item.keywords:
+    for item in items:  # markers, not keywords: those also hold the names of the directories
+        if item.get_closest_marker("tier") is not None:
             if not tier_on_cpu:
                 item.add_marker(skip_tier)
-        elif "gpu" in item.keywords:
+        elif item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
 
 

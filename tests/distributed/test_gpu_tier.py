@@ -438,7 +438,8 @@ def test_race_detector_run_equals_run_under_cuda_launch_blocking(
             assert torch.equal(free[rank]["losses"], other[rank]["losses"]), (rank, what)
         for name, w in free[0]["state"].items():
             assert torch.equal(w, other[0]["state"][name]), (name, what)
-    assert free[0]["losses"][-1] < free[0]["losses"][0]  # it trained
+    # every step moved the weights (the comparison is not between idle runs)
+    assert len(set(free[0]["losses"].tolist())) == RACE_STEPS, free[0]["losses"]
 
 
 # ---------------------------------------------------------------------------------- to come
