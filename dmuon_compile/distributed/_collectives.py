@@ -62,9 +62,19 @@ def reduce_scatter_v_sum(output: Tensor, chunks: list[Tensor], group) -> dist.Wo
     undefined afterwards (NCCL reduces into them in place).
 
     NCCL runs it as one group of reduces, one per rank (one launch; each rank sends each chunk
-    once); gloo as one all-reduce per rank inside the call.
+    once). Other backends go padded to the largest chunk through one ``reduce_scatter_tensor``
+    (gloo's list reduce-scatter runs its CPU algorithm: on CUDA tensors it crashes the process),
+    and ``wait()`` copies this rank's sums into ``output``.
     """
-    return dist.reduce_scatter(output, chunks, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if _backend(group, output.device) == "nccl":
+        return dist.reduce_scatter(output, chunks, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    widest = max(c.numel() for c in chunks)
+    send = output.new_zeros(widest * len(chunks))
+    for r, c in enumerate(chunks):
+        send[r * widest : r * widest + c.numel()].copy_(c.reshape(-1))
+    out = output.new_empty(widest)
+    work = _reduce_scatter(out, send, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _CopyOutWork(work, [(output, out[: output.numel()].view_as(output))])
 
 
 class _CopyOutWork:

@@ -318,10 +318,21 @@ _CLIP_FUNCTIONS = {
 
 def _rewrap(out):
     if type(out) is DTensor and _is_owner_mesh(out.device_mesh):
-        return OwnerTensor(out._local_tensor, out._spec, requires_grad=out.requires_grad)
+        local = out._local_tensor
+        if local.device.type != out.device_mesh.device_type and local.numel() == 0:
+            # DTensor gives ranks outside the mesh an empty CPU placeholder; a CUDA parameter's
+            # zeros_like (DCP's optimizer-state init sets it as .grad) must stay on its device.
+            local = local.to(_mesh_device(out.device_mesh))
+        return OwnerTensor(local, out._spec, requires_grad=out.requires_grad)
     if isinstance(out, (tuple, list)):
         return type(out)(_rewrap(o) for o in out)
     return out
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def _is_owner_mesh(mesh: DeviceMesh) -> bool:
