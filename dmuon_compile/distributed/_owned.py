@@ -112,7 +112,7 @@ class OwnerTensor(DTensor):
         # up (torch 2.13 reaches both; the clip ops are then handled here first).
         kwargs = kwargs or {}
         if func in _RANDOM_FILLS and args and isinstance(args[0], OwnerTensor):
-            return _random_fill(func, args, kwargs)
+            return _random_fill(func, args, kwargs, sys._getframe(1))
         if func in _INIT_ENTRIES:
             return _init_entry(func, args, kwargs)
         if sys._getframe(1).f_globals.get("__name__") == _INIT_MODULE:
@@ -501,8 +501,9 @@ def full_tensor(t: Tensor) -> Tensor:
 #
 # - a random fill draws on the holder from a generator of its own, seeded by
 #   ``torch.initial_seed()``, the weight's name, its TP shard index and how many fills the
-#   weight had (temporaries of an ``nn.init`` function, e.g. ``trunc_normal_``'s rejection
-#   samples, continue that generator). The default generators are never advanced: a holder that
+#   weight had (a temporary of an ``nn.init`` function, e.g. ``trunc_normal_``'s rejection
+#   samples or ``orthogonal_``'s Gaussian matrix, counts as a fill of the weight that function
+#   initialises). The default generators are never advanced: a holder that
 #   drew from them would leave its RNG state behind the other ranks', and DTensor's random ops
 #   on FSDP2's replicated shards (HSDP, TP) need every rank's state in step. DTensor's own
 #   random path is never taken either: on CUDA its first use broadcasts an RNG state over the
@@ -566,13 +567,19 @@ def _seed(fqn: str, shard: int, count: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def _fill_generator(local: Tensor) -> torch.Generator:
+def _fill_generator(local: Tensor, frame) -> torch.Generator:
+    """A fresh generator for a fill of ``local``: keyed by the weight it is (or, for a temporary
+    of an ``nn.init`` function, the weight that function initialises) and its fill count."""
     key = _FILL_KEYS.get(local.data_ptr())
+    if key is None and frame.f_globals.get("__name__") == _INIT_MODULE:
+        target = frame.f_locals.get("tensor")  # every nn.init function names its weight so
+        if isinstance(target, DTensor) and target._local_tensor.numel():
+            key = _FILL_KEYS.get(target._local_tensor.data_ptr())
     gen = _GENERATOR[0]
     if key is None and gen is not None and gen.device == local.device:
-        return gen  # a temporary of the nn.init call that filled a weight just before
+        return gen  # a temporary of user code that filled a weight just before
     if key is None:
-        key = ("", 0)  # a temporary first (orthogonal_): a generator of its own too
+        key = ("", 0)
     count = _FILL_COUNTS.get(key, 0)
     _FILL_COUNTS[key] = count + 1
     gen = torch.Generator(device=local.device)
@@ -581,14 +588,14 @@ def _fill_generator(local: Tensor) -> torch.Generator:
     return gen
 
 
-def _random_fill(func, args, kwargs):
+def _random_fill(func, args, kwargs, frame):
     """``t.uniform_(...)`` and the other random fills: on the holder's local tensor."""
     t = args[0]
     _note_init_write()
     local = t._local_tensor
     if local.numel():
         if kwargs.get("generator") is None:
-            kwargs = {**kwargs, "generator": _fill_generator(local)}
+            kwargs = {**kwargs, "generator": _fill_generator(local, frame)}
         with torch.no_grad():
             func(local, *args[1:], **kwargs)
     return t
