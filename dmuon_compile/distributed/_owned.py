@@ -115,8 +115,9 @@ class OwnerTensor(DTensor):
             return _random_fill(func, args, kwargs, sys._getframe(1))
         if func in _INIT_ENTRIES:
             return _init_entry(func, args, kwargs)
-        if sys._getframe(1).f_globals.get("__name__") == _INIT_MODULE:
-            done, out = _in_init(func, args, kwargs)
+        caller = sys._getframe(1)
+        if caller.f_globals.get("__name__") == _INIT_MODULE:
+            done, out = _in_init(func, args, kwargs, caller.f_code.co_name)
             if done:
                 return out
         handler = _CLIP_FUNCTIONS.get(func)
@@ -642,15 +643,28 @@ def _init_entry(func, args, kwargs):
     return _INIT_ENTRIES[func](tensor, *rest, **kwargs)
 
 
-def _in_init(func, args, kwargs):
-    """An op of an ``nn.init`` function's body on an owner tensor: ``(handled, result)``."""
+# nn.init functions that need the whole matrix in one place (not element-wise).
+_WHOLE_MATRIX_INITS = frozenset({"eye_", "orthogonal_", "sparse_", "dirac_"})
+
+
+def _in_init(func, args, kwargs, init_name: str):
+    """An op of the ``nn.init`` function ``init_name``'s body on an owner tensor:
+    ``(handled, result)``."""
     from torch.utils._pytree import tree_flatten, tree_map
 
     owned = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, OwnerTensor)]
     if not owned:
         return False, None
-    _note_init_write()
     t = owned[0]
+    if init_name in _WHOLE_MATRIX_INITS and id(t.device_mesh) in _GROUP_RANKS:
+        # Raised on every rank alike (every rank knows the owner group meshes).
+        raise NotImplementedError(
+            f"nn.init.{init_name} on a TP-sharded dedicated weight: it needs the whole matrix, "
+            "which no rank holds. Initialise this weight with an element-wise nn.init function "
+            "(normal_, trunc_normal_, uniform_, xavier_*, kaiming_*, constant_), or load it "
+            "(dmuon.set_model_state_dict of a full state dict, or a DCP checkpoint)."
+        )
+    _note_init_write()
     if t._local_tensor.numel() == 0 and t.numel() > 0:  # holds nothing: shapes only
         back: dict[int, Tensor] = {}
 

@@ -172,8 +172,17 @@ def dedicate_params(
     ``dmuon.Muon(model, ...)``: dedicated matrices get Muon on their owner, everything else
     (FSDP2 DTensors) AdamW on its shard.
 
+    A model built on the meta device (the way to build one that does not fit on a rank) is
+    placed from its shapes: each owner allocates its masters, uninitialised, on the mesh's
+    device (HSDP: its owner column's copies too; TP: its shards), and nothing else of a
+    dedicated weight is allocated. Then ``fully_shard``, ``model.to_empty(device=...)`` and
+    initialise: the model's own ``nn.init`` calls (they fill each dedicated weight on its
+    owner), ``dmuon.set_model_state_dict`` or a DCP load. With HSDP the first forward
+    publishes the global owners' weights to the other replicas.
+
     Args:
-        model: the root module (FQNs are relative to it); parameters already on the device.
+        model: the root module (FQNs are relative to it): its parameters on the device the
+            mesh computes on, or all on the meta device (never a mix across ranks).
         mesh: the 1-D data-parallel (shard) ``DeviceMesh``.
         predicate: ``predicate(name, param) -> bool`` selects the dedicated parameters
             (default: ≥2-D weights except embeddings and output heads).
@@ -200,13 +209,17 @@ def dedicate_params(
         ``{fqn: owner rank}`` for every dedicated parameter: ranks of ``mesh``; with HSDP the
         global owner ``replicate_rank * shard_size + shard_rank`` (its rank in the 2-D mesh).
 
-    Example::
+    Example (a meta-device model; a materialised one skips ``to_empty`` and the init)::
 
         mesh = init_device_mesh("cuda", (world_size,))
+        with torch.device("meta"):
+            model = MyTransformer()
         owners = dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n)
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        model.to_empty(device="cuda")
+        model.init_weights()  # or dmuon.set_model_state_dict(model, full_state_dict)
         opt = dmuon.Muon(model, lr=0.02)
 
     HSDP (2 replicas of 4-rank shard groups on 8 GPUs)::

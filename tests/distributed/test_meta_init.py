@@ -32,7 +32,7 @@ from . import models
 from .harness import run_ranks
 from .test_dedicated_training import HYPER, _ns
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
 
 DIMS = {"dim": 128, "ffn": 256, "heads": 4, "layers": 2}
 STEPS = 5
@@ -94,9 +94,11 @@ def _tp_plan():
     return tp_plan(layers=DIMS["layers"])
 
 
-def init_weights(model) -> None:
+def init_weights(model, whole_matrices: bool = True) -> list[str]:
     """A model's own initialisation, as torchtitan's ``init_weights``: ``reset_parameters`` of
-    every module that has one, then one ``nn.init`` function per dedicated weight type."""
+    every module that has one, then one ``nn.init`` function per dedicated weight type.
+    ``whole_matrices=False`` (TP-sharded weights): ``eye_`` and ``orthogonal_`` must raise,
+    naming the fix; those weights get ``zeros_`` instead. Returns those errors."""
     from torch import nn
 
     for module in model.modules():
@@ -112,15 +114,27 @@ def init_weights(model) -> None:
     nn.init.kaiming_normal_(layer0.mlp.down_proj.weight)
     nn.init.xavier_normal_(layer1.self_attn.q_proj.weight)
     nn.init.constant_(layer1.self_attn.k_proj.weight, 0.125)
-    nn.init.eye_(layer1.self_attn.v_proj.weight)
-    nn.init.orthogonal_(layer1.mlp.up_proj.weight)
     nn.init.trunc_normal_(layer1.mlp.gate_proj.weight, std=0.02)  # torchtitan's call
     # layer1.self_attn.o_proj, layer1.mlp.down_proj: reset_parameters (kaiming_uniform_)
+    errors = []
+    for init, w in (
+        (nn.init.eye_, layer1.self_attn.v_proj.weight),
+        (nn.init.orthogonal_, layer1.mlp.up_proj.weight),
+    ):
+        try:
+            init(w)
+        except NotImplementedError as exc:
+            if whole_matrices:
+                raise
+            errors.append(str(exc))
+            nn.init.zeros_(w)
+    return errors
 
 
-def _check_init(name: str, w: torch.Tensor) -> str | None:
-    """What is wrong with an initialised dedicated weight (``None``: nothing)."""
-    out_f, in_f = w.shape
+def _check_init(name: str, w: torch.Tensor, shape, whole: bool) -> str | None:
+    """What is wrong with an initialised dedicated weight (``w``: its values on one rank, the
+    whole weight or a TP shard of the global ``shape``; ``None``: nothing)."""
+    out_f, in_f = shape
     if not torch.isfinite(w).all():
         return "not finite"
     checks = {
@@ -140,8 +154,12 @@ def _check_init(name: str, w: torch.Tensor) -> str | None:
             abs(w.std() / math.sqrt(2 / (in_f + out_f)) - 1) < 0.05
         ),
         "layers.1.self_attn.k_proj.weight": lambda: bool((w == 0.125).all()),
-        "layers.1.self_attn.v_proj.weight": lambda: torch.equal(w, torch.eye(out_f, in_f)),
-        "layers.1.mlp.up_proj.weight": lambda: torch.allclose(w.T @ w, torch.eye(in_f), atol=1e-4),
+        "layers.1.self_attn.v_proj.weight": lambda: (
+            torch.equal(w, torch.eye(out_f, in_f)) if whole else bool((w == 0).all())
+        ),
+        "layers.1.mlp.up_proj.weight": lambda: (
+            torch.allclose(w.T @ w, torch.eye(in_f), atol=1e-4) if whole else bool((w == 0).all())
+        ),
         "layers.1.mlp.gate_proj.weight": lambda: w.abs().max() <= 2 and w.std() < 0.03,
     }
     default = lambda: w.abs().max() <= 1 / math.sqrt(in_f)  # noqa: E731 - kaiming_uniform_(a=√5)
@@ -211,20 +229,24 @@ def meta_run(rank, world, layout: str):
     runtime = dedicated_runtime(model)
 
     torch.manual_seed(0)  # the same seed on every rank (DTensor's random ops need it too)
-    init_weights(model)
-    stages.append(("init_weights", live_tensor_bytes()))
+    whole = layout != "tp"
     out = {"share": share, "init_errors": {}, "init": {}}
+    out["whole_matrix_errors"] = init_weights(model, whole_matrices=whole)
+    stages.append(("init_weights", live_tensor_bytes()))
     for dp in runtime.params:
         local = dp.param.to_local()
         if not dp.owns:
             if local.numel():
                 out["init_errors"][dp.fqn] = "a rank that does not hold it got values"
             continue
-        if layout != "tp":  # TP shards: the checks are for whole matrices
-            problem = _check_init(dp.fqn, local)
-            if problem:
-                out["init_errors"][dp.fqn] = problem
-            out["init"][dp.fqn] = local.detach().numpy().copy()  # numpy: outside the tensor measure
+        if tuple(local.shape) != tuple(dp.shape):  # the whole weight, or this rank's TP shard
+            out["init_errors"][dp.fqn] = f"local tensor reshaped to {tuple(local.shape)}"
+            continue
+        problem = _check_init(dp.fqn, local.detach(), tuple(dp.param.shape), whole)
+        if problem:
+            out["init_errors"][dp.fqn] = problem
+        if whole:
+            out["init"][dp.fqn] = local.detach().numpy().copy()  # numpy: outside the measure
     if layout == "hsdp":  # the other replicas' copies: stale until the first forward publishes
         out["replicas_before"] = _replica_gap(runtime)
         with torch.no_grad():
@@ -299,7 +321,7 @@ _RUNS: dict[str, list] = {}
 def run_layout(layout: str) -> list:
     """``meta_run`` on every rank of ``layout`` (once per session: two tests read the runs)."""
     if layout not in _RUNS:
-        _RUNS[layout] = run_ranks(meta_run, 2 if layout == "1d" else 4, layout, timeout=170)
+        _RUNS[layout] = run_ranks(meta_run, 2 if layout == "1d" else 4, layout, timeout=360)
     return _RUNS[layout]
 
 
@@ -355,6 +377,9 @@ def test_meta_dp2_tp2():
     _check_memory(results, min_ratio=4.0)
     for rank, res in enumerate(results):
         assert not res["init_errors"], (rank, res["init_errors"])
+        # eye_ and orthogonal_ need the whole matrix: every rank raised, naming the fix
+        assert len(res["whole_matrix_errors"]) == 2, (rank, res["whole_matrix_errors"])
+        assert all("set_model_state_dict" in e for e in res["whole_matrix_errors"])
     _check_training(results, *reference(2))
 
 
