@@ -532,9 +532,9 @@ _RANDOM_FILLS = frozenset(
         Tensor.geometric_,
     }
 )
-_FILL_KEYS: dict[int, tuple[str, int]] = {}  # data_ptr of a holder's local -> (name, TP shard)
-_FILL_COUNTS: dict[tuple[str, int], int] = {}
-_GENERATOR: list = [None]  # the last fill's generator: the temporaries of its nn.init call
+# data_ptr of a holder's local tensor -> [name, TP shard index, fills so far]
+_FILL_KEYS: dict[int, list] = {}
+_GENERATOR: list = [None]  # the last fill's generator (a temporary of user code continues it)
 _WRITE_LISTENERS: list[weakref.WeakMethod] = []
 
 
@@ -543,7 +543,7 @@ def key_fills(param: DTensor, fqn: str, shard: int = 0) -> None:
     by ``fqn`` and ``shard`` (its TP shard index; 0 for a whole weight)."""
     local = param._local_tensor
     if local.numel():
-        _FILL_KEYS[local.data_ptr()] = (fqn, int(shard))
+        _FILL_KEYS[local.data_ptr()] = [fqn, int(shard), 0]
 
 
 def on_init_write(callback) -> None:
@@ -580,11 +580,11 @@ def _fill_generator(local: Tensor, frame) -> torch.Generator:
     if key is None and gen is not None and gen.device == local.device:
         return gen  # a temporary of user code that filled a weight just before
     if key is None:
-        key = ("", 0)
-    count = _FILL_COUNTS.get(key, 0)
-    _FILL_COUNTS[key] = count + 1
+        key = _FILL_KEYS.setdefault(-1, ["", 0, 0])  # no weight to name: one stream of its own
+    fqn, shard, count = key
+    key[2] = count + 1
     gen = torch.Generator(device=local.device)
-    gen.manual_seed(_seed(*key, count))
+    gen.manual_seed(_seed(fqn, shard, count))
     _GENERATOR[0] = gen
     return gen
 
@@ -666,6 +666,8 @@ def _in_init(func, args, kwargs, init_name: str):
         )
     _note_init_write()
     if t._local_tensor.numel() == 0 and t.numel() > 0:  # holds nothing: shapes only
+        if func is Tensor.__setitem__:
+            return True, None  # sparse_'s zeroing: nothing here to zero
         back: dict[int, Tensor] = {}
 
         def stand_in(a):
