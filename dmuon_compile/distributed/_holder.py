@@ -14,7 +14,8 @@ shards the same way). The subclass changes two things:
 - ``_apply`` (``model.to``/``.cuda()``/``.double()``): the other parameters and buffers convert
   as usual; a conversion that would change a dedicated weight's dtype or device raises an error
   saying how to change them instead (the owner's master, its optimizer state and the group's
-  buffers would all have to move together).
+  buffers would all have to move together). ``model.to_empty(device=...)`` of a model built on
+  the meta device passes: ``dedicate_params`` already allocated the masters on that device.
 """
 
 from __future__ import annotations

@@ -43,11 +43,15 @@ on torch 2.13 and 2.11):
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import math
+import sys
+import weakref
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -107,6 +111,15 @@ class OwnerTensor(DTensor):
         # never calls __torch_dispatch__ above: the same handlers and re-wrapping, one level
         # up (torch 2.13 reaches both; the clip ops are then handled here first).
         kwargs = kwargs or {}
+        if func in _RANDOM_FILLS and args and isinstance(args[0], OwnerTensor):
+            return _random_fill(func, args, kwargs, sys._getframe(1))
+        if func in _INIT_ENTRIES:
+            return _init_entry(func, args, kwargs)
+        caller = sys._getframe(1)
+        if caller.f_globals.get("__name__") == _INIT_MODULE:
+            done, out = _in_init(func, args, kwargs, caller.f_code.co_name)
+            if done:
+                return out
         handler = _CLIP_FUNCTIONS.get(func)
         if handler is not None:
             done, out = handler(args, kwargs)
@@ -488,3 +501,197 @@ def full_tensor(t: Tensor) -> Tensor:
         total = torch.stack(pieces).sum(0)
         return total / len(pieces) if placement.reduce_op == "avg" else total
     return torch.cat(pieces, dim=dim)
+
+
+# ---------------------------------------------------------------------------- initialisation
+#
+# A model built on the meta device is initialised after ``model.to_empty`` by its own
+# ``reset_parameters()`` / ``init_weights()``: ``nn.init`` functions and random fills
+# (``w.normal_()``, ``w.data.uniform_()``) on the registered dedicated weights. They run on the
+# holder's local tensor (the owner's whole master, or a TP shard on its owner group member) and
+# change nothing elsewhere:
+#
+# - a random fill draws on the holder from a generator of its own, seeded by
+#   ``torch.initial_seed()``, the weight's name, its TP shard index and how many fills the
+#   weight had (a temporary of an ``nn.init`` function, e.g. ``trunc_normal_``'s rejection
+#   samples or ``orthogonal_``'s Gaussian matrix, counts as a fill of the weight that function
+#   initialises). The default generators are never advanced: a holder that
+#   drew from them would leave its RNG state behind the other ranks', and DTensor's random ops
+#   on FSDP2's replicated shards (HSDP, TP) need every rank's state in step. DTensor's own
+#   random path is never taken either: on CUDA its first use broadcasts an RNG state over the
+#   default group, which the owner alone would enter. So a dedicated weight gets the same
+#   values whichever rank owns it and however many ranks there are (the TP copies of a plain
+#   weight are the same), given the same seed on every rank, as DTensor also requires; they
+#   are not the values a single process drawing from its default generator would get.
+# - inside an ``nn.init`` function, the ranks that hold nothing see a meta tensor of the global
+#   shape (shape arithmetic works, fills are no-ops, scalar reads such as the rejection test
+#   never read a value that is not there).
+# - every such write, on every rank (the holder and the others run the same ``nn.init`` call),
+#   tells the HSDP runtimes that a publish is due: the next forward sends the global owners'
+#   new weights to the other replicas first.
+
+_INIT_MODULE = "torch.nn.init"
+_RANDOM_FILLS = frozenset(
+    {
+        Tensor.uniform_,
+        Tensor.normal_,
+        Tensor.random_,
+        Tensor.bernoulli_,
+        Tensor.exponential_,
+        Tensor.cauchy_,
+        Tensor.log_normal_,
+        Tensor.geometric_,
+    }
+)
+# data_ptr of a holder's local tensor -> [name, TP shard index, fills so far]
+_FILL_KEYS: dict[int, list] = {}
+_GENERATOR: list = [None]  # the last fill's generator (a temporary of user code continues it)
+_WRITE_LISTENERS: list[weakref.WeakMethod] = []
+
+
+def key_fills(param: DTensor, fqn: str, shard: int = 0) -> None:
+    """Random fills of ``param`` (a dedicated weight this rank holds) draw from a generator keyed
+    by ``fqn`` and ``shard`` (its TP shard index; 0 for a whole weight)."""
+    local = param._local_tensor
+    if local.numel():
+        _FILL_KEYS[local.data_ptr()] = [fqn, int(shard), 0]
+
+
+def on_init_write(callback) -> None:
+    """Call ``callback()`` (a bound method, held weakly) whenever an ``nn.init`` function or a
+    random fill writes a dedicated weight (on every rank, the holder and the others)."""
+    _WRITE_LISTENERS.append(weakref.WeakMethod(callback))
+
+
+def _note_init_write() -> None:
+    alive = []
+    for ref in _WRITE_LISTENERS:
+        callback = ref()
+        if callback is not None:
+            callback()
+            alive.append(ref)
+    _WRITE_LISTENERS[:] = alive
+
+
+def _seed(fqn: str, shard: int, count: int) -> int:
+    text = f"{torch.initial_seed()}/{fqn}/{shard}/{count}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _fill_generator(local: Tensor, frame) -> torch.Generator:
+    """A fresh generator for a fill of ``local``: keyed by the weight it is (or, for a temporary
+    of an ``nn.init`` function, the weight that function initialises) and its fill count."""
+    key = _FILL_KEYS.get(local.data_ptr())
+    if key is None and frame.f_globals.get("__name__") == _INIT_MODULE:
+        target = frame.f_locals.get("tensor")  # every nn.init function names its weight so
+        if isinstance(target, DTensor) and target._local_tensor.numel():
+            key = _FILL_KEYS.get(target._local_tensor.data_ptr())
+    gen = _GENERATOR[0]
+    if key is None and gen is not None and gen.device == local.device:
+        return gen  # a temporary of user code that filled a weight just before
+    if key is None:
+        key = _FILL_KEYS.setdefault(-1, ["", 0, 0])  # no weight to name: one stream of its own
+    fqn, shard, count = key
+    key[2] = count + 1
+    gen = torch.Generator(device=local.device)
+    gen.manual_seed(_seed(fqn, shard, count))
+    _GENERATOR[0] = gen
+    return gen
+
+
+def _random_fill(func, args, kwargs, frame):
+    """``t.uniform_(...)`` and the other random fills: on the holder's local tensor."""
+    t = args[0]
+    _note_init_write()
+    local = t._local_tensor
+    if local.numel():
+        if kwargs.get("generator") is None:
+            kwargs = {**kwargs, "generator": _fill_generator(local, frame)}
+        with torch.no_grad():
+            func(local, *args[1:], **kwargs)
+    return t
+
+
+def _uniform(tensor, a=0.0, b=1.0, generator=None):
+    with torch.no_grad():
+        return tensor.uniform_(a, b, generator=generator)
+
+
+def _normal(tensor, mean=0.0, std=1.0, generator=None):
+    with torch.no_grad():
+        return tensor.normal_(mean, std, generator=generator)
+
+
+def _constant(tensor, val):
+    with torch.no_grad():
+        return tensor.fill_(val)
+
+
+def _kaiming_uniform(tensor, a=0.0, mode="fan_in", nonlinearity="leaky_relu", generator=None):
+    if 0 in tensor.shape:
+        return tensor
+    fan = nn.init._calculate_correct_fan(tensor, mode)
+    bound = math.sqrt(3.0) * nn.init.calculate_gain(nonlinearity, a) / math.sqrt(fan)
+    with torch.no_grad():
+        return tensor.uniform_(-bound, bound, generator=generator)
+
+
+# The nn.init functions that hand a tensor subclass to __torch_function__ whole (the others run
+# their body, whose ops come here one by one): the same math as torch's, on our fills.
+_INIT_ENTRIES = {
+    nn.init.uniform_: _uniform,
+    nn.init.normal_: _normal,
+    nn.init.constant_: _constant,
+    nn.init.kaiming_uniform_: _kaiming_uniform,
+}
+
+
+def _init_entry(func, args, kwargs):
+    kwargs = dict(kwargs)  # torch passes every argument by name, the tensor included
+    tensor, rest = (kwargs.pop("tensor"), args) if "tensor" in kwargs else (args[0], args[1:])
+    _note_init_write()
+    return _INIT_ENTRIES[func](tensor, *rest, **kwargs)
+
+
+# nn.init functions that need the whole matrix in one place (not element-wise).
+_WHOLE_MATRIX_INITS = frozenset({"eye_", "orthogonal_", "sparse_", "dirac_"})
+
+
+def _in_init(func, args, kwargs, init_name: str):
+    """An op of the ``nn.init`` function ``init_name``'s body on an owner tensor:
+    ``(handled, result)``."""
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    owned = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, OwnerTensor)]
+    if not owned:
+        return False, None
+    t = owned[0]
+    if init_name in _WHOLE_MATRIX_INITS and id(t.device_mesh) in _GROUP_RANKS:
+        # Raised on every rank alike (every rank knows the owner group meshes).
+        raise NotImplementedError(
+            f"nn.init.{init_name} on a TP-sharded dedicated weight: it needs the whole matrix, "
+            "which no rank holds. Initialise this weight with an element-wise nn.init function "
+            "(normal_, trunc_normal_, uniform_, xavier_*, kaiming_*, constant_), or load it "
+            "(dmuon.set_model_state_dict of a full state dict, or a DCP checkpoint)."
+        )
+    _note_init_write()
+    if t._local_tensor.numel() == 0 and t.numel() > 0:  # holds nothing: shapes only
+        if func is Tensor.__setitem__:
+            return True, None  # sparse_'s zeroing: nothing here to zero
+        back: dict[int, Tensor] = {}
+
+        def stand_in(a):
+            if not isinstance(a, OwnerTensor):
+                return a
+            meta = torch.empty(a.shape, dtype=a.dtype, device="meta")
+            back[id(meta)] = a
+            return meta
+
+        out = func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
+        return True, tree_map(lambda o: back.get(id(o), o) if isinstance(o, Tensor) else o, out)
+    if func is Tensor.__setitem__ and id(t.device_mesh) in _OWNER_OF_MESH:
+        # sparse_: indexing with plain index tensors, on the owner's whole weight
+        func(t._local_tensor, *tree_map(local_of, args[1:]))
+        return True, None
+    return False, None

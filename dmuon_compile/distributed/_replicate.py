@@ -67,21 +67,28 @@ class ReplicateStage:
     stall_events: list = field(default_factory=list)
 
     # ------------------------------------------------------------------ layout
-    def build(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+    def build(self, values: dict[str, Tensor | None]) -> dict[str, Tensor]:
         """Allocate the column buffer, fill it with ``values``, bind the replicas to it; return
-        the global owner's masters (views into the buffer when the dtypes agree)."""
+        the global owner's masters (views into the buffer when the dtypes agree). A ``None``
+        value (a weight built on the meta device) leaves its part uninitialised, and its master
+        is allocated the same way: the first forward publishes what initialisation put there."""
         numel = sum(p.numel for p in self.params)
         self.flat = torch.empty(numel, dtype=self.dtype, device=self.device)
         masters: dict[str, Tensor] = {}
         offset = 0
         for p in self.params:
             view = self.flat[offset : offset + p.numel].view(p.shape)
-            value = values[p.fqn].detach().reshape(p.shape)
-            with torch.no_grad():
-                view.copy_(value)
-            if p.replica_owner == self.replicate_rank and value.dtype == self.dtype:
+            value = values[p.fqn]
+            if value is not None:
+                value = value.detach().reshape(p.shape)
+                with torch.no_grad():
+                    view.copy_(value)
+            owns = p.replica_owner == self.replicate_rank
+            if owns and p.orig_dtype == self.dtype:
                 masters[p.fqn] = view  # the optimizer updates the broadcast source in place
-            elif p.replica_owner == self.replicate_rank:
+            elif owns:
+                if value is None:
+                    value = torch.empty(p.shape, dtype=p.orig_dtype, device=self.device)
                 masters[p.fqn] = value
                 self.copy_in.append((p, view))
             else:

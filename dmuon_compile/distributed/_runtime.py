@@ -70,6 +70,7 @@ from dmuon_compile.distributed._dedicated_group import (
     DedicatedGroup,
 )
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.distributed._owned import on_init_write
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 
 
@@ -165,6 +166,8 @@ class DedicatedRuntime:
             # A state-dict load (DCP's set_state_dict, model.load_state_dict) writes the global
             # owners' masters on every rank at once: the next forward publishes them first.
             self.handles.append(model.register_load_state_dict_post_hook(self._after_load))
+            # nn.init or a random fill on any dedicated weight (seen on every rank): publish too.
+            on_init_write(self.request_publish)
 
     # ------------------------------------------------------------------ registry API
     def param_names(self) -> list[str]:
@@ -182,6 +185,12 @@ class DedicatedRuntime:
         stage.record_profile = self.record_profile
 
     def _after_load(self, _module, _incompatible) -> None:
+        self._publish_due = True
+
+    def request_publish(self) -> None:
+        """The global owners' masters were written outside a step (a meta-device model's
+        initialisation, ``nn.init`` on a dedicated weight): the next forward publishes them
+        first (HSDP; otherwise nothing to do)."""
         self._publish_due = True
 
     def check_registered(self) -> None:

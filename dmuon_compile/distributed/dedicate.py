@@ -18,6 +18,7 @@ a copy that the replicate broadcast refreshes after each step (see ``_replicate.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import warnings
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._holder import make_holder
-from dmuon_compile.distributed._owned import owner_mesh, set_dp_mesh
+from dmuon_compile.distributed._owned import key_fills, owner_mesh, set_dp_mesh
 from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
@@ -118,8 +119,25 @@ def _check_boundary_runs(fqn: str, path: str, module: nn.Module) -> None:
         )
 
 
-def _check_plan_identical(plan, pg, device, rank: int, axis: str = "shard") -> None:
-    digests = C.all_gather_digests(plan.digest(), pg, device)
+def _whole_on(p: Tensor, device: torch.device) -> Tensor | None:
+    """This rank's whole copy of an owned weight on ``device``; ``None`` for a meta weight (its
+    master is allocated, uninitialised, where it lives: see ``_allocate_master``)."""
+    return None if p.is_meta else p.detach().to(device)
+
+
+def _allocate_master(dp: DedicatedParam, device: torch.device) -> Tensor:
+    """The master of a weight built on the meta device: uninitialised memory, as
+    ``model.to_empty`` gives the other parameters; initialisation or a load fills it."""
+    return torch.empty(dp.shape, dtype=dp.orig_dtype, device=device)
+
+
+def _check_plan_identical(
+    plan, pg, device, rank: int, axis: str = "shard", on_meta: bool = False
+) -> None:
+    # Whether the weights are on the meta device decides whether dedicate_params publishes
+    # (HSDP, a collective) or defers it to the first forward: it must agree too.
+    mine = hashlib.sha256(f"{plan.digest()} meta={on_meta}".encode()).hexdigest()
+    digests = C.all_gather_digests(mine, pg, device)
     if len(set(digests)) != 1:
         differing = [r for r, d in enumerate(digests) if d != digests[0]]
         raise RuntimeError(
@@ -129,8 +147,9 @@ def _check_plan_identical(plan, pg, device, rank: int, axis: str = "shard") -> N
             "plan "
             "mismatch would hang "
             "the first collective, so this stops here. Fix: build the same model on every rank "
-            "and pass the same predicate / layer_id_fn / hook_boundary_predicate / param_policy "
-            "everywhere (no rank-dependent logic in them)."
+            "(on the meta device everywhere or nowhere) and pass the same predicate / "
+            "layer_id_fn / hook_boundary_predicate / param_policy everywhere (no rank-dependent "
+            "logic in them)."
         )
 
 
@@ -153,8 +172,17 @@ def dedicate_params(
     ``dmuon.Muon(model, ...)``: dedicated matrices get Muon on their owner, everything else
     (FSDP2 DTensors) AdamW on its shard.
 
+    A model built on the meta device (the way to build one that does not fit on a rank) is
+    placed from its shapes: each owner allocates its masters, uninitialised, on the mesh's
+    device (HSDP: its owner column's copies too; TP: its shards), and nothing else of a
+    dedicated weight is allocated. Then ``fully_shard``, ``model.to_empty(device=...)`` and
+    initialise: the model's own ``nn.init`` calls (they fill each dedicated weight on its
+    owner), ``dmuon.set_model_state_dict`` or a DCP load. With HSDP the first forward
+    publishes the global owners' weights to the other replicas.
+
     Args:
-        model: the root module (FQNs are relative to it); parameters already on the device.
+        model: the root module (FQNs are relative to it): its parameters on the device the
+            mesh computes on, or all on the meta device (never a mix across ranks).
         mesh: the 1-D data-parallel (shard) ``DeviceMesh``.
         predicate: ``predicate(name, param) -> bool`` selects the dedicated parameters
             (default: ≥2-D weights except embeddings and output heads).
@@ -185,13 +213,17 @@ def dedicate_params(
         ``{fqn: owner rank}`` for every dedicated parameter: ranks of ``mesh``; with HSDP the
         global owner ``replicate_rank * shard_size + shard_rank`` (its rank in the 2-D mesh).
 
-    Example::
+    Example (a meta-device model; a materialised one skips ``to_empty`` and the init)::
 
         mesh = init_device_mesh("cuda", (world_size,))
+        with torch.device("meta"):
+            model = MyTransformer()
         owners = dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n)
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        model.to_empty(device="cuda")
+        model.init_weights()  # or dmuon.set_model_state_dict(model, full_state_dict)
         opt = dmuon.Muon(model, lr=0.02)
 
     HSDP (2 replicas of 4-rank shard groups on 8 GPUs)::
@@ -241,14 +273,13 @@ def dedicate_params(
                 f"dedicate_params: {name} is shared by several modules (tied weights); exclude it "
                 "with predicate="
             )
-        if p.is_meta:
-            raise ValueError(
-                f"dedicate_params: {name} is on the meta device; materialise the model first"
-            )
         _check_boundary_runs(
             name, *_boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
         )
 
+    # A model built on the meta device: each owner allocates its masters here (uninitialised,
+    # like model.to_empty); nothing else of a dedicated weight is ever allocated whole.
+    on_meta = any(p.is_meta for _, p in selected)
     # Communicators of our own for the dims FSDP2 issues collectives on (shard, replicate): its
     # collectives on the mesh's groups never queue behind ours (README: Communicators).
     pg = C.private_group(mesh, timeout)
@@ -272,11 +303,11 @@ def dedicate_params(
         # The TP mesh's own group: FSDP2 never issues collectives on it (only TP's activation
         # collectives do), so a duplicate communicator would buy nothing worth its memory.
         tp_pg = tp.mesh.get_group()
-        _check_plan_identical(plan, tp_pg, device, tp.rank, axis="tp")
+        _check_plan_identical(plan, tp_pg, device, tp.rank, axis="tp", on_meta=on_meta)
     plan.replicate_size = replicas
-    _check_plan_identical(plan, pg, device, rank)
+    _check_plan_identical(plan, pg, device, rank, on_meta=on_meta)
     if rep_pg is not None:  # shard groups and replicate groups together connect every rank
-        _check_plan_identical(plan, rep_pg, device, rep_rank, axis="replicate")
+        _check_plan_identical(plan, rep_pg, device, rep_rank, axis="replicate", on_meta=on_meta)
     owners = plan.owners()
 
     record = env_flag(PROFILE_ENV, False)
@@ -298,14 +329,14 @@ def dedicate_params(
                 tp_plan.tp_owner[name], tp, _tp.owner_group_ranks(tp, rank_grid, rep_owner, owner),
             )  # fmt: skip
             if owner == rank:
-                initial[name] = p.to_local().detach().to(device)
+                initial[name] = _whole_on(p.to_local(), device)
         else:
             dp = DedicatedParam(
                 name, module, attr, owner, p.shape, p.dtype, param_dtype, replica_owner=rep_owner
             )
             if owner == rank:
-                initial[name] = p.detach().to(device)
-            else:
+                initial[name] = _whole_on(p, device)
+            elif not p.is_meta:
                 p.data = torch.empty(0, dtype=p.dtype, device=device)  # free the non-owner copy
         params.append(dp)
         path, bmod = _boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
@@ -340,7 +371,14 @@ def dedicate_params(
             )
             masters.update(g.replicate.build(initial))
         else:
-            masters.update({dp.fqn: initial[dp.fqn] for dp in g.params_of(rank)})
+            masters.update(
+                {
+                    dp.fqn: initial[dp.fqn]
+                    if initial[dp.fqn] is not None
+                    else _allocate_master(dp, device)
+                    for dp in g.params_of(rank)
+                }
+            )
         groups.append(g)
     for dp in params:
         global_owner = int(rank_grid[dp.replica_owner, dp.owner])
@@ -349,7 +387,7 @@ def dedicate_params(
         dp.register(omesh, masters.get(dp.fqn), device)
         make_holder(dp.module, dp.attr, dp)
     for g in groups:
-        if g.replicate is not None:
+        if g.replicate is not None and not on_meta:
             g.replicate.publish()  # the global owner's initial weights are the truth everywhere
             g.replicate.wait_publish()
     initial.clear()
@@ -359,6 +397,14 @@ def dedicate_params(
     )
     if tp is not None:
         runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, model, replicas > 1))
+    for dp in params:  # random fills of the weight draw from its own generator (_owned.py)
+        if dp.owns:
+            shard = tp.rank if isinstance(dp, _tp.TPDedicatedParam) else 0
+            key_fills(dp.param, dp.fqn, shard)
+    if on_meta:
+        # Nothing to publish yet: the masters are filled after model.to_empty (init or load).
+        # The first forward publishes whatever the global owners then hold.
+        runtime.request_publish()
     setattr(model, PLAN_ATTR, runtime)
     return owners
 
