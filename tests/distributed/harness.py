@@ -60,9 +60,12 @@ def _restore(obj):
 
 
 def _worker(fn, rank, world_size, store_port, args, env, results, backend, pg_timeout_s, device):
+    import faulthandler
+
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
+    faulthandler.enable(all_threads=True)  # a crashed rank prints where (the parent says "died")
     os.environ.update(env)
     shared_gpu = device == "cuda" and backend != "nccl"
     os.environ.update(

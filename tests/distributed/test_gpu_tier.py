@@ -335,12 +335,15 @@ def test_dcp_save_and_resume(tier_device, tmp_path):
     one = run_ranks(
         dcp_tests._resume, 1, (1,), path, False, tier_device, device=tier_device, timeout=150
     )[0]
+    # One process multiplies the whole batch where each rank multiplied half: on CUDA the
+    # kernels (and so the rounding) differ with the shape (seen: 1.1e-5 relative).
+    tol = 1e-5 if tier_device == "cpu" else 5e-5
     for got, want in zip(one, expected):
-        assert got == pytest.approx(want, rel=1e-5)
+        assert got == pytest.approx(want, rel=tol)
     fresh = run_ranks(
         dcp_tests._resume, 2, (2,), path, True, tier_device, device=tier_device, timeout=150
     )[0]
-    assert max(abs(a - b) / abs(b) for a, b in zip(fresh[1:], expected[1:])) > 1e-4
+    assert max(abs(a - b) / abs(b) for a, b in zip(fresh[1:], expected[1:])) > 10 * tol
 
 
 # ---------------------------------------------------------------------------------- training
