@@ -201,37 +201,68 @@ class CompiledMuonStep:
         self.fn = torch.compile(
             _fresh_copy(F.muon_directions), fullgraph=True, dynamic=False, options=opts
         )
+        # The second half (momentum and update, elementwise) in a graph of its own: Inductor
+        # fuses it into a few kernels where eager takes several launches per matrix. No CUDA
+        # graph (its inputs are the first graph's outputs) and no NS pass (it has no NS).
+        self._commit = torch.compile(
+            _fresh_copy(F.commit_muon_step),
+            fullgraph=True,
+            dynamic=False,
+            options=default_compile_options(None, rewrite=False),
+        )
         self._orthogonalize = None  # compiled on first use: TP owners' NS (``orthogonalize``)
-        self._momentum: dict[torch.device, Tensor] = {}
+        self._hypers: dict[tuple[str, torch.device], Tensor] = {}
         self._static_marked: set[int] = set()
         self.calls = 0
         self.first_call_s: float | None = None
 
-    def hyper_tensor(self, device: torch.device, momentum: float | Tensor) -> Tensor:
-        """The 0-d float32 momentum tensor on ``device``, refilled in place."""
-        t = self._momentum.get(device)
+    def hyper_tensor(
+        self, device: torch.device, value: float | Tensor, name: str = "momentum"
+    ) -> Tensor:
+        """The 0-d float32 tensor of hyper-parameter ``name`` on ``device``, refilled in place
+        (a value change never recompiles: Dynamo guards a Python float by value)."""
+        t = self._hypers.get((name, device))
         if t is None:
-            t = self._momentum[device] = torch.zeros((), dtype=torch.float32, device=device)
-        if isinstance(momentum, Tensor) and momentum.device.type != "cpu":
-            t.copy_(momentum.detach().reshape(()))  # on device: no host sync
+            t = self._hypers[(name, device)] = torch.zeros((), dtype=torch.float32, device=device)
+        if isinstance(value, Tensor) and value.device.type != "cpu":
+            t.copy_(value.detach().reshape(()))  # on device: no host sync
         else:  # a float, or a CPU tensor: a host read, no H2D copy
-            t.fill_(float(momentum))
+            t.fill_(float(value))
         return t
 
     def __call__(
         self, params, grads, bufs, *, lr, weight_decay, momentum, nesterov, adjust_lr_fn
     ) -> None:
-        """The whole step: :meth:`directions`, then ``functional.commit_muon_step`` (eager,
-        elementwise)."""
+        """The whole step: :meth:`directions`, then :meth:`commit`."""
         ortho = self.directions(grads, bufs, momentum=momentum, nesterov=nesterov)
-        F.commit_muon_step(
-            list(params),
-            list(grads),
-            list(bufs),
+        self.commit(
+            params,
+            grads,
+            bufs,
             ortho,
             lr=lr,
             weight_decay=weight_decay,
             momentum=momentum,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+
+    def commit(self, params, grads, bufs, ortho, *, lr, weight_decay, momentum, adjust_lr_fn):
+        """``functional.commit_muon_step`` compiled: buf ← μ·buf + g and the weight update, in
+        place (after ``Muon.step``'s agreement); hyper-parameters as 0-d device tensors."""
+        if not params:
+            return
+        device = params[0].device
+        lr_t = self.hyper_tensor(device, lr, "lr")
+        wd_t = self.hyper_tensor(device, weight_decay, "weight_decay")
+        mu_t = self.hyper_tensor(device, momentum, "momentum")
+        self._commit(
+            list(params),
+            list(grads),
+            list(bufs),
+            list(ortho),
+            lr=lr_t,
+            weight_decay=wd_t,
+            momentum=mu_t,
             adjust_lr_fn=adjust_lr_fn,
         )
 

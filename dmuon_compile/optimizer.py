@@ -703,7 +703,7 @@ class Muon(torch.optim.Optimizer):
         def directions():
             # Both run functional.muon_directions: compiled (one graph) or called eagerly (also
             # what a user's torch.compile(opt.step) traces).
-            compiled = compiled_step_for(self, group, params, part=part)
+            compiled = half.compiled = compiled_step_for(self, group, params, part=part)
             hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"])
             if compiled is not None:
                 return compiled.directions(grads, bufs, **hypers)
@@ -726,7 +726,8 @@ class Muon(torch.optim.Optimizer):
         if half.receive_plain:
             half.tp.broadcast_plain(half.params, half.bufs)
             return
-        F.commit_muon_step(
+        commit = F.commit_muon_step if half.compiled is None else half.compiled.commit
+        commit(
             half.params,
             half.grads,
             half.bufs,
@@ -763,6 +764,7 @@ class _StepHalf:
     tp: object = None  # the TP stage, when the model has one
     tp_half: object = None  # its half of this part (``_tp.TPStepHalf``)
     receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
+    compiled: object = None  # the CompiledMuonStep of the directions: it commits too
 
 
 def _guarded(failure: list, phase: str, compute, placeholder):
