@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from . import models
+from . import test_activation_checkpointing as ac
 from . import test_clip as clip
 from . import test_hsdp as hsdp
 from . import test_registered_params as dcp_tests
@@ -442,7 +443,28 @@ def test_race_detector_run_equals_run_under_cuda_launch_blocking(
     assert len(set(free[0]["losses"].tolist())) == RACE_STEPS, free[0]["losses"]
 
 
-# ---------------------------------------------------------------------------------- to come
-# Activation checkpointing (dedicated weights unsharded again in the recomputation) and one-rank
-# faults inside step() (every rank raises, the next step's collectives pair) join the tier here,
-# each against one process like the tests above.
+# ---------------------------------------------------------------------------------- checkpointing
+def _checkpointing(rank, world, device):
+    """The checkpointing runs with the math attention: its backward is deterministic (the fused
+    ones' may accumulate in any order), so runs with and without recomputation compare at the
+    CPU test's 1e-6."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return ac._all(rank, world, device)
+
+
+def test_activation_checkpointing_unshards_once_and_trains_the_same(tier_device):
+    """Recomputation inside backward (torch.utils.checkpoint, checkpoint_wrapper after and
+    before dedicate_params, two hook groups per block) unshards nothing twice, leaves every
+    group sharded and empty at the end of backward and trains as the run without checkpointing
+    (the one-process comparison of the runtime is the 1-D test above); the old rule's control
+    fails. On CUDA each rank's peak of allocated memory per configuration is reported."""
+    results = run_ranks(_checkpointing, 2, tier_device, device=tier_device, timeout=300)
+    ac.check_checkpointing(results)
+    if tier_device == "cuda":
+        peaks = [r["peak_bytes"] for r in results]
+        print("peak allocated bytes per rank and configuration:", peaks)
+        for rank, peak in enumerate(peaks):
+            assert set(peak) == set(ac.CONFIGS), peak
+            assert all(b > 0 for b in peak.values()), (rank, peak)
