@@ -23,6 +23,7 @@ from . import test_activation_checkpointing as ac
 from . import test_clip as clip
 from . import test_hsdp as hsdp
 from . import test_registered_params as dcp_tests
+from . import test_step_faults as faults
 from . import test_tp as tp
 from .harness import full_state, local_device, run_ranks
 from .test_compiled_step_dist import _ns as _auto_ns
@@ -468,3 +469,41 @@ def test_activation_checkpointing_unshards_once_and_trains_the_same(tier_device)
         for rank, peak in enumerate(peaks):
             assert set(peak) == set(ac.CONFIGS), peak
             assert all(b > 0 for b in peak.values()), (rank, peak)
+
+
+# ---------------------------------------------------------------------------------- faults
+FAULT_CASES = [  # (kind, layout, phase, the failing rank's own exception)
+    ("eager", "1d", "the eager Muon step (momentum, Newton–Schulz)", "InjectedError"),
+    ("eager", "hsdp", "the eager Muon step (momentum, Newton–Schulz)", "InjectedError"),
+    ("oom", "1d", "the eager Muon step (momentum, Newton–Schulz)", "OutOfMemoryError"),
+    ("oom", "hsdp", "the eager Muon step (momentum, Newton–Schulz)", "OutOfMemoryError"),
+    ("eager", "tp", "the TP owners' Newton–Schulz (eager)", "InjectedError"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout", "phase", "cause"),
+    FAULT_CASES,
+    ids=[f"{k}-{'hsdp_2x1' if lay == 'hsdp' else lay}" for k, lay, *_ in FAULT_CASES],
+)
+def test_one_rank_failure_in_step_raises_everywhere_then_trains_exactly(
+    tier_device, kind, layout, phase, cause
+):
+    """Rank 1 fails inside step() (1-D, HSDP 2×1, dp1 × tp2): every rank raises MuonStepError
+    naming rank 1 and the phase, and the steps after it give the weights of one process that
+    skipped that batch."""
+    from dmuon_compile import optimizer
+
+    phase = next(p for p in optimizer.STEP_PHASES if p.startswith(phase))
+    results = run_ranks(
+        faults._train,
+        faults.WORLD,
+        kind,
+        layout,
+        True,
+        tier_device,
+        device=tier_device,
+        timeout=300,
+    )
+    ref = faults.reference(1 if layout == "tp" else faults.WORLD, tier_device)
+    assert faults._problems(results, phase, cause, ref) == []
