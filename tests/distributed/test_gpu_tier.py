@@ -21,6 +21,7 @@ import torch
 from . import models
 from . import test_activation_checkpointing as ac
 from . import test_clip as clip
+from . import test_gqa_collectives as gqa
 from . import test_hsdp as hsdp
 from . import test_registered_params as dcp_tests
 from . import test_step_faults as faults
@@ -507,3 +508,21 @@ def test_one_rank_failure_in_step_raises_everywhere_then_trains_exactly(
     )
     ref = faults.reference(1 if layout == "tp" else faults.WORLD, tier_device)
     assert faults._problems(results, phase, cause, ref) == []
+
+
+# ---------------------------------------------------------------------------------- GQA
+def _gqa_counted(rank, world, device):
+    """GQA training with every unshard's and reduce's collectives counted; the padding
+    threshold at 0 so 2 ranks take the uneven path (as 4+ ranks do on their own)."""
+    from dmuon_compile.distributed import _dedicated_group as G
+
+    G.MAX_GATHER_PADDING = 0.0
+    return gqa.train(rank, world, gqa.STEPS, gqa._count_group_collectives(), device)
+
+
+def test_gqa_one_collective_per_unshard_and_reduce_trains_like_one_process(tier_device):
+    """Owners holding different byte counts (k/v a quarter of q): one launch per unshard and
+    per reduce, the same on every rank, and the weights of one process."""
+    runs = run_ranks(_gqa_counted, 2, tier_device, device=tier_device, timeout=300)
+    gqa.check_one_collective_each(runs)
+    gqa.check_equals_one_process(runs[0], *gqa.reference(2, device=tier_device))
