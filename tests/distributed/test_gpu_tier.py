@@ -23,6 +23,7 @@ from . import test_activation_checkpointing as ac
 from . import test_clip as clip
 from . import test_gqa_collectives as gqa
 from . import test_hsdp as hsdp
+from . import test_nested_groups as nested
 from . import test_registered_params as dcp_tests
 from . import test_step_faults as faults
 from . import test_tp as tp
@@ -526,3 +527,14 @@ def test_gqa_one_collective_per_unshard_and_reduce_trains_like_one_process(tier_
     runs = run_ranks(_gqa_counted, 2, tier_device, device=tier_device, timeout=300)
     gqa.check_one_collective_each(runs)
     gqa.check_equals_one_process(runs[0], *gqa.reference(2, device=tier_device))
+
+
+# ---------------------------------------------------------------------------------- nesting
+def test_nested_hook_groups_train_like_one_process(tier_device):
+    """A hook group whose forward encloses others (a ViT's root ``pos_embed``, a CNN's root
+    parameter, two forwards before one backward): the enclosed groups' reduces wait for their
+    gradients, 2 ranks train like one process; the old rule's control misses."""
+    refs = {case: nested.reference(case, 2, tier_device) for case in nested.CASES}
+    nested.check_nested(
+        run_ranks(nested._cases, 2, tier_device, device=tier_device, timeout=300), refs
+    )
