@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import run_ranks
+from .harness import local_device, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -61,7 +61,7 @@ def _wrap(model) -> None:
         model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def _train(rank: int, world: int, config: str):
+def _train(rank: int, world: int, config: str, device: str = "cpu"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -70,8 +70,9 @@ def _train(rank: int, world: int, config: str):
     from dmuon_compile.distributed import dedicated_runtime
     from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = models.build_llama(layers=LAYERS)
+    dev = local_device(device)
+    mesh = init_device_mesh(device, (world,))
+    model = models.build_llama(layers=LAYERS).to(dev)
     if config == "wrapper_first":
         _wrap(model)
     boundary = None
@@ -114,7 +115,7 @@ def _train(rank: int, world: int, config: str):
         for x in models.batches(STEPS, world):
             unshards.append(0)
             per = x.shape[0] // world
-            loss = model(x[rank * per : (rank + 1) * per]).square().mean()
+            loss = model(x[rank * per : (rank + 1) * per].to(dev)).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -136,15 +137,17 @@ def _train(rank: int, world: int, config: str):
     }
 
 
-def _reentrant(rank: int, world: int) -> str:
+def _reentrant(rank: int, world: int, device: str = "cpu") -> str:
     """Reentrant checkpointing runs the first forward without gradients: it must raise."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon_compile as dmuon
 
-    model = models.build_llama(layers=2)
-    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), predicate=models.proj_predicate)
-    x = models.batches(1, 1)[0].requires_grad_()
+    dev = local_device(device)
+    model = models.build_llama(layers=2).to(dev)
+    mesh = init_device_mesh(device, (world,))
+    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
+    x = models.batches(1, 1)[0].to(dev).requires_grad_()
     for block in model.layers:
         x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
     try:
@@ -154,15 +157,24 @@ def _reentrant(rank: int, world: int) -> str:
     return "no error"
 
 
-def _all(rank: int, world: int):
+def _all(rank: int, world: int, device: str = "cpu"):
+    """Every configuration, the reentrant error and the controls; on CUDA also each
+    configuration's peak of allocated device memory on this rank (``peak_bytes``)."""
     from dmuon_compile.distributed._runtime import DedicatedRuntime
 
-    out = {config: _train(rank, world, config) for config in CONFIGS}
-    out["reentrant"] = _reentrant(rank, world)
+    out, peaks = {}, {}
+    for config in CONFIGS:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out[config] = _train(rank, world, config, device)
+        if device == "cuda":
+            peaks[config] = torch.cuda.max_memory_allocated()
+    out["peak_bytes"] = peaks
+    out["reentrant"] = _reentrant(rank, world, device)
     fixed = DedicatedRuntime._pre_recompute
     DedicatedRuntime._pre_recompute = old_recompute_rule
     try:
-        out["control"] = {config: _train(rank, world, config) for config in CONTROLS}
+        out["control"] = {config: _train(rank, world, config, device) for config in CONTROLS}
     finally:
         DedicatedRuntime._pre_recompute = fixed
     return out
@@ -181,7 +193,12 @@ def _recompute_clean(r: dict, config: str) -> list[str]:
 
 
 def test_activation_checkpointing_unshards_once_and_trains_the_same():
-    results = run_ranks(_all, 2, timeout=120)
+    check_checkpointing(run_ranks(_all, 2, timeout=120))
+
+
+def check_checkpointing(results: list[dict]) -> None:
+    """Every configuration unshards as without checkpointing, ends empty and trains the same;
+    reentrant checkpointing raises; the controls fail the count and the emptiness."""
     for r in results:
         base = r["none"]
         assert base["losses"][-1] < base["losses"][0]  # it trained

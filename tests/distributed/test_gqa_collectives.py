@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, run_ranks
+from .harness import full_state, local_device, run_ranks
 from .test_dedicated_training import _muon_kwargs, _ns
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
@@ -117,43 +117,45 @@ def _use_per_owner_collectives() -> None:
     C.reduce_scatter_v_sum = reduce_scatter
 
 
-def reference(world: int, steps: int = STEPS):
-    """One process: the GQA model, the whole global batch, the reference Muon."""
+def reference(world: int, steps: int = STEPS, device: str = "cpu"):
+    """One process: the GQA model, the whole global batch, the reference Muon (weights returned
+    on the CPU)."""
     import dmuon_compile as dmuon
 
-    model = models.build_gqa()
+    model = models.build_gqa().to(device)
     opt = dmuon.Muon(
-        model, predicate=models.proj_predicate, ns_backend=_ns(), **_muon_kwargs("cpu")
+        model, predicate=models.proj_predicate, ns_backend=_ns(), **_muon_kwargs(device)
     )
     losses = []
     for x in models.batches(steps, world, dim=models.GQA_D):
-        loss = model(x).square().mean()
+        loss = model(x.to(device)).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
-def train(rank: int, world: int, steps: int, calls: list) -> dict:
+def train(rank: int, world: int, steps: int, calls: list, device: str = "cpu") -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon_compile as dmuon
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = models.build_gqa()
+    dev = local_device(device)
+    mesh = init_device_mesh(device, (world,))
+    model = models.build_gqa().to(dev)
     dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, ns_backend=_ns(), **_muon_kwargs("cpu"))
+    opt = dmuon.Muon(model, ns_backend=_ns(), **_muon_kwargs(device))
     calls.clear()  # count from the first forward on
     losses = []
     for x in models.batches(steps, world, dim=models.GQA_D):
         per = x.shape[0] // world
-        loss = model(x[rank * per : (rank + 1) * per]).square().mean()
+        loss = model(x[rank * per : (rank + 1) * per].to(dev)).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -202,8 +204,13 @@ def _uneven_groups(comm: dict) -> list[dict]:
 
 
 def test_gqa_group_costs_one_collective_per_unshard_and_per_reduce(results):
-    for r in results:
-        run = r["uneven"]
+    check_one_collective_each([r["uneven"] for r in results])
+
+
+def check_one_collective_each(runs: list[dict]) -> None:
+    """Every rank's counted ``train``: one launch per unshard and per reduce, in the same order
+    on every rank."""
+    for run in runs:
         groups = _uneven_groups(run["comm"])
         assert {g["mode"] for g in groups} == {"all_gather_v"}
         assert all(len(g["unshard"]) == 1 and len(g["reduce"]) == 1 for g in groups)
@@ -214,12 +221,14 @@ def test_gqa_group_costs_one_collective_per_unshard_and_per_reduce(results):
         assert len(reduces) == STEPS * models.LAYERS
         for c in unshards + reduces:
             assert len(c["ops"]) == 1, c
-    assert results[0]["uneven"]["calls"] == results[1]["uneven"]["calls"]  # SPMD: same order
+    assert all(run["calls"] == runs[0]["calls"] for run in runs)  # SPMD: same order
 
 
 def test_gqa_training_equals_one_process(results):
-    ref_losses, ref_state = reference(2)
-    run = results[0]["uneven"]
+    check_equals_one_process(results[0]["uneven"], *reference(2))
+
+
+def check_equals_one_process(run: dict, ref_losses: list, ref_state: dict) -> None:
     torch.testing.assert_close(
         torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6
     )

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import models
-from .harness import full_state, run_ranks
+from .harness import full_state, local_device, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -126,20 +126,20 @@ def _ns():
     return dmuon.NewtonSchulz(kernel="cublas", work_dtype=torch.float32)
 
 
-def reference(case: str, world: int):
-    """One process: the plain model, the whole batch, default routing."""
+def reference(case: str, world: int, device: str = "cpu"):
+    """One process: the plain model, the whole batch, default routing (results on the CPU)."""
     import dmuon_compile as dmuon
 
-    model = _build(case)
+    model = _build(case).to(device)
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
     grads = None
     for x in _batches(case, world):
-        _loss(model(x)).backward()
+        _loss(model(x.to(device))).backward()
         if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {n: p.grad.cpu().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return grads, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def old_rule(runtime, group) -> int:
@@ -149,15 +149,18 @@ def old_rule(runtime, group) -> int:
     return sum(1 for g in runtime.forward_order[i + 1 :] if g.ran_forward)
 
 
-def _train(rank: int, world: int, case: str, steps: int):
+def _train(rank: int, world: int, case: str, steps: int, device: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = _build(case)
+    if device == "cuda":  # full fp32 convolutions, as the reference's
+        torch.backends.cudnn.allow_tf32 = False
+    dev = local_device(device)
+    mesh = init_device_mesh(device, (world,))
+    model = _build(case).to(dev)
     owners = dmuon.dedicate_params(model, mesh)  # the default predicate
     blocks = model.inner.layers if case == "two_forwards" else model.blocks
     for block in blocks:
@@ -168,7 +171,7 @@ def _train(rank: int, world: int, case: str, steps: int):
     grads, states = None, []
     for x in _batches(case, world)[:steps]:
         per = x.shape[0] // world
-        _loss(model(x[rank * per : (rank + 1) * per])).backward()
+        _loss(model(x[rank * per : (rank + 1) * per].to(dev))).backward()
         states.append(sorted({g.state for g in runtime.groups}))
         if grads is None:  # the owner holds the full gradient averaged over the ranks
             grads = {n: g.clone() for n, g in models.owned_grads(model).items()}
@@ -183,14 +186,14 @@ def _train(rank: int, world: int, case: str, steps: int):
     }
 
 
-def _cases(rank: int, world: int):
+def _cases(rank: int, world: int, device: str = "cpu"):
     from dmuon_compile.distributed._runtime import DedicatedRuntime
 
-    out = {case: _train(rank, world, case, STEPS) for case in CASES}
+    out = {case: _train(rank, world, case, STEPS, device) for case in CASES}
     fixed = DedicatedRuntime._finished_before
     DedicatedRuntime._finished_before = old_rule  # control: one backward with the old rule
     try:
-        out["control"] = {case: _train(rank, world, case, 1)["grads"] for case in CASES}
+        out["control"] = {case: _train(rank, world, case, 1, device)["grads"] for case in CASES}
     finally:
         DedicatedRuntime._finished_before = fixed
     return out
@@ -203,7 +206,11 @@ def _grad_mismatches(got: dict, ref: dict) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_nested_groups_train_like_one_process(world):
     refs = {case: reference(case, world) for case in CASES}
-    results = run_ranks(_cases, world, timeout=120)
+    check_nested(run_ranks(_cases, world, timeout=120), refs)
+
+
+def check_nested(results: list[dict], refs: dict) -> None:
+    """Each case's groups, gradients and weights equal one process's; the controls miss."""
     for case, (ref_grads, ref_state) in refs.items():
         seen = set()
         for r in results:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, run_ranks
+from .harness import full_state, local_device, run_ranks
 from .test_dedicated_training import HYPER
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -97,22 +97,23 @@ class _TorchWith:
         return getattr(torch, name)
 
 
-def _train(rank, world, kind, layout, fold=True):
+def _train(rank, world, kind, layout, fold=True, device="cpu"):
     import dmuon_compile as dmuon
     from dmuon_compile import optimizer
 
     if not fold:  # the control: the failing rank raises at once, nobody agrees
         optimizer._guarded = lambda failure, phase, compute, placeholder: compute()
     step = [-1]
+    dev = local_device(device)
     if layout == "tp":
         import torch.distributed as dist
 
         from .test_tp import _whole_state, build_tp
 
-        model, dp_rank = build_tp(rank, world, 1, world)
+        model, dp_rank = build_tp(rank, world, 1, world, device=device)
         dp = 1
     else:
-        model, _ = models.build_dedicated(world, hsdp=layout == "hsdp")
+        model, _ = models.build_dedicated(world, hsdp=layout == "hsdp", device=device)
         dp_rank, dp = rank, world
     if kind == "compiled":
         _cheap_compile(rank, step)
@@ -130,7 +131,7 @@ def _train(rank, world, kind, layout, fold=True):
         if kind == "compiled" and rank == FAILING and i == FAIL_AT:
             torch._dynamo.reset()  # this rank alone compiles the step again (and fails)
         per = x.shape[0] // dp
-        loss = model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean()
+        loss = model(x[dp_rank * per : (dp_rank + 1) * per].to(dev)).square().mean()
         loss.backward()
         start = time.monotonic()
         try:
@@ -152,12 +153,12 @@ def _train(rank, world, kind, layout, fold=True):
 
 
 @functools.cache
-def reference(dp: int) -> dict:
+def reference(dp: int, device: str = "cpu") -> dict:
     """One process, eager Muon, the global batches of ``dp`` data-parallel ranks, the batch
-    ``FAIL_AT`` skipped."""
+    ``FAIL_AT`` skipped (weights returned on the CPU)."""
     import dmuon_compile as dmuon
 
-    model = models.build_llama()
+    model = models.build_llama().to(device)
     opt = dmuon.Muon(
         model,
         predicate=models.proj_predicate,
@@ -166,11 +167,11 @@ def reference(dp: int) -> dict:
         **HYPER,
     )
     for i, x in enumerate(models.batches(STEPS + 1, dp)):
-        model(x).square().mean().backward()
+        model(x.to(device)).square().mean().backward()
         if i != FAIL_AT:
             opt.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def _problems(results, phase: str, cause: str, ref: dict) -> list[str]:
