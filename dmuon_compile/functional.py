@@ -97,22 +97,30 @@ def shape_buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
 
 
 def orthogonalize(
-    updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: bool = True
+    updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: bool = True, *, release: bool = False
 ) -> list[Tensor]:
-    """NS(u) for every update; same-shape matrices are stacked into one batched call."""
+    """NS(u) for every update; same-shape matrices are stacked into one batched call.
+
+    ``release=True`` drops each bucket's entries of ``updates`` (set to ``None``) once they are
+    stacked: inputs the caller holds nowhere else (``muon_directions``' Nesterov inputs) are
+    then freed before Newton–Schulz allocates its work copies.
+    """
     if not batch_same_shape:
         return [ns(matrix_view(u)).reshape(u.shape) for u in updates]
     out: list[Tensor | None] = [None] * len(updates)
     for idx in shape_buckets(updates):
-        for i, r in zip(idx, _orthogonalize_bucket([updates[i] for i in idx], ns)):
+        bucket = [updates[i] for i in idx]
+        if release:
+            for i in idx:
+                updates[i] = None
+        for i, r in zip(idx, _orthogonalize_bucket(bucket, ns)):
             out[i] = r
     return out  # type: ignore[return-value]
 
 
 def _orthogonalize_bucket(bucket: list[Tensor], ns: NewtonSchulz) -> list[Tensor]:
-    """NS of one shape bucket, one batched call for several matrices. Empties ``bucket`` once
-    it is stacked: where the caller holds no other reference (``muon_directions``' Nesterov
-    inputs), the inputs are freed before Newton–Schulz allocates its work copies."""
+    """NS of one shape bucket, one batched call for several matrices; empties ``bucket`` once
+    it is stacked (see ``orthogonalize``'s ``release``)."""
     shape = bucket[0].shape
     mats = [matrix_view(u) for u in bucket]
     stack = mats[0] if len(mats) == 1 else torch.stack(mats)
@@ -198,7 +206,7 @@ def muon_directions(
     out: list[Tensor | None] = [None] * len(grads)
     for idx in shape_buckets(grads):
         bucket = nesterov_input([grads[i] for i in idx], [bufs[i] for i in idx], momentum, nesterov)
-        for i, r in zip(idx, _orthogonalize_bucket(bucket, ns)):  # frees the bucket's u
+        for i, r in zip(idx, orthogonalize(bucket, ns, release=True)):  # frees the bucket's u
             out[i] = r
     return out  # type: ignore[return-value]
 
