@@ -17,7 +17,10 @@ What keeps it to one graph and one compile:
   ``functional.commit_muon_step``, which runs eagerly (elementwise ``foreach`` ops) after
   ``Muon.step``'s agreement across ranks;
 - same-shape matrices are stacked and orthogonalised by one batched (``bmm``) chain
-  (``functional.shape_buckets``, traced: shapes are static);
+  (``functional.shape_buckets``, traced: shapes are static), bucket after bucket: Inductor
+  frees a bucket's Nesterov inputs and Newton–Schulz work copies after their last use, so the
+  graph holds the directions (its outputs) and one bucket's working set. It writes nothing, so
+  no in-place update at the graph's end keeps every bucket's output alive: one graph suffices;
 - the orthogonaliser is a copy of the group's that issues the torch-primitive chain
   (:func:`torch_chain`); the pass decides which products become ``torch.ops.dmuon`` kernels;
 - each ``CompiledMuonStep`` compiles its own copy of the step function (a fresh code object),

@@ -97,22 +97,38 @@ def shape_buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
 
 
 def orthogonalize(
-    updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: bool = True
+    updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: bool = True, *, release: bool = False
 ) -> list[Tensor]:
-    """NS(u) for every update; same-shape matrices are stacked into one batched call."""
+    """NS(u) for every update; same-shape matrices are stacked into one batched call.
+
+    ``release=True`` drops each bucket's entries of ``updates`` (set to ``None``) once they are
+    stacked: inputs the caller holds nowhere else (``muon_directions``' Nesterov inputs) are
+    then freed before Newton–Schulz allocates its work copies.
+    """
     if not batch_same_shape:
         return [ns(matrix_view(u)).reshape(u.shape) for u in updates]
     out: list[Tensor | None] = [None] * len(updates)
     for idx in shape_buckets(updates):
-        mats = [matrix_view(updates[i]) for i in idx]
-        if len(mats) == 1:
-            results = [ns(mats[0])]
-        else:
-            results = ns(torch.stack(mats)).unbind(0)
-        for i, r in zip(idx, results):
-            # 2-D parameters need no reshape (and a traced step skips a call per matrix).
-            out[i] = r if r.shape == updates[i].shape else r.reshape(updates[i].shape)
+        bucket = [updates[i] for i in idx]
+        if release:
+            for i in idx:
+                updates[i] = None
+        for i, r in zip(idx, _orthogonalize_bucket(bucket, ns)):
+            out[i] = r
     return out  # type: ignore[return-value]
+
+
+def _orthogonalize_bucket(bucket: list[Tensor], ns: NewtonSchulz) -> list[Tensor]:
+    """NS of one shape bucket, one batched call for several matrices; empties ``bucket`` once
+    it is stacked (see ``orthogonalize``'s ``release``)."""
+    shape = bucket[0].shape
+    mats = [matrix_view(u) for u in bucket]
+    stack = mats[0] if len(mats) == 1 else torch.stack(mats)
+    bucket.clear()
+    del mats
+    results = [ns(stack)] if stack.dim() == 2 else list(ns(stack).unbind(0))
+    # 2-D parameters need no reshape (and a traced step skips a call per matrix).
+    return [r if r.shape == shape else r.reshape(shape) for r in results]
 
 
 def apply_muon_update(
@@ -180,8 +196,19 @@ def muon_directions(
     fail (the Newton–Schulz chain, its compile and autotune) runs here, before any state
     changes. :func:`commit_muon_step` stores buf' and applies the result. ``Muon.step`` agrees
     across ranks between the two, so a failure on one rank changes nothing anywhere.
+
+    One shape bucket at a time: a bucket's ``u`` (fp32), its stack and Newton–Schulz's work
+    copies live only while that bucket is orthogonalised; only the results (NS's work dtype:
+    bf16/fp16 on GPU) are kept for the commit. The extra memory of a step is therefore every
+    direction plus one bucket's working set, never every matrix's ``u`` at once.
     """
-    return orthogonalize(nesterov_input(grads, bufs, hyper(momentum), nesterov), ns)
+    momentum = hyper(momentum)
+    out: list[Tensor | None] = [None] * len(grads)
+    for idx in shape_buckets(grads):
+        bucket = nesterov_input([grads[i] for i in idx], [bufs[i] for i in idx], momentum, nesterov)
+        for i, r in zip(idx, orthogonalize(bucket, ns, release=True)):  # frees the bucket's u
+            out[i] = r
+    return out  # type: ignore[return-value]
 
 
 def nesterov_input(
@@ -197,7 +224,7 @@ def nesterov_input(
     if nesterov:
         torch._foreach_mul_(u, momentum)
         torch._foreach_add_(u, grads)
-    return u
+    return list(u)  # a list (foreach ops may return a tuple): consumed bucket by bucket
 
 
 def commit_muon_step(

@@ -216,6 +216,7 @@ def direct_ns(x: Tensor, table: coeffs.Coefficients, ops=TorchPrimitives) -> Ten
     for a, b, c in table:
         gram = ops.gram(x)  # A = X·Xᵀ
         poly = ops.sym_addmm(gram, gram, gram, beta=b, alpha=c)  # B = b·A + c·A²
+        del gram  # eager: A is X-sized for a square X; free it before X's next value
         x = ops.apply_left(x, poly, x, beta=a)  # X ← a·X + B·X
     return x
 
@@ -433,14 +434,24 @@ class NewtonSchulz:
         )
 
     def _orthogonalize(self, g: Tensor) -> Tensor:
-        _, transposed = _as_matrix_stack(g)  # validates the shape
-        x = normalize(g, self.work_dtype_for(g.device), self.eps, transpose=transposed)
-        m, n = x.shape[-2], x.shape[-1]
-        ops = self.primitives_for(m, x.shape[0] if x.dim() == 3 else 1)
+        wide, transposed = _as_matrix_stack(g)  # validates the shape; (…, m, n) with m ≤ n
+        m, n = wide.shape[-2], wide.shape[-1]
+        del wide
+        ops = self.primitives_for(m, g.shape[0] if g.dim() == 3 else 1)
+        work_dtype = self.work_dtype_for(g.device)
+        # The normalised input goes straight in (no local name here): NS frees it after its
+        # first step instead of keeping a matrix-sized copy alive to the end.
         if self.uses_gram(m, n):
-            x = gram_ns(x, self.coefficients, self.restart_iterations, ops)
+            x = gram_ns(
+                normalize(g, work_dtype, self.eps, transpose=transposed),
+                self.coefficients,
+                self.restart_iterations,
+                ops,
+            )
         else:
-            x = direct_ns(x, self.coefficients, ops)
+            x = direct_ns(
+                normalize(g, work_dtype, self.eps, transpose=transposed), self.coefficients, ops
+            )
         return x.mT if transposed else x
 
     def __repr__(self) -> str:

@@ -7,7 +7,8 @@ weight (owner-packed unshard and reduce, HSDP replicate stage). The plan is comp
 same specs on every rank, so shard ``t`` of a matrix has the same DP owner ``d`` on every TP
 rank: the TP group at DP coordinate ``d`` holds the whole matrix, one shard per member.
 
-Per step, in that TP group (:class:`TPStage`):
+Per step, in that TP group (:class:`TPStage`), one shape bucket of whole matrices at a time (a
+TP owner holds one bucket's gathered pieces and whole matrices, not all of its matrices'):
 
 1. each member updates the momentum of its shard (elementwise: sharding changes nothing) and
    the Nesterov input ``u_t``;
@@ -454,6 +455,18 @@ class TPProfile:
     plain_broadcasts: int = 0  # plain dedicated weights and momenta from the TP source
 
 
+def _tp_buckets(mine: list) -> list[list]:
+    """``mine`` (``(dp, master, grad, buf)`` rows) grouped by whole-matrix shape and dtype, in
+    first-seen order: the same buckets in the same order on every member of the owner TP group
+    (keyed by global shape: the collectives stay SPMD), one batched NS stack per owner and
+    bucket."""
+    buckets: dict[tuple, list] = {}
+    for row in mine:
+        dp, master = row[0], row[1]
+        buckets.setdefault((tuple(dp.global_shape), master.dtype), []).append(row)
+    return list(buckets.values())
+
+
 PLAIN_SOURCE = 0  # the TP rank that updates a column's plain dedicated weights
 
 
@@ -501,11 +514,23 @@ class TPStage:
         non-empty) sends placeholders and appends ``(phase, exception)`` to ``failure``, so
         the TP group's collectives stay paired and every rank learns of it in the agreement.
         """
-        from dmuon_compile import optimizer as O  # the step's phases (late: an import cycle)
-
         mine, rest = self.split(params, grads, bufs)
         if not mine:
             return rest, None
+        entries = []
+        for bucket in _tp_buckets(mine):
+            entries += self._bucket_directions(opt, group, bucket, failure)
+        grads_m, bufs_m = [g for *_, g, _b in mine], [b for *_, b in mine]
+        return rest, TPStepHalf(grads_m, bufs_m, group["momentum"], entries)
+
+    def _bucket_directions(self, opt, group: dict, mine: list, failure: list) -> list:
+        """:meth:`directions` of one shape bucket: its Nesterov inputs, gathers, the owners'
+        Newton–Schulz and scatters; returns the bucket's pending apply entries. The bucket's
+        inputs, gathered pieces and whole matrices are freed when it returns, before the next
+        bucket's are made: a TP owner holds one bucket's whole matrices, not all of its
+        matrices'."""
+        from dmuon_compile import optimizer as O  # the step's phases (late: an import cycle)
+
         size, me = self.info.size, self.info.rank
         grads_m, bufs_m = [g for *_, g, _b in mine], [b for *_, b in mine]
         updates = grads_m  # placeholders (never committed) when this rank has failed
@@ -531,11 +556,13 @@ class TPStage:
                 self.profile.gather_bytes += u.numel() * u.element_size() * int(me != dp.tp_owner)
         for w in works:
             C.wait(w, "the TP gather of Muon inputs to the TP owners", self.pg)
+        del works  # a finished work may still hold its pieces
         whole = [
             (i, torch.cat(parts, dim=dp.shard_dim))
             for i, ((dp, *_), parts) in enumerate(zip(mine, gathered))
             if parts is not None
         ]
+        del gathered  # the pieces: freed once concatenated
         mats = [m for _, m in whole]
         out = mats  # placeholders
         if mats and not failure:
@@ -558,6 +585,7 @@ class TPStage:
                     mats,
                 )
         ortho = dict(zip((i for i, _ in whole), out))
+        whole = mats = out = None  # the whole matrices: freed once orthogonalised
         entries = []
         for i, ((dp, master, _g, _b), u) in enumerate(zip(mine, updates)):
             out = torch.empty_like(u)
@@ -577,7 +605,7 @@ class TPStage:
                 self.profile.scatter_bytes += (
                     out.numel() * out.element_size() * int(me != dp.tp_owner)
                 )
-        return rest, TPStepHalf(grads_m, bufs_m, group["momentum"], entries)
+        return entries
 
     @torch.no_grad()
     def commit(self, half: TPStepHalf, defer: bool) -> None:
