@@ -267,6 +267,29 @@ def _catching(rank, world_size, fn, *args):
         return f"{type(exc).__name__}: {exc}"
 
 
+def whole_tensor(p):
+    """``p.full_tensor()``, also on gloo ranks that share a GPU: DTensor gathers with functional
+    collectives, which crash the process on CUDA tensors over gloo (torch 2.11), so there the
+    shards are gathered as CPU tensors. Dedicated weights gather themselves (broadcasts)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from dmuon_compile.distributed._owned import OwnerTensor
+
+    if (
+        not isinstance(p, DTensor)
+        or isinstance(p, OwnerTensor)
+        or p.device.type == "cpu"
+        or dist.get_backend() != "gloo"
+    ):
+        return p.full_tensor()
+    local = p.to_local().detach().cpu()
+    on_cpu = DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+    return on_cpu.full_tensor().to(p.device)
+
+
 def full_state(model) -> dict:
     """Every parameter whole: FSDP2 DTensors via full_tensor(), dedicated ones from their owner
     (HSDP: from this shard group's member of the owner column, after draining the publish)."""
@@ -274,7 +297,7 @@ def full_state(model) -> dict:
 
     from dmuon_compile.distributed import dedicated_runtime
 
-    state = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    state = {n: whole_tensor(p).detach().clone() for n, p in model.named_parameters()}
     runtime = dedicated_runtime(model)
     runtime.wait_all()
     for dp in runtime.params:

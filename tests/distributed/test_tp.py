@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import local_device, run_ranks, run_ranks_expect_errors
+from .harness import local_device, run_ranks, run_ranks_expect_errors, whole_tensor
 from .test_dedicated_training import HYPER, _ns
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
@@ -88,7 +88,7 @@ def _whole_state(model) -> dict:
             state[name] = buf
             continue
         if name not in tp:
-            state[name] = p.full_tensor().detach().clone()
+            state[name] = whole_tensor(p).detach().clone()
             continue
         dp = tp[name]
         whole = torch.zeros(dp.global_shape, device=device)
@@ -244,7 +244,10 @@ def test_tp_compiled_matches_single_process(tmp_path, cache_dir):
     ref_losses, ref_state = reference(1, steps=steps)
     _check(results, ref_losses, ref_state)
     for res in results:  # every TP matrix is in the TP stage: its compiled NS ran every step
-        assert res["compiled"] == {"0/tp": steps}, res["compiled"]
+        # the TP owners' NS runs compiled once per TP shape bucket, every step
+        calls = res["compiled"]
+        assert set(calls) == {"0/tp"} and calls["0/tp"] >= steps, calls
+        assert calls["0/tp"] % steps == 0, calls
 
 
 def test_tp_blockwise_control_misses():
