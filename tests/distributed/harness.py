@@ -267,27 +267,35 @@ def _catching(rank, world_size, fn, *args):
         return f"{type(exc).__name__}: {exc}"
 
 
-def whole_tensor(p):
+def whole_tensor(p, plain_collectives: bool | None = None):
     """``p.full_tensor()``, also on gloo ranks that share a GPU: DTensor gathers with functional
-    collectives, which crash the process on CUDA tensors over gloo (torch 2.11), so there the
-    shards are gathered as CPU tensors. Dedicated weights gather themselves (broadcasts)."""
+    collectives, which crash the process on CUDA tensors over gloo (torch 2.11), so there every
+    rank's piece goes, as a CPU tensor with its global offset, through one ``all_gather_object``
+    and is placed by offset. Dedicated weights gather themselves (broadcasts).
+    ``plain_collectives`` forces (``True``) or forbids (``False``) that path (tests of it)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from dmuon_compile.distributed._owned import OwnerTensor
 
-    if (
-        not isinstance(p, DTensor)
-        or isinstance(p, OwnerTensor)
-        or p.device.type == "cpu"
-        or dist.get_backend() != "gloo"
-    ):
+    if not isinstance(p, DTensor) or isinstance(p, OwnerTensor):
         return p.full_tensor()
+    if plain_collectives is None:
+        plain_collectives = p.device.type != "cpu" and dist.get_backend() == "gloo"
+    if not plain_collectives:
+        return p.full_tensor()
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     local = p.to_local().detach().cpu()
-    on_cpu = DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
-    return on_cpu.full_tensor().to(p.device)
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, (tuple(offset), tuple(shape), local))
+    whole = torch.zeros(p.shape, dtype=p.dtype)
+    for off, shp, piece in pieces:
+        if piece is None or piece.numel() == 0:
+            continue
+        index = tuple(slice(o, o + n) for o, n in zip(off, shp))
+        whole[index] = piece.reshape(shp)
+    return whole.to(p.device)
 
 
 def full_state(model) -> dict:

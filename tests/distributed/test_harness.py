@@ -49,3 +49,26 @@ def test_run_survives_a_port_thief(monkeypatch):
     finally:
         for s in stolen:
             s.close()
+
+
+def _both_gathers(rank, world):
+    from torch.distributed.tensor import DTensor
+
+    from . import models
+    from .harness import whole_tensor
+
+    model, _ = models.build_dedicated(world)
+    out = {}
+    for name, p in model.named_parameters():
+        if type(p) is DTensor:  # FSDP2's Shard(0) parameters (dedicated ones are OwnerTensor)
+            out[name] = (whole_tensor(p, plain_collectives=True), p.full_tensor())
+    return out
+
+
+def test_whole_tensor_without_functional_collectives_equals_full_tensor():
+    """The gather the one-GPU tier uses (gloo ranks sharing a GPU, where DTensor's functional
+    collectives crash) equals ``full_tensor()`` for every FSDP2 parameter."""
+    (res, *_) = run_ranks(_both_gathers, 2, timeout=90)
+    assert len(res) > 5
+    for name, (plain, full) in res.items():
+        assert torch.equal(plain, full), name
