@@ -1,4 +1,5 @@
-"""The compiled Muon step: one ``torch.compile(fullgraph=True)`` graph per Muon group.
+"""The compiled Muon step: per Muon group, one ``torch.compile(fullgraph=True)`` graph for the
+directions (momentum → Newton–Schulz) and one small elementwise graph for the commit.
 
 ``CompiledMuonStep`` is what ``Muon`` dispatches to when ``compile`` is on (default on CUDA):
 ``torch.compile`` of :func:`dmuon_compile.functional.muon_directions`, the first half of the
