@@ -96,6 +96,7 @@ def _train_compiled(rank: int, world: int, cache: str, device: str = "cpu") -> d
         "graphs": graphs,
         "breaks": sum(counters["graph_break"].values()),
         "syrk": counters["dmuon"]["syrk"],
+        "skipped": counters["dmuon"]["skipped"],
         "lrs": lrs,
         "steps": steps,
         "muon": sorted(
@@ -119,7 +120,12 @@ def check_compiled(tmp_path, device: str) -> None:
         assert all(len({lrs[i] for lrs in res["lrs"]}) == STEPS for i in range(2)), res["lrs"]
         # the compiled step ran every step, through the NS-chain pass ...
         assert res["steps"] == {"0/all": {"calls": STEPS, "rewrites": True}}, res["steps"]
-        assert res["syrk"] >= 1
+        if device == "cpu":
+            assert res["syrk"] >= 1
+        else:
+            # on CUDA these small products stay on cuBLAS: the pass saw them and skipped them
+            # (its size gate is the eager NS kernel choice)
+            assert res["syrk"] + res["skipped"] >= 1, res
         # two graphs (the directions, the commit) after the first step, and no recompile
         assert res["graphs"] == [2] * STEPS, res["graphs"]
         assert res["breaks"] == 0
