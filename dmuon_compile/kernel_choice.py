@@ -1,4 +1,4 @@
-"""Triton SYRK kernels or plain cuBLAS: the one function that decides, for every caller.
+"""Triton SYRK kernels, quack's or plain cuBLAS: the one function that decides, for every caller.
 
 Eager Newton–Schulz (``NewtonSchulz.primitives_for``), the compiled step (whether it runs the
 NS-chain pass: ``compiled_step.pass_enabled``), the pass itself (which products it leaves on
@@ -22,15 +22,19 @@ TRITON_MIN_BATCH = 8
 # the chip with tiles (docs/architecture.md, Kernels).
 UNTIMED_MIN_ROWS = 1024
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# kernel="quack": products with fewer output rows than one of quack's symmetric tiles run cuBLAS
+# (the threshold Dao-AILab's gram-newton-schulz uses with the same kernel).
+QUACK_MIN_ROWS = 256
 
 SITES = ("eager", "step", "graph", "op")
-TRITON, CUBLAS, REFERENCE = "triton", "cublas", "reference"
+TRITON, CUBLAS, REFERENCE, QUACK = "triton", "cublas", "reference", "quack"
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     """What runs a symmetric product: ``"triton"`` (the ``torch.ops.dmuon`` op with its Triton
-    kernel), ``"reference"`` (the op with its torch reference: no CUDA) or ``"cublas"`` (plain
+    kernel), ``"reference"`` (the op with its torch reference: no CUDA), ``"quack"``
+    (``quack.gemm_interface.gemm_symmetric``, the ``[quack]`` extra) or ``"cublas"`` (plain
     ``mm``/``addmm``/``baddbmm``), and why."""
 
     kernel: str
@@ -39,7 +43,7 @@ class KernelChoice:
     @property
     def uses_op(self) -> bool:
         """Whether the product goes through ``torch.ops.dmuon`` (Triton or its reference)."""
-        return self.kernel != CUBLAS
+        return self.kernel in (TRITON, REFERENCE)
 
 
 def size_gate(m: int, batch: int = 1) -> bool:
@@ -72,9 +76,9 @@ def choose_kernel(
             or a CUDA graph being captured).
         m, batch: the m×m output and the stack size of the product.
         dtype: the product's dtype (read at ``"op"`` only).
-        device: the product's device type (read at ``"graph"`` only).
-        requested: ``NewtonSchulz.requested_kernel``: ``"auto"``, ``"triton"`` or ``"cublas"``
-            (``deterministic=True`` is ``"cublas"``).
+        device: the product's device type (read at ``"graph"``, and at ``"eager"`` for quack).
+        requested: ``NewtonSchulz.requested_kernel``: ``"auto"``, ``"triton"``, ``"quack"`` or
+            ``"cublas"`` (``deterministic=True`` is ``"cublas"``).
         resolved: ``NewtonSchulz.kernel``: what its kernel ladder resolved on this machine
             (``"triton"`` only with SM80+ CUDA and Triton, and ``DMUON_NS_KERNEL`` not
             ``cublas``).
@@ -85,6 +89,10 @@ def choose_kernel(
     1. **Requested cuBLAS** (``kernel="cublas"`` or ``deterministic=True``): cuBLAS
        everywhere, the compiled step included (it then runs without the pass) — the documented
        way to isolate a suspected SYRK kernel.
+    1b. **Requested quack** (``kernel="quack"``; ``NewtonSchulz`` checked that quack imports
+       and a CUDA GPU is there): the compiled step runs without the NS-chain pass (the traced
+       chain calls quack's ops); eager NS and the traced chain run quack's ``gemm_symmetric``
+       for fp16/bf16 CUDA products with m ≥ ``QUACK_MIN_ROWS``, cuBLAS for the rest.
     2. **Inside the op, untimed**: Triton for fp16/bf16 with at least ``UNTIMED_MIN_ROWS`` rows of
        output per launch (m·√batch); fp32/fp64 and smaller launches run cuBLAS. Looser than the
        size gate because the op is also called directly; products from NS passed the gate.
@@ -110,6 +118,8 @@ def choose_kernel(
         raise ValueError(f"choose_kernel(site={site!r}): choose one of {SITES}")
     if requested == CUBLAS:
         return KernelChoice(CUBLAS, "kernel='cublas' / deterministic=True requested")
+    if requested == QUACK and site in ("step", "eager"):
+        return _quack_choice(site, m, dtype, device)
     if site == "op":
         if m is None:
             raise ValueError("choose_kernel('op', ...) needs m (rows of the output)")
@@ -137,3 +147,16 @@ def choose_kernel(
             CUBLAS, f"{batch}×{m}×{m} output is below the Triton size gate: cuBLAS, as in eager NS"
         )
     return KernelChoice(TRITON, f"{batch}×{m}×{m} output passes the Triton size gate")
+
+
+def _quack_choice(site: str, m: int | None, dtype, device: str | None) -> KernelChoice:
+    """Rule 1b of :func:`choose_kernel` (``kernel="quack"``)."""
+    if site == "step":
+        return KernelChoice(QUACK, "kernel='quack': the traced chain calls quack, no NS-chain pass")
+    if m is None:
+        raise ValueError("choose_kernel('eager', requested='quack') needs m (rows of the output)")
+    if device != "cuda" or dtype not in HALF_DTYPES:
+        return KernelChoice(CUBLAS, f"kernel='quack' runs fp16/bf16 on CUDA; {dtype} on {device}")
+    if m < QUACK_MIN_ROWS:
+        return KernelChoice(CUBLAS, f"{m}×{m} output is below quack's tile ({QUACK_MIN_ROWS})")
+    return KernelChoice(QUACK, f"{m}×{m} {dtype}: quack's gemm_symmetric")

@@ -11,8 +11,9 @@ m ≤ n (tall inputs are transposed) or batched (batch, m, n):
   the iteration *restarts* (X ← Q·X, R recomputed, Q reset) at ``restart_iterations``.
 
 The matrix products go through a :class:`_Primitives` object: ``TorchPrimitives`` issues plain
-``mm``/``addmm`` (cuBLAS on GPU) — the graph the compiler pass pattern-matches — and
-``CustomOpPrimitives`` calls ``torch.ops.dmuon.*`` (Triton on CUDA).
+``mm``/``addmm`` (cuBLAS on GPU) — the graph the compiler pass pattern-matches —,
+``CustomOpPrimitives`` calls ``torch.ops.dmuon.*`` (Triton on CUDA) and ``QuackPrimitives``
+calls Dao-AILab's quack ``gemm_symmetric`` (``kernel="quack"``, the ``[quack]`` extra).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import Tensor
 from dmuon_compile import coefficients as coeffs
 from dmuon_compile import ns_graphs
 from dmuon_compile.kernel_choice import (  # noqa: F401  (the size gate's constants, re-exported)
+    QUACK,
     TRITON_MIN_BATCH,
     TRITON_MIN_ROWS,
     TRITON_MIN_ROWS_BATCHED,
@@ -36,7 +38,8 @@ from dmuon_compile.kernels.availability import device_tag, triton_status
 
 EPS = 1e-7
 BACKENDS = ("gram", "direct")
-KERNELS = ("auto", "triton", "cublas")
+KERNELS = ("auto", "triton", "quack", "cublas")
+QUACK_INSTALL = 'pip install "dmuon_compile[quack]"'
 # Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS
 # (docs/architecture.md, Newton–Schulz).
 DEFAULT_GRAM_MIN_ASPECT = 1.5
@@ -142,6 +145,35 @@ class CustomOpPrimitives(TorchPrimitives):
     @staticmethod
     def add_identity(a: Tensor, gamma: float) -> Tensor:
         return TorchPrimitives.add_identity(a, gamma)
+
+
+class QuackPrimitives(TorchPrimitives):
+    """Symmetric products through Dao-AILab's quack ``gemm_symmetric`` (CuTe DSL kernels that
+    compute one triangle and mirror it; ``kernel="quack"``). Rectangular products stay cuBLAS."""
+
+    name = "quack"
+
+    @staticmethod
+    def gram(x: Tensor) -> Tensor:
+        return quack_gemm_symmetric()(x, x.mT)
+
+    @staticmethod
+    def sym_addmm(c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float) -> Tensor:
+        return quack_gemm_symmetric()(a, b, C=c, alpha=float(alpha), beta=float(beta))
+
+
+def quack_gemm_symmetric():
+    """``quack.gemm_interface.gemm_symmetric`` (``alpha·A·B + beta·C``, the result symmetric),
+    or an ``ImportError`` naming the extra that installs it."""
+    try:
+        from quack.gemm_interface import gemm_symmetric
+    except ImportError as exc:
+        raise ImportError(
+            f"NewtonSchulz(kernel='quack') needs Dao-AILab's quack kernels, which are not "
+            f"importable here ({exc}). Install them with: {QUACK_INSTALL} (a CUDA GPU, SM80 or "
+            "newer), or use kernel='auto' (Triton SYRK, else cuBLAS)."
+        ) from exc
+    return gemm_symmetric
 
 
 # ----------------------------------------------------------------------------- algorithms
@@ -274,7 +306,9 @@ class NewtonSchulz:
         backend: ``"gram"`` (default; Gram-space iteration with restarts, direct NS for
             near-square matrices where Gram saves nothing) or ``"direct"``.
         kernel: ``"auto"`` (Triton SYRK kernels on SM80+ CUDA where available, else cuBLAS;
-            ``DMUON_NS_KERNEL`` overrides it), ``"triton"`` or ``"cublas"``.
+            ``DMUON_NS_KERNEL`` overrides it), ``"triton"``, ``"quack"`` (Dao-AILab's quack
+            ``gemm_symmetric``: ``pip install "dmuon_compile[quack]"``, SM80+; raises
+            ``ImportError`` naming that command when quack is not installed) or ``"cublas"``.
         coefficients: a table name (``"keller_jordan"``, ``"you"``, ``"polar_express"``), one
             ``(a, b, c)`` triple or a per-step sequence. Default: Polar Express (safety 1.05)
             for gram, Keller Jordan for direct (torch.optim.Muon's).
@@ -309,9 +343,9 @@ class NewtonSchulz:
             raise ValueError(f"NewtonSchulz(backend={backend!r}): choose one of {BACKENDS}")
         if kernel not in KERNELS:
             raise ValueError(f"NewtonSchulz(kernel={kernel!r}): choose one of {KERNELS}")
-        if deterministic and kernel == "triton":
+        if deterministic and kernel in ("triton", QUACK):
             raise ValueError(
-                "NewtonSchulz(kernel='triton', deterministic=True) conflict: deterministic=True "
+                f"NewtonSchulz(kernel={kernel!r}, deterministic=True) conflict: deterministic=True "
                 "means kernel='cublas'. Drop one of the two."
             )
         self.backend = backend
@@ -355,12 +389,20 @@ class NewtonSchulz:
     def _resolve_kernel(requested: str) -> tuple[str, str]:
         env = os.environ.get("DMUON_NS_KERNEL", "").strip().lower()
         if requested == "auto" and env:
-            if env not in ("triton", "cublas"):
+            if env not in ("triton", QUACK, "cublas"):
                 raise ValueError(
                     f"DMUON_NS_KERNEL={env!r} is not a kernel; "
-                    "set it to 'triton' or 'cublas' or unset it"
+                    "set it to 'triton', 'quack' or 'cublas' or unset it"
                 )
             requested = env
+        if requested == QUACK:
+            quack_gemm_symmetric()  # ImportError naming the extra
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "NewtonSchulz(kernel='quack') needs a CUDA GPU (SM80 or newer): quack's "
+                    "kernels are CUDA only. Use kernel='auto' or kernel='cublas' here."
+                )
+            return QUACK, f"{device_tag()}, quack gemm_symmetric, cuBLAS below its tile"
         ok, why = triton_status()
         tag = device_tag()
         if requested == "triton":
@@ -381,13 +423,29 @@ class NewtonSchulz:
             return self.requested_work_dtype
         return torch.float32 if device.type == "cpu" else self.work_dtype
 
-    def primitives_for(self, m: int, batch: int = 1):
-        """The product implementation for an (m, ·) matrix (stack of ``batch``): the project ops
-        where :func:`~dmuon_compile.kernel_choice.choose_kernel` picks them for eager NS
-        (resolved kernel Triton and the size gate passed), the plain cuBLAS chain otherwise."""
+    def primitives_for(
+        self,
+        m: int,
+        batch: int = 1,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        """The product implementation for an (m, ·) matrix (stack of ``batch``, iterated in
+        ``dtype`` on ``device``): the project ops where
+        :func:`~dmuon_compile.kernel_choice.choose_kernel` picks them for eager NS (resolved
+        kernel Triton and the size gate passed), quack's where it picks quack, the plain
+        cuBLAS chain otherwise."""
         choice = choose_kernel(
-            "eager", m=m, batch=batch, requested=self.requested_kernel, resolved=self.kernel
+            "eager",
+            m=m,
+            batch=batch,
+            dtype=dtype,
+            device=device,
+            requested=self.requested_kernel,
+            resolved=self.kernel,
         )
+        if choice.kernel == QUACK:
+            return QuackPrimitives
         return CustomOpPrimitives if choice.uses_op else TorchPrimitives
 
     def describe(self) -> str:
@@ -403,7 +461,7 @@ class NewtonSchulz:
     def flops(self, m: int, n: int) -> float:
         """FLOPs of one orthogonalisation of an (m, n) matrix with this configuration."""
         small, large = min(m, n), max(m, n)
-        sym = self.kernel == "triton"
+        sym = self.kernel in ("triton", QUACK)  # symmetric products: one triangle
         if self.uses_gram(small, large):
             return gram_ns_flops(
                 small, large, len(self.coefficients), len(self.restart_iterations), sym
@@ -437,8 +495,8 @@ class NewtonSchulz:
         wide, transposed = _as_matrix_stack(g)  # validates the shape; (…, m, n) with m ≤ n
         m, n = wide.shape[-2], wide.shape[-1]
         del wide
-        ops = self.primitives_for(m, g.shape[0] if g.dim() == 3 else 1)
         work_dtype = self.work_dtype_for(g.device)
+        ops = self.primitives_for(m, g.shape[0] if g.dim() == 3 else 1, g.device.type, work_dtype)
         # The normalised input goes straight in (no local name here): NS frees it after its
         # first step instead of keeping a matrix-sized copy alive to the end.
         if self.uses_gram(m, n):

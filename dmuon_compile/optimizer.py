@@ -93,8 +93,16 @@ def routing_module(modules: list[nn.Module]) -> nn.Module | None:
     return modules[0] if modules else None
 
 
-def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | None):
-    """Split a model's parameters into (muon [(name, p)], adamw [(name, p)])."""
+def _route_model(
+    model: nn.Module,
+    predicate: Callable[[str, Tensor], bool] | None,
+    only: set[int] | None = None,
+):
+    """Split a model's parameters into (muon [(name, p)], adamw [(name, p)]).
+
+    ``only``: route just the parameters with these ids, trainable or not (``add_param_group``
+    of a ``Muon(model)``: layers unfrozen later).
+    """
     from dmuon_compile.dedicated_registry import dedicated_parameters  # late: no import cycle
 
     # By identity, not name: a module wrapped after dedicate_params (checkpoint_wrapper adds
@@ -106,7 +114,7 @@ def _route_model(model: nn.Module, predicate: Callable[[str, Tensor], bool] | No
             module_of.setdefault(id(p), []).append(mod)
     muon, adamw = [], []
     for name, p in model.named_parameters():  # named_parameters dedups tied weights
-        if not p.requires_grad:
+        if (id(p) not in only) if only is not None else not p.requires_grad:
             continue
         if id(p) in dedicated:
             chosen = True
@@ -245,16 +253,29 @@ class Muon(torch.optim.Optimizer):
             eps=adamw_eps,
             weight_decay=adamw_weight_decay,
         )
-        groups = self._build_groups(params, predicate, muon_defaults, adamw_defaults)
+        # What add_param_group fills a new group from, and the rule that routes it.
+        self._group_defaults = {True: muon_defaults, False: adamw_defaults}
+        self._predicate = predicate
+        # The 0-d tensors a step pre-hook puts back when a scheduler or the user writes a float
+        # hyper-parameter into a group, by (group position, key): see ``_hold_hypers``.
+        self._held_hypers: dict[tuple[int, str], Tensor] = {}
+        groups = self._build_groups(params, predicate)
         if not groups:
             raise ValueError("Muon got no parameters that require grad")
-        _tensor_hypers(groups)
         # ``momentum`` (Muon's μ) as torch's momentum optimizers expose it: OneCycleLR/CyclicLR
         # with cycle_momentum=True (their default) cycle group["momentum"].
+        self._building = True  # torch's __init__ adds our complete groups through add_param_group
         super().__init__(groups, defaults=dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
+        self._building = False
+        _tensor_hypers(self.param_groups)
+        self._hold_hypers_hook = self.register_step_pre_hook(_hold_hypers)
 
     # ------------------------------------------------------------------ groups
-    def _build_groups(self, params, predicate, muon_defaults, adamw_defaults) -> list[dict]:
+    def _build_groups(self, params, predicate) -> list[dict]:
+        """Complete param groups from what the user passed: a module, parameters, ``(name,
+        parameter)`` pairs (``model.named_parameters()``) or group dicts of either. Each group
+        carries ``use_muon`` and that optimizer's defaults; named parameters also ``param_names``
+        (as torch.optim keeps them: state_dict, DCP and torchtitan's checkpointer read them)."""
         if isinstance(params, nn.Module):
             from dmuon_compile.dedicated_registry import PLAN_ATTR
 
@@ -270,10 +291,16 @@ class Muon(torch.optim.Optimizer):
                     stacklevel=3,
                 )
             groups = []
-            for defaults, named in ((muon_defaults, muon), (adamw_defaults, adamw)):
+            for use_muon, named in ((True, muon), (False, adamw)):
                 if named:
                     self._param_names.update({id(p): n for n, p in named})
-                    groups.append(dict(defaults, params=[p for _, p in named]))
+                    groups.append(
+                        dict(
+                            self._group_defaults[use_muon],
+                            params=[p for _, p in named],
+                            param_names=[n for n, _ in named],
+                        )
+                    )
             return groups
         if predicate is not None:
             raise ValueError(
@@ -284,33 +311,94 @@ class Muon(torch.optim.Optimizer):
             params = [{"params": params}]
         groups = []
         for g_index, group in enumerate(params):
-            tensors = (
-                list(group["params"])
-                if not isinstance(group["params"], Tensor)
-                else [group["params"]]
-            )
-            extra = {k: v for k, v in group.items() if k != "params"}
-            for p_index, p in enumerate(tensors):
-                self._param_names.setdefault(id(p), f"param_groups[{g_index}][{p_index}]")
-            if "use_muon" in extra:
-                split = {bool(extra["use_muon"]): tensors}
-            else:
-                split = {
-                    True: [p for p in tensors if p.ndim >= 2],
-                    False: [p for p in tensors if p.ndim < 2],
-                }
-            for use_muon, ps in split.items():
-                if not ps:
-                    continue
-                if use_muon and any(p.ndim < 2 for p in ps):
-                    raise ValueError(
-                        "a group with use_muon=True holds a parameter with fewer than 2 dims"
-                    )
-                base = muon_defaults if use_muon else adamw_defaults
-                groups.append(
-                    dict(base, **{k: v for k, v in extra.items() if k != "use_muon"}, params=ps)
-                )
+            groups.extend(self._complete_group(group, f"param_groups[{g_index}]"))
         return groups
+
+    def _complete_group(self, group: dict, where: str) -> list[dict]:
+        """One user group as complete Muon/AdamW groups: ``use_muon`` given, or chosen by the
+        constructor's rule (the model's routing for a ``Muon(model)``, else ≥2-D → Muon, which
+        may split the group in two), the rest filled from that kind's defaults."""
+        if not isinstance(group, dict):
+            raise TypeError(f"Muon: {where} must be a dict with 'params', got {type(group)}")
+        if "params" not in group:
+            raise ValueError(f"Muon: {where} has no 'params' key")
+        tensors, names = _split_names(group, where)
+        for p_index, p in enumerate(tensors):
+            default = names[p_index] if names else f"{where}[{p_index}]"
+            self._param_names.setdefault(id(p), default)
+        extra = {k: v for k, v in group.items() if k not in ("params", "param_names", "use_muon")}
+        if "use_muon" in group:
+            chosen = [bool(group["use_muon"])] * len(tensors)
+        else:
+            chosen = self._route(tensors)
+        groups = []
+        for use_muon in (True, False):
+            idx = [i for i, c in enumerate(chosen) if c is use_muon]
+            if not idx:
+                continue
+            if use_muon and any(tensors[i].ndim < 2 for i in idx):
+                bad = next(self.param_name(tensors[i]) for i in idx if tensors[i].ndim < 2)
+                raise ValueError(
+                    f"Muon: {where} has use_muon=True but {bad} has fewer than 2 dims: Muon "
+                    "needs matrices. Put it in a group with use_muon=False (AdamW)."
+                )
+            new = dict(self._group_defaults[use_muon], **extra, params=[tensors[i] for i in idx])
+            if names is not None:
+                new["param_names"] = [names[i] for i in idx]
+            groups.append(new)
+        return groups
+
+    def _route(self, tensors: list[Tensor]) -> list[bool]:
+        """Muon or not for each tensor of a group without ``use_muon``: a ``Muon(model)``
+        routes its model's parameters as the constructor did; anything else: ≥2-D → Muon."""
+        chosen = {id(p): p.ndim >= 2 for p in tensors}
+        if self.model is not None:
+            muon, adamw = _route_model(self.model, self._predicate, only=set(chosen))
+            chosen.update({id(p): True for _, p in muon})
+            chosen.update({id(p): False for _, p in adamw})
+        return [chosen[id(p)] for p in tensors]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group`` with Muon's defaults: a group without
+        ``use_muon`` is routed by the rule the constructor used (a ``Muon(model)``: the model's
+        routing; parameters: ≥2-D → Muon), so one call may add two groups (Muon and AdamW).
+        Missing hyper-parameters come from this optimizer's Muon or AdamW defaults. ``(name,
+        parameter)`` pairs or ``param_names`` name the parameters; on a ``Muon(model)`` the
+        model's names are filled in. Errors (a parameter already in a group, a 1-D tensor with
+        ``use_muon=True``) raise here, before any group is added.
+
+        Example::
+
+            opt.add_param_group({"params": model.head.parameters(), "use_muon": False})
+        """
+        if self._building:
+            super().add_param_group(param_group)
+            return
+        groups = self._complete_group(param_group, "add_param_group's group")
+        self._name_from_model(groups)
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        for group in groups:
+            for p in group["params"]:
+                if id(p) in held:
+                    raise ValueError(
+                        f"Muon.add_param_group: {self.param_name(p)} is already in a param group"
+                    )
+        if not groups:
+            raise ValueError("Muon.add_param_group: the group has no parameters")
+        for group in groups:
+            super().add_param_group(group)  # fills "momentum" into AdamW groups too
+            _tensor_hypers([self.param_groups[-1]], taken=self.param_groups[:-1])
+
+    def _name_from_model(self, groups: list[dict]) -> None:
+        """Unnamed new groups of a ``Muon(model)`` (whose groups are named) get the model's
+        names: torch.optim requires all groups named or none."""
+        if self.model is None or not all("param_names" in g for g in self.param_groups):
+            return
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for group in groups:
+            if "param_names" not in group and all(id(p) in names for p in group["params"]):
+                group["param_names"] = [names[id(p)] for p in group["params"]]
+                self._param_names.update({id(p): names[id(p)] for p in group["params"]})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
@@ -821,20 +909,23 @@ def _local(t: Tensor) -> Tensor:
     return local_of(t)
 
 
-HYPER_TENSORS = ("lr", "weight_decay")
+# The hyper-parameters a group holds as 0-d tensors: lr (LR schedulers), momentum (OneCycleLR and
+# CyclicLR cycle it), weight_decay (schedules users write).
+HYPER_TENSORS = ("lr", "weight_decay", "momentum")
 
 
-def _tensor_hypers(groups: list[dict]) -> None:
-    """Each group's ``lr`` and ``weight_decay`` become 0-d float64 CPU tensors of their own.
+def _tensor_hypers(groups: list[dict], taken: list[dict] = ()) -> None:
+    """Each group's ``lr``, ``weight_decay`` and ``momentum`` become 0-d float64 CPU tensors
+    of their own.
 
     torch's compiled-optimizer recipe: an LR scheduler refills a tensor ``lr`` in place, so a
     user-compiled ``opt.step`` sees a new value, not a new constant, and never recompiles (a
     float is guarded by value). Eager steps read them as Python floats (``functional.hyper``):
     the same arithmetic as float groups. ``group["lr"] = 0.01`` (a float) keeps working.
-    A tensor the user passed is kept unless another group already holds it (a scheduler
-    refills each group's own).
+    A tensor the user passed is kept unless another group (here or in ``taken``) already holds
+    it (a scheduler refills each group's own).
     """
-    seen: set[int] = set()
+    seen = {id(g.get(key)) for g in taken for key in HYPER_TENSORS}
     for group in groups:
         for key in HYPER_TENSORS:
             value = group.get(key)
@@ -844,6 +935,65 @@ def _tensor_hypers(groups: list[dict]) -> None:
             if value is not None:
                 group[key] = torch.tensor(float(value), dtype=torch.float64)
                 seen.add(id(group[key]))
+
+
+@torch.compiler.disable  # eager: what the traced step then reads is the same tensor every step
+def _hold_hypers(opt: Muon, args, kwargs) -> None:
+    """Step pre-hook: a float written into a group's ``lr``/``weight_decay``/``momentum``
+    (OneCycleLR and CyclicLR assign ``group["momentum"] = m`` every step) goes back into that
+    group's own 0-d tensor, so a user-compiled ``opt.step`` sees one tensor input whose value
+    changed, not a new constant that fails Dynamo's guard and recompiles."""
+    for index, group in enumerate(opt.param_groups):
+        for key in HYPER_TENSORS:
+            value = group.get(key)
+            if value is None or isinstance(value, Tensor):
+                continue
+            held = opt._held_hypers.get((index, key))
+            if held is None:
+                held = opt._held_hypers[(index, key)] = torch.zeros((), dtype=torch.float64)
+            held.fill_(float(value))
+            group[key] = held
+
+
+def _split_names(group: dict, where: str) -> tuple[list[Tensor], list[str] | None]:
+    """A group's tensors and their names: from ``(name, tensor)`` pairs (what
+    ``named_parameters()`` yields) or a ``param_names`` list; ``None`` when unnamed."""
+    params = group["params"]
+    if isinstance(params, Tensor):
+        items = [params]
+    elif isinstance(params, set):
+        raise TypeError(
+            f"Muon: {where}'s params is a set; pass an ordered collection (a list): the order "
+            "of a set changes between runs and so would the optimizer state's"
+        )
+    else:
+        items = list(params)
+    pairs = [isinstance(item, tuple) for item in items]
+    if any(pairs) and not all(pairs):
+        raise ValueError(
+            f"Muon: {where} mixes (name, parameter) pairs and bare parameters; name all or none"
+        )
+    names = None
+    if items and all(pairs):
+        names = [str(item[0]) for item in items]
+        items = [item[1] for item in items]
+        if "param_names" in group:
+            raise ValueError(
+                f"Muon: {where} has (name, parameter) pairs and param_names; give one of them"
+            )
+    elif "param_names" in group:
+        names = [str(n) for n in group["param_names"]]
+        if len(names) != len(items):
+            raise ValueError(
+                f"Muon: {where} has {len(items)} parameters but {len(names)} param_names"
+            )
+    for item in items:
+        if not isinstance(item, Tensor):
+            raise TypeError(
+                f"Muon: {where} holds a {type(item).__name__}; it takes parameters, (name, "
+                "parameter) pairs (model.named_parameters()) or group dicts of those"
+            )
+    return items, names
 
 
 def _check_nonneg(name: str, value: float) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("dmuon_compile", "passes", "kernels", "tests", "benchmarks", "docs", ".ci")
 SUFFIXES = {".py", ".md", ".sh", ".toml", ""}
@@ -61,3 +63,39 @@ def test_ci_runs_the_readme_test_command_verbatim():
     command = readme[at + 1]
     assert "ruff check ." in command and "ruff format --check ." in command and "pytest" in command
     assert command in ci
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_license_is_an_spdx_expression_with_its_file():
+    """PEP 639: the license as an SPDX string plus license-files (setuptools deprecates the
+    TOML table form and refuses a License classifier next to an expression)."""
+    meta = _pyproject()
+    project = meta["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"] and (ROOT / "LICENSE").is_file()
+    assert not [c for c in project["classifiers"] if c.startswith("License ::")]
+    (setuptools,) = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    assert int(re.fullmatch(r"setuptools>=(\d+)", setuptools).group(1)) >= 77  # PEP 639 support
+
+
+def test_numpy_is_listed_only_for_torch_and_the_reason_is_documented():
+    """numpy is a dependency only so that ``import torch`` does not warn "Failed to initialize
+    NumPy"; no module of the package imports it."""
+    assert any(d.startswith("numpy") for d in _pyproject()["project"]["dependencies"])
+    importing = [
+        str(p.relative_to(ROOT))
+        for folder in ("dmuon_compile", "passes", "kernels")
+        for p in (ROOT / folder).rglob("*.py")
+        if re.search(r"^\s*(import numpy|from numpy)", p.read_text(encoding="utf-8"), re.M)
+    ]
+    assert importing == []
+    assert "Failed to initialize NumPy" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_quack_extra_is_declared():
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert any(d.startswith("quack-kernels") for d in extras["quack"])

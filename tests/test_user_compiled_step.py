@@ -1,10 +1,12 @@
 """The user-compiled step: ``@torch.compile def step(): opt.step()`` and
 ``opt.step = torch.compile(opt.step)`` never recompile when an LR scheduler changes ``lr`` every
-step, and give the eager step's weights; ``OneCycleLR``'s defaults work.
+step, or ``OneCycleLR`` cycles ``momentum`` (it assigns a float every step), and give the eager
+step's weights.
 
 Recompiles are counted with Dynamo's ``CompileCounterWithBackend`` (frames compiled).
-Control: a float ``lr`` written into the group every step is a new guarded constant each
-time, and the same counter sees the recompile.
+Control: without Muon's step pre-hook (which puts a float written into a group back into the
+group's own 0-d tensor), a float ``lr`` or ``momentum`` is a new guarded constant each step,
+and the same counter sees the recompiles.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ def _batches():
     return [torch.randn(4, 8, generator=g) for _ in range(STEPS)]
 
 
-def _train(form: str, float_lr_writes: bool = False):
+def _train(form: str, float_lr_writes: bool = False, hold: bool = True):
     torch._dynamo.reset()
     model, opt, sched = _setup()
+    if not hold:
+        opt._hold_hypers_hook.remove()  # the control: floats reach the traced step
     counter = CompileCounterWithBackend("aot_eager")
     if form == "eager":
         step = opt.step
@@ -83,8 +87,54 @@ def test_user_compiled_step_never_recompiles_and_equals_eager(form):
         torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5)
 
 
-def test_control_float_lr_writes_recompile():
-    _, frames, _ = _train("assigned", float_lr_writes=True)
+def test_float_lr_writes_do_not_recompile():
+    expected, _, _ = _train("eager", float_lr_writes=True)
+    state, frames, _ = _train("assigned", float_lr_writes=True)
+    assert frames == [frames[0]] * STEPS
+    for name, value in state.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_control_float_lr_writes_recompile_without_the_hook():
+    _, frames, _ = _train("assigned", float_lr_writes=True, hold=False)
+    assert frames[-1] > frames[0]
+
+
+def _train_one_cycle(compiled: bool, hold: bool = True):
+    """OneCycleLR with its defaults: lr (filled in place) and momentum (assigned a float)
+    change every step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-2, compile=False)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 1e-2], total_steps=STEPS + 1)
+    if not hold:
+        opt._hold_hypers_hook.remove()
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(opt.step, backend=counter) if compiled else opt.step
+    frames, momenta = [], []
+    for x in _batches():
+        momenta.append(float(opt.param_groups[0]["momentum"]))
+        model(x).square().mean().backward()
+        step()
+        opt.zero_grad()
+        sched.step()
+        frames.append(counter.frame_count)
+    return model.state_dict(), frames, momenta
+
+
+def test_one_cycle_momentum_never_recompiles_and_equals_eager():
+    expected, _, eager_momenta = _train_one_cycle(compiled=False)
+    state, frames, momenta = _train_one_cycle(compiled=True)
+    assert len(set(momenta)) == STEPS and momenta == eager_momenta  # μ changed every step
+    assert frames[0] >= 1 and frames == [frames[0]] * STEPS
+    for name, value in state.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_control_one_cycle_float_momentum_recompiles():
+    _, frames, momenta = _train_one_cycle(compiled=True, hold=False)
+    assert len(set(momenta)) == STEPS
     assert frames[-1] > frames[0]
 
 

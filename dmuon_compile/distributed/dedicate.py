@@ -30,7 +30,7 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
-from dmuon_compile.distributed._holder import make_holder
+from dmuon_compile.distributed._holder import make_holder, mark_ancestors
 from dmuon_compile.distributed._owned import key_fills, owner_mesh, set_dp_mesh
 from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
@@ -386,6 +386,7 @@ def dedicate_params(
         set_dp_mesh(omesh, dp_mesh)  # where its norms go: FSDP2's mesh (clip_grad_norm_)
         dp.register(omesh, masters.get(dp.fqn), device)
         make_holder(dp.module, dp.attr, dp)
+    mark_ancestors(model)  # model.to(dtype) checks every dedicated weight before converting
     for g in groups:
         if g.replicate is not None and not on_meta:
             g.replicate.publish()  # the global owner's initial weights are the truth everywhere
