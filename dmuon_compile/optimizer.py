@@ -371,7 +371,7 @@ class Muon(torch.optim.Optimizer):
 
             opt.add_param_group({"params": model.head.parameters(), "use_muon": False})
         """
-        if self._building:
+        if getattr(self, "_building", False):
             super().add_param_group(param_group)
             return
         groups = self._complete_group(param_group, "add_param_group's group")
