@@ -149,8 +149,11 @@ class Muon(torch.optim.Optimizer):
         params: an ``nn.Module`` (``dmuon.Muon(model, ...)``, the usual way), an iterable of
             parameters, or param groups. With a module, dedicated parameters (see
             ``dedicate_params``) get Muon, others by ``predicate`` or the default rule
-            (≥2-D weights except embeddings and output heads). With plain parameters, ≥2-D
-            tensors get Muon; a group may set ``use_muon`` explicitly.
+            (≥2-D weights except embeddings and output heads). Named parameters
+            (``model.named_parameters()``, ``(name, p)`` pairs or a group's ``param_names``)
+            follow the same rule by name (an ``nn.Embedding`` is recognised by type only with a
+            module); with plain parameters, ≥2-D tensors get Muon; a group may set
+            ``use_muon`` explicitly.
         lr: Muon learning rate (default 0.02).
         momentum: Muon momentum μ (default 0.95).
         nesterov: Nesterov momentum (default True).
@@ -316,8 +319,8 @@ class Muon(torch.optim.Optimizer):
 
     def _complete_group(self, group: dict, where: str) -> list[dict]:
         """One user group as complete Muon/AdamW groups: ``use_muon`` given, or chosen by the
-        constructor's rule (the model's routing for a ``Muon(model)``, else ≥2-D → Muon, which
-        may split the group in two), the rest filled from that kind's defaults."""
+        constructor's rule (``_route``; it may split the group in two), the rest filled from
+        that kind's defaults."""
         if not isinstance(group, dict):
             raise TypeError(f"Muon: {where} must be a dict with 'params', got {type(group)}")
         if "params" not in group:
@@ -330,7 +333,7 @@ class Muon(torch.optim.Optimizer):
         if "use_muon" in group:
             chosen = [bool(group["use_muon"])] * len(tensors)
         else:
-            chosen = self._route(tensors)
+            chosen = self._route(tensors, names)
         groups = []
         for use_muon in (True, False):
             idx = [i for i, c in enumerate(chosen) if c is use_muon]
@@ -348,10 +351,15 @@ class Muon(torch.optim.Optimizer):
             groups.append(new)
         return groups
 
-    def _route(self, tensors: list[Tensor]) -> list[bool]:
+    def _route(self, tensors: list[Tensor], names: list[str] | None) -> list[bool]:
         """Muon or not for each tensor of a group without ``use_muon``: a ``Muon(model)``
-        routes its model's parameters as the constructor did; anything else: ≥2-D → Muon."""
-        chosen = {id(p): p.ndim >= 2 for p in tensors}
+        routes its model's parameters as the constructor did; named parameters go by the
+        default rule's names (≥2-D, not an output head, not an ``embed*`` module); unnamed
+        ones: ≥2-D → Muon."""
+        if names is None:
+            chosen = {id(p): p.ndim >= 2 for p in tensors}
+        else:
+            chosen = {id(p): default_muon_predicate(n, p) for n, p in zip(names, tensors)}
         if self.model is not None:
             muon, adamw = _route_model(self.model, self._predicate, only=set(chosen))
             chosen.update({id(p): True for _, p in muon})
@@ -371,7 +379,7 @@ class Muon(torch.optim.Optimizer):
 
             opt.add_param_group({"params": model.head.parameters(), "use_muon": False})
         """
-        if self._building:
+        if getattr(self, "_building", False):
             super().add_param_group(param_group)
             return
         groups = self._complete_group(param_group, "add_param_group's group")

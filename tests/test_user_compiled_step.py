@@ -19,6 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import dmuon_compile as dmuon
 
 STEPS = 5
+CONTROL_STEPS = 3  # enough for the controls to show a recompile (each one is slow)
 
 
 class Tiny(nn.Module):
@@ -45,7 +46,7 @@ def _batches():
     return [torch.randn(4, 8, generator=g) for _ in range(STEPS)]
 
 
-def _train(form: str, float_lr_writes: bool = False, hold: bool = True):
+def _train(form: str, float_lr_writes: bool = False, hold: bool = True, steps: int = STEPS):
     torch._dynamo.reset()
     model, opt, sched = _setup()
     if not hold:
@@ -63,7 +64,7 @@ def _train(form: str, float_lr_writes: bool = False, hold: bool = True):
         opt.step = torch.compile(opt.step, backend=counter)
         step = opt.step
     frames, lrs = [], []
-    for i, x in enumerate(_batches()):
+    for i, x in enumerate(_batches()[:steps]):
         model(x).square().mean().backward()
         if float_lr_writes:
             for group in opt.param_groups:
@@ -96,24 +97,24 @@ def test_float_lr_writes_do_not_recompile():
 
 
 def test_control_float_lr_writes_recompile_without_the_hook():
-    _, frames, _ = _train("assigned", float_lr_writes=True, hold=False)
+    _, frames, _ = _train("assigned", float_lr_writes=True, hold=False, steps=CONTROL_STEPS)
     assert frames[-1] > frames[0]
 
 
-def _train_one_cycle(compiled: bool, hold: bool = True):
+def _train_one_cycle(compiled: bool, hold: bool = True, steps: int = STEPS):
     """OneCycleLR with its defaults: lr (filled in place) and momentum (assigned a float)
     change every step."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Tiny()
     opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-2, compile=False)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 1e-2], total_steps=STEPS + 1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 1e-2], total_steps=steps + 1)
     if not hold:
         opt._hold_hypers_hook.remove()
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(opt.step, backend=counter) if compiled else opt.step
     frames, momenta = [], []
-    for x in _batches():
+    for x in _batches()[:steps]:
         momenta.append(float(opt.param_groups[0]["momentum"]))
         model(x).square().mean().backward()
         step()
@@ -133,8 +134,8 @@ def test_one_cycle_momentum_never_recompiles_and_equals_eager():
 
 
 def test_control_one_cycle_float_momentum_recompiles():
-    _, frames, momenta = _train_one_cycle(compiled=True, hold=False)
-    assert len(set(momenta)) == STEPS
+    _, frames, momenta = _train_one_cycle(compiled=True, hold=False, steps=CONTROL_STEPS)
+    assert len(set(momenta)) == CONTROL_STEPS
     assert frames[-1] > frames[0]
 
 
