@@ -156,9 +156,8 @@ def _check(results, ref):
 
 def test_torchtitan_meshes_hsdp_and_tp_match_single_process_errors_stay():
     results = run_ranks(_scenarios, 4, timeout=180)
-    for label in ("hsdp", "tp"):
-        for r in results:
-            assert isinstance(r[label], dict), f"{label}: {r[label]}"
+    failed = [f"{k}: {r[k]}" for r in results for k in ("hsdp", "tp") if not isinstance(r[k], dict)]
+    assert not failed, "\n".join(failed)
     _check([r["hsdp"] for r in results], _reference(4))
     _check([r["tp"] for r in results], _reference(2))
     for r in results:
