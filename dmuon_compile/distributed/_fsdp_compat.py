@@ -1,4 +1,5 @@
-"""What the runtime reads from FSDP2, in one module.
+"""What the runtime reads from FSDP2, in one module (and how FSDP2 joins mesh dims:
+:func:`joined_mesh`).
 
 Checked by tests/distributed/test_grad_scaling.py and test_dedicated_runtime.py.
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -179,3 +181,18 @@ def compute_dtypes(model: nn.Module) -> set:
                 if sharded is not None and sharded.is_floating_point():
                     dtypes.add(sharded.dtype)
     return dtypes
+
+
+def joined_mesh(meshes) -> DeviceMesh:
+    """The mesh whose dims are the dims of ``meshes`` (slices of one mesh), in order: how FSDP2
+    builds the DP × TP mesh of a TP parameter (``DeviceMesh._concatenate``), so it equals the
+    mesh FSDP2's parameters and norms live on. Names are read, never required to be particular
+    ones, and the slices may come from a mesh unflattened from a flattened 1-D root (torchtitan's
+    ``ParallelDims``). Raises ``RuntimeError`` for overlapping dims or unrelated meshes."""
+    meshes = list(meshes)
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        return concatenate(meshes)
+    # a torch without _concatenate: the slices' dims named on their common root
+    root = meshes[0]._get_root_mesh()
+    return root[tuple(n for m in meshes for n in m.mesh_dim_names)]

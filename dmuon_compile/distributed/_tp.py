@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dmuon_compile import functional as F
 from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed import _owned, mesh_checks
+from dmuon_compile.distributed import _fsdp_compat, _owned, mesh_checks
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._owned import _NO_BACKEND, local_of, make_owned, wrap_like
 from dmuon_compile.distributed.owner_plan import (
@@ -77,6 +77,8 @@ class TPInfo:
 
     mesh: DeviceMesh
     dim_name: str
+    # The DP × TP mesh FSDP2 puts TP parameters on (:func:`dp_tp_mesh`); None: TP mesh alone.
+    dp_tp: DeviceMesh | None = None
 
     @property
     def size(self) -> int:
@@ -136,7 +138,7 @@ def detect_tp(selected, dp_mesh: DeviceMesh, replicate_mesh=None) -> TPInfo | No
                 "sizes divisible by the TP size or exclude it with predicate=."
             )
         if info is None:
-            info = TPInfo(mesh, tp_names[0])
+            info = TPInfo(mesh, tp_names[0], dp_tp_mesh(dp_mesh, replicate_mesh, mesh))
         elif mesh != info.mesh:
             raise ValueError(
                 f"dedicate_params: {name} lives on TP mesh {mesh}, another weight on {info.mesh}; "
@@ -161,19 +163,26 @@ def detect_tp_mesh(model: nn.Module, dp_mesh: DeviceMesh, replicate_mesh=None) -
             continue
         (name,) = mesh.mesh_dim_names
         if name not in dp_names and mesh.size() > 1:
-            return TPInfo(mesh, name)
+            return TPInfo(mesh, name, dp_tp_mesh(dp_mesh, replicate_mesh, mesh))
     return None
 
 
 def dp_grid_mesh(mesh: DeviceMesh, replicate_mesh) -> DeviceMesh:
-    """The data-parallel mesh of this rank's TP coordinate: ``mesh`` (1-D), or the
-    ``(replicate, shard)`` slice of a 3-D ``(replicate, shard, tp)`` mesh."""
+    """The data-parallel mesh of this rank's TP coordinate: ``mesh`` (1-D), or the 2-D
+    (replicate, shard) mesh of the HSDP slices, whatever their names."""
     if replicate_mesh is None:
         return mesh
-    root = mesh_checks._root(mesh)
-    if root is not None and root.ndim > 2:
-        return root["replicate", "shard"]
-    return root
+    return mesh_checks.hsdp_mesh(mesh, replicate_mesh)
+
+
+def dp_tp_mesh(mesh: DeviceMesh, replicate_mesh, tp_mesh: DeviceMesh) -> DeviceMesh | None:
+    """The data-parallel dims then the TP dim: the mesh FSDP2 puts a TP parameter on (and the
+    rows of TP groups), also for slices of a mesh unflattened from a flattened 1-D root (where
+    the root itself has none of these dims). ``None`` when the meshes are unrelated."""
+    try:
+        return _fsdp_compat.joined_mesh([dp_grid_mesh(mesh, replicate_mesh), tp_mesh])
+    except RuntimeError:
+        return None
 
 
 # ---------------------------------------------------------------------------------- planning
@@ -751,7 +760,7 @@ def build_stage(info, pg, tp_plan, params, groups, model, replicated: bool) -> T
 
 def _tp_row(info: TPInfo, global_rank: int) -> list[int]:
     """Global ranks of the TP group that holds ``global_rank``, in TP order."""
-    root = mesh_checks._root(info.mesh)
+    root = info.dp_tp
     if root is None:
         rows = info.mesh.mesh.reshape(1, -1)
     else:
@@ -773,8 +782,7 @@ def _register_owner_meshes(info: TPInfo, params) -> None:
     (each column's owner differs; a broadcast from "this column's owner" would not be SPMD):
     the copy the column's TP rank 0 updates and broadcasts (``TPStage.broadcast_plain``).
     """
-    root = mesh_checks._root(info.mesh)
-    norm_mesh = root if root is not None else info.mesh
+    norm_mesh = info.dp_tp if info.dp_tp is not None else info.mesh
     dp_dims = {n for n in norm_mesh.mesh_dim_names or () if n != info.dim_name}
     for p in params:
         mesh = p.param.device_mesh

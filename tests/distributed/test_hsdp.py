@@ -230,14 +230,10 @@ def _mesh_errors(rank, world):
     other = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     unnamed = init_device_mesh("cpu", (world, 1))
     lone = init_device_mesh("cpu", (world,), mesh_dim_names=("replicate",))
-    swapped = init_device_mesh("cpu", (1, world), mesh_dim_names=("shard", "replicate"))
-    wrong = init_device_mesh("cpu", (world, 1), mesh_dim_names=("rep", "dp"))
     cases = {
         "unnamed_2d": (hsdp["shard"], unnamed),
         "whole_2d": (hsdp["shard"], hsdp),
         "lone_1d": (hsdp["shard"], lone),
-        "swapped_names": (swapped["shard"], swapped["replicate"]),
-        "wrong_names": (wrong["dp"], wrong["rep"]),
         "different_meshes": (other["shard"], hsdp["replicate"]),
     }
     errors = {}

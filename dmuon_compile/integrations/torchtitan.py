@@ -1,0 +1,179 @@
+"""Switch a torchtitan job to dmuon: a ``parallelize_fn`` wrapper and an optimizer container.
+
+Two changes to a torchtitan trainer config (README: torchtitan)::
+
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    spec = model_registry("8B")
+    spec = dataclasses.replace(spec, parallelize_fn=dmuon_tt.dedicating(spec.parallelize_fn))
+    config = Trainer.Config(
+        model_spec=spec,
+        optimizer=dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-4),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor", ...),
+        ...
+    )
+
+- :func:`dedicating` runs ``dmuon.dedicate_params`` inside torchtitan's ``parallelize_fn``
+  after TP, activation checkpointing and compile, right before FSDP2: it wraps the
+  ``apply_fsdp_to_decoder`` call of that function (torchtitan's shared FSDP step of every
+  decoder, which receives the data-parallel mesh: ``fsdp``, or ``("dp_replicate", "fsdp")``
+  for HSDP, the TP mesh derived from the same flattened root) for the duration of the call.
+  torchtitan builds the model on the meta device and calls ``init_weights`` after
+  ``to_empty``; both work on dedicated weights (README: Building a large model).
+- :class:`MuonOptimizers` is torchtitan's ``OptimizersContainer`` holding one ``dmuon.Muon``
+  per model part, its groups carrying ``param_names`` (canonical FQNs), so torchtitan's
+  checkpointer saves and loads its FQN-keyed state.
+
+torchtitan is an optional dependency: importing this module without it raises an
+``ImportError`` naming the extra.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+try:
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+    from torchtitan.components.optimizer import OptimizersContainer
+except ImportError as exc:  # pragma: no cover - exercised without torchtitan
+    raise ImportError(
+        "dmuon_compile.integrations.torchtitan needs torchtitan: "
+        'pip install "dmuon_compile[torchtitan]"'
+    ) from exc
+
+import torch
+from torch import nn
+
+import dmuon_compile as dmuon
+
+__all__ = ["MuonOptimizers", "dedicating", "default_predicate"]
+
+FSDP_STEP = "apply_fsdp_to_decoder"  # the name parallelize_fn calls FSDP2 through
+
+
+def default_predicate(name: str, param: torch.Tensor) -> bool:
+    """The transformer blocks' 2-D weights (``layers.*``): not the embeddings, not the head."""
+    return name.startswith("layers.") and param.ndim == 2
+
+
+def _dp_dims(dp_mesh):
+    """``(shard mesh, replicate mesh or None)`` of the mesh torchtitan gives FSDP2."""
+    if dp_mesh.ndim == 1:
+        return dp_mesh, None
+    names = dp_mesh.mesh_dim_names
+    if dp_mesh.ndim != 2 or names is None:
+        raise ValueError(
+            f"dmuon: torchtitan passed FSDP2 a {dp_mesh.ndim}-D mesh named {names}; dedicated "
+            "weights need the 1-D fsdp mesh or the 2-D (dp_replicate, fsdp) HSDP mesh. Set "
+            'parallelism.spmd_backend="partial_dtensor".'
+        )
+    return dp_mesh[names[1]], dp_mesh[names[0]]
+
+
+def dedicating(
+    parallelize_fn: Callable,
+    predicate: Callable[[str, torch.Tensor], bool] = default_predicate,
+    **dedicate_kwargs,
+) -> Callable:
+    """``parallelize_fn`` (e.g. torchtitan's ``parallelize_llama``) with ``dedicate_params``
+    run right before its FSDP2 step, on the mesh that step shards over.
+
+    The dedicated weights compute in FSDP2's ``param_dtype`` (torchtitan's
+    ``training.mixed_precision_param``) unless ``param_policy=``/``compute_dtype=`` is given;
+    other keyword arguments go to ``dmuon.dedicate_params``. Needs
+    ``parallelism.spmd_backend="partial_dtensor"`` (the other backends hand FSDP2 a
+    multi-dimensional storage mesh). Pipeline parallelism is not supported.
+    """
+    namespace = getattr(parallelize_fn, "__globals__", {})
+    if FSDP_STEP not in namespace:
+        raise TypeError(
+            f"dmuon: {getattr(parallelize_fn, '__qualname__', parallelize_fn)} does not call "
+            f"torchtitan's {FSDP_STEP}; call dmuon.dedicate_params(model, mesh) yourself "
+            "between TP/compile and fully_shard."
+        )
+
+    @functools.wraps(parallelize_fn)
+    def parallelize(model: nn.Module, *, parallel_dims, parallelism, **kwargs):
+        if parallelism.spmd_backend != "partial_dtensor":
+            raise ValueError(
+                f"dmuon: parallelism.spmd_backend={parallelism.spmd_backend!r}; dedicated weights "
+                'need spmd_backend="partial_dtensor" (FSDP2 on the fsdp or (dp_replicate, fsdp) '
+                "mesh)."
+            )
+        if parallel_dims.pp_enabled:
+            raise ValueError("dmuon: pipeline parallelism is not supported with dedicated weights")
+        fsdp_step = namespace[FSDP_STEP]
+        calls = []
+
+        def dedicate_then_fsdp(module, dp_mesh, *args, **kw):
+            shard, replicate = _dp_dims(dp_mesh)
+            options = dict(dedicate_kwargs)
+            if "param_policy" not in options and "compute_dtype" not in options:
+                options["compute_dtype"] = kw.get("param_dtype")
+            dmuon.dedicate_params(
+                module, shard, predicate=predicate, replicate_mesh=replicate, **options
+            )
+            calls.append(module)
+            return fsdp_step(module, dp_mesh, *args, **kw)
+
+        namespace[FSDP_STEP] = dedicate_then_fsdp
+        try:
+            out = parallelize_fn(
+                model, parallel_dims=parallel_dims, parallelism=parallelism, **kwargs
+            )
+        finally:
+            namespace[FSDP_STEP] = fsdp_step
+        if len(calls) != 1:
+            raise RuntimeError(f"dmuon: {FSDP_STEP} ran {len(calls)} times (expected once)")
+        return out
+
+    return parallelize
+
+
+class MuonOptimizers(OptimizersContainer):
+    """torchtitan's optimizer container with one ``dmuon.Muon`` per model part: dedicated
+    weights (and ``predicate``'s matrices) get Muon, the rest AdamW, with each group's
+    ``param_names`` set for torchtitan's FQN-keyed checkpoint state."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        lr: float = 0.02
+        momentum: float = 0.95
+        nesterov: bool = True
+        weight_decay: float = 0.0
+        adamw_lr: float = 3e-4
+        adamw_betas: tuple[float, float] = (0.9, 0.95)
+        adamw_eps: float = 1e-8
+        adamw_weight_decay: float = 0.0
+        ns_backend: str = "gram"
+        adjust_lr_fn: str = "match_rms_adamw"
+        compile: bool | None = None
+        """``Muon(compile=...)``: None compiles the step on CUDA."""
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        self.model_parts = model_parts
+        self.optimizers = []
+        all_params = []
+        for model in model_parts:
+            opt = dmuon.Muon(
+                model,
+                lr=config.lr,
+                momentum=config.momentum,
+                nesterov=config.nesterov,
+                weight_decay=config.weight_decay,
+                ns_backend=config.ns_backend,
+                adjust_lr_fn=config.adjust_lr_fn,
+                adamw_lr=config.adamw_lr,
+                adamw_betas=tuple(config.adamw_betas),
+                adamw_eps=config.adamw_eps,
+                adamw_weight_decay=config.adamw_weight_decay,
+                compile=config.compile,
+            )
+            for group in opt.param_groups:  # torchtitan's checkpoint state is keyed by these
+                group["param_names"] = [canonical_fqn(opt.param_name(p)) for p in group["params"]]
+                all_params.extend(group["params"])
+            self.optimizers.append(opt)
+        self._validate_params(all_params)
+        self._post_init(all_params)
