@@ -411,7 +411,7 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
             f"{name} [{result.mode}]: validation loss "
             f"{result.first_val:.4f} -> {result.final_val:.4f} "
             f"in {result.wall_s:.1f}s{resumed}; {result.tokens_per_s / 1e3:.1f}k tokens/s, "
-            f"MFU {mfu_text} ({flops_per_token / 1e6:.0f} MFLOP/token, peak: {peak_name})"
+            f"MFU {mfu_text} ({flops_per_token / 1e6:.3g} MFLOP/token, peak: {peak_name})"
         )
         result.mfu = result_mfu
     summary = {
@@ -434,6 +434,7 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
                 "train_time_s": r.train_time_s,
                 "tokens_per_s": r.tokens_per_s,
                 "mfu": r.mfu,
+                "compute_dtype": r.compute_dtype,
                 "ms_per_step": {k: v / max(1, r.timed_steps) for k, v in r.phase_ms.items()},
                 "exposed_comm": r.comm_kind,
                 "exposed_comm_note": r.comm_note,

@@ -71,6 +71,7 @@ class RunResult:
     train_time_s: float = 0.0  # training steps only (no validation, no checkpoints), whole run
     tokens_per_step: int = 0
     mfu: float | None = None  # set by the driver, which knows the peak
+    compute_dtype: str = ""  # the logits' dtype: what the model computed in
 
     @property
     def tokens_per_s(self) -> float:
@@ -292,6 +293,7 @@ def _train_steps(
         with timer.phase("forward"), wrapped.autocast():
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        result.compute_dtype = str(logits.dtype).removeprefix("torch.")
         with timer.phase("backward"):
             loss.backward()
         with timer.phase("comm"):

@@ -235,7 +235,11 @@ def training_time_axis(rows: list[dict]) -> dict[int, float]:
     one-time costs (compilation, allocation) taken out by charging that interval at the mean
     time per step of the later ones. Rows without ``time_s`` (logs of older versions) give {}.
     """
-    points = [(int(r["step"]), float(r["time_s"])) for r in rows if r.get("time_s")]
+    points = [
+        (int(r["step"]), float(r["time_s"]))
+        for r in rows
+        if r.get("time_s") and r.get("train_loss")  # rows after training steps (not step 0's)
+    ]
     if not points:
         return {}
     points.sort()
@@ -266,14 +270,14 @@ def plot_losses(csv_path: Path, png_path: Path) -> str:
     for name in dict.fromkeys(r["optimizer"] for r in rows):
         mine = [r for r in rows if r["optimizer"] == name]
         seconds = training_time_axis(mine)
+        if seconds:
+            seconds[0] = 0.0  # the validation before the first step
         train = [(int(r["step"]), float(r["train_loss"])) for r in mine if r["train_loss"]]
         val = [(int(r["step"]), float(r["val_loss"])) for r in mine if r["val_loss"]]
         color = None
         for ax, x_of in ((by_step, lambda s: s), (by_time, seconds.get)):
             if ax is by_time and not seconds:
                 continue
-            if ax is by_time:
-                seconds.setdefault(0, 0.0)
             t = [(x_of(s), v) for s, v in train if x_of(s) is not None]
             w = [(x_of(s), v) for s, v in val if x_of(s) is not None]
             if t:

@@ -319,10 +319,13 @@ def parallelize(
     )
 
 
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for the blocks (tests use a faster one)
+
+
 def compile_blocks(model: nn.Module) -> None:
     """``block.compile()`` on every block, after wrapping (the hooks stay eager around it)."""
     for block in model.blocks:
-        block.compile()
+        block.compile(backend=COMPILE_BACKEND)
 
 
 def broadcast_path(path, env: DistEnv):
