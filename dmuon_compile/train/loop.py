@@ -293,7 +293,8 @@ def _train_steps(
         with timer.phase("forward"), wrapped.autocast():
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        result.compute_dtype = str(logits.dtype).removeprefix("torch.")
+        if not result.compute_dtype:  # what the model computes in (bf16 under a policy)
+            result.compute_dtype = str(logits.dtype).removeprefix("torch.")
         with timer.phase("backward"):
             loss.backward()
         with timer.phase("comm"):

@@ -94,3 +94,17 @@ def test_two_processes_bf16_fsdp2_and_dedicated_weights(tmp_path, one_process_bf
         assert two["mode"] in ("dedicate_params + FSDP2", "FSDP2")
         # bf16 rounds differently under FSDP2 (weights cast once) and autocast (per op)
         assert two["final_val_loss"] == pytest.approx(r["final_val_loss"], rel=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_preset_short_run(tmp_path):
+    """The GPU preset, cut to 40 steps: bf16 by default, compiled blocks, an MFU against the
+    H100/H200 peak (or n/a on other GPUs), and learning for both optimizers."""
+    argv = ["--preset", "gpu", "--optimizer", "both", "--steps", "40", "--eval-every", "20"]
+    summary = cli.main([*argv, "--corpus-mb", "8", "--no-progress", "--out-dir", str(tmp_path)])
+    assert summary["config"]["precision"] == "bf16" and summary["config"]["compile_model"]
+    for run in summary["runs"]:
+        assert run["compute_dtype"] == "bfloat16" and run["tokens_per_s"] > 0
+        assert run["final_val_loss"] < run["first_val_loss"] - 1.0, run
+        if summary["peak_flops"] is not None:
+            assert 0 < run["mfu"] < 1, run
