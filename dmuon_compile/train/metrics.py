@@ -28,7 +28,7 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
         return None, "n/a on CPU"
     name = torch.cuda.get_device_name(device)
     for key, peaks in PEAK_FLOPS.items():
-        if key in name:
+        if key in name and "PCIe" not in name and "NVL" not in name:  # those peak lower
             return peaks[precision], f"{key} {precision}"
     return None, f"n/a: peak of {name} unknown, pass --peak-tflops"
 
