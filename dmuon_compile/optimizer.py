@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from dmuon_compile import functional as F
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._collectives import scalar_device
-from dmuon_compile.distributed._owned import is_owned, local_of, same_layout
+from dmuon_compile.distributed._owned import is_owned, local_of, owner_rank, same_layout
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 
 if TYPE_CHECKING:
@@ -140,6 +140,16 @@ def _route_model(
             )
         (muon if chosen else adamw).append((name, p))
     return muon, adamw
+
+
+def _layout(t: Tensor) -> str:
+    """Where a tensor lives, for errors: the owner rank, or the mesh's ranks (a DeviceMesh's
+    repr leaves its ranks out, so two one-rank meshes print alike)."""
+    if not hasattr(t, "placements"):
+        return "a plain tensor"
+    if is_owned(t):
+        return f"owned by rank {owner_rank(t)} {tuple(t.placements)}"
+    return f"a DTensor on ranks {t.device_mesh.mesh.flatten().tolist()} {tuple(t.placements)}"
 
 
 class Muon(torch.optim.Optimizer):
@@ -629,15 +639,9 @@ class Muon(torch.optim.Optimizer):
                         f"{tuple(value.shape)}, the parameter {tuple(p.shape)}. {fix}"
                     )
                 if is_owned(p) and not (is_owned(value) and same_layout(value, p)):
-                    where = (
-                        f"{value.device_mesh} {tuple(value.placements)}"
-                        if hasattr(value, "placements")
-                        else "a plain tensor"
-                    )
                     raise ValueError(
                         f"Muon.load_state_dict: {key} of {self.param_name(p)} was saved as "
-                        f"{where}; the "
-                        f"parameter is {p.device_mesh} {tuple(p.placements)}. {fix}"
+                        f"{_layout(value)}; the parameter is {_layout(p)}. {fix}"
                     )
 
     # ------------------------------------------------------------------ step

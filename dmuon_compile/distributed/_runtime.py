@@ -153,6 +153,7 @@ class DedicatedRuntime:
         self._publish_due = False  # a synchronising backward ran and nothing published since
         self._published_early: set[int] = set()  # groups Muon.step published mid-step
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
+        self._dtypes_checked = False  # the first forward checks when Muon(model) has not
         self.tp = None  # TP stage (``_tp.py``): gather → NS on the TP owner → scatter
         # group → the fully_shard modules that would manage its weights (set at first use)
         self._fsdp_managers: dict[int, dict[str, nn.Module]] | None = None
@@ -246,9 +247,14 @@ class DedicatedRuntime:
         return self.end_order[-1] if self._order_frozen and self.end_order else None
 
     def check_compute_dtypes(self) -> None:
-        """Note a dedicated compute dtype FSDP2 does not compute in (``Muon(model)`` calls it):
-        outside autocast the forward would then fail deep in ``F.linear``, naming neither."""
+        """Note a dedicated compute dtype FSDP2 does not compute in (``Muon(model)`` calls it,
+        and the first forward, for a forward before the optimizer exists): outside autocast the
+        forward would then fail deep in ``F.linear``, naming neither."""
         self.follow_fsdp()  # unsupported gradient settings fail at Muon(model), not in backward
+        self._note_dtype_mismatch()
+
+    def _note_dtype_mismatch(self) -> None:
+        self._dtypes_checked = True
         theirs = _fsdp_compat.compute_dtypes(self.model)
         ours = {g.compute_dtype for g in self.groups}
         if theirs and not ours <= theirs:
@@ -263,6 +269,8 @@ class DedicatedRuntime:
             )
 
     def _pre_forward(self, group: DedicatedGroup) -> None:
+        if not self._dtypes_checked:
+            self._note_dtype_mismatch()
         if self.dtype_mismatch is not None and not torch.is_autocast_enabled(
             self.groups[0].device.type
         ):

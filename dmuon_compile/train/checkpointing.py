@@ -3,14 +3,17 @@
 A checkpoint is ``<out_dir>/checkpoints/step-<k>/``: the DCP files of ``{"model", "optim"}`` from
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)`` — dedicated weights, their
 Muon momentum, FSDP2 shards and AdamW moments alike — and ``meta.json`` (step, LR scheduler,
-optimizer name), written by rank 0 after the DCP files. Because DCP stores global tensors, a
-checkpoint resumes on any number of processes.
+optimizer name, and the run's loss curves and training time up to that step, so a resumed
+run reports the whole run), written by rank 0 after the DCP files. Because DCP stores global
+tensors, a checkpoint resumes on any number of processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,12 +29,51 @@ def step_dir(out_dir: Path, step: int) -> Path:
     return out_dir / "checkpoints" / f"step-{step}"
 
 
-def save(directory: Path, model, opt, sched, step: int, optimizer: str, is_main: bool) -> Path:
-    """Collective: every rank writes its part of the DCP checkpoint; rank 0 adds ``meta.json``."""
+@contextlib.contextmanager
+def _dcp_mode():
+    """``no_dist`` for DCP: True in one process (no process group), stated rather than guessed.
+
+    torch's DCP warns "torch.distributed is disabled, unavailable or uninitialized, assuming
+    the intent is to save/load in a single process" whenever it runs without a process group,
+    even when the caller passes ``no_dist=True`` to say exactly that. Only that message is
+    filtered, and only in one process: with a process group DCP never emits it.
+    """
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings(
+                "ignore",
+                message="torch.distributed is disabled, unavailable or uninitialized, "
+                "assuming the intent is to (save|load) in a single process",
+                category=UserWarning,
+            )
+        yield no_dist
+
+
+def save(
+    directory: Path,
+    model,
+    opt,
+    sched,
+    step: int,
+    optimizer: str,
+    is_main: bool,
+    history: dict | None = None,
+) -> Path:
+    """Collective: every rank writes its part of the DCP checkpoint; rank 0 adds ``meta.json``
+    (with ``history``: the run's curves so far, see :func:`read_history`)."""
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+    with _dcp_mode() as no_dist:
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory), no_dist=no_dist
+        )
     if is_main:
-        meta = {"step": step, "optimizer": optimizer, "scheduler": sched.state_dict()}
+        meta = {
+            "step": step,
+            "optimizer": optimizer,
+            "scheduler": sched.state_dict(),
+            "history": history or {},
+        }
         (directory / META).write_text(json.dumps(meta, indent=2, default=_number))
     if dist.is_initialized():
         dist.barrier()  # meta.json exists on every rank's view before anyone goes on
@@ -77,9 +119,19 @@ def run_dir(checkpoint: Path) -> Path:
     )
 
 
+def read_meta(directory: Path) -> dict:
+    return json.loads((Path(directory) / META).read_text())
+
+
+def read_history(directory: Path) -> dict:
+    """The run's curves up to the checkpoint: ``val_losses`` and ``train_losses`` as
+    ``[step, loss]`` pairs, ``train_time_s``; ``{}`` for checkpoints written without them."""
+    return read_meta(directory).get("history", {})
+
+
 def load(directory: Path, model, opt, sched, optimizer: str) -> int:
     """Collective: load model, optimizer and scheduler state; returns the step to continue from."""
-    meta = json.loads((directory / META).read_text())
+    meta = read_meta(directory)
     if meta.get("optimizer") != optimizer:
         raise ValueError(
             f"--resume {directory}: that checkpoint was written by "
@@ -88,7 +140,8 @@ def load(directory: Path, model, opt, sched, optimizer: str) -> int:
         )
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(directory))
+    with _dcp_mode() as no_dist:
+        dcp.load(state, checkpoint_id=str(directory), no_dist=no_dist)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     sched.load_state_dict(meta["scheduler"])
     return int(meta["step"])

@@ -6,6 +6,7 @@ Examples::
     torchrun --nproc_per_node 2 -m dmuon_compile.train             # 2 ranks, gloo/CPU or NCCL/GPU
     torchrun --nproc_per_node 2 -m dmuon_compile.train --tp 2      # tensor parallel over the 2
     python -m dmuon_compile.train --optimizer both --steps 200     # Muon vs AdamW, same data/init
+    python -m dmuon_compile.train --preset gpu --optimizer both    # one GPU, bf16, compiled
 """
 
 from __future__ import annotations
@@ -22,10 +23,30 @@ import torch
 from dmuon_compile.train import checkpointing, runtime
 from dmuon_compile.train.data import DEFAULT_VAL_FRACTION, load_corpus
 from dmuon_compile.train.loop import OPTIMIZERS, TrainConfig, train_one
-from dmuon_compile.train.metrics import CsvLog, plot_losses
+from dmuon_compile.train.metrics import CsvLog, mfu, peak_flops, plot_losses
 from dmuon_compile.train.model import GPTConfig
 
 DEFAULTS = TrainConfig()
+# Sizes by preset; flags given on the command line override them. "cpu" is TrainConfig's
+# defaults (a few minutes on 2 CPU cores). "gpu" is GPT-2-small-like (12 × 768, 85M matmul
+# parameters, 1024-byte windows) for one H200 in bf16 with compiled blocks: --optimizer both
+# trains Muon and AdamW in a few minutes, compilation included.
+PRESETS = {
+    "cpu": {},
+    "gpu": {
+        "d_model": 768,
+        "layers": 12,
+        "heads": 12,
+        "seq_len": 1024,
+        "batch_size": 32,
+        "steps": 600,
+        "eval_every": 100,
+        "eval_batches": 8,
+        "log_every": 20,
+        "adamw_lr": 1e-3,
+        "corpus_mb": 64.0,
+    },
+}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -123,6 +144,37 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: CUDA when available, else CPU",
     )
+    p.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default="cpu",
+        help="model and run size: cpu (the defaults shown here), gpu (12 layers × 768, "
+        "1024-byte windows, batch 32, 600 steps, AdamW lr 1e-3, 64 MB of corpus: Muon "
+        "against AdamW on one H200 in a few minutes with --optimizer both); flags given "
+        "explicitly win",
+    )
+    p.add_argument(
+        "--precision",
+        choices=runtime.PRECISIONS,
+        default="auto",
+        help="auto: bf16 on CUDA, fp32 on CPU. bf16: FSDP2 MixedPrecisionPolicy(param_dtype="
+        "bf16, reduce_dtype=fp32) and dmuon.ParamPolicy for the dedicated weights (torch."
+        "autocast in one process); weights and optimizer state stay fp32",
+    )
+    p.add_argument(
+        "--compile-model",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each transformer block (default: on for CUDA, off on CPU)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        metavar="F",
+        help="peak TFLOP/s of one device for the MFU in the summary (default: known for "
+        "H100/H200: 989 bf16, 67 fp32; MFU n/a otherwise and on CPU)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress lines (summary only)")
     p.add_argument(
         "--save-every",
@@ -156,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         "all-reduce their gradients instead of dmuon.dedicate_params (the naive baseline)",
     )
     return p
+
+
+def parse_args(argv: list[str] | None = None):
+    """``(args, parser)``: the command line, with the chosen ``--preset``'s sizes as defaults."""
+    parser = build_parser()
+    preset = parser.parse_known_args(argv)[0].preset
+    parser.set_defaults(**PRESETS[preset])
+    return parser.parse_args(argv), parser
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_size: int) -> None:
@@ -224,6 +284,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_si
             args.resume = checkpointing.find(args.resume)
         except FileNotFoundError as exc:
             parser.error(str(exc))
+    if args.peak_tflops is not None and not (
+        math.isfinite(args.peak_tflops) and args.peak_tflops > 0
+    ):
+        parser.error(f"--peak-tflops must be a finite number > 0, got {args.peak_tflops}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(
             "--device cuda, but no CUDA GPU is usable here; use --device cpu or --device auto"
@@ -237,8 +301,14 @@ def make_out_dir(out_dir: Path | None) -> Path:
     return out_dir
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
+def config_from_args(args: argparse.Namespace, device: torch.device) -> TrainConfig:
+    """The run's configuration; ``auto`` precision and compile resolved for ``device``."""
+    compile_model = args.compile_model
+    if compile_model is None:
+        compile_model = device.type == "cuda"
     return TrainConfig(
+        precision=runtime.resolve_precision(args.precision, device),
+        compile_model=compile_model,
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -257,10 +327,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def main(argv: list[str] | None = None) -> dict:
     """Parse ``argv``, train, write ``log.csv``, ``loss.png`` and ``summary.json``; return the
     summary."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args, parser = parse_args(argv)
     validate(args, parser, runtime.env_world_size())
-    cfg = config_from_args(args)
+    if args.resume is not None:
+        done = checkpointing.read_meta(args.resume)["step"]
+        if done >= args.steps:  # nothing to train: say so instead of an empty run
+            if runtime.env_rank() == 0:
+                print(
+                    f"{args.resume}: the run is already complete (checkpoint at step {done}, "
+                    f"--steps {args.steps}); nothing to train. Pass --steps larger than {done} "
+                    "to train further."
+                )
+            return {"already_complete": True, "step": done, "steps": args.steps}
     try:
         corpus = load_corpus(
             max_bytes=int(args.corpus_mb * 1024 * 1024),
@@ -282,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:  # e.g. more processes per node than GPUs
         parser.error(str(exc))
     try:
-        return _run(args, cfg, corpus, env)
+        return _run(args, config_from_args(args, env.device), corpus, env)
     finally:
         runtime.teardown(env)
 
@@ -294,13 +372,22 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
     say = print if env.is_main else (lambda *a, **k: None)
     names = list(OPTIMIZERS) if args.optimizer == "both" else [args.optimizer]
     say(corpus.describe())
+    flops_per_token = GPTConfig(
+        seq_len=cfg.seq_len, d_model=cfg.d_model, layers=cfg.layers, heads=cfg.heads
+    ).flops_per_token()
+    if args.peak_tflops is not None:
+        peak, peak_name = args.peak_tflops * 1e12, f"--peak-tflops {args.peak_tflops:g}"
+    else:
+        peak, peak_name = peak_flops(env.device, cfg.precision)
+    compiled = "compiled blocks" if cfg.compile_model else "eager"
     say(
         f"run: {env.describe()}, torch {torch.__version__}, optimizers {', '.join(names)}, "
-        f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens"
+        f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, "
+        f"{cfg.d_model} wide x {cfg.layers} layers, {cfg.precision}, {compiled}"
     )
     resumed_step = None
     if args.resume is not None:
-        resumed_step = json.loads((args.resume / checkpointing.META).read_text())["step"]
+        resumed_step = checkpointing.read_meta(args.resume)["step"]
     log = CsvLog(out_dir / "log.csv" if out_dir is not None else None, keep_until=resumed_step)
     results = []
     for name in names:
@@ -318,17 +405,24 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
         )
         results.append(result)
         resumed = f" (resumed at step {resumed_step})" if resumed_step is not None else ""
+        result_mfu = mfu(result.tokens_per_s, flops_per_token, env.world_size, peak)
+        mfu_text = "n/a" if result_mfu is None else f"{100 * result_mfu:.1f}%"
         say(
             f"{name} [{result.mode}]: validation loss "
             f"{result.first_val:.4f} -> {result.final_val:.4f} "
-            f"in {result.wall_s:.1f}s{resumed}"
+            f"in {result.wall_s:.1f}s{resumed}; {result.tokens_per_s / 1e3:.1f}k tokens/s, "
+            f"MFU {mfu_text} ({flops_per_token / 1e6:.3g} MFLOP/token, peak: {peak_name})"
         )
+        result.mfu = result_mfu
     summary = {
         "out_dir": str(out_dir) if out_dir is not None else None,
         "world_size": env.world_size,
         "tp": env.tp,
         "device": str(env.device),
         "config": vars(cfg),
+        "flops_per_token": flops_per_token,
+        "peak_flops": peak,
+        "peak": peak_name,
         "runs": [
             {
                 "optimizer": r.optimizer,
@@ -337,6 +431,10 @@ def _run(args, cfg: TrainConfig, corpus, env: runtime.DistEnv) -> dict:
                 "final_val_loss": r.final_val,
                 "final_train_loss": r.train_losses[-1][1],
                 "wall_s": r.wall_s,
+                "train_time_s": r.train_time_s,
+                "tokens_per_s": r.tokens_per_s,
+                "mfu": r.mfu,
+                "compute_dtype": r.compute_dtype,
                 "ms_per_step": {k: v / max(1, r.timed_steps) for k, v in r.phase_ms.items()},
                 "exposed_comm": r.comm_kind,
                 "exposed_comm_note": r.comm_note,

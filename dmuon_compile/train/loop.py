@@ -49,6 +49,8 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
+    precision: str = "fp32"  # bf16: FSDP2 MixedPrecisionPolicy + dmuon.ParamPolicy (runtime)
+    compile_model: bool = False  # per-block torch.compile
 
 
 @dataclass
@@ -66,6 +68,15 @@ class RunResult:
     comm_kind: str = "n/a"
     comm_note: str = ""
     comm_profile: object = None
+    train_time_s: float = 0.0  # training steps only (no validation, no checkpoints), whole run
+    tokens_per_step: int = 0
+    mfu: float | None = None  # set by the driver, which knows the peak
+    compute_dtype: str = ""  # the logits' dtype: what the model computed in
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Steady-state rate: the timed steps (first interval after a start excluded)."""
+        return self.timed_steps * self.tokens_per_step / max(self.timed_wall_ms / 1e3, 1e-9)
 
     @property
     def first_val(self) -> float:
@@ -133,14 +144,16 @@ def build_optimizer(
 
 
 @torch.no_grad()
-def evaluate(model, sampler: WindowSampler, batches: int, env: runtime.DistEnv) -> float:
+def evaluate(wrapped, sampler: WindowSampler, batches: int, env: runtime.DistEnv) -> float:
     """Mean validation loss over ``batches`` fixed global batches (every rank runs its slice)."""
+    model = wrapped.model
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=env.device)
     for i in range(batches):
         x, y = sampler.batch(i, env.device)
-        logits = model(x)
+        with wrapped.autocast():
+            logits = model(x)
         total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
     model.train(was_training)
     return float(runtime.all_reduce_mean(total / batches, env))
@@ -165,8 +178,10 @@ def train_one(
     schedule from it and continues from its step (validation at that step is not repeated).
     """
     model = build_model(cfg, env.device)
-    wrapped = runtime.parallelize(model, env, name, dedicate=dedicate)
+    wrapped = runtime.parallelize(model, env, name, dedicate=dedicate, precision=cfg.precision)
     model = wrapped.model
+    if cfg.compile_model:
+        runtime.compile_blocks(model)
     opt = build_optimizer(name, model, cfg, env.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps))
     train = WindowSampler(
@@ -181,26 +196,42 @@ def train_one(
         env.dp_size,
     )
     comm_kind, comm_note = runtime.comm_source(wrapped)
-    result = RunResult(name, wrapped.mode, comm_kind=comm_kind, comm_note=comm_note)
-    progress = Progress(name, cfg.steps, enabled=env.is_main and show_progress)
+    result = RunResult(
+        name,
+        wrapped.mode,
+        comm_kind=comm_kind,
+        comm_note=comm_note,
+        tokens_per_step=cfg.batch_size * cfg.seq_len,
+    )
     timer = PhaseTimer(env.device)
 
     start = 0
     if resume is not None:
         start = checkpointing.load(resume, model, opt, sched, name)
+        history = checkpointing.read_history(resume)  # the curves before the checkpoint
+        result.val_losses = [tuple(v) for v in history.get("val_losses", [])]
+        result.train_losses = [tuple(v) for v in history.get("train_losses", [])]
+        result.train_time_s = history.get("train_time_s", 0.0)
+        progress = Progress(name, cfg.steps, enabled=env.is_main and show_progress, start=start)
         if env.is_main and show_progress:
             print(f"{name}: resumed from {resume} at step {start}")
     else:
-        val_loss = evaluate(model, val, cfg.eval_batches, env)
+        progress = Progress(name, cfg.steps, enabled=env.is_main and show_progress)
+        val_loss = evaluate(wrapped, val, cfg.eval_batches, env)
         result.val_losses.append((0, val_loss))
-        log.write(step=0, optimizer=name, val_loss=val_loss)
-        progress.update(0, None, val_loss, 0.0)
+        log.write(step=0, optimizer=name, val_loss=val_loss, time_s=0.0)
+        progress.update(0, None, val_loss, None)
 
     def save(step: int) -> None:
         directory = checkpointing.step_dir(out_dir, step) if out_dir is not None else None
         directory = runtime.broadcast_path(directory, env)
         t0 = time.perf_counter()
-        checkpointing.save(directory, model, opt, sched, step, name, env.is_main)
+        history = {
+            "val_losses": result.val_losses,
+            "train_losses": result.train_losses,
+            "train_time_s": result.train_time_s,
+        }
+        checkpointing.save(directory, model, opt, sched, step, name, env.is_main, history)
         if env.is_main and show_progress:
             print(f"{name}: checkpoint {directory} ({time.perf_counter() - t0:.1f}s)")
 
@@ -251,7 +282,7 @@ def _train_steps(
 ) -> None:
     """The step loop of :func:`train_one` from step ``start`` (fills ``result`` and ``log``)."""
     model = wrapped.model
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = result.tokens_per_step
     run_start = time.perf_counter()
     interval_start, interval_steps = time.perf_counter(), 0
     wait_start = runtime.profile_wait_ms(wrapped) if result.comm_kind == "profile" else None
@@ -259,9 +290,11 @@ def _train_steps(
     model.train()
     for step in range(start, cfg.steps):
         x, y = train.batch(step, env.device)
-        with timer.phase("forward"):
+        with timer.phase("forward"), wrapped.autocast():
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        if not result.compute_dtype:  # what the model computes in (bf16 under a policy)
+            result.compute_dtype = str(logits.dtype).removeprefix("torch.")
         with timer.phase("backward"):
             loss.backward()
         with timer.phase("comm"):
@@ -273,14 +306,14 @@ def _train_steps(
         loss_sum += loss.detach()
         interval_steps += 1
         done = step + 1
-        if save_every and (done % save_every == 0 or done == cfg.steps):
-            save(done)
         do_eval = done % cfg.eval_every == 0 or done == cfg.steps
-        if done % cfg.log_every and not do_eval:
+        do_save = save_every and (done % save_every == 0 or done == cfg.steps)
+        if done % cfg.log_every and not do_eval and not do_save:
             continue
         # Log point: the float() below syncs the device, so wall time and CUDA events are final.
         train_loss = float(runtime.all_reduce_mean(loss_sum / interval_steps, env))
         elapsed_ms = (time.perf_counter() - interval_start) * 1e3
+        result.train_time_s += elapsed_ms / 1e3
         phases = timer.take()
         if wait_start is not None:  # runtime waits inside forward/backward: report, don't add
             wait_now = runtime.profile_wait_ms(wrapped) or wait_start
@@ -300,7 +333,7 @@ def _train_steps(
         result.train_losses.append((done, train_loss))
         val_loss = None
         if do_eval:
-            val_loss = evaluate(model, val, cfg.eval_batches, env)
+            val_loss = evaluate(wrapped, val, cfg.eval_batches, env)
             result.val_losses.append((done, val_loss))
         log.write(
             step=done,
@@ -308,9 +341,12 @@ def _train_steps(
             train_loss=train_loss,
             val_loss="" if val_loss is None else val_loss,
             tokens_per_s=tok_s,
+            time_s=result.train_time_s,
             **{f"{k}_ms": v / interval_steps for k, v in phases.items()},
         )
         progress.update(done, train_loss, val_loss, tok_s)
+        if do_save:  # after this step's log point, so the checkpoint's history includes it
+            save(done)
         loss_sum.zero_()
         interval_start, interval_steps = time.perf_counter(), 0
         if wait_start is not None:  # evaluation's unshard waits are not training-step time

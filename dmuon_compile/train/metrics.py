@@ -15,12 +15,38 @@ from pathlib import Path
 import torch
 
 PHASES = ("forward", "backward", "comm", "step")
+# Dense bf16 / fp32 peak of one GPU (FLOP/s) by name, from NVIDIA's data sheets (SXM parts):
+# the MFU denominator. H100 and H200 share the GH100 compute (989 TFLOP/s bf16 tensor cores,
+# 67 TFLOP/s fp32 without TF32). Other GPUs: --peak-tflops.
+PEAK_FLOPS = {"H200": {"bf16": 989e12, "fp32": 67e12}, "H100": {"bf16": 989e12, "fp32": 67e12}}
+
+
+def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """``(peak FLOP/s of one device, its name)`` for MFU; ``(None, why)`` when unknown (CPUs,
+    GPUs not in :data:`PEAK_FLOPS`)."""
+    if device.type != "cuda":
+        return None, "n/a on CPU"
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_FLOPS.items():
+        if key in name and "PCIe" not in name and "NVL" not in name:  # those peak lower
+            return peaks[precision], f"{key} {precision}"
+    return None, f"n/a: peak of {name} unknown, pass --peak-tflops"
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, devices: int, peak: float | None):
+    """Model FLOPs utilisation: achieved model FLOP/s over ``devices`` × ``peak`` (or None)."""
+    if peak is None or tokens_per_s <= 0:
+        return None
+    return tokens_per_s * flops_per_token / (devices * peak)
+
+
 CSV_FIELDS = (
     "step",
     "optimizer",
     "train_loss",
     "val_loss",
     "tokens_per_s",
+    "time_s",
     "forward_ms",
     "backward_ms",
     "comm_ms",
@@ -90,9 +116,19 @@ class Progress:
     pipes) a full line is printed about every 5% of the run, at every validation and at the end.
     """
 
-    def __init__(self, label: str, total: int, enabled: bool = True, stream=None, width: int = 24):
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        enabled: bool = True,
+        stream=None,
+        width: int = 24,
+        start: int = 0,
+    ):
+        """``start``: the step a resumed run continues from (the ETA counts from there)."""
         self.label = label
         self.total = total
+        self.first = start
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -102,8 +138,14 @@ class Progress:
         self._last_printed = -1
 
     def update(
-        self, step: int, train_loss: float | None, val_loss: float | None, tokens_per_s: float
+        self,
+        step: int,
+        train_loss: float | None,
+        val_loss: float | None,
+        tokens_per_s: float | None,
     ) -> None:
+        """``tokens_per_s`` None: not measured yet (before the first step); then the line shows
+        neither a rate nor an ETA."""
         if not self.enabled:
             return
         if (
@@ -118,14 +160,17 @@ class Progress:
         filled = round(frac * self.width)
         bar = "#" * filled + "-" * (self.width - filled)
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
         parts = [f"[{self.label}] |{bar}| {step}/{self.total}"]
         if train_loss is not None:
             parts.append(f"loss {train_loss:.4f}")
         if val_loss is not None:
             parts.append(f"val {val_loss:.4f}")
-        parts.append(f"{tokens_per_s / 1e3:.1f}k tok/s")
-        parts.append(f"{format_duration(elapsed)} elapsed, eta {format_duration(eta)}")
+        timing = f"{format_duration(elapsed)} elapsed"
+        if tokens_per_s is not None and step > self.first:
+            parts.append(f"{tokens_per_s / 1e3:.1f}k tok/s")
+            done = (step - self.first) / max(1, self.total - self.first)
+            timing += f", eta {format_duration(elapsed / done - elapsed)}"
+        parts.append(timing)
         line = " | ".join(parts)
         if self.tty:
             pad = " " * max(0, self._last_len - len(line))
@@ -184,8 +229,32 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def training_time_axis(rows: list[dict]) -> dict[int, float]:
+    """Seconds of training at each logged step of one optimizer's rows: the ``time_s`` column
+    (training steps only; validation and checkpoints excluded), with the first interval's
+    one-time costs (compilation, allocation) taken out by charging that interval at the mean
+    time per step of the later ones. Rows without ``time_s`` (logs of older versions) give {}.
+    """
+    points = [
+        (int(r["step"]), float(r["time_s"]))
+        for r in rows
+        if r.get("time_s") and r.get("train_loss")  # rows after training steps (not step 0's)
+    ]
+    if not points:
+        return {}
+    points.sort()
+    (s0, t0), rest = points[0], points[1:]
+    if rest and rest[-1][0] > s0:
+        per_step = (rest[-1][1] - t0) / (rest[-1][0] - s0)
+        warmup = max(0.0, t0 - per_step * s0)  # s0 steps, run from step 0 (or the history's)
+    else:
+        warmup = 0.0
+    return {step: t - warmup for step, t in points}
+
+
 def plot_losses(csv_path: Path, png_path: Path) -> str:
-    """Plot train/validation loss per optimizer; returns a one-line note on what happened.
+    """Plot train/validation loss per optimizer against steps and against training time
+    (:func:`training_time_axis`); returns a one-line note on what happened.
 
     Needs matplotlib (the optional ``plot`` extra); without it, returns a note and writes nothing.
     """
@@ -197,23 +266,34 @@ def plot_losses(csv_path: Path, png_path: Path) -> str:
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install 'dmuon_compile[plot]')"
     rows = read_csv(csv_path)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for name in dict.fromkeys(r["optimizer"] for r in rows):
         mine = [r for r in rows if r["optimizer"] == name]
+        seconds = training_time_axis(mine)
+        if seconds:
+            seconds[0] = 0.0  # the validation before the first step
         train = [(int(r["step"]), float(r["train_loss"])) for r in mine if r["train_loss"]]
         val = [(int(r["step"]), float(r["val_loss"])) for r in mine if r["val_loss"]]
-        if train:
-            line = ax.plot(*zip(*train), alpha=0.5, label=f"{name} train")[0]
-            color = line.get_color()
-        else:
-            color = None
-        if val:
-            ax.plot(*zip(*val), marker="o", color=color, label=f"{name} validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/byte)")
-    ax.set_title("byte-level GPT on the Python standard library")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        color = None
+        for ax, x_of in ((by_step, lambda s: s), (by_time, seconds.get)):
+            if ax is by_time and not seconds:
+                continue
+            t = [(x_of(s), v) for s, v in train if x_of(s) is not None]
+            w = [(x_of(s), v) for s, v in val if x_of(s) is not None]
+            if t:
+                line = ax.plot(*zip(*t), alpha=0.5, color=color, label=f"{name} train")[0]
+                color = line.get_color()
+            if w:
+                line = ax.plot(*zip(*w), marker="o", color=color, label=f"{name} validation")[0]
+                color = line.get_color()
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("training time (s; compile and validation excluded)")
+    by_step.set_ylabel("cross-entropy (nats/byte)")
+    fig.suptitle("byte-level GPT on the Python standard library")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)

@@ -49,6 +49,20 @@ class GPTConfig:
     def mlp_hidden(self) -> int:
         return 64 * math.ceil(self.mlp_ratio * self.d_model / 64)
 
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that multiply activations: every ``*_proj`` matrix and the head (the
+        embeddings are lookups, the norm gains elementwise)."""
+        per_block = 4 * self.d_model**2 + 3 * self.d_model * self.mlp_hidden
+        return self.layers * per_block + self.d_model * self.vocab_size
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward): ``6·N`` for the ``N`` matmul
+        parameters plus ``12·layers·seq_len·d_model`` for the attention scores and their
+        weighted sum (the PaLM / nanoGPT convention: full ``seq_len × seq_len`` products, the
+        causal mask not discounted)."""
+        return 6 * self.matmul_params + 12 * self.layers * self.seq_len * self.d_model
+
 
 def is_matrix_param(name: str, param: Tensor | None = None, *_args, **_kwargs) -> bool:
     """The demo's predicate for ``dedicate_params`` and ``Muon``: every ``*_proj.weight``.

@@ -21,10 +21,23 @@ block's attention and MLP projections are made column-parallel in (q/k/v, gate/u
 row-parallel out (o, down) by ``parallelize_module`` on ``mesh["tp"]`` (:func:`tp_plan`) before
 anything else, then ``dedicate_params`` and ``fully_shard`` run over ``mesh["dp"]``. The ranks
 of one TP group read the same rows of the global batch (:attr:`DistEnv.dp_rank`).
+
+Precision (:func:`resolve_precision`): ``bf16`` (the default on CUDA) gives every
+``fully_shard`` call ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and
+``dedicate_params`` ``ParamPolicy(defaults=MixedPrecision(param_dtype=bf16))``, so the dedicated
+weights compute in bf16 and reduce in fp32 like FSDP2's; masters and optimizer state stay fp32.
+Weights outside FSDP2 (one process, the ``--no-dedicate`` matrices) compute under
+``torch.autocast`` instead (:meth:`Wrapped.autocast`). ``fp32`` (the default on CPU) casts
+nothing.
+
+:func:`compile_blocks` compiles each block (``block.compile()``, torchtitan's per-block
+compile) after wrapping: FSDP2's and ``dedicate_params``' hooks run eagerly around the
+compiled blocks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from dataclasses import dataclass, field
@@ -38,6 +51,7 @@ import dmuon_compile as dmuon
 from dmuon_compile.train.model import is_matrix_param
 
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "bf16", "fp32")
 DEDICATED = "dedicate_params + FSDP2"
 REPLICATED = "FSDP2 + whole matrices replicated, gradients all-reduced"
 
@@ -85,6 +99,11 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def env_rank() -> int:
+    """``RANK`` from the launcher (0 without one)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     """``auto`` → ``cuda:<local_rank>`` when CUDA is available, else ``cpu``.
 
@@ -106,6 +125,15 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
             )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """``auto`` → ``bf16`` on CUDA, ``fp32`` elsewhere (CPUs have no fast bf16 matmul)."""
+    if requested not in PRECISIONS:
+        raise ValueError(f"--precision {requested!r}: choose one of {', '.join(PRECISIONS)}")
+    if requested == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return requested
 
 
 def setup(requested_device: str = "auto", tp: int = 1) -> DistEnv:
@@ -162,6 +190,16 @@ class Wrapped:
     replicated: list[nn.Parameter] = field(default_factory=list)
     world_size: int = 1
     dedicated: bool = False  # dedicate_params ran (its runtime has profiles and broadcasts)
+    # bf16 compute of weights FSDP2 does not cast (one process, --no-dedicate's matrices)
+    autocast_dtype: torch.dtype | None = None
+
+    def autocast(self):
+        """The context every forward runs in: ``torch.autocast`` where FSDP2's
+        ``MixedPrecisionPolicy`` does not cover all weights, else nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device_type = next(self.model.parameters()).device.type
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
 
     @property
     def has_explicit_comm(self) -> bool:
@@ -190,12 +228,18 @@ class Wrapped:
             offset += g.numel()
 
 
-def _fully_shard(model: nn.Module, mesh, ignored: set | None = None) -> None:
-    from torch.distributed.fsdp import fully_shard
+def _fully_shard(
+    model: nn.Module, mesh, ignored: set | None = None, precision: str = "fp32"
+) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": mesh}
     if ignored:
         kwargs["ignored_params"] = ignored
+    if precision == "bf16":  # compute in bf16, reduce gradients in fp32 (masters stay fp32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -215,24 +259,40 @@ def tp_plan(model: nn.Module) -> dict:
     return plan
 
 
-def _dedicate(model: nn.Module, mesh) -> None:
+def _dedicate(model: nn.Module, mesh, precision: str = "fp32") -> None:
     """The one call into the distributed runtime: dedicate every ``*_proj.weight``.
+
+    ``bf16``: the dedicated weights compute in bf16 like FSDP2's; without a ``reduce_dtype`` of
+    their own they reduce in FSDP2's (fp32), see :func:`_fully_shard`.
 
     ``DMUON_RECORD_FORWARD_PROFILE=1`` (unless the user set it) makes the runtime count the
     forward-unshard waits that the end-of-run breakdown reports as exposed communication.
     """
     os.environ.setdefault("DMUON_RECORD_FORWARD_PROFILE", "1")
-    dmuon.dedicate_params(model, mesh, predicate=is_matrix_param)
+    policy = None
+    if precision == "bf16":
+        policy = dmuon.ParamPolicy(defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16))
+    dmuon.dedicate_params(model, mesh, predicate=is_matrix_param, param_policy=policy)
 
 
-def parallelize(model: nn.Module, env: DistEnv, optimizer: str, dedicate: bool = True) -> Wrapped:
-    """Wrap ``model`` (already on ``env.device``) for ``optimizer`` (``dmuon`` or ``adamw``).
+def parallelize(
+    model: nn.Module,
+    env: DistEnv,
+    optimizer: str,
+    dedicate: bool = True,
+    precision: str = "fp32",
+) -> Wrapped:
+    """Wrap ``model`` (already on ``env.device``) for ``optimizer`` (``dmuon`` or ``adamw``) in
+    ``precision`` (``bf16`` or ``fp32``, see the module doc).
 
     ``dedicate=False`` (``--no-dedicate``) takes the replicated-matrices path: the naive
     baseline that ``dedicate_params`` replaces.
     """
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be bf16 or fp32, got {precision!r}")
+    uncast = torch.bfloat16 if precision == "bf16" else None  # autocast for weights FSDP2 skips
     if not env.distributed:
-        return Wrapped(model, "single process")
+        return Wrapped(model, "single process", autocast_dtype=uncast)
     tp = ""
     if env.tp > 1:  # TP first, then dedicate_params and fully_shard over the dp mesh
         from torch.distributed.tensor.parallel import parallelize_module
@@ -242,15 +302,30 @@ def parallelize(model: nn.Module, env: DistEnv, optimizer: str, dedicate: bool =
         parallelize_module(model, env.tp_mesh, tp_plan(model))
         tp = f"TP {env.tp} + "
     if optimizer == "adamw":
-        _fully_shard(model, env.mesh)
+        _fully_shard(model, env.mesh, precision=precision)
         return Wrapped(model, f"{tp}FSDP2", world_size=env.world_size)
     if dedicate:
-        _dedicate(model, env.mesh)
-        _fully_shard(model, env.mesh)
+        _dedicate(model, env.mesh, precision)
+        _fully_shard(model, env.mesh, precision=precision)
         return Wrapped(model, tp + DEDICATED, world_size=env.world_size, dedicated=True)
     matrices = [p for name, p in model.named_parameters() if is_matrix_param(name, p)]
-    _fully_shard(model, env.mesh, ignored=set(matrices))
-    return Wrapped(model, REPLICATED, replicated=matrices, world_size=env.world_size)
+    _fully_shard(model, env.mesh, ignored=set(matrices), precision=precision)
+    return Wrapped(
+        model,
+        REPLICATED,
+        replicated=matrices,
+        world_size=env.world_size,
+        autocast_dtype=uncast,
+    )
+
+
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for the blocks (tests use a faster one)
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """``block.compile()`` on every block, after wrapping (the hooks stay eager around it)."""
+    for block in model.blocks:
+        block.compile(backend=COMPILE_BACKEND)
 
 
 def broadcast_path(path, env: DistEnv):

@@ -258,7 +258,7 @@ def check_unused_on_one_rank(device: str) -> None:
 
 
 # ---------------------------------------------------------------------- dtype mismatch
-def _mixed_dtypes(rank, world, fsdp_bf16):
+def _mixed_dtypes(rank, world, fsdp_bf16, optimizer_first=True):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -277,7 +277,8 @@ def _mixed_dtypes(rank, world, fsdp_bf16):
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    dmuon.Muon(model)
+    if optimizer_first:
+        dmuon.Muon(model)
     x = torch.randn(2, 8, models.D)
     try:
         model(x).float().square().mean().backward()
@@ -290,3 +291,15 @@ def test_bf16_dedicated_weights_next_to_fp32_fsdp_fail_with_the_fix():
     out = run_ranks(_mixed_dtypes, 2, False, timeout=90)
     assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16)" in out[0], out[0]
     assert run_ranks(_mixed_dtypes, 2, True, timeout=90) == [None, None]  # matching dtypes train
+
+
+def test_dtype_mismatch_is_named_at_a_forward_before_the_optimizer():
+    """A forward before ``Muon(model)`` exists gets the same error (not torch's raw "expected
+    m1 and m2 to have the same dtype" from inside F.linear); matching dtypes still run."""
+    for mixed, matching in run_ranks(_forward_before_optimizer, 2, timeout=90):
+        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16)" in mixed, mixed
+        assert matching is None
+
+
+def _forward_before_optimizer(rank, world):
+    return [_mixed_dtypes(rank, world, fsdp_bf16, False) for fsdp_bf16 in (False, True)]

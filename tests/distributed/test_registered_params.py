@@ -323,3 +323,47 @@ def test_hf_save_pretrained_round_trip(tmp_path):
     with torch.no_grad():
         logits = loaded(input_ids=torch.arange(16).reshape(2, 8) % 64).logits
     torch.testing.assert_close(logits, results[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+def _other_owner(rank, world):
+    """Rank-local optimizer state of a run whose owner plan differs (another layer grouping)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon_compile as dmuon
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build(layer_id_fn):
+        model = models.build_llama()
+        owners = dmuon.dedicate_params(
+            model, mesh, predicate=models.proj_predicate, layer_id_fn=layer_id_fn
+        )
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, _opt(model), owners
+
+    saved, saved_opt, saved_owners = build(None)
+    _global_loss(saved, _batches(1)[0], rank, world)
+    saved_opt.step()
+    _, opt, owners = build(lambda name: str(len(name)))  # grouped by name length: other owners
+    moved = [n for n, r in owners.items() if saved_owners[n] != r]
+    try:
+        opt.load_state_dict(saved_opt.state_dict())
+    except ValueError as exc:
+        return moved, str(exc)
+    return moved, None
+
+
+def test_state_of_another_owner_names_both_owners():
+    """Per-rank state loaded where another rank owns the matrix: the error says which ranks
+    (a DeviceMesh's repr leaves them out, so both sides used to print alike)."""
+    for moved, error in run_ranks(_other_owner, 2):
+        assert moved, "the two owner plans must differ for this test"
+        assert error is not None and "Muon.load_state_dict" in error, error
+        saved, here = (
+            error.split("was saved as ", 1)[1].split(". ", 1)[0].split("; the parameter is ")
+        )
+        assert saved != here, error
+        assert {saved[:15], here[:15]} == {"owned by rank 0", "owned by rank 1"}, error

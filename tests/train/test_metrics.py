@@ -114,3 +114,46 @@ def test_progress_without_tty_prints_about_every_five_percent():
     assert 20 <= len(lines) <= 23  # every 10 steps, plus the validation at step 33
     assert any("33/200" in line and "val 1.5000" in line for line in lines)
     assert "200/200" in lines[-1]
+
+
+def test_progress_shows_rate_and_eta_only_once_measured():
+    """Before the first step nothing is measured: no "0.0k tok/s", no "eta 0s"."""
+    out = io.StringIO()
+    bar = metrics.Progress("dmuon", 10, stream=out)
+    bar.update(0, None, 5.5, None)
+    first = out.getvalue()
+    assert "val 5.5000" in first and "tok/s" not in first and "eta" not in first, first
+    bar.update(5, 4.0, None, 2500.0)
+    later = out.getvalue().splitlines()[-1]
+    assert "2.5k tok/s" in later and "eta" in later, later
+
+
+def test_progress_eta_counts_from_the_resumed_step():
+    """Resumed at step 8 of 10, one step done: the ETA is for 1 more step, not 9 steps' worth
+    (the run's own 1 step of 2 means half done)."""
+    out = io.StringIO()
+    bar = metrics.Progress("dmuon", 10, stream=out, start=8)
+    bar.start -= 10.0  # 10 s for the first step after the resume
+    bar.update(9, 4.0, 4.1, 100.0)
+    line = out.getvalue()
+    assert "eta 10s" in line, line  # not 10/0.9 - 10 = 1s (the ETA of a run counted from 0)
+
+
+def test_training_time_axis_takes_out_the_first_interval_warmup():
+    rows = [
+        {"step": "0", "time_s": "0", "train_loss": ""},  # validation before the first step
+        {"step": "10", "time_s": "31", "train_loss": "5"},  # 30 s compiling + 10 steps of 0.1 s
+        {"step": "20", "time_s": "32", "train_loss": "4"},
+        {"step": "30", "time_s": "33", "train_loss": "3"},
+    ]
+    axis = metrics.training_time_axis(rows)
+    assert axis == pytest.approx({10: 1.0, 20: 2.0, 30: 3.0})
+    assert metrics.training_time_axis([{"step": "4", "time_s": ""}]) == {}  # older logs
+
+
+def test_mfu_against_the_stated_peak():
+    # 100k tokens/s x 1 GFLOP/token on 2 devices of 100 TFLOP/s: 1e14 / 2e14
+    assert metrics.mfu(1e5, 1e9, 2, 100e12) == pytest.approx(0.5)
+    assert metrics.mfu(1e5, 1e9, 2, None) is None
+    assert metrics.peak_flops(torch.device("cpu"), "bf16") == (None, "n/a on CPU")
+    assert metrics.PEAK_FLOPS["H200"]["bf16"] == 989e12

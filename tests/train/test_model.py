@@ -70,3 +70,16 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     assert all(a <= b for a, b in itertools.pairwise(values[:6]))  # warm-up: 5 steps
     assert all(a >= b for a, b in itertools.pairwise(values[5:]))
     assert values[-1] == pytest.approx(0.1, abs=0.01) and min(values) >= 0.1 - 1e-9
+
+
+def test_flops_per_token_counts_the_models_matmul_weights():
+    """``matmul_params`` is the model's own Linear weights (not a formula that can drift from
+    the model): 6 N + 12 layers seq_len d_model."""
+    cfg = GPTConfig(seq_len=16, d_model=32, layers=3, heads=2)
+    model = GPT(cfg)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert cfg.matmul_params == linear
+    assert cfg.flops_per_token() == 6 * linear + 12 * 3 * 16 * 32
+    # GPT-2-small-like preset: about 85M matmul weights (12 x 7.1M per block + the head)
+    big = GPTConfig(seq_len=1024, d_model=768, layers=12, heads=12)
+    assert 84e6 < big.matmul_params < 86e6
