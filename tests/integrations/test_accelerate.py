@@ -45,13 +45,15 @@ def _ns():
 
 def fsdp2_accelerator(world: int):
     """An ``Accelerator`` with accelerate's FSDP2 plugin, on this CPU rank."""
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # accelerate's CPU state reads it
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-    # accelerate selects FSDP on accelerators only (on the CPU: DDP); the state is shared
+    # accelerate selects FSDP on accelerators only (on the CPU: DDP). Its two shared states
+    # (AcceleratorState copies PartialState's type whenever it is built) both say FSDP:
+    PartialState().distributed_type = DistributedType.FSDP
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     assert accelerator.is_fsdp2
@@ -63,10 +65,45 @@ def group_names(opt, model) -> list[list[str]]:
     return [[names.get(id(p), "<not the model's>") for p in g["params"]] for g in opt.param_groups]
 
 
-def train_accelerate(rank: int, world: int, steps: int):
+def ddp_of_dedicated(world: int):
+    """``DistributedDataParallel`` of a model with dedicated weights: its error (or None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    import dmuon_compile as dmuon
+
+    assert DistributedDataParallel(models.build_llama()) is not None  # control: plain model
+    model = models.build_llama()
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), models.proj_predicate)
+    try:
+        DistributedDataParallel(model)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def sharded_muon_matrix(world: int):
+    """prepare without dedicate_params: Muon routed the plain matrices, accelerate shards them.
+    The first step's error (or None)."""
+    import dmuon_compile as dmuon
+
+    accelerator = fsdp2_accelerator(world)  # one model per FSDP2 prepare: a fresh one
+    model = models.build_llama()
+    opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
+    model, opt = accelerator.prepare(model, opt)
+    model(models.batches(1, 1)[0]).square().mean().backward()
+    try:
+        opt.step()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def accelerate_worker(rank: int, world: int, steps: int):
     import dmuon_compile as dmuon
     from dmuon_compile.integrations import accelerate as dmuon_accelerate
 
+    ddp_error = ddp_of_dedicated(world)
     accelerator = fsdp2_accelerator(world)
     model = models.build_llama()
     owners = dmuon_accelerate.dedicate_params(accelerator, model, models.proj_predicate)
@@ -75,21 +112,25 @@ def train_accelerate(rank: int, world: int, steps: int):
     model, opt = accelerator.prepare(model, opt)
     swapped = group_names(opt.optimizer, model)  # as accelerate left them
     per = models.batches(1, world)[0].shape[0] // world
-    losses = []
     for x in models.batches(steps, world):
         loss = model(x[rank * per : (rank + 1) * per]).square().mean()
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
-    state = {n: t.cpu() for n, t in full_state(model).items()}
     return {
         "owners": owners,
         "built": built,
         "swapped": swapped,
         "kept": group_names(opt.optimizer, model),
-        "state": state,
+        "state": {n: t.cpu() for n, t in full_state(model).items()},
+        "ddp_error": ddp_error,
+        "sharded_error": sharded_muon_matrix(world),
     }
+
+
+@pytest.fixture(scope="module")
+def accelerate_ranks():
+    return run_ranks(accelerate_worker, WORLD, STEPS)
 
 
 def reference(world: int, steps: int) -> dict:
@@ -104,69 +145,39 @@ def reference(world: int, steps: int) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_prepare_trains_like_one_process():
-    results = run_ranks(train_accelerate, WORLD, STEPS)
+def test_prepare_trains_like_one_process(accelerate_ranks):
     ref = reference(WORLD, STEPS)
-    owners = results[0]["owners"]
+    owners = accelerate_ranks[0]["owners"]
     assert sorted(owners) == sorted(n for n in ref if models.proj_predicate(n, None))
     assert set(owners.values()) == set(range(WORLD))  # both ranks own some
-    for rank, out in enumerate(results):
+    start = {n: p.detach() for n, p in models.build_llama().named_parameters()}
+    assert all(not torch.equal(ref[n], start[n]) for n in ref)  # the steps moved every weight
+    for rank, out in enumerate(accelerate_ranks):
         # the optimizer holds the model's parameters, each where Muon(model) put it
         assert out["kept"] == out["built"], rank
         assert "lm_head.weight" in out["kept"][1]  # the head and the vectors: AdamW
-        # control: accelerate's swap alone maps every dedicated weight held by the other rank
-        # (no data here, address 0) to one and the same weight
-        swapped_muon = out["swapped"][0]
-        assert swapped_muon != out["built"][0], rank
-        assert len(set(swapped_muon)) < len(swapped_muon), rank
         for name, want in ref.items():
-            got = out["state"][name]
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
-    # the steps did something: the weights moved away from the initial ones
-    start = {n: p.detach() for n, p in models.build_llama().named_parameters()}
-    assert all(not torch.equal(ref[n], start[n]) for n in ref)
+            torch.testing.assert_close(out["state"][name], want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def sharded_muon_matrix(rank: int, world: int):
-    import dmuon_compile as dmuon
-
-    accelerator = fsdp2_accelerator(world)
-    model = models.build_llama()
-    opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)  # no dedicate_params: plain matrices
-    model, opt = accelerator.prepare(model, opt)
-    model(models.batches(1, 1)[0]).square().mean().backward()
-    try:
-        opt.step()
-    except ValueError as err:
-        return str(err)
-    return None
+def test_accelerate_swap_alone_mixes_up_dedicated_weights(accelerate_ranks):
+    """Control: accelerate's swap maps every dedicated weight held by the other rank (no data
+    here, address 0) to one and the same weight; Muon puts them back (test above)."""
+    for rank, out in enumerate(accelerate_ranks):
+        swapped = out["swapped"][0]
+        assert swapped != out["built"][0], rank
+        assert len(set(swapped)) < len(swapped), rank
 
 
-def test_sharded_muon_matrix_raises_at_first_step():
-    errors = run_ranks(sharded_muon_matrix, WORLD)
-    for err in errors:
+def test_sharded_muon_matrix_raises_at_first_step(accelerate_ranks):
+    for out in accelerate_ranks:
+        err = out["sharded_error"]
         assert err is not None and "DTensor shard" in err and "dedicate_params" in err, err
 
 
-def ddp_of_dedicated(rank: int, world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.nn.parallel import DistributedDataParallel
-
-    import dmuon_compile as dmuon
-
-    plain = DistributedDataParallel(models.build_llama())  # control: no dedicated weights
-    assert plain is not None
-    model = models.build_llama()
-    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), models.proj_predicate)
-    try:
-        DistributedDataParallel(model)
-    except RuntimeError as err:
-        return str(err)
-    return None
-
-
-def test_ddp_of_dedicated_weights_raises_naming_fsdp2():
-    for err in run_ranks(ddp_of_dedicated, WORLD):
+def test_ddp_of_dedicated_weights_raises_naming_fsdp2(accelerate_ranks):
+    for out in accelerate_ranks:
+        err = out["ddp_error"]
         assert err is not None and err.startswith("DistributedDataParallel cannot wrap"), err
         assert "fully_shard" in err and "FSDP2" in err
 
