@@ -13,10 +13,11 @@ workaround kept here); everything else is accelerate's own code: ``accelerator.p
   its dedicated weights back) hold the wrong weights on a rank that owns some but not all:
   the swap alone is not enough, and the test would see it.
 - A Muon matrix that accelerate shards (no ``dedicate_params``: ``Muon`` routed a plain weight,
-  then ``fully_shard`` sharded it) raises at the first step instead of running Newton–Schulz
-  on shards.
+  then ``fully_shard`` sharded it) raises a ``ValueError`` at the first step naming
+  ``dedicate_params`` (before: a ``MuonStepError`` about a mixed Tensor/DTensor add).
 - ``DistributedDataParallel`` of a model with dedicated weights raises at construction,
-  naming FSDP2.
+  naming FSDP2 (before: ``aten.cat.default got mixed torch.Tensor and DTensor`` inside DDP's
+  first broadcast).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ whole batch (weights within 1e-5 after 3 steps, gradient clipping on). Before, t
 ``accelerator.prepare`` raised ``KeyError`` on dedicated weights.
 ``optimizer_cls_and_kwargs=(dmuon.Muon, ...)`` gives Muon a flat parameter list: every
 ≥2-D weight, embeddings and head included, is a Muon matrix, which FSDP2 then shards; the
-first step raises instead of running Newton–Schulz on shards (before, it trained on).
+first step raises naming ``dedicate_params`` (before: a ``MuonStepError`` about a mixed
+Tensor/DTensor add).
 
 Test-only workarounds, in ``CPUTrainer``: accelerate selects FSDP on accelerators only (on the
 CPU it would run DDP), so the Trainer's state is switched to FSDP2 after its ``Accelerator``
