@@ -100,13 +100,13 @@ def sharded_muon_matrix(world: int):
     return None
 
 
-def accelerate_worker(rank: int, world: int, steps: int):
+def train_prepared(rank: int, world: int, steps: int, accelerator) -> dict:
+    """dedicate_params, Muon(model), accelerator.prepare, ``steps`` steps on this rank's rows."""
     import dmuon_compile as dmuon
     from dmuon_compile.integrations import accelerate as dmuon_accelerate
 
-    ddp_error = ddp_of_dedicated(world)
-    accelerator = fsdp2_accelerator(world)
-    model = models.build_llama()
+    device = accelerator.device
+    model = models.build_llama().to(device)
     owners = dmuon_accelerate.dedicate_params(accelerator, model, models.proj_predicate)
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
     built = group_names(opt, model)
@@ -114,7 +114,7 @@ def accelerate_worker(rank: int, world: int, steps: int):
     swapped = group_names(opt.optimizer, model)  # as accelerate left them
     per = models.batches(1, world)[0].shape[0] // world
     for x in models.batches(steps, world):
-        loss = model(x[rank * per : (rank + 1) * per]).square().mean()
+        loss = model(x[rank * per : (rank + 1) * per].to(device)).square().mean()
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -124,9 +124,23 @@ def accelerate_worker(rank: int, world: int, steps: int):
         "swapped": swapped,
         "kept": group_names(opt.optimizer, model),
         "state": {n: t.cpu() for n, t in full_state(model).items()},
-        "ddp_error": ddp_error,
-        "sharded_error": sharded_muon_matrix(world),
     }
+
+
+def accelerate_worker(rank: int, world: int, steps: int):
+    ddp_error = ddp_of_dedicated(world)
+    out = train_prepared(rank, world, steps, fsdp2_accelerator(world))
+    return {**out, "ddp_error": ddp_error, "sharded_error": sharded_muon_matrix(world)}
+
+
+def gpu_worker(rank: int, world: int, steps: int):
+    """accelerate as launched on GPUs (``LOCAL_RANK`` set: its state picks FSDP by itself)."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    assert accelerator.is_fsdp2 and accelerator.device.type == "cuda"
+    return train_prepared(rank, world, steps, accelerator)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +173,19 @@ def test_prepare_trains_like_one_process(accelerate_ranks):
         assert "lm_head.weight" in out["kept"][1]  # the head and the vectors: AdamW
         for name, want in ref.items():
             torch.testing.assert_close(out["state"][name], want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_prepare_on_gpus_trains_like_one_process():
+    """accelerate's own FSDP2 selection (no state switched by hand), NCCL, one GPU per rank."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = run_ranks(gpu_worker, WORLD, STEPS, backend="nccl", timeout=300)
+    ref = reference(WORLD, STEPS)
+    for rank, out in enumerate(results):
+        assert out["kept"] == out["built"], rank
+        for name, want in ref.items():
+            torch.testing.assert_close(out["state"][name], want, rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_accelerate_swap_alone_mixes_up_dedicated_weights(accelerate_ranks):
