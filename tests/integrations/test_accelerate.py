@@ -32,7 +32,7 @@ pytest.importorskip("accelerate")
 from tests.distributed import models  # noqa: E402
 from tests.distributed.harness import full_state, run_ranks  # noqa: E402
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 STEPS, WORLD = 3, 2
 HYPER = {"lr": 0.02, "adamw_lr": 1e-2, "weight_decay": 0.01, "compile": False}
@@ -145,7 +145,7 @@ def gpu_worker(rank: int, world: int, steps: int):
 
 @pytest.fixture(scope="module")
 def accelerate_ranks():
-    return run_ranks(accelerate_worker, WORLD, STEPS)
+    return run_ranks(accelerate_worker, WORLD, STEPS, timeout=200)
 
 
 def reference(world: int, steps: int) -> dict:

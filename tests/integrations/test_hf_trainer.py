@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 
 from tests.distributed.harness import full_state, run_ranks  # noqa: E402
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 WORLD, STEPS, BATCH, SEQ = 2, 3, 4, 16
 MUON = {"lr": 0.01, "adamw_lr": 0.01, "weight_decay": 0.01}
@@ -144,7 +144,7 @@ def trainer_worker(rank: int, world: int, out_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def trainer_ranks(tmp_path_factory):
-    return run_ranks(trainer_worker, WORLD, str(tmp_path_factory.mktemp("fsdp2")), timeout=140)
+    return run_ranks(trainer_worker, WORLD, str(tmp_path_factory.mktemp("fsdp2")), timeout=200)
 
 
 @pytest.fixture(scope="module")
