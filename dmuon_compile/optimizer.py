@@ -16,11 +16,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from dmuon_compile import functional as F
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._collectives import scalar_device
-from dmuon_compile.distributed._owned import is_owned, local_of, owner_rank, same_layout
+from dmuon_compile.distributed._owned import (
+    OwnerTensor,
+    is_owned,
+    local_of,
+    owner_rank,
+    same_layout,
+)
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 
 if TYPE_CHECKING:
@@ -282,6 +289,9 @@ class Muon(torch.optim.Optimizer):
         self._building = False
         _tensor_hypers(self.param_groups)
         self._hold_hypers_hook = self.register_step_pre_hook(_hold_hypers)
+        # Per group: its parameter list as built, and where the dedicated weights sit in it.
+        self._dedicated_slots: list[tuple[list, dict[int, Tensor]]] = []
+        self._keep_dedicated()
 
     # ------------------------------------------------------------------ groups
     def _build_groups(self, params, predicate) -> list[dict]:
@@ -439,12 +449,65 @@ class Muon(torch.optim.Optimizer):
         from dmuon_compile.distributed import _fsdp_compat
         from dmuon_compile.distributed._runtime import in_backward
 
+        self._keep_dedicated()
         if self.model is not None and not in_backward():
             _fsdp_compat.finish_aborted_backward(self.model)
         runtime = getattr(self.model, PLAN_ATTR, None) if self.model is not None else None
         if runtime is not None:
             runtime.discard_backward()
         super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """``torch.optim.Optimizer.state_dict``, with the parameter lists checked first (see
+        ``_keep_dedicated``)."""
+        self._keep_dedicated()
+        return super().state_dict()
+
+    @torch.compiler.disable  # bookkeeping on the parameter lists: eager
+    def _keep_dedicated(self) -> None:
+        """Put the dedicated weights back where they were in each group's parameter list.
+
+        A wrapper may replace the parameter lists after the optimizer was built: accelerate's
+        FSDP2 prepare swaps every parameter for the one ``fully_shard`` registered under its
+        name, finding it by data address (``data_ptr``). That maps FSDP2's parameters to their
+        shards, and a dedicated weight owned here to itself, but every dedicated weight held by
+        another rank has no data here (address 0): those come back in any order. They never
+        change (``fully_shard`` leaves them alone), so each goes back to its position; any other
+        change of a dedicated weight's place raises. Checked at ``step``, ``zero_grad`` and
+        ``state_dict`` (a few identity tests per dedicated weight).
+        """
+        slots = self._dedicated_slots
+        for index, group in enumerate(self.param_groups):
+            params = group["params"]
+            if index == len(slots):  # a new group (add_param_group)
+                where = {i: p for i, p in enumerate(params) if isinstance(p, OwnerTensor)}
+                slots.append((params, where))
+                continue
+            kept, where = slots[index]
+            if params is kept and all(params[i] is p for i, p in where.items()):
+                continue
+            if len(params) != len(kept):
+                raise ValueError(
+                    f"Muon: param_groups[{index}] now holds {len(params)} parameters, "
+                    f"{len(kept)} when it was built. Replacing parameters is supported one for "
+                    "one (a wrapper swapping them for their FSDP2 shards); build a new optimizer "
+                    "for another set of parameters."
+                )
+            for i, p in where.items():
+                params[i] = p
+            stray = [
+                i for i, p in enumerate(params) if isinstance(p, OwnerTensor) and i not in where
+            ]
+            if stray:
+                raise ValueError(
+                    f"Muon: param_groups[{index}] holds the dedicated weight "
+                    f"{self.param_name(params[stray[0]])} at position {stray[0]}, where the "
+                    "optimizer was built with another parameter. Build the optimizer on the "
+                    "model after dmuon.dedicate_params and let it keep its dedicated weights."
+                )
+            slots[index] = (params, where)
+            if self.model is not None:  # the names of the parameters the lists now hold
+                self._param_names.update({id(p): n for n, p in self.model.named_parameters()})
 
     @staticmethod
     def _has_dedicated(model: nn.Module) -> bool:
@@ -486,6 +549,30 @@ class Muon(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state_a.append(state["exp_avg"])
                 state_b.append((state["exp_avg_sq"], state["step"]))
+
+    def _check_whole_matrices(self, ids: set[int]) -> None:
+        """Raise if a Muon group holds a sharded, not dedicated, matrix (among ``ids``).
+
+        ``Muon(model)`` refuses those when it is built; this catches the ones that became
+        shards afterwards — a plain weight routed to Muon, then sharded by a wrapper's
+        ``fully_shard`` (accelerate's FSDP2 prepare, a Trainer given ``Muon`` and a flat
+        parameter list). Newton–Schulz of a shard is not the shard of Newton–Schulz. The same
+        on every rank (the groups and FSDP2's DTensors are), before any collective.
+        """
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            for p in group["params"]:
+                if id(p) in ids and isinstance(p, DTensor) and not isinstance(p, OwnerTensor):
+                    raise ValueError(
+                        f"Muon: {self.param_name(p)} is a Muon matrix but a DTensor shard "
+                        f"({tuple(p.placements)} on {p.device_mesh}): it was sharded after the "
+                        "optimizer routed it, and Newton–Schulz needs the whole matrix. "
+                        "Dedicate it before fully_shard (dmuon.dedicate_params; with "
+                        "accelerate: dmuon_compile.integrations.accelerate.dedicate_params, "
+                        "before accelerator.prepare) and build dmuon.Muon(model) after that, "
+                        "or route it to AdamW (Muon(model, predicate=...))."
+                    )
 
     def _finite_flags(self, grads: list[Tensor]) -> Tensor | None:
         """Per gradient: finite or not, on the device (read on the host by the agreement)."""
@@ -725,11 +812,14 @@ class Muon(torch.optim.Optimizer):
         is elementwise) instead of DTensors. A failure here is appended to ``failure``; the
         lists then hold placeholders (the gradients): the step only sends them, never commits.
         """
+        self._keep_dedicated()
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
         all_grads = [p.grad for p in with_grad]
         fresh = [p for p in with_grad if not self.state.get(p)]  # state created by this step
+        if fresh:
+            self._check_whole_matrices({id(p) for p in fresh})
         finite = _guarded(failure, PHASE_CHECK, lambda: self._finite_flags(all_grads), None)
         split, early = runtime.early_split() if runtime is not None else (False, set())
         early_parts, rest_parts, adamw = [], [], []

@@ -35,3 +35,33 @@ def test_subpackages_import_only_under_the_package_name():
         "assert importlib.util.find_spec('passes') is None, 'bare passes importable'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def _run_from_checkout(code: str) -> subprocess.CompletedProcess:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_import_never_imports_the_integrations_frameworks():
+    out = _run_from_checkout(
+        "import sys, dmuon_compile, dmuon_compile.integrations;"
+        "print(sorted(m for m in ('accelerate', 'transformers') if m in sys.modules))"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_accelerate_integration_without_accelerate_names_the_extra():
+    out = _run_from_checkout(
+        "import sys; sys.modules['accelerate'] = None\n"  # as if not installed
+        "try:\n"
+        "    import dmuon_compile.integrations.accelerate\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert 'pip install "dmuon_compile[accelerate]"' in out.stdout

@@ -81,6 +81,13 @@ class OwnerTensor(DTensor):
     def full_tensor(self, *, grad_placements=None) -> Tensor:  # noqa: ARG002 - DTensor's signature
         return full_tensor(self)
 
+    def data_ptr(self) -> int:
+        # The address of this rank's data (0 where it holds none), as FSDP2's DTensors are
+        # addressed by their local shard. accelerate's FSDP2 prepare matches the optimizer's
+        # parameters to the model's by it; ``Muon`` puts back the weights held elsewhere,
+        # which all have address 0 (``Muon._keep_dedicated``).
+        return self._local_tensor.data_ptr()
+
     def redistribute(self, device_mesh=None, placements=None, **kwargs) -> DTensor:
         # Replicate on its own mesh: the whole tensor on every rank (collective, like full_tensor).
         # torch.distributed.checkpoint's full state dict gathers each DTensor this way.
@@ -116,7 +123,10 @@ class OwnerTensor(DTensor):
         if func in _INIT_ENTRIES:
             return _init_entry(func, args, kwargs)
         caller = sys._getframe(1)
-        if caller.f_globals.get("__name__") == _INIT_MODULE:
+        caller_module = caller.f_globals.get("__name__")
+        if caller_module == _DDP_MODULE:
+            raise _ddp_error()
+        if caller_module == _INIT_MODULE:
             done, out = _in_init(func, args, kwargs, caller.f_code.co_name)
             if done:
                 return out
@@ -531,6 +541,24 @@ def full_tensor(t: Tensor) -> Tensor:
 #   new weights to the other replicas first.
 
 _INIT_MODULE = "torch.nn.init"
+# DistributedDataParallel's module: it would broadcast and all-reduce every parameter as a
+# whole replicated tensor. A dedicated weight is whole on its owner only, so DDP breaks deep
+# inside (a mixed Tensor/DTensor ``cat`` in its first broadcast); its first touch of one raises.
+_DDP_MODULE = "torch.nn.parallel.distributed"
+
+
+def _ddp_error() -> RuntimeError:
+    return RuntimeError(
+        "DistributedDataParallel cannot wrap a model with dedicated weights "
+        "(dmuon.dedicate_params): each dedicated weight lives whole on one owner rank, and DDP "
+        "replicates and all-reduces every parameter. Shard the model with FSDP2 instead: "
+        "torch.distributed.fsdp.fully_shard after dedicate_params (accelerate: "
+        "FullyShardedDataParallelPlugin(fsdp_version=2) and "
+        "dmuon_compile.integrations.accelerate.dedicate_params). Without dedicate_params, "
+        "DDP with dmuon.Muon works as with any optimizer."
+    )
+
+
 _RANDOM_FILLS = frozenset(
     {
         Tensor.uniform_,
