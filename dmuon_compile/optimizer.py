@@ -331,6 +331,7 @@ class Muon(torch.optim.Optimizer):
         """
         from dmuon_compile.dedicated_registry import PLAN_ATTR
         from dmuon_compile.distributed import _fsdp_compat
+        from dmuon_compile.distributed._pending import gradient_writes
         from dmuon_compile.distributed._runtime import in_backward
 
         if self.model is not None and not in_backward():
@@ -338,7 +339,8 @@ class Muon(torch.optim.Optimizer):
         runtime = getattr(self.model, PLAN_ATTR, None) if self.model is not None else None
         if runtime is not None:
             runtime.discard_backward()
-        super().zero_grad(set_to_none=set_to_none)
+        with gradient_writes():  # set_to_none=False zeroes gradients, no weight: no publish
+            super().zero_grad(set_to_none=set_to_none)
 
     @staticmethod
     def _has_dedicated(model: nn.Module) -> bool:

@@ -18,8 +18,9 @@ Every collective is async; its ``Work`` is kept and waited on only when the data
 (forward pre-hook of the group, end of backward).
 
 With HSDP the group has a ``replicate`` stage (``_replicate.py``): the owner-chunk gradient
-sums go on to the global owner over the replicate group, and ``unshard`` first waits for the
-replicate broadcast that refreshed this rank's weights after the last step.
+sums go on to the global owner over the replicate group. ``unshard`` first applies the group's
+entries of the runtime's pending-update queue (``_pending.py``: the replicate broadcast that
+refreshed this rank's weights after the last step, the deferred TP update shards).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class DedicatedGroup:
     replicate: ReplicateStage | None = None  # HSDP replicate stage (None in 1-D)
     reduced: bool = False  # a reduce was issued in the current backward
     ran_forward: bool = False  # its forward ran since the last synchronising backward
-    tp: object | None = None  # TP stage (``_tp.py``) when the group holds TP shards
+    pending: object | None = None  # the runtime's queue of pending updates (``_pending.py``)
     # FSDP2's gradient scaling (``follow_fsdp``): the reduced gradient is the sum over the
     # data-parallel ranks divided by ``divide_factor``; None: their mean (FSDP2's default).
     divide_factor: float | None = None
@@ -156,25 +157,21 @@ class DedicatedGroup:
         # The buffer is allocated on the compute stream, which reads and frees it.
         self._alloc()
         side = None
-        if (
-            self.replicate is not None
-            and self.replicate.publish_works
-            and self.device.type == "cuda"
-        ):
-            # The weights this rank sends must be the published ones. Wait for the replicate
-            # broadcast on a side stream, not the compute stream: a prefetch issued from the
-            # previous group's pre-hook must not hold that group's forward back until *this*
-            # group's broadcast lands. The compute stream waits only for the unshard itself.
+        queued = self.pending is not None and self.pending.has(id(self))
+        if queued and self.device.type == "cuda":
+            # The weights this rank sends must be current: the last step's pending updates
+            # (HSDP publish, TP update shards) land first. Wait for and apply them on a side
+            # stream, not the compute stream: a prefetch issued from the previous group's
+            # pre-hook must not hold that group's forward back until *this* group's updates
+            # land. The compute stream waits only for the unshard itself.
             side = _unshard_stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if queued:
+                self.pending.wait_group(id(self))
             self._issue_unshard(prefetch)
 
     def _issue_unshard(self, prefetch: bool) -> None:
-        if self.tp is not None:  # TP: the last step's update shards land in the masters first
-            self.tp.wait_group(self)
-        if self.replicate is not None:
-            self.replicate.wait_publish(self.profile if self.record_profile else None)
         flat = self.flat
         own = self.params_of(self.rank)
         if self.mode == "all_gather":

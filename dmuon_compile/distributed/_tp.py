@@ -16,11 +16,13 @@ TP owner holds one bucket's gathered pieces and whole matrices, not all of its m
    whole matrix (never blockwise on shards: that changes the update);
 3. ``t*`` scatters the update's shards back; each member applies its shard with the learning-
    rate scale of the *global* shape. With ``Muon(replicate_async=True)`` (and no HSDP) the
-   scatter is left in flight and applied right before the group's next unshard (its forward
-   pre-hook or the prefetch before it); ``replicate_async=False`` applies it inside ``step()``.
-   A step first applies whatever an earlier step left pending, so two ``step()`` calls without
-   a forward are safe; ``model.state_dict()`` (DCP) applies it too. With HSDP the scatter is
-   applied inside ``step()``, before the replicate publish reads the new weights.
+   scatter is left in flight — an entry of the runtime's pending-update queue (``_pending.py``)
+   — and applied right before the group's next unshard (its forward pre-hook or the prefetch
+   before it), or before anything reads or writes the weight (``p.full_tensor()``,
+   ``p.to_local()``, ``model.state_dict()``, DCP, an in-place edit);
+   ``replicate_async=False`` applies it inside ``step()``. A step first applies whatever an
+   earlier step left pending, so two ``step()`` calls without a forward are safe. With HSDP the
+   scatter is applied inside ``step()``, before the replicate publish reads the new weights.
 
 The owners ``(d, t*)`` are spread by LPT over all DP × TP slots (:func:`plan_tp_owners`): a
 TP matrix costs its whole-matrix NS on one slot; a plain (TP-replicated) matrix is charged on
@@ -479,11 +481,10 @@ class TPStage:
     params: list[TPDedicatedParam]
     deferrable: bool  # False with HSDP: the replicate publish needs the applied weights
     group_of: dict[int, int] = field(default_factory=dict)  # id(param) -> id(hook group)
-    pending: dict[int, list] = field(default_factory=dict)  # id(group) -> pending applies
+    queue: object = None  # the runtime's pending updates (``_pending.py``): deferred scatters
     profile: TPProfile = field(default_factory=TPProfile)
     record_profile: bool = False
     plan: TPPlan | None = None
-    handle: object = None  # the state-dict pre-hook
 
     def __post_init__(self) -> None:
         self.by_param = {id(p.param): p for p in self.params}
@@ -609,14 +610,19 @@ class TPStage:
 
     @torch.no_grad()
     def commit(self, half: TPStepHalf, defer: bool) -> None:
-        """Store the momentum and queue the scattered update shards (applied before the group's
-        next unshard, or now unless ``defer`` and no HSDP)."""
+        """Store the momentum and apply the scattered update shards now, or with ``defer`` (and
+        no HSDP) queue them in the runtime's pending updates: applied before the group's next
+        unshard or any read of the weight."""
         torch._foreach_mul_(half.bufs, F.hyper(half.momentum))
         torch._foreach_add_(half.bufs, half.grads)
+        by_group: dict[int, list] = {}
         for key, entry in half.entries:
-            self.pending.setdefault(key, []).append(entry)
-        if not (defer and self.deferrable):
-            self.drain()
+            by_group.setdefault(key, []).append(entry)
+        for key, entries in by_group.items():
+            if defer and self.deferrable:
+                self.queue.add(key, ScatterUpdates(self, entries))
+            else:
+                self._apply(entries, forward=False)
 
     def abort(self, half: TPStepHalf) -> None:
         """A step that failed on some rank: wait for the scatters (every member issued them)
@@ -637,22 +643,12 @@ class TPStage:
             t0 = time.perf_counter()
         for master, out, work, lr, wd, adjust_lr_fn, global_shape in entries:
             C.wait(work, "the TP scatter of Newton–Schulz updates", self.pg)
+            if out.is_cuda:  # applied on the unshard side stream: keep the block until then
+                out.record_stream(torch.cuda.current_stream(out.device))
             # The reference's update on this rank's shard, scaled as the whole matrix.
             F.apply_muon_update([master], [out], lr, wd, adjust_lr_fn, [global_shape])
         if forward and self.record_profile:
             self.profile.wait_s += time.perf_counter() - t0
-
-    def wait_group(self, group) -> None:
-        """Before ``group``'s unshard reads its masters: apply its pending update shards."""
-        entries = self.pending.pop(id(group), None)
-        if entries:
-            self._apply(entries, forward=True)
-
-    def drain(self) -> None:
-        """Apply every pending update shard (the next step, a state dict, ``wait_all``)."""
-        pending, self.pending = self.pending, {}
-        for entries in pending.values():
-            self._apply(entries, forward=False)
 
     # ------------------------------------------------------- plain weights of a TP model
 
@@ -676,9 +672,6 @@ class TPStage:
             C.wait(work, "the TP broadcast of plain dedicated weights", self.pg)
         if self.record_profile:
             self.profile.plain_broadcasts += len(works)
-
-    def pending_count(self) -> int:
-        return sum(len(v) for v in self.pending.values())
 
     def summary(self, runtime) -> dict:
         """What ``summarize_comm_plan`` shows for the TP stage (this rank's view)."""
@@ -713,13 +706,21 @@ class TPStage:
         }
 
 
-def install_state_dict_drain(model: nn.Module, stage: TPStage):
-    """``model.state_dict()`` (and so DCP's ``get_state_dict``) applies pending TP updates."""
+@dataclass(eq=False)
+class ScatterUpdates:
+    """A pending update (``_pending.py``): one hook group's TP update shards in flight."""
 
-    def _hook(*_args, **_kwargs):
-        stage.drain()
+    stage: TPStage
+    entries: list  # (master, out, work, lr, wd, adjust_lr_fn, global_shape)
 
-    return model.register_state_dict_pre_hook(_hook)
+    @property
+    def collectives(self) -> int:
+        return len(self.entries)
+
+    def apply(self, forward: bool) -> None:
+        entries, self.entries = self.entries, []
+        if entries:
+            self.stage._apply(entries, forward)
 
 
 def _is_done(work) -> bool:
@@ -734,17 +735,14 @@ def owner_group_ranks(info: TPInfo, rank_grid, replica_owner: int, owner: int) -
     return _tp_row(info, int(rank_grid[replica_owner, owner]))  # that coordinate in this column
 
 
-def build_stage(info, pg, tp_plan, params, groups, model, replicated: bool) -> TPStage:
-    """The model's TP stage; each hook group learns it (its unshard applies pending updates)."""
+def build_stage(info, pg, tp_plan, params, groups, replicated: bool) -> TPStage:
+    """The model's TP stage (its deferred scatters go to the runtime's queue, ``attach_tp``)."""
     tp_params = [p for p in params if isinstance(p, TPDedicatedParam)]
     stage = TPStage(info, pg, tp_params, deferrable=not replicated)
     for g in groups:
         for p in g.params:
             stage.group_of[id(p.param)] = id(g)
-        if any(isinstance(p, TPDedicatedParam) for p in g.params):
-            g.tp = stage
     stage.plan = tp_plan
-    stage.handle = install_state_dict_drain(model, stage)
     _register_owner_meshes(info, params)
     return stage
 

@@ -388,15 +388,15 @@ def dedicate_params(
         make_holder(dp.module, dp.attr, dp)
     for g in groups:
         if g.replicate is not None and not on_meta:
-            g.replicate.publish()  # the global owner's initial weights are the truth everywhere
-            g.replicate.wait_publish()
+            # the global owner's initial weights are the truth everywhere
+            g.replicate.publish().apply(forward=False)
     initial.clear()
     masters.clear()
     runtime = DedicatedRuntime(
         model, plan, params, groups, mesh, rank, world, record, replicate_mesh
     )
     if tp is not None:
-        runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, model, replicas > 1))
+        runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, replicas > 1))
     for dp in params:  # random fills of the weight draw from its own generator (_owned.py)
         if dp.owns:
             shard = tp.rank if isinstance(dp, _tp.TPDedicatedParam) else 0
