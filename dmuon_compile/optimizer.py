@@ -22,6 +22,7 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.distributed._owned import is_owned, local_of, same_layout
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
+from dmuon_compile.trace_labels import NS, STEP, label
 
 if TYPE_CHECKING:
     from dmuon_compile.compiled_step import CompiledMuonStep, StepKey
@@ -566,14 +567,15 @@ class Muon(torch.optim.Optimizer):
 
             opt.step(); opt.step()  # safe: the second step drains the first one's publish
         """
-        runtime = _replicated_runtime(self.model)
-        if runtime is None:
-            return self._step(closure)
-        runtime.before_step()
-        try:
-            return self._step(closure, runtime)
-        finally:
-            runtime.after_step(self.replicate_async)
+        with label(STEP):
+            runtime = _replicated_runtime(self.model)
+            if runtime is None:
+                return self._step(closure)
+            runtime.before_step()
+            try:
+                return self._step(closure, runtime)
+            finally:
+                runtime.after_step(self.replicate_async)
 
     def _step(self, closure=None, runtime=None):
         loss = None
@@ -707,9 +709,10 @@ class Muon(torch.optim.Optimizer):
             # what a user's torch.compile(opt.step) traces).
             compiled = half.compiled = compiled_step_for(self, group, params, part=part)
             hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"])
-            if compiled is not None:
-                return compiled.directions(grads, bufs, **hypers)
-            return F.muon_directions(grads, bufs, ns=self.ns, **hypers)
+            with label(NS):
+                if compiled is not None:
+                    return compiled.directions(grads, bufs, **hypers)
+                return F.muon_directions(grads, bufs, ns=self.ns, **hypers)
 
         if torch.compiler.is_compiling():  # traced: an error raises where torch raises it
             half.ortho = directions()

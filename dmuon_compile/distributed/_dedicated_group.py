@@ -37,6 +37,7 @@ from dmuon_compile.distributed import _fsdp_compat
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._replicate import ReplicateStage
+from dmuon_compile.trace_labels import REDUCE, UNSHARD, label
 
 # Padding above this fraction of the group's bytes makes the group gather uneven chunks.
 MAX_GATHER_PADDING = 0.25
@@ -166,7 +167,10 @@ class DedicatedGroup:
             # land. The compute stream waits only for the unshard itself.
             side = _unshard_stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with (
+            label(UNSHARD),
+            torch.cuda.stream(side) if side is not None else contextlib.nullcontext(),
+        ):
             if queued:
                 self.pending.wait_group(id(self))
             self._issue_unshard(prefetch)
@@ -208,8 +212,9 @@ class DedicatedGroup:
             if cuda:  # the stream stall: from "compute reached the wait" to "the data is there"
                 before = torch.cuda.Event(enable_timing=True)
                 before.record()
-        for w in self.works:
-            C.wait(w, f"the unshard ({self.mode}) of dedicated group {self.name!r}", self.pg)
+        with label(UNSHARD):
+            for w in self.works:
+                C.wait(w, f"the unshard ({self.mode}) of dedicated group {self.name!r}", self.pg)
         if self.record_profile:
             self.profile.wait_s += time.perf_counter() - t0  # host time (blocking only on gloo)
             if cuda:
@@ -256,9 +261,13 @@ class DedicatedGroup:
         factor = ranks if self.divide_factor is None else self.divide_factor
         return _fsdp_compat.split_divide_factor(factor, self.reduce_dtype)
 
-    @torch.no_grad()
     def reduce_grads(self) -> None:
         """Pack the local gradients (owner-packed), issue the reduce to owners, free them."""
+        with label(REDUCE):
+            self._reduce_grads()
+
+    @torch.no_grad()
+    def _reduce_grads(self) -> None:
         send_size = self.flat.numel()
         grads = torch.zeros(send_size, dtype=self.reduce_dtype, device=self.device)
         for p in self.params:
@@ -285,7 +294,6 @@ class DedicatedGroup:
             self.profile.reduces += 1
             self.profile.bytes_reduced += send_size * grads.element_size()
 
-    @torch.no_grad()
     def finish_reduce(self) -> None:
         """Wait for the reduces; each owned ``param.grad`` gets the reduced gradient (accumulated):
         the sum over the ranks divided as FSDP2 would (:meth:`follow_fsdp`).
@@ -293,6 +301,12 @@ class DedicatedGroup:
         HSDP: the owner column's sums go on to the global owner (``ReplicateStage.reduce``,
         async; :meth:`drain` waits for it), which divides.
         """
+        if self.pending_reduce:
+            with label(REDUCE):
+                self._finish_reduce()
+
+    @torch.no_grad()
+    def _finish_reduce(self) -> None:
         _, after = self._divisions()
         for works, out, base, _keep in self.pending_reduce:
             for w in works:

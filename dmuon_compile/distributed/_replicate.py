@@ -41,6 +41,7 @@ from torch import Tensor
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.trace_labels import PUBLISH, REDUCE, label
 
 
 @dataclass(frozen=True)
@@ -114,18 +115,24 @@ class ReplicateStage:
     def reduce(self, column_grads: Tensor, divide_by: float, profile=None) -> None:
         """Issue the reduce of the column's gradient sums to each global owner (async); the
         global owner divides the sum by ``divide_by``."""
-        works = [
-            C.reduce_sum(column_grads[s.start : s.start + s.numel], s.root, self.pg)
-            for s in self.segments
-        ]
+        with label(REDUCE):
+            works = [
+                C.reduce_sum(column_grads[s.start : s.start + s.numel], s.root, self.pg)
+                for s in self.segments
+            ]
         self.pending_reduce.append((works, column_grads, divide_by))
         if profile is not None:
             profile.replicate_reduces += len(works)
             profile.replicate_bytes_reduced += column_grads.numel() * column_grads.element_size()
 
-    @torch.no_grad()
     def finish_reduce(self) -> None:
         """Wait for the reduces; the global owner's ``param.grad`` gets the sum / ``divide_by``."""
+        if self.pending_reduce:
+            with label(REDUCE):
+                self._finish_reduce()
+
+    @torch.no_grad()
+    def _finish_reduce(self) -> None:
         for works, column_grads, divide_by in self.pending_reduce:
             for w in works:
                 C.wait(w, "the HSDP gradient reduce to the global owners", self.pg)
@@ -155,12 +162,13 @@ class ReplicateStage:
         """Broadcast each global owner's weights to its column peers (async): the pending
         update the runtime queues (``_pending.py``), applied by :meth:`finish_publish`. The
         caller has applied this group's earlier entries (a previous publish still in flight)."""
-        for p, view in self.copy_in:
-            view.copy_(p.master)
-        works = [
-            C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg)
-            for s in self.segments
-        ]
+        with label(PUBLISH):
+            for p, view in self.copy_in:
+                view.copy_(p.master)
+            works = [
+                C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg)
+                for s in self.segments
+            ]
         if profile is not None and self.segments:
             profile.publishes += 1
             profile.publish_broadcasts += len(self.segments)
@@ -180,8 +188,9 @@ class ReplicateStage:
             if cuda:
                 before = torch.cuda.Event(enable_timing=True)
                 before.record()
-        for w in works:
-            C.wait(w, "the HSDP replicate broadcast of the new weights", self.pg)
+        with label(PUBLISH):
+            for w in works:
+                C.wait(w, "the HSDP replicate broadcast of the new weights", self.pg)
         if profile is not None:
             profile.publish_wait_s += time.perf_counter() - t0
             if cuda:

@@ -69,6 +69,7 @@ from dmuon_compile.distributed.owner_plan import (
     default_layer_key,
     ns_cost_fn,
 )
+from dmuon_compile.trace_labels import NS, TP_GATHER, TP_SCATTER, label
 
 # ---------------------------------------------------------------------------------- detection
 
@@ -544,6 +545,64 @@ class TPStage:
                 ),
                 grads_m,
             )
+        with label(TP_GATHER):
+            gathered = self._gather(mine, updates)
+        whole = [
+            (i, torch.cat(parts, dim=dp.shard_dim))
+            for i, ((dp, *_), parts) in enumerate(zip(mine, gathered))
+            if parts is not None
+        ]
+        del gathered  # the pieces: freed once concatenated
+        mats = [m for _, m in whole]
+        out = mats  # placeholders
+        with label(NS):
+            if mats and not failure:
+                from dmuon_compile.compiled_step import compiled_step_for  # imports Dynamo
+
+                # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
+                compiled = compiled_step_for(opt, group, mats, part="tp")
+                if compiled is not None:
+                    out = O._guarded(
+                        failure,
+                        O.PHASE_TP_NS_COMPILED,
+                        lambda: compiled.orthogonalize(mats),
+                        mats,
+                    )
+                else:
+                    out = O._guarded(
+                        failure,
+                        O.PHASE_TP_NS_EAGER,
+                        lambda: self.orthogonalize(mats, opt.ns),
+                        mats,
+                    )
+        ortho = dict(zip((i for i, _ in whole), out))
+        whole = mats = out = None  # the whole matrices: freed once orthogonalised
+        lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
+        with label(TP_SCATTER):
+            entries = []
+            for i, ((dp, master, _g, _b), u) in enumerate(zip(mine, updates)):
+                out = torch.empty_like(u)
+                chunks = None
+                if i in ortho:
+                    chunks = [
+                        c.contiguous() for c in ortho[i].to(u.dtype).chunk(size, dim=dp.shard_dim)
+                    ]
+                work = dist.scatter(
+                    out, chunks, src=self._global(dp.tp_owner), group=self.pg, async_op=True
+                )
+                entry = (master, out, work, lr, wd, group["adjust_lr_fn"], dp.global_shape)
+                entries.append((self.group_of.get(id(dp.param), 0), entry))
+                if self.record_profile:
+                    self.profile.scatters += 1
+                    self.profile.scatter_bytes += (
+                        out.numel() * out.element_size() * int(me != dp.tp_owner)
+                    )
+        return entries
+
+    def _gather(self, mine: list, updates: list) -> list:
+        """Each matrix's Nesterov input shards to its TP owner: the owner's pieces (``None``
+        elsewhere), per matrix."""
+        size, me = self.info.size, self.info.rank
         gathered, works = [], []
         for (dp, *_), u in zip(mine, updates):
             u = u.contiguous()
@@ -557,56 +616,7 @@ class TPStage:
                 self.profile.gather_bytes += u.numel() * u.element_size() * int(me != dp.tp_owner)
         for w in works:
             C.wait(w, "the TP gather of Muon inputs to the TP owners", self.pg)
-        del works  # a finished work may still hold its pieces
-        whole = [
-            (i, torch.cat(parts, dim=dp.shard_dim))
-            for i, ((dp, *_), parts) in enumerate(zip(mine, gathered))
-            if parts is not None
-        ]
-        del gathered  # the pieces: freed once concatenated
-        mats = [m for _, m in whole]
-        out = mats  # placeholders
-        if mats and not failure:
-            from dmuon_compile.compiled_step import compiled_step_for  # imports Dynamo: only here
-
-            # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
-            compiled = compiled_step_for(opt, group, mats, part="tp")
-            if compiled is not None:
-                out = O._guarded(
-                    failure,
-                    O.PHASE_TP_NS_COMPILED,
-                    lambda: compiled.orthogonalize(mats),
-                    mats,
-                )
-            else:
-                out = O._guarded(
-                    failure,
-                    O.PHASE_TP_NS_EAGER,
-                    lambda: self.orthogonalize(mats, opt.ns),
-                    mats,
-                )
-        ortho = dict(zip((i for i, _ in whole), out))
-        whole = mats = out = None  # the whole matrices: freed once orthogonalised
-        entries = []
-        for i, ((dp, master, _g, _b), u) in enumerate(zip(mine, updates)):
-            out = torch.empty_like(u)
-            chunks = None
-            if i in ortho:
-                chunks = [
-                    c.contiguous() for c in ortho[i].to(u.dtype).chunk(size, dim=dp.shard_dim)
-                ]
-            work = dist.scatter(
-                out, chunks, src=self._global(dp.tp_owner), group=self.pg, async_op=True
-            )
-            lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
-            entry = (master, out, work, lr, wd, group["adjust_lr_fn"], dp.global_shape)
-            entries.append((self.group_of.get(id(dp.param), 0), entry))
-            if self.record_profile:
-                self.profile.scatters += 1
-                self.profile.scatter_bytes += (
-                    out.numel() * out.element_size() * int(me != dp.tp_owner)
-                )
-        return entries
+        return gathered
 
     @torch.no_grad()
     def commit(self, half: TPStepHalf, defer: bool) -> None:
@@ -635,8 +645,13 @@ class TPStage:
         the compiled step's ``orthogonalize`` where ``compile`` is on)."""
         return F.orthogonalize(mats, ns)
 
-    @torch.no_grad()
     def _apply(self, entries, forward: bool) -> None:
+        with label(TP_SCATTER):
+            self._apply_shards(entries, forward)
+
+    @torch.no_grad()
+    def _apply_shards(self, entries, forward: bool) -> None:
+        """Wait for the scattered update shards and apply them to this member's masters."""
         if forward and self.record_profile:
             self.profile.waits += 1
             self.profile.not_ready += int(not all(_is_done(e[2]) for e in entries))
