@@ -31,7 +31,10 @@ Muon.step()           Newton–Schulz on this rank's masters only; the next forw
 HSDP adds the replicate stage (``_replicate.py``): the reduce to owners continues over the
 replicate group to the global owner, and ``Muon.step`` ends with :meth:`publish`, the global
 owners' broadcast of their new weights to their replicate peers. ``Muon(replicate_async=True)``
-(default) leaves it in flight; each group waits for its part right before its next unshard
+(default) leaves it in flight, an entry of the runtime's one queue of pending updates
+(``_pending.py``, with the deferred TP scatters; any read or write of a dedicated weight through
+its registered parameter applies them first); each group waits for its part right before its
+next unshard
 (forward pre-hook, or the prefetch issued from the previous group's pre-hook). On CUDA that wait
 is made by a side stream, which then issues the unshard: the compute stream waits only for the
 unshard itself, so a prefetch never holds the current group's forward back.
