@@ -61,3 +61,57 @@ def test_ci_runs_the_readme_test_command_verbatim():
     command = readme[at + 1]
     assert "ruff check ." in command and "ruff format --check ." in command and "pytest" in command
     assert command in ci
+
+
+# ---------------------------------------------------------------------------- the import graph
+
+
+def imported_modules(source: str, module: str) -> set[str]:
+    """Every module ``source`` (the text of module ``module``) imports, absolute names, anywhere
+    in the file (late imports inside functions included)."""
+    import ast
+
+    package = module.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from .x import y / from .. import y
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _imports_of_distributed() -> dict[str, set[str]]:
+    folder = ROOT / "dmuon_compile" / "distributed"
+    return {
+        path.name: imported_modules(
+            path.read_text(encoding="utf-8"), f"dmuon_compile.distributed.{path.stem}"
+        )
+        for path in sorted(folder.glob("*.py"))
+    }
+
+
+def test_the_runtime_does_not_import_the_optimizer():
+    """One direction: the optimizer calls the runtime, never the reverse (routing rules, step
+    phases and the runtime accessor live in modules below both)."""
+    offenders = {
+        name: sorted(m for m in mods if m == "dmuon_compile.optimizer")
+        for name, mods in _imports_of_distributed().items()
+    }
+    assert not {n: m for n, m in offenders.items() if m}, offenders
+
+
+def test_import_graph_check_has_teeth():
+    late = "def f():\n    from dmuon_compile import optimizer as O\n"
+    relative = "from ..optimizer import Muon\n"
+    assert "dmuon_compile.optimizer" in imported_modules(late, "dmuon_compile.distributed._tp")
+    assert "dmuon_compile.optimizer" in imported_modules(relative, "dmuon_compile.distributed.x")
+    assert "dmuon_compile.optimizer" not in imported_modules(
+        "from dmuon_compile.routing import route_model\n", "dmuon_compile.distributed.x"
+    )

@@ -1,8 +1,8 @@
 """The hooks: forward unshard with prefetch, reshard, pre-backward unshard, owner gradient reduce.
 
-One :class:`DedicatedRuntime` per model (stored as ``model._dmuon_plan``). The life of an
-iteration, for each hook group G (in the forward order recorded on the first forward, the same
-on every rank, so collectives are issued in the same order everywhere):
+One :class:`DedicatedRuntime` per model (found with ``dedicated_registry.runtime_of(model)``).
+The life of an iteration, for each hook group G (in the forward order recorded on the first
+forward, the same on every rank, so collectives are issued in the same order everywhere):
 
 forward pre-hook(G)   wait G's unshard (issue it if no prefetch did), prefetch the next group
 forward hook(G)       reshard G (free its buffer; not the group whose forward ends last, whose

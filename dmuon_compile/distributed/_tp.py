@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,7 @@ from dmuon_compile.distributed.owner_plan import (
     default_layer_key,
     ns_cost_fn,
 )
+from dmuon_compile.step_phases import PHASE_TP_MOMENTUM, PHASE_TP_NS_COMPILED, PHASE_TP_NS_EAGER
 from dmuon_compile.trace_labels import NS, TP_GATHER, TP_SCATTER, label
 
 # ---------------------------------------------------------------------------------- detection
@@ -436,6 +438,18 @@ def make_tp_param(
 # ---------------------------------------------------------------------------------- the step
 
 
+@dataclass(frozen=True)
+class TPStepCalls:
+    """What ``Muon.step`` lends the TP stage for one group's part (the optimizer itself stays
+    out of the runtime): its Newton–Schulz settings, the compiled step for the TP owners' whole
+    matrices (``compiled_for(mats)``, ``None``: eager) and its failure guard
+    (``guarded(failure, phase, compute, placeholder)``)."""
+
+    ns: object
+    compiled_for: Callable
+    guarded: Callable
+
+
 @dataclass
 class TPStepHalf:
     """What :meth:`TPStage.directions` leaves for :meth:`TPStage.commit` / :meth:`TPStage.abort`."""
@@ -506,7 +520,7 @@ class TPStage:
         return dist.get_global_rank(self.pg, tp_rank)
 
     @torch.no_grad()
-    def directions(self, opt, group: dict, params, grads, bufs, failure: list):
+    def directions(self, group: dict, params, grads, bufs, failure: list, calls: TPStepCalls):
         """The first half of Muon on the TP matrices of these lists (gather → NS on the TP
         owner → scatter, issued; no state written); returns ``(other lists, TPStepHalf or
         None)`` for :meth:`commit` or :meth:`abort` after ``Muon.step``'s agreement.
@@ -521,25 +535,23 @@ class TPStage:
             return rest, None
         entries = []
         for bucket in _tp_buckets(mine):
-            entries += self._bucket_directions(opt, group, bucket, failure)
+            entries += self._bucket_directions(group, bucket, failure, calls)
         grads_m, bufs_m = [g for *_, g, _b in mine], [b for *_, b in mine]
         return rest, TPStepHalf(grads_m, bufs_m, group["momentum"], entries)
 
-    def _bucket_directions(self, opt, group: dict, mine: list, failure: list) -> list:
+    def _bucket_directions(self, group: dict, mine: list, failure: list, calls) -> list:
         """:meth:`directions` of one shape bucket: its Nesterov inputs, gathers, the owners'
         Newton–Schulz and scatters; returns the bucket's pending apply entries. The bucket's
         inputs, gathered pieces and whole matrices are freed when it returns, before the next
         bucket's are made: a TP owner holds one bucket's whole matrices, not all of its
         matrices'."""
-        from dmuon_compile import optimizer as O  # the step's phases (late: an import cycle)
-
         size, me = self.info.size, self.info.rank
         grads_m, bufs_m = [g for *_, g, _b in mine], [b for *_, b in mine]
         updates = grads_m  # placeholders (never committed) when this rank has failed
         if not failure:
-            updates = O._guarded(
+            updates = calls.guarded(
                 failure,
-                O.PHASE_TP_MOMENTUM,
+                PHASE_TP_MOMENTUM,
                 lambda: F.nesterov_input(
                     grads_m, bufs_m, F.hyper(group["momentum"]), group["nesterov"]
                 ),
@@ -557,22 +569,20 @@ class TPStage:
         out = mats  # placeholders
         with label(NS):
             if mats and not failure:
-                from dmuon_compile.compiled_step import compiled_step_for  # imports Dynamo
-
                 # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
-                compiled = compiled_step_for(opt, group, mats, part="tp")
+                compiled = calls.compiled_for(mats)
                 if compiled is not None:
-                    out = O._guarded(
+                    out = calls.guarded(
                         failure,
-                        O.PHASE_TP_NS_COMPILED,
+                        PHASE_TP_NS_COMPILED,
                         lambda: compiled.orthogonalize(mats),
                         mats,
                     )
                 else:
-                    out = O._guarded(
+                    out = calls.guarded(
                         failure,
-                        O.PHASE_TP_NS_EAGER,
-                        lambda: self.orthogonalize(mats, opt.ns),
+                        PHASE_TP_NS_EAGER,
+                        lambda: self.orthogonalize(mats, calls.ns),
                         mats,
                     )
         ortho = dict(zip((i for i, _ in whole), out))

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from dmuon_compile.dedicated_registry import PLAN_ATTR
+from dmuon_compile.dedicated_registry import attach_runtime, runtime_of
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
@@ -43,7 +43,7 @@ PROFILE_ENV = "DMUON_RECORD_FORWARD_PROFILE"
 
 def _call_predicate(predicate, name: str, param: Tensor, modules: list[nn.Module]) -> bool:
     if predicate is None:
-        from dmuon_compile.optimizer import default_muon_predicate, routing_module
+        from dmuon_compile.routing import default_muon_predicate, routing_module
 
         return default_muon_predicate(name, param, routing_module(modules))
     return bool(predicate(name, param))
@@ -235,7 +235,7 @@ def dedicate_params(
         fully_shard(model, mesh=hsdp)
         opt = dmuon.Muon(model, lr=0.02)  # replicate_async=True: publish overlaps the next forward
     """
-    if getattr(model, PLAN_ATTR, None) is not None:
+    if runtime_of(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model (call it once)")
     _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout)
     mesh_checks.check_shard_mesh(mesh)
@@ -405,13 +405,13 @@ def dedicate_params(
         # Nothing to publish yet: the masters are filled after model.to_empty (init or load).
         # The first forward publishes whatever the global owners then hold.
         runtime.request_publish()
-    setattr(model, PLAN_ATTR, runtime)
+    attach_runtime(model, runtime)
     return owners
 
 
 def dedicated_runtime(model: nn.Module) -> DedicatedRuntime:
     """The runtime ``dedicate_params`` attached to ``model`` (error naming the fix otherwise)."""
-    runtime = getattr(model, PLAN_ATTR, None)
+    runtime = runtime_of(model)
     if runtime is None:
         raise ValueError(
             "this model has no dedicated parameters: call dmuon.dedicate_params(model, mesh, ...) "
