@@ -115,3 +115,18 @@ def test_import_graph_check_has_teeth():
     assert "dmuon_compile.optimizer" not in imported_modules(
         "from dmuon_compile.routing import route_model\n", "dmuon_compile.distributed.x"
     )
+
+
+ENV_READ = re.compile(r"""(?:environ\.get|getenv)\(\s*["']DMUON_|environ\[\s*["']DMUON_""")
+
+
+def test_dmuon_variables_are_read_in_one_module():
+    """``dmuon_compile/env.py`` reads (and documents) every ``DMUON_*`` variable of the
+    package."""
+    readers = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "dmuon_compile").rglob("*.py"))
+        if path.name != "env.py" and ENV_READ.search(path.read_text(encoding="utf-8"))
+    ]
+    assert not readers, readers
+    assert ENV_READ.search('os.environ.get("DMUON_NS_KERNEL", "")')  # the check has teeth

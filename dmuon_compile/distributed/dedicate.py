@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from dmuon_compile import env
 from dmuon_compile.dedicated_registry import attach_runtime, runtime_of
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
@@ -36,9 +37,8 @@ from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
 from dmuon_compile.distributed.policy import resolve_dtypes
-from dmuon_compile.log import env_flag
 
-PROFILE_ENV = "DMUON_RECORD_FORWARD_PROFILE"
+PROFILE_ENV = env.RECORD_FORWARD_PROFILE
 
 
 def _call_predicate(predicate, name: str, param: Tensor, modules: list[nn.Module]) -> bool:
@@ -310,7 +310,7 @@ def dedicate_params(
         _check_plan_identical(plan, rep_pg, device, rep_rank, axis="replicate", on_meta=on_meta)
     owners = plan.owners()
 
-    record = env_flag(PROFILE_ENV, False)
+    record = env.record_forward_profile()
     # Global rank of each (shard rank, replica rank): the owners' one-rank meshes use it.
     dp_mesh = _tp.dp_grid_mesh(mesh, replicate_mesh)
     rank_grid = dp_mesh.mesh.reshape(replicas if replicate_mesh is not None else 1, world)
