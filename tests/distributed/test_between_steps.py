@@ -157,10 +157,11 @@ def train(rank, world, layout, replicate_async, ref_after, skip=None, steps=STEP
     return {"errors": errors, "losses": losses, "state": state}
 
 
-def train_cases(rank, world, cases, refs):
+def train_cases(rank, world, cases, refs, steps):
     """Several runs in one launch (``cases``: ``(layout, replicate_async, skip)``)."""
     return [
-        train(rank, world, layout, a, refs[LAYOUTS[layout][1]], skip) for layout, a, skip in cases
+        train(rank, world, layout, a, refs[LAYOUTS[layout][1]], skip, steps)
+        for layout, a, skip in cases
     ]
 
 
@@ -181,12 +182,12 @@ def _worst(results, ref_losses, ref_state) -> dict:
 LAYOUTS = {"1d": (2, 2), "hsdp2x1": (2, 2), "hsdp2x2": (4, 4), "tp1x2": (2, 1)}  # world, dp
 
 
-def _run(world: int, cases: list) -> list[dict]:
+def _run(world: int, cases: list, steps: int = STEPS) -> list[dict]:
     """The worst differences of each case, all cases in one launch of ``world`` ranks."""
     dps = {LAYOUTS[layout][1] for layout, *_ in cases}
-    refs = {dp: reference(dp) for dp in dps}
+    refs = {dp: reference(dp, steps) for dp in dps}
     results = run_ranks(
-        train_cases, world, cases, {dp: r[1] for dp, r in refs.items()}, timeout=200
+        train_cases, world, cases, {dp: r[1] for dp, r in refs.items()}, steps, timeout=200
     )
     out = []
     for k, (layout, *_) in enumerate(cases):
@@ -222,6 +223,7 @@ def test_two_ranks_match_one_process_and_controls_miss():
 
 
 def test_hsdp_two_by_two_matches_one_process():
+    """2 × 2: two steps (a ``p.data.mul_`` and a ``p.mul_`` edit) keep the 4-rank run short."""
     cases = [("hsdp2x2", True, None)]
-    for case, worst in zip(cases, _run(4, cases)):
+    for case, worst in zip(cases, _run(4, cases, steps=2)):
         _assert_match(case, worst)
