@@ -303,22 +303,49 @@ def _hidden(records, kind, group=None):
     return covered / total if total > 0 else None
 
 
-def last_annotation_start(trace, name: str = "Optimizer.step"):
-    """Start (µs) of the last CPU-side event whose name contains ``name``, or None.
+HOST_CATS = ("user_annotation", "cpu_op", "python_function")
+# dmuon_compile's record_function ranges (dmuon_compile/trace_labels.py; a literal here: this
+# module runs without the package)
+LABEL_PREFIX = "dmuon::"
+STEP_LABEL = "dmuon::step"
+
+
+def _host_events(trace, name: str):
+    return [
+        ev
+        for ev in load_trace(trace).get("traceEvents", [])
+        if isinstance(ev, dict)
+        and ev.get("cat") in HOST_CATS
+        and name in str(ev.get("name", ""))
+        and "ts" in ev
+    ]
+
+
+def last_annotation_start(trace, name: str | None = None):
+    """Start (µs) of the last CPU-side event whose name contains ``name``, or None. Default: the
+    last ``Muon.step`` (its ``dmuon::step`` range), else the last ``Optimizer.step``.
 
     Kineto puts host and device events on one clock, so this splits the GPU timeline: the
     comm kernels issued by the last optimizer step of a profile have no next forward inside
     the window that could hide them.
     """
-    starts = [
-        float(ev["ts"])
-        for ev in load_trace(trace).get("traceEvents", [])
-        if isinstance(ev, dict)
-        and ev.get("cat") in ("user_annotation", "cpu_op", "python_function")
-        and name in str(ev.get("name", ""))
-        and "ts" in ev
-    ]
-    return max(starts) if starts else None
+    names = (name,) if name is not None else (STEP_LABEL, "Optimizer.step")
+    for n in names:
+        starts = [float(ev["ts"]) for ev in _host_events(trace, n)]
+        if starts:
+            return max(starts)
+    return None
+
+
+def phase_host_ms(trace) -> dict:
+    """Host milliseconds inside each ``dmuon::`` range (``dmuon::unshard``, ``dmuon::reduce``,
+    ``dmuon::publish``, ...), summed over its occurrences (nested ranges count in each)."""
+    out: dict = {}
+    for ev in _host_events(trace, LABEL_PREFIX):
+        name = str(ev["name"])
+        if name.startswith(LABEL_PREFIX):
+            out[name] = out.get(name, 0.0) + float(ev.get("dur", 0.0)) / 1e3
+    return dict(sorted(out.items()))
 
 
 def gpu_idle_us(records) -> float:
@@ -398,6 +425,7 @@ def summarize(path_or_dict, iterations: int = 1, device=None) -> dict:
         if last_step is not None
         else None,
         "breakdown_ms_per_iter": {c: v / n for c, v in bd["ms"].items()},
+        "dmuon_host_ms_per_iter": {k: v / n for k, v in phase_host_ms(trace).items()},
         "gpu_ms_per_iter": bd["total_ms"] / n,
         "top_kernels": [dict(e, ms_per_iter=e["ms"] / n) for e in bd["top_kernels"]],
         "exposed_comm": exp,

@@ -61,6 +61,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dmuon_compile import env
 from dmuon_compile import functional as F
 from dmuon_compile._compat import parse_version
 from dmuon_compile.log import progress
@@ -302,7 +303,7 @@ class CompiledMuonStep:
         progress(
             f"compiling the {name} ({len(mats)} matrices, {buckets} shape bucket(s)); "
             "DMUON_COMPILE_LOG=0 silences this",
-            switch="DMUON_COMPILE_LOG",
+            switch=env.COMPILE_LOG,
         )
         start = time.perf_counter()
         yield
@@ -311,7 +312,7 @@ class CompiledMuonStep:
         progress(
             f"compiled {name} ready: first call (trace + compile + run) took "
             f"{self.first_call_s:.1f} s",
-            switch="DMUON_COMPILE_LOG",
+            switch=env.COMPILE_LOG,
         )
         log.info(
             "compiled %s: first call (trace + compile + run) took %.1f s for %d matrices in %d "
@@ -355,7 +356,7 @@ def _install_pass_while_tracing() -> bool:
         progress(
             "tracing the Muon step into your torch.compile graph (the NS-chain pass rewrites its "
             "Newton–Schulz products; the first call compiles); DMUON_COMPILE_LOG=0 silences this",
-            switch="DMUON_COMPILE_LOG",
+            switch=env.COMPILE_LOG,
         )
     install_global_pass()
     return True

@@ -33,11 +33,10 @@ def rank_tag() -> str:
 
 
 def env_flag(name: str, default: bool = True) -> bool:
-    """Read a boolean environment switch: ``0/false/no/off`` → False."""
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    """Read a boolean environment switch: ``0/false/no/off`` → False (``env.flag``)."""
+    from dmuon_compile.env import flag
+
+    return flag(name, default)
 
 
 def progress(message: str, switch: str | None = None) -> None:

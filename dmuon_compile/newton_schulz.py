@@ -18,7 +18,6 @@ calls Dao-AILab's quack ``gemm_symmetric`` (``kernel="quack"``, the ``[quack]`` 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +25,7 @@ from torch import Tensor
 
 from dmuon_compile import coefficients as coeffs
 from dmuon_compile import ns_graphs
+from dmuon_compile.env import ns_kernel as ns_kernel_override
 from dmuon_compile.kernel_choice import (  # noqa: F401  (the size gate's constants, re-exported)
     QUACK,
     TRITON_MIN_BATCH,
@@ -387,13 +387,8 @@ class NewtonSchulz:
     # -- kernel ladder
     @staticmethod
     def _resolve_kernel(requested: str) -> tuple[str, str]:
-        env = os.environ.get("DMUON_NS_KERNEL", "").strip().lower()
+        env = ns_kernel_override()
         if requested == "auto" and env:
-            if env not in ("triton", QUACK, "cublas"):
-                raise ValueError(
-                    f"DMUON_NS_KERNEL={env!r} is not a kernel; "
-                    "set it to 'triton', 'quack' or 'cublas' or unset it"
-                )
             requested = env
         if requested == QUACK:
             quack_gemm_symmetric()  # ImportError naming the extra

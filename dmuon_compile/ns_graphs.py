@@ -31,9 +31,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from dmuon_compile.log import env_flag
+from dmuon_compile import env
 
-SWITCH = "DMUON_NS_GRAPHS"
+SWITCH = env.NS_GRAPHS
 # 16M: 1024×4096 gained ~3.5× on an H200, 2048×5632 ~1.2×, 4096² nothing (GPU-bound); larger
 # calls would only keep their intermediates' memory in the graph's pool.
 MAX_ELEMENTS = 1 << 24
@@ -52,7 +52,7 @@ def wanted(g: Tensor) -> bool:
         and not (g.requires_grad and torch.is_grad_enabled())
         and not torch.compiler.is_compiling()
         and not torch.cuda.is_current_stream_capturing()
-        and env_flag(SWITCH, True)
+        and env.ns_graphs()
     )
 
 

@@ -29,34 +29,24 @@ from dmuon_compile.distributed._owned import (
     same_layout,
 )
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
+from dmuon_compile.routing import HEAD_NAMES, default_muon_predicate, routing_module  # noqa: F401
+from dmuon_compile.routing import route_model as _route_model
+from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where users look
+    PHASE_CHECK,
+    PHASE_COMPILED,
+    PHASE_EAGER,
+    PHASE_STATE,
+    PHASE_TP_MOMENTUM,
+    PHASE_TP_NS_COMPILED,
+    PHASE_TP_NS_EAGER,
+    STEP_PHASES,
+)
+from dmuon_compile.trace_labels import NS, STEP, label
 
 if TYPE_CHECKING:
     from dmuon_compile.compiled_step import CompiledMuonStep, StepKey
 
-# Module names that mark an output head: its weight is 2-D but is a classifier, not a hidden
-# matrix, and Muon's orthogonalised update is wrong for it (Keller Jordan; Moonlight).
-HEAD_NAMES = ("lm_head", "head", "output", "output_head", "classifier", "score", "fc_out")
 NONFINITE_MODES = ("raise", "skip")
-
-# Where a step can fail on one rank only (owners differ per rank, and so do compiled graphs,
-# autotune and memory peaks). The agreement all-reduce carries the position + 1; every rank
-# names the failing rank and phase in the error it raises.
-PHASE_STATE = "creating optimizer state"
-PHASE_CHECK = "the gradient check (norms)"
-PHASE_EAGER = "the eager Muon step (momentum, Newton–Schulz)"
-PHASE_COMPILED = "the compiled Muon step (Dynamo trace, Inductor/Triton compile, autotune, run)"
-PHASE_TP_MOMENTUM = "the TP momentum"
-PHASE_TP_NS_EAGER = "the TP owners' Newton–Schulz (eager)"
-PHASE_TP_NS_COMPILED = "the TP owners' Newton–Schulz (compiled: Dynamo, Inductor/Triton, autotune)"
-STEP_PHASES = (
-    PHASE_STATE,
-    PHASE_CHECK,
-    PHASE_EAGER,
-    PHASE_COMPILED,
-    PHASE_TP_MOMENTUM,
-    PHASE_TP_NS_EAGER,
-    PHASE_TP_NS_COMPILED,
-)
 
 
 class MuonStepError(RuntimeError):
@@ -69,84 +59,6 @@ class MuonStepError(RuntimeError):
     def __init__(self, message: str, failed: dict[int, str]) -> None:
         super().__init__(message)
         self.failed = failed
-
-
-def default_muon_predicate(name: str, param: Tensor, module: nn.Module | None = None) -> bool:
-    """The documented routing rule: Muon for ≥2-D weights except embeddings and output heads.
-
-    A parameter is excluded when its module is an ``nn.Embedding`` (or ``EmbeddingBag``) or when
-    the module's own name (the last component before the parameter name) is one of
-    ``HEAD_NAMES``. Everything excluded gets AdamW. Pass ``predicate=`` to ``Muon`` to override.
-    """
-    if param.ndim < 2:
-        return False
-    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return False
-    parts = name.split(".")
-    owner = parts[-2] if len(parts) >= 2 else ""
-    return owner not in HEAD_NAMES and "embed" not in owner
-
-
-def routing_module(modules: list[nn.Module]) -> nn.Module | None:
-    """The module the routing rule judges a parameter by, given every module that holds it.
-
-    A weight tied between an ``nn.Embedding`` and a head (GPT-2's ``wte``/``lm_head``) is an
-    embedding wherever it appears first, so it gets AdamW with and without ``dedicate_params``
-    and on any number of ranks.
-    """
-    for mod in modules:
-        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
-            return mod
-    return modules[0] if modules else None
-
-
-def _route_model(
-    model: nn.Module,
-    predicate: Callable[[str, Tensor], bool] | None,
-    only: set[int] | None = None,
-):
-    """Split a model's parameters into (muon [(name, p)], adamw [(name, p)]).
-
-    ``only``: route just the parameters with these ids, trainable or not (``add_param_group``
-    of a ``Muon(model)``: layers unfrozen later).
-    """
-    from dmuon_compile.dedicated_registry import dedicated_parameters  # late: no import cycle
-
-    # By identity, not name: a module wrapped after dedicate_params (checkpoint_wrapper adds
-    # ``_checkpoint_wrapped_module.`` to the names) still holds the same dedicated parameters.
-    dedicated = {id(p) for _, p in dedicated_parameters(model)}
-    module_of: dict[int, list[nn.Module]] = {}
-    for mod in model.modules():
-        for p in mod.parameters(recurse=False):
-            module_of.setdefault(id(p), []).append(mod)
-    muon, adamw = [], []
-    for name, p in model.named_parameters():  # named_parameters dedups tied weights
-        if (id(p) not in only) if only is not None else not p.requires_grad:
-            continue
-        if id(p) in dedicated:
-            chosen = True
-        elif dedicated and hasattr(p, "to_local"):
-            chosen = (
-                False  # an FSDP2 shard next to dedicated params: NS on a shard is wrong -> AdamW
-            )
-        elif predicate is not None:
-            chosen = bool(predicate(name, p))
-            if chosen and p.ndim < 2:
-                raise ValueError(
-                    f"Muon predicate selected {name!r} of shape {tuple(p.shape)}: Muon needs ≥2-D "
-                    "weights. Make the predicate return False for it (it then gets AdamW)."
-                )
-        else:
-            chosen = default_muon_predicate(name, p, routing_module(module_of.get(id(p), [])))
-        if chosen and hasattr(p, "to_local") and id(p) not in dedicated:
-            raise ValueError(
-                f"Muon: {name!r} is a DTensor shard (FSDP2/TP), but Newton–Schulz needs the whole "
-                "matrix. Call dmuon.dedicate_params(model, mesh, ...) before fully_shard so each "
-                "matrix lives whole on an owner rank, or exclude it with predicate= (it then "
-                "gets AdamW on its shard)."
-            )
-        (muon if chosen else adamw).append((name, p))
-    return muon, adamw
 
 
 def _layout(t: Tensor) -> str:
@@ -300,9 +212,9 @@ class Muon(torch.optim.Optimizer):
         carries ``use_muon`` and that optimizer's defaults; named parameters also ``param_names``
         (as torch.optim keeps them: state_dict, DCP and torchtitan's checkpointer read them)."""
         if isinstance(params, nn.Module):
-            from dmuon_compile.dedicated_registry import PLAN_ATTR
+            from dmuon_compile.dedicated_registry import runtime_of
 
-            runtime = getattr(params, PLAN_ATTR, None)
+            runtime = runtime_of(params)
             if runtime is not None:
                 runtime.check_registered()
                 runtime.check_compute_dtypes()
@@ -445,17 +357,19 @@ class Muon(torch.optim.Optimizer):
             except (torch.OutOfMemoryError, dmuon.MuonStepError):
                 opt.zero_grad()  # drop this batch on every rank, then go on
         """
-        from dmuon_compile.dedicated_registry import PLAN_ATTR
+        from dmuon_compile.dedicated_registry import runtime_of
         from dmuon_compile.distributed import _fsdp_compat
+        from dmuon_compile.distributed._pending import gradient_writes
         from dmuon_compile.distributed._runtime import in_backward
 
         self._keep_dedicated()
         if self.model is not None and not in_backward():
             _fsdp_compat.finish_aborted_backward(self.model)
-        runtime = getattr(self.model, PLAN_ATTR, None) if self.model is not None else None
+        runtime = runtime_of(self.model)
         if runtime is not None:
             runtime.discard_backward()
-        super().zero_grad(set_to_none=set_to_none)
+        with gradient_writes():  # set_to_none=False zeroes gradients, no weight: no publish
+            super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
         """``torch.optim.Optimizer.state_dict``, with the parameter lists checked first (see
@@ -751,14 +665,15 @@ class Muon(torch.optim.Optimizer):
 
             opt.step(); opt.step()  # safe: the second step drains the first one's publish
         """
-        runtime = _replicated_runtime(self.model)
-        if runtime is None:
-            return self._step(closure)
-        runtime.before_step()
-        try:
-            return self._step(closure, runtime)
-        finally:
-            runtime.after_step(self.replicate_async)
+        with label(STEP):
+            runtime = _replicated_runtime(self.model)
+            if runtime is None:
+                return self._step(closure)
+            runtime.before_step()
+            try:
+                return self._step(closure, runtime)
+            finally:
+                runtime.after_step(self.replicate_async)
 
     def _step(self, closure=None, runtime=None):
         loss = None
@@ -877,8 +792,13 @@ class Muon(torch.optim.Optimizer):
         tp = getattr(_replicated_runtime(self.model), "tp", None)
         tp_half = None
         if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (``_tp.py``)
+            from dmuon_compile.distributed._tp import TPStepCalls
+
+            calls = TPStepCalls(
+                self.ns, lambda mats: compiled_step_for(self, group, mats, part="tp"), _guarded
+            )
             (params, grads, bufs), tp_half = tp.directions(
-                self, group, params, grads, bufs, failure
+                group, params, grads, bufs, failure, calls
             )
         params, grads, bufs = _owned_locals(params, grads, bufs)
         half = _StepHalf(group, params, grads, bufs, None, tp, tp_half)
@@ -895,9 +815,10 @@ class Muon(torch.optim.Optimizer):
             # what a user's torch.compile(opt.step) traces).
             compiled = half.compiled = compiled_step_for(self, group, params, part=part)
             hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"])
-            if compiled is not None:
-                return compiled.directions(grads, bufs, **hypers)
-            return F.muon_directions(grads, bufs, ns=self.ns, **hypers)
+            with label(NS):
+                if compiled is not None:
+                    return compiled.directions(grads, bufs, **hypers)
+                return F.muon_directions(grads, bufs, ns=self.ns, **hypers)
 
         if torch.compiler.is_compiling():  # traced: an error raises where torch raises it
             half.ortho = directions()
@@ -998,9 +919,9 @@ def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, li
 
 def _replicated_runtime(model: nn.Module | None):
     """The HSDP/TP runtime ``dedicate_params`` attached to ``model`` (``None`` without either)."""
-    from dmuon_compile.dedicated_registry import PLAN_ATTR
+    from dmuon_compile.dedicated_registry import runtime_of
 
-    runtime = getattr(model, PLAN_ATTR, None) if model is not None else None
+    runtime = runtime_of(model)
     wanted = getattr(runtime, "replicated", False) or getattr(runtime, "tp", None) is not None
     return runtime if wanted else None
 

@@ -99,3 +99,77 @@ def test_numpy_is_listed_only_for_torch_and_the_reason_is_documented():
 def test_quack_extra_is_declared():
     extras = _pyproject()["project"]["optional-dependencies"]
     assert any(d.startswith("quack-kernels") for d in extras["quack"])
+
+
+# ---------------------------------------------------------------------------- the import graph
+
+
+def imported_modules(source: str, module: str) -> set[str]:
+    """Every module ``source`` (the text of module ``module``) imports, absolute names, anywhere
+    in the file (late imports inside functions included)."""
+    import ast
+
+    package = module.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from .x import y / from .. import y
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _imports_of_distributed() -> dict[str, set[str]]:
+    folder = ROOT / "dmuon_compile" / "distributed"
+    return {
+        path.name: imported_modules(
+            path.read_text(encoding="utf-8"), f"dmuon_compile.distributed.{path.stem}"
+        )
+        for path in sorted(folder.glob("*.py"))
+    }
+
+
+def test_the_runtime_does_not_import_the_optimizer():
+    """One direction: the optimizer calls the runtime, never the reverse (routing rules, step
+    phases and the runtime accessor live in modules below both)."""
+    offenders = {
+        name: sorted(m for m in mods if m == "dmuon_compile.optimizer")
+        for name, mods in _imports_of_distributed().items()
+    }
+    assert not {n: m for n, m in offenders.items() if m}, offenders
+
+
+def test_import_graph_check_has_teeth():
+    late = "def f():\n    from dmuon_compile import optimizer as O\n"
+    relative = "from ..optimizer import Muon\n"
+    assert "dmuon_compile.optimizer" in imported_modules(late, "dmuon_compile.distributed._tp")
+    assert "dmuon_compile.optimizer" in imported_modules(relative, "dmuon_compile.distributed.x")
+    assert "dmuon_compile.optimizer" not in imported_modules(
+        "from dmuon_compile.routing import route_model\n", "dmuon_compile.distributed.x"
+    )
+
+
+ENV_READ = re.compile(
+    r"""(?:environ\.get|getenv)\(\s*["']DMUON_|environ\[\s*["']DMUON_|\benv_flag\("""
+)
+
+
+def test_dmuon_variables_are_read_in_one_module():
+    """``dmuon_compile/env.py`` reads (and documents) every ``DMUON_*`` variable of the
+    package."""
+    readers = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "dmuon_compile").rglob("*.py"))
+        # log.py: the generic switch reader (progress lines; the kernel package's switches)
+        if path.name not in ("env.py", "log.py")
+        and ENV_READ.search(path.read_text(encoding="utf-8"))
+    ]
+    assert not readers, readers
+    assert ENV_READ.search('os.environ.get("DMUON_NS_KERNEL", "")')  # the check has teeth
+    assert ENV_READ.search("record = env_flag(PROFILE_ENV, False)")

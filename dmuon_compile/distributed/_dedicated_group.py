@@ -18,8 +18,9 @@ Every collective is async; its ``Work`` is kept and waited on only when the data
 (forward pre-hook of the group, end of backward).
 
 With HSDP the group has a ``replicate`` stage (``_replicate.py``): the owner-chunk gradient
-sums go on to the global owner over the replicate group, and ``unshard`` first waits for the
-replicate broadcast that refreshed this rank's weights after the last step.
+sums go on to the global owner over the replicate group. ``unshard`` first applies the group's
+entries of the runtime's pending-update queue (``_pending.py``: the replicate broadcast that
+refreshed this rank's weights after the last step, the deferred TP update shards).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dmuon_compile.distributed import _fsdp_compat
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._replicate import ReplicateStage
+from dmuon_compile.trace_labels import REDUCE, UNSHARD, label
 
 # Padding above this fraction of the group's bytes makes the group gather uneven chunks.
 MAX_GATHER_PADDING = 0.25
@@ -94,7 +96,7 @@ class DedicatedGroup:
     replicate: ReplicateStage | None = None  # HSDP replicate stage (None in 1-D)
     reduced: bool = False  # a reduce was issued in the current backward
     ran_forward: bool = False  # its forward ran since the last synchronising backward
-    tp: object | None = None  # TP stage (``_tp.py``) when the group holds TP shards
+    pending: object | None = None  # the runtime's queue of pending updates (``_pending.py``)
     # FSDP2's gradient scaling (``follow_fsdp``): the reduced gradient is the sum over the
     # data-parallel ranks divided by ``divide_factor``; None: their mean (FSDP2's default).
     divide_factor: float | None = None
@@ -156,25 +158,24 @@ class DedicatedGroup:
         # The buffer is allocated on the compute stream, which reads and frees it.
         self._alloc()
         side = None
-        if (
-            self.replicate is not None
-            and self.replicate.publish_works
-            and self.device.type == "cuda"
-        ):
-            # The weights this rank sends must be the published ones. Wait for the replicate
-            # broadcast on a side stream, not the compute stream: a prefetch issued from the
-            # previous group's pre-hook must not hold that group's forward back until *this*
-            # group's broadcast lands. The compute stream waits only for the unshard itself.
+        queued = self.pending is not None and self.pending.has(id(self))
+        if queued and self.device.type == "cuda":
+            # The weights this rank sends must be current: the last step's pending updates
+            # (HSDP publish, TP update shards) land first. Wait for and apply them on a side
+            # stream, not the compute stream: a prefetch issued from the previous group's
+            # pre-hook must not hold that group's forward back until *this* group's updates
+            # land. The compute stream waits only for the unshard itself.
             side = _unshard_stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with (
+            label(UNSHARD),
+            torch.cuda.stream(side) if side is not None else contextlib.nullcontext(),
+        ):
+            if queued:
+                self.pending.wait_group(id(self))
             self._issue_unshard(prefetch)
 
     def _issue_unshard(self, prefetch: bool) -> None:
-        if self.tp is not None:  # TP: the last step's update shards land in the masters first
-            self.tp.wait_group(self)
-        if self.replicate is not None:
-            self.replicate.wait_publish(self.profile if self.record_profile else None)
         flat = self.flat
         own = self.params_of(self.rank)
         if self.mode == "all_gather":
@@ -211,8 +212,9 @@ class DedicatedGroup:
             if cuda:  # the stream stall: from "compute reached the wait" to "the data is there"
                 before = torch.cuda.Event(enable_timing=True)
                 before.record()
-        for w in self.works:
-            C.wait(w, f"the unshard ({self.mode}) of dedicated group {self.name!r}", self.pg)
+        with label(UNSHARD):
+            for w in self.works:
+                C.wait(w, f"the unshard ({self.mode}) of dedicated group {self.name!r}", self.pg)
         if self.record_profile:
             self.profile.wait_s += time.perf_counter() - t0  # host time (blocking only on gloo)
             if cuda:
@@ -259,9 +261,13 @@ class DedicatedGroup:
         factor = ranks if self.divide_factor is None else self.divide_factor
         return _fsdp_compat.split_divide_factor(factor, self.reduce_dtype)
 
-    @torch.no_grad()
     def reduce_grads(self) -> None:
         """Pack the local gradients (owner-packed), issue the reduce to owners, free them."""
+        with label(REDUCE):
+            self._reduce_grads()
+
+    @torch.no_grad()
+    def _reduce_grads(self) -> None:
         send_size = self.flat.numel()
         grads = torch.zeros(send_size, dtype=self.reduce_dtype, device=self.device)
         for p in self.params:
@@ -288,7 +294,6 @@ class DedicatedGroup:
             self.profile.reduces += 1
             self.profile.bytes_reduced += send_size * grads.element_size()
 
-    @torch.no_grad()
     def finish_reduce(self) -> None:
         """Wait for the reduces; each owned ``param.grad`` gets the reduced gradient (accumulated):
         the sum over the ranks divided as FSDP2 would (:meth:`follow_fsdp`).
@@ -296,6 +301,12 @@ class DedicatedGroup:
         HSDP: the owner column's sums go on to the global owner (``ReplicateStage.reduce``,
         async; :meth:`drain` waits for it), which divides.
         """
+        if self.pending_reduce:
+            with label(REDUCE):
+                self._finish_reduce()
+
+    @torch.no_grad()
+    def _finish_reduce(self) -> None:
         _, after = self._divisions()
         for works, out, base, _keep in self.pending_reduce:
             for w in works:

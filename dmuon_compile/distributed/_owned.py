@@ -47,7 +47,6 @@ import hashlib
 import inspect
 import math
 import sys
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -55,6 +54,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from dmuon_compile.distributed import _pending
 
 _OWNER_MESHES: dict[tuple[str, int], DeviceMesh] = {}
 _OWNER_OF_MESH: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot-path lookups)
@@ -88,9 +89,14 @@ class OwnerTensor(DTensor):
         # which all have address 0 (``Muon._keep_dedicated``).
         return self._local_tensor.data_ptr()
 
+    def to_local(self, *, grad_placements=None) -> Tensor:
+        _pending.before_access(write=False)  # a pending update lands first (_pending.py)
+        return super().to_local(grad_placements=grad_placements)
+
     def redistribute(self, device_mesh=None, placements=None, **kwargs) -> DTensor:
         # Replicate on its own mesh: the whole tensor on every rank (collective, like full_tensor).
         # torch.distributed.checkpoint's full state dict gathers each DTensor this way.
+        _pending.before_access(write=False)
         same_mesh = device_mesh is None or device_mesh == self.device_mesh
         if same_mesh and placements is not None and all(p.is_replicate() for p in placements):
             whole = full_tensor(self)
@@ -118,6 +124,10 @@ class OwnerTensor(DTensor):
         # never calls __torch_dispatch__ above: the same handlers and re-wrapping, one level
         # up (torch 2.13 reaches both; the clip ops are then handled here first).
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if _pending._QUEUES and name not in _ACCESSORS:
+            # Reads see the pending updates; writes make a publish due (_pending.py).
+            _pending.before_access(_writes(name, kwargs))
         if func in _RANDOM_FILLS and args and isinstance(args[0], OwnerTensor):
             return _random_fill(func, args, kwargs, sys._getframe(1))
         if func in _INIT_ENTRIES:
@@ -137,6 +147,19 @@ class OwnerTensor(DTensor):
                 return out
         with torch._C.DisableTorchFunctionSubclass():
             return _rewrap(func(*args, **kwargs))
+
+
+# ``p.grad``, ``p.data``, ``p.grad = None``: no value read or written (``zero_grad`` right after an
+# async step must not apply the step's pending updates on the compute stream).
+_ACCESSORS = frozenset({"__get__", "__set__"})
+
+
+def _writes(name: str, kwargs) -> bool:
+    """Whether the torch function ``name`` writes its first argument (``mul_``, ``copy_``,
+    ``_foreach_add_``, ``__setitem__``, ``__imul__``...) or an ``out=`` tensor."""
+    if name.endswith("__"):
+        return name == "__setitem__" or name.startswith("__i")
+    return name.endswith("_") or kwargs.get("out") is not None
 
 
 class _OwnerNorm(DTensor):
@@ -483,6 +506,7 @@ def full_tensor(t: Tensor) -> Tensor:
     sources = _sources(t)
     if sources is None:
         return t.full_tensor()
+    _pending.before_access(write=False)  # the weight with every pending update applied
     local = local_of(t)
     placement = t.placements[0]
     if placement.is_partial() and placement.reduce_op not in ("sum", "avg"):
@@ -537,8 +561,8 @@ def full_tensor(t: Tensor) -> Tensor:
 #   shape (shape arithmetic works, fills are no-ops, scalar reads such as the rejection test
 #   never read a value that is not there).
 # - every such write, on every rank (the holder and the others run the same ``nn.init`` call),
-#   tells the HSDP runtimes that a publish is due: the next forward sends the global owners'
-#   new weights to the other replicas first.
+#   makes a publish due (``_pending.py``): the next forward sends the global owners' new weights
+#   to the other replicas first.
 
 _INIT_MODULE = "torch.nn.init"
 # DistributedDataParallel's module: it would broadcast and all-reduce every parameter as a
@@ -574,7 +598,6 @@ _RANDOM_FILLS = frozenset(
 # data_ptr of a holder's local tensor -> [name, TP shard index, fills so far]
 _FILL_KEYS: dict[int, list] = {}
 _GENERATOR: list = [None]  # the last fill's generator (a temporary of user code continues it)
-_WRITE_LISTENERS: list[weakref.WeakMethod] = []
 
 
 def key_fills(param: DTensor, fqn: str, shard: int = 0) -> None:
@@ -585,20 +608,8 @@ def key_fills(param: DTensor, fqn: str, shard: int = 0) -> None:
         _FILL_KEYS[local.data_ptr()] = [fqn, int(shard), 0]
 
 
-def on_init_write(callback) -> None:
-    """Call ``callback()`` (a bound method, held weakly) whenever an ``nn.init`` function or a
-    random fill writes a dedicated weight (on every rank, the holder and the others)."""
-    _WRITE_LISTENERS.append(weakref.WeakMethod(callback))
-
-
 def _note_init_write() -> None:
-    alive = []
-    for ref in _WRITE_LISTENERS:
-        callback = ref()
-        if callback is not None:
-            callback()
-            alive.append(ref)
-    _WRITE_LISTENERS[:] = alive
+    _pending.before_access(write=True)
 
 
 def _seed(fqn: str, shard: int, count: int) -> int:

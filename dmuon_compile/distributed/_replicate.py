@@ -11,9 +11,11 @@ others as a plain ``replica``), because their shard groups unshard it from them.
    by S·R — the gradient of the global batch, as one process would compute it;
 2. ``Muon.step`` runs Newton–Schulz on the global owner only (one NS per matrix in the job);
 3. publish: the global owner broadcasts the new weight over the replicate group to its column
-   peers. Async (default) it is issued at the end of ``step()`` and waited for in the next
-   forward, right before the group's unshard reads the weight (``DedicatedGroup.unshard``; on
-   CUDA on a side stream, so only that unshard, not the compute stream, waits for it).
+   peers. Async (default) it is issued at the end of ``step()`` as a :class:`Publish` entry of
+   the runtime's pending-update queue (``_pending.py``) and waited for in the next forward, right
+   before the group's unshard reads the weight (``DedicatedGroup.unshard``; on CUDA on a side
+   stream, so only that unshard, not the compute stream, waits for it), or before anything reads
+   or writes a dedicated weight in between.
 
 Layout: a group's *column chunk* (its matrices whose owner column is this rank's shard
 coordinate) lives in one flat buffer ``flat`` in the group's *compute* dtype (what the shard
@@ -39,6 +41,7 @@ from torch import Tensor
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.trace_labels import PUBLISH, REDUCE, label
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,6 @@ class ReplicateStage:
     dtype: torch.dtype
     flat: Tensor | None = None
     segments: list[Segment] = field(default_factory=list)
-    publish_works: list = field(default_factory=list)
     copy_in: list = field(default_factory=list)  # (param, view): owners whose dtype differs
     pending_reduce: list = field(default_factory=list)
     stall_events: list = field(default_factory=list)
@@ -113,18 +115,24 @@ class ReplicateStage:
     def reduce(self, column_grads: Tensor, divide_by: float, profile=None) -> None:
         """Issue the reduce of the column's gradient sums to each global owner (async); the
         global owner divides the sum by ``divide_by``."""
-        works = [
-            C.reduce_sum(column_grads[s.start : s.start + s.numel], s.root, self.pg)
-            for s in self.segments
-        ]
+        with label(REDUCE):
+            works = [
+                C.reduce_sum(column_grads[s.start : s.start + s.numel], s.root, self.pg)
+                for s in self.segments
+            ]
         self.pending_reduce.append((works, column_grads, divide_by))
         if profile is not None:
             profile.replicate_reduces += len(works)
             profile.replicate_bytes_reduced += column_grads.numel() * column_grads.element_size()
 
-    @torch.no_grad()
     def finish_reduce(self) -> None:
         """Wait for the reduces; the global owner's ``param.grad`` gets the sum / ``divide_by``."""
+        if self.pending_reduce:
+            with label(REDUCE):
+                self._finish_reduce()
+
+    @torch.no_grad()
+    def _finish_reduce(self) -> None:
         for works, column_grads, divide_by in self.pending_reduce:
             for w in works:
                 C.wait(w, "the HSDP gradient reduce to the global owners", self.pg)
@@ -150,35 +158,39 @@ class ReplicateStage:
 
     # ------------------------------------------------------------------ publish
     @torch.no_grad()
-    def publish(self, profile=None) -> None:
-        """Broadcast each global owner's weights to its column peers (async; work kept)."""
-        self.wait_publish()  # a second publish without a forward in between: drain the first
-        for p, view in self.copy_in:
-            view.copy_(p.master)
-        self.publish_works = [
-            C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg)
-            for s in self.segments
-        ]
+    def publish(self, profile=None) -> Publish:
+        """Broadcast each global owner's weights to its column peers (async): the pending
+        update the runtime queues (``_pending.py``), applied by :meth:`finish_publish`. The
+        caller has applied this group's earlier entries (a previous publish still in flight)."""
+        with label(PUBLISH):
+            for p, view in self.copy_in:
+                view.copy_(p.master)
+            works = [
+                C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg)
+                for s in self.segments
+            ]
         if profile is not None and self.segments:
             profile.publishes += 1
             profile.publish_broadcasts += len(self.segments)
             profile.publish_bytes += self.numel * self.element_size
+        return Publish(self, works, profile)
 
-    def wait_publish(self, profile=None) -> None:
-        """Make the column buffer current (CUDA: a stream dependency; gloo: blocks)."""
-        if not self.publish_works:
+    def finish_publish(self, works: list, profile=None) -> None:
+        """Make the column buffer current (CUDA: a stream dependency; gloo: blocks).
+        ``profile``: a forward's wait, counted there."""
+        if not works:
             return
         cuda = self.device.type == "cuda"
         if profile is not None:
             profile.publish_waits += 1
-            profile.publish_not_ready += int(not all(_is_done(w) for w in self.publish_works))
+            profile.publish_not_ready += int(not all(_is_done(w) for w in works))
             t0 = time.perf_counter()
             if cuda:
                 before = torch.cuda.Event(enable_timing=True)
                 before.record()
-        for w in self.publish_works:
-            C.wait(w, "the HSDP replicate broadcast of the new weights", self.pg)
-        self.publish_works = []
+        with label(PUBLISH):
+            for w in works:
+                C.wait(w, "the HSDP replicate broadcast of the new weights", self.pg)
         if profile is not None:
             profile.publish_wait_s += time.perf_counter() - t0
             if cuda:
@@ -193,11 +205,28 @@ class ReplicateStage:
 
     def drain(self) -> None:
         self.finish_reduce()
-        self.wait_publish()
 
     def pending(self) -> int:
-        """Collectives of this stage still in flight (0 after ``drain``)."""
-        return len(self.publish_works) + sum(len(w) for w, *_ in self.pending_reduce)
+        """Gradient reduces of this stage still in flight (0 after ``drain``; the publishes are
+        in the runtime's queue)."""
+        return sum(len(w) for w, *_ in self.pending_reduce)
+
+
+@dataclass(eq=False)
+class Publish:
+    """A pending update (``_pending.py``): a group's replicate broadcasts in flight."""
+
+    stage: ReplicateStage
+    works: list
+    profile: object = None  # the group's profile when recorded
+
+    @property
+    def collectives(self) -> int:
+        return len(self.works)
+
+    def apply(self, forward: bool) -> None:
+        works, self.works = self.works, []
+        self.stage.finish_publish(works, self.profile if forward else None)
 
 
 def _is_done(work) -> bool:

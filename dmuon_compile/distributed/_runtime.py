@@ -1,8 +1,8 @@
 """The hooks: forward unshard with prefetch, reshard, pre-backward unshard, owner gradient reduce.
 
-One :class:`DedicatedRuntime` per model (stored as ``model._dmuon_plan``). The life of an
-iteration, for each hook group G (in the forward order recorded on the first forward, the same
-on every rank, so collectives are issued in the same order everywhere):
+One :class:`DedicatedRuntime` per model (found with ``dedicated_registry.runtime_of(model)``).
+The life of an iteration, for each hook group G (in the forward order recorded on the first
+forward, the same on every rank, so collectives are issued in the same order everywhere):
 
 forward pre-hook(G)   wait G's unshard (issue it if no prefetch did), prefetch the next group
 forward hook(G)       reshard G (free its buffer; not the group whose forward ends last, whose
@@ -31,7 +31,10 @@ Muon.step()           Newton–Schulz on this rank's masters only; the next forw
 HSDP adds the replicate stage (``_replicate.py``): the reduce to owners continues over the
 replicate group to the global owner, and ``Muon.step`` ends with :meth:`publish`, the global
 owners' broadcast of their new weights to their replicate peers. ``Muon(replicate_async=True)``
-(default) leaves it in flight; each group waits for its part right before its next unshard
+(default) leaves it in flight, an entry of the runtime's one queue of pending updates
+(``_pending.py``, with the deferred TP scatters; any read or write of a dedicated weight through
+its registered parameter applies them first); each group waits for its part right before its
+next unshard
 (forward pre-hook, or the prefetch issued from the previous group's pre-hook). On CUDA that wait
 is made by a side stream, which then issues the unshard: the compute stream waits only for the
 unshard itself, so a prefetch never holds the current group's forward back.
@@ -70,7 +73,7 @@ from dmuon_compile.distributed._dedicated_group import (
     DedicatedGroup,
 )
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
-from dmuon_compile.distributed._owned import on_init_write
+from dmuon_compile.distributed._pending import PendingUpdates
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 
 
@@ -150,7 +153,10 @@ class DedicatedRuntime:
         self._last_done = False  # the last group of a forward ran since the first group did
         self.handles: list = []
         self.replicated = any(g.replicate is not None for g in groups)
-        self._publish_due = False  # a synchronising backward ran and nothing published since
+        # The one queue of updates in flight (HSDP publishes, deferred TP scatters), and
+        # whether a publish is due (a synchronising backward ran, or a weight was written
+        # outside a step, and nothing published since): ``_pending.py``.
+        self.pending = PendingUpdates()
         self._published_early: set[int] = set()  # groups Muon.step published mid-step
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
@@ -162,13 +168,14 @@ class DedicatedRuntime:
         self._end_of_backward = _eager_hook(self._post_backward)
         for group in groups:
             group.record_profile = record_profile
+            group.pending = self.pending
             self._install(group)
+        # model.state_dict() (and so DCP's get_state_dict) reads every weight current.
+        self.handles.append(model.register_state_dict_pre_hook(self._before_state_dict))
         if self.replicated:
             # A state-dict load (DCP's set_state_dict, model.load_state_dict) writes the global
             # owners' masters on every rank at once: the next forward publishes them first.
             self.handles.append(model.register_load_state_dict_post_hook(self._after_load))
-            # nn.init or a random fill on any dedicated weight (seen on every rank): publish too.
-            on_init_write(self.request_publish)
 
     # ------------------------------------------------------------------ registry API
     def param_names(self) -> list[str]:
@@ -184,15 +191,20 @@ class DedicatedRuntime:
     def attach_tp(self, stage) -> None:
         self.tp = stage
         stage.record_profile = self.record_profile
+        stage.queue = self.pending
+
+    def _before_state_dict(self, *_args, **_kwargs) -> None:
+        self.pending.drain()
 
     def _after_load(self, _module, _incompatible) -> None:
-        self._publish_due = True
+        self.pending.note_write()
 
     def request_publish(self) -> None:
         """The global owners' masters were written outside a step (a meta-device model's
-        initialisation, ``nn.init`` on a dedicated weight): the next forward publishes them
-        first (HSDP; otherwise nothing to do)."""
-        self._publish_due = True
+        initialisation, ``nn.init`` on a dedicated weight; writes through the registered
+        parameters are noted by themselves): the next forward publishes them first (HSDP;
+        otherwise nothing to do)."""
+        self.pending.note_write()
 
     def check_registered(self) -> None:
         """Every dedicated weight is still the registered parameter of its module (raises with
@@ -281,7 +293,7 @@ class DedicatedRuntime:
         # No backward is running, so none can be pending: forget one that raised before
         # its end-callback ran.
         self._backward_queued, self._sync, self._reduces_issued = False, None, 0
-        if self._publish_due:  # weights changed by something other than Muon(model).step
+        if self.pending.publish_due:  # weights written by something other than Muon(model).step
             self.publish(wait=False)
         if self._last_done and group is self.forward_order[0]:
             # A new forward after a complete one that had no backward (or kept its last
@@ -496,7 +508,7 @@ class DedicatedRuntime:
             if sync:
                 group.ran_forward = False
         if sync and self.replicated:
-            self._publish_due = True
+            self.pending.note_write()
 
     def discard_backward(self) -> None:
         """Drop every gradient still in flight or on the compute copies (``Muon.zero_grad``).
@@ -543,26 +555,26 @@ class DedicatedRuntime:
             dmuon.distributed.dedicated_runtime(model).publish(wait=True)
         """
         self._publish_groups(g for g in self.groups if g.replicate is not None)
-        self._publish_due = False
+        self.pending.publish_due = False
         if wait:
             self.wait_publish()
 
     def _publish_groups(self, groups) -> None:
         for group in groups:
-            group.replicate.publish(group.profile if self.record_profile else None)
+            self.pending.wait_group(id(group))  # a publish still in flight finishes first
+            entry = group.replicate.publish(group.profile if self.record_profile else None)
+            self.pending.add(id(group), entry)
 
     def wait_publish(self) -> None:
-        """Wait for every replicate broadcast in flight (no profile entry: not a forward wait)."""
-        for group in self.groups:
-            if group.replicate is not None:
-                group.replicate.wait_publish()
+        """Apply every pending update: wait for the replicate broadcasts and deferred TP
+        scatters in flight (no profile entry: not a forward wait)."""
+        self.pending.drain()
 
     @torch.compiler.disable
     def before_step(self) -> None:
-        """Called by ``Muon.step`` first: the masters are a broadcast source until it finished."""
-        self.wait_publish()
-        if self.tp is not None:  # a step without a forward since the last: apply its updates
-            self.tp.drain()
+        """Called by ``Muon.step`` first: the masters are a broadcast source until it finished,
+        and a step without a forward since the last applies that one's updates first."""
+        self.pending.drain()
         self._published_early = set()
 
     def early_group(self) -> DedicatedGroup | None:
@@ -600,13 +612,13 @@ class DedicatedRuntime:
             g for g in self.groups if g.replicate is not None and id(g) not in early
         )
         self._published_early = set()
-        self._publish_due = False
+        self.pending.publish_due = False
         if not replicate_async:
             self.wait_publish()
 
     def pending_collectives(self) -> int:
         """Collectives still in flight (unshard, reduce, replicate); 0 after :meth:`wait_all`."""
-        n = 0
+        n = self.pending.collectives()
         for g in self.groups:
             n += len(g.works) + sum(len(w) for w, *_ in g.pending_reduce)
             if g.replicate is not None:
@@ -616,8 +628,7 @@ class DedicatedRuntime:
     # ------------------------------------------------------------------ draining
     def wait_all(self) -> None:
         """Finish every collective in flight and free every unsharded buffer."""
-        if self.tp is not None:
-            self.tp.drain()
+        self.pending.drain()
         for group in self.groups:
             group.drain()
             group.reshard()

@@ -16,11 +16,13 @@ TP owner holds one bucket's gathered pieces and whole matrices, not all of its m
    whole matrix (never blockwise on shards: that changes the update);
 3. ``t*`` scatters the update's shards back; each member applies its shard with the learning-
    rate scale of the *global* shape. With ``Muon(replicate_async=True)`` (and no HSDP) the
-   scatter is left in flight and applied right before the group's next unshard (its forward
-   pre-hook or the prefetch before it); ``replicate_async=False`` applies it inside ``step()``.
-   A step first applies whatever an earlier step left pending, so two ``step()`` calls without
-   a forward are safe; ``model.state_dict()`` (DCP) applies it too. With HSDP the scatter is
-   applied inside ``step()``, before the replicate publish reads the new weights.
+   scatter is left in flight — an entry of the runtime's pending-update queue (``_pending.py``)
+   — and applied right before the group's next unshard (its forward pre-hook or the prefetch
+   before it), or before anything reads or writes the weight (``p.full_tensor()``,
+   ``p.to_local()``, ``model.state_dict()``, DCP, an in-place edit);
+   ``replicate_async=False`` applies it inside ``step()``. A step first applies whatever an
+   earlier step left pending, so two ``step()`` calls without a forward are safe. With HSDP the
+   scatter is applied inside ``step()``, before the replicate publish reads the new weights.
 
 The owners ``(d, t*)`` are spread by LPT over all DP × TP slots (:func:`plan_tp_owners`): a
 TP matrix costs its whole-matrix NS on one slot; a plain (TP-replicated) matrix is charged on
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +70,8 @@ from dmuon_compile.distributed.owner_plan import (
     default_layer_key,
     ns_cost_fn,
 )
+from dmuon_compile.step_phases import PHASE_TP_MOMENTUM, PHASE_TP_NS_COMPILED, PHASE_TP_NS_EAGER
+from dmuon_compile.trace_labels import NS, TP_GATHER, TP_SCATTER, label
 
 # ---------------------------------------------------------------------------------- detection
 
@@ -442,6 +447,18 @@ def make_tp_param(
 # ---------------------------------------------------------------------------------- the step
 
 
+@dataclass(frozen=True)
+class TPStepCalls:
+    """What ``Muon.step`` lends the TP stage for one group's part (the optimizer itself stays
+    out of the runtime): its Newton–Schulz settings, the compiled step for the TP owners' whole
+    matrices (``compiled_for(mats)``, ``None``: eager) and its failure guard
+    (``guarded(failure, phase, compute, placeholder)``)."""
+
+    ns: object
+    compiled_for: Callable
+    guarded: Callable
+
+
 @dataclass
 class TPStepHalf:
     """What :meth:`TPStage.directions` leaves for :meth:`TPStage.commit` / :meth:`TPStage.abort`."""
@@ -488,11 +505,10 @@ class TPStage:
     params: list[TPDedicatedParam]
     deferrable: bool  # False with HSDP: the replicate publish needs the applied weights
     group_of: dict[int, int] = field(default_factory=dict)  # id(param) -> id(hook group)
-    pending: dict[int, list] = field(default_factory=dict)  # id(group) -> pending applies
+    queue: object = None  # the runtime's pending updates (``_pending.py``): deferred scatters
     profile: TPProfile = field(default_factory=TPProfile)
     record_profile: bool = False
     plan: TPPlan | None = None
-    handle: object = None  # the state-dict pre-hook
 
     def __post_init__(self) -> None:
         self.by_param = {id(p.param): p for p in self.params}
@@ -513,7 +529,7 @@ class TPStage:
         return dist.get_global_rank(self.pg, tp_rank)
 
     @torch.no_grad()
-    def directions(self, opt, group: dict, params, grads, bufs, failure: list):
+    def directions(self, group: dict, params, grads, bufs, failure: list, calls: TPStepCalls):
         """The first half of Muon on the TP matrices of these lists (gather → NS on the TP
         owner → scatter, issued; no state written); returns ``(other lists, TPStepHalf or
         None)`` for :meth:`commit` or :meth:`abort` after ``Muon.step``'s agreement.
@@ -528,30 +544,84 @@ class TPStage:
             return rest, None
         entries = []
         for bucket in _tp_buckets(mine):
-            entries += self._bucket_directions(opt, group, bucket, failure)
+            entries += self._bucket_directions(group, bucket, failure, calls)
         grads_m, bufs_m = [g for *_, g, _b in mine], [b for *_, b in mine]
         return rest, TPStepHalf(grads_m, bufs_m, group["momentum"], entries)
 
-    def _bucket_directions(self, opt, group: dict, mine: list, failure: list) -> list:
+    def _bucket_directions(self, group: dict, mine: list, failure: list, calls) -> list:
         """:meth:`directions` of one shape bucket: its Nesterov inputs, gathers, the owners'
         Newton–Schulz and scatters; returns the bucket's pending apply entries. The bucket's
         inputs, gathered pieces and whole matrices are freed when it returns, before the next
         bucket's are made: a TP owner holds one bucket's whole matrices, not all of its
         matrices'."""
-        from dmuon_compile import optimizer as O  # the step's phases (late: an import cycle)
-
         size, me = self.info.size, self.info.rank
         grads_m, bufs_m = [g for *_, g, _b in mine], [b for *_, b in mine]
         updates = grads_m  # placeholders (never committed) when this rank has failed
         if not failure:
-            updates = O._guarded(
+            updates = calls.guarded(
                 failure,
-                O.PHASE_TP_MOMENTUM,
+                PHASE_TP_MOMENTUM,
                 lambda: F.nesterov_input(
                     grads_m, bufs_m, F.hyper(group["momentum"]), group["nesterov"]
                 ),
                 grads_m,
             )
+        with label(TP_GATHER):
+            gathered = self._gather(mine, updates)
+        whole = [
+            (i, torch.cat(parts, dim=dp.shard_dim))
+            for i, ((dp, *_), parts) in enumerate(zip(mine, gathered))
+            if parts is not None
+        ]
+        del gathered  # the pieces: freed once concatenated
+        mats = [m for _, m in whole]
+        out = mats  # placeholders
+        with label(NS):
+            if mats and not failure:
+                # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
+                compiled = calls.compiled_for(mats)
+                if compiled is not None:
+                    out = calls.guarded(
+                        failure,
+                        PHASE_TP_NS_COMPILED,
+                        lambda: compiled.orthogonalize(mats),
+                        mats,
+                    )
+                else:
+                    out = calls.guarded(
+                        failure,
+                        PHASE_TP_NS_EAGER,
+                        lambda: self.orthogonalize(mats, calls.ns),
+                        mats,
+                    )
+        ortho = dict(zip((i for i, _ in whole), out))
+        whole = mats = out = None  # the whole matrices: freed once orthogonalised
+        lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
+        with label(TP_SCATTER):
+            entries = []
+            for i, ((dp, master, _g, _b), u) in enumerate(zip(mine, updates)):
+                out = torch.empty_like(u)
+                chunks = None
+                if i in ortho:
+                    chunks = [
+                        c.contiguous() for c in ortho[i].to(u.dtype).chunk(size, dim=dp.shard_dim)
+                    ]
+                work = dist.scatter(
+                    out, chunks, src=self._global(dp.tp_owner), group=self.pg, async_op=True
+                )
+                entry = (master, out, work, lr, wd, group["adjust_lr_fn"], dp.global_shape)
+                entries.append((self.group_of.get(id(dp.param), 0), entry))
+                if self.record_profile:
+                    self.profile.scatters += 1
+                    self.profile.scatter_bytes += (
+                        out.numel() * out.element_size() * int(me != dp.tp_owner)
+                    )
+        return entries
+
+    def _gather(self, mine: list, updates: list) -> list:
+        """Each matrix's Nesterov input shards to its TP owner: the owner's pieces (``None``
+        elsewhere), per matrix."""
+        size, me = self.info.size, self.info.rank
         gathered, works = [], []
         for (dp, *_), u in zip(mine, updates):
             u = u.contiguous()
@@ -565,67 +635,23 @@ class TPStage:
                 self.profile.gather_bytes += u.numel() * u.element_size() * int(me != dp.tp_owner)
         for w in works:
             C.wait(w, "the TP gather of Muon inputs to the TP owners", self.pg)
-        del works  # a finished work may still hold its pieces
-        whole = [
-            (i, torch.cat(parts, dim=dp.shard_dim))
-            for i, ((dp, *_), parts) in enumerate(zip(mine, gathered))
-            if parts is not None
-        ]
-        del gathered  # the pieces: freed once concatenated
-        mats = [m for _, m in whole]
-        out = mats  # placeholders
-        if mats and not failure:
-            from dmuon_compile.compiled_step import compiled_step_for  # imports Dynamo: only here
-
-            # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
-            compiled = compiled_step_for(opt, group, mats, part="tp")
-            if compiled is not None:
-                out = O._guarded(
-                    failure,
-                    O.PHASE_TP_NS_COMPILED,
-                    lambda: compiled.orthogonalize(mats),
-                    mats,
-                )
-            else:
-                out = O._guarded(
-                    failure,
-                    O.PHASE_TP_NS_EAGER,
-                    lambda: self.orthogonalize(mats, opt.ns),
-                    mats,
-                )
-        ortho = dict(zip((i for i, _ in whole), out))
-        whole = mats = out = None  # the whole matrices: freed once orthogonalised
-        entries = []
-        for i, ((dp, master, _g, _b), u) in enumerate(zip(mine, updates)):
-            out = torch.empty_like(u)
-            chunks = None
-            if i in ortho:
-                chunks = [
-                    c.contiguous() for c in ortho[i].to(u.dtype).chunk(size, dim=dp.shard_dim)
-                ]
-            work = dist.scatter(
-                out, chunks, src=self._global(dp.tp_owner), group=self.pg, async_op=True
-            )
-            lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
-            entry = (master, out, work, lr, wd, group["adjust_lr_fn"], dp.global_shape)
-            entries.append((self.group_of.get(id(dp.param), 0), entry))
-            if self.record_profile:
-                self.profile.scatters += 1
-                self.profile.scatter_bytes += (
-                    out.numel() * out.element_size() * int(me != dp.tp_owner)
-                )
-        return entries
+        return gathered
 
     @torch.no_grad()
     def commit(self, half: TPStepHalf, defer: bool) -> None:
-        """Store the momentum and queue the scattered update shards (applied before the group's
-        next unshard, or now unless ``defer`` and no HSDP)."""
+        """Store the momentum and apply the scattered update shards now, or with ``defer`` (and
+        no HSDP) queue them in the runtime's pending updates: applied before the group's next
+        unshard or any read of the weight."""
         torch._foreach_mul_(half.bufs, F.hyper(half.momentum))
         torch._foreach_add_(half.bufs, half.grads)
+        by_group: dict[int, list] = {}
         for key, entry in half.entries:
-            self.pending.setdefault(key, []).append(entry)
-        if not (defer and self.deferrable):
-            self.drain()
+            by_group.setdefault(key, []).append(entry)
+        for key, entries in by_group.items():
+            if defer and self.deferrable:
+                self.queue.add(key, ScatterUpdates(self, entries))
+            else:
+                self._apply(entries, forward=False)
 
     def abort(self, half: TPStepHalf) -> None:
         """A step that failed on some rank: wait for the scatters (every member issued them)
@@ -638,30 +664,25 @@ class TPStage:
         the compiled step's ``orthogonalize`` where ``compile`` is on)."""
         return F.orthogonalize(mats, ns)
 
-    @torch.no_grad()
     def _apply(self, entries, forward: bool) -> None:
+        with label(TP_SCATTER):
+            self._apply_shards(entries, forward)
+
+    @torch.no_grad()
+    def _apply_shards(self, entries, forward: bool) -> None:
+        """Wait for the scattered update shards and apply them to this member's masters."""
         if forward and self.record_profile:
             self.profile.waits += 1
             self.profile.not_ready += int(not all(_is_done(e[2]) for e in entries))
             t0 = time.perf_counter()
         for master, out, work, lr, wd, adjust_lr_fn, global_shape in entries:
             C.wait(work, "the TP scatter of Newton–Schulz updates", self.pg)
+            if out.is_cuda:  # applied on the unshard side stream: keep the block until then
+                out.record_stream(torch.cuda.current_stream(out.device))
             # The reference's update on this rank's shard, scaled as the whole matrix.
             F.apply_muon_update([master], [out], lr, wd, adjust_lr_fn, [global_shape])
         if forward and self.record_profile:
             self.profile.wait_s += time.perf_counter() - t0
-
-    def wait_group(self, group) -> None:
-        """Before ``group``'s unshard reads its masters: apply its pending update shards."""
-        entries = self.pending.pop(id(group), None)
-        if entries:
-            self._apply(entries, forward=True)
-
-    def drain(self) -> None:
-        """Apply every pending update shard (the next step, a state dict, ``wait_all``)."""
-        pending, self.pending = self.pending, {}
-        for entries in pending.values():
-            self._apply(entries, forward=False)
 
     # ------------------------------------------------------- plain weights of a TP model
 
@@ -685,9 +706,6 @@ class TPStage:
             C.wait(work, "the TP broadcast of plain dedicated weights", self.pg)
         if self.record_profile:
             self.profile.plain_broadcasts += len(works)
-
-    def pending_count(self) -> int:
-        return sum(len(v) for v in self.pending.values())
 
     def summary(self, runtime) -> dict:
         """What ``summarize_comm_plan`` shows for the TP stage (this rank's view)."""
@@ -722,13 +740,21 @@ class TPStage:
         }
 
 
-def install_state_dict_drain(model: nn.Module, stage: TPStage):
-    """``model.state_dict()`` (and so DCP's ``get_state_dict``) applies pending TP updates."""
+@dataclass(eq=False)
+class ScatterUpdates:
+    """A pending update (``_pending.py``): one hook group's TP update shards in flight."""
 
-    def _hook(*_args, **_kwargs):
-        stage.drain()
+    stage: TPStage
+    entries: list  # (master, out, work, lr, wd, adjust_lr_fn, global_shape)
 
-    return model.register_state_dict_pre_hook(_hook)
+    @property
+    def collectives(self) -> int:
+        return len(self.entries)
+
+    def apply(self, forward: bool) -> None:
+        entries, self.entries = self.entries, []
+        if entries:
+            self.stage._apply(entries, forward)
 
 
 def _is_done(work) -> bool:
@@ -743,17 +769,14 @@ def owner_group_ranks(info: TPInfo, rank_grid, replica_owner: int, owner: int) -
     return _tp_row(info, int(rank_grid[replica_owner, owner]))  # that coordinate in this column
 
 
-def build_stage(info, pg, tp_plan, params, groups, model, replicated: bool) -> TPStage:
-    """The model's TP stage; each hook group learns it (its unshard applies pending updates)."""
+def build_stage(info, pg, tp_plan, params, groups, replicated: bool) -> TPStage:
+    """The model's TP stage (its deferred scatters go to the runtime's queue, ``attach_tp``)."""
     tp_params = [p for p in params if isinstance(p, TPDedicatedParam)]
     stage = TPStage(info, pg, tp_params, deferrable=not replicated)
     for g in groups:
         for p in g.params:
             stage.group_of[id(p.param)] = id(g)
-        if any(isinstance(p, TPDedicatedParam) for p in g.params):
-            g.tp = stage
     stage.plan = tp_plan
-    stage.handle = install_state_dict_drain(model, stage)
     _register_owner_meshes(info, params)
     return stage
 

@@ -19,11 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
-from dmuon_compile.dedicated_registry import PLAN_ATTR
-
-
-def _runtime(model: nn.Module):
-    return getattr(model, PLAN_ATTR, None)
+from dmuon_compile.dedicated_registry import runtime_of
 
 
 def _whole_shape(dp) -> tuple:
@@ -65,7 +61,7 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[
         if dist.get_rank() == 0:
             torch.save(state, "model.pt")   # or hf_model.save_pretrained(dir, state_dict=state)
     """
-    runtime = _runtime(model)
+    runtime = runtime_of(model)
     if runtime is not None:
         runtime.wait_all()
     options = dcp_state_dict.StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
@@ -98,7 +94,7 @@ def set_model_state_dict(
         state = torch.load("model.pt")      # the same full dict on every rank
         dmuon.set_model_state_dict(model, state)
     """
-    runtime = _runtime(model)
+    runtime = runtime_of(model)
     options = dcp_state_dict.StateDictOptions(full_state_dict=True, strict=strict)
     if runtime is None:
         dcp_state_dict.set_model_state_dict(model, state_dict, options=options)

@@ -25,7 +25,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from dmuon_compile.dedicated_registry import PLAN_ATTR
+from dmuon_compile import env
+from dmuon_compile.dedicated_registry import attach_runtime, runtime_of
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
@@ -36,14 +37,13 @@ from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
 from dmuon_compile.distributed.policy import resolve_dtypes
-from dmuon_compile.log import env_flag
 
-PROFILE_ENV = "DMUON_RECORD_FORWARD_PROFILE"
+PROFILE_ENV = env.RECORD_FORWARD_PROFILE
 
 
 def _call_predicate(predicate, name: str, param: Tensor, modules: list[nn.Module]) -> bool:
     if predicate is None:
-        from dmuon_compile.optimizer import default_muon_predicate, routing_module
+        from dmuon_compile.routing import default_muon_predicate, routing_module
 
         return default_muon_predicate(name, param, routing_module(modules))
     return bool(predicate(name, param))
@@ -235,7 +235,7 @@ def dedicate_params(
         fully_shard(model, mesh=hsdp)
         opt = dmuon.Muon(model, lr=0.02)  # replicate_async=True: publish overlaps the next forward
     """
-    if getattr(model, PLAN_ATTR, None) is not None:
+    if runtime_of(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model (call it once)")
     _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout)
     mesh_checks.check_shard_mesh(mesh)
@@ -310,7 +310,7 @@ def dedicate_params(
         _check_plan_identical(plan, rep_pg, device, rep_rank, axis="replicate", on_meta=on_meta)
     owners = plan.owners()
 
-    record = env_flag(PROFILE_ENV, False)
+    record = env.record_forward_profile()
     # Global rank of each (shard rank, replica rank): the owners' one-rank meshes use it.
     dp_mesh = _tp.dp_grid_mesh(mesh, replicate_mesh)
     rank_grid = dp_mesh.mesh.reshape(replicas if replicate_mesh is not None else 1, world)
@@ -389,15 +389,15 @@ def dedicate_params(
     mark_ancestors(model)  # model.to(dtype) checks every dedicated weight before converting
     for g in groups:
         if g.replicate is not None and not on_meta:
-            g.replicate.publish()  # the global owner's initial weights are the truth everywhere
-            g.replicate.wait_publish()
+            # the global owner's initial weights are the truth everywhere
+            g.replicate.publish().apply(forward=False)
     initial.clear()
     masters.clear()
     runtime = DedicatedRuntime(
         model, plan, params, groups, mesh, rank, world, record, replicate_mesh
     )
     if tp is not None:
-        runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, model, replicas > 1))
+        runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, replicas > 1))
     for dp in params:  # random fills of the weight draw from its own generator (_owned.py)
         if dp.owns:
             shard = tp.rank if isinstance(dp, _tp.TPDedicatedParam) else 0
@@ -406,13 +406,13 @@ def dedicate_params(
         # Nothing to publish yet: the masters are filled after model.to_empty (init or load).
         # The first forward publishes whatever the global owners then hold.
         runtime.request_publish()
-    setattr(model, PLAN_ATTR, runtime)
+    attach_runtime(model, runtime)
     return owners
 
 
 def dedicated_runtime(model: nn.Module) -> DedicatedRuntime:
     """The runtime ``dedicate_params`` attached to ``model`` (error naming the fix otherwise)."""
-    runtime = getattr(model, PLAN_ATTR, None)
+    runtime = runtime_of(model)
     if runtime is None:
         raise ValueError(
             "this model has no dedicated parameters: call dmuon.dedicate_params(model, mesh, ...) "

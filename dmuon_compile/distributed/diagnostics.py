@@ -5,11 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dmuon_compile.dedicated_registry import PLAN_ATTR
-
-
-def _runtime(model: nn.Module):
-    return getattr(model, PLAN_ATTR, None)
+from dmuon_compile.dedicated_registry import runtime_of
 
 
 def _dtype(dt) -> str:
@@ -25,7 +21,7 @@ def summarize_param_groups(model: nn.Module, optimizer=None) -> dict:
     """
     import torch.distributed as dist
 
-    runtime = _runtime(model)
+    runtime = runtime_of(model)
     rank = (
         runtime.rank if runtime is not None else (dist.get_rank() if dist.is_initialized() else 0)
     )
@@ -103,7 +99,7 @@ def summarize_comm_plan(model: nn.Module) -> dict:
 
         print(json.dumps(dmuon.summarize_comm_plan(model), indent=2))
     """
-    runtime = _runtime(model)
+    runtime = runtime_of(model)
     if runtime is None:
         return {"dedicated": False, "groups": []}
     groups = []
@@ -249,7 +245,7 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = True) 
 
         profile = dmuon.collect_forward_unshard_profile(model, synchronize=True)
     """
-    runtime = _runtime(model)
+    runtime = runtime_of(model)
     if runtime is None:
         return {"enabled": False, "reason": "no dedicated parameters (dedicate_params not called)"}
     if synchronize and runtime.groups and runtime.groups[0].device.type == "cuda":
@@ -294,6 +290,6 @@ def wait_all_replicate_broadcasts(model: nn.Module) -> None:
         except KeyboardInterrupt:
             dmuon.wait_all_replicate_broadcasts(model)
     """
-    runtime = _runtime(model)
+    runtime = runtime_of(model)
     if runtime is not None:
         runtime.wait_all()

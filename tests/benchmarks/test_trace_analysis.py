@@ -389,3 +389,48 @@ def test_tp_scatter_hidden_fraction_excludes_the_last_steps_scatter():
     bare = trace(_step_annotation(100), ev(SR, 120, 20, stream=20), _step_annotation(200))
     b = ta.summarize(bare, iterations=2)
     assert b["tp_scatter_hidden_fraction"] is None and set(b["comm_by_kind"]) == {"other"}
+
+
+def _range(name, ts, dur):
+    return {
+        "ph": "X",
+        "cat": "user_annotation",
+        "name": name,
+        "pid": 1,
+        "tid": 1,
+        "ts": ts,
+        "dur": dur,
+        "args": {},
+    }
+
+
+def test_dmuon_labels_split_the_timeline_and_time_the_phases():
+    # Muon.step's own range wins over torch's Optimizer.step annotation (a step inside a
+    # user-compiled or wrapped optimizer may carry neither); each dmuon:: phase gets its host
+    # time, per iteration.
+    t = trace(
+        _step_annotation(100),
+        _range("dmuon::step", 150, 40),
+        _range("dmuon::publish", 180, 6),
+        _range("dmuon::unshard", 10, 4),
+        _range("dmuon::unshard", 210, 2),
+        _range("FSDP::all_gather", 20, 9),
+        ev(GEMM, 0, 10),
+    )
+    assert ta.last_annotation_start(t) == 150
+    assert ta.last_annotation_start(t, "Optimizer.step") == 100
+    assert ta.phase_host_ms(t) == pytest.approx(
+        {
+            "dmuon::publish": 0.006,
+            "dmuon::step": 0.04,
+            "dmuon::unshard": 0.006,
+        }
+    )
+    s = ta.summarize(t, iterations=2)
+    assert s["dmuon_host_ms_per_iter"] == pytest.approx(
+        {
+            "dmuon::publish": 0.003,
+            "dmuon::step": 0.02,
+            "dmuon::unshard": 0.003,
+        }
+    )

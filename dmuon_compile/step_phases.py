@@ -1,0 +1,27 @@
+"""The phases of ``Muon.step`` that can fail on one rank only (named in ``MuonStepError``).
+
+Below both the optimizer and the runtime: the TP stage (``distributed/_tp.py``) records its
+failures under these names too.
+"""
+
+from __future__ import annotations
+
+# Where a step can fail on one rank only (owners differ per rank, and so do compiled graphs,
+# autotune and memory peaks). The agreement all-reduce carries the position + 1; every rank
+# names the failing rank and phase in the error it raises.
+PHASE_STATE = "creating optimizer state"
+PHASE_CHECK = "the gradient check (norms)"
+PHASE_EAGER = "the eager Muon step (momentum, Newton–Schulz)"
+PHASE_COMPILED = "the compiled Muon step (Dynamo trace, Inductor/Triton compile, autotune, run)"
+PHASE_TP_MOMENTUM = "the TP momentum"
+PHASE_TP_NS_EAGER = "the TP owners' Newton–Schulz (eager)"
+PHASE_TP_NS_COMPILED = "the TP owners' Newton–Schulz (compiled: Dynamo, Inductor/Triton, autotune)"
+STEP_PHASES = (
+    PHASE_STATE,
+    PHASE_CHECK,
+    PHASE_EAGER,
+    PHASE_COMPILED,
+    PHASE_TP_MOMENTUM,
+    PHASE_TP_NS_EAGER,
+    PHASE_TP_NS_COMPILED,
+)
