@@ -74,6 +74,7 @@ def _train_torchtitan(rank, world, folder, replicate=1, tp=1, checkpoint=False):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
 
+    from dmuon_compile.distributed import dedicated_runtime
     from dmuon_compile.integrations import torchtitan as dmuon_tt
 
     # Workaround for CPU: torchtitan names its device "cuda" when no accelerator is present.
@@ -104,6 +105,9 @@ def _train_torchtitan(rank, world, folder, replicate=1, tp=1, checkpoint=False):
     torch.manual_seed(0)  # as torchtitan's set_determinism: all ranks agree on one seed
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+    # HSDP: the other replicas get the global owners' initial values at the first forward;
+    # publish now to read them from any rank.
+    dedicated_runtime(model).publish(wait=True)
     initial = _whole_state(model) if tp > 1 else full_state(model)
     optimizers = dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=[model])
 
@@ -168,8 +172,12 @@ def _reference(initial, dp):
 
 
 def _check_against_one_process(results, dp):
+    ref_initial = results[0]["initial"]
     ref = _reference(results[0]["initial"], dp)
-    assert ref[-1] < ref[0]
+    assert ref[1] != pytest.approx(ref[0], rel=1e-3)  # the weights moved
+    for r in results:  # every rank (HSDP: both replicas) started from the same weights
+        for name, want in ref_initial.items():
+            torch.testing.assert_close(r["initial"][name], want, rtol=0, atol=0)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref), rtol=1e-4, atol=0)
 
@@ -200,8 +208,13 @@ def test_torchtitan_llama_hsdp_and_dp_tp_train_like_one_process(tmp_path):
     pytest.importorskip("torchtitan")
     scenarios = {"hsdp": {"replicate": 2}, "dp_tp": {"tp": 2}}
     results = run_ranks(_scenarios, 4, str(tmp_path), scenarios, timeout=180)
-    _check_against_one_process([r["hsdp"] for r in results], 4)
-    _check_against_one_process([r["dp_tp"] for r in results], 2)
+    failed = []
+    for label, dp in (("dp_tp", 2), ("hsdp", 4)):  # report both layouts' mismatches
+        try:
+            _check_against_one_process([r[label] for r in results], dp)
+        except AssertionError as exc:
+            failed.append(f"{label}: {exc}")
+    assert not failed, "\n".join(failed)
 
 
 def test_import_error_names_the_extra_and_core_import_stays_free_of_torchtitan():
