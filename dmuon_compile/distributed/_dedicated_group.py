@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat
@@ -273,7 +274,9 @@ class DedicatedGroup:
         for p in self.params:
             g = p.unsharded.grad
             if g is not None:
-                grads[p.offset : p.offset + p.numel].copy_(local_of(g).reshape(-1))
+                grads[p.offset : p.offset + p.numel].copy_(
+                    local_of(_as_placed(g, p.unsharded)).reshape(-1)
+                )
             p.unsharded.grad = None
         before, _ = self._divisions()
         if before is not None:
@@ -344,6 +347,16 @@ class DedicatedGroup:
 
 
 _UNSHARD_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _as_placed(grad: Tensor, param: Tensor) -> Tensor:
+    """A TP gradient in its weight's placements, as FSDP2 redistributes its gradients: a
+    module may leave it in others (torchtitan's row-wise linears without sequence parallel:
+    ``Partial``, reduced here over the TP group; every TP rank has it at the same point)."""
+    if isinstance(grad, DTensor) and isinstance(param, DTensor):
+        if grad.placements != param.placements:
+            return grad.redistribute(placements=param.placements)
+    return grad
 
 
 def _unshard_stream(device: torch.device) -> torch.cuda.Stream:

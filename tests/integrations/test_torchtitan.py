@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 from distributed.harness import full_state, run_ranks
+from distributed.test_tp import _whole_state
+from torch.distributed.tensor import DTensor
 
 pytestmark = [pytest.mark.timeout(200)]
 
@@ -24,32 +26,22 @@ SEQ, PER_RANK, LAYERS, STEPS = 16, 2, 2, 3
 VOCAB = 2048  # the debug model's
 
 
-class CausalSDPA(torch.nn.Module):
-    """Workaround for CPU: the debug model's FlexAttention has no backward on CPU, so each
-    block's (parameter-free) inner attention is replaced by causal SDPA on the same layout."""
-
-    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
-        return out.transpose(1, 2)
-
-
-def build_debug_model():
-    """torchtitan's Llama-3 debug model (first ``LAYERS`` layers) on the meta device."""
+def build_debug_model(sequence_parallel: bool = True):
+    """torchtitan's Llama-3 debug model (first ``LAYERS`` layers) on the meta device, with the
+    sharding config its trainer sets (``update_from_config``: TP plans, sequence parallel).
+    Workaround for CPU: its FlexAttention has no backward there, so each block's inner
+    attention is torchtitan's causal SDPA module (same layout, no parameters)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     spec = model_registry("debugmodel")
     spec.model.layers = spec.model.layers[:LAYERS]
+    for layer in spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_llama3_sharding_config(spec.model, enable_sp=sequence_parallel)
     with torch.device("meta"):
         model = spec.model.build()
-    for block in model.layers.values():
-        block.attention.inner_attention = CausalSDPA()
     return spec, model
 
 
@@ -62,6 +54,8 @@ def loss_of(model, batch, global_tokens: int):
     """torchtitan's loss: summed over this rank's tokens, divided by the global token count
     (FSDP2 then sums gradients: ``apply_fsdp_to_decoder`` disables its division)."""
     logits = model(batch[:, :-1])
+    if isinstance(logits, DTensor):  # TP: vocab-sharded (torchtitan's loss-parallel layout)
+        logits = logits.full_tensor()
     return (
         torch.nn.functional.cross_entropy(
             logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
@@ -70,7 +64,11 @@ def loss_of(model, batch, global_tokens: int):
     )
 
 
-def _train_torchtitan(rank, world, folder):
+def _train_torchtitan(
+    rank, world, folder, replicate=1, tp=1, sequence_parallel=True, checkpoint=False
+):
+    """``STEPS`` trainer steps of torchtitan's model on its ``ParallelDims`` (``replicate`` ×
+    fsdp × ``tp``); with ``checkpoint``, a save, one more step, a resume and that step again."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torch.distributed.fsdp import FSDPModule
@@ -78,17 +76,20 @@ def _train_torchtitan(rank, world, folder):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
 
+    from dmuon_compile.distributed import dedicated_runtime
     from dmuon_compile.integrations import torchtitan as dmuon_tt
 
     # Workaround for CPU: torchtitan names its device "cuda" when no accelerator is present.
     parallel_dims_module.device_type = "cpu"
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
     dims = ParallelDims(
-        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=world,
+        dp_replicate=replicate, dp_shard=-1, cp=1, tp=tp, pp=1, ep=1, world_size=world,
         spmd_backend="partial_dtensor",
     )  # fmt: skip
     dims.build_mesh()
-    spec, model = build_debug_model()
+    batch_mesh = dims.get_optional_mesh("batch")  # the data-parallel ranks (dp_replicate × fsdp)
+    dp, dp_rank = (1, 0) if batch_mesh is None else (batch_mesh.size(), batch_mesh.get_local_rank())
+    spec, model = build_debug_model(sequence_parallel)
     parallelize = dmuon_tt.dedicating(spec.parallelize_fn)
     model = parallelize(
         model,
@@ -103,48 +104,56 @@ def _train_torchtitan(rank, world, folder):
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
+    torch.manual_seed(0)  # as torchtitan's set_determinism: all ranks agree on one seed
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    initial = full_state(model)
+    # HSDP: the other replicas get the global owners' initial values at the first forward;
+    # publish now to read them from any rank.
+    dedicated_runtime(model).publish(wait=True)
+    initial = _whole_state(model) if tp > 1 else full_state(model)
     optimizers = dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=[model])
-    checkpointer = CheckpointManager(
-        CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0),
-        dataloader=None,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=folder,
-    )
 
     def step(i):
-        batch = tokens(i, world)[rank * PER_RANK : (rank + 1) * PER_RANK]
-        loss = loss_of(model, batch, world * PER_RANK * SEQ)
+        batch = tokens(i, dp)[dp_rank * PER_RANK : (dp_rank + 1) * PER_RANK]
+        loss = loss_of(model, batch, dp * PER_RANK * SEQ)
         loss.backward()
         optimizers.step()
         optimizers.zero_grad()
         total = loss.detach().clone()
-        dist.all_reduce(total)
-        return total.item()
+        dist.all_reduce(total)  # each TP rank holds its data-parallel rank's loss
+        return total.item() / tp
 
     losses = [step(i) for i in range(STEPS)]
-    checkpointer.save(curr_step=STEPS)
-    after_save = step(STEPS)
-    assert checkpointer.load(step=STEPS)
-    resumed = step(STEPS)
     groups = [(g["use_muon"], g["param_names"]) for opt in optimizers for g in opt.param_groups]
+    out = {"initial": initial, "losses": losses, "groups": groups}
+    if checkpoint:
+        checkpointer = CheckpointManager(
+            CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0),
+            dataloader=None,
+            model_parts=[model],
+            optimizers=optimizers,
+            lr_schedulers=None,
+            states={},
+            sd_adapter=None,
+            base_folder=folder,
+        )
+        checkpointer.save(curr_step=STEPS)
+        out["after_save"] = step(STEPS)
+        assert checkpointer.load(step=STEPS)
+        out["resumed"] = step(STEPS)
+    return out
+
+
+def _scenarios(rank, world, folder, scenarios):
+    """Several layouts in one set of rank processes (one start-up and torchtitan import)."""
     return {
-        "initial": initial,
-        "losses": losses,
-        "after_save": after_save,
-        "resumed": resumed,
-        "groups": groups,
+        label: _train_torchtitan(rank, world, f"{folder}/{label}", **kw)
+        for label, kw in scenarios.items()
     }
 
 
-def _reference(initial, world):
-    """One process: the same initial weights, the global batch, ``dmuon.Muon``."""
+def _reference(initial, dp):
+    """One process: the same initial weights, the global batch of ``dp`` ranks, ``dmuon.Muon``."""
     import dmuon_compile as dmuon
     from dmuon_compile.integrations import torchtitan as dmuon_tt
 
@@ -156,7 +165,7 @@ def _reference(initial, world):
     opt = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3, predicate=dmuon_tt.default_predicate)
     losses = []
     for i in range(STEPS):
-        loss = loss_of(model, tokens(i, world), world * PER_RANK * SEQ)
+        loss = loss_of(model, tokens(i, dp), dp * PER_RANK * SEQ)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -164,22 +173,54 @@ def _reference(initial, world):
     return losses
 
 
-def test_torchtitan_llama_fsdp_trains_like_one_process_and_resumes(tmp_path):
+def _check_against_one_process(results, dp):
+    ref_initial = results[0]["initial"]
+    ref = _reference(results[0]["initial"], dp)
+    assert ref[1] != pytest.approx(ref[0], rel=1e-3)  # the weights moved
+    for r in results:  # every rank (HSDP: both replicas) started from the same weights
+        for name, want in ref_initial.items():
+            torch.testing.assert_close(r["initial"][name], want, rtol=0, atol=0)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref), rtol=1e-4, atol=0)
+
+
+def test_torchtitan_llama_fsdp_and_tp_train_like_one_process_and_resume(tmp_path):
+    """2 ranks: 1-D FSDP with a checkpoint resume, and TP 2 through torchtitan's own
+    ``parallelize_llama`` (its sharding config, vocab-sharded logits) without sequence
+    parallel: there its row-wise weights' gradients come out ``Partial`` on the TP mesh, not in
+    the weights' ``Shard(1)`` (without reducing them first the dedicated gradient reduce
+    raised a size mismatch)."""
     pytest.importorskip("torchtitan")
-    results = run_ranks(_train_torchtitan, 2, str(tmp_path), timeout=180)
-    r0 = results[0]
+    scenarios = {"fsdp": {"checkpoint": True}, "tp": {"tp": 2, "sequence_parallel": False}}
+    results = run_ranks(_scenarios, 2, str(tmp_path), scenarios, timeout=180)
+    r0 = results[0]["fsdp"]
     muon = {name for use_muon, names in r0["groups"] if use_muon for name in names}
     assert muon and all(n.startswith("layers.") and n.endswith(".weight") for n in muon)
     assert len(muon) == 5 * LAYERS  # wqkv, wo, w1, w2, w3 of each block
     adamw = {name for use_muon, names in r0["groups"] if not use_muon for name in names}
     assert {"tok_embeddings.weight", "lm_head.weight", "norm.weight"} <= adamw
-    ref = _reference(r0["initial"], 2)
-    assert ref[-1] < ref[0]
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref), rtol=1e-4, atol=0)
-        # the checkpointer's resume repeats the step after the save
+    _check_against_one_process([r["fsdp"] for r in results], 2)
+    for r in results:  # the checkpointer's resume repeats the step after the save
+        r = r["fsdp"]
         assert r["resumed"] == pytest.approx(r["after_save"], rel=1e-6)
         assert r["after_save"] != pytest.approx(r["losses"][-1], rel=1e-4)
+    assert results[0]["tp"]["groups"] == r0["groups"]
+    _check_against_one_process([r["tp"] for r in results], 1)
+
+
+def test_torchtitan_llama_hsdp_and_dp_tp_train_like_one_process(tmp_path):
+    """4 ranks: HSDP (dp_replicate 2 × fsdp 2) and fsdp 2 × TP 2 (sequence parallel, as
+    torchtitan's default) on torchtitan's meshes."""
+    pytest.importorskip("torchtitan")
+    scenarios = {"hsdp": {"replicate": 2}, "dp_tp": {"tp": 2}}
+    results = run_ranks(_scenarios, 4, str(tmp_path), scenarios, timeout=180)
+    failed = []
+    for label, dp in (("dp_tp", 2), ("hsdp", 4)):  # report both layouts' mismatches
+        try:
+            _check_against_one_process([r[label] for r in results], dp)
+        except AssertionError as exc:
+            failed.append(f"{label}: {exc}")
+    assert not failed, "\n".join(failed)
 
 
 def test_import_error_names_the_extra_and_core_import_stays_free_of_torchtitan():
