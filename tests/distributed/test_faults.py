@@ -108,7 +108,7 @@ def _group_timeouts(rank, world):
 
 
 def test_runtime_groups_inherit_the_default_timeout():
-    out = run_ranks_with_victim(_group_timeouts, 2, -1, timeout=60, pg_timeout_s=PG_TIMEOUT_S)
+    out = run_ranks_with_victim(_group_timeouts, 2, -1, timeout=180, pg_timeout_s=PG_TIMEOUT_S)
     for r in out.values():
         assert r["own"] == PG_TIMEOUT_S
         assert r["new_group_default"] != PG_TIMEOUT_S  # the check can tell the two apart
