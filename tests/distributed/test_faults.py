@@ -101,6 +101,9 @@ def _group_timeouts(rank, world):
 
     model, _ = _dedicated_only_model(rank, world)
     plain = dist.new_group([0, 1])  # what the runtime's groups got before: torch's default
+    # Both ranks finish connecting the new group before either returns: a rank that exits while
+    # its peer is still in gloo's connectFullMesh fails the peer ("Connection closed by peer").
+    dist.barrier(group=plain)
     return {
         "own": C.group_timeout(dedicated_runtime(model).groups[0].pg).total_seconds(),
         "new_group_default": C.group_timeout(plain).total_seconds(),
