@@ -11,6 +11,7 @@
 # Stages:
 #   probe       nvidia-smi topology + NCCL bandwidth (benchmarks/nccl_probe.py, >= 2 GPUs)
 #   sweep       sweep_tiles.py --extra: every tile configuration vs cuBLAS on the NS products
+#               (SWEEP_CASES: its --cases; SWEEP_ARGS: more options, e.g. "--only _st,_cp")
 #   kernels     bench_kernels.py sections C, A and N (SYRK, NS per matrix, NaN/Inf stress);
 #               KERNEL_ARGS=--profile-ns adds each NS shape's top GPU kernels
 #   gputests    pytest -m "gpu and not tier" (GPUTEST_PATHS, default tests/: kernels, NCCL runtime)
@@ -72,7 +73,7 @@ for stage in $STAGES; do
     probe)
       { nvidia-smi topo -m; [ "$ngpu" -ge 2 ] && timeout 120 torchrun --standalone --nproc_per_node "$ngpu" benchmarks/nccl_probe.py; } 2>&1 | tee "$log" ;;
     sweep)
-      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_tiles.py --extra ${SWEEP_CASES:+--cases $SWEEP_CASES} \
+      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_tiles.py --extra ${SWEEP_CASES:+--cases $SWEEP_CASES} ${SWEEP_ARGS:-} \
         --out "$WORK/sweep.md" 2>&1 | tee "$log" ;;
     kernels)
       timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} ${KERNEL_ARGS:-} \

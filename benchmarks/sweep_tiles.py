@@ -39,6 +39,12 @@ EXPLORATORY = (
     # fit shared memory).
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
     TileConfig(128, 64, 8, 2, 1, block_n=256, tma=True, tma_store=True),
+    # beta·C loaded by TMA into the accumulator's start instead of by pointers in the epilogue,
+    # where the 128-row tiles spill registers (kernels/syrk_tma.py, C_PROLOGUE).
+    TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True, c_prologue=True),
+    TileConfig(128, 64, 4, 3, 2, tma=True, tma_store=True, c_prologue=True),
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True, c_prologue=True),
+    TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True, c_prologue=True),
 )
 
 
@@ -148,6 +154,11 @@ def main(argv=None) -> int:
         "--extra", action="store_true", help="also time the exploratory configurations"
     )
     parser.add_argument("--out", default=None, help="write the markdown tables here")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated substrings: time only configurations whose name has one (e.g. _st)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_tiles.py needs a CUDA GPU", file=sys.stderr)
@@ -155,6 +166,8 @@ def main(argv=None) -> int:
     configs = list(CANDIDATES) + (
         [c for c in EXPLORATORY if c not in CANDIDATES] if args.extra else []
     )
+    if args.only:
+        configs = [c for c in configs if any(part in c.name for part in args.only.split(","))]
     lines = [
         f"## Tile sweep, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}",

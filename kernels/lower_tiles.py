@@ -58,16 +58,17 @@ class TileConfig:
     tma: bool = False  # operand tiles through TMA descriptors (SM90+, aligned row-major operands)
     flatten: bool = False  # TMA kernel only: one flattened tile×K loop, pipelined across tiles
     tma_store: bool = False  # TMA kernel only: off-diagonal tiles stored through output descriptors
+    c_prologue: bool = False  # TMA kernel only: beta·C loaded by TMA into the accumulator's start
 
     def __post_init__(self) -> None:
         if self.block_n and self.block_n % self.block:
             raise ValueError(
                 f"TileConfig: block_n={self.block_n} must be a multiple of block={self.block}"
             )
-        if (self.flatten or self.tma_store) and not self.tma:
+        if (self.flatten or self.tma_store or self.c_prologue) and not self.tma:
             raise ValueError(
-                "TileConfig: flatten=True and tma_store=True belong to the TMA kernel; "
-                "set tma=True too"
+                "TileConfig: flatten=True, tma_store=True and c_prologue=True belong to the "
+                "TMA kernel; set tma=True too"
             )
 
     @property
@@ -78,7 +79,12 @@ class TileConfig:
     def name(self) -> str:
         shape = f"b{self.block}" if self.cols == self.block else f"b{self.block}x{self.cols}"
         loads = (
-            ("_tma" + ("_flat" if self.flatten else "") + ("_st" if self.tma_store else ""))
+            (
+                "_tma"
+                + ("_flat" if self.flatten else "")
+                + ("_st" if self.tma_store else "")
+                + ("_cp" if self.c_prologue else "")
+            )
             if self.tma
             else ""
         )
@@ -101,6 +107,7 @@ class TileConfig:
             tma=bool(data.get("tma", False)),
             flatten=bool(data.get("flatten", False)),
             tma_store=bool(data.get("tma_store", False)),
+            c_prologue=bool(data.get("c_prologue", False)),
         )
 
 
@@ -123,44 +130,31 @@ def _store_symmetric_tile(
     batch64,
     m,
     c_ptr,
-    stride_cb,
-    stride_cm,
-    stride_cn,
+    c_strides,
     out_ptr,
-    stride_ob,
-    stride_om,
-    stride_on,
-    alpha,
-    beta,
-    gamma,
+    out_strides,
+    coeffs,
     HAS_C: tl.constexpr,
 ):
-    """fp32 epilogue ``alpha·acc + beta·C + gamma·I`` of one tile, stored with its mirror."""
+    """fp32 epilogue ``alpha·acc + beta·C + gamma·I`` of one tile, stored with its mirror.
+
+    ``c_strides`` and ``out_strides`` are ``(batch, row, col)`` strides, ``coeffs`` is
+    ``(alpha, beta, gamma)``.
+    """
     value = _epilogue_value(
-        acc,
-        offs_m,
-        offs_n,
-        batch64,
-        m,
-        c_ptr,
-        stride_cb,
-        stride_cm,
-        stride_cn,
-        alpha,
-        beta,
-        gamma,
-        out_ptr.dtype.element_ty,
-        HAS_C,
+        acc, offs_m, offs_n, batch64, m, c_ptr, c_strides, coeffs, out_ptr.dtype.element_ty, HAS_C
     )
     in_bounds = (offs_m[:, None] < m) & (offs_n[None, :] < m)
 
     # Element rule, the same for every tile: (i, j) with i >= j is stored in place, and
     # i > j also at (j, i). Off the diagonal super-tiles every element qualifies; on them
     # the upper part of a strip was computed but is never stored.
-    out_base = out_ptr + batch64 * stride_ob
+    out_base = out_ptr + batch64 * out_strides[0]
     lower_mask = in_bounds & (offs_m[:, None] >= offs_n[None, :])
     tl.store(
-        out_base + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, value, mask=lower_mask
+        out_base + offs_m[:, None] * out_strides[1] + offs_n[None, :] * out_strides[2],
+        value,
+        mask=lower_mask,
     )
     # The mirror is stored as the transposed tile, indexed (n, m), so consecutive lanes
     # write consecutive addresses (the transpose goes through shared memory) instead of
@@ -169,7 +163,7 @@ def _store_symmetric_tile(
         (offs_n[:, None] < m) & (offs_m[None, :] < m) & (offs_m[None, :] > offs_n[:, None])
     )
     tl.store(
-        out_base + offs_n[:, None] * stride_om + offs_m[None, :] * stride_on,
+        out_base + offs_n[:, None] * out_strides[1] + offs_m[None, :] * out_strides[2],
         tl.trans(value),
         mask=mirror_mask,
     )
@@ -183,26 +177,26 @@ def _epilogue_value(
     batch64,
     m,
     c_ptr,
-    stride_cb,
-    stride_cm,
-    stride_cn,
-    alpha,
-    beta,
-    gamma,
+    c_strides,
+    coeffs,
     OUT_DTYPE: tl.constexpr,
     HAS_C: tl.constexpr,
 ):
-    """``alpha·acc + beta·C + gamma·I`` in fp32, rounded once to the output dtype."""
+    """``alpha·acc + beta·C + gamma·I`` in fp32, rounded once to the output dtype (``coeffs``
+    is ``(alpha, beta, gamma)``; ``HAS_C=False`` when C is absent or already in ``acc``)."""
     in_bounds = (offs_m[:, None] < m) & (offs_n[None, :] < m)
-    acc = acc * alpha
+    acc = acc * coeffs[0]
     if HAS_C:
         c_tile = tl.load(
-            c_ptr + batch64 * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            c_ptr
+            + batch64 * c_strides[0]
+            + offs_m[:, None] * c_strides[1]
+            + offs_n[None, :] * c_strides[2],
             mask=in_bounds,
             other=0.0,
         )
-        acc += beta * c_tile.to(tl.float32)
-    acc += tl.where(offs_m[:, None] == offs_n[None, :], gamma, 0.0)
+        acc += coeffs[1] * c_tile.to(tl.float32)
+    acc += tl.where(offs_m[:, None] == offs_n[None, :], coeffs[2], 0.0)
     return acc.to(OUT_DTYPE)
 
 

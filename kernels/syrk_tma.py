@@ -49,16 +49,31 @@ def _tma_launch_metadata(grid, metadata, args) -> dict:
         m=args["m"],
         k=args["k"],
         operand_size=args["a_desc"].base.element_size(),
-        c_size=args["c_ptr"].element_size() if args["HAS_C"] else 0,
+        c_size=args["c_ptr"].element_size() if args["HAS_C"] or args["C_PROLOGUE"] else 0,
         out_size=out.element_size(),
         tile=(args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]),
     )
 
 
 @triton.jit
+def _c_tile(c_desc, batch_index, first_m, first_n, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The ROWS × COLS tile of C at (first_m, first_n) in fp32, loaded through ``c_desc``
+    (:func:`c_descriptor`: the output descriptors' tiles, so two square halves for a strip).
+    TMA zero-fills past each matrix's edge."""
+    if COLS == 2 * ROWS:
+        left = tl.reshape(c_desc.load([batch_index, first_m, first_n]), (ROWS, ROWS))
+        right = tl.reshape(c_desc.load([batch_index, first_m, first_n + ROWS]), (ROWS, ROWS))
+        tile = tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (ROWS, COLS))
+    else:
+        tile = tl.reshape(c_desc.load([batch_index, first_m, first_n]), (ROWS, COLS))
+    return tile.to(tl.float32)
+
+
+@triton.jit
 def _tma_tile(
     a_desc,
     b_desc,
+    c_desc,
     c_ptr,
     out_ptr,
     out_desc,
@@ -68,33 +83,34 @@ def _tma_tile(
     first_n,
     m,
     k,
-    stride_cb,
-    stride_cm,
-    stride_cn,
-    stride_ob,
-    stride_om,
-    stride_on,
-    alpha,
-    beta,
-    gamma,
+    c_strides,
+    out_strides,
+    coeffs,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     A_ROWS_ARE_M: tl.constexpr,
     B_ROWS_ARE_N: tl.constexpr,
     HAS_C: tl.constexpr,
+    C_PROLOGUE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     TMA_STORE: tl.constexpr,
 ):
     """One ROWS × COLS output tile at (first_m, first_n) of matrix ``batch_index``: TMA loads,
-    dot, epilogue.
+    dot, epilogue (``coeffs`` = (alpha, beta, gamma); strides are (batch, row, col)).
 
+    C enters in one of two places: with C_PROLOGUE the accumulator starts at (beta/alpha)·C,
+    loaded by TMA before the K loop (the launcher only sets it for alpha != 0), so the epilogue
+    only scales and adds gamma·I; with HAS_C the epilogue loads C by masked pointer loads.
     With TMA_STORE, a tile entirely below the diagonal (every element stored, in place and
     mirrored) is written through the (batch, m, m) output descriptors: TMA clips rows and
     columns past m, so no mask is needed. Tiles that touch the diagonal keep masked stores.
     """
-    acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    if C_PROLOGUE:
+        acc = _c_tile(c_desc, batch_index, first_m, first_n, ROWS, COLS) * (coeffs[1] / coeffs[0])
+    else:
+        acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
     for ks in range(0, tl.cdiv(k, BLOCK_K)):
         k0 = ks * BLOCK_K
         if A_ROWS_ARE_M:
@@ -111,85 +127,89 @@ def _tma_tile(
         acc = tl.dot(a_tile, b_tile, acc, input_precision=INPUT_PRECISION)
     offs_m = first_m + tl.arange(0, ROWS)
     offs_n = first_n + tl.arange(0, COLS)
+    batch64 = batch_index.to(tl.int64)
+    # Tiles entirely below the diagonal go through the output descriptors (TMA_STORE), the
+    # others through masked stores.
     if TMA_STORE:
         if first_m >= first_n + COLS:
-            value = _epilogue_value(
+            _store_below_diagonal(
                 acc,
-                offs_m,
-                offs_n,
-                batch_index.to(tl.int64),
+                batch_index,
+                first_m,
+                first_n,
                 m,
                 c_ptr,
-                stride_cb,
-                stride_cm,
-                stride_cn,
-                alpha,
-                beta,
-                gamma,
+                c_strides,
+                out_desc,
+                out_t_desc,
+                coeffs,
                 out_ptr.dtype.element_ty,
                 HAS_C,
             )
-            if COLS == 2 * ROWS:
-                # Strips store as two square halves through ROWS×ROWS descriptors (out_desc
-                # serves both orientations): half the epilogue's staging buffer of a
-                # 128×256 tile, which in one piece does not fit beside the pipeline.
-                left, right = tl.split(tl.permute(tl.reshape(value, (ROWS, 2, ROWS)), (0, 2, 1)))
-                out_desc.store([batch_index, first_m, first_n], tl.reshape(left, (1, ROWS, ROWS)))
-                out_desc.store(
-                    [batch_index, first_n, first_m], tl.reshape(tl.trans(left), (1, ROWS, ROWS))
-                )
-                out_desc.store(
-                    [batch_index, first_m, first_n + ROWS], tl.reshape(right, (1, ROWS, ROWS))
-                )
-                out_desc.store(
-                    [batch_index, first_n + ROWS, first_m],
-                    tl.reshape(tl.trans(right), (1, ROWS, ROWS)),
-                )
-            else:
-                out_desc.store([batch_index, first_m, first_n], tl.reshape(value, (1, ROWS, COLS)))
-                out_t_desc.store(
-                    [batch_index, first_n, first_m], tl.reshape(tl.trans(value), (1, COLS, ROWS))
-                )
         else:
             _store_symmetric_tile(
                 acc,
                 offs_m,
                 offs_n,
-                batch_index.to(tl.int64),
+                batch64,
                 m,
                 c_ptr,
-                stride_cb,
-                stride_cm,
-                stride_cn,
+                c_strides,
                 out_ptr,
-                stride_ob,
-                stride_om,
-                stride_on,
-                alpha,
-                beta,
-                gamma,
+                out_strides,
+                coeffs,
                 HAS_C,
             )
     else:
         _store_symmetric_tile(
-            acc,
-            offs_m,
-            offs_n,
-            batch_index.to(tl.int64),
-            m,
-            c_ptr,
-            stride_cb,
-            stride_cm,
-            stride_cn,
-            out_ptr,
-            stride_ob,
-            stride_om,
-            stride_on,
-            alpha,
-            beta,
-            gamma,
-            HAS_C,
+            acc, offs_m, offs_n, batch64, m, c_ptr, c_strides, out_ptr, out_strides, coeffs, HAS_C
         )
+
+
+@triton.jit
+def _store_below_diagonal(
+    acc,
+    batch_index,
+    first_m,
+    first_n,
+    m,
+    c_ptr,
+    c_strides,
+    out_desc,
+    out_t_desc,
+    coeffs,
+    OUT_DTYPE: tl.constexpr,
+    HAS_C: tl.constexpr,
+):
+    """Epilogue of a tile entirely below the diagonal: every element is stored in place and
+    mirrored, through the (batch, m, m) output descriptors (TMA clips rows and columns past
+    m, so no mask is needed)."""
+    ROWS: tl.constexpr = acc.shape[0]
+    COLS: tl.constexpr = acc.shape[1]
+    offs_m = first_m + tl.arange(0, ROWS)
+    offs_n = first_n + tl.arange(0, COLS)
+    value = _epilogue_value(
+        acc, offs_m, offs_n, batch_index.to(tl.int64), m, c_ptr, c_strides, coeffs, OUT_DTYPE, HAS_C
+    )
+    if COLS == 2 * ROWS:
+        # Strips store as two square halves through ROWS×ROWS descriptors (out_desc serves
+        # both orientations): half the epilogue's staging buffer of a 128×256 tile, which in
+        # one piece does not fit beside the pipeline.
+        left, right = tl.split(tl.permute(tl.reshape(value, (ROWS, 2, ROWS)), (0, 2, 1)))
+        _store_tile_and_mirror(out_desc, out_desc, batch_index, first_m, first_n, left)
+        _store_tile_and_mirror(out_desc, out_desc, batch_index, first_m, first_n + ROWS, right)
+    else:
+        _store_tile_and_mirror(out_desc, out_t_desc, batch_index, first_m, first_n, value)
+
+
+@triton.jit
+def _store_tile_and_mirror(out_desc, out_t_desc, batch_index, first_m, first_n, value):
+    """``value`` at (first_m, first_n) of matrix ``batch_index`` and its transpose at
+    (first_n, first_m), through the output descriptors."""
+    rows: tl.constexpr = value.shape[0]
+    cols: tl.constexpr = value.shape[1]
+    out_desc.store([batch_index, first_m, first_n], tl.reshape(value, (1, rows, cols)))
+    out_t_desc.store([batch_index, first_n, first_m], tl.reshape(tl.trans(value), (1, cols, rows)))
 
 
 # Stack size and grid size take any value: specialising on them (Triton keys ints on ==1 and
@@ -199,6 +219,7 @@ def _symmetric_product_tma_kernel(
     a_desc,
     b_desc,
     b_narrow_desc,
+    c_desc,
     c_ptr,
     out_ptr,
     out_desc,
@@ -219,6 +240,7 @@ def _symmetric_product_tma_kernel(
     A_ROWS_ARE_M: tl.constexpr,
     B_ROWS_ARE_N: tl.constexpr,
     HAS_C: tl.constexpr,
+    C_PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -245,6 +267,9 @@ def _symmetric_product_tma_kernel(
     # last nearly empty). FLATTEN (square tiles only) lets the compiler pipeline the next tile's
     # first loads under this tile's epilogue.
     pid = tl.program_id(0)
+    c_strides = (stride_cb, stride_cm, stride_cn)
+    out_strides = (stride_ob, stride_om, stride_on)
+    coeffs = (alpha, beta, gamma)
     tiles_per_side = tl.cdiv(m, BLOCK_N)
     if BLOCK_N == 2 * BLOCK_M:
         full_items = batch * tiles_per_side * tiles_per_side
@@ -265,6 +290,7 @@ def _symmetric_product_tma_kernel(
                 _tma_tile(
                     a_desc,
                     b_desc,
+                    c_desc,
                     c_ptr,
                     out_ptr,
                     out_desc,
@@ -274,21 +300,16 @@ def _symmetric_product_tma_kernel(
                     col * BLOCK_N,
                     m,
                     k,
-                    stride_cb,
-                    stride_cm,
-                    stride_cn,
-                    stride_ob,
-                    stride_om,
-                    stride_on,
-                    alpha,
-                    beta,
-                    gamma,
+                    c_strides,
+                    out_strides,
+                    coeffs,
                     BLOCK_M,
                     BLOCK_N,
                     BLOCK_K,
                     A_ROWS_ARE_M,
                     B_ROWS_ARE_N,
                     HAS_C,
+                    C_PROLOGUE,
                     INPUT_PRECISION,
                     DOT_IN_FP32,
                     TMA_STORE,
@@ -302,6 +323,7 @@ def _symmetric_product_tma_kernel(
                         _tma_tile(
                             a_desc,
                             b_narrow_desc,
+                            c_desc,
                             c_ptr,
                             out_ptr,
                             out_desc,
@@ -311,21 +333,16 @@ def _symmetric_product_tma_kernel(
                             first,
                             m,
                             k,
-                            stride_cb,
-                            stride_cm,
-                            stride_cn,
-                            stride_ob,
-                            stride_om,
-                            stride_on,
-                            alpha,
-                            beta,
-                            gamma,
+                            c_strides,
+                            out_strides,
+                            coeffs,
                             BLOCK_M,
                             BLOCK_M,
                             BLOCK_K,
                             A_ROWS_ARE_M,
                             B_ROWS_ARE_N,
                             HAS_C,
+                            C_PROLOGUE,
                             INPUT_PRECISION,
                             DOT_IN_FP32,
                             False,  # narrow tiles sit on the diagonal: masked stores
@@ -341,6 +358,7 @@ def _symmetric_product_tma_kernel(
             _tma_tile(
                 a_desc,
                 b_desc,
+                c_desc,
                 c_ptr,
                 out_ptr,
                 out_desc,
@@ -350,21 +368,16 @@ def _symmetric_product_tma_kernel(
                 col * BLOCK_N,
                 m,
                 k,
-                stride_cb,
-                stride_cm,
-                stride_cn,
-                stride_ob,
-                stride_om,
-                stride_on,
-                alpha,
-                beta,
-                gamma,
+                c_strides,
+                out_strides,
+                coeffs,
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_K,
                 A_ROWS_ARE_M,
                 B_ROWS_ARE_N,
                 HAS_C,
+                C_PROLOGUE,
                 INPUT_PRECISION,
                 DOT_IN_FP32,
                 TMA_STORE,
@@ -402,10 +415,17 @@ def launch_tma_kernel(
     out_desc, out_t_desc = (
         out_descs if out_descs is not None else (a_desc, a_desc)
     )  # unused if None
+    constexprs = tile_constexprs(a, c, beta, config)
+    c_desc = (
+        c_descriptor(c, config) if config.c_prologue and constexprs["HAS_C"] and alpha else None
+    )
+    if c_desc is not None:  # C goes into the accumulator, not the epilogue
+        constexprs["HAS_C"] = False
     _symmetric_product_tma_kernel[(num_programs,)](
         a_desc,
         b_desc,
         b_narrow_desc,
+        c_desc if c_desc is not None else a_desc,  # unused if None
         c_arg,
         out,
         out_desc,
@@ -427,9 +447,19 @@ def launch_tma_kernel(
         B_ROWS_ARE_N=b_rows_are_n,
         FLATTEN=config.flatten and not two_strips,
         TMA_STORE=out_descs is not None,
-        **tile_constexprs(a, c, beta, config),
+        C_PROLOGUE=c_desc is not None,
+        **constexprs,
     )
     return out
+
+
+def c_descriptor(c: Tensor, config: TileConfig):
+    """A 3-D (batch, m, m) descriptor of ``c`` with the output descriptors' tiles (the kernel's
+    C_PROLOGUE loads), or ``None`` if ``c`` is not a contiguous stack with 16-byte rows (the
+    epilogue then loads C by pointers)."""
+    if not c.is_contiguous():
+        return None
+    return output_descriptors(c, config)[0] if output_descriptors(c, config) else None
 
 
 def output_descriptors(out: Tensor, config: TileConfig):

@@ -6,7 +6,8 @@ pytest process that already imported Triton. The tests start this script once wi
 ``TRITON_INTERPRET=1`` and send it one case per line on stdin: ``<input.pt> <output.pt>``. The
 input file holds ``a, b, c, alpha, beta, gamma, config, num_sms, out`` (``out`` poisoned with
 NaN); the worker runs the kernel into ``out``, saves it and answers ``ok tma`` or ``ok ptr``
-(which loads the launch used: TMA descriptors or pointers) or ``error: ...``.
+(which loads the launch used: TMA descriptors or pointers; ``+cp`` when C was loaded by TMA into
+the accumulator, ``TileConfig.c_prologue``) or ``error: ...``.
 A case with ``kind="mirror"`` runs ``mirror_lower_inplace(p, block)`` instead, and one with
 ``kind="scale_cast"`` runs ``kernels/scale_cast.py``'s kernel on ``g, denom, dtype``.
 """
@@ -23,7 +24,7 @@ from dmuon_compile.kernels.lower_tiles import TileConfig  # noqa: E402
 from dmuon_compile.kernels.mirror import mirror_lower_inplace  # noqa: E402
 from dmuon_compile.kernels.scale_cast import scale_cast  # noqa: E402
 from dmuon_compile.kernels.symmetric_product import launch_symmetric_product  # noqa: E402
-from dmuon_compile.kernels.syrk_tma import tma_descriptors  # noqa: E402
+from dmuon_compile.kernels.syrk_tma import c_descriptor, tma_descriptors  # noqa: E402
 
 
 def main() -> None:
@@ -57,7 +58,17 @@ def main() -> None:
                 out=case["out"],
             )
             torch.save(result, out_path)
-            print("ok tma" if used_tma else "ok ptr", flush=True)
+            c_in_prologue = (
+                used_tma
+                and config.c_prologue
+                and case["c"] is not None
+                and case["alpha"] != 0
+                and case["beta"] != 0
+                and c_descriptor(case["c"], config) is not None
+            )
+            print(
+                ("ok tma" if used_tma else "ok ptr") + ("+cp" if c_in_prologue else ""), flush=True
+            )
         except Exception:
             print("error: " + traceback.format_exc().replace("\n", " | "), flush=True)
 

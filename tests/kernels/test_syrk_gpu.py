@@ -28,6 +28,19 @@ def _needs_triton():
         pytest.skip(f"Triton kernels unavailable: {why}")
 
 
+def _with_c_prologue():
+    """Every candidate, and every TMA candidate with C loaded into the accumulator's start
+    (``c_prologue``) as well as in the epilogue."""
+    from dataclasses import replace
+
+    from dmuon_compile.kernels.syrk import CANDIDATES
+
+    both = [
+        replace(c, c_prologue=flag) if c.tma else c for c in CANDIDATES for flag in (False, True)
+    ]
+    return list(dict.fromkeys(both))
+
+
 # Each (config, dtype, layout class) is a separate Triton compile, so dtypes and layouts are
 # paired rather than crossed: fp16 is what Gram NS runs, bf16 what direct NS runs.
 @pytest.mark.parametrize(
@@ -42,14 +55,13 @@ def _needs_triton():
 def test_triton_syrk_every_config_real_sizes(shape, dtype):
     _needs_triton()
     from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
-    from dmuon_compile.kernels.syrk import CANDIDATES
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(shape, generator=gen, device="cuda").to(dtype) / shape[-1] ** 0.25
     m = shape[-2]
     c = torch.randn(shape[:-2] + (m, m), generator=gen, device="cuda").to(dtype)
     ref = _ref64_syrk(x, c, 0.5, 0.25, 1.0)
-    for config in CANDIDATES:
+    for config in _with_c_prologue():
         out = torch.full(shape[:-2] + (m, m), float("nan"), device="cuda", dtype=dtype)
         launch_symmetric_product(x, None, c, 0.5, 0.25, 1.0, config, out=out)
         assert torch.isfinite(out).all(), f"{config.name}: unwritten or non-finite elements"
@@ -64,7 +76,6 @@ def test_triton_sym_mm_every_config_real_sizes(layout, shape):
     row-major Gram-space matrices, and the column-major (transposed) views of tall matrices."""
     _needs_triton()
     from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
-    from dmuon_compile.kernels.syrk import CANDIDATES
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(shape, generator=gen, device="cuda") / shape[-1] ** 0.5
@@ -74,7 +85,7 @@ def test_triton_sym_mm_every_config_real_sizes(layout, shape):
     b = z.mT.contiguous().mT if layout == "col_b" else z
     ref = sym_mm_reference(a.double(), b.double(), r.double(), 1.0, 3.0, 0.5)
     m = shape[-1]
-    for config in CANDIDATES:
+    for config in _with_c_prologue():
         out = torch.full(shape[:-2] + (m, m), float("nan"), device="cuda", dtype=torch.float16)
         launch_symmetric_product(a, b, r, 1.0, 3.0, 0.5, config, out=out)
         assert torch.isfinite(out).all(), f"{config.name}: unwritten or non-finite elements"

@@ -1,0 +1,141 @@
+"""Compile the TMA symmetric-product kernel for SM90 on any machine (no GPU needed) and report
+each tile configuration's shared memory, registers per thread and spill stack.
+
+Triton compiles for a named target (``GPUTarget("cuda", 90, 32)``) with its bundled ``ptxas``,
+so a configuration that would not compile, or that spills registers, is seen before a GPU
+call is spent on it. The spill stack is what told where the ``beta·C`` epilogue's time went:
+loading C by pointers after the K loop spills the 128-row tiles' accumulators (up to 744
+bytes per thread), loading it by TMA into the accumulator's start (``c_prologue``) does not.
+
+    python benchmarks/kernel_resources.py                 # every TMA candidate, with/without C
+    python benchmarks/kernel_resources.py --dtype fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+
+import triton
+from dmuon_compile.kernels.lower_tiles import TileConfig
+from dmuon_compile.kernels.syrk import CANDIDATES
+from dmuon_compile.kernels.syrk_tma import _symmetric_product_tma_kernel
+
+DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+
+
+def _signature(config: TileConfig, c_prologue: bool, dtype: str) -> dict:
+    """Triton's signature of the kernel for row-major operands (``A_ROWS_ARE_M``,
+    ``B_ROWS_ARE_N``: a SYRK or a sym_mm with a column-major b) with this config's tiles."""
+    rows, cols, block_k = config.block, config.cols, config.block_k
+    strips = cols == 2 * rows
+    out_tile = [1, rows, rows] if strips else [1, rows, cols]
+    out_t_tile = [1, rows, rows] if strips else [1, cols, rows]
+    unused = f"tensordesc<{dtype}[{rows}, {block_k}]>"  # a placeholder the kernel never reads
+    signature = {
+        "a_desc": f"tensordesc<{dtype}[{rows}, {block_k}]>",
+        "b_desc": f"tensordesc<{dtype}[{cols}, {block_k}]>",
+        "b_narrow_desc": f"tensordesc<{dtype}[{rows}, {block_k}]>",
+        "c_desc": f"tensordesc<{dtype}{out_tile}>" if c_prologue else unused,
+        "c_ptr": f"*{dtype}",
+        "out_ptr": f"*{dtype}",
+        "out_desc": f"tensordesc<{dtype}{out_tile}>" if config.tma_store else unused,
+        "out_t_desc": f"tensordesc<{dtype}{out_t_tile}>" if config.tma_store else unused,
+    }
+    for name in ("batch", "m", "k", "stride_cb", "stride_cm", "stride_cn"):
+        signature[name] = "i32"
+    for name in ("stride_ob", "stride_om", "stride_on"):
+        signature[name] = "i32"
+    for name in ("alpha", "beta", "gamma"):
+        signature[name] = "fp32"
+    signature["num_programs"] = "i32"
+    return signature
+
+
+def compile_sm90(config: TileConfig, has_c: bool, dtype: str = "bf16") -> dict:
+    """Compile one launch variant for SM90: ``{"shared": bytes, "registers": n, "spill": bytes}``.
+
+    ``has_c`` with ``config.c_prologue`` compiles the C_PROLOGUE variant (C by TMA before the K
+    loop), ``has_c`` without it the epilogue's pointer loads.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    c_prologue = has_c and config.c_prologue
+    constexprs = {
+        "A_ROWS_ARE_M": True,
+        "B_ROWS_ARE_N": True,
+        "HAS_C": has_c and not c_prologue,
+        "C_PROLOGUE": c_prologue,
+        "BLOCK_M": config.block,
+        "BLOCK_N": config.cols,
+        "BLOCK_K": config.block_k,
+        "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+        "DOT_IN_FP32": False,
+        "FLATTEN": config.flatten and config.cols != 2 * config.block,
+        "TMA_STORE": config.tma_store,
+    }
+    signature = _signature(config, c_prologue, dtype)
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    compiled = triton.compile(
+        ASTSource(_symmetric_product_tma_kernel, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+    )
+    usage = _resource_usage(compiled.asm["cubin"])
+    return {"shared": compiled.metadata.shared, **usage}
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and spill stack of a cubin, from Triton's bundled cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        text = subprocess.run(
+            [tool, "--dump-resource-usage", handle.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    registers = re.search(r"REG:(\d+)", text)
+    stack = re.search(r"STACK:(\d+)", text)
+    if registers is None or stack is None:
+        raise RuntimeError(f"cuobjdump gave no resource usage: {text[:200]!r}")
+    return {"registers": int(registers.group(1)), "spill": int(stack.group(1))}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    args = parser.parse_args(argv)
+    print("| config | C | shared KB | registers | spill bytes |")
+    print("|---|---|---|---|---|")
+    for config in (c for c in CANDIDATES if c.tma):
+        variants = (
+            ("none", config, False),
+            ("epilogue", config, True),
+            ("prologue", replace(config, c_prologue=True), True),
+        )
+        for label, variant, has_c in variants:
+            try:
+                r = compile_sm90(variant, has_c, DTYPES[args.dtype])
+                print(
+                    f"| {config.name} | {label} | {r['shared'] / 1024:.0f} | {r['registers']} | "
+                    f"{r['spill']} |",
+                    flush=True,
+                )
+            except Exception as exc:  # a configuration that does not compile is a result too
+                print(f"| {config.name} | {label} | failed: {type(exc).__name__} | | |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The TMA kernel compiles for SM90 on a machine without a GPU (Triton's bundled ptxas), and
+the ``c_prologue`` variant keeps the 128-row tiles free of register spills where the
+epilogue's pointer loads of C spill them (``benchmarks/kernel_resources.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+if not (_TOOLS / "ptxas").exists() or not (_TOOLS / "cuobjdump").exists():
+    pytest.skip("this Triton has no bundled ptxas/cuobjdump", allow_module_level=True)
+
+from dmuon_compile.kernels.syrk import DEFAULT_TMA_CONFIG, SHORTLIST  # noqa: E402
+from dmuon_compile.kernels.syrk_tma import _triton_has_descriptors  # noqa: E402
+
+if not _triton_has_descriptors():
+    pytest.skip("this Triton has no host-side TMA descriptors", allow_module_level=True)
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_resources.py"
+_spec = importlib.util.spec_from_file_location("kernel_resources", _PATH)
+resources = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(resources)
+
+STRIPS = next(c for c in SHORTLIST if c.cols == 2 * c.block)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles, not interprets")
+@pytest.mark.parametrize("config", [DEFAULT_TMA_CONFIG, STRIPS], ids=lambda c: c.name)
+def test_c_in_the_prologue_compiles_without_spills(config):
+    """Both shortlist tiles compile for SM90 with C in the accumulator's start, inside the
+    shared memory of an H100/H200 (227 KB), with no spill stack; the same tiles with C loaded
+    in the epilogue spill (the control: the measurement sees a spill when there is one)."""
+    prologue = resources.compile_sm90(replace(config, c_prologue=True), has_c=True)
+    assert prologue["spill"] == 0, prologue
+    assert prologue["shared"] <= 227 * 1024, prologue
+    epilogue = resources.compile_sm90(replace(config, c_prologue=False), has_c=True)
+    assert epilogue["spill"] > 0, epilogue
