@@ -33,7 +33,7 @@ import torch
 
 from dmuon_compile.log import env_flag, progress
 
-CACHE_VERSION = 7  # 2: coalesced mirror store; 3: 128×256 strips; 4: TMA; 5-7: TMA stores
+CACHE_VERSION = 8  # 2: coalesced mirror; 3: 128×256 strips; 4: TMA; 5-7: TMA stores; 8: C by TMA
 CUBLAS = "cublas"
 LOG_SWITCH = "DMUON_SYRK_AUTOTUNE_LOG"
 ENABLE_SWITCH = "DMUON_SYRK_AUTOTUNE"

@@ -18,6 +18,7 @@ The rectangular products of NS (Q·X, a·X + B·X) stay on cuBLAS (``TorchPrimit
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 from dmuon_compile.kernels import autotune
@@ -79,21 +80,28 @@ def default_config_for(a: Tensor, b: Tensor | None) -> TileConfig:
 
 
 def candidates_for(
-    m: int, a: Tensor | None = None, b: Tensor | None = None
+    m: int, a: Tensor | None = None, b: Tensor | None = None, has_c: bool = False
 ) -> tuple[TileConfig, ...]:
     """Candidates worth timing for an ``m×m`` output (no tile much larger than the matrix).
 
     With the operands given, TMA configurations whose descriptors cannot read them are left
     out (they would only time the pointer kernel again), and where TMA can read them only the
-    :data:`SHORTLIST` is timed (every candidate with ``DMUON_SYRK_AUTOTUNE=all``).
+    :data:`SHORTLIST` is timed (every candidate with ``DMUON_SYRK_AUTOTUNE=all``). With a
+    ``beta·C`` term (``has_c``), each TMA candidate is timed twice: C loaded in the epilogue
+    and C loaded by TMA into the accumulator's start (``c_prologue``). Neither wins everywhere
+    on H200: the prologue is 10-20% faster on stacks of 2048² products, slower on one 4096²
+    (benchmarks/RESULTS.md §13).
     """
     fitting = tuple(c for c in CANDIDATES if c.cols <= max(64, 2 * m))
     if a is not None:
         fitting = tuple(c for c in fitting if not c.tma or tma_descriptors(a, b, c) is not None)
         short = tuple(c for c in fitting if c in SHORTLIST)
         if short and not autotune.exhaustive():
-            return short
-    return fitting or (DEFAULT_CONFIG,)
+            fitting = short
+    fitting = fitting or (DEFAULT_CONFIG,)
+    if has_c:
+        fitting += tuple(replace(c, c_prologue=True) for c in fitting if c.tma)
+    return fitting
 
 
 def mirror_lower_triangle(p: Tensor) -> Tensor:
@@ -244,7 +252,7 @@ def _tuned_choice_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
         a_t, b_t, c_t = _tuning_inputs(a, b, c)
         verdict = autotune.tune(
             key,
-            candidates_for(m, a_t, b_t),
+            candidates_for(m, a_t, b_t, has_c=c_t is not None),
             lambda config: launch_symmetric_product(a_t, b_t, c_t, 1.0, 0.5, 0.0, config),
             lambda: symmetric_product_cublas(a_t, b_t, c_t, 1.0, 0.5, 0.0, mirror=False),
             _lower_matches,

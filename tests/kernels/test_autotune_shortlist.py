@@ -1,6 +1,8 @@
 """The autotune shortlist: where TMA can read the operands only the shortlist is timed, unless
 ``DMUON_SYRK_AUTOTUNE=all``; layouts TMA cannot read keep every pointer candidate."""
 
+import dataclasses
+
 import torch
 from dmuon_compile.kernels import syrk
 
@@ -40,3 +42,18 @@ def test_small_outputs_drop_wide_tiles_from_the_shortlist(monkeypatch):
     a = torch.empty(64, 1024)
     got = syrk.candidates_for(64, a, None)
     assert got and all(c.cols <= 128 for c in got)
+
+
+def test_products_with_c_also_time_c_in_the_prologue(monkeypatch):
+    """With a beta·C term every timed TMA candidate is also timed with C loaded by TMA into the
+    accumulator (``c_prologue``); without C that switch changes nothing, so it is not timed."""
+    _tma_readable(monkeypatch)
+    monkeypatch.delenv("DMUON_SYRK_AUTOTUNE", raising=False)
+    a = torch.empty(512, 1024)
+    with_c = syrk.candidates_for(512, a, None, has_c=True)
+    assert set(with_c) == set(syrk.SHORTLIST) | {
+        dataclasses.replace(c, c_prologue=True) for c in syrk.SHORTLIST
+    }
+    assert not any(c.c_prologue for c in syrk.candidates_for(512, a, None))
+    monkeypatch.setattr(syrk, "tma_descriptors", lambda a, b, config: None)
+    assert not any(c.c_prologue for c in syrk.candidates_for(512, a, None, has_c=True))

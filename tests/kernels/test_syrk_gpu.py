@@ -29,16 +29,13 @@ def _needs_triton():
 
 
 def _with_c_prologue():
-    """Every candidate, and every TMA candidate with C loaded into the accumulator's start
-    (``c_prologue``) as well as in the epilogue."""
+    """Every candidate, and the shortlist with C loaded into the accumulator's start
+    (``c_prologue``), as the autotune times them for products with C."""
     from dataclasses import replace
 
-    from dmuon_compile.kernels.syrk import CANDIDATES
+    from dmuon_compile.kernels.syrk import CANDIDATES, SHORTLIST
 
-    both = [
-        replace(c, c_prologue=flag) if c.tma else c for c in CANDIDATES for flag in (False, True)
-    ]
-    return list(dict.fromkeys(both))
+    return list(CANDIDATES) + [replace(c, c_prologue=True) for c in SHORTLIST]
 
 
 # Each (config, dtype, layout class) is a separate Triton compile, so dtypes and layouts are
