@@ -5,7 +5,8 @@ Triton compiles for a named target (``GPUTarget("cuda", 90, 32)``) with its bund
 so a configuration that would not compile, or that spills registers, is seen before a GPU
 call is spent on it. The spill stack is what told where the ``beta·C`` epilogue's time went:
 loading C by pointers after the K loop spills the 128-row tiles' accumulators (up to 744
-bytes per thread), loading it by TMA into the accumulator's start (``c_prologue``) does not.
+bytes per thread); loading it by TMA, into the accumulator's start (``c_load="prologue"``) or
+in the epilogue half a strip at a time (``c_load="tma"``), does not.
 
     python benchmarks/kernel_resources.py                 # every TMA candidate, with/without C
     python benchmarks/kernel_resources.py --dtype fp16
@@ -29,7 +30,7 @@ from dmuon_compile.kernels.syrk_tma import _symmetric_product_tma_kernel
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 
 
-def _signature(config: TileConfig, c_prologue: bool, dtype: str) -> dict:
+def _signature(config: TileConfig, c_by_tma: bool, dtype: str) -> dict:
     """Triton's signature of the kernel for row-major operands (``A_ROWS_ARE_M``,
     ``B_ROWS_ARE_N``: a SYRK or a sym_mm with a column-major b) with this config's tiles."""
     rows, cols, block_k = config.block, config.cols, config.block_k
@@ -41,7 +42,7 @@ def _signature(config: TileConfig, c_prologue: bool, dtype: str) -> dict:
         "a_desc": f"tensordesc<{dtype}[{rows}, {block_k}]>",
         "b_desc": f"tensordesc<{dtype}[{cols}, {block_k}]>",
         "b_narrow_desc": f"tensordesc<{dtype}[{rows}, {block_k}]>",
-        "c_desc": f"tensordesc<{dtype}{out_tile}>" if c_prologue else unused,
+        "c_desc": f"tensordesc<{dtype}{out_tile}>" if c_by_tma else unused,
         "c_ptr": f"*{dtype}",
         "out_ptr": f"*{dtype}",
         "out_desc": f"tensordesc<{dtype}{out_tile}>" if config.tma_store else unused,
@@ -60,18 +61,20 @@ def _signature(config: TileConfig, c_prologue: bool, dtype: str) -> dict:
 def compile_sm90(config: TileConfig, has_c: bool, dtype: str = "bf16") -> dict:
     """Compile one launch variant for SM90: ``{"shared": bytes, "registers": n, "spill": bytes}``.
 
-    ``has_c`` with ``config.c_prologue`` compiles the C_PROLOGUE variant (C by TMA before the K
-    loop), ``has_c`` without it the epilogue's pointer loads.
+    ``has_c`` compiles the variant of ``config.c_load``: C by pointers in the epilogue, by TMA
+    before the K loop (C_PROLOGUE) or by TMA in the epilogue (C_TMA).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    c_prologue = has_c and config.c_prologue
+    c_prologue = has_c and config.c_load == "prologue"
+    c_tma = has_c and config.c_load == "tma"
     constexprs = {
         "A_ROWS_ARE_M": True,
         "B_ROWS_ARE_N": True,
         "HAS_C": has_c and not c_prologue,
         "C_PROLOGUE": c_prologue,
+        "C_TMA": c_tma,
         "BLOCK_M": config.block,
         "BLOCK_N": config.cols,
         "BLOCK_K": config.block_k,
@@ -80,7 +83,7 @@ def compile_sm90(config: TileConfig, has_c: bool, dtype: str = "bf16") -> dict:
         "FLATTEN": config.flatten and config.cols != 2 * config.block,
         "TMA_STORE": config.tma_store,
     }
-    signature = _signature(config, c_prologue, dtype)
+    signature = _signature(config, c_prologue or c_tma, dtype)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     compiled = triton.compile(
         ASTSource(_symmetric_product_tma_kernel, signature=signature, constexprs=constexprs),
@@ -122,8 +125,10 @@ def main(argv=None) -> int:
         variants = (
             ("none", config, False),
             ("epilogue", config, True),
-            ("prologue", replace(config, c_prologue=True), True),
+            ("prologue", replace(config, c_load="prologue"), True),
         )
+        if config.tma_store:
+            variants += (("tma", replace(config, c_load="tma"), True),)
         for label, variant, has_c in variants:
             try:
                 r = compile_sm90(variant, has_c, DTYPES[args.dtype])

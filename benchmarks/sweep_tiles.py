@@ -40,11 +40,14 @@ EXPLORATORY = (
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
     TileConfig(128, 64, 8, 2, 1, block_n=256, tma=True, tma_store=True),
     # beta·C loaded by TMA into the accumulator's start instead of by pointers in the epilogue,
-    # where the 128-row tiles spill registers (kernels/syrk_tma.py, C_PROLOGUE).
-    TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True, c_prologue=True),
-    TileConfig(128, 64, 4, 3, 2, tma=True, tma_store=True, c_prologue=True),
-    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True, c_prologue=True),
-    TileConfig(128, 64, 8, 4, 1, block_n=256, tma=True, c_prologue=True),
+    # where the 128-row tiles spill registers (kernels/syrk_tma.py, C_PROLOGUE), or by TMA in
+    # the epilogue, half a strip at a time (C_TMA).
+    TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True, c_load="prologue"),
+    TileConfig(128, 64, 4, 3, 2, tma=True, tma_store=True, c_load="prologue"),
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True, c_load="prologue"),
+    TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True, c_load="tma"),
+    TileConfig(128, 64, 4, 3, 2, tma=True, tma_store=True, c_load="tma"),
+    TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True, c_load="tma"),
 )
 
 

@@ -39,6 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+C_LOADS = ("pointer", "prologue", "tma")
 
 
 @dataclass(frozen=True)
@@ -58,18 +59,25 @@ class TileConfig:
     tma: bool = False  # operand tiles through TMA descriptors (SM90+, aligned row-major operands)
     flatten: bool = False  # TMA kernel only: one flattened tile×K loop, pipelined across tiles
     tma_store: bool = False  # TMA kernel only: off-diagonal tiles stored through output descriptors
-    c_prologue: bool = False  # TMA kernel only: beta·C loaded by TMA into the accumulator's start
+    # Where the TMA kernel reads beta·C: "pointer" (masked loads in the epilogue), "prologue"
+    # (by TMA into the accumulator's start, before the K loop) or "tma" (by TMA in the epilogue
+    # of tiles below the diagonal, half a strip at a time). See kernels/syrk_tma.py.
+    c_load: str = "pointer"
 
     def __post_init__(self) -> None:
         if self.block_n and self.block_n % self.block:
             raise ValueError(
                 f"TileConfig: block_n={self.block_n} must be a multiple of block={self.block}"
             )
-        if (self.flatten or self.tma_store or self.c_prologue) and not self.tma:
+        if self.c_load not in C_LOADS:
+            raise ValueError(f"TileConfig: c_load={self.c_load!r}: choose one of {C_LOADS}")
+        if (self.flatten or self.tma_store or self.c_load != "pointer") and not self.tma:
             raise ValueError(
-                "TileConfig: flatten=True, tma_store=True and c_prologue=True belong to the "
-                "TMA kernel; set tma=True too"
+                "TileConfig: flatten=True, tma_store=True and c_load other than 'pointer' belong "
+                "to the TMA kernel; set tma=True too"
             )
+        if self.c_load == "tma" and not self.tma_store:
+            raise ValueError("TileConfig: c_load='tma' reads C where tma_store=True stores tiles")
 
     @property
     def cols(self) -> int:
@@ -83,7 +91,7 @@ class TileConfig:
                 "_tma"
                 + ("_flat" if self.flatten else "")
                 + ("_st" if self.tma_store else "")
-                + ("_cp" if self.c_prologue else "")
+                + {"pointer": "", "prologue": "_cp", "tma": "_ct"}[self.c_load]
             )
             if self.tma
             else ""
@@ -107,7 +115,7 @@ class TileConfig:
             tma=bool(data.get("tma", False)),
             flatten=bool(data.get("flatten", False)),
             tma_store=bool(data.get("tma_store", False)),
-            c_prologue=bool(data.get("c_prologue", False)),
+            c_load=str(data.get("c_load", "pointer")),
         )
 
 

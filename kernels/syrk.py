@@ -87,10 +87,9 @@ def candidates_for(
     With the operands given, TMA configurations whose descriptors cannot read them are left
     out (they would only time the pointer kernel again), and where TMA can read them only the
     :data:`SHORTLIST` is timed (every candidate with ``DMUON_SYRK_AUTOTUNE=all``). With a
-    ``beta·C`` term (``has_c``), each TMA candidate is timed twice: C loaded in the epilogue
-    and C loaded by TMA into the accumulator's start (``c_prologue``). Neither wins everywhere
-    on H200: the prologue is 10-20% faster on stacks of 2048² products, slower on one 4096²
-    (benchmarks/RESULTS.md §13).
+    ``beta·C`` term (``has_c``), each TMA candidate is also timed with C read by TMA
+    (``c_load="prologue"``, and ``"tma"`` for the configs with TMA stores): no way of reading C
+    wins everywhere on H200 (benchmarks/RESULTS.md §13).
     """
     fitting = tuple(c for c in CANDIDATES if c.cols <= max(64, 2 * m))
     if a is not None:
@@ -100,7 +99,12 @@ def candidates_for(
             fitting = short
     fitting = fitting or (DEFAULT_CONFIG,)
     if has_c:
-        fitting += tuple(replace(c, c_prologue=True) for c in fitting if c.tma)
+        fitting += tuple(
+            replace(c, c_load=load)
+            for load in ("prologue", "tma")
+            for c in fitting
+            if c.tma and (c.tma_store or load == "prologue")
+        )
     return fitting
 
 

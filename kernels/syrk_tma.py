@@ -93,6 +93,7 @@ def _tma_tile(
     B_ROWS_ARE_N: tl.constexpr,
     HAS_C: tl.constexpr,
     C_PROLOGUE: tl.constexpr,
+    C_TMA: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     TMA_STORE: tl.constexpr,
@@ -100,9 +101,11 @@ def _tma_tile(
     """One ROWS × COLS output tile at (first_m, first_n) of matrix ``batch_index``: TMA loads,
     dot, epilogue (``coeffs`` = (alpha, beta, gamma); strides are (batch, row, col)).
 
-    C enters in one of two places: with C_PROLOGUE the accumulator starts at (beta/alpha)·C,
+    C enters in one of three ways: with C_PROLOGUE the accumulator starts at (beta/alpha)·C,
     loaded by TMA before the K loop (the launcher only sets it for alpha != 0), so the epilogue
-    only scales and adds gamma·I; with HAS_C the epilogue loads C by masked pointer loads.
+    only scales and adds gamma·I; with HAS_C the epilogue loads C by masked pointer loads, and
+    with C_TMA too the tiles below the diagonal load it by TMA instead, half a strip at a time
+    (the pointer loads of a whole 128×256 tile beside its accumulator spill registers).
     With TMA_STORE, a tile entirely below the diagonal (every element stored, in place and
     mirrored) is written through the (batch, m, m) output descriptors: TMA clips rows and
     columns past m, so no mask is needed. Tiles that touch the diagonal keep masked stores.
@@ -140,11 +143,13 @@ def _tma_tile(
                 m,
                 c_ptr,
                 c_strides,
+                c_desc,
                 out_desc,
                 out_t_desc,
                 coeffs,
                 out_ptr.dtype.element_ty,
                 HAS_C,
+                C_TMA,
             )
         else:
             _store_symmetric_tile(
@@ -175,39 +180,103 @@ def _store_below_diagonal(
     m,
     c_ptr,
     c_strides,
+    c_desc,
     out_desc,
     out_t_desc,
     coeffs,
     OUT_DTYPE: tl.constexpr,
     HAS_C: tl.constexpr,
+    C_TMA: tl.constexpr,
 ):
     """Epilogue of a tile entirely below the diagonal: every element is stored in place and
     mirrored, through the (batch, m, m) output descriptors (TMA clips rows and columns past
     m, so no mask is needed)."""
     ROWS: tl.constexpr = acc.shape[0]
     COLS: tl.constexpr = acc.shape[1]
-    offs_m = first_m + tl.arange(0, ROWS)
-    offs_n = first_n + tl.arange(0, COLS)
-    value = _epilogue_value(
-        acc, offs_m, offs_n, batch_index.to(tl.int64), m, c_ptr, c_strides, coeffs, OUT_DTYPE, HAS_C
-    )
+    if C_TMA:
+        # No diagonal element here: alpha·acc + beta·C, with C's tile loaded by TMA per square
+        # half (see _store_tile_and_mirror).
+        value = acc
+    else:
+        offs_m = first_m + tl.arange(0, ROWS)
+        offs_n = first_n + tl.arange(0, COLS)
+        value = _epilogue_value(
+            acc,
+            offs_m,
+            offs_n,
+            batch_index.to(tl.int64),
+            m,
+            c_ptr,
+            c_strides,
+            coeffs,
+            OUT_DTYPE,
+            HAS_C,
+        )
     if COLS == 2 * ROWS:
         # Strips store as two square halves through ROWS×ROWS descriptors (out_desc serves
         # both orientations): half the epilogue's staging buffer of a 128×256 tile, which in
         # one piece does not fit beside the pipeline.
         left, right = tl.split(tl.permute(tl.reshape(value, (ROWS, 2, ROWS)), (0, 2, 1)))
-        _store_tile_and_mirror(out_desc, out_desc, batch_index, first_m, first_n, left)
-        _store_tile_and_mirror(out_desc, out_desc, batch_index, first_m, first_n + ROWS, right)
+        _store_tile_and_mirror(
+            left,
+            c_desc,
+            out_desc,
+            out_desc,
+            batch_index,
+            first_m,
+            first_n,
+            coeffs,
+            OUT_DTYPE,
+            C_TMA,
+        )
+        _store_tile_and_mirror(
+            right,
+            c_desc,
+            out_desc,
+            out_desc,
+            batch_index,
+            first_m,
+            first_n + ROWS,
+            coeffs,
+            OUT_DTYPE,
+            C_TMA,
+        )
     else:
-        _store_tile_and_mirror(out_desc, out_t_desc, batch_index, first_m, first_n, value)
+        _store_tile_and_mirror(
+            value,
+            c_desc,
+            out_desc,
+            out_t_desc,
+            batch_index,
+            first_m,
+            first_n,
+            coeffs,
+            OUT_DTYPE,
+            C_TMA,
+        )
 
 
 @triton.jit
-def _store_tile_and_mirror(out_desc, out_t_desc, batch_index, first_m, first_n, value):
+def _store_tile_and_mirror(
+    value,
+    c_desc,
+    out_desc,
+    out_t_desc,
+    batch_index,
+    first_m,
+    first_n,
+    coeffs,
+    OUT_DTYPE: tl.constexpr,
+    C_TMA: tl.constexpr,
+):
     """``value`` at (first_m, first_n) of matrix ``batch_index`` and its transpose at
-    (first_n, first_m), through the output descriptors."""
+    (first_n, first_m), through the output descriptors. With C_TMA, ``value`` is the fp32
+    accumulator and ``alpha·value + beta·C`` is stored, C's tile loaded by TMA."""
     rows: tl.constexpr = value.shape[0]
     cols: tl.constexpr = value.shape[1]
+    if C_TMA:
+        c_tile = tl.reshape(c_desc.load([batch_index, first_m, first_n]), (rows, cols))
+        value = (value * coeffs[0] + coeffs[1] * c_tile.to(tl.float32)).to(OUT_DTYPE)
     out_desc.store([batch_index, first_m, first_n], tl.reshape(value, (1, rows, cols)))
     out_t_desc.store([batch_index, first_n, first_m], tl.reshape(tl.trans(value), (1, cols, rows)))
 
@@ -241,6 +310,7 @@ def _symmetric_product_tma_kernel(
     B_ROWS_ARE_N: tl.constexpr,
     HAS_C: tl.constexpr,
     C_PROLOGUE: tl.constexpr,
+    C_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -310,6 +380,7 @@ def _symmetric_product_tma_kernel(
                     B_ROWS_ARE_N,
                     HAS_C,
                     C_PROLOGUE,
+                    C_TMA,
                     INPUT_PRECISION,
                     DOT_IN_FP32,
                     TMA_STORE,
@@ -343,6 +414,7 @@ def _symmetric_product_tma_kernel(
                             B_ROWS_ARE_N,
                             HAS_C,
                             C_PROLOGUE,
+                            C_TMA,
                             INPUT_PRECISION,
                             DOT_IN_FP32,
                             False,  # narrow tiles sit on the diagonal: masked stores
@@ -378,6 +450,7 @@ def _symmetric_product_tma_kernel(
                 B_ROWS_ARE_N,
                 HAS_C,
                 C_PROLOGUE,
+                C_TMA,
                 INPUT_PRECISION,
                 DOT_IN_FP32,
                 TMA_STORE,
@@ -416,10 +489,15 @@ def launch_tma_kernel(
         out_descs if out_descs is not None else (a_desc, a_desc)
     )  # unused if None
     constexprs = tile_constexprs(a, c, beta, config)
-    c_desc = (
-        c_descriptor(c, config) if config.c_prologue and constexprs["HAS_C"] and alpha else None
+    # C by TMA (config.c_load): into the accumulator (alpha != 0: it enters as (beta/alpha)·C),
+    # or in the epilogue of the tiles stored through descriptors.
+    wanted = constexprs["HAS_C"] and (
+        (config.c_load == "prologue" and alpha != 0)
+        or (config.c_load == "tma" and out_descs is not None)
     )
-    if c_desc is not None:  # C goes into the accumulator, not the epilogue
+    c_desc = c_descriptor(c, config) if wanted else None
+    c_prologue = c_desc is not None and config.c_load == "prologue"
+    if c_prologue:  # C goes into the accumulator, not the epilogue
         constexprs["HAS_C"] = False
     _symmetric_product_tma_kernel[(num_programs,)](
         a_desc,
@@ -447,7 +525,8 @@ def launch_tma_kernel(
         B_ROWS_ARE_N=b_rows_are_n,
         FLATTEN=config.flatten and not two_strips,
         TMA_STORE=out_descs is not None,
-        C_PROLOGUE=c_desc is not None,
+        C_PROLOGUE=c_prologue,
+        C_TMA=c_desc is not None and not c_prologue,
         **constexprs,
     )
     return out
@@ -455,8 +534,8 @@ def launch_tma_kernel(
 
 def c_descriptor(c: Tensor, config: TileConfig):
     """A 3-D (batch, m, m) descriptor of ``c`` with the output descriptors' tiles (the kernel's
-    C_PROLOGUE loads), or ``None`` if ``c`` is not a contiguous stack with 16-byte rows (the
-    epilogue then loads C by pointers)."""
+    C_PROLOGUE and C_TMA loads), or ``None`` if ``c`` is not a contiguous stack with 16-byte
+    rows (the epilogue then loads C by pointers)."""
     if not c.is_contiguous():
         return None
     return output_descriptors(c, config)[0] if output_descriptors(c, config) else None

@@ -6,8 +6,8 @@ pytest process that already imported Triton. The tests start this script once wi
 ``TRITON_INTERPRET=1`` and send it one case per line on stdin: ``<input.pt> <output.pt>``. The
 input file holds ``a, b, c, alpha, beta, gamma, config, num_sms, out`` (``out`` poisoned with
 NaN); the worker runs the kernel into ``out``, saves it and answers ``ok tma`` or ``ok ptr``
-(which loads the launch used: TMA descriptors or pointers; ``+cp`` when C was loaded by TMA into
-the accumulator, ``TileConfig.c_prologue``) or ``error: ...``.
+(which loads the launch used: TMA descriptors or pointers; ``+cp`` / ``+ct`` when C was read
+by TMA into the accumulator / in the epilogue, ``TileConfig.c_load``) or ``error: ...``.
 A case with ``kind="mirror"`` runs ``mirror_lower_inplace(p, block)`` instead, and one with
 ``kind="scale_cast"`` runs ``kernels/scale_cast.py``'s kernel on ``g, denom, dtype``.
 """
@@ -24,7 +24,11 @@ from dmuon_compile.kernels.lower_tiles import TileConfig  # noqa: E402
 from dmuon_compile.kernels.mirror import mirror_lower_inplace  # noqa: E402
 from dmuon_compile.kernels.scale_cast import scale_cast  # noqa: E402
 from dmuon_compile.kernels.symmetric_product import launch_symmetric_product  # noqa: E402
-from dmuon_compile.kernels.syrk_tma import c_descriptor, tma_descriptors  # noqa: E402
+from dmuon_compile.kernels.syrk_tma import (  # noqa: E402
+    c_descriptor,
+    output_descriptors,
+    tma_descriptors,
+)
 
 
 def main() -> None:
@@ -58,17 +62,18 @@ def main() -> None:
                 out=case["out"],
             )
             torch.save(result, out_path)
-            c_in_prologue = (
+            by_tma = (
                 used_tma
-                and config.c_prologue
                 and case["c"] is not None
-                and case["alpha"] != 0
                 and case["beta"] != 0
                 and c_descriptor(case["c"], config) is not None
             )
-            print(
-                ("ok tma" if used_tma else "ok ptr") + ("+cp" if c_in_prologue else ""), flush=True
-            )
+            suffix = ""
+            if by_tma and config.c_load == "prologue" and case["alpha"] != 0:
+                suffix = "+cp"
+            elif by_tma and config.c_load == "tma" and output_descriptors(case["out"], config):
+                suffix = "+ct"
+            print(("ok tma" if used_tma else "ok ptr") + suffix, flush=True)
         except Exception:
             print("error: " + traceback.format_exc().replace("\n", " | "), flush=True)
 

@@ -46,14 +46,15 @@ def test_small_outputs_drop_wide_tiles_from_the_shortlist(monkeypatch):
 
 def test_products_with_c_also_time_c_in_the_prologue(monkeypatch):
     """With a beta·C term every timed TMA candidate is also timed with C loaded by TMA into the
-    accumulator (``c_prologue``); without C that switch changes nothing, so it is not timed."""
+    accumulator (``c_load="prologue"``) and, with TMA stores, by TMA in the epilogue
+    (``"tma"``); without C that switch changes nothing, so it is not timed."""
     _tma_readable(monkeypatch)
     monkeypatch.delenv("DMUON_SYRK_AUTOTUNE", raising=False)
     a = torch.empty(512, 1024)
     with_c = syrk.candidates_for(512, a, None, has_c=True)
     assert set(with_c) == set(syrk.SHORTLIST) | {
-        dataclasses.replace(c, c_prologue=True) for c in syrk.SHORTLIST
+        dataclasses.replace(c, c_load=load) for c in syrk.SHORTLIST for load in ("prologue", "tma")
     }
-    assert not any(c.c_prologue for c in syrk.candidates_for(512, a, None))
+    assert all(c.c_load == "pointer" for c in syrk.candidates_for(512, a, None))
     monkeypatch.setattr(syrk, "tma_descriptors", lambda a, b, config: None)
-    assert not any(c.c_prologue for c in syrk.candidates_for(512, a, None, has_c=True))
+    assert all(c.c_load == "pointer" for c in syrk.candidates_for(512, a, None, has_c=True))

@@ -28,14 +28,15 @@ def _needs_triton():
         pytest.skip(f"Triton kernels unavailable: {why}")
 
 
-def _with_c_prologue():
-    """Every candidate, and the shortlist with C loaded into the accumulator's start
-    (``c_prologue``), as the autotune times them for products with C."""
+def _with_c_loads():
+    """Every candidate, and the shortlist with C read by TMA (``c_load="prologue"`` and
+    ``"tma"``), as the autotune times them for products with C."""
     from dataclasses import replace
 
     from dmuon_compile.kernels.syrk import CANDIDATES, SHORTLIST
 
-    return list(CANDIDATES) + [replace(c, c_prologue=True) for c in SHORTLIST]
+    loads = ("prologue", "tma")
+    return list(CANDIDATES) + [replace(c, c_load=load) for c in SHORTLIST for load in loads]
 
 
 # Each (config, dtype, layout class) is a separate Triton compile, so dtypes and layouts are
@@ -58,7 +59,7 @@ def test_triton_syrk_every_config_real_sizes(shape, dtype):
     m = shape[-2]
     c = torch.randn(shape[:-2] + (m, m), generator=gen, device="cuda").to(dtype)
     ref = _ref64_syrk(x, c, 0.5, 0.25, 1.0)
-    for config in _with_c_prologue():
+    for config in _with_c_loads():
         out = torch.full(shape[:-2] + (m, m), float("nan"), device="cuda", dtype=dtype)
         launch_symmetric_product(x, None, c, 0.5, 0.25, 1.0, config, out=out)
         assert torch.isfinite(out).all(), f"{config.name}: unwritten or non-finite elements"
@@ -82,7 +83,7 @@ def test_triton_sym_mm_every_config_real_sizes(layout, shape):
     b = z.mT.contiguous().mT if layout == "col_b" else z
     ref = sym_mm_reference(a.double(), b.double(), r.double(), 1.0, 3.0, 0.5)
     m = shape[-1]
-    for config in _with_c_prologue():
+    for config in _with_c_loads():
         out = torch.full(shape[:-2] + (m, m), float("nan"), device="cuda", dtype=torch.float16)
         launch_symmetric_product(a, b, r, 1.0, 3.0, 0.5, config, out=out)
         assert torch.isfinite(out).all(), f"{config.name}: unwritten or non-finite elements"

@@ -382,11 +382,18 @@ def test_tma_config_names_and_flatten_needs_tma():
     tma = TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, flatten=True)
     assert tma.name == "b128x256_k64_w8_s3_p1_tma_flat"
     assert TileConfig(128, 64, 8, 3, tma=True).name == "b128_k64_w8_s3_p1_tma"
-    cp = TileConfig(128, 64, 8, 3, tma=True, tma_store=True, c_prologue=True)
+    cp = TileConfig(128, 64, 8, 3, tma=True, tma_store=True, c_load="prologue")
     assert cp.name == "b128_k64_w8_s3_p1_tma_st_cp"
     assert TileConfig.from_dict(cp.to_dict()) == cp
+    ct = TileConfig(128, 64, 8, 3, tma=True, tma_store=True, c_load="tma")
+    assert ct.name == "b128_k64_w8_s3_p1_tma_st_ct"
+    assert TileConfig.from_dict(ct.to_dict()) == ct
     with pytest.raises(ValueError, match="tma=True"):
-        TileConfig(128, 64, 8, 3, c_prologue=True)
+        TileConfig(128, 64, 8, 3, c_load="prologue")
+    with pytest.raises(ValueError, match="tma_store=True"):
+        TileConfig(128, 64, 8, 3, tma=True, c_load="tma")
+    with pytest.raises(ValueError, match="choose one of"):
+        TileConfig(128, 64, 8, 3, tma=True, c_load="smem")
     assert TileConfig.from_dict(tma.to_dict()) == tma
     with pytest.raises(ValueError, match="tma=True"):
         TileConfig(128, 64, 8, 3, flatten=True)
@@ -449,13 +456,15 @@ def test_tma_store_matches_reference(kernel, config, m, k, batch, dtype):
     run_and_check(kernel, x, b, c, -1.0, 1.0, 0.0, config)
 
 
-TMA_C_PROLOGUE_TILES = dict(TMA_STORE_TILES, c_prologue=True)
-TMA_C_PROLOGUE_STRIP_TILES = dict(TMA_STORE_STRIP_TILES, c_prologue=True)
+C_BY_TMA = {
+    "16_cp": (dict(TMA_STORE_TILES, c_load="prologue"), "tma+cp"),
+    "16x32_cp": (dict(TMA_STORE_STRIP_TILES, c_load="prologue"), "tma+cp"),
+    "16_ct": (dict(TMA_STORE_TILES, c_load="tma"), "tma+ct"),
+    "16x32_ct": (dict(TMA_STORE_STRIP_TILES, c_load="tma"), "tma+ct"),
+}
 
 
-@pytest.mark.parametrize(
-    "config", [TMA_C_PROLOGUE_TILES, TMA_C_PROLOGUE_STRIP_TILES], ids=["16_cp", "16x32_cp"]
-)
+@pytest.mark.parametrize("name", list(C_BY_TMA))
 @pytest.mark.parametrize(
     "m,k,batch,dtype",
     [
@@ -464,18 +473,21 @@ TMA_C_PROLOGUE_STRIP_TILES = dict(TMA_STORE_STRIP_TILES, c_prologue=True)
         (72, 8, 2, torch.float32),
     ],
 )
-def test_c_prologue_matches_reference(kernel, config, m, k, batch, dtype):
-    """beta·C loaded by TMA into the accumulator's start (``c_prologue``): every element
-    written once, bitwise symmetric, equal to the reference; the launch really took that path
-    (``+cp``), and falls back to the epilogue's pointer loads for alpha = 0 and a
-    non-contiguous C."""
+def test_c_by_tma_matches_reference(kernel, name, m, k, batch, dtype):
+    """beta·C read by TMA (``c_load``: into the accumulator's start, or in the epilogue of the
+    tiles below the diagonal): every element written once, bitwise symmetric, equal to the
+    reference; the launch really took that path (``+cp`` / ``+ct``), and falls back to the
+    epilogue's pointer loads for a non-contiguous C (and, into the accumulator, alpha = 0)."""
+    config, loads = C_BY_TMA[name]
     gen = torch.Generator().manual_seed(m + 11 * k)
     x = _random(_batch_shape(batch) + (m, k), dtype, gen)
     c = _random(_batch_shape(batch) + (m, m), dtype, gen)
-    run_and_check(kernel, x, None, c, 0.5, 2.0, 1.0, config, loads="tma+cp")
+    run_and_check(kernel, x, None, c, 0.5, 2.0, 1.0, config, loads=loads)
     b = _random(_batch_shape(batch) + (k, m), dtype, gen, transposed=True)
-    run_and_check(kernel, x, b, c, -1.0, 1.0, 0.0, config, loads="tma+cp")
-    run_and_check(kernel, x, None, c, 0.0, 2.0, 1.0, config, loads="tma")
+    run_and_check(kernel, x, b, c, -1.0, 1.0, 0.0, config, loads=loads)
+    run_and_check(
+        kernel, x, None, c, 0.0, 2.0, 1.0, config, loads="tma+ct" if loads == "tma+ct" else "tma"
+    )
     strided_c = _random(_batch_shape(batch) + (m, m), dtype, gen, transposed=True)
     run_and_check(kernel, x, None, strided_c, 0.5, 2.0, 1.0, config, loads="tma")
 
@@ -486,20 +498,19 @@ def test_c_prologue_matches_reference(kernel, config, m, k, batch, dtype):
     k8=st.integers(1, 6),
     batch=st.sampled_from([None, 1, 3]),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
-    strips=st.booleans(),
-    alpha=st.sampled_from([1.0, -0.75, 3.5]),
+    name=st.sampled_from(list(C_BY_TMA)),
+    alpha=st.sampled_from([1.0, -0.75, 3.5, 0.0]),
     beta=st.sampled_from([0.0, 1.0, -2.0, 0.25]),
     gamma=st.sampled_from([0.0, 1.5]),
     seed=st.integers(0, 2**16),
 )
-def test_c_prologue_property(kernel, m, k8, batch, dtype, strips, alpha, beta, gamma, seed):
-    """Random shapes and coefficients through the ``c_prologue`` configs against the
+def test_c_by_tma_property(kernel, m, k8, batch, dtype, name, alpha, beta, gamma, seed):
+    """Random shapes and coefficients through the configs that read C by TMA, against the
     reference."""
     gen = torch.Generator().manual_seed(seed)
-    config = TMA_C_PROLOGUE_STRIP_TILES if strips else TMA_C_PROLOGUE_TILES
     x = _random(_batch_shape(batch) + (m, 8 * k8), dtype, gen)
     c = _random(_batch_shape(batch) + (m, m), dtype, gen)
-    run_and_check(kernel, x, None, c, alpha, beta, gamma, config)
+    run_and_check(kernel, x, None, c, alpha, beta, gamma, C_BY_TMA[name][0])
 
 
 def test_tma_candidates_only_where_descriptors_can_read_the_operands(monkeypatch):
