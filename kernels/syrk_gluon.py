@@ -321,16 +321,19 @@ def _consumer(
             stage = pos % STAGES
             mbarrier.wait(ready.index(stage), (pos // STAGES) & 1)
             a = a_bufs.index(stage)
-            acc0 = warpgroup_mma(a, _b_view(b_bufs, stage * SPLIT, SYRK), acc0, is_async=True)
+            b0 = _b_view(b_bufs, stage * SPLIT, SYRK)
+            # One K-slice's MMAs stay in flight while the next slice is awaited.
             if SPLIT == 2:
                 if right:
-                    acc1 = warpgroup_mma(
-                        a, _b_view(b_bufs, stage * SPLIT + 1, SYRK), acc1, is_async=True
-                    )
+                    acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
+                    b1 = _b_view(b_bufs, stage * SPLIT + 1, SYRK)
+                    acc1 = warpgroup_mma(a, b1, acc1, is_async=True)
                     acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
                 else:
+                    acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
                     acc0 = warpgroup_mma_wait(1, deps=(acc0,))
             else:
+                acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
                 acc0 = warpgroup_mma_wait(1, deps=(acc0,))
             # The previous stage's MMAs are complete: hand it back to the loader.
             if ks > 0:
