@@ -81,6 +81,11 @@ class GluonConfig:
             raise ValueError(f"GluonConfig: num_warps={self.num_warps} must be 4 or 8")
         if self.consumers == 2 and self.num_warps != 4:
             raise ValueError("GluonConfig: two consumers (ping-pong) run 4 warps each")
+        if self.consumers == 2 and (self.split != 1 or self.c_slots < 2):
+            raise ValueError(
+                "GluonConfig: two consumers take 128×128 tiles (split=1) and c_slots >= 2 "
+                "(a consumer must never wait on a C slot two ring passes ahead)"
+            )
         if self.stages < 2 or self.c_slots < 1:
             raise ValueError("GluonConfig: stages >= 2 and c_slots >= 1")
 
@@ -101,8 +106,8 @@ class GluonConfig:
         operands = self.stages * (BLOCK + self.cols) * self.block_k * operand_size
         c_ring = 0 if c_size is None else self.c_slots * BLOCK * BLOCK * c_size
         staging = self.consumers * BLOCK * BLOCK * out_size
-        barriers = 8 * 2 * (self.stages + self.c_slots)
-        return operands + c_ring + staging + barriers
+        barriers = 8 * 2 * (self.stages + self.c_slots + 1)
+        return operands + c_ring + staging + barriers + 512  # + alignment padding
 
 
 DEFAULT_CONFIG = GluonConfig()
@@ -274,6 +279,7 @@ def _epilogue_block(
         slot = c_pos % C_SLOTS
         mbarrier.wait(c_ready.index(slot), (c_pos // C_SLOTS) & 1)
         c_tile = c_bufs.index(slot).reshape([BLOCK_C, BLOCK_C]).load(layout)
+        fence_async_shared()  # generic-proxy reads before the next TMA write of the slot
         gl.thread_barrier()  # every lane has read the slot before the C loader may refill it
         mbarrier.arrive(c_empty.index(slot), count=1)
         value += beta * c_tile.to(gl.float32)
@@ -299,7 +305,7 @@ def _consumer(
     Consumer ``CONSUMER`` takes every ``CONSUMERS``-th tile of this CTA; a tile's K-slices sit
     at ring positions ``local_tile·k_steps + ks`` whichever consumer takes it.
     """
-    a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs = state[0]
+    a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs, turns = state[0]
     k, total_tiles, tiles_per_matrix, alpha, beta, gamma = state[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -316,6 +322,15 @@ def _consumer(
         acc1 = gl.zeros((BLOCK_C, BLOCK_C), gl.float32, layout)
         # The right block of a diagonal strip lies above the diagonal: not multiplied.
         right = first_n < first_m
+        if CONSUMERS == 2:
+            # Main loops take turns in tile order: a consumer waits on a stage at most one
+            # ring pass ahead of the loader (mbarrier phases are parities), and its MMAs run
+            # while the other consumer is in its epilogue.
+            n = local // 2
+            if CONSUMER == 1:
+                mbarrier.wait(turns.index(0), n & 1)
+            else:
+                mbarrier.wait(turns.index(1), (n - 1) & 1, pred=n > 0)
         pos = local * k_steps
         for ks in range(k_steps):
             stage = pos % STAGES
@@ -341,6 +356,8 @@ def _consumer(
                     gl.thread_barrier()  # both warpgroups are past their wait
                 mbarrier.arrive(empty.index((pos - 1) % STAGES), count=1)
             pos += 1
+        if CONSUMERS == 2:
+            mbarrier.arrive(turns.index(CONSUMER), count=1)
         if SPLIT == 2:
             acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
         else:
@@ -436,11 +453,17 @@ def _symmetric_product_gluon_kernel(
         c_bufs = a_bufs
         c_ready = ready
         c_empty = empty
+    if CONSUMERS == 2:
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
+    else:  # never used with one consumer
+        turns = ready
 
     # Partitions take their tensors as one tuple and their constexprs as literal arguments
     # (a constexpr stored in a tuple variable becomes a tensor).
     consumer = (
-        (a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs),
+        (a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs, turns),
         (k, total_tiles, tiles_per_matrix, alpha, beta, gamma),
     )
     loader = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, m, k, total_tiles, tiles_per_matrix)
