@@ -286,9 +286,7 @@ def _epilogue_block(
     rows = first_m + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
     cols = first_n + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
     value += gl.where(rows[:, None] == cols[None, :], gamma, 0.0)
-    _store_block(
-        value.to(out_desc.dtype), out_desc, staging, batch_index, first_m, first_n, layout
-    )
+    _store_block(value.to(out_desc.dtype), out_desc, staging, batch_index, first_m, first_n, layout)
 
 
 @gluon.jit
