@@ -404,7 +404,8 @@ def _consumer(
     tma.store_wait(0)
 
 
-@gluon.jit
+# Tile counts take any value: specialising on them (==1, %16) would compile per stack size.
+@gluon.jit(do_not_specialize=["total_tiles", "tiles_per_matrix"])
 def _symmetric_product_gluon_kernel(
     a_desc,
     b_desc,
