@@ -60,6 +60,30 @@ def test_kernel_compiles_for_sm90(config, syrk, has_c):
     assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, usage
 
 
+@pytest.mark.parametrize("sym_mm", [False, True])
+def test_launch_arguments_bind_to_the_kernel(sym_mm):
+    """The host side builds exactly the kernel's parameters (descriptors over the stack, the
+    tile counts of the walk), so the first GPU launch does not fail on a name or a count."""
+    a = torch.randn(3, 264, 40).bfloat16()
+    b = torch.randn(3, 40, 264).bfloat16() if sym_mm else None
+    c = torch.randn(3, 264, 264).bfloat16()
+    out = torch.empty(3, 264, 264, dtype=torch.bfloat16)
+    config = GluonConfig(split=2, stages=2)
+    args, options = gluon_kernel.kernel_arguments(a, b, c, out, 1.0, 0.5, 2.0, config)
+    names = gluon_kernel._symmetric_product_gluon_kernel.arg_names
+    assert list(names[: len(args)]) == [
+        "a_desc", "b_desc", "c_desc", "out_desc", "m", "k", "total_tiles", "tiles_per_matrix",
+        "alpha", "beta", "gamma",
+    ]  # fmt: skip
+    assert set(names[len(args) :]) == set(options) - {"maxnreg"}
+    assert options["SYRK"] is not sym_mm and options["HAS_C"] and options["SPLIT"] == 2
+    # 264 rows in 256-wide super-tiles: 2 per side, 3 lower super-tiles of 2 strips each.
+    assert args[6:8] == (3 * 6, 6)
+    assert list(args[0].block_shape) == [128, 64]
+    assert list(args[1].block_shape) == ([1, 64, 128] if sym_mm else [128, 64])
+    assert list(args[3].shape) == [3, 264, 264] and list(args[3].block_shape) == [1, 128, 128]
+
+
 def test_configs_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="split"):
         GluonConfig(split=3)
