@@ -224,15 +224,17 @@ def _store_block(
     batch_index,
     first_m,
     first_n,
+    rows_exist,
     layout: gl.constexpr,
 ):
     """Store one 128×128 block of the lower-triangle walk with its mirror (the element rule).
 
     Strictly below the diagonal: in place and transposed (two TMA stores through one staging
-    buffer). On the diagonal: ``where(i >= j, v, vᵀ)`` in place. Above: nothing.
+    buffer). On the diagonal: ``where(i >= j, v, vᵀ)`` in place. Above, or in a strip that
+    starts past the matrix's last row (``rows_exist`` False): nothing.
     """
     tile = staging.reshape([BLOCK_C, BLOCK_C])
-    if first_n + BLOCK_C <= first_m:
+    if (first_n + BLOCK_C <= first_m) & rows_exist:
         tma.store_wait(0)  # the previous block's stores have read the staging buffer
         tile.store(value)
         fence_async_shared()
@@ -241,7 +243,7 @@ def _store_block(
         tile.permute((1, 0)).store(value)
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [batch_index, first_n, first_m], staging)
-    elif first_n == first_m:
+    elif (first_n == first_m) & rows_exist:
         tma.store_wait(0)
         tile.store(value)
         transposed = tile.permute((1, 0)).load(layout)
@@ -266,6 +268,7 @@ def _epilogue_block(
     batch_index,
     first_m,
     first_n,
+    rows_exist,
     alpha,
     beta,
     gamma,
@@ -286,7 +289,16 @@ def _epilogue_block(
     rows = first_m + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
     cols = first_n + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
     value += gl.where(rows[:, None] == cols[None, :], gamma, 0.0)
-    _store_block(value.to(out_desc.dtype), out_desc, staging, batch_index, first_m, first_n, layout)
+    _store_block(
+        value.to(out_desc.dtype),
+        out_desc,
+        staging,
+        batch_index,
+        first_m,
+        first_n,
+        rows_exist,
+        layout,
+    )
 
 
 @gluon.jit
@@ -304,7 +316,7 @@ def _consumer(
     at ring positions ``local_tile·k_steps + ks`` whichever consumer takes it.
     """
     a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs, turns = state[0]
-    k, total_tiles, tiles_per_matrix, alpha, beta, gamma = state[1]
+    m, k, total_tiles, tiles_per_matrix, alpha, beta, gamma = state[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     CONSUMER_WARPS: gl.constexpr = gl.num_warps()
@@ -376,6 +388,7 @@ def _consumer(
             batch_index,
             first_m,
             first_n,
+            first_m < m,
             alpha,
             beta,
             gamma,
@@ -394,6 +407,7 @@ def _consumer(
                 batch_index,
                 first_m,
                 first_n + BLOCK_C,
+                first_m < m,
                 alpha,
                 beta,
                 gamma,
@@ -463,7 +477,7 @@ def _symmetric_product_gluon_kernel(
     # (a constexpr stored in a tuple variable becomes a tensor).
     consumer = (
         (a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs, turns),
-        (k, total_tiles, tiles_per_matrix, alpha, beta, gamma),
+        (m, k, total_tiles, tiles_per_matrix, alpha, beta, gamma),
     )
     loader = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, m, k, total_tiles, tiles_per_matrix)
     c_loader = (c_desc, c_bufs, c_ready, c_empty, total_tiles, tiles_per_matrix)
