@@ -124,7 +124,7 @@ def check(out, ref) -> str:
     symmetric = bool(torch.equal(out, out.mT))
     diff = (out.float() - ref).abs().max().item()
     rel = diff / max(ref.abs().max().item(), 1e-30)
-    ok = written and symmetric and rel < 2e-2
+    ok = written and symmetric and rel < 1e-2  # bf16 output rounding is ~4e-3
     return (
         f"max_rel_err={rel:.2e} symmetric={symmetric} all_written={written}"
         f" {'OK' if ok else 'WRONG'}"
