@@ -418,8 +418,9 @@ def _consumer(
     tma.store_wait(0)
 
 
-# Tile counts take any value: specialising on them (==1, %16) would compile per stack size.
-@gluon.jit(do_not_specialize=["total_tiles", "tiles_per_matrix"])
+# Sizes only feed TMA coordinates and loop bounds: specialising on them (==1, %16) would compile
+# one binary per shape class for nothing.
+@gluon.jit(do_not_specialize=["m", "k", "total_tiles", "tiles_per_matrix"])
 def _symmetric_product_gluon_kernel(
     a_desc,
     b_desc,

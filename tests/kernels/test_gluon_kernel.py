@@ -157,7 +157,7 @@ def _run(a, b, c, alpha, beta, gamma, config):
 
 
 @pytest.mark.gpu
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=24, deadline=None)
 @given(
     m=st.integers(1, 80).map(lambda i: 8 * i),  # 8..640: ragged edges, several tiles
     k=st.integers(1, 90).map(lambda i: 8 * i),
