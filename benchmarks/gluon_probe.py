@@ -36,7 +36,7 @@ DEFAULT_CONFIGS = ";".join(
         "split=1,stages=4,consumers=2,num_warps=4",  # ping-pong, 4 stages (no C only)
         "split=2,stages=3,c_slots=1",  # 128×256, C one block ahead
         "split=2,stages=4",  # 128×256, 4 stages (no C only)
-        "split=2,stages=2,c_slots=2",  # 128×256, C fully prefetched
+        "split=2,block_k=32,stages=5,c_slots=2",  # 128×256, finer stages, C fully prefetched
     ]
 )
 
