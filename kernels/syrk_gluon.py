@@ -1,0 +1,782 @@
+"""A warp-specialised, persistent Gluon kernel for the symmetric product (SM90).
+
+``out = alpha·A·B + beta·C + gamma·I`` with the result known to be symmetric (SYRK: ``B = Aᵀ``;
+``sym_mm``: ``A·B`` symmetric), computing only the lower triangle, exactly as the Triton
+kernels of ``lower_tiles.py`` do and with the same element rule, so the output is bitwise
+symmetric. Written in Gluon (``triton.experimental.gluon``), which exposes what the Triton
+kernels leave to the compiler: warp specialisation, ``wgmma``, TMA and mbarriers.
+
+Partitions (``gl.warp_specialize``), one persistent CTA per SM:
+
+- *operand loader* (1 warp): walks the CTA's tiles and streams ``A`` and ``B`` K-slices into a
+  ring of ``STAGES`` shared-memory stages through TMA (``ready``/``empty`` mbarriers);
+- *C loader* (1 warp, only with a ``beta·C`` term): streams each tile's ``C`` blocks into a ring
+  of ``C_SLOTS`` buffers, so ``C`` arrives while the main loop runs instead of after it;
+- *consumers* (``CONSUMERS`` × warpgroups): asynchronous ``warpgroup_mma`` over the stages,
+  then the epilogue. With one consumer (``num_warps`` 4 or 8) it owns every tile; with two
+  (``num_warps=4`` each, "ping-pong") they take alternate tiles, so one consumer's epilogue
+  runs while the other's MMAs keep the tensor cores busy.
+
+Tiles. A tile is ``128 × (128·SPLIT)``: ``SPLIT`` 128×128 *blocks* side by side, one fp32
+accumulator each. The tiles walk the lower triangle of each matrix as ``lower_tiles.py``
+describes (super-tiles of ``128·SPLIT`` in ``SPLIT`` row strips, the flat index over the
+stack, a persistent grid of one CTA per SM). A block strictly below the diagonal is stored
+by TMA twice, in place and transposed (the transpose is written into the staging buffer
+through a permuted shared-memory view); a block on the diagonal is made symmetric in
+registers (``where(i ≥ j, v, vᵀ)``, ``vᵀ`` read back through the permuted view) and stored
+once by TMA; a block above the diagonal (the right half of a diagonal strip) is neither
+multiplied nor stored. TMA clips every store at the matrix's own edge (3-D descriptors), so
+``m`` need not be a multiple of the tile.
+
+Requirements (:func:`gluon_supported`): an SM90 GPU and a Triton with Gluon; fp16/bf16
+operands; ``a`` row-major ``(m, k)`` or ``(batch, m, k)`` (contiguous), ``b`` ``None`` or a
+row-major ``(batch, k, m)``, ``c`` ``None`` or contiguous ``m×m`` per matrix; rows 16-byte
+aligned (``k`` and ``m`` multiples of 8). :func:`launch_gluon_kernel` raises a ``ValueError``
+naming the unsupported property otherwise.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+BLOCK: int = 128  # rows of a tile and side of a block (the wgmma M of one consumer warpgroup)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA on SM90 (227 KiB)
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """One configuration of the Gluon kernel.
+
+    >>> GluonConfig(split=2, stages=3).name
+    'g128x256_k64_s3_c1w8_cs2'
+    """
+
+    split: int = 1  # 128×128 blocks per tile: 1 (128×128 tiles) or 2 (128×256)
+    block_k: int = 64
+    stages: int = 4  # operand ring depth
+    consumers: int = 1  # consumer partitions: 1 (cooperative) or 2 (ping-pong, 4 warps each)
+    num_warps: int = 8  # warps of each consumer: 4 or 8 (8: two warpgroups share a tile)
+    c_slots: int = 2  # C ring depth, in 128×128 blocks (only with a beta·C term)
+    maxnreg: int | None = None  # per-thread register cap of the launch (None: Triton's)
+
+    def __post_init__(self) -> None:
+        if self.split not in (1, 2):
+            raise ValueError(f"GluonConfig: split={self.split} must be 1 or 2")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"GluonConfig: consumers={self.consumers} must be 1 or 2")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"GluonConfig: num_warps={self.num_warps} must be 4 or 8")
+        if self.consumers == 2 and self.num_warps != 4:
+            raise ValueError("GluonConfig: two consumers (ping-pong) run 4 warps each")
+        if self.consumers == 2 and (self.split != 1 or self.c_slots < 2):
+            raise ValueError(
+                "GluonConfig: two consumers take 128×128 tiles (split=1) and c_slots >= 2 "
+                "(a consumer must never wait on a C slot two ring passes ahead)"
+            )
+        if self.stages < 2 or self.c_slots < 1:
+            raise ValueError("GluonConfig: stages >= 2 and c_slots >= 1")
+
+    @property
+    def cols(self) -> int:
+        return BLOCK * self.split
+
+    @property
+    def name(self) -> str:
+        return (
+            f"g{BLOCK}x{self.cols}_k{self.block_k}_s{self.stages}"
+            f"_c{self.consumers}w{self.num_warps}_cs{self.c_slots}"
+            + (f"_r{self.maxnreg}" if self.maxnreg else "")
+        )
+
+    def smem_bytes(self, operand_size: int, c_size: int | None, out_size: int) -> int:
+        """Shared memory the kernel allocates (operand ring, C ring, staging, barriers)."""
+        operands = self.stages * (BLOCK + self.cols) * self.block_k * operand_size
+        c_ring = 0 if c_size is None else self.c_slots * BLOCK * BLOCK * c_size
+        staging = self.consumers * BLOCK * BLOCK * out_size
+        barriers = 8 * 2 * (self.stages + self.c_slots + 1)
+        return operands + c_ring + staging + barriers + 512  # + alignment padding
+
+
+DEFAULT_CONFIG = GluonConfig()
+
+
+# ----------------------------------------------------------------------------------------------
+# Device code
+# ----------------------------------------------------------------------------------------------
+
+
+@gluon.constexpr_function
+def _acc_layout(num_warps, cols):
+    """The wgmma accumulator layout of a 128×``cols`` block over ``num_warps`` warps."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16]
+    )
+
+
+@gluon.jit
+def _tile_origin(tile, tiles_per_matrix, SPLIT: gl.constexpr):
+    """Flat tile index -> ``(batch_index, first_m, first_n)`` of the lower-triangle walk.
+
+    ``t // SPLIT`` is a super-tile ``(row, col)``, ``col <= row``, by the square-root formula
+    of ``lower_tiles._lower_tile_coords``; ``t % SPLIT`` is the 128-row strip in it.
+    """
+    batch_index = tile // tiles_per_matrix
+    t = tile - batch_index * tiles_per_matrix
+    s = t // SPLIT
+    row = ((gl.sqrt((8 * s + 1).to(gl.float32)) - 1.0) * 0.5).to(gl.int32)
+    # fp32 rounding of the square root can land one off on either side: correct it.
+    row = gl.where((row + 1) * (row + 2) // 2 <= s, row + 1, row)
+    row = gl.where(row * (row + 1) // 2 > s, row - 1, row)
+    col = s - row * (row + 1) // 2
+    first_m = row * (BLOCK_C * SPLIT) + (t % SPLIT) * BLOCK_C
+    first_n = col * (BLOCK_C * SPLIT)
+    return batch_index, first_m, first_n
+
+
+BLOCK_C = gl.constexpr(BLOCK)
+
+
+@gluon.jit
+def _operand_loader(state, SPLIT: gl.constexpr, SYRK: gl.constexpr):
+    """Operand loader partition: every K-slice of every tile of this CTA, in order."""
+    a_desc, b_desc, a_bufs, b_bufs, ready, empty, m, k, total_tiles, tiles_per_matrix = state
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + SPLIT * b_desc.block_type.nbytes
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    k_steps = gl.cdiv(k, BLOCK_K)
+    pos = 0
+    for tile in range(pid, total_tiles, programs):
+        batch_index, first_m, first_n = _tile_origin(tile, tiles_per_matrix, SPLIT)
+        for ks in range(k_steps):
+            stage = pos % STAGES
+            phase = (pos // STAGES) & 1
+            # mbarriers start as if phase 1 had completed: the first pass finds every stage free.
+            mbarrier.wait(empty.index(stage), phase ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, STAGE_BYTES)
+            k0 = ks * BLOCK_K
+            tma.async_copy_global_to_shared(
+                a_desc, [batch_index * m + first_m, k0], bar, a_bufs.index(stage)
+            )
+            for h in gl.static_range(SPLIT):
+                b_buf = b_bufs.index(stage * SPLIT + h)
+                if SYRK:  # B = Aᵀ: the columns' operand is A's rows
+                    tma.async_copy_global_to_shared(
+                        b_desc, [batch_index * m + first_n + h * BLOCK_C, k0], bar, b_buf
+                    )
+                else:
+                    tma.async_copy_global_to_shared(
+                        b_desc, [batch_index, k0, first_n + h * BLOCK_C], bar, b_buf
+                    )
+            pos += 1
+
+
+@gluon.jit
+def _c_loader(state, SPLIT: gl.constexpr):
+    """C loader partition: each tile's ``SPLIT`` C blocks into the C ring, in tile order."""
+    c_desc, c_bufs, c_ready, c_empty, total_tiles, tiles_per_matrix = state
+    C_SLOTS: gl.constexpr = c_bufs.shape[0]
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    pos = 0
+    for tile in range(pid, total_tiles, programs):
+        batch_index, first_m, first_n = _tile_origin(tile, tiles_per_matrix, SPLIT)
+        for h in gl.static_range(SPLIT):
+            slot = pos % C_SLOTS
+            mbarrier.wait(c_empty.index(slot), ((pos // C_SLOTS) & 1) ^ 1)
+            bar = c_ready.index(slot)
+            mbarrier.expect(bar, c_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                c_desc, [batch_index, first_m, first_n + h * BLOCK_C], bar, c_bufs.index(slot)
+            )
+            pos += 1
+
+
+@gluon.jit
+def _b_view(b_bufs, index, SYRK: gl.constexpr):
+    """The K×128 B operand of one block: A's rows read transposed (SYRK) or B's own tile."""
+    if SYRK:
+        return b_bufs.index(index).permute((1, 0))
+    else:
+        return b_bufs.index(index).reshape([b_bufs.shape[2], b_bufs.shape[3]])
+
+
+@gluon.jit
+def _store_block(
+    value,
+    out_desc,
+    staging,
+    batch_index,
+    first_m,
+    first_n,
+    rows_exist,
+    layout: gl.constexpr,
+):
+    """Store one 128×128 block of the lower-triangle walk with its mirror (the element rule).
+
+    Strictly below the diagonal: in place and transposed (two TMA stores through one staging
+    buffer). On the diagonal: ``where(i >= j, v, vᵀ)`` in place. Above, or in a strip that
+    starts past the matrix's last row (``rows_exist`` False): nothing.
+    """
+    tile = staging.reshape([BLOCK_C, BLOCK_C])
+    if (first_n + BLOCK_C <= first_m) & rows_exist:
+        tma.store_wait(0)  # the previous block's stores have read the staging buffer
+        tile.store(value)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [batch_index, first_m, first_n], staging)
+        tma.store_wait(0)
+        tile.permute((1, 0)).store(value)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [batch_index, first_n, first_m], staging)
+    elif (first_n == first_m) & rows_exist:
+        tma.store_wait(0)
+        tile.store(value)
+        transposed = tile.permute((1, 0)).load(layout)
+        rows = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
+        symmetric = gl.where(rows[:, None] >= cols[None, :], value, transposed)
+        gl.thread_barrier()  # every lane has read vᵀ before the tile is overwritten
+        tile.store(symmetric)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [batch_index, first_m, first_m], staging)
+
+
+@gluon.jit
+def _epilogue_block(
+    acc,
+    c_bufs,
+    c_ready,
+    c_empty,
+    c_pos,
+    out_desc,
+    staging,
+    batch_index,
+    first_m,
+    first_n,
+    rows_exist,
+    alpha,
+    beta,
+    gamma,
+    HAS_C: gl.constexpr,
+    layout: gl.constexpr,
+):
+    """fp32 ``alpha·acc + beta·C + gamma·I`` of one block, rounded once, stored by the rule."""
+    value = acc * alpha
+    if HAS_C:
+        C_SLOTS: gl.constexpr = c_bufs.shape[0]
+        slot = c_pos % C_SLOTS
+        mbarrier.wait(c_ready.index(slot), (c_pos // C_SLOTS) & 1)
+        c_tile = c_bufs.index(slot).reshape([BLOCK_C, BLOCK_C]).load(layout)
+        fence_async_shared()  # generic-proxy reads before the next TMA write of the slot
+        gl.thread_barrier()  # every lane has read the slot before the C loader may refill it
+        mbarrier.arrive(c_empty.index(slot), count=1)
+        value += beta * c_tile.to(gl.float32)
+    rows = first_m + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
+    cols = first_n + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
+    value += gl.where(rows[:, None] == cols[None, :], gamma, 0.0)
+    _store_block(
+        value.to(out_desc.dtype),
+        out_desc,
+        staging,
+        batch_index,
+        first_m,
+        first_n,
+        rows_exist,
+        layout,
+    )
+
+
+@gluon.jit
+def _consumer(
+    state,
+    CONSUMER: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+    SPLIT: gl.constexpr,
+    SYRK: gl.constexpr,
+    HAS_C: gl.constexpr,
+):
+    """Consumer partition: wgmma over the stages of its tiles, then the epilogue.
+
+    Consumer ``CONSUMER`` takes every ``CONSUMERS``-th tile of this CTA; a tile's K-slices sit
+    at ring positions ``local_tile·k_steps + ks`` whichever consumer takes it.
+    """
+    a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs, turns = state[0]
+    m, k, total_tiles, tiles_per_matrix, alpha, beta, gamma = state[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    CONSUMER_WARPS: gl.constexpr = gl.num_warps()
+    layout: gl.constexpr = _acc_layout(CONSUMER_WARPS, BLOCK_C)
+    staging = out_bufs.index(CONSUMER)
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    k_steps = gl.cdiv(k, BLOCK_K)
+    local = CONSUMER
+    for tile in range(pid + CONSUMER * programs, total_tiles, CONSUMERS * programs):
+        batch_index, first_m, first_n = _tile_origin(tile, tiles_per_matrix, SPLIT)
+        acc0 = gl.zeros((BLOCK_C, BLOCK_C), gl.float32, layout)
+        acc1 = gl.zeros((BLOCK_C, BLOCK_C), gl.float32, layout)
+        # The right block of a diagonal strip lies above the diagonal: not multiplied.
+        right = first_n < first_m
+        if CONSUMERS == 2:
+            # Main loops take turns in tile order: a consumer waits on a stage at most one
+            # ring pass ahead of the loader (mbarrier phases are parities), and its MMAs run
+            # while the other consumer is in its epilogue.
+            n = local // 2
+            if CONSUMER == 1:
+                mbarrier.wait(turns.index(0), n & 1)
+            else:
+                mbarrier.wait(turns.index(1), (n - 1) & 1, pred=n > 0)
+        pos = local * k_steps
+        for ks in range(k_steps):
+            stage = pos % STAGES
+            mbarrier.wait(ready.index(stage), (pos // STAGES) & 1)
+            a = a_bufs.index(stage)
+            b0 = _b_view(b_bufs, stage * SPLIT, SYRK)
+            # One K-slice's MMAs stay in flight while the next slice is awaited.
+            if SPLIT == 2:
+                if right:
+                    acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
+                    b1 = _b_view(b_bufs, stage * SPLIT + 1, SYRK)
+                    acc1 = warpgroup_mma(a, b1, acc1, is_async=True)
+                    acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
+                else:
+                    acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
+                    acc0 = warpgroup_mma_wait(1, deps=(acc0,))
+            else:
+                acc0 = warpgroup_mma(a, b0, acc0, is_async=True)
+                acc0 = warpgroup_mma_wait(1, deps=(acc0,))
+            # The previous stage's MMAs are complete: hand it back to the loader.
+            if ks > 0:
+                if CONSUMER_WARPS > 4:
+                    gl.thread_barrier()  # both warpgroups are past their wait
+                mbarrier.arrive(empty.index((pos - 1) % STAGES), count=1)
+            pos += 1
+        if CONSUMERS == 2:
+            mbarrier.arrive(turns.index(CONSUMER), count=1)
+        if SPLIT == 2:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=(acc0,))
+        if CONSUMER_WARPS > 4:
+            gl.thread_barrier()
+        mbarrier.arrive(empty.index((pos - 1) % STAGES), count=1)
+
+        c_pos = local * SPLIT
+        _epilogue_block(
+            acc0,
+            c_bufs,
+            c_ready,
+            c_empty,
+            c_pos,
+            out_desc,
+            staging,
+            batch_index,
+            first_m,
+            first_n,
+            first_m < m,
+            alpha,
+            beta,
+            gamma,
+            HAS_C,
+            layout,
+        )
+        if SPLIT == 2:
+            _epilogue_block(
+                acc1,
+                c_bufs,
+                c_ready,
+                c_empty,
+                c_pos + 1,
+                out_desc,
+                staging,
+                batch_index,
+                first_m,
+                first_n + BLOCK_C,
+                first_m < m,
+                alpha,
+                beta,
+                gamma,
+                HAS_C,
+                layout,
+            )
+        local += CONSUMERS
+    tma.store_wait(0)
+
+
+# Sizes only feed TMA coordinates and loop bounds: specialising on them (==1, %16) would compile
+# one binary per shape class for nothing.
+@gluon.jit(do_not_specialize=["m", "k", "total_tiles", "tiles_per_matrix"])
+def _symmetric_product_gluon_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    out_desc,
+    m,
+    k,
+    total_tiles,
+    tiles_per_matrix,
+    alpha,
+    beta,
+    gamma,
+    SPLIT: gl.constexpr,
+    STAGES: gl.constexpr,
+    C_SLOTS: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+    SYRK: gl.constexpr,
+    HAS_C: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(
+        dtype, [STAGES * SPLIT] + b_desc.block_type.shape, b_desc.layout
+    )
+    out_bufs = gl.allocate_shared_memory(
+        out_desc.dtype, [CONSUMERS] + out_desc.block_type.shape, out_desc.layout
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    if HAS_C:
+        c_bufs = gl.allocate_shared_memory(
+            c_desc.dtype, [C_SLOTS] + c_desc.block_type.shape, c_desc.layout
+        )
+        c_ready = gl.allocate_shared_memory(gl.int64, [C_SLOTS, 1], mbarrier.MBarrierLayout())
+        c_empty = gl.allocate_shared_memory(gl.int64, [C_SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(C_SLOTS):
+            mbarrier.init(c_ready.index(i), count=1)
+            mbarrier.init(c_empty.index(i), count=1)
+    else:  # never read (HAS_C is False): the operand ring stands in
+        c_bufs = a_bufs
+        c_ready = ready
+        c_empty = empty
+    if CONSUMERS == 2:
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
+    else:  # never used with one consumer
+        turns = ready
+
+    # Partitions take their tensors as one tuple and their constexprs as literal arguments
+    # (a constexpr stored in a tuple variable becomes a tensor).
+    consumer = (
+        (a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs, turns),
+        (m, k, total_tiles, tiles_per_matrix, alpha, beta, gamma),
+    )
+    loader = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, m, k, total_tiles, tiles_per_matrix)
+    c_loader = (c_desc, c_bufs, c_ready, c_empty, total_tiles, tiles_per_matrix)
+    if CONSUMERS == 2:
+        if HAS_C:
+            gl.warp_specialize(
+                [
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_operand_loader, (loader, SPLIT, SYRK)),
+                    (_c_loader, (c_loader, SPLIT)),
+                ],
+                [num_warps, 1, 1],
+                [232, 40, 40],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_operand_loader, (loader, SPLIT, SYRK)),
+                ],
+                [num_warps, 1],
+                [232, 40],
+            )
+    else:
+        if HAS_C:
+            gl.warp_specialize(
+                [
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_operand_loader, (loader, SPLIT, SYRK)),
+                    (_c_loader, (c_loader, SPLIT)),
+                ],
+                [1, 1],
+                [40, 40],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_operand_loader, (loader, SPLIT, SYRK)),
+                ],
+                [1],
+                [40],
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[
+        dtype
+    ]
+
+
+def _is_row_major(t: Tensor) -> bool:
+    return t.is_contiguous()
+
+
+def unsupported_reason(a: Tensor, b: Tensor | None, c: Tensor | None = None) -> str | None:
+    """Why the Gluon kernel cannot take these operands, or ``None`` if it can."""
+    if a.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {a.dtype} is not one of {SUPPORTED_DTYPES}"
+    if a.dim() not in (2, 3):
+        return f"a must be 2-D or 3-D, got shape {tuple(a.shape)}"
+    if not _is_row_major(a):
+        return "a must be contiguous (row-major); pass a.contiguous()"
+    m, k = a.shape[-2], a.shape[-1]
+    size = a.element_size()
+    if (k * size) % 16 or (m * size) % 16:
+        return f"rows must be 16-byte aligned for TMA: m={m} and k={k} must be multiples of 8"
+    if a.data_ptr() % 16:
+        return "a's base address must be 16-byte aligned"
+    if b is not None:
+        if b.dtype != a.dtype:
+            return f"operand dtypes differ ({a.dtype} vs {b.dtype})"
+        if b.shape[:-2] != a.shape[:-2] or tuple(b.shape[-2:]) != (k, m):
+            return f"b must have shape {tuple(a.shape[:-2]) + (k, m)}, got {tuple(b.shape)}"
+        if not _is_row_major(b) or b.data_ptr() % 16:
+            return "b must be contiguous (row-major, 16-byte aligned); pass b.contiguous()"
+    if c is not None:
+        if tuple(c.shape) != tuple(a.shape[:-2]) + (m, m):
+            return f"c must have shape {tuple(a.shape[:-2]) + (m, m)}, got {tuple(c.shape)}"
+        if c.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"c dtype {c.dtype} is not fp16/bf16/fp32"
+        if not c.is_contiguous() or c.data_ptr() % 16:
+            return "c must be contiguous and 16-byte aligned; pass c.contiguous()"
+    return None
+
+
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def gluon_supported(a: Tensor, b: Tensor | None, c: Tensor | None = None) -> bool:
+    """Whether :func:`launch_gluon_kernel` can run these operands here (SM90 and the layout)."""
+    if not a.is_cuda or _capability(a.device.index)[0] != 9:
+        return False
+    return unsupported_reason(a, b, c) is None
+
+
+def _descriptor(t: Tensor, shape: list, strides: list, block: list):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, shape, strides, block, layout)
+
+
+def lower_tile_count(m: int, batch: int, split: int) -> tuple[int, int]:
+    """``(tiles per matrix, tiles in the stack)`` of the lower-triangle walk."""
+    side = triton.cdiv(m, BLOCK * split)
+    per_matrix = side * (side + 1) // 2 * split
+    return per_matrix, batch * per_matrix
+
+
+def kernel_arguments(
+    a: Tensor,
+    b: Tensor | None,
+    c: Tensor | None,
+    out: Tensor,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    config: GluonConfig,
+) -> tuple[tuple, dict]:
+    """``(positional arguments, constexprs and launch options)`` of one launch."""
+    m, k = a.shape[-2], a.shape[-1]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    bk = config.block_k
+    a_desc = _descriptor(a, [batch * m, k], [k, 1], [BLOCK, bk])
+    if b is None:
+        b_desc = _descriptor(a, [batch * m, k], [k, 1], [BLOCK, bk])
+    else:  # 3-D: a K-slice past k is zero-filled instead of reading the next matrix
+        b_desc = _descriptor(b, [batch, k, m], [k * m, m, 1], [1, bk, BLOCK])
+    out_desc = _descriptor(out, [batch, m, m], [m * m, m, 1], [1, BLOCK, BLOCK])
+    has_c = c is not None and beta != 0.0
+    c_desc = _descriptor(c, [batch, m, m], [m * m, m, 1], [1, BLOCK, BLOCK]) if has_c else out_desc
+    per_matrix, total = lower_tile_count(m, batch, config.split)
+    args = (a_desc, b_desc, c_desc, out_desc, m, k, total, per_matrix)
+    args += (float(alpha), float(beta), float(gamma))
+    options = dict(
+        SPLIT=config.split,
+        STAGES=config.stages,
+        C_SLOTS=config.c_slots,
+        CONSUMERS=config.consumers,
+        SYRK=b is None,
+        HAS_C=has_c,
+        num_warps=config.num_warps,
+    )
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
+    return args, options
+
+
+def launch_gluon_kernel(
+    a: Tensor,
+    b: Tensor | None,
+    c: Tensor | None,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    out: Tensor | None = None,
+    config: GluonConfig = DEFAULT_CONFIG,
+    num_sms: int | None = None,
+) -> Tensor:
+    """``alpha·a·aᵀ`` (``b=None``) or ``alpha·a·b``, ``+ beta·c + gamma·I``, exactly symmetric.
+
+    The contract of ``symmetric_product.launch_symmetric_product`` for the layouts the Gluon
+    kernel reads (module docstring); anything else raises ``ValueError`` naming the fix.
+    ``out``, if given, must be contiguous with the result's shape and dtype.
+    """
+    why = unsupported_reason(a, b, c)
+    if why is not None:
+        raise ValueError(f"Gluon symmetric-product kernel: {why}")
+    if not a.is_cuda or _capability(a.device.index)[0] != 9:
+        raise ValueError(
+            "Gluon symmetric-product kernel: needs an SM90 (Hopper) GPU; "
+            "use launch_symmetric_product elsewhere"
+        )
+    m = a.shape[-2]
+    out_shape = tuple(a.shape[:-2]) + (m, m)
+    if out is None:
+        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    elif tuple(out.shape) != out_shape or out.dtype != a.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"Gluon symmetric-product kernel: out must be contiguous {out_shape} {a.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}"
+        )
+    if out.numel() == 0:
+        return out
+    has_c = c is not None and beta != 0.0
+    need = config.smem_bytes(a.element_size(), c.element_size() if has_c else None, 2)
+    if need > SMEM_LIMIT:
+        raise ValueError(
+            f"Gluon symmetric-product kernel: {config.name} needs {need} bytes of shared memory "
+            f"(> {SMEM_LIMIT}); use fewer stages or C slots"
+        )
+    args, options = kernel_arguments(a, b, c, out, alpha, beta, gamma, config)
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(a.device.index).multi_processor_count
+    programs = max(1, min(args[6], num_sms))
+    _symmetric_product_gluon_kernel[(programs,)](*args, **options)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling without a GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def _signature_of_descriptor(dtype: torch.dtype, block: list) -> str:
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(dtype))
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    return f"tensordesc<{name}{list(block)},{layout!r}>"
+
+
+def compile_for_target(
+    config: GluonConfig,
+    *,
+    syrk: bool,
+    has_c: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    c_dtype: torch.dtype | None = None,
+    capability: int = 90,
+):
+    """Compile the kernel for ``sm_<capability>`` without a GPU (``triton.compile``).
+
+    Returns Triton's compiled kernel: ``.asm`` holds the TTGIR, PTX and cubin, ``.metadata``
+    the shared memory (``shared``) and launch options. Registers per thread are in the cubin
+    (see :func:`ptxas_resource_usage`).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bk = config.block_k
+    c_dtype = c_dtype or dtype
+    b_block = [BLOCK, bk] if syrk else [1, bk, BLOCK]
+    out_sig = _signature_of_descriptor(dtype, [1, BLOCK, BLOCK])
+    signature = {
+        "a_desc": _signature_of_descriptor(dtype, [BLOCK, bk]),
+        "b_desc": _signature_of_descriptor(dtype, b_block),
+        "c_desc": _signature_of_descriptor(c_dtype, [1, BLOCK, BLOCK]) if has_c else out_sig,
+        "out_desc": out_sig,
+        "m": "i32",
+        "k": "i32",
+        "total_tiles": "i32",
+        "tiles_per_matrix": "i32",
+        "alpha": "fp32",
+        "beta": "fp32",
+        "gamma": "fp32",
+    }
+    constexprs = dict(
+        SPLIT=config.split,
+        STAGES=config.stages,
+        C_SLOTS=config.c_slots,
+        CONSUMERS=config.consumers,
+        SYRK=syrk,
+        HAS_C=has_c,
+        num_warps=config.num_warps,
+    )
+    for name in constexprs:
+        signature[name] = "constexpr"
+    source = GluonASTSource(_symmetric_product_gluon_kernel, signature, constexprs)
+    options = dict(num_warps=config.num_warps)
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def ptxas_resource_usage(compiled) -> dict:
+    """``{"registers", "spill_stores", "spill_loads"}`` of a compiled kernel, from Triton's
+    bundled ``ptxas -v`` run on its PTX (no GPU needed)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    arch = re.search(r"^\.target\s+(\S+)", compiled.asm["ptx"], re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run(
+            [ptxas, f"-arch={arch}", "-v", path, "-o", os.path.join(tmp, "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill_stores": int(spills.group(1)),
+        "spill_loads": int(spills.group(2)),
+    }
