@@ -72,9 +72,14 @@ def parse_configs(spec: str):
 def triton_configs():
     from dmuon_compile.kernels.lower_tiles import TileConfig
 
+    # The autotune shortlist, and its variants reading C by TMA in the epilogue (the autotune's
+    # picks for every product with C of the S and M steps, benchmarks/RESULTS.md §13; without
+    # C they are the same kernel as the first two).
     return [
         TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
         TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True),
+        TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True, c_load="tma"),
+        TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True, c_load="tma"),
     ]
 
 
