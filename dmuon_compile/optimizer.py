@@ -41,10 +41,12 @@ from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where
     PHASE_TP_NS_EAGER,
     STEP_PHASES,
 )
+from dmuon_compile.step_plan import PLAIN_STEP, StepPlan
 from dmuon_compile.trace_labels import NS, STEP, label
 
 if TYPE_CHECKING:
     from dmuon_compile.compiled_step import CompiledMuonStep, StepKey
+    from dmuon_compile.distributed._tp import TPStepHalf
 
 NONFINITE_MODES = ("raise", "skip")
 
@@ -496,7 +498,7 @@ class Muon(torch.optim.Optimizer):
         return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
 
     @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
-    def _agree(self, failure: list, tp_halves: list) -> bool:
+    def _agree(self, failure: list, halves: list[_StepHalf]) -> bool:
         """Between the two halves of the step: whether to commit (``False``: skip), or raise.
 
         Every rank's verdict on its gradients (finite?) and on its local work (did it raise,
@@ -508,10 +510,10 @@ class Muon(torch.optim.Optimizer):
         try:
             commit = self._verdict(check.params, check.finite, failure)
         except BaseException:
-            self._abort(tp_halves, check.fresh)
+            self._abort(halves, check.fresh)
             raise
         if not commit:
-            self._abort(tp_halves, check.fresh)
+            self._abort(halves, check.fresh)
         return commit
 
     def _verdict(self, params: list[Tensor], finite: Tensor | None, failure: list) -> bool:
@@ -566,14 +568,13 @@ class Muon(torch.optim.Optimizer):
     def _nonfinite_names(self, params: list[Tensor], finite: Tensor) -> list[str]:
         return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
 
-    def _abort(self, tp_halves: list, fresh: list) -> None:
+    def _abort(self, halves: list[_StepHalf], fresh: list) -> None:
         """A step that does not commit: no state of its own left behind, TP scatters drained."""
         for p in fresh:
             self.state.pop(p, None)
-        tp = getattr(_replicated_runtime(self.model), "tp", None)
-        for half in tp_halves:
-            if half is not None:
-                tp.abort(half)
+        for half in halves:
+            if half.tp_half is not None:
+                half.tp.abort(half.tp_half)
 
     def _grads_differ_across_ranks(self, params: list[Tensor]) -> bool:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -666,16 +667,16 @@ class Muon(torch.optim.Optimizer):
             opt.step(); opt.step()  # safe: the second step drains the first one's publish
         """
         with label(STEP):
-            runtime = _replicated_runtime(self.model)
-            if runtime is None:
-                return self._step(closure)
-            runtime.before_step()
+            plan = _step_plan(self.model)  # the runtime's actions around the step (step_plan.py)
+            if plan is PLAIN_STEP:
+                return self._step(closure, plan)
+            plan.before()
             try:
-                return self._step(closure, runtime)
+                return self._step(closure, plan)
             finally:
-                runtime.after_step(self.replicate_async)
+                plan.finish(not self.replicate_async)
 
-    def _step(self, closure=None, runtime=None):
+    def _step(self, closure, plan: StepPlan):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -688,20 +689,21 @@ class Muon(torch.optim.Optimizer):
         # Under the user's torch.compile(opt.step) the math is traced on plain local tensors:
         # the owners' and FSDP2's DTensors (meshes, process groups) stay in eager code.
         failure: list = []  # this rank's [(phase, exception)]
-        split, early_parts, rest_parts, adamw = self._prepare(
-            runtime, torch.compiler.is_compiling(), failure
-        )
-        halves = [self._muon_directions(*part, failure) for part in early_parts + rest_parts]
-        if not self._agree(failure, [h.tp_half for h in halves]):
+        jobs, adamw = self._prepare(plan, torch.compiler.is_compiling(), failure)
+        halves = [
+            [self._muon_directions(*job, failure, plan.tp) for job in part_jobs]
+            for part_jobs in jobs
+        ]
+        if not self._agree(failure, [h for part_halves in halves for h in part_halves]):
             return loss  # skipped (nonfinite_grads="skip")
-        # HSDP: the first group the next forward needs is committed and published first, so its
-        # broadcast runs under the rest of the step instead of in front of the next forward.
-        for half in halves[: len(early_parts)]:
-            self._commit(half)
-        if split:
-            runtime.publish_early()
-        for half in halves[len(early_parts) :]:
-            self._commit(half)
+        # The plan's parts in order, each followed by its action (HSDP: the first group the next
+        # forward needs is committed and published first, so its broadcast runs under the rest
+        # of the step instead of in front of the next forward).
+        for part, part_halves in zip(plan.parts, halves):
+            for half in part_halves:
+                self._commit(half)
+            if part.after is not None:
+                part.after()
         for group, params, grads, exp_avgs, exp_avg_sqs, steps in adamw:
             F.adamw_update(
                 params,
@@ -717,10 +719,11 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     @torch.compiler.disable  # DTensor bookkeeping and state creation stay eager
-    def _prepare(self, runtime, local: bool, failure: list):
-        """Create state, split the Muon groups (HSDP early part), flag non-finite gradients.
+    def _prepare(self, plan: StepPlan, local: bool, failure: list):
+        """Create state, split the Muon groups into the plan's parts, flag non-finite gradients.
 
-        Returns ``(split, early_parts, rest_parts, adamw)`` and keeps what ``_agree`` reads in
+        Returns ``(jobs, adamw)``: per part of ``plan``, its ``(part name, group, params, grads,
+        momentum buffers)`` of each Muon group; and keeps what ``_agree`` reads in
         ``self._step_check`` (the parameters with gradients, their finite flags on the device,
         those whose state this step created: dropped again if the step does not commit).
         ``local=True`` gives local tensors (the owners' whole matrices, FSDP2's shards: AdamW
@@ -736,8 +739,8 @@ class Muon(torch.optim.Optimizer):
         if fresh:
             self._check_whole_matrices({id(p) for p in fresh})
         finite = _guarded(failure, PHASE_CHECK, lambda: self._finite_flags(all_grads), None)
-        split, early = runtime.early_split() if runtime is not None else (False, set())
-        early_parts, rest_parts, adamw = [], [], []
+        jobs: list[list] = [[] for _ in plan.parts]
+        adamw = []
         for group in self.param_groups:
             params, grads, state_a, state_b = [], [], [], []
             if not failure:
@@ -759,47 +762,53 @@ class Muon(torch.optim.Optimizer):
                     lists = tuple([local_of(t) for t in xs] for xs in lists)
                 adamw.append((group, *lists, [b[1] for b in state_b]))
                 continue
-            if not split:
-                rest_parts.append(("all", group, params, grads, state_a))
+            if len(plan.parts) == 1:  # one part: the group's lists as they are
+                jobs[0].append((plan.parts[0].name, group, params, grads, state_a))
                 continue
-            for part, keep in (("early", True), ("rest", False)):
-                idx = [i for i, p in enumerate(params) if (id(p) in early) is keep]
+            taken: set[int] = set()
+            for part, part_jobs in zip(plan.parts, jobs):
+                idx = [
+                    i
+                    for i, p in enumerate(params)
+                    if i not in taken and (part.params is None or id(p) in part.params)
+                ]
+                taken.update(idx)
                 if idx:
                     picked = ([params[i] for i in idx], [grads[i] for i in idx])
-                    (early_parts if keep else rest_parts).append(
-                        (part, group, *picked, [state_a[i] for i in idx])
-                    )
+                    part_jobs.append((part.name, group, *picked, [state_a[i] for i in idx]))
         if local:
-            early_parts, rest_parts = (
-                [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in parts]
-                for parts in (early_parts, rest_parts)
-            )
+            jobs = [
+                [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in part_jobs]
+                for part_jobs in jobs
+            ]
         self._step_check = _StepCheck(with_grad, finite, fresh)
-        return split, early_parts, rest_parts, adamw
+        return jobs, adamw
 
     def _muon_directions(
-        self, part: str, group: dict, params: list, grads: list, bufs: list, failure: list
+        self,
+        part: str,
+        group: dict,
+        params: list,
+        grads: list,
+        bufs: list,
+        failure: list,
+        tp=None,
     ) -> _StepHalf:
         """The first half of Muon for some of a group's matrices (``part`` names the subset:
         one compiled graph each): the compiled step if enabled, else the eager reference.
 
         Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local
         tensors (the whole matrix on its owner); ranks that hold no rows of a matrix skip it.
+        ``tp``: the plan's TP stage; its matrices go through :meth:`_tp_directions`.
         After a failure on this rank (``failure`` non-empty) only the collectives go out.
         """
         from dmuon_compile.compiled_step import compile_enabled, compiled_step_for
 
-        tp = getattr(_replicated_runtime(self.model), "tp", None)
         tp_half = None
         if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (``_tp.py``)
-            from dmuon_compile.distributed._tp import TPStepCalls
-
-            calls = TPStepCalls(
-                self.ns, lambda mats: compiled_step_for(self, group, mats, part="tp"), _guarded
-            )
-            (params, grads, bufs), tp_half = tp.directions(
-                group, params, grads, bufs, failure, calls
-            )
+            mine, (params, grads, bufs) = tp.split(params, grads, bufs)
+            if mine:
+                tp_half = self._tp_directions(tp, group, mine, failure)
         params, grads, bufs = _owned_locals(params, grads, bufs)
         half = _StepHalf(group, params, grads, bufs, None, tp, tp_half)
         if not params or failure:
@@ -828,6 +837,61 @@ class Muon(torch.optim.Optimizer):
                 failure, PHASE_COMPILED if compiling else PHASE_EAGER, directions, None
             )
         return half
+
+    def _tp_directions(self, tp, group: dict, mine: list, failure: list) -> TPStepHalf:
+        """The first half of Muon on a part's TP matrices (``mine``: ``tp.split``'s rows), one
+        shape bucket at a time: nothing written, the scatters issued and left for
+        :meth:`_commit` (``tp.commit``) or the abort."""
+        from dmuon_compile.distributed._tp import TPStepHalf
+
+        entries = []
+        for bucket in tp.buckets(mine):
+            entries += self._tp_bucket(tp, group, bucket, failure)
+        grads, bufs = [g for *_, g, _b in mine], [b for *_, b in mine]
+        return TPStepHalf(grads, bufs, group["momentum"], entries)
+
+    def _tp_bucket(self, tp, group: dict, bucket: list, failure: list) -> list:
+        """One shape bucket's Nesterov inputs, gather to the TP owners, their Newton–Schulz on
+        the whole matrices and the scatter of the updates; returns the pending apply entries.
+        The bucket's inputs, gathered pieces and whole matrices are freed when it returns,
+        before the next bucket's are made: a TP owner holds one bucket's whole matrices.
+
+        The gather and the scatter go out on every member whatever happens locally: a member
+        whose momentum or Newton–Schulz raised (or whose step failed earlier) sends
+        placeholders, so the TP group's collectives stay paired and every rank learns of the
+        failure in the agreement."""
+        from dmuon_compile.compiled_step import compiled_step_for
+
+        grads, bufs = [g for *_, g, _b in bucket], [b for *_, b in bucket]
+        updates = grads  # placeholders (never committed) when this rank has failed
+        if not failure:
+            updates = _guarded(
+                failure,
+                PHASE_TP_MOMENTUM,
+                lambda: F.nesterov_input(
+                    grads, bufs, F.hyper(group["momentum"]), group["nesterov"]
+                ),
+                grads,
+            )
+        whole = tp.gather(bucket, updates)  # [(row, whole matrix)] on the TP owner
+        mats = [m for _, m in whole]
+        out = mats  # placeholders
+        with label(NS):
+            if mats and not failure:
+                # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
+                compiled = compiled_step_for(self, group, mats, part="tp")
+                if compiled is not None:
+                    out = _guarded(
+                        failure, PHASE_TP_NS_COMPILED, lambda: compiled.orthogonalize(mats), mats
+                    )
+                else:
+                    out = _guarded(
+                        failure, PHASE_TP_NS_EAGER, lambda: tp.orthogonalize(mats, self.ns), mats
+                    )
+        ortho = dict(zip((i for i, _ in whole), out))
+        whole = mats = out = None  # the whole matrices: freed once orthogonalised
+        lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
+        return tp.scatter(bucket, updates, ortho, lr, wd, group["adjust_lr_fn"])
 
     def _commit(self, half: _StepHalf) -> None:
         """The second half: momentum and weights written (elementwise, after the agreement)."""
@@ -917,13 +981,13 @@ def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, li
     return kept
 
 
-def _replicated_runtime(model: nn.Module | None):
-    """The HSDP/TP runtime ``dedicate_params`` attached to ``model`` (``None`` without either)."""
+def _step_plan(model: nn.Module | None) -> StepPlan:
+    """The step plan of the runtime ``dedicate_params`` attached to ``model`` (``step_plan.py``;
+    :data:`PLAIN_STEP` without one)."""
     from dmuon_compile.dedicated_registry import runtime_of
 
     runtime = runtime_of(model)
-    wanted = getattr(runtime, "replicated", False) or getattr(runtime, "tp", None) is not None
-    return runtime if wanted else None
+    return PLAIN_STEP if runtime is None else runtime.step_plan()
 
 
 def _local(t: Tensor) -> Tensor:

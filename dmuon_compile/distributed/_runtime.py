@@ -25,8 +25,9 @@ end of backward       (autograd callback) wait all reduces: each registered ``pa
 Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
                       reads the new masters, which publishes them. With HSDP the masters of
                       the first forward group are stepped first and published at once
-                      (``publish_early``): their broadcast runs under the rest of the step, so
-                      the next forward's first unshard does not wait for it
+                      (the step plan's early part, ``step_plan``): their broadcast runs under
+                      the rest of the step, so the next forward's first unshard does not wait
+                      for it
 
 HSDP adds the replicate stage (``_replicate.py``): the reduce to owners continues over the
 replicate group to the global owner, and ``Muon.step`` ends with :meth:`publish`, the global
@@ -59,6 +60,7 @@ accumulate on the unsharded leaves and are reduced on the sync step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -75,6 +77,7 @@ from dmuon_compile.distributed._dedicated_group import (
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._pending import PendingUpdates
 from dmuon_compile.distributed.owner_plan import OwnerPlan
+from dmuon_compile.step_plan import PLAIN_STEP, StepPart, StepPlan
 
 
 def iter_tensors(obj, _depth: int = 0) -> Iterator[Tensor]:
@@ -157,7 +160,7 @@ class DedicatedRuntime:
         # whether a publish is due (a synchronising backward ran, or a weight was written
         # outside a step, and nothing published since): ``_pending.py``.
         self.pending = PendingUpdates()
-        self._published_early: set[int] = set()  # groups Muon.step published mid-step
+        self._published_early: set[int] = set()  # the step plan's early group: after_step skips it
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
         self.tp = None  # TP stage (``_tp.py``): gather → NS on the TP owner → scatter
@@ -572,7 +575,7 @@ class DedicatedRuntime:
 
     @torch.compiler.disable
     def before_step(self) -> None:
-        """Called by ``Muon.step`` first: the masters are a broadcast source until it finished,
+        """The step plan's first action: the masters are a broadcast source until it finished,
         and a step without a forward since the last applies that one's updates first."""
         self.pending.drain()
         self._published_early = set()
@@ -583,37 +586,45 @@ class DedicatedRuntime:
         first = order[0] if order else None
         return first if first is not None and first.replicate is not None else None
 
-    def early_split(self) -> tuple[bool, set[int]]:
-        """(whether ``Muon.step`` publishes :meth:`early_group` mid-step, ``id`` of this rank's
-        masters in it, which it steps first).
+    def step_plan(self) -> StepPlan:
+        """The plan ``Muon.step`` walks (``step_plan.py``): drain first, publish last (HSDP);
+        with HSDP and two or more groups, this rank's masters of :meth:`early_group` are stepped
+        first and that group is published at once, so its broadcast runs under the rest of the
+        step; with TP, the TP stage.
 
-        Off with a single group (nothing to overlap the early publish with). The switch depends
-        only on state every rank shares (plan, forward order), never on what this rank owns, so
-        every rank calls :meth:`publish_early` at the same point: the collectives stay SPMD.
+        The parts and actions depend only on state every rank shares (plan, forward order),
+        never on what this rank owns, so every rank issues the same collectives at the same
+        points: SPMD. Without HSDP and TP: :data:`PLAIN_STEP` (nothing to do around the step).
         """
+        if not self.replicated and self.tp is None:
+            return PLAIN_STEP
+        parts = (StepPart("all"),)
         group = self.early_group()
-        if group is None or len(self.groups) < 2:
-            return False, set()
-        return True, {id(p.param) for p in group.params if p.owns}
+        if group is not None and len(self.groups) >= 2:  # one group: nothing to overlap with
+            mine = frozenset(id(p.param) for p in group.params if p.owns)
+            publish = functools.partial(self._publish_early, group)
+            parts = (StepPart("early", mine, after=publish), StepPart("rest"))
+        return StepPlan(parts, before=self.before_step, finish=self.after_step, tp=self.tp)
 
     @torch.compiler.disable
-    def publish_early(self) -> None:
-        """Mid-step: broadcast :meth:`early_group` now; ``after_step`` publishes the rest."""
-        group = self.early_group()
-        if group is not None:
-            self._publish_groups([group])
-            self._published_early.add(id(group))
+    def _publish_early(self, group: DedicatedGroup) -> None:
+        """Mid-step (the early part's ``after``): broadcast ``group`` now; :meth:`after_step`
+        publishes the rest."""
+        self._publish_groups([group])
+        self._published_early.add(id(group))
 
     @torch.compiler.disable
-    def after_step(self, replicate_async: bool = True) -> None:
-        """Called by ``Muon.step`` last (also when it raised or skipped): publish the weights."""
+    def after_step(self, wait: bool = False) -> None:
+        """The step plan's last action (also when the step raised or skipped): publish the
+        weights the early part has not published; ``wait``: wait for them here
+        (``Muon(replicate_async=False)``), else leave them in flight for the next forward."""
         early = self._published_early
         self._publish_groups(
             g for g in self.groups if g.replicate is not None and id(g) not in early
         )
         self._published_early = set()
         self.pending.publish_due = False
-        if not replicate_async:
+        if wait:
             self.wait_publish()
 
     def pending_collectives(self) -> int:
