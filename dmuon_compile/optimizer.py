@@ -762,7 +762,7 @@ class Muon(torch.optim.Optimizer):
                     lists = tuple([local_of(t) for t in xs] for xs in lists)
                 adamw.append((group, *lists, [b[1] for b in state_b]))
                 continue
-            if len(plan.parts) == 1:  # one part: the group's lists as they are
+            if len(plan.parts) == 1 and plan.parts[0].params is None:  # the lists as they are
                 jobs[0].append((plan.parts[0].name, group, params, grads, state_a))
                 continue
             taken: set[int] = set()
