@@ -68,12 +68,7 @@ from torch import Tensor, nn
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat
-from dmuon_compile.distributed._dedicated_group import (
-    SHARDED,
-    UNSHARDED,
-    UNSHARDING,
-    DedicatedGroup,
-)
+from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupState
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._pending import PendingUpdates
 from dmuon_compile.distributed.owner_plan import OwnerPlan
@@ -303,7 +298,7 @@ class DedicatedRuntime:
             # group): drop the unsharded copies, the weights may have changed since.
             self._last_done = False
             for g in self.groups:
-                if g.state == UNSHARDED:
+                if g.state == GroupState.UNSHARDED:
                     g.reshard()
         if id(group) not in self._index:
             self._index[id(group)] = len(self.forward_order)
@@ -314,7 +309,7 @@ class DedicatedRuntime:
             self._started_at.setdefault(id(group), self._clock)
         group.wait_unshard()
         nxt = self._neighbour(group, +1)
-        if nxt is not None and nxt.state == SHARDED:
+        if nxt is not None and nxt.state == GroupState.SHARDED:
             nxt.unshard(prefetch=True)
 
     def _pre_recompute(self, group: DedicatedGroup) -> None:
@@ -380,7 +375,7 @@ class DedicatedRuntime:
             self._issue_reduces(until=self._finished_before(group))
         group.wait_unshard()
         prev = self._neighbour(group, -1, by_end=True)
-        if prev is not None and prev.state == SHARDED and prev.reshard_after_forward:
+        if prev is not None and prev.state == GroupState.SHARDED and prev.reshard_after_forward:
             prev.unshard(prefetch=True)
 
     def _sync_on(self) -> bool:
@@ -498,7 +493,7 @@ class DedicatedRuntime:
         self._reduces_issued = 0
         for group in self.groups:
             group.drain()
-            if group.state == UNSHARDED or group.reshard_after_forward is False:
+            if group.state == GroupState.UNSHARDED or group.reshard_after_forward is False:
                 group.reshard()
             if group.reduced:
                 # Ranks without rows get a zero-row gradient too: every rank's parameters()
@@ -526,7 +521,7 @@ class DedicatedRuntime:
         ``zero_grad``).
         """
         for group in self.groups:
-            if group.state == UNSHARDING:
+            if group.state == GroupState.UNSHARDING:
                 for w in group.works:  # finished for real, as the reduces below (pairing)
                     C.wait_finished(w, f"the unshard of dedicated group {group.name!r}", group.pg)
                 group.wait_unshard()

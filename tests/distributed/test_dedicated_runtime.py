@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dmuon_compile.distributed._dedicated_group import GroupState
+
 from . import models
 from .harness import full_state, local_device, run_ranks
 
@@ -156,7 +158,9 @@ def _outputs_and_modes(rank, world):
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks
         d(x).square().mean().backward()
     out["ckpt_grads"] = models.owned_grads(d)
-    out["ckpt_states"] = sorted({g.state for g in dmuon.distributed.dedicated_runtime(d).groups})
+    out["ckpt_states"] = sorted(
+        {g.state for g in dmuon.distributed.dedicated_runtime(d).groups}, key=str
+    )
     return out
 
 
@@ -165,15 +169,15 @@ def test_outputs_untouched_and_reshard_modes():
         assert r["types"] == ["BlockOutput", "BlockOutput"]
         assert r["aux_is_tuple"]
         assert r["max_diff"] < 1e-5 and r["eval_diff"] < 1e-5
-        assert set(r["states"]) == {"sharded"}
+        assert set(r["states"]) == {GroupState.SHARDED}
         a, b = r["no_reshard_grads"]
-        assert set(a.pop("states")) == {"sharded"} and set(b.pop("states")) == {"sharded"}
+        assert set(a.pop("states")) == set(b.pop("states")) == {GroupState.SHARDED}
         assert a.keys() == b.keys() == r["boundary_grads"].keys() and a
         for n in a:
             torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(r["boundary_grads"][n], b[n], rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(r["ckpt_grads"][n], b[n], rtol=1e-5, atol=1e-7)
-        assert r["ckpt_states"] == ["sharded"]
+        assert r["ckpt_states"] == [GroupState.SHARDED]
         assert r["stale_diff"] < 1e-6
         assert r["boundary_groups"] == [
             f"layers.{i}.{m}" for i in range(models.LAYERS) for m in ("self_attn", "mlp")
@@ -298,7 +302,7 @@ def _precision_and_recovery(rank, world):
     dmuon.wait_all_replicate_broadcasts(model)
     runtime = dedicated_runtime(model)
     out["after_interrupt"] = sorted(
-        {(g.state, len(g.works), len(g.pending_reduce)) for g in runtime.groups}
+        {(g.state, len(g.works), len(g.pending_reduce)) for g in runtime.groups}, key=str
     )
     grads = []
     for m in (model, fresh):
@@ -319,7 +323,7 @@ def test_mixed_precision_policy_and_recovery_after_interrupt():
             and "compute_dtype" in r["conflict"]
             and "param_dtype" in r["conflict"]
         )
-        assert r["after_interrupt"] == [("sharded", 0, 0)]
+        assert r["after_interrupt"] == [(GroupState.SHARDED, 0, 0)]
         a, b = r["resume_grads"]
         assert a.keys() == b.keys() and a
         for n in a:
