@@ -498,7 +498,7 @@ class Muon(torch.optim.Optimizer):
         return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
 
     @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
-    def _agree(self, failure: list, halves: list[_StepHalf]) -> bool:
+    def _agree(self, failure: list, tp_halves: list) -> bool:
         """Between the two halves of the step: whether to commit (``False``: skip), or raise.
 
         Every rank's verdict on its gradients (finite?) and on its local work (did it raise,
@@ -510,10 +510,10 @@ class Muon(torch.optim.Optimizer):
         try:
             commit = self._verdict(check.params, check.finite, failure)
         except BaseException:
-            self._abort(halves, check.fresh)
+            self._abort(tp_halves, check)
             raise
         if not commit:
-            self._abort(halves, check.fresh)
+            self._abort(tp_halves, check)
         return commit
 
     def _verdict(self, params: list[Tensor], finite: Tensor | None, failure: list) -> bool:
@@ -568,13 +568,13 @@ class Muon(torch.optim.Optimizer):
     def _nonfinite_names(self, params: list[Tensor], finite: Tensor) -> list[str]:
         return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
 
-    def _abort(self, halves: list[_StepHalf], fresh: list) -> None:
+    def _abort(self, tp_halves: list, check: _StepCheck) -> None:
         """A step that does not commit: no state of its own left behind, TP scatters drained."""
-        for p in fresh:
+        for p in check.fresh:
             self.state.pop(p, None)
-        for half in halves:
-            if half.tp_half is not None:
-                half.tp.abort(half.tp_half)
+        for half in tp_halves:
+            if half is not None:
+                check.tp.abort(half)
 
     def _grads_differ_across_ranks(self, params: list[Tensor]) -> bool:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -694,7 +694,10 @@ class Muon(torch.optim.Optimizer):
             [self._muon_directions(*job, failure, plan.tp) for job in part_jobs]
             for part_jobs in jobs
         ]
-        if not self._agree(failure, [h for part_halves in halves for h in part_halves]):
+        # Only the TP halves cross into ``_agree`` (eager): under a user-compiled step the other
+        # halves' groups hold DTensor parameters, whose meshes Dynamo cannot pass out.
+        tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
+        if not self._agree(failure, tp_halves):
             return loss  # skipped (nonfinite_grads="skip")
         # The plan's parts in order, each followed by its action (HSDP: the first group the next
         # forward needs is committed and published first, so its broadcast runs under the rest
@@ -781,7 +784,7 @@ class Muon(torch.optim.Optimizer):
                 [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in part_jobs]
                 for part_jobs in jobs
             ]
-        self._step_check = _StepCheck(with_grad, finite, fresh)
+        self._step_check = _StepCheck(with_grad, finite, fresh, plan.tp)
         return jobs, adamw
 
     def _muon_directions(
@@ -925,6 +928,7 @@ class _StepCheck:
     params: list  # the parameters with gradients
     finite: Tensor | None  # their finite flags, on the device
     fresh: list  # those whose state this step created: dropped if the step does not commit
+    tp: object = None  # the plan's TP stage: drops the scatters of a step that does not commit
 
 
 @dataclass
