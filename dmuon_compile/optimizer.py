@@ -203,9 +203,8 @@ class Muon(torch.optim.Optimizer):
         self._building = False
         _tensor_hypers(self.param_groups)
         self._hold_hypers_hook = self.register_step_pre_hook(_hold_hypers)
-        # Per group: its parameter list as built, and where the dedicated weights sit in it.
-        self._dedicated_slots: list[tuple[list, dict[int, Tensor]]] = []
-        self._keep_dedicated()
+        # Per group: its size and where its dedicated weights sit (``restore_dedicated``).
+        self._dedicated_slots = [_dedicated_slots(g["params"]) for g in self.param_groups]
 
     # ------------------------------------------------------------------ groups
     def _build_groups(self, params, predicate) -> list[dict]:
@@ -330,6 +329,7 @@ class Muon(torch.optim.Optimizer):
         for group in groups:
             super().add_param_group(group)  # fills "momentum" into AdamW groups too
             _tensor_hypers([self.param_groups[-1]], taken=self.param_groups[:-1])
+            self._dedicated_slots.append(_dedicated_slots(self.param_groups[-1]["params"]))
 
     def _name_from_model(self, groups: list[dict]) -> None:
         """Unnamed new groups of a ``Muon(model)`` (whose groups are named) get the model's
@@ -364,7 +364,6 @@ class Muon(torch.optim.Optimizer):
         from dmuon_compile.distributed._pending import gradient_writes
         from dmuon_compile.distributed._runtime import in_backward
 
-        self._keep_dedicated()
         if self.model is not None and not in_backward():
             _fsdp_compat.finish_aborted_backward(self.model)
         runtime = runtime_of(self.model)
@@ -373,39 +372,26 @@ class Muon(torch.optim.Optimizer):
         with gradient_writes():  # set_to_none=False zeroes gradients, no weight: no publish
             super().zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict:
-        """``torch.optim.Optimizer.state_dict``, with the parameter lists checked first (see
-        ``_keep_dedicated``)."""
-        self._keep_dedicated()
-        return super().state_dict()
-
     @torch.compiler.disable  # bookkeeping on the parameter lists: eager
-    def _keep_dedicated(self) -> None:
-        """Put the dedicated weights back where they were in each group's parameter list.
+    def restore_dedicated(self) -> None:
+        """Put the dedicated weights back where they were in each group's parameter list, after
+        a wrapper replaced the lists; ``dmuon_compile.integrations.accelerate`` calls it once,
+        right after accelerate's FSDP2 prepare swapped the optimizer's parameters.
 
-        A wrapper may replace the parameter lists after the optimizer was built: accelerate's
-        FSDP2 prepare swaps every parameter for the one ``fully_shard`` registered under its
-        name, finding it by data address (``data_ptr``). That maps FSDP2's parameters to their
-        shards, and a dedicated weight owned here to itself, but every dedicated weight held by
-        another rank has no data here (address 0): those come back in any order. They never
-        change (``fully_shard`` leaves them alone), so each goes back to its position; any other
-        change of a dedicated weight's place raises. Checked at ``step``, ``zero_grad`` and
-        ``state_dict`` (a few identity tests per dedicated weight).
+        That swap replaces every parameter by the one ``fully_shard`` registered under its
+        name, found by data address (``data_ptr``). It maps FSDP2's parameters to their shards,
+        and a dedicated weight owned here to itself, but every dedicated weight held by another
+        rank has no data here (address 0): those come back in any order. They never change
+        (``fully_shard`` leaves them alone), so each goes back to its position; any other
+        change of a dedicated weight's place raises.
         """
-        slots = self._dedicated_slots
         for index, group in enumerate(self.param_groups):
             params = group["params"]
-            if index == len(slots):  # a new group (add_param_group)
-                where = {i: p for i, p in enumerate(params) if isinstance(p, OwnerTensor)}
-                slots.append((params, where))
-                continue
-            kept, where = slots[index]
-            if params is kept and all(params[i] is p for i, p in where.items()):
-                continue
-            if len(params) != len(kept):
+            built, where = self._dedicated_slots[index]
+            if len(params) != built:
                 raise ValueError(
                     f"Muon: param_groups[{index}] now holds {len(params)} parameters, "
-                    f"{len(kept)} when it was built. Replacing parameters is supported one for "
+                    f"{built} when it was built. Replacing parameters is supported one for "
                     "one (a wrapper swapping them for their FSDP2 shards); build a new optimizer "
                     "for another set of parameters."
                 )
@@ -421,9 +407,8 @@ class Muon(torch.optim.Optimizer):
                     "optimizer was built with another parameter. Build the optimizer on the "
                     "model after dmuon.dedicate_params and let it keep its dedicated weights."
                 )
-            slots[index] = (params, where)
-            if self.model is not None:  # the names of the parameters the lists now hold
-                self._param_names.update({id(p): n for n, p in self.model.named_parameters()})
+        if self.model is not None:  # the names of the parameters the lists now hold
+            self._param_names.update({id(p): n for n, p in self.model.named_parameters()})
 
     @staticmethod
     def _has_dedicated(model: nn.Module) -> bool:
@@ -733,7 +718,6 @@ class Muon(torch.optim.Optimizer):
         is elementwise) instead of DTensors. A failure here is appended to ``failure``; the
         lists then hold placeholders (the gradients): the step only sends them, never commits.
         """
-        self._keep_dedicated()
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
@@ -1044,6 +1028,11 @@ def _hold_hypers(opt: Muon, args, kwargs) -> None:
                 held = opt._held_hypers[(index, key)] = torch.zeros((), dtype=torch.float64)
             held.fill_(float(value))
             group[key] = held
+
+
+def _dedicated_slots(params: list) -> tuple[int, dict[int, Tensor]]:
+    """A group's parameter count and where its dedicated weights (owner tensors) sit."""
+    return len(params), {i: p for i, p in enumerate(params) if isinstance(p, OwnerTensor)}
 
 
 def _split_names(group: dict, where: str) -> tuple[list[Tensor], list[str] | None]:

@@ -102,7 +102,7 @@ class OwnerTensor(DTensor):
         # The address of this rank's data (0 where it holds none), as FSDP2's DTensors are
         # addressed by their local shard. accelerate's FSDP2 prepare matches the optimizer's
         # parameters to the model's by it; ``Muon`` puts back the weights held elsewhere,
-        # which all have address 0 (``Muon._keep_dedicated``).
+        # which all have address 0 (``Muon.restore_dedicated``).
         return self._local_tensor.data_ptr()
 
     def to_local(self, *, grad_placements=None) -> Tensor:
