@@ -140,10 +140,11 @@ class OwnerTensor(DTensor):
         # never calls __torch_dispatch__ above: the same handlers and re-wrapping, one level
         # up (torch 2.13 reaches both; the clip ops are then handled here first).
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if _pending._QUEUES and name not in _ACCESSORS:
-            # Reads see the pending updates; writes make a publish due (_pending.py).
-            _pending.before_access(_writes(name, kwargs))
+        if _pending.watched:  # an HSDP or TP runtime lives (one flag: this runs on every op)
+            name = getattr(func, "__name__", "")
+            if name not in _ACCESSORS:
+                # Reads see the pending updates; writes make a publish due (_pending.py).
+                _pending.before_access(_writes(name, kwargs))
         if func in _RANDOM_FILLS and args and isinstance(args[0], OwnerTensor):
             return _random_fill(func, args, kwargs, sys._getframe(1))
         if func in _INIT_ENTRIES:

@@ -174,6 +174,7 @@ class DedicatedRuntime:
             # A state-dict load (DCP's set_state_dict, model.load_state_dict) writes the global
             # owners' masters on every rank at once: the next forward publishes them first.
             self.handles.append(model.register_load_state_dict_post_hook(self._after_load))
+            self.pending.watch()
 
     # ------------------------------------------------------------------ registry API
     def param_names(self) -> list[str]:
@@ -190,6 +191,7 @@ class DedicatedRuntime:
         self.tp = stage
         stage.record_profile = self.record_profile
         stage.queue = self.pending
+        self.pending.watch()  # its deferred scatters are pending updates
 
     def _before_state_dict(self, *_args, **_kwargs) -> None:
         self.pending.drain()
