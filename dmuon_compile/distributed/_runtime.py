@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator
+from enum import Enum, auto
 
 import torch
 from torch import Tensor, nn
@@ -73,6 +74,16 @@ from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._pending import PendingUpdates
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 from dmuon_compile.step_plan import PLAIN_STEP, StepPart, StepPlan
+
+
+class RuntimeState(Enum):
+    """Where a model's iteration is, for its dedicated groups (FSDP2 keeps its own as an enum
+    too, ``TrainingState``)."""
+
+    IDLE = auto()  # no backward running, no whole forward waiting for one (also mid-forward)
+    FORWARD_DONE = auto()  # the last group's forward ended, no backward yet: copies it kept
+    # unsharded may go stale (a step without backward), so the next forward reshards them
+    BACKWARD = auto()  # the end-of-backward callback is queued
 
 
 def iter_tensors(obj, _depth: int = 0) -> Iterator[Tensor]:
@@ -143,12 +154,11 @@ class DedicatedRuntime:
         self._clock = 0
         self._started_at: dict[int, int] = {}
         self._ended_at: dict[int, int] = {}
-        self._backward_queued = False
+        self.state = RuntimeState.IDLE
         self._sync: bool | None = None
         self._reducing: list[DedicatedGroup] = []
         self._reduces_issued = 0  # how many groups of this backward's reduce order reduced
         self._order_frozen = False  # forward_order is complete once a backward has run
-        self._last_done = False  # the last group of a forward ran since the first group did
         self.handles: list = []
         self.replicated = any(g.replicate is not None for g in groups)
         # The one queue of updates in flight (HSDP publishes, deferred TP scatters), and
@@ -291,14 +301,16 @@ class DedicatedRuntime:
             self._pre_recompute(group)
             return
         # No backward is running, so none can be pending: forget one that raised before
-        # its end-callback ran.
-        self._backward_queued, self._sync, self._reduces_issued = False, None, 0
+        # its end-callback ran (its forward was whole: handled as one without backward).
+        self._sync, self._reduces_issued = None, 0
+        if self.state == RuntimeState.BACKWARD:
+            self.state = RuntimeState.FORWARD_DONE
         if self.pending.publish_due:  # weights written by something other than Muon(model).step
             self.publish(wait=False)
-        if self._last_done and group is self.forward_order[0]:
+        if self.state == RuntimeState.FORWARD_DONE and group is self.forward_order[0]:
             # A new forward after a complete one that had no backward (or kept its last
             # group): drop the unsharded copies, the weights may have changed since.
-            self._last_done = False
+            self.state = RuntimeState.IDLE
             for g in self.groups:
                 if g.state == GroupState.UNSHARDED:
                     g.reshard()
@@ -341,7 +353,7 @@ class DedicatedRuntime:
             if torch.is_grad_enabled():
                 self._ended_at[id(group)] = self._clock
             if group is self._last_group():
-                self._last_done = True
+                self.state = RuntimeState.FORWARD_DONE
         if not torch.is_grad_enabled():
             group.reshard()  # no backward follows (eval): never keep weights a step could stale
             return
@@ -361,8 +373,8 @@ class DedicatedRuntime:
         group.reshard()
 
     def _queue_backward_end(self) -> None:
-        if not self._backward_queued:
-            self._backward_queued = True
+        if self.state != RuntimeState.BACKWARD:
+            self.state = RuntimeState.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, group: DedicatedGroup) -> None:
@@ -481,9 +493,8 @@ class DedicatedRuntime:
             self._issue_reduces(until=0)
 
     def _post_backward(self) -> None:
-        self._backward_queued = False
+        self.state = RuntimeState.IDLE  # everything below is resharded anyway
         self._reset_clock()
-        self._last_done = False  # everything below is resharded anyway
         self._order_frozen = bool(self.forward_order)
         sync = bool(self._sync)
         if sync:
@@ -534,9 +545,8 @@ class DedicatedRuntime:
             group.reduced = False
             group.ran_forward = False
             group.reshard()
-        self._backward_queued, self._sync, self._reducing = False, None, []
+        self.state, self._sync, self._reducing = RuntimeState.IDLE, None, []
         self._reduces_issued = 0
-        self._last_done = False
         self._reset_clock()
 
     # ------------------------------------------------------------------ HSDP publish
@@ -641,6 +651,6 @@ class DedicatedRuntime:
             group.drain()
             group.reshard()
             group.grads_ready.clear()
-        self._backward_queued, self._sync, self._reducing = False, None, []
+        self.state, self._sync, self._reducing = RuntimeState.IDLE, None, []  # all resharded
         self._reduces_issued = 0
         self._reset_clock()

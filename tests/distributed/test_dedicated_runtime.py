@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dmuon_compile.distributed._dedicated_group import GroupState
+from dmuon_compile.distributed._runtime import RuntimeState
 
 from . import models
 from .harness import full_state, local_device, run_ranks
@@ -132,14 +133,17 @@ def _outputs_and_modes(rank, world):
         grads.append(models.owned_grads(m))
         grads[-1]["states"] = [g.state for g in dmuon.distributed.dedicated_runtime(m).groups]
     out["no_reshard_grads"] = grads
+    runtime_states = [dmuon.distributed.dedicated_runtime(b).state]  # backward done
     # a forward without backward leaves the last group unsharded; new master values must still
     # reach the next forward (zeroed projections: every block becomes the identity)
     b(x)
+    runtime_states.append(dmuon.distributed.dedicated_runtime(b).state)
     with torch.no_grad():
         for _, p in models.owned_masters(b):
             p.zero_()
     y = b(x)
     out["stale_diff"] = float((y - b.lm_head(b.norm(x))).abs().max())
+    out["runtime_states"] = runtime_states
     # hook_boundary_predicate: one group per attention / MLP module instead of per block
     c = models.build_llama()
     dmuon.dedicate_params(
@@ -179,6 +183,7 @@ def test_outputs_untouched_and_reshard_modes():
             torch.testing.assert_close(r["ckpt_grads"][n], b[n], rtol=1e-5, atol=1e-7)
         assert r["ckpt_states"] == [GroupState.SHARDED]
         assert r["stale_diff"] < 1e-6
+        assert r["runtime_states"] == [RuntimeState.IDLE, RuntimeState.FORWARD_DONE]
         assert r["boundary_groups"] == [
             f"layers.{i}.{m}" for i in range(models.LAYERS) for m in ("self_attn", "mlp")
         ]
