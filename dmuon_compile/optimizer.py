@@ -41,10 +41,12 @@ from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where
     PHASE_TP_NS_EAGER,
     STEP_PHASES,
 )
+from dmuon_compile.step_plan import PLAIN_STEP, StepPlan
 from dmuon_compile.trace_labels import NS, STEP, label
 
 if TYPE_CHECKING:
     from dmuon_compile.compiled_step import CompiledMuonStep, StepKey
+    from dmuon_compile.distributed._tp import TPStepHalf
 
 NONFINITE_MODES = ("raise", "skip")
 
@@ -201,9 +203,8 @@ class Muon(torch.optim.Optimizer):
         self._building = False
         _tensor_hypers(self.param_groups)
         self._hold_hypers_hook = self.register_step_pre_hook(_hold_hypers)
-        # Per group: its parameter list as built, and where the dedicated weights sit in it.
-        self._dedicated_slots: list[tuple[list, dict[int, Tensor]]] = []
-        self._keep_dedicated()
+        # Per group: its size and where its dedicated weights sit (``restore_dedicated``).
+        self._dedicated_slots = [_dedicated_slots(g["params"]) for g in self.param_groups]
 
     # ------------------------------------------------------------------ groups
     def _build_groups(self, params, predicate) -> list[dict]:
@@ -328,6 +329,7 @@ class Muon(torch.optim.Optimizer):
         for group in groups:
             super().add_param_group(group)  # fills "momentum" into AdamW groups too
             _tensor_hypers([self.param_groups[-1]], taken=self.param_groups[:-1])
+            self._dedicated_slots.append(_dedicated_slots(self.param_groups[-1]["params"]))
 
     def _name_from_model(self, groups: list[dict]) -> None:
         """Unnamed new groups of a ``Muon(model)`` (whose groups are named) get the model's
@@ -362,7 +364,6 @@ class Muon(torch.optim.Optimizer):
         from dmuon_compile.distributed._pending import gradient_writes
         from dmuon_compile.distributed._runtime import in_backward
 
-        self._keep_dedicated()
         if self.model is not None and not in_backward():
             _fsdp_compat.finish_aborted_backward(self.model)
         runtime = runtime_of(self.model)
@@ -371,39 +372,26 @@ class Muon(torch.optim.Optimizer):
         with gradient_writes():  # set_to_none=False zeroes gradients, no weight: no publish
             super().zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict:
-        """``torch.optim.Optimizer.state_dict``, with the parameter lists checked first (see
-        ``_keep_dedicated``)."""
-        self._keep_dedicated()
-        return super().state_dict()
-
     @torch.compiler.disable  # bookkeeping on the parameter lists: eager
-    def _keep_dedicated(self) -> None:
-        """Put the dedicated weights back where they were in each group's parameter list.
+    def restore_dedicated(self) -> None:
+        """Put the dedicated weights back where they were in each group's parameter list, after
+        a wrapper replaced the lists; ``dmuon_compile.integrations.accelerate`` calls it once,
+        right after accelerate's FSDP2 prepare swapped the optimizer's parameters.
 
-        A wrapper may replace the parameter lists after the optimizer was built: accelerate's
-        FSDP2 prepare swaps every parameter for the one ``fully_shard`` registered under its
-        name, finding it by data address (``data_ptr``). That maps FSDP2's parameters to their
-        shards, and a dedicated weight owned here to itself, but every dedicated weight held by
-        another rank has no data here (address 0): those come back in any order. They never
-        change (``fully_shard`` leaves them alone), so each goes back to its position; any other
-        change of a dedicated weight's place raises. Checked at ``step``, ``zero_grad`` and
-        ``state_dict`` (a few identity tests per dedicated weight).
+        That swap replaces every parameter by the one ``fully_shard`` registered under its
+        name, found by data address (``data_ptr``). It maps FSDP2's parameters to their shards,
+        and a dedicated weight owned here to itself, but every dedicated weight held by another
+        rank has no data here (address 0): those come back in any order. They never change
+        (``fully_shard`` leaves them alone), so each goes back to its position; any other
+        change of a dedicated weight's place raises.
         """
-        slots = self._dedicated_slots
         for index, group in enumerate(self.param_groups):
             params = group["params"]
-            if index == len(slots):  # a new group (add_param_group)
-                where = {i: p for i, p in enumerate(params) if isinstance(p, OwnerTensor)}
-                slots.append((params, where))
-                continue
-            kept, where = slots[index]
-            if params is kept and all(params[i] is p for i, p in where.items()):
-                continue
-            if len(params) != len(kept):
+            built, where = self._dedicated_slots[index]
+            if len(params) != built:
                 raise ValueError(
                     f"Muon: param_groups[{index}] now holds {len(params)} parameters, "
-                    f"{len(kept)} when it was built. Replacing parameters is supported one for "
+                    f"{built} when it was built. Replacing parameters is supported one for "
                     "one (a wrapper swapping them for their FSDP2 shards); build a new optimizer "
                     "for another set of parameters."
                 )
@@ -419,9 +407,8 @@ class Muon(torch.optim.Optimizer):
                     "optimizer was built with another parameter. Build the optimizer on the "
                     "model after dmuon.dedicate_params and let it keep its dedicated weights."
                 )
-            slots[index] = (params, where)
-            if self.model is not None:  # the names of the parameters the lists now hold
-                self._param_names.update({id(p): n for n, p in self.model.named_parameters()})
+        if self.model is not None:  # the names of the parameters the lists now hold
+            self._param_names.update({id(p): n for n, p in self.model.named_parameters()})
 
     @staticmethod
     def _has_dedicated(model: nn.Module) -> bool:
@@ -508,10 +495,10 @@ class Muon(torch.optim.Optimizer):
         try:
             commit = self._verdict(check.params, check.finite, failure)
         except BaseException:
-            self._abort(tp_halves, check.fresh)
+            self._abort(tp_halves, check)
             raise
         if not commit:
-            self._abort(tp_halves, check.fresh)
+            self._abort(tp_halves, check)
         return commit
 
     def _verdict(self, params: list[Tensor], finite: Tensor | None, failure: list) -> bool:
@@ -566,14 +553,13 @@ class Muon(torch.optim.Optimizer):
     def _nonfinite_names(self, params: list[Tensor], finite: Tensor) -> list[str]:
         return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
 
-    def _abort(self, tp_halves: list, fresh: list) -> None:
+    def _abort(self, tp_halves: list, check: _StepCheck) -> None:
         """A step that does not commit: no state of its own left behind, TP scatters drained."""
-        for p in fresh:
+        for p in check.fresh:
             self.state.pop(p, None)
-        tp = getattr(_replicated_runtime(self.model), "tp", None)
         for half in tp_halves:
             if half is not None:
-                tp.abort(half)
+                check.tp.abort(half)
 
     def _grads_differ_across_ranks(self, params: list[Tensor]) -> bool:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -666,16 +652,16 @@ class Muon(torch.optim.Optimizer):
             opt.step(); opt.step()  # safe: the second step drains the first one's publish
         """
         with label(STEP):
-            runtime = _replicated_runtime(self.model)
-            if runtime is None:
-                return self._step(closure)
-            runtime.before_step()
+            plan = _step_plan(self.model)  # the runtime's actions around the step (step_plan.py)
+            if plan is PLAIN_STEP:
+                return self._step(closure, plan)
+            plan.before()
             try:
-                return self._step(closure, runtime)
+                return self._step(closure, plan)
             finally:
-                runtime.after_step(self.replicate_async)
+                plan.finish(not self.replicate_async)
 
-    def _step(self, closure=None, runtime=None):
+    def _step(self, closure, plan: StepPlan):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -688,20 +674,24 @@ class Muon(torch.optim.Optimizer):
         # Under the user's torch.compile(opt.step) the math is traced on plain local tensors:
         # the owners' and FSDP2's DTensors (meshes, process groups) stay in eager code.
         failure: list = []  # this rank's [(phase, exception)]
-        split, early_parts, rest_parts, adamw = self._prepare(
-            runtime, torch.compiler.is_compiling(), failure
-        )
-        halves = [self._muon_directions(*part, failure) for part in early_parts + rest_parts]
-        if not self._agree(failure, [h.tp_half for h in halves]):
+        jobs, adamw = self._prepare(plan, torch.compiler.is_compiling(), failure)
+        halves = [
+            [self._muon_directions(*job, failure, plan.tp) for job in part_jobs]
+            for part_jobs in jobs
+        ]
+        # Only the TP halves cross into ``_agree`` (eager): under a user-compiled step the other
+        # halves' groups hold DTensor parameters, whose meshes Dynamo cannot pass out.
+        tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
+        if not self._agree(failure, tp_halves):
             return loss  # skipped (nonfinite_grads="skip")
-        # HSDP: the first group the next forward needs is committed and published first, so its
-        # broadcast runs under the rest of the step instead of in front of the next forward.
-        for half in halves[: len(early_parts)]:
-            self._commit(half)
-        if split:
-            runtime.publish_early()
-        for half in halves[len(early_parts) :]:
-            self._commit(half)
+        # The plan's parts in order, each followed by its action (HSDP: the first group the next
+        # forward needs is committed and published first, so its broadcast runs under the rest
+        # of the step instead of in front of the next forward).
+        for part, part_halves in zip(plan.parts, halves):
+            for half in part_halves:
+                self._commit(half)
+            if part.after is not None:
+                part.after()
         for group, params, grads, exp_avgs, exp_avg_sqs, steps in adamw:
             F.adamw_update(
                 params,
@@ -717,17 +707,17 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     @torch.compiler.disable  # DTensor bookkeeping and state creation stay eager
-    def _prepare(self, runtime, local: bool, failure: list):
-        """Create state, split the Muon groups (HSDP early part), flag non-finite gradients.
+    def _prepare(self, plan: StepPlan, local: bool, failure: list):
+        """Create state, split the Muon groups into the plan's parts, flag non-finite gradients.
 
-        Returns ``(split, early_parts, rest_parts, adamw)`` and keeps what ``_agree`` reads in
+        Returns ``(jobs, adamw)``: per part of ``plan``, its ``(part name, group, params, grads,
+        momentum buffers)`` of each Muon group; and keeps what ``_agree`` reads in
         ``self._step_check`` (the parameters with gradients, their finite flags on the device,
         those whose state this step created: dropped again if the step does not commit).
         ``local=True`` gives local tensors (the owners' whole matrices, FSDP2's shards: AdamW
         is elementwise) instead of DTensors. A failure here is appended to ``failure``; the
         lists then hold placeholders (the gradients): the step only sends them, never commits.
         """
-        self._keep_dedicated()
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
@@ -736,8 +726,8 @@ class Muon(torch.optim.Optimizer):
         if fresh:
             self._check_whole_matrices({id(p) for p in fresh})
         finite = _guarded(failure, PHASE_CHECK, lambda: self._finite_flags(all_grads), None)
-        split, early = runtime.early_split() if runtime is not None else (False, set())
-        early_parts, rest_parts, adamw = [], [], []
+        jobs: list[list] = [[] for _ in plan.parts]
+        adamw = []
         for group in self.param_groups:
             params, grads, state_a, state_b = [], [], [], []
             if not failure:
@@ -759,47 +749,53 @@ class Muon(torch.optim.Optimizer):
                     lists = tuple([local_of(t) for t in xs] for xs in lists)
                 adamw.append((group, *lists, [b[1] for b in state_b]))
                 continue
-            if not split:
-                rest_parts.append(("all", group, params, grads, state_a))
+            if len(plan.parts) == 1 and plan.parts[0].params is None:  # the lists as they are
+                jobs[0].append((plan.parts[0].name, group, params, grads, state_a))
                 continue
-            for part, keep in (("early", True), ("rest", False)):
-                idx = [i for i, p in enumerate(params) if (id(p) in early) is keep]
+            taken: set[int] = set()
+            for part, part_jobs in zip(plan.parts, jobs):
+                idx = [
+                    i
+                    for i, p in enumerate(params)
+                    if i not in taken and (part.params is None or id(p) in part.params)
+                ]
+                taken.update(idx)
                 if idx:
                     picked = ([params[i] for i in idx], [grads[i] for i in idx])
-                    (early_parts if keep else rest_parts).append(
-                        (part, group, *picked, [state_a[i] for i in idx])
-                    )
+                    part_jobs.append((part.name, group, *picked, [state_a[i] for i in idx]))
         if local:
-            early_parts, rest_parts = (
-                [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in parts]
-                for parts in (early_parts, rest_parts)
-            )
-        self._step_check = _StepCheck(with_grad, finite, fresh)
-        return split, early_parts, rest_parts, adamw
+            jobs = [
+                [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in part_jobs]
+                for part_jobs in jobs
+            ]
+        self._step_check = _StepCheck(with_grad, finite, fresh, plan.tp)
+        return jobs, adamw
 
     def _muon_directions(
-        self, part: str, group: dict, params: list, grads: list, bufs: list, failure: list
+        self,
+        part: str,
+        group: dict,
+        params: list,
+        grads: list,
+        bufs: list,
+        failure: list,
+        tp=None,
     ) -> _StepHalf:
         """The first half of Muon for some of a group's matrices (``part`` names the subset:
         one compiled graph each): the compiled step if enabled, else the eager reference.
 
         Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local
         tensors (the whole matrix on its owner); ranks that hold no rows of a matrix skip it.
+        ``tp``: the plan's TP stage; its matrices go through :meth:`_tp_directions`.
         After a failure on this rank (``failure`` non-empty) only the collectives go out.
         """
         from dmuon_compile.compiled_step import compile_enabled, compiled_step_for
 
-        tp = getattr(_replicated_runtime(self.model), "tp", None)
         tp_half = None
         if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (``_tp.py``)
-            from dmuon_compile.distributed._tp import TPStepCalls
-
-            calls = TPStepCalls(
-                self.ns, lambda mats: compiled_step_for(self, group, mats, part="tp"), _guarded
-            )
-            (params, grads, bufs), tp_half = tp.directions(
-                group, params, grads, bufs, failure, calls
-            )
+            mine, (params, grads, bufs) = tp.split(params, grads, bufs)
+            if mine:
+                tp_half = self._tp_directions(tp, group, mine, failure)
         params, grads, bufs = _owned_locals(params, grads, bufs)
         half = _StepHalf(group, params, grads, bufs, None, tp, tp_half)
         if not params or failure:
@@ -828,6 +824,61 @@ class Muon(torch.optim.Optimizer):
                 failure, PHASE_COMPILED if compiling else PHASE_EAGER, directions, None
             )
         return half
+
+    def _tp_directions(self, tp, group: dict, mine: list, failure: list) -> TPStepHalf:
+        """The first half of Muon on a part's TP matrices (``mine``: ``tp.split``'s rows), one
+        shape bucket at a time: nothing written, the scatters issued and left for
+        :meth:`_commit` (``tp.commit``) or the abort."""
+        from dmuon_compile.distributed._tp import TPStepHalf
+
+        entries = []
+        for bucket in tp.buckets(mine):
+            entries += self._tp_bucket(tp, group, bucket, failure)
+        grads, bufs = [g for *_, g, _b in mine], [b for *_, b in mine]
+        return TPStepHalf(grads, bufs, group["momentum"], entries)
+
+    def _tp_bucket(self, tp, group: dict, bucket: list, failure: list) -> list:
+        """One shape bucket's Nesterov inputs, gather to the TP owners, their Newton–Schulz on
+        the whole matrices and the scatter of the updates; returns the pending apply entries.
+        The bucket's inputs, gathered pieces and whole matrices are freed when it returns,
+        before the next bucket's are made: a TP owner holds one bucket's whole matrices.
+
+        The gather and the scatter go out on every member whatever happens locally: a member
+        whose momentum or Newton–Schulz raised (or whose step failed earlier) sends
+        placeholders, so the TP group's collectives stay paired and every rank learns of the
+        failure in the agreement."""
+        from dmuon_compile.compiled_step import compiled_step_for
+
+        grads, bufs = [g for *_, g, _b in bucket], [b for *_, b in bucket]
+        updates = grads  # placeholders (never committed) when this rank has failed
+        if not failure:
+            updates = _guarded(
+                failure,
+                PHASE_TP_MOMENTUM,
+                lambda: F.nesterov_input(
+                    grads, bufs, F.hyper(group["momentum"]), group["nesterov"]
+                ),
+                grads,
+            )
+        whole = tp.gather(bucket, updates)  # [(row, whole matrix)] on the TP owner
+        mats = [m for _, m in whole]
+        out = mats  # placeholders
+        with label(NS):
+            if mats and not failure:
+                # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
+                compiled = compiled_step_for(self, group, mats, part="tp")
+                if compiled is not None:
+                    out = _guarded(
+                        failure, PHASE_TP_NS_COMPILED, lambda: compiled.orthogonalize(mats), mats
+                    )
+                else:
+                    out = _guarded(
+                        failure, PHASE_TP_NS_EAGER, lambda: tp.orthogonalize(mats, self.ns), mats
+                    )
+        ortho = dict(zip((i for i, _ in whole), out))
+        whole = mats = out = None  # the whole matrices: freed once orthogonalised
+        lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
+        return tp.scatter(bucket, updates, ortho, lr, wd, group["adjust_lr_fn"])
 
     def _commit(self, half: _StepHalf) -> None:
         """The second half: momentum and weights written (elementwise, after the agreement)."""
@@ -861,6 +912,7 @@ class _StepCheck:
     params: list  # the parameters with gradients
     finite: Tensor | None  # their finite flags, on the device
     fresh: list  # those whose state this step created: dropped if the step does not commit
+    tp: object = None  # the plan's TP stage: drops the scatters of a step that does not commit
 
 
 @dataclass
@@ -917,13 +969,13 @@ def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, li
     return kept
 
 
-def _replicated_runtime(model: nn.Module | None):
-    """The HSDP/TP runtime ``dedicate_params`` attached to ``model`` (``None`` without either)."""
+def _step_plan(model: nn.Module | None) -> StepPlan:
+    """The step plan of the runtime ``dedicate_params`` attached to ``model`` (``step_plan.py``;
+    :data:`PLAIN_STEP` without one)."""
     from dmuon_compile.dedicated_registry import runtime_of
 
     runtime = runtime_of(model)
-    wanted = getattr(runtime, "replicated", False) or getattr(runtime, "tp", None) is not None
-    return runtime if wanted else None
+    return PLAIN_STEP if runtime is None else runtime.step_plan()
 
 
 def _local(t: Tensor) -> Tensor:
@@ -976,6 +1028,11 @@ def _hold_hypers(opt: Muon, args, kwargs) -> None:
                 held = opt._held_hypers[(index, key)] = torch.zeros((), dtype=torch.float64)
             held.fill_(float(value))
             group[key] = held
+
+
+def _dedicated_slots(params: list) -> tuple[int, dict[int, Tensor]]:
+    """A group's parameter count and where its dedicated weights (owner tensors) sit."""
+    return len(params), {i: p for i, p in enumerate(params) if isinstance(p, OwnerTensor)}
 
 
 def _split_names(group: dict, where: str) -> tuple[list[Tensor], list[str] | None]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from enum import Enum, auto
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +44,13 @@ from dmuon_compile.trace_labels import REDUCE, UNSHARD, label
 # Padding above this fraction of the group's bytes makes the group gather uneven chunks.
 MAX_GATHER_PADDING = 0.25
 
-SHARDED, UNSHARDING, UNSHARDED = "sharded", "unsharding", "unsharded"
+
+class GroupState(Enum):
+    """Where a hook group's weights are (FSDP2 keeps its own as an enum too, ``TrainingState``)."""
+
+    SHARDED = auto()  # on the owners' masters only; the flat buffer freed
+    UNSHARDING = auto()  # the unshard's collective issued, not waited for yet
+    UNSHARDED = auto()  # the compute copies hold the whole weights
 
 
 @dataclass
@@ -87,7 +94,7 @@ class DedicatedGroup:
     chunk_numel: list[int] = field(default_factory=list)
     chunk_base: list[int] = field(default_factory=list)
     flat: Tensor | None = None
-    state: str = SHARDED
+    state: GroupState = GroupState.SHARDED
     works: list = field(default_factory=list)
     grads_ready: set = field(default_factory=set)
     pending_reduce: list = field(default_factory=list)
@@ -154,7 +161,7 @@ class DedicatedGroup:
     @torch.no_grad()
     def unshard(self, prefetch: bool = False) -> None:
         """Issue the collectives that fill the buffer from the owners (no wait)."""
-        if self.state != SHARDED:
+        if self.state != GroupState.SHARDED:
             return
         # The buffer is allocated on the compute stream, which reads and frees it.
         self._alloc()
@@ -190,7 +197,7 @@ class DedicatedGroup:
             for p in own:
                 flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
             self.works = [C.all_gather_v(self._chunks(flat), self.pg)]
-        self.state = UNSHARDING
+        self.state = GroupState.UNSHARDING
         if self.record_profile:
             self.profile.unshards += 1
             self.profile.prefetched += int(prefetch)
@@ -201,9 +208,9 @@ class DedicatedGroup:
 
     def wait_unshard(self) -> None:
         """Make the buffer usable on the current stream (waits for the collectives)."""
-        if self.state == SHARDED:
+        if self.state == GroupState.SHARDED:
             self.unshard()
-        if self.state != UNSHARDING:
+        if self.state != GroupState.UNSHARDING:
             return
         cuda = self.device.type == "cuda"
         if self.record_profile:
@@ -223,7 +230,7 @@ class DedicatedGroup:
                 after.record()
                 self.stall_events.append((before, after))
         self.works, self._keepalive = [], None
-        self.state = UNSHARDED
+        self.state = GroupState.UNSHARDED
         for p in self.params:  # module.weight is the compute copy until the reshard
             p.use_compute_copy()
 
@@ -237,13 +244,13 @@ class DedicatedGroup:
 
     def reshard(self) -> None:
         """Free the buffer (after waiting for anything still writing into it)."""
-        if self.state == UNSHARDING:
+        if self.state == GroupState.UNSHARDING:
             self.wait_unshard()
-        if self.state == UNSHARDED:
+        if self.state == GroupState.UNSHARDED:
             for p in self.params:
                 p.use_registered()
             self._free()
-            self.state = SHARDED
+            self.state = GroupState.SHARDED
 
     def params_of(self, rank: int) -> list[DedicatedParam]:
         return [p for p in self.params if p.owner == rank]
@@ -339,7 +346,7 @@ class DedicatedGroup:
 
     def drain(self) -> None:
         """Wait for every collective in flight (unshard, reduce, HSDP replicate stage)."""
-        if self.state == UNSHARDING:
+        if self.state == GroupState.UNSHARDING:
             self.wait_unshard()
         self.finish_reduce()
         if self.replicate is not None:

@@ -57,17 +57,33 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from dmuon_compile.distributed import _pending
 
-_OWNER_MESHES: dict[tuple[str, int], DeviceMesh] = {}
-_OWNER_OF_MESH: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot-path lookups)
-# id(owner mesh) -> (norm mesh, placements): where the norms of its tensors are given (clip).
-_NORM_OF: dict[int, tuple[DeviceMesh, tuple]] = {}
-# id(owner group mesh) -> its global ranks in mesh order: a TP weight's owner group, shard t on
-# the t-th rank (its mesh may be this rank's TP mesh itself, see _tp.owner_tp_mesh).
-_GROUP_RANKS: dict[int, tuple[int, ...]] = {}
-# id(one-rank owner mesh) -> the rank full_tensor broadcasts from. In a TP model a plain weight
-# has one owner per TP column (each column's copy is the same): all ranks agree on column 0's.
-_SOURCE_OF: dict[int, int] = {}
-_KEEP: list[DeviceMesh] = []  # the meshes keyed by id() above stay alive (no id reuse)
+
+class _MeshRegistry:
+    """What this module knows about the meshes of dedicated weights, in one object.
+
+    Process-wide, not per model: owner meshes are built once per ``(device type, rank)`` and
+    shared by every model (``owner_mesh``), and the lookups run inside DTensor dispatch, where
+    only the tensor's mesh is at hand. Keyed by ``id(mesh)`` (a DeviceMesh compares by its
+    layout, and an owner group's mesh may be equal to this rank's own TP mesh); ``keep`` holds
+    the meshes so no id is reused.
+    """
+
+    def __init__(self) -> None:
+        self.owner_meshes: dict[tuple[str, int], DeviceMesh] = {}  # (device type, rank) -> mesh
+        self.owner_of: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot path)
+        # id(owner mesh) -> (norm mesh, placements): where the norms of its tensors are given.
+        self.norm_of: dict[int, tuple] = {}
+        # id(owner group mesh) -> its global ranks in mesh order: a TP weight's owner group,
+        # shard t on the t-th rank (its mesh may be this rank's TP mesh, _tp.owner_tp_mesh).
+        self.group_ranks: dict[int, tuple[int, ...]] = {}
+        # id(one-rank owner mesh) -> the rank full_tensor broadcasts from. In a TP model a plain
+        # weight has one owner per TP column (each column's copy is the same): all ranks agree
+        # on column 0's.
+        self.source_of: dict[int, int] = {}
+        self.keep: list[DeviceMesh] = []
+
+
+_MESHES = _MeshRegistry()
 _aten = torch.ops.aten
 _NO_BACKEND = "_init_backend" in inspect.signature(DeviceMesh.__init__).parameters
 
@@ -86,7 +102,7 @@ class OwnerTensor(DTensor):
         # The address of this rank's data (0 where it holds none), as FSDP2's DTensors are
         # addressed by their local shard. accelerate's FSDP2 prepare matches the optimizer's
         # parameters to the model's by it; ``Muon`` puts back the weights held elsewhere,
-        # which all have address 0 (``Muon._keep_dedicated``).
+        # which all have address 0 (``Muon.restore_dedicated``).
         return self._local_tensor.data_ptr()
 
     def to_local(self, *, grad_placements=None) -> Tensor:
@@ -124,10 +140,11 @@ class OwnerTensor(DTensor):
         # never calls __torch_dispatch__ above: the same handlers and re-wrapping, one level
         # up (torch 2.13 reaches both; the clip ops are then handled here first).
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if _pending._QUEUES and name not in _ACCESSORS:
-            # Reads see the pending updates; writes make a publish due (_pending.py).
-            _pending.before_access(_writes(name, kwargs))
+        if _pending.watched:  # an HSDP or TP runtime lives (one flag: this runs on every op)
+            name = getattr(func, "__name__", "")
+            if name not in _ACCESSORS:
+                # Reads see the pending updates; writes make a publish due (_pending.py).
+                _pending.before_access(_writes(name, kwargs))
         if func in _RANDOM_FILLS and args and isinstance(args[0], OwnerTensor):
             return _random_fill(func, args, kwargs, sys._getframe(1))
         if func in _INIT_ENTRIES:
@@ -226,8 +243,8 @@ def set_norm_mesh(mesh: DeviceMesh, norm_mesh: DeviceMesh, partial_dims=None) ->
 
     names = norm_mesh.mesh_dim_names or (None,) * norm_mesh.ndim
     partial = [partial_dims is None or n in partial_dims for n in names]
-    _NORM_OF[id(mesh)] = (norm_mesh, partial, _NormPartial)
-    _KEEP.append(mesh)
+    _MESHES.norm_of[id(mesh)] = (norm_mesh, partial, _NormPartial)
+    _MESHES.keep.append(mesh)
 
 
 def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
@@ -237,13 +254,13 @@ def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
 
 def register_group(mesh: DeviceMesh, ranks) -> None:
     """Record an owner group mesh (a TP weight's owner TP group) and its global ranks."""
-    _GROUP_RANKS[id(mesh)] = tuple(int(r) for r in ranks)
-    _KEEP.append(mesh)
+    _MESHES.group_ranks[id(mesh)] = tuple(int(r) for r in ranks)
+    _MESHES.keep.append(mesh)
 
 
 def set_source(mesh: DeviceMesh, rank: int) -> None:
     """The rank ``full_tensor`` broadcasts owner ``mesh``'s tensors from (default: the owner)."""
-    _SOURCE_OF[id(mesh)] = int(rank)
+    _MESHES.source_of[id(mesh)] = int(rank)
 
 
 def _norm_of(t: DTensor, ord) -> Tensor:
@@ -259,7 +276,7 @@ def _norm_of(t: DTensor, ord) -> Tensor:
         if local.numel()
         else torch.zeros((), dtype=t.dtype, device=local.device)
     )
-    entry = _NORM_OF.get(id(t.device_mesh))
+    entry = _MESHES.norm_of.get(id(t.device_mesh))
     if entry is None:
         return value
     mesh, partial, norm_partial = entry
@@ -382,7 +399,7 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _is_owner_mesh(mesh: DeviceMesh) -> bool:
-    return id(mesh) in _OWNER_OF_MESH or id(mesh) in _GROUP_RANKS
+    return id(mesh) in _MESHES.owner_of or id(mesh) in _MESHES.group_ranks
 
 
 def owner_mesh(device_type: str, global_rank: int) -> DeviceMesh:
@@ -392,12 +409,12 @@ def owner_mesh(device_type: str, global_rank: int) -> DeviceMesh:
     the torch version allows it.
     """
     key = (device_type, int(global_rank))
-    mesh = _OWNER_MESHES.get(key)
+    mesh = _MESHES.owner_meshes.get(key)
     if mesh is None:
         kwargs = {"_init_backend": False} if _NO_BACKEND else {}
         mesh = DeviceMesh(device_type, [int(global_rank)], **kwargs)
-        _OWNER_MESHES[key] = mesh
-        _OWNER_OF_MESH[id(mesh)] = int(global_rank)
+        _MESHES.owner_meshes[key] = mesh
+        _MESHES.owner_of[id(mesh)] = int(global_rank)
     return mesh
 
 
@@ -456,18 +473,18 @@ def is_owned(t) -> bool:
     if not isinstance(t, DTensor):
         return False
     mesh = t.device_mesh
-    if id(mesh) in _OWNER_OF_MESH:  # the per-step path: the very mesh objects made here
+    if id(mesh) in _MESHES.owner_of:  # the per-step path: the very mesh objects made here
         return True
     return (
         mesh.ndim == 1
         and mesh.size() == 1
-        and _OWNER_MESHES.get((mesh.device_type, int(mesh.mesh.reshape(-1)[0]))) == mesh
+        and _MESHES.owner_meshes.get((mesh.device_type, int(mesh.mesh.reshape(-1)[0]))) == mesh
     )
 
 
 def owner_rank(t: DTensor) -> int:
     """Global rank that holds ``t`` (an owner tensor)."""
-    rank = _OWNER_OF_MESH.get(id(t.device_mesh))
+    rank = _MESHES.owner_of.get(id(t.device_mesh))
     return rank if rank is not None else int(t.device_mesh.mesh.reshape(-1)[0])
 
 
@@ -483,11 +500,11 @@ def same_layout(a, b) -> bool:
 
 def _sources(t: DTensor) -> tuple[int, ...] | None:
     """The global ranks that hold ``t``'s pieces, in order (``None``: not an owner tensor)."""
-    ranks = _GROUP_RANKS.get(id(t.device_mesh))
+    ranks = _MESHES.group_ranks.get(id(t.device_mesh))
     if ranks is not None:
         return ranks
     if is_owned(t):
-        return (_SOURCE_OF.get(id(t.device_mesh), owner_rank(t)),)
+        return (_MESHES.source_of.get(id(t.device_mesh), owner_rank(t)),)
     return None
 
 
@@ -706,7 +723,7 @@ def _in_init(func, args, kwargs, init_name: str):
     if not owned:
         return False, None
     t = owned[0]
-    if init_name in _WHOLE_MATRIX_INITS and id(t.device_mesh) in _GROUP_RANKS:
+    if init_name in _WHOLE_MATRIX_INITS and id(t.device_mesh) in _MESHES.group_ranks:
         # Raised on every rank alike (every rank knows the owner group meshes).
         raise NotImplementedError(
             f"nn.init.{init_name} on a TP-sharded dedicated weight: it needs the whole matrix, "
@@ -729,7 +746,7 @@ def _in_init(func, args, kwargs, init_name: str):
 
         out = func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
         return True, tree_map(lambda o: back.get(id(o), o) if isinstance(o, Tensor) else o, out)
-    if func is Tensor.__setitem__ and id(t.device_mesh) in _OWNER_OF_MESH:
+    if func is Tensor.__setitem__ and id(t.device_mesh) in _MESHES.owner_of:
         # sparse_: indexing with plain index tensors, on the owner's whole weight
         func(t._local_tensor, *tree_map(local_of, args[1:]))
         return True, None

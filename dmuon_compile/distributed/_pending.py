@@ -27,7 +27,12 @@ from __future__ import annotations
 import contextlib
 import weakref
 
-_QUEUES: weakref.WeakSet = weakref.WeakSet()  # every live runtime's queue
+# The watched queues of live runtimes (HSDP or TP: :meth:`PendingUpdates.watch`). Empty for a
+# 1-D model, whose steps leave nothing in flight and whose writes need no publish.
+_QUEUES: weakref.WeakSet = weakref.WeakSet()
+# Whether ``_QUEUES`` may hold a queue: owner-tensor ops read this one flag (every op, so a
+# module attribute, not the set's length) before calling :func:`before_access`.
+watched = False
 _GRADIENT_WRITES = [False]  # inside gradient_writes(): in-place ops write no weight
 
 
@@ -41,7 +46,14 @@ class PendingUpdates:
     def __init__(self) -> None:
         self._entries: dict[int, list] = {}  # id(hook group) -> entries, oldest first
         self.publish_due = False  # a write outside a step: the next forward publishes first
+
+    def watch(self) -> None:
+        """Reads and writes of dedicated weights consult this queue (:func:`before_access`): a
+        runtime whose steps leave updates in flight (HSDP publish, deferred TP scatter) or whose
+        replicas must learn of a write (HSDP) calls it."""
+        global watched
         _QUEUES.add(self)
+        watched = True
 
     def add(self, group_key: int, entry) -> None:
         self._entries.setdefault(group_key, []).append(entry)
@@ -76,8 +88,11 @@ class PendingUpdates:
 def before_access(write: bool) -> None:
     """An op on an owner tensor is about to run: every pending update lands first; a write
     (in place) makes a publish due."""
+    global watched
     write = write and not _GRADIENT_WRITES[0]
-    for queue in list(_QUEUES):
+    queues = list(_QUEUES)
+    watched = bool(queues)  # their runtimes may have gone since
+    for queue in queues:
         if queue._entries:
             queue.drain()
         if write:

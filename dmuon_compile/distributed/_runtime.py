@@ -25,8 +25,9 @@ end of backward       (autograd callback) wait all reduces: each registered ``pa
 Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
                       reads the new masters, which publishes them. With HSDP the masters of
                       the first forward group are stepped first and published at once
-                      (``publish_early``): their broadcast runs under the rest of the step, so
-                      the next forward's first unshard does not wait for it
+                      (the step plan's early part, ``step_plan``): their broadcast runs under
+                      the rest of the step, so the next forward's first unshard does not wait
+                      for it
 
 HSDP adds the replicate stage (``_replicate.py``): the reduce to owners continues over the
 replicate group to the global owner, and ``Muon.step`` ends with :meth:`publish`, the global
@@ -59,22 +60,30 @@ accumulate on the unsharded leaves and are reduced on the sync step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
+from enum import Enum, auto
 
 import torch
 from torch import Tensor, nn
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat
-from dmuon_compile.distributed._dedicated_group import (
-    SHARDED,
-    UNSHARDED,
-    UNSHARDING,
-    DedicatedGroup,
-)
+from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupState
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._pending import PendingUpdates
 from dmuon_compile.distributed.owner_plan import OwnerPlan
+from dmuon_compile.step_plan import PLAIN_STEP, StepPart, StepPlan
+
+
+class RuntimeState(Enum):
+    """Where a model's iteration is, for its dedicated groups (FSDP2 keeps its own as an enum
+    too, ``TrainingState``)."""
+
+    IDLE = auto()  # no backward running, no whole forward waiting for one (also mid-forward)
+    FORWARD_DONE = auto()  # the last group's forward ended, no backward yet: copies it kept
+    # unsharded may go stale (a step without backward), so the next forward reshards them
+    BACKWARD = auto()  # the end-of-backward callback is queued
 
 
 def iter_tensors(obj, _depth: int = 0) -> Iterator[Tensor]:
@@ -145,19 +154,18 @@ class DedicatedRuntime:
         self._clock = 0
         self._started_at: dict[int, int] = {}
         self._ended_at: dict[int, int] = {}
-        self._backward_queued = False
+        self.state = RuntimeState.IDLE
         self._sync: bool | None = None
         self._reducing: list[DedicatedGroup] = []
         self._reduces_issued = 0  # how many groups of this backward's reduce order reduced
         self._order_frozen = False  # forward_order is complete once a backward has run
-        self._last_done = False  # the last group of a forward ran since the first group did
         self.handles: list = []
         self.replicated = any(g.replicate is not None for g in groups)
         # The one queue of updates in flight (HSDP publishes, deferred TP scatters), and
         # whether a publish is due (a synchronising backward ran, or a weight was written
         # outside a step, and nothing published since): ``_pending.py``.
         self.pending = PendingUpdates()
-        self._published_early: set[int] = set()  # groups Muon.step published mid-step
+        self._published_early: set[int] = set()  # the step plan's early group: after_step skips it
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
         self.tp = None  # TP stage (``_tp.py``): gather → NS on the TP owner → scatter
@@ -176,6 +184,7 @@ class DedicatedRuntime:
             # A state-dict load (DCP's set_state_dict, model.load_state_dict) writes the global
             # owners' masters on every rank at once: the next forward publishes them first.
             self.handles.append(model.register_load_state_dict_post_hook(self._after_load))
+            self.pending.watch()
 
     # ------------------------------------------------------------------ registry API
     def param_names(self) -> list[str]:
@@ -192,6 +201,7 @@ class DedicatedRuntime:
         self.tp = stage
         stage.record_profile = self.record_profile
         stage.queue = self.pending
+        self.pending.watch()  # its deferred scatters are pending updates
 
     def _before_state_dict(self, *_args, **_kwargs) -> None:
         self.pending.drain()
@@ -291,16 +301,18 @@ class DedicatedRuntime:
             self._pre_recompute(group)
             return
         # No backward is running, so none can be pending: forget one that raised before
-        # its end-callback ran.
-        self._backward_queued, self._sync, self._reduces_issued = False, None, 0
+        # its end-callback ran (its forward was whole: handled as one without backward).
+        self._sync, self._reduces_issued = None, 0
+        if self.state == RuntimeState.BACKWARD:
+            self.state = RuntimeState.FORWARD_DONE
         if self.pending.publish_due:  # weights written by something other than Muon(model).step
             self.publish(wait=False)
-        if self._last_done and group is self.forward_order[0]:
+        if self.state == RuntimeState.FORWARD_DONE and group is self.forward_order[0]:
             # A new forward after a complete one that had no backward (or kept its last
             # group): drop the unsharded copies, the weights may have changed since.
-            self._last_done = False
+            self.state = RuntimeState.IDLE
             for g in self.groups:
-                if g.state == UNSHARDED:
+                if g.state == GroupState.UNSHARDED:
                     g.reshard()
         if id(group) not in self._index:
             self._index[id(group)] = len(self.forward_order)
@@ -311,7 +323,7 @@ class DedicatedRuntime:
             self._started_at.setdefault(id(group), self._clock)
         group.wait_unshard()
         nxt = self._neighbour(group, +1)
-        if nxt is not None and nxt.state == SHARDED:
+        if nxt is not None and nxt.state == GroupState.SHARDED:
             nxt.unshard(prefetch=True)
 
     def _pre_recompute(self, group: DedicatedGroup) -> None:
@@ -341,7 +353,7 @@ class DedicatedRuntime:
             if torch.is_grad_enabled():
                 self._ended_at[id(group)] = self._clock
             if group is self._last_group():
-                self._last_done = True
+                self.state = RuntimeState.FORWARD_DONE
         if not torch.is_grad_enabled():
             group.reshard()  # no backward follows (eval): never keep weights a step could stale
             return
@@ -361,8 +373,8 @@ class DedicatedRuntime:
         group.reshard()
 
     def _queue_backward_end(self) -> None:
-        if not self._backward_queued:
-            self._backward_queued = True
+        if self.state != RuntimeState.BACKWARD:
+            self.state = RuntimeState.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, group: DedicatedGroup) -> None:
@@ -377,7 +389,7 @@ class DedicatedRuntime:
             self._issue_reduces(until=self._finished_before(group))
         group.wait_unshard()
         prev = self._neighbour(group, -1, by_end=True)
-        if prev is not None and prev.state == SHARDED and prev.reshard_after_forward:
+        if prev is not None and prev.state == GroupState.SHARDED and prev.reshard_after_forward:
             prev.unshard(prefetch=True)
 
     def _sync_on(self) -> bool:
@@ -481,9 +493,8 @@ class DedicatedRuntime:
             self._issue_reduces(until=0)
 
     def _post_backward(self) -> None:
-        self._backward_queued = False
+        self.state = RuntimeState.IDLE  # everything below is resharded anyway
         self._reset_clock()
-        self._last_done = False  # everything below is resharded anyway
         self._order_frozen = bool(self.forward_order)
         sync = bool(self._sync)
         if sync:
@@ -495,7 +506,7 @@ class DedicatedRuntime:
         self._reduces_issued = 0
         for group in self.groups:
             group.drain()
-            if group.state == UNSHARDED or group.reshard_after_forward is False:
+            if group.state == GroupState.UNSHARDED or group.reshard_after_forward is False:
                 group.reshard()
             if group.reduced:
                 # Ranks without rows get a zero-row gradient too: every rank's parameters()
@@ -523,7 +534,7 @@ class DedicatedRuntime:
         ``zero_grad``).
         """
         for group in self.groups:
-            if group.state == UNSHARDING:
+            if group.state == GroupState.UNSHARDING:
                 for w in group.works:  # finished for real, as the reduces below (pairing)
                     C.wait_finished(w, f"the unshard of dedicated group {group.name!r}", group.pg)
                 group.wait_unshard()
@@ -534,9 +545,8 @@ class DedicatedRuntime:
             group.reduced = False
             group.ran_forward = False
             group.reshard()
-        self._backward_queued, self._sync, self._reducing = False, None, []
+        self.state, self._sync, self._reducing = RuntimeState.IDLE, None, []
         self._reduces_issued = 0
-        self._last_done = False
         self._reset_clock()
 
     # ------------------------------------------------------------------ HSDP publish
@@ -572,7 +582,7 @@ class DedicatedRuntime:
 
     @torch.compiler.disable
     def before_step(self) -> None:
-        """Called by ``Muon.step`` first: the masters are a broadcast source until it finished,
+        """The step plan's first action: the masters are a broadcast source until it finished,
         and a step without a forward since the last applies that one's updates first."""
         self.pending.drain()
         self._published_early = set()
@@ -583,37 +593,45 @@ class DedicatedRuntime:
         first = order[0] if order else None
         return first if first is not None and first.replicate is not None else None
 
-    def early_split(self) -> tuple[bool, set[int]]:
-        """(whether ``Muon.step`` publishes :meth:`early_group` mid-step, ``id`` of this rank's
-        masters in it, which it steps first).
+    def step_plan(self) -> StepPlan:
+        """The plan ``Muon.step`` walks (``step_plan.py``): drain first, publish last (HSDP);
+        with HSDP and two or more groups, this rank's masters of :meth:`early_group` are stepped
+        first and that group is published at once, so its broadcast runs under the rest of the
+        step; with TP, the TP stage.
 
-        Off with a single group (nothing to overlap the early publish with). The switch depends
-        only on state every rank shares (plan, forward order), never on what this rank owns, so
-        every rank calls :meth:`publish_early` at the same point: the collectives stay SPMD.
+        The parts and actions depend only on state every rank shares (plan, forward order),
+        never on what this rank owns, so every rank issues the same collectives at the same
+        points: SPMD. Without HSDP and TP: :data:`PLAIN_STEP` (nothing to do around the step).
         """
+        if not self.replicated and self.tp is None:
+            return PLAIN_STEP
+        parts = (StepPart("all"),)
         group = self.early_group()
-        if group is None or len(self.groups) < 2:
-            return False, set()
-        return True, {id(p.param) for p in group.params if p.owns}
+        if group is not None and len(self.groups) >= 2:  # one group: nothing to overlap with
+            mine = frozenset(id(p.param) for p in group.params if p.owns)
+            publish = functools.partial(self._publish_early, group)
+            parts = (StepPart("early", mine, after=publish), StepPart("rest"))
+        return StepPlan(parts, before=self.before_step, finish=self.after_step, tp=self.tp)
 
     @torch.compiler.disable
-    def publish_early(self) -> None:
-        """Mid-step: broadcast :meth:`early_group` now; ``after_step`` publishes the rest."""
-        group = self.early_group()
-        if group is not None:
-            self._publish_groups([group])
-            self._published_early.add(id(group))
+    def _publish_early(self, group: DedicatedGroup) -> None:
+        """Mid-step (the early part's ``after``): broadcast ``group`` now; :meth:`after_step`
+        publishes the rest."""
+        self._publish_groups([group])
+        self._published_early.add(id(group))
 
     @torch.compiler.disable
-    def after_step(self, replicate_async: bool = True) -> None:
-        """Called by ``Muon.step`` last (also when it raised or skipped): publish the weights."""
+    def after_step(self, wait: bool = False) -> None:
+        """The step plan's last action (also when the step raised or skipped): publish the
+        weights the early part has not published; ``wait``: wait for them here
+        (``Muon(replicate_async=False)``), else leave them in flight for the next forward."""
         early = self._published_early
         self._publish_groups(
             g for g in self.groups if g.replicate is not None and id(g) not in early
         )
         self._published_early = set()
         self.pending.publish_due = False
-        if not replicate_async:
+        if wait:
             self.wait_publish()
 
     def pending_collectives(self) -> int:
@@ -633,6 +651,6 @@ class DedicatedRuntime:
             group.drain()
             group.reshard()
             group.grads_ready.clear()
-        self._backward_queued, self._sync, self._reducing = False, None, []
+        self.state, self._sync, self._reducing = RuntimeState.IDLE, None, []  # all resharded
         self._reduces_issued = 0
         self._reset_clock()

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,8 +69,7 @@ from dmuon_compile.distributed.owner_plan import (
     default_layer_key,
     ns_cost_fn,
 )
-from dmuon_compile.step_phases import PHASE_TP_MOMENTUM, PHASE_TP_NS_COMPILED, PHASE_TP_NS_EAGER
-from dmuon_compile.trace_labels import NS, TP_GATHER, TP_SCATTER, label
+from dmuon_compile.trace_labels import TP_GATHER, TP_SCATTER, label
 
 # ---------------------------------------------------------------------------------- detection
 
@@ -447,21 +445,10 @@ def make_tp_param(
 # ---------------------------------------------------------------------------------- the step
 
 
-@dataclass(frozen=True)
-class TPStepCalls:
-    """What ``Muon.step`` lends the TP stage for one group's part (the optimizer itself stays
-    out of the runtime): its Newton–Schulz settings, the compiled step for the TP owners' whole
-    matrices (``compiled_for(mats)``, ``None``: eager) and its failure guard
-    (``guarded(failure, phase, compute, placeholder)``)."""
-
-    ns: object
-    compiled_for: Callable
-    guarded: Callable
-
-
 @dataclass
 class TPStepHalf:
-    """What :meth:`TPStage.directions` leaves for :meth:`TPStage.commit` / :meth:`TPStage.abort`."""
+    """What ``Muon.step``'s directions of a part's TP matrices leave for :meth:`TPStage.commit`
+    / :meth:`TPStage.abort`: their gradients and momentum buffers, the pending scatters."""
 
     grads: list
     bufs: list
@@ -528,78 +515,38 @@ class TPStage:
     def _global(self, tp_rank: int) -> int:
         return dist.get_global_rank(self.pg, tp_rank)
 
+    @staticmethod
+    def buckets(mine: list) -> list[list]:
+        """The TP rows of :meth:`split` by shape bucket (:func:`_tp_buckets`): the step gathers,
+        orthogonalises and scatters one bucket at a time."""
+        return _tp_buckets(mine)
+
     @torch.no_grad()
-    def directions(self, group: dict, params, grads, bufs, failure: list, calls: TPStepCalls):
-        """The first half of Muon on the TP matrices of these lists (gather → NS on the TP
-        owner → scatter, issued; no state written); returns ``(other lists, TPStepHalf or
-        None)`` for :meth:`commit` or :meth:`abort` after ``Muon.step``'s agreement.
-
-        The gather and the scatter go out on every member whatever happens locally: a member
-        whose momentum or Newton–Schulz raised (or whose step failed earlier: ``failure``
-        non-empty) sends placeholders and appends ``(phase, exception)`` to ``failure``, so
-        the TP group's collectives stay paired and every rank learns of it in the agreement.
-        """
-        mine, rest = self.split(params, grads, bufs)
-        if not mine:
-            return rest, None
-        entries = []
-        for bucket in _tp_buckets(mine):
-            entries += self._bucket_directions(group, bucket, failure, calls)
-        grads_m, bufs_m = [g for *_, g, _b in mine], [b for *_, b in mine]
-        return rest, TPStepHalf(grads_m, bufs_m, group["momentum"], entries)
-
-    def _bucket_directions(self, group: dict, mine: list, failure: list, calls) -> list:
-        """:meth:`directions` of one shape bucket: its Nesterov inputs, gathers, the owners'
-        Newton–Schulz and scatters; returns the bucket's pending apply entries. The bucket's
-        inputs, gathered pieces and whole matrices are freed when it returns, before the next
-        bucket's are made: a TP owner holds one bucket's whole matrices, not all of its
-        matrices'."""
-        size, me = self.info.size, self.info.rank
-        grads_m, bufs_m = [g for *_, g, _b in mine], [b for *_, b in mine]
-        updates = grads_m  # placeholders (never committed) when this rank has failed
-        if not failure:
-            updates = calls.guarded(
-                failure,
-                PHASE_TP_MOMENTUM,
-                lambda: F.nesterov_input(
-                    grads_m, bufs_m, F.hyper(group["momentum"]), group["nesterov"]
-                ),
-                grads_m,
-            )
+    def gather(self, bucket: list, updates: list) -> list[tuple[int, Tensor]]:
+        """The Nesterov inputs ``updates`` of a bucket's rows gathered to their TP owners:
+        ``[(row index, whole matrix)]`` for the matrices this rank orthogonalises (none
+        elsewhere). Issued on every member whatever happened locally (a failed member sends
+        placeholders): the TP group's collectives stay paired."""
         with label(TP_GATHER):
-            gathered = self._gather(mine, updates)
-        whole = [
+            gathered = self._gather(bucket, updates)
+        return [
             (i, torch.cat(parts, dim=dp.shard_dim))
-            for i, ((dp, *_), parts) in enumerate(zip(mine, gathered))
+            for i, ((dp, *_), parts) in enumerate(zip(bucket, gathered))
             if parts is not None
         ]
-        del gathered  # the pieces: freed once concatenated
-        mats = [m for _, m in whole]
-        out = mats  # placeholders
-        with label(NS):
-            if mats and not failure:
-                # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
-                compiled = calls.compiled_for(mats)
-                if compiled is not None:
-                    out = calls.guarded(
-                        failure,
-                        PHASE_TP_NS_COMPILED,
-                        lambda: compiled.orthogonalize(mats),
-                        mats,
-                    )
-                else:
-                    out = calls.guarded(
-                        failure,
-                        PHASE_TP_NS_EAGER,
-                        lambda: self.orthogonalize(mats, calls.ns),
-                        mats,
-                    )
-        ortho = dict(zip((i for i, _ in whole), out))
-        whole = mats = out = None  # the whole matrices: freed once orthogonalised
-        lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
+
+    @torch.no_grad()
+    def scatter(
+        self, bucket: list, updates: list, ortho: dict, lr: float, wd: float, adjust_lr_fn: str
+    ) -> list:
+        """The TP owners' orthogonalised matrices (``ortho``: row index → whole matrix, on the
+        owner) scattered back in shards, async; returns the pending apply entries ``[(id of the
+        hook group, entry)]`` for :class:`TPStepHalf`. ``updates`` give the shards' shape and
+        dtype (and stand in for the owner's matrix after a failure)."""
+        size, me = self.info.size, self.info.rank
+        entries = []
         with label(TP_SCATTER):
-            entries = []
-            for i, ((dp, master, _g, _b), u) in enumerate(zip(mine, updates)):
+            for i, ((dp, master, _g, _b), u) in enumerate(zip(bucket, updates)):
                 out = torch.empty_like(u)
                 chunks = None
                 if i in ortho:
@@ -609,7 +556,7 @@ class TPStage:
                 work = dist.scatter(
                     out, chunks, src=self._global(dp.tp_owner), group=self.pg, async_op=True
                 )
-                entry = (master, out, work, lr, wd, group["adjust_lr_fn"], dp.global_shape)
+                entry = (master, out, work, lr, wd, adjust_lr_fn, dp.global_shape)
                 entries.append((self.group_of.get(id(dp.param), 0), entry))
                 if self.record_profile:
                     self.profile.scatters += 1

@@ -5,8 +5,9 @@ on the model itself, so the weights must be dedicated *before* it, on the ranks 
 will shard over, and the optimizer must be built on the dedicated model (it routes the
 dedicated weights to Muon). :func:`dedicate_params` does the first; then plain
 ``accelerator.prepare(model, dmuon.Muon(model))`` works: accelerate swaps the optimizer's
-FSDP2 parameters for their shards (matching them by data address) and leaves the dedicated
-ones, which ``fully_shard`` does not touch, in place::
+FSDP2 parameters for their shards (matching them by data address), and right after that swap
+the ``Muon`` puts its dedicated weights, which ``fully_shard`` does not touch, back where they
+were (:func:`dedicate_params` installs that, once per process; see :func:`_restore_after_swap`)::
 
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -142,7 +143,43 @@ def dedicate_params(
         policy = getattr(plugin, "mixed_precision_policy", None)
         if getattr(policy, "param_dtype", None) is not None:
             kwargs["param_policy"] = policy
+    _restore_after_swap()
     return dmuon.dedicate_params(model, fsdp_mesh(accelerator), predicate, **kwargs)
+
+
+def _restore_after_swap() -> None:
+    """Make accelerate's FSDP2 prepare leave a ``dmuon.Muon``'s dedicated weights in place.
+
+    The prepare swaps every optimizer parameter for the one ``fully_shard`` registered under its
+    name, found by data address (``fsdp2_switch_optimizer_parameters``). A dedicated weight held
+    by another rank has no data here (address 0), so that swap mixes those up. accelerate offers
+    no hook after it, so its swap function is wrapped (once per process): after each swap a
+    ``Muon`` (also inside accelerate's ``AcceleratedOptimizer``) puts them back
+    (``Muon.restore_dedicated``), once per prepare instead of a check in every step. Other
+    optimizers are left as accelerate leaves them."""
+    import accelerate.accelerator as accelerator_module
+
+    swap = getattr(accelerator_module, "fsdp2_switch_optimizer_parameters", None)
+    if swap is None:
+        raise RuntimeError(
+            "dmuon_compile.integrations.accelerate: this accelerate version has no "
+            "accelerate.accelerator.fsdp2_switch_optimizer_parameters (its FSDP2 prepare's "
+            "parameter swap), so the dedicated weights cannot be kept in place. Use an accelerate "
+            "version that supports fsdp_version=2, or update this module for it."
+        )
+    if getattr(swap, "restores_dedicated", False):
+        return
+
+    def swap_then_restore(optimizer, mapping):
+        swap(optimizer, mapping)
+        from dmuon_compile.optimizer import Muon
+
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        if isinstance(inner, Muon):
+            inner.restore_dedicated()
+
+    swap_then_restore.restores_dedicated = True
+    accelerator_module.fsdp2_switch_optimizer_parameters = swap_then_restore
 
 
 class MuonFactory:
@@ -175,4 +212,6 @@ class MuonFactory:
             state = AcceleratorState()  # the Trainer's (a shared state)
             if state.is_fsdp2 and not dedicated_names(model):
                 dedicate_params(state, model, dedicate_predicate, **(dedicate_kwargs or {}))
+            elif state.is_fsdp2:  # dedicated by the caller: prepare must still keep them
+                _restore_after_swap()
         return dmuon.Muon(model, **muon_kwargs)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dmuon_compile.distributed._dedicated_group import GroupState
+
 from . import models
 from .harness import local_device, run_ranks
 
@@ -46,11 +48,9 @@ def expected_unshards(config: str) -> list[int]:
 
 def old_recompute_rule(runtime, group) -> None:
     """The rule before: recomputation prefetched the next group like a forward does."""
-    from dmuon_compile.distributed._dedicated_group import SHARDED
-
     group.wait_unshard()
     nxt = runtime._neighbour(group, +1)
-    if nxt is not None and nxt.state == SHARDED:
+    if nxt is not None and nxt.state == GroupState.SHARDED:
         nxt.unshard(prefetch=True)
 
 
@@ -105,7 +105,9 @@ def _train(rank: int, world: int, config: str, device: str = "cpu"):
     end_of_backward = runtime._end_of_backward
 
     def probe():
-        at_end.append(sorted({(g.state, g.flat.untyped_storage().size()) for g in runtime.groups}))
+        at_end.append(
+            sorted({(g.state, g.flat.untyped_storage().size()) for g in runtime.groups}, key=str)
+        )
         end_of_backward()
 
     runtime._end_of_backward = probe
@@ -187,7 +189,7 @@ def _recompute_clean(r: dict, config: str) -> list[str]:
         problems.append(f"unshards {r['unshards']} != {expected_unshards(config)}")
     if r["finished"]:
         problems.append(f"unshards of groups whose backward was done: {r['finished']}")
-    if r["at_end"] != [[("sharded", 0)]] * STEPS:
+    if r["at_end"] != [[(GroupState.SHARDED, 0)]] * STEPS:
         problems.append(f"groups at the end of backward: {r['at_end']}")
     return problems
 

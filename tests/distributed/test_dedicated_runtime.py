@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dmuon_compile.distributed._dedicated_group import GroupState
+from dmuon_compile.distributed._runtime import RuntimeState
+
 from . import models
 from .harness import full_state, local_device, run_ranks
 
@@ -130,14 +133,17 @@ def _outputs_and_modes(rank, world):
         grads.append(models.owned_grads(m))
         grads[-1]["states"] = [g.state for g in dmuon.distributed.dedicated_runtime(m).groups]
     out["no_reshard_grads"] = grads
+    runtime_states = [dmuon.distributed.dedicated_runtime(b).state]  # backward done
     # a forward without backward leaves the last group unsharded; new master values must still
     # reach the next forward (zeroed projections: every block becomes the identity)
     b(x)
+    runtime_states.append(dmuon.distributed.dedicated_runtime(b).state)
     with torch.no_grad():
         for _, p in models.owned_masters(b):
             p.zero_()
     y = b(x)
     out["stale_diff"] = float((y - b.lm_head(b.norm(x))).abs().max())
+    out["runtime_states"] = runtime_states
     # hook_boundary_predicate: one group per attention / MLP module instead of per block
     c = models.build_llama()
     dmuon.dedicate_params(
@@ -156,7 +162,9 @@ def _outputs_and_modes(rank, world):
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks
         d(x).square().mean().backward()
     out["ckpt_grads"] = models.owned_grads(d)
-    out["ckpt_states"] = sorted({g.state for g in dmuon.distributed.dedicated_runtime(d).groups})
+    out["ckpt_states"] = sorted(
+        {g.state for g in dmuon.distributed.dedicated_runtime(d).groups}, key=str
+    )
     return out
 
 
@@ -165,16 +173,17 @@ def test_outputs_untouched_and_reshard_modes():
         assert r["types"] == ["BlockOutput", "BlockOutput"]
         assert r["aux_is_tuple"]
         assert r["max_diff"] < 1e-5 and r["eval_diff"] < 1e-5
-        assert set(r["states"]) == {"sharded"}
+        assert set(r["states"]) == {GroupState.SHARDED}
         a, b = r["no_reshard_grads"]
-        assert set(a.pop("states")) == {"sharded"} and set(b.pop("states")) == {"sharded"}
+        assert set(a.pop("states")) == set(b.pop("states")) == {GroupState.SHARDED}
         assert a.keys() == b.keys() == r["boundary_grads"].keys() and a
         for n in a:
             torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(r["boundary_grads"][n], b[n], rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(r["ckpt_grads"][n], b[n], rtol=1e-5, atol=1e-7)
-        assert r["ckpt_states"] == ["sharded"]
+        assert r["ckpt_states"] == [GroupState.SHARDED]
         assert r["stale_diff"] < 1e-6
+        assert r["runtime_states"] == [RuntimeState.IDLE, RuntimeState.FORWARD_DONE]
         assert r["boundary_groups"] == [
             f"layers.{i}.{m}" for i in range(models.LAYERS) for m in ("self_attn", "mlp")
         ]
@@ -298,7 +307,7 @@ def _precision_and_recovery(rank, world):
     dmuon.wait_all_replicate_broadcasts(model)
     runtime = dedicated_runtime(model)
     out["after_interrupt"] = sorted(
-        {(g.state, len(g.works), len(g.pending_reduce)) for g in runtime.groups}
+        {(g.state, len(g.works), len(g.pending_reduce)) for g in runtime.groups}, key=str
     )
     grads = []
     for m in (model, fresh):
@@ -319,7 +328,7 @@ def test_mixed_precision_policy_and_recovery_after_interrupt():
             and "compute_dtype" in r["conflict"]
             and "param_dtype" in r["conflict"]
         )
-        assert r["after_interrupt"] == [("sharded", 0, 0)]
+        assert r["after_interrupt"] == [(GroupState.SHARDED, 0, 0)]
         a, b = r["resume_grads"]
         assert a.keys() == b.keys() and a
         for n in a:

@@ -10,8 +10,8 @@ workaround kept here); everything else is accelerate's own code: ``accelerator.p
   (weights within 1e-5 after 3 steps). Before, prepare raised ``KeyError: A parameter in the
   optimizer couldn't be switched to its sharded version``.
 - Control: the optimizer's parameter lists right after accelerate's swap (before Muon puts
-  its dedicated weights back) hold the wrong weights on a rank that owns some but not all:
-  the swap alone is not enough, and the test would see it.
+  its dedicated weights back, once, inside prepare) hold the wrong weights on a rank that owns
+  some but not all: the swap alone is not enough, and the test would see it.
 - A Muon matrix that accelerate shards (no ``dedicate_params``: ``Muon`` routed a plain weight,
   then ``fully_shard`` sharded it) raises a ``ValueError`` at the first step naming
   ``dedicate_params`` (before: a ``MuonStepError`` about a mixed Tensor/DTensor add).
@@ -110,8 +110,15 @@ def train_prepared(rank: int, world: int, steps: int, accelerator) -> dict:
     owners = dmuon_accelerate.dedicate_params(accelerator, model, models.proj_predicate)
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
     built = group_names(opt, model)
+    swapped = []  # the lists as accelerate's swap left them, at each restore
+    restore = opt.restore_dedicated
+
+    def recording_restore():
+        swapped.append(group_names(opt, model))
+        restore()
+
+    opt.restore_dedicated = recording_restore
     model, opt = accelerator.prepare(model, opt)
-    swapped = group_names(opt.optimizer, model)  # as accelerate left them
     per = models.batches(1, world)[0].shape[0] // world
     for x in models.batches(steps, world):
         loss = model(x[rank * per : (rank + 1) * per].to(device)).square().mean()
@@ -121,7 +128,8 @@ def train_prepared(rank: int, world: int, steps: int, accelerator) -> dict:
     return {
         "owners": owners,
         "built": built,
-        "swapped": swapped,
+        "swapped": swapped[0] if swapped else None,
+        "restores": len(swapped),  # once, inside prepare: never in a step or zero_grad
         "kept": group_names(opt.optimizer, model),
         "state": {n: t.cpu() for n, t in full_state(model).items()},
     }
@@ -170,6 +178,7 @@ def test_prepare_trains_like_one_process(accelerate_ranks):
     for rank, out in enumerate(accelerate_ranks):
         # the optimizer holds the model's parameters, each where Muon(model) put it
         assert out["kept"] == out["built"], rank
+        assert out["restores"] == 1, rank
         assert "lm_head.weight" in out["kept"][1]  # the head and the vectors: AdamW
         for name, want in ref.items():
             torch.testing.assert_close(out["state"][name], want, rtol=1e-5, atol=1e-5, msg=name)
@@ -190,7 +199,8 @@ def test_prepare_on_gpus_trains_like_one_process():
 
 def test_accelerate_swap_alone_mixes_up_dedicated_weights(accelerate_ranks):
     """Control: accelerate's swap maps every dedicated weight held by the other rank (no data
-    here, address 0) to one and the same weight; Muon puts them back (test above)."""
+    here, address 0) to one and the same weight; ``Muon.restore_dedicated``, run right after
+    the swap, puts them back (test above)."""
     for rank, out in enumerate(accelerate_ranks):
         swapped = out["swapped"][0]
         assert swapped != out["built"][0], rank

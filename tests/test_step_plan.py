@@ -1,0 +1,112 @@
+"""``Muon.step`` walks the step plan a runtime gives it (``dmuon_compile/step_plan.py``): the
+plan's actions in order, each part committed before its ``after`` runs, ``finish`` last (also
+when the step raises), and splitting the groups into parts changes no number."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dmuon_compile as dmuon
+from dmuon_compile import optimizer
+from dmuon_compile.step_plan import PLAIN_STEP, StepPart, StepPlan
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 4))
+
+
+def _backward(model: nn.Module, seed: int = 1) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(5, 8)).square().mean().backward()
+
+
+def _recording_plan(model: nn.Module, events: list, snapshots: list) -> StepPlan:
+    """Two parts (the first Linear's weight, then the rest), every action recorded with the
+    weights as they are when it runs."""
+    first = model[0].weight
+
+    def note(name):
+        def action(*args):
+            events.append((name, *args))
+            snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+        return action
+
+    return StepPlan(
+        parts=(
+            StepPart("early", frozenset({id(first)}), after=note("after early")),
+            StepPart("rest"),
+        ),
+        before=note("before"),
+        finish=note("finish"),
+    )
+
+
+def _install(monkeypatch, plan: StepPlan) -> None:
+    monkeypatch.setattr(optimizer, "_step_plan", lambda _model: plan)
+
+
+def test_step_walks_the_plan_in_order(monkeypatch):
+    model = _model()
+    events, snapshots = [], []
+    _install(monkeypatch, _recording_plan(model, events, snapshots))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = dmuon.Muon(model, lr=0.05, replicate_async=False, compile=False)
+    _backward(model)
+    opt.step()
+    assert [e[0] for e in events] == ["before", "after early", "finish"]
+    assert events[-1] == ("finish", True)  # replicate_async=False: wait for the publish
+    at_before, at_early, at_finish = snapshots
+    assert all(torch.equal(at_before[n], before[n]) for n in before)
+    # After the early part: its matrix is updated, the other Muon matrix is not yet.
+    assert not torch.equal(at_early["0.weight"], before["0.weight"])
+    assert torch.equal(at_early["2.weight"], before["2.weight"])
+    assert not torch.equal(at_finish["2.weight"], before["2.weight"])
+
+
+def test_finish_runs_when_the_step_raises(monkeypatch):
+    model = _model()
+    events, snapshots = [], []
+    _install(monkeypatch, _recording_plan(model, events, snapshots))
+    opt = dmuon.Muon(model, compile=False)
+    _backward(model)
+    model[2].weight.grad[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    assert [e[0] for e in events] == ["before", "finish"]
+    assert events[-1] == ("finish", False)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_parts_change_no_number(monkeypatch, split):
+    """Two steps with the groups split into parts equal two steps of one part; the control (the
+    early part's ``after`` skipped would not change numbers, so it compares against a step whose
+    plan drops a matrix) shows the comparison sees a part that is not stepped."""
+    reference = _model()
+    opt = dmuon.Muon(reference, lr=0.05, compile=False)
+    for seed in (1, 2):
+        _backward(reference, seed)
+        opt.step()
+        opt.zero_grad()
+    model = _model()
+    plan = _recording_plan(model, [], [])
+    if not split:  # the control: only the early part, the rest never stepped
+        plan = StepPlan(parts=plan.parts[:1])
+    _install(monkeypatch, plan)
+    opt = dmuon.Muon(model, lr=0.05, compile=False)
+    for seed in (1, 2):
+        _backward(model, seed)
+        opt.step()
+        opt.zero_grad()
+    same = all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    assert same is split
+
+
+def test_a_model_without_runtime_gets_the_plain_plan():
+    assert optimizer._step_plan(_model()) is PLAIN_STEP
+    assert optimizer._step_plan(None) is PLAIN_STEP
