@@ -34,11 +34,18 @@ _ROOT_MESH = PrivateAPI(
     _MODULE,
 )
 
-# DTensor keeps its local tensor and spec in these slots; read directly on the hot path.
-if not {"_local_tensor", "_spec"} <= set(getattr(DTensor, "__slots__", ())):
-    raise torch_internals_error(
-        "DTensor._local_tensor / DTensor._spec (DTensor.__slots__)", _OWNER, _MODULE
-    )
+
+def check_dtensor_layout() -> None:
+    """Raise unless DTensor keeps its local tensor and spec in the slots ``_local_tensor`` and
+    ``_spec`` (read directly on the hot path; owner tensors are built from them with
+    ``DTensor(local, spec, requires_grad=...)``, DTensor's own constructor). Run at import."""
+    if not {"_local_tensor", "_spec"} <= set(getattr(DTensor, "__slots__", ())):
+        raise torch_internals_error(
+            "DTensor._local_tensor / DTensor._spec (DTensor.__slots__)", _OWNER, _MODULE
+        )
+
+
+check_dtensor_layout()
 
 
 def local_tensor(t: DTensor):
