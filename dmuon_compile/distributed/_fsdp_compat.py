@@ -54,7 +54,8 @@ _FSDP_PACKAGE = "torch.distributed.fsdp"
 
 
 def _state(module):
-    return _GET_STATE.get()(module)
+    _GET_STATE.get()  # raises if FSDP2 no longer has it
+    return module._get_fsdp_state()
 
 
 def _require(obj, attr: str, feature: str):
