@@ -7,7 +7,9 @@ The floor is torch 2.11 (the first release this project is tested on: FSDP2's pu
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 
 TORCH_FLOOR = (2, 11)
 TORCH_FLOOR_STR = "2.11"
@@ -31,3 +33,170 @@ def check_torch_version(version: str) -> None:
             f'    pip install "torch>={TORCH_FLOOR_STR}"\n'
             "(add --index-url https://download.pytorch.org/whl/cu130 for a CUDA build)."
         )
+
+
+# --- private torch APIs: each resolved in one place, failing loudly when torch moves it -----
+#
+# One module per torch area (the table in docs/torch_internals.md lists every API):
+#
+# - this module: torch core, Dynamo, Inductor, the profiler and ``torch._logging``;
+# - ``distributed/_dtensor_compat.py``: DTensor and DeviceMesh internals;
+# - ``distributed/_fsdp_compat.py``: FSDP2 internals;
+# - ``distributed/_autograd_compat.py``: the autograd engine;
+# - ``distributed/_c10d_compat.py``: c10d process groups and their backend options.
+#
+# An accessor never falls back to a default when the API is missing: it raises
+# :class:`TorchInternalsError`, naming the torch version, the missing API and the feature of
+# dmuon_compile that needs it, so a torch upgrade fails at the first use instead of silently
+# skipping a sync, a hook or a check.
+
+CHECKED_TORCH = ("2.11", "2.13")
+
+
+class TorchInternalsError(RuntimeError):
+    """A private torch API dmuon_compile relies on is missing or changed in this torch."""
+
+
+def torch_internals_error(api: str, feature: str, module: str) -> TorchInternalsError:
+    """The error of an accessor in ``module`` whose private torch ``api`` is missing."""
+    import torch
+
+    return TorchInternalsError(
+        f"dmuon_compile: torch {torch.__version__} has no {api}, which {feature} needs "
+        f"(checked on torch {' and '.join(CHECKED_TORCH)}). Fix: use a checked torch version, or "
+        f"update dmuon_compile/{module} for this one (docs/torch_internals.md lists what it "
+        "reads)."
+    )
+
+
+class PrivateAPI:
+    """A private torch API: ``root`` (a module name) ``.path`` (dotted), resolved at first use
+    and cached; :meth:`get` raises :class:`TorchInternalsError` naming ``feature`` when this
+    torch lacks it. Every instance is listed in :data:`PRIVATE_APIS` (tests resolve them all)."""
+
+    def __init__(self, root: str, path: str, feature: str, module: str = "_compat.py") -> None:
+        self.root, self.path, self.feature, self.module = root, path, feature, module
+        self._value = _UNSET
+        PRIVATE_APIS.append(self)
+
+    @property
+    def name(self) -> str:
+        return f"{self.root}.{self.path}"
+
+    def resolve(self):
+        """Look the API up now (uncached)."""
+        try:
+            obj = importlib.import_module(self.root)
+            for part in self.path.split("."):
+                obj = getattr(obj, part)
+        except (AttributeError, ImportError):
+            raise torch_internals_error(self.name, self.feature, self.module) from None
+        return obj
+
+    def get(self):
+        if self._value is _UNSET:
+            self._value = self.resolve()
+        return self._value
+
+    def forget(self) -> None:
+        """Drop the cached value (tests that monkeypatch torch)."""
+        self._value = _UNSET
+
+
+_UNSET = object()
+PRIVATE_APIS: list[PrivateAPI] = []
+
+_DISABLE_TORCH_FUNCTION = PrivateAPI(
+    "torch", "_C.DisableTorchFunctionSubclass", "owner tensors' torch functions"
+)
+_PROFILER_ENABLED = PrivateAPI(
+    "torch", "_C._autograd._profiler_enabled", "the profiler labels (dmuon::*)"
+)
+_MODE_OPTIONS = PrivateAPI(
+    "torch._inductor", "list_mode_options", "the compiled step's compile mode"
+)
+_INDUCTOR_CONFIG = PrivateAPI(
+    "torch._inductor", "config.post_grad_custom_pre_pass", "the NS-chain pass"
+)
+_MARK_STATIC = PrivateAPI(
+    "torch._dynamo", "mark_static_address", "the compiled step's static state"
+)
+_REGISTER_LOG = PrivateAPI(
+    "torch._logging._internal", "register_log", "the TORCH_LOGS alias 'dmuon'"
+)
+_INIT_LOGS = PrivateAPI("torch._logging._internal", "_init_logs", "the TORCH_LOGS alias 'dmuon'")
+_CORRECT_FAN = PrivateAPI(
+    "torch.nn.init", "_calculate_correct_fan", "Kaiming init of dedicated weights"
+)
+_TREE_FLATTEN = PrivateAPI("torch.utils._pytree", "tree_flatten", "owner tensors' torch functions")
+_TREE_MAP = PrivateAPI("torch.utils._pytree", "tree_map", "owner tensors' torch functions")
+
+
+def disable_torch_function_subclass():
+    """``torch._C.DisableTorchFunctionSubclass()``: run a ``__torch_function__`` override's
+    default behaviour (owner tensors and their norms, ``distributed/_owned.py``)."""
+    return _DISABLE_TORCH_FUNCTION.get()()
+
+
+def profiler_enabled() -> bool:
+    """Whether a profiler records now (``torch._C._autograd._profiler_enabled``): the runtime's
+    ``record_function`` labels (``trace_labels.py``) cost nothing without one."""
+    return _PROFILER_ENABLED.get()()
+
+
+def inductor_mode_options(mode: str) -> dict:
+    """``torch._inductor.list_mode_options(mode)``: the options a ``torch.compile`` mode sets,
+    merged into the compiled step's own options."""
+    return _MODE_OPTIONS.get()(mode)
+
+
+def post_grad_custom_pre_pass():
+    """Inductor's global ``config.post_grad_custom_pre_pass`` now (where a user-compiled step's
+    NS-chain pass is installed, ``compiled_step.py``)."""
+    _INDUCTOR_CONFIG.get()  # raises if Inductor dropped the option
+    import torch._inductor.config
+
+    return torch._inductor.config.post_grad_custom_pre_pass
+
+
+def mark_static_address(t) -> None:
+    """``torch._dynamo.mark_static_address``: the compiled step's state keeps its address, so
+    CUDA graphs and guards never copy or recompile for it."""
+    _MARK_STATIC.get()(t)
+
+
+def register_torch_log(name: str, qualified_name: str) -> None:
+    """``torch._logging._internal.register_log``: the ``TORCH_LOGS`` alias (``log.py``)."""
+    _REGISTER_LOG.get()(name, qualified_name)
+
+
+def reparse_torch_logs() -> None:
+    """``torch._logging._internal._init_logs``: parse ``TORCH_LOGS`` again (``log.py``)."""
+    _INIT_LOGS.get()()
+
+
+def calculate_correct_fan(tensor, mode: str) -> int:
+    """``torch.nn.init._calculate_correct_fan``: the fan the Kaiming initialisers use, for an
+    owner tensor initialised on its owner (``distributed/_owned.py``)."""
+    return _CORRECT_FAN.get()(tensor, mode)
+
+
+def tree_flatten(tree):
+    """``torch.utils._pytree.tree_flatten`` (owner tensors among a function's arguments)."""
+    return _TREE_FLATTEN.get()(tree)
+
+
+def tree_map(fn, tree):
+    """``torch.utils._pytree.tree_map`` (owner tensors' local tensors, ``_owned.py``)."""
+    return _TREE_MAP.get()(fn, tree)
+
+
+def caller_frame(depth: int):
+    """The frame of the function ``depth`` frames above the caller of this one.
+
+    Owner tensors (``distributed/_owned.py``) and the holder class (``_holder.py``, through
+    ``_fsdp_compat.called_by_fsdp``) tell apart calls made by torch's own code (``torch.nn.init``,
+    DDP, ``fully_shard``) by the module of the calling frame: those calls come from user code
+    that runs after ``dedicate_params`` returned, with no code of ours around them to set a flag.
+    """
+    return sys._getframe(depth + 1)

@@ -63,7 +63,12 @@ from torch import Tensor
 
 from dmuon_compile import env
 from dmuon_compile import functional as F
-from dmuon_compile._compat import parse_version
+from dmuon_compile._compat import (
+    inductor_mode_options,
+    mark_static_address,
+    parse_version,
+    post_grad_custom_pre_pass,
+)
 from dmuon_compile.log import progress
 from dmuon_compile.newton_schulz import NewtonSchulz
 
@@ -149,12 +154,12 @@ def default_compile_options(mode: str | None = None, rewrite: bool = True) -> di
     # seconds of a cold first step (benchmarks/RESULTS.md §8). Max-autotune modes still tune.
     options: dict = {"triton.autotune_pointwise": False}
     if mode not in (None, "default"):
-        options.update(torch._inductor.list_mode_options(mode))
+        options.update(inductor_mode_options(mode))
     if parse_version(torch.__version__) < (2, 13):
         options["loop_ordering_after_fusion"] = False
     if rewrite:
         return compile_options(options)
-    current = torch._inductor.config.post_grad_custom_pre_pass
+    current = post_grad_custom_pre_pass()
     if isinstance(current, NSChainPass):
         # Installed globally for a user-compiled step: without this, a kernel="cublas" step
         # compiled later in the process would still get the rewrite. The user's pass stays.
@@ -337,7 +342,7 @@ class CompiledMuonStep:
     def _mark_static(self, tensors) -> None:
         for t in tensors:
             if id(t) not in self._static_marked:
-                torch._dynamo.mark_static_address(t)
+                mark_static_address(t)
                 self._static_marked.add(id(t))
 
 

@@ -68,12 +68,12 @@ def register_torch_logs() -> None:
 
     >>> register_torch_logs()
     """
-    try:
-        from torch._logging import _internal
+    from dmuon_compile._compat import TorchInternalsError, register_torch_log, reparse_torch_logs
 
-        _internal.register_log(_TORCH_LOGS_NAME, logger.name)
-    except Exception:  # noqa: BLE001 - private API; logging stays usable via logging.getLogger
-        logger.debug("could not register the 'dmuon' TORCH_LOGS alias")
+    try:
+        register_torch_log(_TORCH_LOGS_NAME, logger.name)
+    except TorchInternalsError as exc:  # import must not fail: logging.getLogger still works
+        logger.warning("%s", exc)
         return
     # TORCH_LOGS set in-process after `import torch` (tests, notebooks): torch parsed it once at
     # import; parse again now that the alias exists. Skipped when our logger was configured.
@@ -81,6 +81,6 @@ def register_torch_logs() -> None:
     mentions = any(part.strip().lstrip("+-") == _TORCH_LOGS_NAME for part in setting.split(","))
     if mentions and logger.level == logging.NOTSET and "torch._logging" in sys.modules:
         try:
-            _internal._init_logs()
+            reparse_torch_logs()
         except Exception as exc:  # noqa: BLE001 - an invalid TORCH_LOGS elsewhere must not break import
             logger.warning("TORCH_LOGS=%r could not be applied: %s", setting, exc)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_compile import functional as F
 from dmuon_compile.distributed import _collectives as C
+from dmuon_compile.distributed._c10d_compat import default_group
 from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.distributed._owned import (
     OwnerTensor,
@@ -361,8 +362,8 @@ class Muon(torch.optim.Optimizer):
         """
         from dmuon_compile.dedicated_registry import runtime_of
         from dmuon_compile.distributed import _fsdp_compat
+        from dmuon_compile.distributed._autograd_compat import in_backward
         from dmuon_compile.distributed._pending import gradient_writes
-        from dmuon_compile.distributed._runtime import in_backward
 
         if self.model is not None and not in_backward():
             _fsdp_compat.finish_aborted_backward(self.model)
@@ -521,7 +522,7 @@ class Muon(torch.optim.Optimizer):
             C.wait(
                 dist.all_reduce(votes, op=dist.ReduceOp.SUM, async_op=True),
                 "Muon.step's agreement on non-finite gradients and failed ranks (all-reduce)",
-                dist.distributed_c10d._get_default_group(),
+                default_group(),
             )
             values = votes.tolist()  # one host sync per step
             failed = {

@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 
+from dmuon_compile._compat import profiler_enabled
+
 UNSHARD = "dmuon::unshard"
 REDUCE = "dmuon::reduce"
 PUBLISH = "dmuon::publish"
@@ -41,6 +43,6 @@ _NONE = contextlib.nullcontext()
 def label(name: str):
     """A ``record_function(name)`` range while a profiler runs, else a no-op context."""
     # is_compiling first: Dynamo folds it to True and never traces the profiler query.
-    if torch.compiler.is_compiling() or not torch._C._autograd._profiler_enabled():
+    if torch.compiler.is_compiling() or not profiler_enabled():
         return _NONE
     return torch.profiler.record_function(name)

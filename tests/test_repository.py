@@ -173,3 +173,71 @@ def test_dmuon_variables_are_read_in_one_module():
     assert not readers, readers
     assert ENV_READ.search('os.environ.get("DMUON_NS_KERNEL", "")')  # the check has teeth
     assert ENV_READ.search("record = env_flag(PROFILE_ENV, False)")
+
+
+# Private torch APIs are read in the compat modules only (docs/torch_internals.md lists them).
+COMPAT_MODULES = {
+    "dmuon_compile/_compat.py",
+    "dmuon_compile/distributed/_dtensor_compat.py",
+    "dmuon_compile/distributed/_fsdp_compat.py",
+    "dmuon_compile/distributed/_autograd_compat.py",
+    "dmuon_compile/distributed/_c10d_compat.py",
+}
+PRIVATE_TORCH = re.compile(
+    r"\btorch\._(?!foreach_|_)\w|\b_C\.|distributed_c10d\._|\._get_fsdp_state\b|"
+    r"\._(?:local_tensor|spec|mp_policy|fsdp_param_groups?|get_root_mesh|concatenate|"
+    r"execution_engine|get_backend|device_types)\b|\b_init_backend\b|\b_current_graph_task_id\b|"
+    r"\b_getframe\b|\butils\._pytree\b|\b_NormPartial\b|\b_dtensor_spec\b|\b_calculate_correct_fan\b"
+)
+
+
+def code_without_strings(source: str) -> str:
+    """``source``'s code tokens (no strings, comments or docstrings), dotted names kept whole."""
+    import io
+    import tokenize
+
+    skip = {tokenize.STRING, tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT}
+    skip |= {tokenize.DEDENT, tokenize.ENDMARKER}
+    skip |= {
+        getattr(tokenize, n) for n in ("FSTRING_START", "FSTRING_MIDDLE") if hasattr(tokenize, n)
+    }
+    out, prev = [], ""
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in skip:
+            continue
+        out.append(tok.string if "." in (tok.string, prev) else " " + tok.string)
+        prev = tok.string
+    return "".join(out)
+
+
+def private_torch_uses(source: str) -> list[str]:
+    return PRIVATE_TORCH.findall(code_without_strings(source))
+
+
+def test_private_torch_apis_are_read_in_the_compat_modules_only():
+    offenders = {}
+    for path in sorted((ROOT / "dmuon_compile").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in COMPAT_MODULES or {"kernels", "passes"} & set(path.parts[len(ROOT.parts) :]):
+            continue
+        found = private_torch_uses(path.read_text(encoding="utf-8"))
+        if found:
+            offenders[rel] = sorted(set(found))
+    assert not offenders, (
+        "private torch APIs outside the compat modules (read them through "
+        f"dmuon_compile/_compat.py or distributed/_*_compat.py): {offenders}"
+    )
+
+
+def test_private_torch_check_has_teeth():
+    text = (
+        "x = t._local_tensor\nif torch._C._current_graph_task_id() != -1: pass\n"
+        "g = dist.distributed_c10d._get_default_group()\nf = sys._getframe(1)\n"
+        "s = module._get_fsdp_state()\nfrom torch.distributed.tensor._dtensor_spec import A\n"
+    )
+    assert all(private_torch_uses(line) for line in text.splitlines())
+    clean = (
+        '"""torch._inductor.config in a docstring"""\n# t._local_tensor in a comment\n'
+        "torch._foreach_add_(a, b)\nx = self._spec_cache\nv = torch.__version__\n"
+    )
+    assert private_torch_uses(clean) == []

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dmuon_compile.distributed._c10d_compat import backend_timeout, default_group
+
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -146,23 +148,12 @@ def default_timeout() -> datetime.timedelta | None:
     """
     if not dist.is_initialized():
         return None
-    pg = dist.distributed_c10d._get_default_group()
-    for device in getattr(pg, "_device_types", ()):
-        try:
-            return pg._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-    return None
+    return backend_timeout(default_group())
 
 
 def group_timeout(group) -> datetime.timedelta | None:
     """``group``'s timeout where the backend exposes it (gloo, NCCL), else ``None``."""
-    for device in getattr(group, "_device_types", ()):
-        try:
-            return group._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-    return None
+    return backend_timeout(group)
 
 
 def wait(work, what: str, group) -> None:
@@ -245,7 +236,7 @@ def private_group(mesh, timeout: datetime.timedelta | None = None):
     # new_group numbers ranks in ascending order; the runtime uses the mesh's local ranks.
     if not partition or any(list(g) != sorted(g) for g in groups):
         return mesh.get_group()
-    default = dist.distributed_c10d._get_default_group()
+    default = default_group()
     if _PRIVATE_GROUPS[0] is not default:
         _PRIVATE_GROUPS[:] = [default, {}]
     timeout = timeout if timeout is not None else default_timeout()

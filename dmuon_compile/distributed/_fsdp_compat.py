@@ -29,23 +29,51 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - torch < 2.6
-    FSDPModule = None  # type: ignore[assignment]
+from dmuon_compile._compat import (
+    PrivateAPI,
+    TorchInternalsError,
+    caller_frame,
+    torch_internals_error,
+)
+from dmuon_compile.distributed import _dtensor_compat
+
+_MODULE = "distributed/_fsdp_compat.py"
+_GET_STATE = PrivateAPI(
+    "torch.distributed.fsdp", "FSDPModule._get_fsdp_state", "FSDP2's gradient settings", _MODULE
+)
+_MANAGED_STATES = PrivateAPI(
+    "torch.distributed.fsdp._fully_shard._fsdp_init",
+    "_get_managed_states",
+    "keeping dedicated weights out of fully_shard",
+    _MODULE,
+)
+_CONCATENATE = "_concatenate"  # DeviceMesh._concatenate: how FSDP2 joins DP and TP meshes
+_FSDP_PACKAGE = "torch.distributed.fsdp"
+
+
+def _state(module):
+    _GET_STATE.get()  # raises if FSDP2 no longer has it
+    return module._get_fsdp_state()
+
+
+def _require(obj, attr: str, feature: str):
+    if not hasattr(obj, attr):
+        raise torch_internals_error(f"{type(obj).__name__}.{attr} (FSDP2)", feature, _MODULE)
+    return getattr(obj, attr)
 
 
 def _param_groups(module) -> list:
-    state = module._get_fsdp_state()
+    state = _state(module)
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         single = getattr(state, "_fsdp_param_group", None)
         if single is None and not hasattr(state, "_fsdp_param_group"):
-            raise RuntimeError(
-                "dmuon_compile cannot find FSDP2's parameter groups on this torch version "
-                "(neither _fsdp_param_groups nor _fsdp_param_group); update "
-                "dmuon_compile/distributed/_fsdp_compat.py for it."
+            raise torch_internals_error(
+                "FSDPState._fsdp_param_groups (2.13) or _fsdp_param_group (2.11)",
+                "FSDP2's gradient settings for dedicated weights",
+                _MODULE,
             )
         groups = [single] if single is not None else []
     return list(groups)
@@ -53,8 +81,6 @@ def _param_groups(module) -> list:
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     """The ``fully_shard``-ed modules of ``model`` (empty without FSDP2)."""
-    if FSDPModule is None:
-        return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
@@ -68,18 +94,13 @@ class GradReduction:
 
 
 def _update_hint(what: str) -> str:
-    return (
-        f"dmuon_compile cannot read FSDP2's {what} on this torch version "
-        f"({torch.__version__}); update dmuon_compile/distributed/_fsdp_compat.py for it."
-    )
+    return str(torch_internals_error(f"FSDP2's {what}", "FSDP2's gradient settings", _MODULE))
 
 
 def managing_module(model: nn.Module, fqn: str) -> tuple[str, nn.Module] | None:
     """``(path, module)`` of the ``fully_shard`` module that would manage parameter ``fqn``
     were it not dedicated: its nearest FSDP ancestor (its own module included) with parameters
     of its own, since a module without any keeps no gradient settings. ``None`` without one."""
-    if FSDPModule is None:
-        return None
     parts = fqn.split(".")[:-1]
     for k in range(len(parts), -1, -1):
         path = ".".join(parts[:k])
@@ -101,7 +122,7 @@ def grad_reduction(module: nn.Module, path: str = "<root>") -> GradReduction:
             continue
         for attr in ("reduce_grads", "gradient_divide_factor", "_all_reduce_hook"):
             if not hasattr(group, attr):
-                raise RuntimeError(_update_hint(f"parameter-group attribute {attr!r}"))
+                raise TorchInternalsError(_update_hint(f"parameter-group attribute {attr!r}"))
         if group._all_reduce_hook is not None:
             raise RuntimeError(
                 f"dmuon_compile: fully_shard module {path!r} has an all-reduce hook "
@@ -118,10 +139,10 @@ def grad_reduction(module: nn.Module, path: str = "<root>") -> GradReduction:
             "Fix: set them on the module (FSDPModule.set_...), which sets every group."
         )
     sync, factor = settings.pop() if settings else (True, None)
-    state = module._get_fsdp_state()
+    state = _state(module)
     if not hasattr(state, "_mp_policy"):
-        raise RuntimeError(_update_hint("MixedPrecisionPolicy of a fully_shard module"))
-    return GradReduction(sync, factor, getattr(state._mp_policy, "reduce_dtype", None))
+        raise TorchInternalsError(_update_hint("MixedPrecisionPolicy of a fully_shard module"))
+    return GradReduction(sync, factor, state._mp_policy.reduce_dtype)
 
 
 def split_divide_factor(factor: float, reduce_dtype: torch.dtype) -> tuple[float | None, float]:
@@ -148,18 +169,13 @@ def finish_aborted_backward(model: nn.Module) -> bool:
     """
     ran = False
     for module in fsdp_modules(model):
-        state = module._get_fsdp_state()
-        ctx = getattr(state, "_state_ctx", None)
-        if not getattr(state, "_is_root", False) or ctx is None:
+        state = _state(module)
+        feature = "Muon.zero_grad after a failed backward"
+        if not _require(state, "_is_root", feature):  # None before FSDP2's lazy init
             continue
-        if not hasattr(ctx, "post_backward_final_callback_queued") or not hasattr(
-            state, "_root_post_backward_final_callback"
-        ):
-            raise RuntimeError(
-                "dmuon_compile cannot find FSDP2's end-of-backward state on this torch version; "
-                "update dmuon_compile/distributed/_fsdp_compat.py for it."
-            )
-        if ctx.post_backward_final_callback_queued:
+        ctx = _require(state, "_state_ctx", feature)
+        _require(state, "_root_post_backward_final_callback", feature)
+        if _require(ctx, "post_backward_final_callback_queued", feature):
             state._root_post_backward_final_callback()
             ran = True
     return ran
@@ -169,15 +185,15 @@ def compute_dtypes(model: nn.Module) -> set:
     """The dtypes FSDP2 computes ``model``'s parameters in: each ``fully_shard`` call's
     ``MixedPrecisionPolicy.param_dtype``, or its parameters' own dtype without one."""
     dtypes = set()
+    feature = "the dedicated vs FSDP2 compute dtype check"
     for module in fsdp_modules(model):
-        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
-        dtype = getattr(policy, "param_dtype", None)
+        dtype = _require(_state(module), "_mp_policy", feature).param_dtype
         if dtype is not None:
             dtypes.add(dtype)
             continue
         for group in _param_groups(module):
-            for fsdp_param in getattr(group, "fsdp_params", []) if group is not None else []:
-                sharded = getattr(fsdp_param, "sharded_param", None)
+            for fsdp_param in _require(group, "fsdp_params", feature) if group is not None else []:
+                sharded = _require(fsdp_param, "sharded_param", feature)
                 if sharded is not None and sharded.is_floating_point():
                     dtypes.add(sharded.dtype)
     return dtypes
@@ -190,9 +206,35 @@ def joined_mesh(meshes) -> DeviceMesh:
     ones, and the slices may come from a mesh unflattened from a flattened 1-D root (torchtitan's
     ``ParallelDims``). Raises ``RuntimeError`` for overlapping dims or unrelated meshes."""
     meshes = list(meshes)
-    concatenate = getattr(DeviceMesh, "_concatenate", None)
-    if concatenate is not None:
-        return concatenate(meshes)
-    # a torch without _concatenate: the slices' dims named on their common root
-    root = meshes[0]._get_root_mesh()
+    if hasattr(DeviceMesh, _CONCATENATE):
+        return getattr(DeviceMesh, _CONCATENATE)(meshes)
+    # a torch without _concatenate: the slices' dims named on their common root (which raises
+    # when this torch has no root mesh either)
+    root = _dtensor_compat.root_mesh(meshes[0]) or meshes[0]
     return root[tuple(n for m in meshes for n in m.mesh_dim_names)]
+
+
+def check_parameter_collection() -> None:
+    """Raise unless ``fully_shard`` still collects a module's parameters by calling
+    ``named_parameters(recurse=False)`` from its own package, which is what lets the holder
+    class hide dedicated weights from it (``_holder.py``, :func:`called_by_fsdp`)."""
+    collect = _MANAGED_STATES.get()
+    code = getattr(collect, "__code__", None)
+    names = code.co_names if code is not None else ()
+    if "named_parameters" not in names or not collect.__module__.startswith(_FSDP_PACKAGE):
+        raise torch_internals_error(
+            "fully_shard collecting parameters with named_parameters(recurse=False) "
+            "(_get_managed_states)",
+            "keeping dedicated weights out of fully_shard",
+            _MODULE,
+        )
+
+
+def called_by_fsdp(depth: int) -> bool:
+    """Whether the function ``depth`` frames above the caller of this one is FSDP2's code.
+
+    A stack-frame check, kept because nothing else distinguishes the call: the user calls
+    ``fully_shard`` after ``dedicate_params`` returned, so no code of ours runs around it to
+    set a flag, and FSDP2 offers no hook before it collects parameters (only
+    ``ignored_params=``, an argument of the user's own call)."""
+    return caller_frame(depth + 1).f_globals.get("__name__", "").startswith(_FSDP_PACKAGE)

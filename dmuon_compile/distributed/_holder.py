@@ -28,13 +28,12 @@ probe tensor — and only then converts. The ancestors keep their class name (HF
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
+from dmuon_compile.distributed._fsdp_compat import called_by_fsdp, check_parameter_collection
+
 _HOLDER_CLASSES: dict[type, type] = {}
-_FSDP_PREFIX = "torch.distributed.fsdp"
 
 
 class DedicatedAncestor(nn.Module):
@@ -56,7 +55,7 @@ class DedicatedHolder(DedicatedAncestor):
         items = super().named_parameters(
             prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
         )
-        if recurse or not sys._getframe(1).f_globals.get("__name__", "").startswith(_FSDP_PREFIX):
+        if recurse or not called_by_fsdp(1):
             return items
         hidden = {f"{prefix}.{a}" if prefix else a for a in self._dmuon_dedicated}
         return ((name, p) for name, p in items if name not in hidden)
@@ -118,6 +117,7 @@ def mark_ancestors(model: nn.Module) -> None:
 def make_holder(module: nn.Module, attr: str, dedicated_param) -> None:
     """Give ``module`` the holder class (once) and record ``attr`` as dedicated on it."""
     cls = type(module)
+    check_parameter_collection()
     if not isinstance(module, DedicatedHolder):
         holder = _HOLDER_CLASSES.get(cls)
         if holder is None:

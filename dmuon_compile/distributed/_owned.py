@@ -44,17 +44,16 @@ on torch 2.13 and 2.11):
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from dmuon_compile import _compat
+from dmuon_compile.distributed import _dtensor_compat as _dt
 from dmuon_compile.distributed import _pending
 
 
@@ -85,7 +84,6 @@ class _MeshRegistry:
 
 _MESHES = _MeshRegistry()
 _aten = torch.ops.aten
-_NO_BACKEND = "_init_backend" in inspect.signature(DeviceMesh.__init__).parameters
 
 
 class OwnerTensor(DTensor):
@@ -103,7 +101,7 @@ class OwnerTensor(DTensor):
         # addressed by their local shard. accelerate's FSDP2 prepare matches the optimizer's
         # parameters to the model's by it; ``Muon`` puts back the weights held elsewhere,
         # which all have address 0 (``Muon.restore_dedicated``).
-        return self._local_tensor.data_ptr()
+        return _dt.local_tensor(self).data_ptr()
 
     def to_local(self, *, grad_placements=None) -> Tensor:
         _pending.before_access(write=False)  # a pending update lands first (_pending.py)
@@ -116,10 +114,8 @@ class OwnerTensor(DTensor):
         same_mesh = device_mesh is None or device_mesh == self.device_mesh
         if same_mesh and placements is not None and all(p.is_replicate() for p in placements):
             whole = full_tensor(self)
-            spec = DTensorSpec(
-                self.device_mesh,
-                tuple(placements),
-                tensor_meta=TensorMeta(self.shape, whole.stride(), self.dtype),
+            spec = _dt.make_spec(
+                self.device_mesh, placements, self.shape, whole.stride(), self.dtype
             )
             return DTensor(whole, spec, requires_grad=False)
         return super().redistribute(device_mesh, placements, **kwargs)
@@ -146,10 +142,10 @@ class OwnerTensor(DTensor):
                 # Reads see the pending updates; writes make a publish due (_pending.py).
                 _pending.before_access(_writes(name, kwargs))
         if func in _RANDOM_FILLS and args and isinstance(args[0], OwnerTensor):
-            return _random_fill(func, args, kwargs, sys._getframe(1))
+            return _random_fill(func, args, kwargs, _compat.caller_frame(1))
         if func in _INIT_ENTRIES:
             return _init_entry(func, args, kwargs)
-        caller = sys._getframe(1)
+        caller = _compat.caller_frame(1)
         caller_module = caller.f_globals.get("__name__")
         if caller_module == _DDP_MODULE:
             raise _ddp_error()
@@ -162,7 +158,7 @@ class OwnerTensor(DTensor):
             done, out = handler(args, kwargs)
             if done:
                 return out
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.disable_torch_function_subclass():
             return _rewrap(func(*args, **kwargs))
 
 
@@ -202,14 +198,14 @@ class _OwnerNorm(DTensor):
             for t in args[0]:
                 _scale_locally(t, args[1])
             return None
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.disable_torch_function_subclass():
             out = func(*args, **kwargs)
         return _as_norm(out)
 
 
 def _as_norm(out):
     if type(out) is DTensor:
-        return _OwnerNorm(out._local_tensor, out._spec, requires_grad=False)
+        return _OwnerNorm(_dt.local_tensor(out), _dt.spec(out), requires_grad=False)
     return out
 
 
@@ -229,7 +225,12 @@ def _on_norm_mesh(tensors: list) -> list:
         placements = [t.placements[own.index(n)] if n in own else Replicate() for n in names]
         out.append(
             DTensor.from_local(
-                t._local_tensor, mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
+                _dt.local_tensor(t),
+                mesh,
+                placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
             )
         )
     return out
@@ -239,11 +240,9 @@ def set_norm_mesh(mesh: DeviceMesh, norm_mesh: DeviceMesh, partial_dims=None) ->
     """Give the norms of owner ``mesh``'s tensors on ``norm_mesh`` (FSDP2's mesh, or the DP × TP
     mesh of a TP model), partial over the dims named in ``partial_dims`` (``None``: all) and
     ``Replicate`` over the others (a plain weight of a TP model: one owner per TP column)."""
-    from torch.distributed.tensor._ops._math_ops import _NormPartial
-
     names = norm_mesh.mesh_dim_names or (None,) * norm_mesh.ndim
     partial = [partial_dims is None or n in partial_dims for n in names]
-    _MESHES.norm_of[id(mesh)] = (norm_mesh, partial, _NormPartial)
+    _MESHES.norm_of[id(mesh)] = (norm_mesh, partial, _dt.norm_partial())
     _MESHES.keep.append(mesh)
 
 
@@ -270,7 +269,7 @@ def _norm_of(t: DTensor, ord) -> Tensor:
     of the owner group per shard), so partial over all dims of the norm mesh it sums each piece
     once; a plain weight of a TP model is held once per TP column, hence ``Replicate`` there.
     """
-    local = t._local_tensor
+    local = _dt.local_tensor(t)
     value = (
         torch.linalg.vector_norm(local, ord)
         if local.numel()
@@ -324,7 +323,7 @@ def _value_of(factor):
         return factor
     if not all(p.is_replicate() for p in factor.placements):
         factor = factor.redistribute(factor.device_mesh, [Replicate()] * factor.device_mesh.ndim)
-    return factor._local_tensor
+    return _dt.local_tensor(factor)
 
 
 def _scale_locally(t: Tensor, factor) -> None:
@@ -381,12 +380,12 @@ _CLIP_FUNCTIONS = {
 
 def _rewrap(out):
     if type(out) is DTensor and _is_owner_mesh(out.device_mesh):
-        local = out._local_tensor
+        local = _dt.local_tensor(out)
         if local.device.type != out.device_mesh.device_type and local.numel() == 0:
             # DTensor gives ranks outside the mesh an empty CPU placeholder; a CUDA parameter's
             # zeros_like (DCP's optimizer-state init sets it as .grad) must stay on its device.
             local = local.to(_mesh_device(out.device_mesh))
-        return OwnerTensor(local, out._spec, requires_grad=out.requires_grad)
+        return OwnerTensor(local, _dt.spec(out), requires_grad=out.requires_grad)
     if isinstance(out, (tuple, list)):
         return type(out)(_rewrap(o) for o in out)
     return out
@@ -411,8 +410,7 @@ def owner_mesh(device_type: str, global_rank: int) -> DeviceMesh:
     key = (device_type, int(global_rank))
     mesh = _MESHES.owner_meshes.get(key)
     if mesh is None:
-        kwargs = {"_init_backend": False} if _NO_BACKEND else {}
-        mesh = DeviceMesh(device_type, [int(global_rank)], **kwargs)
+        mesh = _dt.mesh_without_backend(device_type, [global_rank])
         _MESHES.owner_meshes[key] = mesh
         _MESHES.owner_of[id(mesh)] = int(global_rank)
     return mesh
@@ -447,7 +445,7 @@ def make_owned(
     plain = DTensor.from_local(
         local, mesh, [placement or Replicate()], run_check=False, shape=shape, stride=stride
     )
-    return OwnerTensor(plain._local_tensor, plain._spec, requires_grad=requires_grad)
+    return OwnerTensor(_dt.local_tensor(plain), _dt.spec(plain), requires_grad=requires_grad)
 
 
 def wrap_like(local: Tensor | None, like: DTensor) -> DTensor:
@@ -458,13 +456,13 @@ def wrap_like(local: Tensor | None, like: DTensor) -> DTensor:
     """
     if local is None:
         local = empty_local(like.dtype, local_of(like).device)
-    return OwnerTensor(local, like._spec, requires_grad=False)
+    return OwnerTensor(local, _dt.spec(like), requires_grad=False)
 
 
 def local_of(t: Tensor) -> Tensor:
     """The local tensor of a DTensor (the whole tensor on its owner, empty elsewhere), else "
     "``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return _dt.local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def is_owned(t) -> bool:
@@ -620,7 +618,7 @@ _GENERATOR: list = [None]  # the last fill's generator (a temporary of user code
 def key_fills(param: DTensor, fqn: str, shard: int = 0) -> None:
     """Random fills of ``param`` (a dedicated weight this rank holds) draw from a generator keyed
     by ``fqn`` and ``shard`` (its TP shard index; 0 for a whole weight)."""
-    local = param._local_tensor
+    local = _dt.local_tensor(param)
     if local.numel():
         _FILL_KEYS[local.data_ptr()] = [fqn, int(shard), 0]
 
@@ -641,8 +639,8 @@ def _fill_generator(local: Tensor, frame) -> torch.Generator:
     key = _FILL_KEYS.get(local.data_ptr())
     if key is None and frame.f_globals.get("__name__") == _INIT_MODULE:
         target = frame.f_locals.get("tensor")  # every nn.init function names its weight so
-        if isinstance(target, DTensor) and target._local_tensor.numel():
-            key = _FILL_KEYS.get(target._local_tensor.data_ptr())
+        if isinstance(target, DTensor) and _dt.local_tensor(target).numel():
+            key = _FILL_KEYS.get(_dt.local_tensor(target).data_ptr())
     gen = _GENERATOR[0]
     if key is None and gen is not None and gen.device == local.device:
         return gen  # a temporary of user code that filled a weight just before
@@ -660,7 +658,7 @@ def _random_fill(func, args, kwargs, frame):
     """``t.uniform_(...)`` and the other random fills: on the holder's local tensor."""
     t = args[0]
     _note_init_write()
-    local = t._local_tensor
+    local = _dt.local_tensor(t)
     if local.numel():
         if kwargs.get("generator") is None:
             kwargs = {**kwargs, "generator": _fill_generator(local, frame)}
@@ -687,7 +685,7 @@ def _constant(tensor, val):
 def _kaiming_uniform(tensor, a=0.0, mode="fan_in", nonlinearity="leaky_relu", generator=None):
     if 0 in tensor.shape:
         return tensor
-    fan = nn.init._calculate_correct_fan(tensor, mode)
+    fan = _compat.calculate_correct_fan(tensor, mode)
     bound = math.sqrt(3.0) * nn.init.calculate_gain(nonlinearity, a) / math.sqrt(fan)
     with torch.no_grad():
         return tensor.uniform_(-bound, bound, generator=generator)
@@ -717,9 +715,7 @@ _WHOLE_MATRIX_INITS = frozenset({"eye_", "orthogonal_", "sparse_", "dirac_"})
 def _in_init(func, args, kwargs, init_name: str):
     """An op of the ``nn.init`` function ``init_name``'s body on an owner tensor:
     ``(handled, result)``."""
-    from torch.utils._pytree import tree_flatten, tree_map
-
-    owned = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, OwnerTensor)]
+    owned = [a for a in _compat.tree_flatten((args, kwargs))[0] if isinstance(a, OwnerTensor)]
     if not owned:
         return False, None
     t = owned[0]
@@ -732,7 +728,7 @@ def _in_init(func, args, kwargs, init_name: str):
             "(dmuon.set_model_state_dict of a full state dict, or a DCP checkpoint)."
         )
     _note_init_write()
-    if t._local_tensor.numel() == 0 and t.numel() > 0:  # holds nothing: shapes only
+    if _dt.local_tensor(t).numel() == 0 and t.numel() > 0:  # holds nothing: shapes only
         if func is Tensor.__setitem__:
             return True, None  # sparse_'s zeroing: nothing here to zero
         back: dict[int, Tensor] = {}
@@ -744,10 +740,12 @@ def _in_init(func, args, kwargs, init_name: str):
             back[id(meta)] = a
             return meta
 
-        out = func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
-        return True, tree_map(lambda o: back.get(id(o), o) if isinstance(o, Tensor) else o, out)
+        out = func(*_compat.tree_map(stand_in, args), **_compat.tree_map(stand_in, kwargs))
+        return True, _compat.tree_map(
+            lambda o: back.get(id(o), o) if isinstance(o, Tensor) else o, out
+        )
     if func is Tensor.__setitem__ and id(t.device_mesh) in _MESHES.owner_of:
         # sparse_: indexing with plain index tensors, on the owner's whole weight
-        func(t._local_tensor, *tree_map(local_of, args[1:]))
+        func(_dt.local_tensor(t), *_compat.tree_map(local_of, args[1:]))
         return True, None
     return False, None

@@ -69,6 +69,7 @@ from torch import Tensor, nn
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat
+from dmuon_compile.distributed._autograd_compat import in_backward, queue_callback
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupState
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._pending import PendingUpdates
@@ -101,11 +102,6 @@ def iter_tensors(obj, _depth: int = 0) -> Iterator[Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name, None), _depth + 1)
-
-
-def in_backward() -> bool:
-    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return graph_task_id is not None and graph_task_id() != -1
 
 
 def _eager_hook(fn):
@@ -375,7 +371,7 @@ class DedicatedRuntime:
     def _queue_backward_end(self) -> None:
         if self.state != RuntimeState.BACKWARD:
             self.state = RuntimeState.BACKWARD
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_callback(self._end_of_backward)
 
     def _pre_backward(self, group: DedicatedGroup) -> None:
         self._queue_backward_end()

@@ -58,9 +58,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dmuon_compile import functional as F
 from dmuon_compile.distributed import _collectives as C
+from dmuon_compile.distributed import _dtensor_compat as _dt
 from dmuon_compile.distributed import _fsdp_compat, _owned, mesh_checks
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
-from dmuon_compile.distributed._owned import _NO_BACKEND, local_of, make_owned, wrap_like
+from dmuon_compile.distributed._owned import local_of, make_owned, wrap_like
 from dmuon_compile.distributed.owner_plan import (
     MatrixSpec,
     OwnerPlan,
@@ -347,10 +348,7 @@ def owner_tp_mesh(info: TPInfo, ranks: list[int]) -> DeviceMesh:
     key = (info.mesh.device_type, tuple(ranks), info.dim_name)
     mesh = _TP_MESHES.get(key)
     if mesh is None:
-        kwargs = {"_init_backend": False} if _NO_BACKEND else {}
-        mesh = DeviceMesh(
-            info.mesh.device_type, list(ranks), mesh_dim_names=(info.dim_name,), **kwargs
-        )
+        mesh = _dt.mesh_without_backend(info.mesh.device_type, ranks, (info.dim_name,))
         _TP_MESHES[key] = mesh
     return mesh
 
@@ -408,7 +406,7 @@ def _dtensor(local: Tensor, mesh: DeviceMesh, dim: int, shape, requires_grad: bo
     plain = DTensor.from_local(
         local, mesh, [Shard(dim)], run_check=False, shape=shape, stride=stride
     )
-    return DTensor(plain._local_tensor, plain._spec, requires_grad=requires_grad)
+    return DTensor(_dt.local_tensor(plain), _dt.spec(plain), requires_grad=requires_grad)
 
 
 def make_tp_param(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from dmuon_compile.distributed import _fsdp_compat
+from dmuon_compile.distributed import _dtensor_compat, _fsdp_compat
 
 HSDP_SNIPPET = (
     "from torch.distributed.device_mesh import init_device_mesh\n\n"
@@ -48,9 +48,7 @@ def check_shard_mesh(mesh) -> None:
 
 def _root(mesh: DeviceMesh) -> DeviceMesh | None:
     """The mesh ``mesh`` was sliced from (``None`` for a mesh built on its own)."""
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    root = get_root() if callable(get_root) else None
-    return root if root is not None and root is not mesh else None
+    return _dtensor_compat.root_mesh(mesh)
 
 
 def check_replicate_mesh(mesh: DeviceMesh, replicate_mesh) -> None:

@@ -1,0 +1,94 @@
+"""What dmuon_compile reads from DTensor and DeviceMesh internals, in one module.
+
+Owner tensors (``_owned.py``) are DTensors built from a local tensor and a ``DTensorSpec``
+(DTensor's own constructor, no redistribution), whose norms are ``_NormPartial``; the owner
+meshes are one-rank ``DeviceMesh`` objects built without a backend (``_init_backend=False``:
+no process group per owner); the HSDP and TP checks read a slice's root mesh. Each accessor
+raises :class:`dmuon_compile._compat.TorchInternalsError` when this torch moved what it reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dmuon_compile._compat import PrivateAPI, torch_internals_error
+
+_MODULE = "distributed/_dtensor_compat.py"
+_OWNER = "owner tensors (dedicated weights)"
+
+_SPEC = PrivateAPI("torch.distributed.tensor._dtensor_spec", "DTensorSpec", _OWNER, _MODULE)
+_META = PrivateAPI("torch.distributed.tensor._dtensor_spec", "TensorMeta", _OWNER, _MODULE)
+_NORM_PARTIAL = PrivateAPI(
+    "torch.distributed.tensor._ops._math_ops",
+    "_NormPartial",
+    "clip_grad_norm_ over dedicated weights",
+    _MODULE,
+)
+_ROOT_MESH = PrivateAPI(
+    "torch.distributed.device_mesh",
+    "DeviceMesh._get_root_mesh",
+    "the HSDP and TP mesh checks",
+    _MODULE,
+)
+
+
+def check_dtensor_layout() -> None:
+    """Raise unless DTensor keeps its local tensor and spec in the slots ``_local_tensor`` and
+    ``_spec`` (read directly on the hot path; owner tensors are built from them with
+    ``DTensor(local, spec, requires_grad=...)``, DTensor's own constructor). Run at import."""
+    if not {"_local_tensor", "_spec"} <= set(getattr(DTensor, "__slots__", ())):
+        raise torch_internals_error(
+            "DTensor._local_tensor / DTensor._spec (DTensor.__slots__)", _OWNER, _MODULE
+        )
+
+
+check_dtensor_layout()
+
+
+def local_tensor(t: DTensor):
+    """``t._local_tensor``: this rank's data, without ``to_local()``'s autograd node and
+    without an owner tensor's pending-update drain."""
+    return t._local_tensor
+
+
+def spec(t: DTensor):
+    """``t._spec``: the ``DTensorSpec`` (mesh, placements, global shape) of ``t``."""
+    return t._spec
+
+
+def make_spec(mesh: DeviceMesh, placements, shape, stride, dtype):
+    """``DTensorSpec(mesh, placements, TensorMeta(shape, stride, dtype))``."""
+    return _SPEC.get()(mesh, tuple(placements), tensor_meta=_META.get()(shape, stride, dtype))
+
+
+def norm_partial():
+    """The ``_NormPartial`` placement class (a partial p-norm over a mesh dim)."""
+    return _NORM_PARTIAL.get()
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh ``mesh`` was sliced from (``None`` for a mesh built on its own)."""
+    root = _ROOT_MESH.get()(mesh)
+    return root if root is not None and root is not mesh else None
+
+
+def _init_backend_kwargs() -> dict:
+    if "_init_backend" not in inspect.signature(DeviceMesh.__init__).parameters:
+        raise torch_internals_error("DeviceMesh(..., _init_backend=False)", "owner meshes", _MODULE)
+    return {"_init_backend": False}
+
+
+_NO_BACKEND: dict | None = None
+
+
+def mesh_without_backend(device_type: str, ranks, mesh_dim_names=None) -> DeviceMesh:
+    """``DeviceMesh(device_type, ranks)`` built on every rank without creating a process group
+    (owner meshes never communicate; TP owner groups use the existing TP group's)."""
+    global _NO_BACKEND
+    if _NO_BACKEND is None:
+        _NO_BACKEND = _init_backend_kwargs()
+    ranks = [int(r) for r in ranks]
+    return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, **_NO_BACKEND)
