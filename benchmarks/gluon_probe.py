@@ -97,8 +97,9 @@ def make_inputs(shape, op, use_c, dtype, seed=0):
         b = (r @ r).to(dtype)
         del x, r
     c = a.clone() if (use_c and op == "sym_mm") else None
-    if use_c and c is None:
-        c = torch.randn(lead + (m, m), generator=gen, device="cuda").to(dtype)
+    if use_c and c is None:  # symmetric, as every C of Newton–Schulz is: the kernels read
+        c = torch.randn(lead + (m, m), generator=gen, device="cuda")  # only its lower triangle
+        c = ((c + c.mT) / 2).to(dtype)
     return a, b, c
 
 

@@ -33,7 +33,7 @@ import torch
 
 from dmuon_compile.log import env_flag, progress
 
-CACHE_VERSION = 8  # 2: coalesced mirror; 3: 128×256 strips; 4: TMA; 5-7: TMA stores; 8: C by TMA
+CACHE_VERSION = 9  # 2: mirror; 3: 128×256 strips; 4: TMA; 5-7: TMA stores; 8: C by TMA; 9: Gluon
 CUBLAS = "cublas"
 LOG_SWITCH = "DMUON_SYRK_AUTOTUNE_LOG"
 ENABLE_SWITCH = "DMUON_SYRK_AUTOTUNE"
@@ -213,7 +213,7 @@ def tune(
     "timings_ms": {name: t}}``.
     """
     progress(
-        f"SYRK autotune started for {key}: {len(candidates)} Triton candidates + cuBLAS", LOG_SWITCH
+        f"SYRK autotune started for {key}: {len(candidates)} kernel candidates + cuBLAS", LOG_SWITCH
     )
     reference = run_cublas()
     cublas_ms = time_ms(run_cublas)

@@ -79,6 +79,8 @@ class TileConfig:
         if self.c_load == "tma" and not self.tma_store:
             raise ValueError("TileConfig: c_load='tma' reads C where tma_store=True stores tiles")
 
+    kernel = "triton"  # how an autotune verdict names the kernel (GluonConfig: "gluon")
+
     @property
     def cols(self) -> int:
         return self.block_n or self.block

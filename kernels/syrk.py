@@ -70,6 +70,47 @@ SHORTLIST: tuple[TileConfig, ...] = (
 )
 
 
+# The Gluon kernel's configuration the autotune times beside the Triton candidates, for the
+# products with a beta·C term only: there the warp-specialised kernel (C prefetched by its own
+# loader warp) was 1.08-1.19× faster than the best Triton candidate on H200, while on the
+# products without C the Triton strips were 5% faster (benchmarks/RESULTS.md §13).
+GLUON_SHORTLIST_FIELDS: tuple[dict, ...] = ({"split": 1, "stages": 4},)
+
+
+def gluon_candidates(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple:
+    """The Gluon configurations worth timing for these operands: none without a ``beta·C``
+    term, on anything but SM90, on layouts the Gluon kernel cannot read, or without Gluon
+    in this Triton."""
+    if c is None or not a.is_cuda:
+        return ()
+    try:
+        from dmuon_compile.kernels.syrk_gluon import GluonConfig, gluon_supported
+    except ImportError:  # a Triton without triton.experimental.gluon
+        return ()
+    if not gluon_supported(a, b, c):
+        return ()
+    return tuple(GluonConfig(**fields) for fields in GLUON_SHORTLIST_FIELDS)
+
+
+def config_from_dict(data: dict):
+    """The :class:`TileConfig` or ``GluonConfig`` an autotune verdict names."""
+    if data.get("kernel") == "gluon":
+        from dmuon_compile.kernels.syrk_gluon import GluonConfig
+
+        return GluonConfig.from_dict(data)
+    return TileConfig.from_dict(data)
+
+
+def launch_config(a, b, c, alpha: float, beta: float, gamma: float, config) -> Tensor:
+    """Run one verdict's kernel: the Triton kernels of ``symmetric_product.py`` for a
+    :class:`TileConfig`, the Gluon kernel for a ``GluonConfig``."""
+    if config.kernel == "gluon":
+        from dmuon_compile.kernels.syrk_gluon import launch_gluon_kernel
+
+        return launch_gluon_kernel(a, b, c, alpha, beta, gamma, config=config)
+    return launch_symmetric_product(a, b, c, alpha, beta, gamma, config)
+
+
 def default_config_for(a: Tensor, b: Tensor | None) -> TileConfig:
     """The tile used without timing (``DMUON_SYRK_AUTOTUNE=0``, or inside a CUDA graph capture)."""
     return (
@@ -215,7 +256,9 @@ def _valid_verdict(key: str, verdict: dict, path) -> bool:
     if verdict.get("choice") == autotune.CUBLAS:
         return True
     try:
-        config = TileConfig.from_dict(verdict["config"])
+        config = config_from_dict(verdict["config"])
+        if config.kernel == "gluon":
+            return config.name == verdict["choice"]
         sane = (
             config.name == verdict["choice"]
             and all(v > 0 and v & (v - 1) == 0 for v in (config.block, config.block_k, config.cols))
@@ -256,15 +299,15 @@ def _tuned_choice_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
         a_t, b_t, c_t = _tuning_inputs(a, b, c)
         verdict = autotune.tune(
             key,
-            candidates_for(m, a_t, b_t, has_c=c_t is not None),
-            lambda config: launch_symmetric_product(a_t, b_t, c_t, 1.0, 0.5, 0.0, config),
+            candidates_for(m, a_t, b_t, has_c=c_t is not None) + gluon_candidates(a_t, b_t, c_t),
+            lambda config: launch_config(a_t, b_t, c_t, 1.0, 0.5, 0.0, config),
             lambda: symmetric_product_cublas(a_t, b_t, c_t, 1.0, 0.5, 0.0, mirror=False),
             _lower_matches,
         )
         cache.put(key, verdict)
     if verdict["choice"] == autotune.CUBLAS or not verdict.get("config"):
         return autotune.CUBLAS, True
-    return TileConfig.from_dict(verdict["config"]), True
+    return config_from_dict(verdict["config"]), True
 
 
 def _row_or_column_major(t: Tensor) -> Tensor:
@@ -287,7 +330,9 @@ def _symmetric_product_cuda(
     choice = tuned_choice(op, a, b, c, beta) if usable and a.numel() > 0 else autotune.CUBLAS
     if choice == autotune.CUBLAS:
         return symmetric_product_cublas(a, b, c, alpha, beta, gamma).to(a.dtype)
-    return launch_symmetric_product(a, b, c, alpha, beta, gamma, choice)
+    if choice.kernel == "gluon" and not gluon_candidates(a, b, c if beta != 0.0 else None):
+        choice = default_config_for(a, b)  # a layout the Gluon verdict's key did not promise
+    return launch_config(a, b, c, alpha, beta, gamma, choice)
 
 
 def syrk_cuda(x: Tensor, c: Tensor | None, alpha: float, beta: float, gamma: float) -> Tensor:

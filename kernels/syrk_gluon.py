@@ -36,7 +36,7 @@ naming the unsupported property otherwise.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
@@ -89,9 +89,19 @@ class GluonConfig:
         if self.stages < 2 or self.c_slots < 1:
             raise ValueError("GluonConfig: stages >= 2 and c_slots >= 1")
 
+    kernel = "gluon"  # how an autotune verdict names the kernel (TileConfig: "triton")
+
     @property
     def cols(self) -> int:
         return BLOCK * self.split
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "kernel": self.kernel}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GluonConfig":
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**fields)
 
     @property
     def name(self) -> str:

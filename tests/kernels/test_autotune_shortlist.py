@@ -3,6 +3,7 @@
 
 import dataclasses
 
+import pytest
 import torch
 from dmuon_compile.kernels import syrk
 
@@ -58,3 +59,25 @@ def test_products_with_c_also_time_c_in_the_prologue(monkeypatch):
     assert all(c.c_load == "pointer" for c in syrk.candidates_for(512, a, None))
     monkeypatch.setattr(syrk, "tma_descriptors", lambda a, b, config: None)
     assert all(c.c_load == "pointer" for c in syrk.candidates_for(512, a, None, has_c=True))
+
+
+def test_products_with_c_on_sm90_also_time_the_gluon_kernel(monkeypatch):
+    """Where the Gluon kernel can read the operands (SM90, row-major, a beta·C term) its
+    shortlist is timed beside the Triton candidates; without C, or where it cannot read them,
+    it is not; a verdict naming it round-trips through the cache's dict and is accepted."""
+    pytest.importorskip("triton.experimental.gluon")
+    from dmuon_compile.kernels import syrk_gluon
+
+    a, c = torch.empty(2, 256, 256), torch.empty(2, 256, 256)
+    assert syrk.gluon_candidates(a, a, c) == ()  # a CPU tensor
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: True)
+    got = syrk.gluon_candidates(a, a, c)
+    assert got and all(isinstance(g, syrk_gluon.GluonConfig) for g in got)
+    assert syrk.gluon_candidates(a, a, None) == ()
+    monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: False)
+    assert syrk.gluon_candidates(a, a, c) == ()
+    for config in got + (syrk.DEFAULT_TMA_CONFIG,):
+        assert syrk.config_from_dict(config.to_dict()) == config
+        verdict = {"choice": config.name, "config": config.to_dict()}
+        assert syrk._valid_verdict("key", verdict, "path")
