@@ -94,6 +94,8 @@ def gluon_candidates(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple:
 
 def config_from_dict(data: dict):
     """The :class:`TileConfig` or ``GluonConfig`` an autotune verdict names."""
+    if not isinstance(data, dict):
+        raise TypeError(f"a verdict's config must be a dict, got {type(data).__name__}")
     if data.get("kernel") == "gluon":
         from dmuon_compile.kernels.syrk_gluon import GluonConfig
 
