@@ -7,21 +7,15 @@ optimizer, so one ``step()``, one ``state_dict()`` and one LR scheduler drive bo
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon_compile import functional as F
-from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed._c10d_compat import default_group
-from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.distributed._owned import (
     OwnerTensor,
     is_owned,
@@ -30,8 +24,20 @@ from dmuon_compile.distributed._owned import (
     same_layout,
 )
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
+from dmuon_compile.param_groups import (
+    MuonGroups,
+    _check_nonneg,
+    _dedicated_slots,
+    _hold_hypers,
+    _tensor_hypers,
+)
 from dmuon_compile.routing import HEAD_NAMES, default_muon_predicate, routing_module  # noqa: F401
-from dmuon_compile.routing import route_model as _route_model
+from dmuon_compile.step_agreement import (  # noqa: F401 - MuonStepError: the public name
+    NONFINITE_MODES,
+    MuonStepError,
+    StepAgreement,
+    _StepCheck,
+)
 from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where users look
     PHASE_CHECK,
     PHASE_COMPILED,
@@ -49,20 +55,6 @@ if TYPE_CHECKING:
     from dmuon_compile.compiled_step import CompiledMuonStep, StepKey
     from dmuon_compile.distributed._tp import TPStepHalf
 
-NONFINITE_MODES = ("raise", "skip")
-
-
-class MuonStepError(RuntimeError):
-    """Raised by ``Muon.step`` on every rank when the step failed on some rank (an exception
-    in its local work: OOM, a compile or autotune error, ...). ``failed`` maps each failing rank
-    to its phase; on a failing rank the original exception is the ``__cause__``. No weight and
-    no optimizer state changed on any rank, and every rank left the same collectives behind:
-    ``opt.zero_grad()`` on every rank and training goes on (the batch is skipped)."""
-
-    def __init__(self, message: str, failed: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failed = failed
-
 
 def _layout(t: Tensor) -> str:
     """Where a tensor lives, for errors: the owner rank, or the mesh's ranks (a DeviceMesh's
@@ -74,7 +66,7 @@ def _layout(t: Tensor) -> str:
     return f"a DTensor on ranks {t.device_mesh.mesh.flatten().tolist()} {tuple(t.placements)}"
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(MuonGroups, StepAgreement, torch.optim.Optimizer):
     """Muon for matrices, AdamW for everything else, in one optimizer.
 
     Args:
@@ -207,142 +199,6 @@ class Muon(torch.optim.Optimizer):
         # Per group: its size and where its dedicated weights sit (``restore_dedicated``).
         self._dedicated_slots = [_dedicated_slots(g["params"]) for g in self.param_groups]
 
-    # ------------------------------------------------------------------ groups
-    def _build_groups(self, params, predicate) -> list[dict]:
-        """Complete param groups from what the user passed: a module, parameters, ``(name,
-        parameter)`` pairs (``model.named_parameters()``) or group dicts of either. Each group
-        carries ``use_muon`` and that optimizer's defaults; named parameters also ``param_names``
-        (as torch.optim keeps them: state_dict, DCP and torchtitan's checkpointer read them)."""
-        if isinstance(params, nn.Module):
-            from dmuon_compile.dedicated_registry import runtime_of
-
-            runtime = runtime_of(params)
-            if runtime is not None:
-                runtime.check_registered()
-                runtime.check_compute_dtypes()
-            muon, adamw = _route_model(params, predicate)
-            if not muon and not self._has_dedicated(params):
-                warnings.warn(
-                    "Muon: no parameter was routed to Muon (all get AdamW). Check predicate= or "
-                    "call dmuon.dedicate_params(model, mesh, predicate=...) first.",
-                    stacklevel=3,
-                )
-            groups = []
-            for use_muon, named in ((True, muon), (False, adamw)):
-                if named:
-                    self._param_names.update({id(p): n for n, p in named})
-                    groups.append(
-                        dict(
-                            self._group_defaults[use_muon],
-                            params=[p for _, p in named],
-                            param_names=[n for n, _ in named],
-                        )
-                    )
-            return groups
-        if predicate is not None:
-            raise ValueError(
-                "predicate= needs a model (names); with parameter lists set use_muon per group"
-            )
-        params = list(params)
-        if params and not isinstance(params[0], dict):
-            params = [{"params": params}]
-        groups = []
-        for g_index, group in enumerate(params):
-            groups.extend(self._complete_group(group, f"param_groups[{g_index}]"))
-        return groups
-
-    def _complete_group(self, group: dict, where: str) -> list[dict]:
-        """One user group as complete Muon/AdamW groups: ``use_muon`` given, or chosen by the
-        constructor's rule (``_route``; it may split the group in two), the rest filled from
-        that kind's defaults."""
-        if not isinstance(group, dict):
-            raise TypeError(f"Muon: {where} must be a dict with 'params', got {type(group)}")
-        if "params" not in group:
-            raise ValueError(f"Muon: {where} has no 'params' key")
-        tensors, names = _split_names(group, where)
-        for p_index, p in enumerate(tensors):
-            default = names[p_index] if names else f"{where}[{p_index}]"
-            self._param_names.setdefault(id(p), default)
-        extra = {k: v for k, v in group.items() if k not in ("params", "param_names", "use_muon")}
-        if "use_muon" in group:
-            chosen = [bool(group["use_muon"])] * len(tensors)
-        else:
-            chosen = self._route(tensors, names)
-        groups = []
-        for use_muon in (True, False):
-            idx = [i for i, c in enumerate(chosen) if c is use_muon]
-            if not idx:
-                continue
-            if use_muon and any(tensors[i].ndim < 2 for i in idx):
-                bad = next(self.param_name(tensors[i]) for i in idx if tensors[i].ndim < 2)
-                raise ValueError(
-                    f"Muon: {where} has use_muon=True but {bad} has fewer than 2 dims: Muon "
-                    "needs matrices. Put it in a group with use_muon=False (AdamW)."
-                )
-            new = dict(self._group_defaults[use_muon], **extra, params=[tensors[i] for i in idx])
-            if names is not None:
-                new["param_names"] = [names[i] for i in idx]
-            groups.append(new)
-        return groups
-
-    def _route(self, tensors: list[Tensor], names: list[str] | None) -> list[bool]:
-        """Muon or not for each tensor of a group without ``use_muon``: a ``Muon(model)``
-        routes its model's parameters as the constructor did; named parameters go by the
-        default rule's names (≥2-D, not an output head, not an ``embed*`` module); unnamed
-        ones: ≥2-D → Muon."""
-        if names is None:
-            chosen = {id(p): p.ndim >= 2 for p in tensors}
-        else:
-            chosen = {id(p): default_muon_predicate(n, p) for n, p in zip(names, tensors)}
-        if self.model is not None:
-            muon, adamw = _route_model(self.model, self._predicate, only=set(chosen))
-            chosen.update({id(p): True for _, p in muon})
-            chosen.update({id(p): False for _, p in adamw})
-        return [chosen[id(p)] for p in tensors]
-
-    def add_param_group(self, param_group: dict) -> None:
-        """``torch.optim.Optimizer.add_param_group`` with Muon's defaults: a group without
-        ``use_muon`` is routed by the rule the constructor used (a ``Muon(model)``: the model's
-        routing; parameters: ≥2-D → Muon), so one call may add two groups (Muon and AdamW).
-        Missing hyper-parameters come from this optimizer's Muon or AdamW defaults. ``(name,
-        parameter)`` pairs or ``param_names`` name the parameters; on a ``Muon(model)`` the
-        model's names are filled in. Errors (a parameter already in a group, a 1-D tensor with
-        ``use_muon=True``) raise here, before any group is added.
-
-        Example::
-
-            opt.add_param_group({"params": model.head.parameters(), "use_muon": False})
-        """
-        if getattr(self, "_building", False):
-            super().add_param_group(param_group)
-            return
-        groups = self._complete_group(param_group, "add_param_group's group")
-        self._name_from_model(groups)
-        held = {id(p) for g in self.param_groups for p in g["params"]}
-        for group in groups:
-            for p in group["params"]:
-                if id(p) in held:
-                    raise ValueError(
-                        f"Muon.add_param_group: {self.param_name(p)} is already in a param group"
-                    )
-        if not groups:
-            raise ValueError("Muon.add_param_group: the group has no parameters")
-        for group in groups:
-            super().add_param_group(group)  # fills "momentum" into AdamW groups too
-            _tensor_hypers([self.param_groups[-1]], taken=self.param_groups[:-1])
-            self._dedicated_slots.append(_dedicated_slots(self.param_groups[-1]["params"]))
-
-    def _name_from_model(self, groups: list[dict]) -> None:
-        """Unnamed new groups of a ``Muon(model)`` (whose groups are named) get the model's
-        names: torch.optim requires all groups named or none."""
-        if self.model is None or not all("param_names" in g for g in self.param_groups):
-            return
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        for group in groups:
-            if "param_names" not in group and all(id(p) in names for p in group["params"]):
-                group["param_names"] = [names[id(p)] for p in group["params"]]
-                self._param_names.update({id(p): names[id(p)] for p in group["params"]})
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
         flight are dropped (after an exception in forward or backward, reduces already issued
@@ -411,15 +267,6 @@ class Muon(torch.optim.Optimizer):
         if self.model is not None:  # the names of the parameters the lists now hold
             self._param_names.update({id(p): n for n, p in self.model.named_parameters()})
 
-    @staticmethod
-    def _has_dedicated(model: nn.Module) -> bool:
-        from dmuon_compile.dedicated_registry import dedicated_names
-
-        return bool(dedicated_names(model))  # a rank may own no dedicated matrix: no warning
-
-    def param_name(self, p: Tensor) -> str:
-        return self._param_names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
-
     # ------------------------------------------------------------------ state
     def _init_group(
         self, group: dict, params: list, grads: list, state_a: list, state_b: list
@@ -475,101 +322,6 @@ class Muon(torch.optim.Optimizer):
                         "before accelerator.prepare) and build dmuon.Muon(model) after that, "
                         "or route it to AdamW (Muon(model, predicate=...))."
                     )
-
-    def _finite_flags(self, grads: list[Tensor]) -> Tensor | None:
-        """Per gradient: finite or not, on the device (read on the host by the agreement)."""
-        if not grads:
-            return None
-        norms = torch._foreach_norm([_local(g).float() for g in grads])
-        return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
-
-    @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
-    def _agree(self, failure: list, tp_halves: list) -> bool:
-        """Between the two halves of the step: whether to commit (``False``: skip), or raise.
-
-        Every rank's verdict on its gradients (finite?) and on its local work (did it raise,
-        in which phase?) goes into the one all-reduce of the step, so every rank commits, skips
-        or raises together; before raising or skipping, the TP scatters the step issued are
-        waited for and dropped (every member issued them): the ranks' collectives stay paired.
-        """
-        check, self._step_check = self._step_check, None
-        try:
-            commit = self._verdict(check.params, check.finite, failure)
-        except BaseException:
-            self._abort(tp_halves, check)
-            raise
-        if not commit:
-            self._abort(tp_halves, check)
-        return commit
-
-    def _verdict(self, params: list[Tensor], finite: Tensor | None, failure: list) -> bool:
-        bad: list[str] = []
-        if not self._grads_differ_across_ranks(params):
-            if failure:  # nothing to agree on (one process, or replicated data parallel)
-                raise failure[0][1]
-            if finite is not None and not bool(finite.all()):  # one host sync per step
-                bad = self._nonfinite_names(params, finite)
-        else:
-            # Shards and owners see different gradients and run different local work: agree on
-            # the verdict, or one rank raises/skips while the others enter the next collective.
-            rank, world = dist.get_rank(), dist.get_world_size()
-            votes = torch.zeros(world + 1, device=scalar_device())
-            if finite is not None:
-                votes[0:1].copy_((~finite.all()).reshape(1))
-            if failure:
-                phase = failure[0][0]
-                votes[1 + rank] = STEP_PHASES.index(phase) + 1 if phase in STEP_PHASES else -1
-            C.wait(
-                dist.all_reduce(votes, op=dist.ReduceOp.SUM, async_op=True),
-                "Muon.step's agreement on non-finite gradients and failed ranks (all-reduce)",
-                default_group(),
-            )
-            values = votes.tolist()  # one host sync per step
-            failed = {
-                r: STEP_PHASES[int(c) - 1] if c > 0 else "an unnamed phase"
-                for r, c in enumerate(values[1:])
-                if c != 0
-            }
-            if failed:
-                raise _step_error(failed, failure)
-            if values[0] > 0:
-                bad = (
-                    self._nonfinite_names(params, finite)
-                    if finite is not None and not bool(finite.all())
-                    else []
-                ) or ["a gradient held by another rank (see that rank's error)"]
-        if bad:
-            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-            message = (
-                f"non-finite (NaN/Inf) gradient in {shown}. Check whether AdamW alone shows the "
-                "same NaN (then the cause is upstream: data, model, dtype); pass "
-                "nonfinite_grads='skip' to skip such steps instead."
-            )
-            if self.nonfinite_grads == "raise":
-                raise FloatingPointError("Muon.step: " + message)
-            warnings.warn("Muon.step skipped: " + message, stacklevel=5)
-            return False
-        return True
-
-    def _nonfinite_names(self, params: list[Tensor], finite: Tensor) -> list[str]:
-        return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
-
-    def _abort(self, tp_halves: list, check: _StepCheck) -> None:
-        """A step that does not commit: no state of its own left behind, TP scatters drained."""
-        for p in check.fresh:
-            self.state.pop(p, None)
-        for half in tp_halves:
-            if half is not None:
-                check.tp.abort(half)
-
-    def _grads_differ_across_ranks(self, params: list[Tensor]) -> bool:
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return False
-        from dmuon_compile.dedicated_registry import dedicated_names
-
-        if self.model is not None and dedicated_names(self.model):
-            return True
-        return any(hasattr(p, "to_local") for group in self.param_groups for p in group["params"])
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict`` after checking that the state fits.
@@ -905,18 +657,6 @@ class Muon(torch.optim.Optimizer):
 
 
 @dataclass
-class _StepCheck:
-    """What ``Muon._prepare`` leaves for ``Muon._agree``, kept on the optimizer: never passed
-    through a user-compiled step (the parameters are DTensors, the list lengths change after
-    the first step: Dynamo would have to rebuild or guard them)."""
-
-    params: list  # the parameters with gradients
-    finite: Tensor | None  # their finite flags, on the device
-    fresh: list  # those whose state this step created: dropped if the step does not commit
-    tp: object = None  # the plan's TP stage: drops the scatters of a step that does not commit
-
-
-@dataclass
 class _StepHalf:
     """What the first half of a step leaves for the commit (or the abort) of one part."""
 
@@ -941,21 +681,6 @@ def _guarded(failure: list, phase: str, compute, placeholder):
         return placeholder
 
 
-def _step_error(failed: dict[int, str], failure: list) -> MuonStepError:
-    where = "; ".join(f"rank {r} in {phase}" for r, phase in sorted(failed.items()))
-    own = failure[0][1] if failure else None
-    cause = f": {type(own).__name__}: {own}" if own is not None else " (see that rank's error)"
-    err = MuonStepError(
-        f"Muon.step failed on {where}{cause}. Every rank raises this error at the same point; "
-        "the step changed no weight and no optimizer state on any rank, and every rank issued "
-        "the same collectives: call opt.zero_grad() on every rank and go on (the batch is "
-        "skipped), or fix the cause on the failing rank.",
-        dict(failed),
-    )
-    err.__cause__ = own
-    return err
-
-
 def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, list]:
     """Local tensors of the matrices this rank holds whole (plain tensors pass through)."""
     kept: tuple[list, list, list] = ([], [], [])
@@ -977,112 +702,3 @@ def _step_plan(model: nn.Module | None) -> StepPlan:
 
     runtime = runtime_of(model)
     return PLAIN_STEP if runtime is None else runtime.step_plan()
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor, the tensor itself otherwise (read directly: ``to_local()``
-    is an autograd function call, per gradient and step)."""
-    return local_of(t)
-
-
-# The hyper-parameters a group holds as 0-d tensors: lr (LR schedulers), momentum (OneCycleLR and
-# CyclicLR cycle it), weight_decay (schedules users write).
-HYPER_TENSORS = ("lr", "weight_decay", "momentum")
-
-
-def _tensor_hypers(groups: list[dict], taken: list[dict] = ()) -> None:
-    """Each group's ``lr``, ``weight_decay`` and ``momentum`` become 0-d float64 CPU tensors
-    of their own.
-
-    torch's compiled-optimizer recipe: an LR scheduler refills a tensor ``lr`` in place, so a
-    user-compiled ``opt.step`` sees a new value, not a new constant, and never recompiles (a
-    float is guarded by value). Eager steps read them as Python floats (``functional.hyper``):
-    the same arithmetic as float groups. ``group["lr"] = 0.01`` (a float) keeps working.
-    A tensor the user passed is kept unless another group (here or in ``taken``) already holds
-    it (a scheduler refills each group's own).
-    """
-    seen = {id(g.get(key)) for g in taken for key in HYPER_TENSORS}
-    for group in groups:
-        for key in HYPER_TENSORS:
-            value = group.get(key)
-            if isinstance(value, Tensor) and id(value) not in seen:
-                seen.add(id(value))
-                continue
-            if value is not None:
-                group[key] = torch.tensor(float(value), dtype=torch.float64)
-                seen.add(id(group[key]))
-
-
-@torch.compiler.disable  # eager: what the traced step then reads is the same tensor every step
-def _hold_hypers(opt: Muon, args, kwargs) -> None:
-    """Step pre-hook: a float written into a group's ``lr``/``weight_decay``/``momentum``
-    (OneCycleLR and CyclicLR assign ``group["momentum"] = m`` every step) goes back into that
-    group's own 0-d tensor, so a user-compiled ``opt.step`` sees one tensor input whose value
-    changed, not a new constant that fails Dynamo's guard and recompiles."""
-    for index, group in enumerate(opt.param_groups):
-        for key in HYPER_TENSORS:
-            value = group.get(key)
-            if value is None or isinstance(value, Tensor):
-                continue
-            held = opt._held_hypers.get((index, key))
-            if held is None:
-                held = opt._held_hypers[(index, key)] = torch.zeros((), dtype=torch.float64)
-            held.fill_(float(value))
-            group[key] = held
-
-
-def _dedicated_slots(params: list) -> tuple[int, dict[int, Tensor]]:
-    """A group's parameter count and where its dedicated weights (owner tensors) sit."""
-    return len(params), {i: p for i, p in enumerate(params) if isinstance(p, OwnerTensor)}
-
-
-def _split_names(group: dict, where: str) -> tuple[list[Tensor], list[str] | None]:
-    """A group's tensors and their names: from ``(name, tensor)`` pairs (what
-    ``named_parameters()`` yields) or a ``param_names`` list; ``None`` when unnamed."""
-    params = group["params"]
-    if isinstance(params, Tensor):
-        items = [params]
-    elif isinstance(params, set):
-        raise TypeError(
-            f"Muon: {where}'s params is a set; pass an ordered collection (a list): the order "
-            "of a set changes between runs and so would the optimizer state's"
-        )
-    else:
-        items = list(params)
-    pairs = [isinstance(item, tuple) for item in items]
-    if any(pairs) and not all(pairs):
-        raise ValueError(
-            f"Muon: {where} mixes (name, parameter) pairs and bare parameters; name all or none"
-        )
-    names = None
-    if items and all(pairs):
-        names = [str(item[0]) for item in items]
-        items = [item[1] for item in items]
-        if "param_names" in group:
-            raise ValueError(
-                f"Muon: {where} has (name, parameter) pairs and param_names; give one of them"
-            )
-    elif "param_names" in group:
-        names = [str(n) for n in group["param_names"]]
-        if len(names) != len(items):
-            raise ValueError(
-                f"Muon: {where} has {len(items)} parameters but {len(names)} param_names"
-            )
-    for item in items:
-        if not isinstance(item, Tensor):
-            raise TypeError(
-                f"Muon: {where} holds a {type(item).__name__}; it takes parameters, (name, "
-                "parameter) pairs (model.named_parameters()) or group dicts of those"
-            )
-    return items, names
-
-
-def _check_nonneg(name: str, value: float) -> None:
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise ValueError(
-                f"{name} as a Tensor must have one element, got shape {tuple(value.shape)}"
-            )
-        value = float(value)
-    if not (value >= 0.0 and math.isfinite(value)):  # NaN fails the first test
-        raise ValueError(f"Muon: {name} must be a finite number >= 0, got {value}")

@@ -1,0 +1,276 @@
+"""``Muon``'s parameter groups: how what the user passes becomes complete Muon and AdamW groups.
+
+A module, parameters, ``(name, parameter)`` pairs or group dicts of those; each group gets
+``use_muon`` (given, or chosen by the routing rule of ``routing.py``), that kind's defaults and,
+for named parameters, ``param_names`` (as ``torch.optim`` keeps them). Hyper-parameters live as
+0-d tensors (:func:`_tensor_hypers`, :func:`_hold_hypers`), so a scheduler never makes a
+user-compiled step recompile. ``Muon`` inherits :class:`MuonGroups`; it reads the optimizer's
+``model``, ``_predicate``, ``_group_defaults`` and ``_param_names``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from dmuon_compile.distributed._owned import OwnerTensor
+from dmuon_compile.routing import default_muon_predicate
+from dmuon_compile.routing import route_model as _route_model
+
+if TYPE_CHECKING:
+    from dmuon_compile.optimizer import Muon
+
+
+class MuonGroups:
+    """``Muon``'s group building, routing and naming (see the module docstring)."""
+
+    def _build_groups(self, params, predicate) -> list[dict]:
+        """Complete param groups from what the user passed: a module, parameters, ``(name,
+        parameter)`` pairs (``model.named_parameters()``) or group dicts of either. Each group
+        carries ``use_muon`` and that optimizer's defaults; named parameters also ``param_names``
+        (as torch.optim keeps them: state_dict, DCP and torchtitan's checkpointer read them)."""
+        if isinstance(params, nn.Module):
+            from dmuon_compile.dedicated_registry import runtime_of
+
+            runtime = runtime_of(params)
+            if runtime is not None:
+                runtime.check_registered()
+                runtime.check_compute_dtypes()
+            muon, adamw = _route_model(params, predicate)
+            if not muon and not self._has_dedicated(params):
+                warnings.warn(
+                    "Muon: no parameter was routed to Muon (all get AdamW). Check predicate= or "
+                    "call dmuon.dedicate_params(model, mesh, predicate=...) first.",
+                    stacklevel=3,
+                )
+            groups = []
+            for use_muon, named in ((True, muon), (False, adamw)):
+                if named:
+                    self._param_names.update({id(p): n for n, p in named})
+                    groups.append(
+                        dict(
+                            self._group_defaults[use_muon],
+                            params=[p for _, p in named],
+                            param_names=[n for n, _ in named],
+                        )
+                    )
+            return groups
+        if predicate is not None:
+            raise ValueError(
+                "predicate= needs a model (names); with parameter lists set use_muon per group"
+            )
+        params = list(params)
+        if params and not isinstance(params[0], dict):
+            params = [{"params": params}]
+        groups = []
+        for g_index, group in enumerate(params):
+            groups.extend(self._complete_group(group, f"param_groups[{g_index}]"))
+        return groups
+
+    def _complete_group(self, group: dict, where: str) -> list[dict]:
+        """One user group as complete Muon/AdamW groups: ``use_muon`` given, or chosen by the
+        constructor's rule (``_route``; it may split the group in two), the rest filled from
+        that kind's defaults."""
+        if not isinstance(group, dict):
+            raise TypeError(f"Muon: {where} must be a dict with 'params', got {type(group)}")
+        if "params" not in group:
+            raise ValueError(f"Muon: {where} has no 'params' key")
+        tensors, names = _split_names(group, where)
+        for p_index, p in enumerate(tensors):
+            default = names[p_index] if names else f"{where}[{p_index}]"
+            self._param_names.setdefault(id(p), default)
+        extra = {k: v for k, v in group.items() if k not in ("params", "param_names", "use_muon")}
+        if "use_muon" in group:
+            chosen = [bool(group["use_muon"])] * len(tensors)
+        else:
+            chosen = self._route(tensors, names)
+        groups = []
+        for use_muon in (True, False):
+            idx = [i for i, c in enumerate(chosen) if c is use_muon]
+            if not idx:
+                continue
+            if use_muon and any(tensors[i].ndim < 2 for i in idx):
+                bad = next(self.param_name(tensors[i]) for i in idx if tensors[i].ndim < 2)
+                raise ValueError(
+                    f"Muon: {where} has use_muon=True but {bad} has fewer than 2 dims: Muon "
+                    "needs matrices. Put it in a group with use_muon=False (AdamW)."
+                )
+            new = dict(self._group_defaults[use_muon], **extra, params=[tensors[i] for i in idx])
+            if names is not None:
+                new["param_names"] = [names[i] for i in idx]
+            groups.append(new)
+        return groups
+
+    def _route(self, tensors: list[Tensor], names: list[str] | None) -> list[bool]:
+        """Muon or not for each tensor of a group without ``use_muon``: a ``Muon(model)``
+        routes its model's parameters as the constructor did; named parameters go by the
+        default rule's names (≥2-D, not an output head, not an ``embed*`` module); unnamed
+        ones: ≥2-D → Muon."""
+        if names is None:
+            chosen = {id(p): p.ndim >= 2 for p in tensors}
+        else:
+            chosen = {id(p): default_muon_predicate(n, p) for n, p in zip(names, tensors)}
+        if self.model is not None:
+            muon, adamw = _route_model(self.model, self._predicate, only=set(chosen))
+            chosen.update({id(p): True for _, p in muon})
+            chosen.update({id(p): False for _, p in adamw})
+        return [chosen[id(p)] for p in tensors]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group`` with Muon's defaults: a group without
+        ``use_muon`` is routed by the rule the constructor used (a ``Muon(model)``: the model's
+        routing; parameters: ≥2-D → Muon), so one call may add two groups (Muon and AdamW).
+        Missing hyper-parameters come from this optimizer's Muon or AdamW defaults. ``(name,
+        parameter)`` pairs or ``param_names`` name the parameters; on a ``Muon(model)`` the
+        model's names are filled in. Errors (a parameter already in a group, a 1-D tensor with
+        ``use_muon=True``) raise here, before any group is added.
+
+        Example::
+
+            opt.add_param_group({"params": model.head.parameters(), "use_muon": False})
+        """
+        if getattr(self, "_building", False):
+            super().add_param_group(param_group)
+            return
+        groups = self._complete_group(param_group, "add_param_group's group")
+        self._name_from_model(groups)
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        for group in groups:
+            for p in group["params"]:
+                if id(p) in held:
+                    raise ValueError(
+                        f"Muon.add_param_group: {self.param_name(p)} is already in a param group"
+                    )
+        if not groups:
+            raise ValueError("Muon.add_param_group: the group has no parameters")
+        for group in groups:
+            super().add_param_group(group)  # fills "momentum" into AdamW groups too
+            _tensor_hypers([self.param_groups[-1]], taken=self.param_groups[:-1])
+            self._dedicated_slots.append(_dedicated_slots(self.param_groups[-1]["params"]))
+
+    def _name_from_model(self, groups: list[dict]) -> None:
+        """Unnamed new groups of a ``Muon(model)`` (whose groups are named) get the model's
+        names: torch.optim requires all groups named or none."""
+        if self.model is None or not all("param_names" in g for g in self.param_groups):
+            return
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for group in groups:
+            if "param_names" not in group and all(id(p) in names for p in group["params"]):
+                group["param_names"] = [names[id(p)] for p in group["params"]]
+                self._param_names.update({id(p): names[id(p)] for p in group["params"]})
+
+    @staticmethod
+    def _has_dedicated(model: nn.Module) -> bool:
+        from dmuon_compile.dedicated_registry import dedicated_names
+
+        return bool(dedicated_names(model))  # a rank may own no dedicated matrix: no warning
+
+    def param_name(self, p: Tensor) -> str:
+        return self._param_names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+
+
+# The hyper-parameters a group holds as 0-d tensors: lr (LR schedulers), momentum (OneCycleLR and
+# CyclicLR cycle it), weight_decay (schedules users write).
+HYPER_TENSORS = ("lr", "weight_decay", "momentum")
+
+
+def _tensor_hypers(groups: list[dict], taken: list[dict] = ()) -> None:
+    """Each group's ``lr``, ``weight_decay`` and ``momentum`` become 0-d float64 CPU tensors
+    of their own.
+
+    torch's compiled-optimizer recipe: an LR scheduler refills a tensor ``lr`` in place, so a
+    user-compiled ``opt.step`` sees a new value, not a new constant, and never recompiles (a
+    float is guarded by value). Eager steps read them as Python floats (``functional.hyper``):
+    the same arithmetic as float groups. ``group["lr"] = 0.01`` (a float) keeps working.
+    A tensor the user passed is kept unless another group (here or in ``taken``) already holds
+    it (a scheduler refills each group's own).
+    """
+    seen = {id(g.get(key)) for g in taken for key in HYPER_TENSORS}
+    for group in groups:
+        for key in HYPER_TENSORS:
+            value = group.get(key)
+            if isinstance(value, Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                continue
+            if value is not None:
+                group[key] = torch.tensor(float(value), dtype=torch.float64)
+                seen.add(id(group[key]))
+
+
+@torch.compiler.disable  # eager: what the traced step then reads is the same tensor every step
+def _hold_hypers(opt: Muon, args, kwargs) -> None:
+    """Step pre-hook: a float written into a group's ``lr``/``weight_decay``/``momentum``
+    (OneCycleLR and CyclicLR assign ``group["momentum"] = m`` every step) goes back into that
+    group's own 0-d tensor, so a user-compiled ``opt.step`` sees one tensor input whose value
+    changed, not a new constant that fails Dynamo's guard and recompiles."""
+    for index, group in enumerate(opt.param_groups):
+        for key in HYPER_TENSORS:
+            value = group.get(key)
+            if value is None or isinstance(value, Tensor):
+                continue
+            held = opt._held_hypers.get((index, key))
+            if held is None:
+                held = opt._held_hypers[(index, key)] = torch.zeros((), dtype=torch.float64)
+            held.fill_(float(value))
+            group[key] = held
+
+
+def _dedicated_slots(params: list) -> tuple[int, dict[int, Tensor]]:
+    """A group's parameter count and where its dedicated weights (owner tensors) sit."""
+    return len(params), {i: p for i, p in enumerate(params) if isinstance(p, OwnerTensor)}
+
+
+def _split_names(group: dict, where: str) -> tuple[list[Tensor], list[str] | None]:
+    """A group's tensors and their names: from ``(name, tensor)`` pairs (what
+    ``named_parameters()`` yields) or a ``param_names`` list; ``None`` when unnamed."""
+    params = group["params"]
+    if isinstance(params, Tensor):
+        items = [params]
+    elif isinstance(params, set):
+        raise TypeError(
+            f"Muon: {where}'s params is a set; pass an ordered collection (a list): the order "
+            "of a set changes between runs and so would the optimizer state's"
+        )
+    else:
+        items = list(params)
+    pairs = [isinstance(item, tuple) for item in items]
+    if any(pairs) and not all(pairs):
+        raise ValueError(
+            f"Muon: {where} mixes (name, parameter) pairs and bare parameters; name all or none"
+        )
+    names = None
+    if items and all(pairs):
+        names = [str(item[0]) for item in items]
+        items = [item[1] for item in items]
+        if "param_names" in group:
+            raise ValueError(
+                f"Muon: {where} has (name, parameter) pairs and param_names; give one of them"
+            )
+    elif "param_names" in group:
+        names = [str(n) for n in group["param_names"]]
+        if len(names) != len(items):
+            raise ValueError(
+                f"Muon: {where} has {len(items)} parameters but {len(names)} param_names"
+            )
+    for item in items:
+        if not isinstance(item, Tensor):
+            raise TypeError(
+                f"Muon: {where} holds a {type(item).__name__}; it takes parameters, (name, "
+                "parameter) pairs (model.named_parameters()) or group dicts of those"
+            )
+    return items, names
+
+
+def _check_nonneg(name: str, value: float) -> None:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} as a Tensor must have one element, got shape {tuple(value.shape)}"
+            )
+        value = float(value)
+    if not (value >= 0.0 and math.isfinite(value)):  # NaN fails the first test
+        raise ValueError(f"Muon: {name} must be a finite number >= 0, got {value}")

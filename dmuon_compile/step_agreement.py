@@ -1,0 +1,167 @@
+"""The agreement between the two halves of a Muon step: every rank commits, skips or raises
+together.
+
+``Muon.step`` computes every matrix's update first (writing nothing), then calls
+:meth:`StepAgreement._agree`: each rank's finite flags of its gradients and the phase in which
+its local work failed, if it did, go into one all-reduce (no collective at all where every
+rank sees the same gradients), and only then is anything written. A step that fails on one
+rank therefore raises :class:`MuonStepError` on every rank and changes nothing anywhere; a
+non-finite gradient raises ``FloatingPointError`` or skips the step (``nonfinite_grads``).
+``Muon`` inherits these methods; they read its ``param_groups``, ``state``, ``model`` and
+``nonfinite_grads``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dmuon_compile.distributed import _collectives as C
+from dmuon_compile.distributed._c10d_compat import default_group
+from dmuon_compile.distributed._collectives import scalar_device
+from dmuon_compile.distributed._owned import local_of
+from dmuon_compile.step_phases import STEP_PHASES
+
+NONFINITE_MODES = ("raise", "skip")
+
+
+class MuonStepError(RuntimeError):
+    """Raised by ``Muon.step`` on every rank when the step failed on some rank (an exception
+    in its local work: OOM, a compile or autotune error, ...). ``failed`` maps each failing rank
+    to its phase; on a failing rank the original exception is the ``__cause__``. No weight and
+    no optimizer state changed on any rank, and every rank left the same collectives behind:
+    ``opt.zero_grad()`` on every rank and training goes on (the batch is skipped)."""
+
+    def __init__(self, message: str, failed: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+@dataclass
+class _StepCheck:
+    """What ``Muon._prepare`` leaves for ``Muon._agree``, kept on the optimizer: never passed
+    through a user-compiled step (the parameters are DTensors, the list lengths change after
+    the first step: Dynamo would have to rebuild or guard them)."""
+
+    params: list  # the parameters with gradients
+    finite: Tensor | None  # their finite flags, on the device
+    fresh: list  # those whose state this step created: dropped if the step does not commit
+    tp: object = None  # the plan's TP stage: drops the scatters of a step that does not commit
+
+
+def _step_error(failed: dict[int, str], failure: list) -> MuonStepError:
+    where = "; ".join(f"rank {r} in {phase}" for r, phase in sorted(failed.items()))
+    own = failure[0][1] if failure else None
+    cause = f": {type(own).__name__}: {own}" if own is not None else " (see that rank's error)"
+    err = MuonStepError(
+        f"Muon.step failed on {where}{cause}. Every rank raises this error at the same point; "
+        "the step changed no weight and no optimizer state on any rank, and every rank issued "
+        "the same collectives: call opt.zero_grad() on every rank and go on (the batch is "
+        "skipped), or fix the cause on the failing rank.",
+        dict(failed),
+    )
+    err.__cause__ = own
+    return err
+
+
+class StepAgreement:
+    """``Muon``'s agreement methods (see the module docstring)."""
+
+    def _finite_flags(self, grads: list[Tensor]) -> Tensor | None:
+        """Per gradient: finite or not, on the device (read on the host by the agreement)."""
+        if not grads:
+            return None
+        norms = torch._foreach_norm([local_of(g).float() for g in grads])
+        return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
+
+    @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
+    def _agree(self, failure: list, tp_halves: list) -> bool:
+        """Between the two halves of the step: whether to commit (``False``: skip), or raise.
+
+        Every rank's verdict on its gradients (finite?) and on its local work (did it raise,
+        in which phase?) goes into the one all-reduce of the step, so every rank commits, skips
+        or raises together; before raising or skipping, the TP scatters the step issued are
+        waited for and dropped (every member issued them): the ranks' collectives stay paired.
+        """
+        check, self._step_check = self._step_check, None
+        try:
+            commit = self._verdict(check.params, check.finite, failure)
+        except BaseException:
+            self._abort(tp_halves, check)
+            raise
+        if not commit:
+            self._abort(tp_halves, check)
+        return commit
+
+    def _verdict(self, params: list[Tensor], finite: Tensor | None, failure: list) -> bool:
+        bad: list[str] = []
+        if not self._grads_differ_across_ranks(params):
+            if failure:  # nothing to agree on (one process, or replicated data parallel)
+                raise failure[0][1]
+            if finite is not None and not bool(finite.all()):  # one host sync per step
+                bad = self._nonfinite_names(params, finite)
+        else:
+            # Shards and owners see different gradients and run different local work: agree on
+            # the verdict, or one rank raises/skips while the others enter the next collective.
+            rank, world = dist.get_rank(), dist.get_world_size()
+            votes = torch.zeros(world + 1, device=scalar_device())
+            if finite is not None:
+                votes[0:1].copy_((~finite.all()).reshape(1))
+            if failure:
+                phase = failure[0][0]
+                votes[1 + rank] = STEP_PHASES.index(phase) + 1 if phase in STEP_PHASES else -1
+            C.wait(
+                dist.all_reduce(votes, op=dist.ReduceOp.SUM, async_op=True),
+                "Muon.step's agreement on non-finite gradients and failed ranks (all-reduce)",
+                default_group(),
+            )
+            values = votes.tolist()  # one host sync per step
+            failed = {
+                r: STEP_PHASES[int(c) - 1] if c > 0 else "an unnamed phase"
+                for r, c in enumerate(values[1:])
+                if c != 0
+            }
+            if failed:
+                raise _step_error(failed, failure)
+            if values[0] > 0:
+                bad = (
+                    self._nonfinite_names(params, finite)
+                    if finite is not None and not bool(finite.all())
+                    else []
+                ) or ["a gradient held by another rank (see that rank's error)"]
+        if bad:
+            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            message = (
+                f"non-finite (NaN/Inf) gradient in {shown}. Check whether AdamW alone shows the "
+                "same NaN (then the cause is upstream: data, model, dtype); pass "
+                "nonfinite_grads='skip' to skip such steps instead."
+            )
+            if self.nonfinite_grads == "raise":
+                raise FloatingPointError("Muon.step: " + message)
+            warnings.warn("Muon.step skipped: " + message, stacklevel=5)
+            return False
+        return True
+
+    def _nonfinite_names(self, params: list[Tensor], finite: Tensor) -> list[str]:
+        return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
+
+    def _abort(self, tp_halves: list, check: _StepCheck) -> None:
+        """A step that does not commit: no state of its own left behind, TP scatters drained."""
+        for p in check.fresh:
+            self.state.pop(p, None)
+        for half in tp_halves:
+            if half is not None:
+                check.tp.abort(half)
+
+    def _grads_differ_across_ranks(self, params: list[Tensor]) -> bool:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        from dmuon_compile.dedicated_registry import dedicated_names
+
+        if self.model is not None and dedicated_names(self.model):
+            return True
+        return any(hasattr(p, "to_local") for group in self.param_groups for p in group["params"])
