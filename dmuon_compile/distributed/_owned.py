@@ -11,7 +11,7 @@ The placement is DTensor's own (no placement of ours), so every DTensor op means
 saved layout back into it (another owner, FSDP2's ``Shard(0)``, a plain tensor on one process),
 which is what lets checkpoints move between cluster shapes.
 
-A TP-sharded dedicated weight (``_tp.py``) is an ``OwnerTensor`` too, on its *owner group*
+A TP-sharded dedicated weight (``_tp/``) is an ``OwnerTensor`` too, on its *owner group*
 mesh (the TP ranks at its DP owner coordinate) with its TP placement ``Shard(d)``: shard ``t`` on
 the group's ``t``-th rank, empty elsewhere. Every piece of an owner tensor is thus held by one
 rank of the whole job (a plain weight of a TP model: by one rank per TP column, the same copy).

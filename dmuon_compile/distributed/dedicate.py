@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from dmuon_compile import env
 from dmuon_compile.dedicated_registry import attach_runtime, runtime_of
@@ -296,7 +297,7 @@ def dedicate_params(
     if tp is None:
         plan, tp_plan = plan_owners(specs, replicas * world, layer_id_fn=layer_id_fn), None
     else:  # owners over DP × TP slots: shard t of a matrix has the same DP owner on every t
-        tp_fqns = {n for n, p in selected if isinstance(p, _tp.DTensor)}
+        tp_fqns = {n for n, p in selected if isinstance(p, DTensor)}
         plan, tp_plan = _tp.plan_tp_owners(
             specs, replicas * world, tp.size, tp_fqns, layer_id_fn=layer_id_fn
         )
