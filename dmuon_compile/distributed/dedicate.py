@@ -33,7 +33,8 @@ from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._holder import make_holder, mark_ancestors
-from dmuon_compile.distributed._owned import key_fills, owner_mesh, set_dp_mesh
+from dmuon_compile.distributed._owner_init import key_fills
+from dmuon_compile.distributed._owner_meshes import owner_mesh, set_dp_mesh
 from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
@@ -399,7 +400,7 @@ def dedicate_params(
     )
     if tp is not None:
         runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, replicas > 1))
-    for dp in params:  # random fills of the weight draw from its own generator (_owned.py)
+    for dp in params:  # random fills of the weight draw from its own generator (_owner_init.py)
         if dp.owns:
             shard = tp.rank if isinstance(dp, _tp.TPDedicatedParam) else 0
             key_fills(dp.param, dp.fqn, shard)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from dmuon_compile import functional as F
 from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed import _owned
+from dmuon_compile.distributed import _owner_meshes
 from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._tp.detect import TPInfo, tp_row
 from dmuon_compile.distributed._tp.param import TPDedicatedParam
@@ -300,7 +300,7 @@ def build_stage(info, pg, tp_plan, params, groups, replicated: bool) -> TPStage:
 
 
 def _register_owner_meshes(info: TPInfo, params) -> None:
-    """What ``_owned`` needs for the registered weights of a TP model.
+    """What ``_owner_meshes`` needs for the registered weights of a TP model.
 
     Norms (``clip_grad_norm_``) are given on the DP × TP mesh: a TP shard is held by one rank
     of the whole job (partial over every dim); a plain weight once per TP column (partial over
@@ -314,8 +314,10 @@ def _register_owner_meshes(info: TPInfo, params) -> None:
     for p in params:
         mesh = p.param.device_mesh
         if isinstance(p, TPDedicatedParam):
-            _owned.register_group(mesh, mesh.mesh.flatten().tolist())
-            _owned.set_norm_mesh(mesh, norm_mesh)
+            _owner_meshes.register_group(mesh, mesh.mesh.flatten().tolist())
+            _owner_meshes.set_norm_mesh(mesh, norm_mesh)
         else:
-            _owned.set_norm_mesh(mesh, norm_mesh, dp_dims)
-            _owned.set_source(mesh, tp_row(info, _owned.owner_rank(p.param))[PLAIN_SOURCE])
+            _owner_meshes.set_norm_mesh(mesh, norm_mesh, dp_dims)
+            _owner_meshes.set_source(
+                mesh, tp_row(info, _owner_meshes.owner_rank(p.param))[PLAIN_SOURCE]
+            )
