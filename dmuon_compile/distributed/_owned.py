@@ -39,6 +39,10 @@ on torch 2.13 and 2.11):
 - A shard-like placement on FSDP2's mesh (``Shard(0)`` subclass) was tried first and dropped:
   DTensor's sharding rules rebuild plain ``Shard(0)`` for its outputs (wrong labels), and its
   foreach rules mixed it up with FSDP2's own ``Shard(0)`` gradients of the same shape (a hang).
+
+Beside this module: ``_owner_meshes.py`` (the owner meshes and what is known about each),
+``_owner_norms.py`` (the norm of an owner tensor, the clip's local scaling) and
+``_owner_init.py`` (``nn.init`` and random fills on dedicated weights).
 """
 
 from __future__ import annotations
