@@ -134,7 +134,8 @@ _TREE_MAP = PrivateAPI("torch.utils._pytree", "tree_map", "owner tensors' torch 
 
 def disable_torch_function_subclass():
     """``torch._C.DisableTorchFunctionSubclass()``: run a ``__torch_function__`` override's
-    default behaviour (owner tensors and their norms, ``distributed/_owned.py``)."""
+    default behaviour (owner tensors and their norms, ``distributed/_owned.py``,
+    ``_owner_norms.py``)."""
     return _DISABLE_TORCH_FUNCTION.get()()
 
 
@@ -177,7 +178,7 @@ def reparse_torch_logs() -> None:
 
 def calculate_correct_fan(tensor, mode: str) -> int:
     """``torch.nn.init._calculate_correct_fan``: the fan the Kaiming initialisers use, for an
-    owner tensor initialised on its owner (``distributed/_owned.py``)."""
+    owner tensor initialised on its owner (``distributed/_owner_init.py``)."""
     return _CORRECT_FAN.get()(tensor, mode)
 
 

@@ -330,7 +330,7 @@ class CompiledMuonStep:
 
     def orthogonalize(self, mats: list[Tensor]) -> list[Tensor]:
         """Newton–Schulz of whole matrices in one compiled graph with this step's options and
-        pass: the TP owners' part of a step (``distributed/_tp.py`` gathers the shards before
+        pass: the TP owners' part of a step (``distributed/_tp/stage.py`` gathers the shards before
         and scatters the result after; momentum and the update run on the shards)."""
         if self._orthogonalize is None:
             self._orthogonalize = torch.compile(

@@ -52,7 +52,7 @@ class StepPlan:
     # Last: publish the new weights (HSDP); ``wait``: wait for the broadcasts here instead of
     # leaving them in flight for the next forward (``Muon(replicate_async=False)``).
     finish: Callable[[bool], None] = _publish_nothing
-    # The TP stage (``distributed/_tp.py``), or ``None``: its matrices' Nesterov inputs are
+    # The TP stage (``distributed/_tp/stage.py``), or ``None``: its matrices' Nesterov inputs are
     # gathered to their TP owners around Newton–Schulz and the updates scattered back; a TP
     # model's plain weights are stepped on TP rank 0 and broadcast over the TP group.
     tp: object = None

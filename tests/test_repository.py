@@ -126,13 +126,17 @@ def imported_modules(source: str, module: str) -> set[str]:
 
 
 def _imports_of_distributed() -> dict[str, set[str]]:
+    """The imports of every module of ``distributed/``, its subpackages included."""
     folder = ROOT / "dmuon_compile" / "distributed"
-    return {
-        path.name: imported_modules(
-            path.read_text(encoding="utf-8"), f"dmuon_compile.distributed.{path.stem}"
-        )
-        for path in sorted(folder.glob("*.py"))
-    }
+    out = {}
+    for path in sorted(folder.rglob("*.py")):
+        rel = path.relative_to(folder)
+        parts = rel.parent.parts + (() if path.stem == "__init__" else (path.stem,))
+        module = ".".join(("dmuon_compile", "distributed", *parts))
+        if path.stem == "__init__":  # a package: relative imports resolve inside it
+            module += ".__init__"
+        out[rel.as_posix()] = imported_modules(path.read_text(encoding="utf-8"), module)
+    return out
 
 
 def test_the_runtime_does_not_import_the_optimizer():

@@ -6,7 +6,9 @@ Files, one concept each (FSDP2's layout): ``dedicate.py`` (entry point), ``owner
 collectives), ``_collectives.py`` (the collective calls), ``_runtime.py`` (hooks),
 ``_fsdp_compat.py`` (what is read from FSDP2), ``diagnostics.py``, ``_replicate.py`` (HSDP:
 gradients to the one global owner over the replicate group, the post-step replicate broadcast),
-``_tp.py`` (TP: NS on the whole TP-sharded matrix on its TP owner, the update scattered back).
+``_tp/`` (TP: NS on the whole TP-sharded matrix on its TP owner, the update scattered back),
+``_owned.py`` (a registered dedicated weight, an ``OwnerTensor``; its meshes, norms and
+initialisation in ``_owner_meshes.py``, ``_owner_norms.py`` and ``_owner_init.py``).
 
 HSDP in four lines (the documented order; every matrix is orthogonalised once in the whole job)::
 

@@ -2,7 +2,7 @@
 
 A step can leave a dedicated weight's new value *in flight*: the HSDP publish (the global owner's
 broadcast to its replicate peers, ``_replicate.py``) and the deferred TP scatter (the TP owner's
-update shards, applied to each member's master, ``_tp.py``). Both are entries of one
+update shards, applied to each member's master, ``_tp/stage.py``). Both are entries of one
 :class:`PendingUpdates` per runtime, keyed by hook group, applied in the order they were queued:
 
 - before the group's next unshard reads its masters (``DedicatedGroup.unshard``; on CUDA on the

@@ -164,7 +164,7 @@ class DedicatedRuntime:
         self._published_early: set[int] = set()  # the step plan's early group: after_step skips it
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
-        self.tp = None  # TP stage (``_tp.py``): gather → NS on the TP owner → scatter
+        self.tp = None  # TP stage (``_tp/stage.py``): gather → NS on the TP owner → scatter
         # group → the fully_shard modules that would manage its weights (set at first use)
         self._fsdp_managers: dict[int, dict[str, nn.Module]] | None = None
         # Built once: torch.compiler.disable wraps per call otherwise (every forward, output).

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from dmuon_compile import env
 from dmuon_compile.dedicated_registry import attach_runtime, runtime_of
@@ -32,7 +33,8 @@ from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._holder import make_holder, mark_ancestors
-from dmuon_compile.distributed._owned import key_fills, owner_mesh, set_dp_mesh
+from dmuon_compile.distributed._owner_init import key_fills
+from dmuon_compile.distributed._owner_meshes import owner_mesh, set_dp_mesh
 from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
@@ -296,7 +298,7 @@ def dedicate_params(
     if tp is None:
         plan, tp_plan = plan_owners(specs, replicas * world, layer_id_fn=layer_id_fn), None
     else:  # owners over DP × TP slots: shard t of a matrix has the same DP owner on every t
-        tp_fqns = {n for n, p in selected if isinstance(p, _tp.DTensor)}
+        tp_fqns = {n for n, p in selected if isinstance(p, DTensor)}
         plan, tp_plan = _tp.plan_tp_owners(
             specs, replicas * world, tp.size, tp_fqns, layer_id_fn=layer_id_fn
         )
@@ -398,7 +400,7 @@ def dedicate_params(
     )
     if tp is not None:
         runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, replicas > 1))
-    for dp in params:  # random fills of the weight draw from its own generator (_owned.py)
+    for dp in params:  # random fills of the weight draw from its own generator (_owner_init.py)
         if dp.owns:
             shard = tp.rank if isinstance(dp, _tp.TPDedicatedParam) else 0
             key_fills(dp.param, dp.fqn, shard)

@@ -71,7 +71,7 @@ def test_bad_norm_type():
 
 def _clip_tp(rank, world, dp, attention, use_torch, control, device="cpu"):
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _owned, dedicated_runtime, mesh_checks
+    from dmuon_compile.distributed import _owner_meshes, dedicated_runtime, mesh_checks
 
     from .test_tp import build_tp
 
@@ -80,7 +80,7 @@ def _clip_tp(rank, world, dp, attention, use_torch, control, device="cpu"):
         stage = dedicated_runtime(model).tp
         root = mesh_checks._root(stage.info.mesh)
         for p in stage.params:
-            _owned.set_norm_mesh(p.param.device_mesh, root, {"dp"})
+            _owner_meshes.set_norm_mesh(p.param.device_mesh, root, {"dp"})
     x = next(iter(models.batches(1, dp))).to(local_device(device))
     per = x.shape[0] // dp
     model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()

@@ -1,0 +1,128 @@
+"""The owner meshes of dedicated weights and what is known about them, process-wide.
+
+An owner mesh is a rank's one-rank mesh (:func:`owner_mesh`), or a TP weight's owner group mesh
+(:func:`register_group`); :data:`MESHES` holds, per mesh, the norm mesh its tensors' norms are
+given on (``_owner_norms.py``), its group's ranks and the rank ``full_tensor`` broadcasts from
+(``_owned.py``). Also the queries on a tensor's holder: :func:`is_owned`, :func:`owner_rank`,
+:func:`local_of`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dmuon_compile.distributed import _dtensor_compat as _dt
+
+
+class MeshRegistry:
+    """What is known about the meshes of dedicated weights, in one object.
+
+    Process-wide, not per model: owner meshes are built once per ``(device type, rank)`` and
+    shared by every model (``owner_mesh``), and the lookups run inside DTensor dispatch, where
+    only the tensor's mesh is at hand. Keyed by ``id(mesh)`` (a DeviceMesh compares by its
+    layout, and an owner group's mesh may be equal to this rank's own TP mesh); ``keep`` holds
+    the meshes so no id is reused.
+    """
+
+    def __init__(self) -> None:
+        self.owner_meshes: dict[tuple[str, int], DeviceMesh] = {}  # (device type, rank) -> mesh
+        self.owner_of: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot path)
+        # id(owner mesh) -> (norm mesh, placements): where the norms of its tensors are given.
+        self.norm_of: dict[int, tuple] = {}
+        # id(owner group mesh) -> its global ranks in mesh order: a TP weight's owner group,
+        # shard t on the t-th rank (its mesh may be this rank's TP mesh, _tp.owner_tp_mesh).
+        self.group_ranks: dict[int, tuple[int, ...]] = {}
+        # id(one-rank owner mesh) -> the rank full_tensor broadcasts from. In a TP model a plain
+        # weight has one owner per TP column (each column's copy is the same): all ranks agree
+        # on column 0's.
+        self.source_of: dict[int, int] = {}
+        self.keep: list[DeviceMesh] = []
+
+
+MESHES = MeshRegistry()
+
+
+def set_norm_mesh(mesh: DeviceMesh, norm_mesh: DeviceMesh, partial_dims=None) -> None:
+    """Give the norms of owner ``mesh``'s tensors on ``norm_mesh`` (FSDP2's mesh, or the DP × TP
+    mesh of a TP model), partial over the dims named in ``partial_dims`` (``None``: all) and
+    ``Replicate`` over the others (a plain weight of a TP model: one owner per TP column)."""
+    names = norm_mesh.mesh_dim_names or (None,) * norm_mesh.ndim
+    partial = [partial_dims is None or n in partial_dims for n in names]
+    MESHES.norm_of[id(mesh)] = (norm_mesh, partial, _dt.norm_partial())
+    MESHES.keep.append(mesh)
+
+
+def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
+    """Record the data-parallel mesh (FSDP2's) that owner ``mesh``'s norms are given on."""
+    set_norm_mesh(mesh, dp_mesh)
+
+
+def register_group(mesh: DeviceMesh, ranks) -> None:
+    """Record an owner group mesh (a TP weight's owner TP group) and its global ranks."""
+    MESHES.group_ranks[id(mesh)] = tuple(int(r) for r in ranks)
+    MESHES.keep.append(mesh)
+
+
+def set_source(mesh: DeviceMesh, rank: int) -> None:
+    """The rank ``full_tensor`` broadcasts owner ``mesh``'s tensors from (default: the owner)."""
+    MESHES.source_of[id(mesh)] = int(rank)
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def is_owner_mesh(mesh: DeviceMesh) -> bool:
+    return id(mesh) in MESHES.owner_of or id(mesh) in MESHES.group_ranks
+
+
+def owner_mesh(device_type: str, global_rank: int) -> DeviceMesh:
+    """The one-rank mesh of ``global_rank`` (cached; built the same way on every rank).
+
+    It needs no process group (a one-rank DTensor never communicates), so none is created where
+    the torch version allows it.
+    """
+    key = (device_type, int(global_rank))
+    mesh = MESHES.owner_meshes.get(key)
+    if mesh is None:
+        mesh = _dt.mesh_without_backend(device_type, [global_rank])
+        MESHES.owner_meshes[key] = mesh
+        MESHES.owner_of[id(mesh)] = int(global_rank)
+    return mesh
+
+
+def empty_local(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """What a rank outside the owner mesh holds (DTensor's convention: an empty tensor)."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def local_of(t: Tensor) -> Tensor:
+    """The local tensor of a DTensor (the whole tensor on its owner, empty elsewhere), else "
+    "``t``."""
+    return _dt.local_tensor(t) if isinstance(t, DTensor) else t
+
+
+def is_owned(t) -> bool:
+    """True for a DTensor on a one-rank owner mesh (a dedicated weight, its gradient or its
+    state; the shards of a TP weight on their owner group are not)."""
+    if not isinstance(t, DTensor):
+        return False
+    mesh = t.device_mesh
+    if id(mesh) in MESHES.owner_of:  # the per-step path: the very mesh objects made here
+        return True
+    return (
+        mesh.ndim == 1
+        and mesh.size() == 1
+        and MESHES.owner_meshes.get((mesh.device_type, int(mesh.mesh.reshape(-1)[0]))) == mesh
+    )
+
+
+def owner_rank(t: DTensor) -> int:
+    """Global rank that holds ``t`` (an owner tensor)."""
+    rank = MESHES.owner_of.get(id(t.device_mesh))
+    return rank if rank is not None else int(t.device_mesh.mesh.reshape(-1)[0])

@@ -1,0 +1,158 @@
+"""Owners of a TP model's dedicated weights over the DP × TP slots: LPT on whole-matrix
+Newton–Schulz costs (:func:`plan_tp_owners`), and the balance of the result (:class:`TPPlan`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from dmuon_compile.distributed.owner_plan import (
+    MatrixSpec,
+    OwnerPlan,
+    PlanEntry,
+    _improve,
+    default_layer_key,
+    ns_cost_fn,
+)
+
+
+@dataclass
+class TPPlan:
+    """Owners over the DP × TP slots: ``slot = dp_index * tp_size + tp_rank``."""
+
+    dp_size: int
+    tp_size: int
+    tp_owner: dict[str, int] = field(default_factory=dict)  # TP matrices only: t*
+    slot_flops: list[float] = field(default_factory=list)
+    matrix_flops: list[float] = field(default_factory=list)  # TP matrices (one slot each)
+
+    def lower_bound(self) -> float:
+        """A lower bound on the most loaded slot of *any* plan with whole matrices.
+
+        ``max(mean, largest)``, and for two matrix costs ``a ≥ b``: below ``a + b`` a slot holds
+        at most one matrix of cost ≥ a and then none ≥ b besides, and any other slot at most
+        ``ceil((a+b)/b) − 1`` matrices of cost ≥ b; more matrices ≥ b than that allows force
+        ``a + b`` (70B on 256 ranks: 240 MLP matrices each fill a slot, the 160 q/o cannot
+        all pair up on the other 16, so the best plan puts one beside an MLP matrix).
+        """
+        loads, costs = self.slot_flops, sorted(self.matrix_flops, reverse=True)
+        slots = len(loads)
+        bound = max(sum(loads) / slots if slots else 0.0, costs[0] if costs else 0.0)
+        distinct = sorted(set(costs), reverse=True)
+        for i, a in enumerate(distinct):
+            n_a = sum(1 for c in costs if c >= a)
+            if n_a > slots:
+                continue
+            for b in distinct[i:]:
+                if b <= 0 or a + b <= bound:
+                    continue
+                per_slot = -(-(a + b) // b) - 1
+                if sum(1 for c in costs if c >= b) > n_a + (slots - n_a) * per_slot:
+                    bound = a + b
+        return bound
+
+    def balance(self) -> dict[str, float]:
+        loads = self.slot_flops
+        mean = sum(loads) / len(loads) if loads else 0.0
+        bound = self.lower_bound()
+        return {
+            "ns_max_over_mean": max(loads) / mean if mean else 1.0,
+            "ns_max_over_lower_bound": max(loads) / bound if bound else 1.0,
+            "best_possible_max_over_mean": bound / mean if mean else 1.0,
+        }
+
+    def digest_text(self) -> str:
+        return repr(sorted(self.tp_owner.items())) + f"|{self.dp_size}x{self.tp_size}"
+
+
+def plan_tp_owners(
+    specs: list[MatrixSpec],
+    dp_size: int,
+    tp_size: int,
+    tp_fqns: set[str],
+    *,
+    ns=None,
+    layer_id_fn=None,
+    improve_rounds: int = 2000,
+) -> tuple[OwnerPlan, TPPlan]:
+    """LPT over the ``dp_size × tp_size`` slots; deterministic (a function of the specs).
+
+    ``specs`` carry *global* shapes (the NS cost is that of the whole matrix). A matrix in
+    ``tp_fqns`` takes one slot ``(d, t*)``; any other matrix takes its cost on all ``tp_size``
+    slots of one DP column ``d``. Returns the DP plan (owner = ``d``, what the DP machinery
+    uses) and the TP plan (``t*`` per TP matrix, the slot loads).
+
+    >>> from dmuon_compile.distributed.owner_plan import llama_matrix_specs
+    >>> specs = llama_matrix_specs(4, 64, 256, 64)
+    >>> dp, tp = plan_tp_owners(specs, 2, 2, {s.fqn for s in specs})
+    >>> round(tp.balance()["ns_max_over_lower_bound"], 2) <= 1.05
+    True
+    """
+    flops_of = ns_cost_fn(ns)
+    specs = sorted(specs, key=lambda s: s.fqn)
+    layer_of = layer_id_fn or default_layer_key
+    layers = [str(layer_of(s.fqn) or default_layer_key(s.fqn)) for s in specs]
+    flops = [float(flops_of(*s.matrix_shape)) for s in specs]
+    sizes = [s.numel * s.itemsize for s in specs]
+    total = sum(f * (1 if s.fqn in tp_fqns else tp_size) for f, s in zip(flops, specs)) or 1.0
+    cost = [f / total for f in flops]
+    slots = dp_size * tp_size
+    loads = [0.0] * slots
+    column_bytes = [0] * dp_size
+    layer_bytes: dict[str, list[int]] = defaultdict(lambda: [0] * dp_size)
+    slot_of = [0] * len(specs)
+    order = sorted(range(len(specs)), key=lambda i: (-cost[i], layers[i], specs[i].fqn))
+    for i in order:
+        lb = layer_bytes[layers[i]]
+        if specs[i].fqn in tp_fqns:
+            low = min(loads)
+            k = min(
+                range(slots),
+                key=lambda k: (
+                    loads[k] > low * (1 + 1e-9) + 1e-15,
+                    lb[k // tp_size],
+                    column_bytes[k // tp_size],
+                    k,
+                ),
+            )
+            loads[k] += cost[i]
+        else:  # every TP rank of column d runs NS on its own copy
+            col = [max(loads[d * tp_size : (d + 1) * tp_size]) for d in range(dp_size)]
+            low = min(col)
+            d = min(
+                range(dp_size),
+                key=lambda d: (col[d] > low * (1 + 1e-9) + 1e-15, lb[d], column_bytes[d], d),
+            )
+            k = d * tp_size
+            for t in range(tp_size):
+                loads[k + t] += cost[i]
+        slot_of[i] = k
+        lb[k // tp_size] += sizes[i]
+        column_bytes[k // tp_size] += sizes[i]
+    movable = [i for i, s in enumerate(specs) if s.fqn in tp_fqns]
+    if movable and len(movable) == len(specs):
+        _improve(slot_of, cost, loads, improve_rounds)
+    elif movable:  # keep the plain matrices' columns fixed; move the TP ones only
+        sub_owner = [slot_of[i] for i in movable]
+        _improve(sub_owner, [cost[i] for i in movable], loads, improve_rounds)
+        for i, k in zip(movable, sub_owner):
+            slot_of[i] = k
+    entries = [
+        PlanEntry(
+            s.fqn,
+            tuple(int(x) for x in s.shape),
+            slot_of[i] // tp_size,
+            layers[i],
+            flops[i],
+            sizes[i] // (tp_size if s.fqn in tp_fqns else 1),
+        )
+        for i, s in enumerate(specs)
+    ]
+    tp_plan = TPPlan(
+        dp_size,
+        tp_size,
+        {s.fqn: slot_of[i] % tp_size for i, s in enumerate(specs) if s.fqn in tp_fqns},
+        [x * total for x in loads],
+        [f for f, s in zip(flops, specs) if s.fqn in tp_fqns],
+    )
+    return OwnerPlan(world_size=dp_size, entries=entries), tp_plan
