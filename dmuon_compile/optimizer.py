@@ -545,7 +545,7 @@ class Muon(MuonGroups, StepAgreement, torch.optim.Optimizer):
         from dmuon_compile.compiled_step import compile_enabled, compiled_step_for
 
         tp_half = None
-        if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (``_tp.py``)
+        if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (_tp/stage.py)
             mine, (params, grads, bufs) = tp.split(params, grads, bufs)
             if mine:
                 tp_half = self._tp_directions(tp, group, mine, failure)
@@ -666,7 +666,7 @@ class _StepHalf:
     bufs: list
     ortho: list | None
     tp: object = None  # the TP stage, when the model has one
-    tp_half: object = None  # its half of this part (``_tp.TPStepHalf``)
+    tp_half: object = None  # its half of this part (``distributed._tp.TPStepHalf``)
     receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
     compiled: object = None  # the CompiledMuonStep of the directions: it commits too
 
