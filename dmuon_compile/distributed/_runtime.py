@@ -60,7 +60,6 @@ accumulate on the unsharded leaves and are reduced on the sync step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator
 from enum import Enum, auto
 
@@ -73,8 +72,8 @@ from dmuon_compile.distributed._autograd_compat import in_backward, queue_callba
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupState
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._pending import PendingUpdates
+from dmuon_compile.distributed._runtime_step import RuntimeStepSide
 from dmuon_compile.distributed.owner_plan import OwnerPlan
-from dmuon_compile.step_plan import PLAIN_STEP, StepPart, StepPlan
 
 
 class RuntimeState(Enum):
@@ -112,7 +111,7 @@ def _eager_hook(fn):
     return torch.compiler.disable(fn, recursive=True)
 
 
-class DedicatedRuntime:
+class DedicatedRuntime(RuntimeStepSide):
     """State of the dedicated parameters of one model (plan, groups, hooks, profile)."""
 
     def __init__(
@@ -544,100 +543,6 @@ class DedicatedRuntime:
         self.state, self._sync, self._reducing = RuntimeState.IDLE, None, []
         self._reduces_issued = 0
         self._reset_clock()
-
-    # ------------------------------------------------------------------ HSDP publish
-    @torch.compiler.disable  # eager and identical on every rank, even under a compiled step
-    def publish(self, wait: bool = False) -> None:
-        """Issue every group's replicate broadcast (global owners → replicate peers).
-
-        ``wait=False`` keeps the works; each group waits for its own right before its next
-        unshard. A publish still in flight is drained first. No-op without HSDP. Collective:
-        every rank calls it at the same point. ``Muon(model).step`` calls it; call it yourself
-        after writing the global owners' masters outside a step (e.g. loading weights), or
-        the other replicas keep the old values until the next step.
-
-        Example::
-
-            dmuon.distributed.dedicated_runtime(model).publish(wait=True)
-        """
-        self._publish_groups(g for g in self.groups if g.replicate is not None)
-        self.pending.publish_due = False
-        if wait:
-            self.wait_publish()
-
-    def _publish_groups(self, groups) -> None:
-        for group in groups:
-            self.pending.wait_group(id(group))  # a publish still in flight finishes first
-            entry = group.replicate.publish(group.profile if self.record_profile else None)
-            self.pending.add(id(group), entry)
-
-    def wait_publish(self) -> None:
-        """Apply every pending update: wait for the replicate broadcasts and deferred TP
-        scatters in flight (no profile entry: not a forward wait)."""
-        self.pending.drain()
-
-    @torch.compiler.disable
-    def before_step(self) -> None:
-        """The step plan's first action: the masters are a broadcast source until it finished,
-        and a step without a forward since the last applies that one's updates first."""
-        self.pending.drain()
-        self._published_early = set()
-
-    def early_group(self) -> DedicatedGroup | None:
-        """The group the next forward unshards first (plan order before any forward ran)."""
-        order = self.forward_order or self.groups
-        first = order[0] if order else None
-        return first if first is not None and first.replicate is not None else None
-
-    def step_plan(self) -> StepPlan:
-        """The plan ``Muon.step`` walks (``step_plan.py``): drain first, publish last (HSDP);
-        with HSDP and two or more groups, this rank's masters of :meth:`early_group` are stepped
-        first and that group is published at once, so its broadcast runs under the rest of the
-        step; with TP, the TP stage.
-
-        The parts and actions depend only on state every rank shares (plan, forward order),
-        never on what this rank owns, so every rank issues the same collectives at the same
-        points: SPMD. Without HSDP and TP: :data:`PLAIN_STEP` (nothing to do around the step).
-        """
-        if not self.replicated and self.tp is None:
-            return PLAIN_STEP
-        parts = (StepPart("all"),)
-        group = self.early_group()
-        if group is not None and len(self.groups) >= 2:  # one group: nothing to overlap with
-            mine = frozenset(id(p.param) for p in group.params if p.owns)
-            publish = functools.partial(self._publish_early, group)
-            parts = (StepPart("early", mine, after=publish), StepPart("rest"))
-        return StepPlan(parts, before=self.before_step, finish=self.after_step, tp=self.tp)
-
-    @torch.compiler.disable
-    def _publish_early(self, group: DedicatedGroup) -> None:
-        """Mid-step (the early part's ``after``): broadcast ``group`` now; :meth:`after_step`
-        publishes the rest."""
-        self._publish_groups([group])
-        self._published_early.add(id(group))
-
-    @torch.compiler.disable
-    def after_step(self, wait: bool = False) -> None:
-        """The step plan's last action (also when the step raised or skipped): publish the
-        weights the early part has not published; ``wait``: wait for them here
-        (``Muon(replicate_async=False)``), else leave them in flight for the next forward."""
-        early = self._published_early
-        self._publish_groups(
-            g for g in self.groups if g.replicate is not None and id(g) not in early
-        )
-        self._published_early = set()
-        self.pending.publish_due = False
-        if wait:
-            self.wait_publish()
-
-    def pending_collectives(self) -> int:
-        """Collectives still in flight (unshard, reduce, replicate); 0 after :meth:`wait_all`."""
-        n = self.pending.collectives()
-        for g in self.groups:
-            n += len(g.works) + sum(len(w) for w, *_ in g.pending_reduce)
-            if g.replicate is not None:
-                n += g.replicate.pending()
-        return n
 
     # ------------------------------------------------------------------ draining
     def wait_all(self) -> None:
