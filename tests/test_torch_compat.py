@@ -34,7 +34,10 @@ def test_every_area_registers_its_apis():
 
 @pytest.mark.parametrize("api", PRIVATE_APIS, ids=lambda a: a.name)
 def test_private_api_resolves_on_this_torch(api):
-    api.resolve()  # raises TorchInternalsError if missing (an Inductor option may be None)
+    # resolve() raises TorchInternalsError if missing (an Inductor option may be None); get()
+    # returns what it resolved.
+    value = api.resolve()
+    assert api.get() == value
 
 
 def _take_away(monkeypatch, api) -> None:

@@ -147,6 +147,7 @@ def _run(a, b, c, alpha, beta, gamma, config):
     m = a.shape[-2]
     out = torch.full(a.shape[:-2] + (m, m), float("nan"), device=a.device, dtype=a.dtype)
     gluon_kernel.launch_gluon_kernel(a, b, c, alpha, beta, gamma, out=out, config=config)
+    assert not out.isnan().any(), "elements the kernel left unwritten (NaN poison)"
     if b is None:
         ref = syrk_reference(a.float(), None if c is None else c.float(), alpha, beta, gamma)
     else:
@@ -154,6 +155,7 @@ def _run(a, b, c, alpha, beta, gamma, config):
             a.float(), b.float(), None if c is None else c.float(), alpha, beta, gamma
         )
     _check(out, ref.to(a.dtype))
+    return out
 
 
 @pytest.mark.gpu
@@ -182,7 +184,8 @@ def test_gluon_matches_reference(m, k, batch, dtype, op, use_c, alpha, beta, gam
     a = rand(m, k) / k**0.25
     b = rand(k, m) / k**0.25 if op == "sym_mm" else None
     c = rand(m, m) if use_c else None
-    _run(a, b, c, alpha, beta, gamma, config)
+    out = _run(a, b, c, alpha, beta, gamma, config)
+    assert torch.equal(out, out.mT), "not bitwise symmetric"
 
 
 @pytest.mark.gpu
@@ -206,4 +209,5 @@ def test_gluon_real_sizes(config, shape, op, use_c):
         a = (a.float() @ a.float().mT / k**0.5).bfloat16()
         b = (a.float() @ a.float()).bfloat16()
     c = torch.randn(shape[:-2] + (m, m), generator=gen, device="cuda").bfloat16() if use_c else None
-    _run(a, b, c, 1.0, -0.5 if use_c else 0.0, 0.75, config)
+    out = _run(a, b, c, 1.0, -0.5 if use_c else 0.0, 0.75, config)
+    assert torch.equal(out, out.mT), "not bitwise symmetric"
