@@ -215,6 +215,23 @@ def multiprocessor_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def product_output(a: Tensor, out: Tensor | None, kernel: str) -> Tensor:
+    """The output of a symmetric product of ``a`` (``(…, m, k)`` → ``(…, m, m)``, ``a``'s
+    dtype): a new tensor, or ``out`` checked to be contiguous with that shape and dtype
+    (tests pass a poisoned ``out`` to prove every element is written). ``kernel`` names the
+    caller in the error."""
+    m = a.shape[-2]
+    out_shape = tuple(a.shape[:-2]) + (m, m)
+    if out is None:
+        return torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    if tuple(out.shape) != out_shape or out.dtype != a.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"{kernel}: out must be contiguous {out_shape} {a.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}"
+        )
+    return out
+
+
 def stack_strides(t: Tensor) -> tuple[int, int, int]:
     """(batch, row, col) strides; batch stride 0 for a 2-D tensor viewed as a stack of one."""
     if t.dim() == 2:

@@ -18,8 +18,12 @@ constexpr values.
 
 from __future__ import annotations
 
-import torch
-from dmuon_compile.kernels.lower_tiles import SUPPORTED_DTYPES, TileConfig, multiprocessor_count
+from dmuon_compile.kernels.lower_tiles import (
+    SUPPORTED_DTYPES,
+    TileConfig,
+    multiprocessor_count,
+    product_output,
+)
 from dmuon_compile.kernels.syrk_pointer import launch_pointer_kernel
 from dmuon_compile.kernels.syrk_tma import launch_tma_kernel, tma_descriptors
 from torch import Tensor
@@ -60,15 +64,7 @@ def launch_symmetric_product(
         raise ValueError(
             f"symmetric-product kernel: expected 2-D or 3-D input, got {tuple(a.shape)}"
         )
-    m = a.shape[-2]
-    out_shape = tuple(a.shape[:-2]) + (m, m)
-    if out is None:
-        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
-    elif tuple(out.shape) != out_shape or out.dtype != a.dtype or not out.is_contiguous():
-        raise ValueError(
-            f"symmetric-product kernel: out must be contiguous {out_shape} {a.dtype}, "
-            f"got {tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}"
-        )
+    out = product_output(a, out, "symmetric-product kernel")
     if out.numel() == 0:
         return out
     if num_sms is None:

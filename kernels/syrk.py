@@ -239,10 +239,24 @@ def tuned_choice(op: str, a: Tensor, b: Tensor | None, c: Tensor | None, beta: f
     times per matrix, so the per-call path must stay short.
     """
     has_c = c is not None and beta != 0.0
-    fast_key = (op, a.shape, a.stride(), a.dtype, a.device, has_c)
+    # The operands' strides are in the key: a Gluon verdict holds only for the layouts the Gluon
+    # kernel reads, checked once per key here rather than on every call.
+    fast_key = (
+        op,
+        a.shape,
+        a.stride(),
+        None if b is None else b.stride(),
+        c.stride() if has_c else None,
+        a.dtype,
+        a.device,
+        has_c,
+    )
     choice = autotune.RESOLVED.get(fast_key)
     if choice is None:
         choice, final = _tuned_choice_slow(op, a, b, c if has_c else None)
+        if choice != autotune.CUBLAS and choice.kernel == "gluon":
+            if not gluon_candidates(a, b, c if has_c else None):
+                choice = default_config_for(a, b)  # a layout the verdict's key did not promise
         if final:
             autotune.RESOLVED[fast_key] = choice
     return choice
@@ -332,8 +346,6 @@ def _symmetric_product_cuda(
     choice = tuned_choice(op, a, b, c, beta) if usable and a.numel() > 0 else autotune.CUBLAS
     if choice == autotune.CUBLAS:
         return symmetric_product_cublas(a, b, c, alpha, beta, gamma).to(a.dtype)
-    if choice.kernel == "gluon" and not gluon_candidates(a, b, c if beta != 0.0 else None):
-        choice = default_config_for(a, b)  # a layout the Gluon verdict's key did not promise
     return launch_config(a, b, c, alpha, beta, gamma, choice)
 
 

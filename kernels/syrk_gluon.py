@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import triton
+from dmuon_compile.kernels.lower_tiles import product_output
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -672,15 +673,7 @@ def launch_gluon_kernel(
             "Gluon symmetric-product kernel: needs an SM90 (Hopper) GPU; "
             "use launch_symmetric_product elsewhere"
         )
-    m = a.shape[-2]
-    out_shape = tuple(a.shape[:-2]) + (m, m)
-    if out is None:
-        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
-    elif tuple(out.shape) != out_shape or out.dtype != a.dtype or not out.is_contiguous():
-        raise ValueError(
-            f"Gluon symmetric-product kernel: out must be contiguous {out_shape} {a.dtype}, "
-            f"got {tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}"
-        )
+    out = product_output(a, out, "Gluon symmetric-product kernel")
     if out.numel() == 0:
         return out
     has_c = c is not None and beta != 0.0

@@ -216,31 +216,20 @@ def _store_below_diagonal(
         # Strips store as two square halves through ROWS×ROWS descriptors (out_desc serves
         # both orientations): half the epilogue's staging buffer of a 128×256 tile, which in
         # one piece does not fit beside the pipeline.
-        left, right = tl.split(tl.permute(tl.reshape(value, (ROWS, 2, ROWS)), (0, 2, 1)))
-        _store_tile_and_mirror(
-            left,
-            c_desc,
-            out_desc,
-            out_desc,
-            batch_index,
-            first_m,
-            first_n,
-            coeffs,
-            OUT_DTYPE,
-            C_TMA,
-        )
-        _store_tile_and_mirror(
-            right,
-            c_desc,
-            out_desc,
-            out_desc,
-            batch_index,
-            first_m,
-            first_n + ROWS,
-            coeffs,
-            OUT_DTYPE,
-            C_TMA,
-        )
+        halves = tl.split(tl.permute(tl.reshape(value, (ROWS, 2, ROWS)), (0, 2, 1)))
+        for half in tl.static_range(2):  # unrolled: ``half`` is a compile-time constant
+            _store_tile_and_mirror(
+                halves[half],
+                c_desc,
+                out_desc,
+                out_desc,
+                batch_index,
+                first_m,
+                first_n + half * ROWS,
+                coeffs,
+                OUT_DTYPE,
+                C_TMA,
+            )
     else:
         _store_tile_and_mirror(
             value,

@@ -81,3 +81,33 @@ def test_products_with_c_on_sm90_also_time_the_gluon_kernel(monkeypatch):
         assert syrk.config_from_dict(config.to_dict()) == config
         verdict = {"choice": config.name, "config": config.to_dict()}
         assert syrk._valid_verdict("key", verdict, "path")
+
+
+def test_a_gluon_verdict_checks_the_layout_once_per_key(monkeypatch):
+    """A Gluon verdict holds for the layouts the Gluon kernel reads: ``tuned_choice`` checks the
+    operands once per (shape, strides) key, falls back to the default Triton tile where the
+    kernel cannot read them, and memoises that answer (no per-call check on the hot path)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from dmuon_compile.kernels import autotune, syrk_gluon
+
+    gluon = syrk_gluon.GluonConfig(split=1, stages=4)
+    monkeypatch.setattr(syrk, "_tuned_choice_slow", lambda op, a, b, c: (gluon, True))
+    checks = []
+    readable = {True: (gluon,), False: ()}
+    layout_ok = {"value": True}
+
+    def fake_candidates(a, b, c):
+        checks.append(tuple(a.stride()))
+        return readable[layout_ok["value"]]
+
+    monkeypatch.setattr(syrk, "gluon_candidates", fake_candidates)
+    monkeypatch.setattr(autotune, "RESOLVED", {})
+    a, c = torch.empty(2, 64, 64), torch.empty(2, 64, 64)
+    for _ in range(3):
+        assert syrk.tuned_choice("sym_mm", a, a, c, 0.5) == gluon
+    assert len(checks) == 1  # memoised under the key
+    layout_ok["value"] = False
+    a_t = torch.empty(2, 64, 64).mT  # another layout: another key, checked once, falls back
+    for _ in range(3):
+        assert syrk.tuned_choice("sym_mm", a_t, a, c, 0.5) == syrk.default_config_for(a_t, a)
+    assert len(checks) == 2
