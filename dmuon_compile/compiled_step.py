@@ -256,12 +256,28 @@ class CompiledMuonStep:
             adjust_lr_fn=adjust_lr_fn,
         )
 
-    def commit(self, params, grads, bufs, ortho, *, lr, weight_decay, momentum, adjust_lr_fn):
+    def commit(
+        self,
+        params,
+        grads,
+        bufs,
+        ortho,
+        *,
+        lr,
+        weight_decay,
+        momentum,
+        adjust_lr_fn,
+        commit_if: Tensor | None = None,
+    ):
         """``functional.commit_muon_step`` compiled: buf ← μ·buf + g and the weight update, in
-        place (after ``Muon.step``'s agreement); hyper-parameters as 0-d device tensors."""
+        place (after ``Muon.step``'s agreement); hyper-parameters as 0-d device tensors.
+        ``commit_if``: a verdict still on the device (each value written as
+        ``where(commit_if, new, old)``; one more compiled graph than without)."""
         if not params:
             return
         device = params[0].device
+        if commit_if is not None:
+            commit_if = commit_if.to(device, non_blocking=True)
         lr_t = self.hyper_tensor(device, lr, "lr")
         wd_t = self.hyper_tensor(device, weight_decay, "weight_decay")
         mu_t = self.hyper_tensor(device, momentum, "momentum")
@@ -274,6 +290,7 @@ class CompiledMuonStep:
             weight_decay=wd_t,
             momentum=mu_t,
             adjust_lr_fn=adjust_lr_fn,
+            commit_if=commit_if,
         )
 
     def directions(self, grads, bufs, *, momentum, nesterov) -> list[Tensor]:

@@ -237,15 +237,30 @@ def commit_muon_step(
     weight_decay: float | Tensor,
     momentum: float | Tensor,
     adjust_lr_fn: str | None = "match_rms_adamw",
+    commit_if: Tensor | None = None,
 ) -> None:
     """The second half of a Muon step, in place: buf ← μ·buf + g (the buf' that
-    :func:`muon_directions` used), W ← (1 − lr·wd)·W − lr·scale(W)·O. Elementwise only."""
+    :func:`muon_directions` used), W ← (1 − lr·wd)·W − lr·scale(W)·O. Elementwise only.
+
+    ``commit_if`` (a 0-d bool tensor: the step's verdict, still on the device): every value is
+    written as ``where(commit_if, new, old)``, so a step whose verdict turns out false changes
+    nothing, NaN gradients included, and no host read has to come first. Compiled, the select
+    fuses into the same kernels (the same bytes); eager, it costs a copy of each tensor.
+    """
     lr, weight_decay, momentum = hyper(lr), hyper(weight_decay), hyper(momentum)
     if not params:
         return
-    torch._foreach_mul_(bufs, momentum)
-    torch._foreach_add_(bufs, grads)
-    apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn)
+    if commit_if is None:
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads)
+        apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn)
+        return
+    new_bufs = torch._foreach_mul(bufs, momentum)
+    torch._foreach_add_(new_bufs, grads)
+    new_params = [p.clone() for p in params]
+    apply_muon_update(new_params, ortho, lr, weight_decay, adjust_lr_fn)
+    for old, new in zip(list(bufs) + list(params), list(new_bufs) + new_params):
+        old.copy_(torch.where(commit_if, new, old))
 
 
 def muon_update(

@@ -34,6 +34,7 @@ from dmuon_compile.routing import HEAD_NAMES, default_muon_predicate, routing_mo
 from dmuon_compile.step_agreement import (  # noqa: F401 - MuonStepError: the public name
     NONFINITE_MODES,
     MuonStepError,
+    PendingVerdict,
     StepAgreement,
     _StepCheck,
 )
@@ -295,16 +296,22 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         # Only the TP halves cross into ``_agree`` (eager): under a user-compiled step the other
         # halves' groups hold DTensor parameters, whose meshes Dynamo cannot pass out.
         tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
-        if not self._agree(failure, tp_halves):
+        verdict = self._agree(failure, tp_halves, defer=_deferrable(plan, halves, failure))
+        if verdict is False:
             return loss  # skipped (nonfinite_grads="skip")
+        # A deferred verdict stays on the device: the commit selects on it, and it is read
+        # after the commit is enqueued (``_settle``), so the GPU is not idle meanwhile.
+        commit_if = verdict.ok if isinstance(verdict, PendingVerdict) else None
         # The plan's parts in order, each followed by its action (HSDP: the first group the next
         # forward needs is committed and published first, so its broadcast runs under the rest
         # of the step instead of in front of the next forward).
         for part, part_halves in zip(plan.parts, halves):
             for half in part_halves:
-                self._commit(half)
+                self._commit(half, commit_if)
             if part.after is not None:
                 part.after()
+        if commit_if is not None and not self._settle(verdict):
+            return loss  # skipped: the commit kept every old value
         for group, params, grads, exp_avgs, exp_avg_sqs, steps in adamw:
             F.adamw_update(
                 params,
@@ -493,8 +500,10 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
         return tp.scatter(bucket, updates, ortho, lr, wd, group["adjust_lr_fn"])
 
-    def _commit(self, half: _StepHalf) -> None:
-        """The second half: momentum and weights written (elementwise, after the agreement)."""
+    def _commit(self, half: _StepHalf, commit_if: Tensor | None = None) -> None:
+        """The second half: momentum and weights written (elementwise, after the agreement).
+        ``commit_if``: a deferred verdict (0-d bool on the device); every value is then written
+        as ``where(commit_if, new, old)``."""
         group = half.group
         if half.tp_half is not None:
             half.tp.commit(half.tp_half, self.replicate_async)
@@ -511,6 +520,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
             adjust_lr_fn=group["adjust_lr_fn"],
+            commit_if=commit_if,
         )
         if half.tp is not None:  # TP rank 0's new plain masters and momentum to its column
             half.tp.broadcast_plain(half.params, half.bufs)
@@ -529,6 +539,23 @@ class _StepHalf:
     tp_half: object = None  # its half of this part (``distributed._tp.TPStepHalf``)
     receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
     compiled: object = None  # the CompiledMuonStep of the directions: it commits too
+
+
+def _deferrable(plan: StepPlan, halves: list, failure: list) -> bool:
+    """Whether the verdict may be read after the commit: every Muon half commits through its
+    compiled step (a select costs no extra memory traffic there; the eager reference reads
+    first), the commit issues no collective (no TP stage, no action after a part), no local
+    failure, and not under the user's ``torch.compile`` (the commit is traced into their
+    graph)."""
+    if failure or plan.tp is not None or torch.compiler.is_compiling():
+        return False
+    if any(part.after is not None for part in plan.parts):
+        return False
+    return all(
+        half.compiled is not None or not half.params
+        for part_halves in halves
+        for half in part_halves
+    )
 
 
 def _guarded(failure: list, phase: str, compute, placeholder):

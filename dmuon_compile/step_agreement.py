@@ -27,6 +27,10 @@ from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.step_phases import STEP_PHASES
 
 NONFINITE_MODES = ("raise", "skip")
+# The skip warning names the user's ``opt.step()`` line: _read_verdict ← _agree or _settle ←
+# torch.compiler.disable's wrapper ← Muon._step ← Muon.step ← torch.no_grad ← torch.optim's
+# step hooks ← the caller (tests/test_deferred_verdict.py holds it, both ways).
+_USER_FRAME = 8
 
 
 class MuonStepError(RuntimeError):
@@ -51,6 +55,16 @@ class _StepCheck:
     finite: Tensor | None  # their finite flags, on the device
     fresh: list  # those whose state this step created: dropped if the step does not commit
     tp: object = None  # the plan's TP stage: drops the scatters of a step that does not commit
+
+
+@dataclass
+class PendingVerdict:
+    """A verdict left on the device by ``StepAgreement._agree(defer=True)``: ``ok`` (0-d bool)
+    is what the commit selects on, ``StepAgreement._settle`` reads it after."""
+
+    check: _StepCheck
+    ok: Tensor  # commit or keep every old value
+    votes: Tensor | None  # the all-reduced votes where ranks' gradients differ, else None
 
 
 def _step_error(failed: dict[int, str], failure: list) -> MuonStepError:
@@ -79,17 +93,32 @@ class StepAgreement:
         return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
 
     @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
-    def _agree(self, failure: list, tp_halves: list) -> bool:
+    def _agree(self, failure: list, tp_halves: list, defer: bool = False) -> bool | PendingVerdict:
         """Between the two halves of the step: whether to commit (``False``: skip), or raise.
 
         Every rank's verdict on its gradients (finite?) and on its local work (did it raise,
         in which phase?) goes into the one all-reduce of the step, so every rank commits, skips
         or raises together; before raising or skipping, the TP scatters the step issued are
         waited for and dropped (every member issued them): the ranks' collectives stay paired.
+
+        ``defer=True`` (``Muon._step`` decides: every commit is a compiled, collective-free
+        select) and no local failure: the verdict stays on the device as a
+        :class:`PendingVerdict` instead of being read here. The commit then writes
+        ``where(ok, new, old)`` and :meth:`_settle` reads the verdict after the commit is
+        enqueued, so the GPU is not left idle while the host launches the commit. The
+        all-reduce (where ranks' gradients differ) is issued here either way: the collectives
+        are the same whichever way a rank decides.
         """
         check, self._step_check = self._step_check, None
         try:
-            commit = self._verdict(check.params, check.finite, failure)
+            differ = self._grads_differ_across_ranks(check.params)
+            if not differ and failure:  # nothing to agree on (one process, replicated data)
+                raise failure[0][1]
+            votes = self._send_votes(check.finite, failure) if differ else None
+            if defer and not failure and (votes is not None or check.finite is not None):
+                ok = (votes.sum() == 0) if votes is not None else check.finite.all()
+                return PendingVerdict(check, ok, votes)
+            commit = self._read_verdict(check, votes, failure)
         except BaseException:
             self._abort(tp_halves, check)
             raise
@@ -97,28 +126,47 @@ class StepAgreement:
             self._abort(tp_halves, check)
         return commit
 
-    def _verdict(self, params: list[Tensor], finite: Tensor | None, failure: list) -> bool:
+    @torch.compiler.disable  # the step's one host read, Python exceptions: eager
+    def _settle(self, pending: PendingVerdict) -> bool:
+        """The host read of a deferred verdict, after the commit that selected on it was
+        enqueued: ``True`` (committed), ``False`` (skipped: the commit kept every old value),
+        or the error ``_agree`` would have raised, with no weight or state changed."""
+        try:
+            commit = self._read_verdict(pending.check, pending.votes, [])
+        except BaseException:
+            self._abort([], pending.check)
+            raise
+        if not commit:
+            self._abort([], pending.check)
+        return commit
+
+    def _send_votes(self, finite: Tensor | None, failure: list) -> Tensor:
+        """Shards and owners see different gradients and run different local work: every
+        rank's votes (any non-finite gradient; the phase its local work failed in) summed by
+        the step's one all-reduce, so no rank raises or skips while the others enter the next
+        collective. Waited for on the stream, not read."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        votes = torch.zeros(world + 1, device=scalar_device())
+        if finite is not None:
+            votes[0:1].copy_((~finite.all()).reshape(1))
+        if failure:
+            phase = failure[0][0]
+            votes[1 + rank] = STEP_PHASES.index(phase) + 1 if phase in STEP_PHASES else -1
+        C.wait(
+            dist.all_reduce(votes, op=dist.ReduceOp.SUM, async_op=True),
+            "Muon.step's agreement on non-finite gradients and failed ranks (all-reduce)",
+            default_group(),
+        )
+        return votes
+
+    def _read_verdict(self, check: _StepCheck, votes: Tensor | None, failure: list) -> bool:
+        """The step's one host read: the local finite flags, or the all-reduced votes."""
+        params, finite = check.params, check.finite
         bad: list[str] = []
-        if not self._grads_differ_across_ranks(params):
-            if failure:  # nothing to agree on (one process, or replicated data parallel)
-                raise failure[0][1]
+        if votes is None:
             if finite is not None and not bool(finite.all()):  # one host sync per step
                 bad = self._nonfinite_names(params, finite)
         else:
-            # Shards and owners see different gradients and run different local work: agree on
-            # the verdict, or one rank raises/skips while the others enter the next collective.
-            rank, world = dist.get_rank(), dist.get_world_size()
-            votes = torch.zeros(world + 1, device=scalar_device())
-            if finite is not None:
-                votes[0:1].copy_((~finite.all()).reshape(1))
-            if failure:
-                phase = failure[0][0]
-                votes[1 + rank] = STEP_PHASES.index(phase) + 1 if phase in STEP_PHASES else -1
-            C.wait(
-                dist.all_reduce(votes, op=dist.ReduceOp.SUM, async_op=True),
-                "Muon.step's agreement on non-finite gradients and failed ranks (all-reduce)",
-                default_group(),
-            )
             values = votes.tolist()  # one host sync per step
             failed = {
                 r: STEP_PHASES[int(c) - 1] if c > 0 else "an unnamed phase"
@@ -142,7 +190,7 @@ class StepAgreement:
             )
             if self.nonfinite_grads == "raise":
                 raise FloatingPointError("Muon.step: " + message)
-            warnings.warn("Muon.step skipped: " + message, stacklevel=5)
+            warnings.warn("Muon.step skipped: " + message, stacklevel=_USER_FRAME)
             return False
         return True
 
