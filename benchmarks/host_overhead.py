@@ -52,7 +52,6 @@ def main() -> int:
         return 2
     from dmuon_compile.kernels import syrk
     from dmuon_compile.kernels.mirror import mirror_lower_inplace
-    from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
 
     import dmuon_compile  # noqa: F401  (registers torch.ops.dmuon.*)
 
@@ -61,6 +60,9 @@ def main() -> int:
         "16×1024×3584 (Triton verdict)": torch.randn(16, 1024, 3584, device="cuda").to(
             torch.bfloat16
         ),
+        "16×2048×5632 fp16 (model S's Gram of gate/up)": torch.randn(
+            16, 2048, 5632, device="cuda"
+        ).to(torch.float16),
     }
     print("| case | piece | host µs per call |\n|---|---|---|")
     for name, a in cases.items():
@@ -77,11 +79,33 @@ def main() -> int:
             "mirror_lower_inplace (Triton launch)": lambda: mirror_lower_inplace(p),
         }
         if verdict != "cublas":
-            pieces["launch_symmetric_product"] = lambda: launch_symmetric_product(
+            pieces[f"launch_config ({verdict.name})"] = lambda: syrk.launch_config(
                 a, None, None, 1.0, 0.0, 0.0, verdict
             )
         for piece, fn in pieces.items():
             print(f"| {name} | {piece} | {enqueue_us(fn):.1f} |", flush=True)
+    # Model S's direct-NS polynomial b·A + c·A² on its stack of 32 squares (a β·C product: the
+    # Gluon kernel's verdict on SM90), against cuBLAS's baddbmm of the same operands.
+    g = torch.randn(32, 2048, 2048, device="cuda").to(torch.bfloat16)
+    g = (g + g.mT) / 64
+    torch.ops.dmuon.sym_mm(g, g, g, 2.0, -4.0, 0.0)
+    verdict = syrk.tuned_choice("sym_mm", g, g, g, -4.0)
+    name = "32×2048² sym_mm + C bf16 (model S's direct-NS polynomial)"
+    pieces = {
+        "torch.baddbmm (cuBLAS)": lambda: torch.baddbmm(g, g, g, beta=-4.0, alpha=2.0),
+        "torch.ops.dmuon.sym_mm (whole op)": lambda: torch.ops.dmuon.sym_mm(
+            g, g, g, 2.0, -4.0, 0.0
+        ),
+        "tuned_choice (memoised verdict)": lambda: syrk.tuned_choice("sym_mm", g, g, g, -4.0),
+    }
+    if verdict != "cublas":
+        pieces[f"launch_config ({verdict.name})"] = lambda: syrk.launch_config(
+            g, g, g, 2.0, -4.0, 0.0, verdict
+        )
+    for piece, fn in pieces.items():
+        print(f"| {name} | {piece} | {enqueue_us(fn, calls=100):.1f} |", flush=True)
+    print(f"\n### cProfile, torch.ops.dmuon.sym_mm on {name}\n")
+    print(top_functions(lambda: torch.ops.dmuon.sym_mm(g, g, g, 2.0, -4.0, 0.0), calls=100))
     for name, a in cases.items():
         print(f"\n### cProfile, torch.ops.dmuon.syrk on {name}\n")
         print(top_functions(lambda a=a: torch.ops.dmuon.syrk(a, None, 1.0, 0.0, 0.0)))

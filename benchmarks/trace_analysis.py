@@ -358,6 +358,53 @@ def gpu_idle_us(records) -> float:
     return idle
 
 
+def idle_gaps(trace, device=None, min_gap_us: float = 2.0, top: int = 15) -> dict:
+    """Where the GPU sat idle and what the host was doing then.
+
+    The gaps are the holes (≥ ``min_gap_us``) in the union of every GPU event; each is charged
+    to the innermost host event (``cpu_op``, ``user_annotation``, ``python_function``, CUDA
+    runtime call) open when the gap began, named with its parent (``parent > inner``). A gap
+    charged to a launch or to Python between launches is host-bound (the host did not keep
+    the GPU fed); one charged to a synchronisation is the host waiting for the GPU's previous
+    work while nothing new was queued. Returns ``{"idle_us", "gaps", "by_host"}``: the total,
+    the gap count and the ``top`` host events by idle time charged, as ``(name, us, gaps)``.
+    """
+    records = _records(trace, device)
+    if not records:
+        return {"idle_us": 0.0, "gaps": 0, "by_host": []}
+    spans = union([(r["start"], r["end"]) for r in records])
+    holes = [(end, nxt) for (_, end), (nxt, _) in zip(spans, spans[1:]) if nxt - end >= min_gap_us]
+    host = []
+    for ev in load_trace(trace).get("traceEvents", []):
+        if not isinstance(ev, dict) or ev.get("ph", "X") != "X":
+            continue
+        if ev.get("cat") not in HOST_CATS + ("cuda_runtime", "cuda_driver"):
+            continue
+        try:
+            host.append((float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]), str(ev["name"])))
+        except (KeyError, TypeError, ValueError):
+            continue
+    host.sort()
+    charged: dict = defaultdict(lambda: [0.0, 0])
+    for start, end in holes:
+        open_now = [h for h in host if h[0] <= start < h[1]]
+        open_now.sort(key=lambda h: h[1] - h[0])  # innermost first
+        if not open_now:
+            name = "(no host event: outside the profiled calls)"
+        elif len(open_now) == 1:
+            name = open_now[0][2][:NAME_CHARS]
+        else:
+            name = f"{open_now[1][2][:60]} > {open_now[0][2][:NAME_CHARS]}"
+        charged[name][0] += end - start
+        charged[name][1] += 1
+    ranked = sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "idle_us": sum(e - s for s, e in holes),
+        "gaps": len(holes),
+        "by_host": [(name, us, n) for name, (us, n) in ranked],
+    }
+
+
 def breakdown(trace, device=None) -> dict:
     """GPU milliseconds per category (sum of durations: concurrent streams both count) and the
     ``TOP_KERNELS`` names by total time."""
@@ -568,9 +615,21 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=1, help="iterations the trace holds")
     ap.add_argument("--device", default=None, help="only this GPU (the trace's args.device)")
     ap.add_argument("--json", action="store_true", help="print the whole summary as JSON")
+    ap.add_argument(
+        "--gaps", action="store_true", help="also: GPU idle gaps and the host event charged"
+    )
     args = ap.parse_args(argv)
     summary = summarize(args.trace, args.iterations, args.device)
     print("\n".join(format_summary(summary)))
+    if args.gaps:
+        gaps = idle_gaps(args.trace, args.device)
+        per = max(args.iterations, 1)
+        print(
+            f"GPU idle: {gaps['idle_us'] / 1e3 / per:.3f} ms per iteration in "
+            f"{gaps['gaps'] / per:.0f} gaps; charged to the host event open when each began:"
+        )
+        for name, us, n in gaps["by_host"]:
+            print(f"  {us / 1e3 / per:8.3f} ms  {n / per:6.1f} gaps  {name}")
     if args.json:
         print(json.dumps(summary, indent=2))
     return 0

@@ -434,3 +434,27 @@ def test_dmuon_labels_split_the_timeline_and_time_the_phases():
             "dmuon::unshard": 0.003,
         }
     )
+
+
+def host(name, ts, dur, cat="cpu_op"):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur}
+
+
+def test_idle_gaps_are_charged_to_the_innermost_host_event():
+    t = trace(
+        ev(GEMM, 0, 10),
+        ev(ELT, 15, 5),  # a 5 µs hole at 10: the host was launching inside a custom op
+        ev(GEMM, 40, 10),  # a 20 µs hole at 20: the host was waiting in a synchronisation
+        ev(ELT, 51, 1),  # a 1 µs hole: below min_gap_us, not a gap
+        host("dmuon::step", 0, 100, cat="user_annotation"),
+        host("dmuon::syrk", 8, 6),
+        host("cudaLaunchKernel", 9, 5, cat="cuda_runtime"),
+        host("cudaStreamSynchronize", 18, 20, cat="cuda_runtime"),
+    )
+    got = ta.idle_gaps(t, min_gap_us=2.0)
+    assert got["gaps"] == 2 and got["idle_us"] == pytest.approx(25.0)
+    assert got["by_host"] == [
+        ("dmuon::step > cudaStreamSynchronize", pytest.approx(20.0), 1),
+        ("dmuon::syrk > cudaLaunchKernel", pytest.approx(5.0), 1),
+    ]
+    assert ta.idle_gaps(trace(), min_gap_us=2.0) == {"idle_us": 0.0, "gaps": 0, "by_host": []}
