@@ -293,11 +293,13 @@ class CompiledMuonStep:
             commit_if=commit_if,
         )
 
-    def directions(self, grads, bufs, *, momentum, nesterov) -> list[Tensor]:
+    def directions(self, grads, bufs, *, momentum, nesterov, finite_flags: bool = False):
         """``functional.muon_directions`` in the compiled graph: NS(u) of every matrix, no
-        state written (``Muon.step`` agrees across ranks, then commits)."""
+        state written (``Muon.step`` agrees across ranks, then commits). ``finite_flags=True``
+        returns ``(directions, flags)``: each matrix's finite flag from the norm NS takes
+        anyway (``Muon.step``'s gradient check for these matrices, at no extra read)."""
         if not grads:
-            return []
+            return ([], None) if finite_flags else []
         devices = {g.device for g in grads}
         if len(devices) != 1:
             raise ValueError(
@@ -310,7 +312,12 @@ class CompiledMuonStep:
             self._mark_static(list(grads) + list(bufs) + [mu_t])
         with self._first_call("Muon step", grads):
             return self.fn(
-                list(grads), list(bufs), momentum=mu_t, nesterov=bool(nesterov), ns=self.chain
+                list(grads),
+                list(bufs),
+                momentum=mu_t,
+                nesterov=bool(nesterov),
+                ns=self.chain,
+                finite_flags=finite_flags,
             )
 
     @contextlib.contextmanager

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dmuon_compile.newton_schulz import NewtonSchulz, matrix_view
+from dmuon_compile.newton_schulz import NewtonSchulz, frobenius_norm, matrix_view
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original", "none")
 
@@ -97,13 +97,21 @@ def shape_buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
 
 
 def orthogonalize(
-    updates: list[Tensor], ns: NewtonSchulz, batch_same_shape: bool = True, *, release: bool = False
+    updates: list[Tensor],
+    ns: NewtonSchulz,
+    batch_same_shape: bool = True,
+    *,
+    release: bool = False,
+    finite: list | None = None,
 ) -> list[Tensor]:
     """NS(u) for every update; same-shape matrices are stacked into one batched call.
 
     ``release=True`` drops each bucket's entries of ``updates`` (set to ``None``) once they are
     stacked: inputs the caller holds nowhere else (``muon_directions``' Nesterov inputs) are
-    then freed before Newton–Schulz allocates its work copies.
+    then freed before Newton–Schulz allocates its work copies. ``finite`` (a list, stacked
+    matrices only): receives, per shape bucket, ``(indices of its updates, flags)``, the flags
+    a 1-D bool tensor saying whether each one's Frobenius norm — the one NS normalises by — is
+    finite.
     """
     if not batch_same_shape:
         return [ns(matrix_view(u)).reshape(u.shape) for u in updates]
@@ -113,19 +121,28 @@ def orthogonalize(
         if release:
             for i in idx:
                 updates[i] = None
-        for i, r in zip(idx, _orthogonalize_bucket(bucket, ns)):
+        bucket_flags: list | None = [] if finite is not None else None
+        for i, r in zip(idx, _orthogonalize_bucket(bucket, ns, bucket_flags)):
             out[i] = r
+        if finite is not None:
+            finite.append((idx, bucket_flags[0]))
     return out  # type: ignore[return-value]
 
 
-def _orthogonalize_bucket(bucket: list[Tensor], ns: NewtonSchulz) -> list[Tensor]:
+def _orthogonalize_bucket(
+    bucket: list[Tensor], ns: NewtonSchulz, finite: list | None = None
+) -> list[Tensor]:
     """NS of one shape bucket, one batched call for several matrices; empties ``bucket`` once
-    it is stacked (see ``orthogonalize``'s ``release``)."""
+    it is stacked (see ``orthogonalize``'s ``release``). ``finite``: receives the bucket's
+    finite flags (1-D), from the norm NS normalises by (traced, the two are one reduction)."""
     shape = bucket[0].shape
     mats = [matrix_view(u) for u in bucket]
     stack = mats[0] if len(mats) == 1 else torch.stack(mats)
     bucket.clear()
     del mats
+    if finite is not None:
+        norms = frobenius_norm(stack, ns.work_dtype_for(stack.device))
+        finite.append(torch.isfinite(norms).reshape(-1))
     results = [ns(stack)] if stack.dim() == 2 else list(ns(stack).unbind(0))
     # 2-D parameters need no reshape (and a traced step skips a call per matrix).
     return [r if r.shape == shape else r.reshape(shape) for r in results]
@@ -188,8 +205,14 @@ def muon_directions(
     momentum: float | Tensor,
     nesterov: bool,
     ns: NewtonSchulz,
-) -> list[Tensor]:
+    finite_flags: bool = False,
+) -> list[Tensor] | tuple[list[Tensor], Tensor]:
     """The first half of a Muon step: NS(u) for every matrix, writing nothing.
+
+    ``finite_flags=True`` also returns, per matrix, whether ``u`` is finite (a 1-D bool tensor
+    in ``grads``' order): taken from the norm Newton–Schulz normalises by, so the compiled step
+    checks its gradients (and momentum) without another read of them. A NaN or Inf in ``g`` or
+    ``buf`` makes ``u``'s norm NaN or Inf; so does a norm past the float32 range.
 
     ``u`` is the Nesterov input of the momentum buffer the step will store (buf' = μ·buf + g;
     u = g + μ·buf', or buf'), computed out of place: every allocation and every kernel that can
@@ -204,11 +227,25 @@ def muon_directions(
     """
     momentum = hyper(momentum)
     out: list[Tensor | None] = [None] * len(grads)
+    order: list[int] = []  # the matrices in bucket order: the order of the flags' pieces
+    pieces: list[Tensor] = []
     for idx in shape_buckets(grads):
         bucket = nesterov_input([grads[i] for i in idx], [bufs[i] for i in idx], momentum, nesterov)
-        for i, r in zip(idx, orthogonalize(bucket, ns, release=True)):  # frees the bucket's u
+        finite: list | None = [] if finite_flags else None
+        for i, r in zip(idx, orthogonalize(bucket, ns, release=True, finite=finite)):  # frees u
             out[i] = r
-    return out  # type: ignore[return-value]
+        for piece_idx, piece in finite or ():
+            order += [idx[j] for j in piece_idx]
+            pieces.append(piece)
+    if not finite_flags:
+        return out  # type: ignore[return-value]
+    if not grads:
+        return [], torch.zeros(0, dtype=torch.bool)
+    # One small kernel per bucket and one gather back to ``grads``' order (not one per matrix).
+    where = [0] * len(order)
+    for position, i in enumerate(order):
+        where[i] = position
+    return out, torch.cat(pieces)[where]  # type: ignore[return-value]
 
 
 def nesterov_input(

@@ -204,6 +204,18 @@ def matrix_view(t: Tensor) -> Tensor:
     return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
 
 
+def frobenius_norm(g: Tensor, work_dtype: torch.dtype) -> Tensor:
+    """Per-matrix Frobenius norm of ``g`` (2-D, or a 3-D stack), kept as ``(…, 1, 1)``, in fp32
+    (fp64 for an fp64 work dtype): the norm :func:`normalize` divides by. The compiled step
+    also takes its finite flags from it (``functional.muon_directions``): written once, the
+    two uses are one node after CSE, one reduction in the graph."""
+    compute = torch.float64 if work_dtype == torch.float64 else torch.float32
+    if g.dtype not in (torch.float16, torch.bfloat16):
+        g = g.to(compute)
+    # Half inputs: the reduction upcasts in-kernel; no fp32 copy of g is written for the norm.
+    return torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=compute)
+
+
 def normalize(
     g: Tensor, work_dtype: torch.dtype, eps: float = EPS, transpose: bool = False
 ) -> Tensor:
@@ -219,8 +231,7 @@ def normalize(
     compute = torch.float64 if work_dtype == torch.float64 else torch.float32
     if g.dtype not in (torch.float16, torch.bfloat16):
         g = g.to(compute)  # fp32/fp64 inputs: at most a cast of a full-precision tensor
-    # Half inputs: the reduction upcasts in-kernel; no fp32 copy of g is written for the norm.
-    denom = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=compute) + eps
+    denom = frobenius_norm(g, work_dtype) + eps
     if work_dtype != compute and not _traced(g):
         # Eager: divide in fp32 and round once, on store, to the work dtype, in one pass over g
         # (the expression below would write a full-size fp32 temporary first).

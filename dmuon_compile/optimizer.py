@@ -296,6 +296,10 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         # Only the TP halves cross into ``_agree`` (eager): under a user-compiled step the other
         # halves' groups hold DTensor parameters, whose meshes Dynamo cannot pass out.
         tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
+        # The compiled halves' finite flags (from NS's norms); the other gradients are read
+        # in ``_check_finite``. Only (local gradients, flags) pairs cross into eager code.
+        checked = [(h.grads, h.finite) for hs in halves for h in hs if h.finite is not None]
+        self._check_finite(checked, failure)
         verdict = self._agree(failure, tp_halves, defer=_deferrable(plan, halves, failure))
         if verdict is False:
             return loss  # skipped (nonfinite_grads="skip")
@@ -328,12 +332,13 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
 
     @torch.compiler.disable  # DTensor bookkeeping and state creation stay eager
     def _prepare(self, plan: StepPlan, local: bool, failure: list):
-        """Create state, split the Muon groups into the plan's parts, flag non-finite gradients.
+        """Create state and split the Muon groups into the plan's parts.
 
         Returns ``(jobs, adamw)``: per part of ``plan``, its ``(part name, group, params, grads,
         momentum buffers)`` of each Muon group; and keeps what ``_agree`` reads in
-        ``self._step_check`` (the parameters with gradients, their finite flags on the device,
-        those whose state this step created: dropped again if the step does not commit).
+        ``self._step_check`` (the parameters with gradients, those whose state this step
+        created: dropped again if the step does not commit; their finite flags are added after
+        the directions, by ``_check_finite``).
         ``local=True`` gives local tensors (the owners' whole matrices, FSDP2's shards: AdamW
         is elementwise) instead of DTensors. A failure here is appended to ``failure``; the
         lists then hold placeholders (the gradients): the step only sends them, never commits.
@@ -341,11 +346,9 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
-        all_grads = [p.grad for p in with_grad]
         fresh = [p for p in with_grad if not self.state.get(p)]  # state created by this step
         if fresh:
             self._check_whole_matrices({id(p) for p in fresh})
-        finite = _guarded(failure, PHASE_CHECK, lambda: self._finite_flags(all_grads), None)
         jobs: list[list] = [[] for _ in plan.parts]
         adamw = []
         for group in self.param_groups:
@@ -388,7 +391,9 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                 [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in part_jobs]
                 for part_jobs in jobs
             ]
-        self._step_check = _StepCheck(with_grad, finite, fresh, plan.tp)
+        # The finite flags are taken after the directions (``_check_finite``): the compiled
+        # ones bring their matrices' flags from the norms NS takes anyway.
+        self._step_check = _StepCheck(with_grad, None, fresh, plan.tp)
         return jobs, adamw
 
     def _muon_directions(
@@ -433,7 +438,10 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"])
             with label(NS):
                 if compiled is not None:
-                    return compiled.directions(grads, bufs, **hypers)
+                    ortho, half.finite = compiled.directions(
+                        grads, bufs, finite_flags=True, **hypers
+                    )
+                    return ortho
                 return F.muon_directions(grads, bufs, ns=self.ns, **hypers)
 
         if torch.compiler.is_compiling():  # traced: an error raises where torch raises it
@@ -443,6 +451,8 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             half.ortho = _guarded(
                 failure, PHASE_COMPILED if compiling else PHASE_EAGER, directions, None
             )
+            if half.ortho is None:
+                half.finite = None  # a failed call's flags do not count
         return half
 
     def _tp_directions(self, tp, group: dict, mine: list, failure: list) -> TPStepHalf:
@@ -539,6 +549,7 @@ class _StepHalf:
     tp_half: object = None  # its half of this part (``distributed._tp.TPStepHalf``)
     receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
     compiled: object = None  # the CompiledMuonStep of the directions: it commits too
+    finite: Tensor | None = None  # compiled: per matrix of ``grads``, finite? (from NS's norms)
 
 
 def _deferrable(plan: StepPlan, halves: list, failure: list) -> bool:

@@ -24,7 +24,7 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._c10d_compat import default_group
 from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.distributed._owned import local_of
-from dmuon_compile.step_phases import STEP_PHASES
+from dmuon_compile.step_phases import PHASE_CHECK, STEP_PHASES
 
 NONFINITE_MODES = ("raise", "skip")
 # The skip warning names the user's ``opt.step()`` line: _read_verdict ← _agree or _settle ←
@@ -84,6 +84,40 @@ def _step_error(failed: dict[int, str], failure: list) -> MuonStepError:
 
 class StepAgreement:
     """``Muon``'s agreement methods (see the module docstring)."""
+
+    @torch.compiler.disable  # host bookkeeping and a foreach norm: eager
+    def _check_finite(self, checked: list, failure: list) -> None:
+        """The step's finite flags, one per parameter with a gradient, kept in
+        ``self._step_check`` in the order the verdict names them.
+
+        ``checked``: ``(local gradients, flags)`` of the compiled halves, whose flags come
+        from the norms Newton–Schulz takes of their Nesterov inputs (no extra read of the
+        gradients); every other gradient (AdamW, eager, TP, a failed half) is read here by one
+        ``foreach`` norm. A failure of that read is this rank's failure in
+        ``PHASE_CHECK``.
+        """
+        check = self._step_check
+        by_grad = {id(local_of(p.grad)): p for p in check.params}
+        covered: list = []
+        flags: list[Tensor] = []
+        for grads, finite in checked:
+            params = [by_grad.get(id(g)) for g in grads]
+            if None not in params:  # else read below with the rest
+                covered += params
+                flags.append(finite)
+        taken = {id(p) for p in covered}
+        rest = [p for p in check.params if id(p) not in taken]
+        if rest:
+            try:
+                flags.append(self._finite_flags([p.grad for p in rest]))
+            except Exception as err:  # noqa: BLE001 - re-raised on every rank by the agreement
+                failure.append((PHASE_CHECK, err))
+                check.finite = None
+                return
+        check.params = covered + rest
+        if flags:
+            device = flags[0].device
+            check.finite = torch.cat([f.to(device).reshape(-1) for f in flags])
 
     def _finite_flags(self, grads: list[Tensor]) -> Tensor | None:
         """Per gradient: finite or not, on the device (read on the host by the agreement)."""
@@ -184,7 +218,8 @@ class StepAgreement:
         if bad:
             shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
             message = (
-                f"non-finite (NaN/Inf) gradient in {shown}. Check whether AdamW alone shows the "
+                f"non-finite (NaN/Inf) gradient in {shown} (for a compiled Muon step: in the "
+                "gradient or its momentum buffer). Check whether AdamW alone shows the "
                 "same NaN (then the cause is upstream: data, model, dtype); pass "
                 "nonfinite_grads='skip' to skip such steps instead."
             )

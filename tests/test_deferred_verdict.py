@@ -5,7 +5,10 @@ verdict (``where(ok, new, old)``), the host reads it afterwards (``Muon._settle`
   a true verdict writes the same bits, a false one writes nothing, NaN/Inf gradients included;
 - ``Muon`` with the compiled step defers (it calls ``_settle``), an eager ``Muon`` does not
   (the control), and a deferred non-finite step raises or skips exactly as an undeferred one:
-  every weight and every state unchanged, no state left by a first step.
+  every weight and every state unchanged, no state left by a first step;
+- the finite flags of the compiled matrices come from the directions (the norm NS takes):
+  exactly the matrices whose gradient or momentum holds a NaN/Inf are flagged, and the
+  gradient check reads only the other gradients.
 """
 
 from __future__ import annotations
@@ -162,3 +165,59 @@ def test_a_deferred_nonfinite_step_changes_nothing(settles, mode):
     for k, v in model.state_dict().items():
         assert torch.equal(v, weights[k]), k
     assert str(opt.state_dict()) == str(state)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    poison=st.lists(
+        st.sampled_from(["none", "grad_nan", "grad_inf", "buf_nan"]), min_size=3, max_size=3
+    ),
+    nesterov=st.booleans(),
+)
+def test_directions_flag_exactly_the_nonfinite_inputs(seed, poison, nesterov):
+    """``muon_directions(finite_flags=True)``: a matrix is flagged iff its gradient or its
+    momentum holds a NaN/Inf (same-shape matrices stacked: flags in ``grads``' order)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(8, 12), (12, 8), (8, 12)]  # two share a bucket
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    bufs = [torch.randn(s, generator=g) for s in shapes]
+    for i, kind in enumerate(poison):
+        if kind == "grad_nan":
+            grads[i][1, 2] = float("nan")
+        elif kind == "grad_inf":
+            grads[i][0, 0] = float("-inf")
+        elif kind == "buf_nan":
+            bufs[i][3, 1] = float("nan")
+    ortho, flags = F.muon_directions(
+        grads, bufs, momentum=0.9, nesterov=nesterov, ns=dmuon.NewtonSchulz(), finite_flags=True
+    )
+    assert flags.dtype == torch.bool and flags.tolist() == [k == "none" for k in poison]
+    plain = F.muon_directions(grads, bufs, momentum=0.9, nesterov=nesterov, ns=dmuon.NewtonSchulz())
+    for a, b in zip(ortho, plain):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
+@pytest.mark.timeout(300)
+def test_the_compiled_step_reads_only_the_other_gradients(monkeypatch):
+    """The compiled Muon matrices bring their flags from the directions graph: the foreach norm
+    reads only the AdamW gradient (the head's weight and bias); a NaN in a Muon gradient is
+    still caught, by name."""
+    read = []
+    real = step_agreement.StepAgreement._finite_flags
+
+    def spy(self, grads):
+        read.append(len(grads))
+        return real(self, grads)
+
+    monkeypatch.setattr(step_agreement.StepAgreement, "_finite_flags", spy)
+    model, _ = _models()
+    opt = dmuon.Muon(model, lr=0.02, compile=True)
+    _backward(model, 0)
+    opt.step()
+    assert read == [2]  # head.weight, head.bias: the two Muon matrices were not read again
+    opt.zero_grad()
+    _backward(model, 1)
+    model.down.weight.grad[2, 3] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"down\.weight"):
+        opt.step()
