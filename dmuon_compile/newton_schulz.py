@@ -74,11 +74,17 @@ class TorchPrimitives:
         return x @ x.mT
 
     @staticmethod
-    def sym_addmm(c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float) -> Tensor:
-        """beta·c + alpha·a·b where the result is symmetric."""
+    def sym_addmm(
+        c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float, gamma: float = 0.0
+    ) -> Tensor:
+        """beta·c + alpha·a·b (+ gamma·I) where the result is symmetric."""
         if a.dim() == 2:
-            return torch.addmm(c, a, b, beta=beta, alpha=alpha)
-        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+            out = torch.addmm(c, a, b, beta=beta, alpha=alpha)
+        else:
+            out = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+        # Traced, the identity term is the eye expression the NS-chain pass folds into the
+        # symmetric product's epilogue (``gamma``).
+        return TorchPrimitives.add_identity(out, gamma) if gamma != 0.0 else out
 
     @staticmethod
     def add_identity(a: Tensor, gamma: float) -> Tensor:
@@ -136,11 +142,13 @@ class CustomOpPrimitives(TorchPrimitives):
         return torch.ops.dmuon.syrk(x, None, 1.0, 0.0, 0.0)
 
     @staticmethod
-    def sym_addmm(c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float) -> Tensor:
+    def sym_addmm(
+        c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float, gamma: float = 0.0
+    ) -> Tensor:
         kernels = _eager_cuda_kernels(a)
         if kernels is not None:
-            return kernels.sym_mm_cuda(a, b, c, alpha, beta, 0.0)
-        return torch.ops.dmuon.sym_mm(a, b, c, alpha, beta, 0.0)
+            return kernels.sym_mm_cuda(a, b, c, alpha, beta, gamma)
+        return torch.ops.dmuon.sym_mm(a, b, c, alpha, beta, gamma)
 
     @staticmethod
     def add_identity(a: Tensor, gamma: float) -> Tensor:
@@ -158,8 +166,11 @@ class QuackPrimitives(TorchPrimitives):
         return quack_gemm_symmetric()(x, x.mT)
 
     @staticmethod
-    def sym_addmm(c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float) -> Tensor:
-        return quack_gemm_symmetric()(a, b, C=c, alpha=float(alpha), beta=float(beta))
+    def sym_addmm(
+        c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float, gamma: float = 0.0
+    ) -> Tensor:
+        out = quack_gemm_symmetric()(a, b, C=c, alpha=float(alpha), beta=float(beta))
+        return TorchPrimitives.add_identity(out, gamma) if gamma != 0.0 else out
 
 
 def quack_gemm_symmetric():
@@ -258,9 +269,13 @@ def direct_ns(x: Tensor, table: coeffs.Coefficients, ops=TorchPrimitives) -> Ten
     """Direct NS on a normalised (m, n)/(batch, m, n) input with m ≤ n; returns the same shape."""
     for a, b, c in table:
         gram = ops.gram(x)  # A = X·Xᵀ
-        poly = ops.sym_addmm(gram, gram, gram, beta=b, alpha=c)  # B = b·A + c·A²
+        # B + a·I = c·A² + b·A + a·I, the identity term in the symmetric product's epilogue
+        # (fp32, one rounding), so that X ← a·X + B·X is the product (B + a·I)·X with no C
+        # term: a C term would make cuBLAS copy X into the output before every product
+        # (out ≠ C), a full read and write of X per step (benchmarks/RESULTS.md §14).
+        poly = ops.sym_addmm(gram, gram, gram, beta=b, alpha=c, gamma=a)
         del gram  # eager: A is X-sized for a square X; free it before X's next value
-        x = ops.apply_left(x, poly, x, beta=a)  # X ← a·X + B·X
+        x = ops.apply_left(x, poly, x, beta=0.0)  # X ← (B + a·I)·X
     return x
 
 

@@ -50,11 +50,13 @@ def test_pass_fires_in_inductor_direct_2d_bf16_and_wraps_user_pass():
         assert options["post_grad_custom_pre_pass"].user_pass is user
         fn = torch.compile(lambda g: ns(g), fullgraph=True, options=options)
         out, (code, *_) = run_and_get_code(fn, x)
-    assert user.calls == 1 and user.mm_seen == 5  # it saw the raw chain: 5 × mm(X, Xᵀ)
+    # It saw the raw chain: 5 × mm(X, Xᵀ) and 5 × mm(B + a·I, X).
+    assert user.calls == 1 and user.mm_seen == 10
     FileCheck().check_count("torch.ops.dmuon.syrk.default(", 5, exactly=True).run(code)
     FileCheck().check_count("torch.ops.dmuon.sym_mm.default(", 5, exactly=True).run(code)
-    assert _count(code, r"extern_kernels\.mm\(") == 0  # no leftover X·Xᵀ
-    assert _count(code, r"extern_kernels\.addmm\(") == 5  # a·X + B·X (rectangular) stays
+    assert _count(code, r"extern_kernels\.mm\(") == 5  # (B + a·I)·X (rectangular) stays
+    assert _count(code, r"extern_kernels\.addmm\(") == 0  # no C term: no copy of X
+    assert "eye" not in code  # a·I went into the polynomial's epilogue
     assert counters["dmuon"]["syrk"] == 5 and counters["dmuon"]["sym_mm"] == 5
     torch.testing.assert_close(out.float(), ns(x).float(), atol=3e-2, rtol=3e-2)
 
@@ -228,7 +230,7 @@ def test_explicit_cublas_kernel_keeps_the_plain_chain_in_the_compiled_step():
         _, code = run_and_get_code(opt.step)
     code = "\n".join(code)
     assert "torch.ops.dmuon" not in code
-    assert _count(code, r"extern_kernels\.mm\(") == 5
+    assert _count(code, r"extern_kernels\.mm\(") == 10  # per step X·Xᵀ and (B + a·I)·X
 
 
 def test_without_the_rewrite_a_global_pass_is_unwrapped_to_the_users_own():

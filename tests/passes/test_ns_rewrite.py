@@ -56,11 +56,15 @@ def test_direct_chain_fully_rewritten(trace, shape, dtype):
     assert leftover_gram_products(gm) == 5  # the test can fail: the chain has them before
     stats = rewrite(gm)
     assert stats.rewrites["syrk"] == 5 and stats.rewrites["sym_mm"] == 5
+    # B + a·I: the identity term folded into each polynomial's epilogue (gamma).
+    assert stats.rewrites["fold_identity"] == 5
     assert leftover_gram_products(gm) == 0
     assert targets(gm).count(SYRK) == 5 and targets(gm).count(SYM_MM) == 5
-    # a·X + B·X is rectangular: it stays a BLAS addmm/baddbmm, one per step.
-    rect = aten.addmm.default if len(shape) == 2 else aten.baddbmm.default
+    # (B + a·I)·X is rectangular: it stays a BLAS mm/bmm without a C term (no copy of X into
+    # the output), one per step.
+    rect = aten.mm.default if len(shape) == 2 else aten.bmm.default
     assert targets(gm).count(rect) == 5
+    assert aten.addmm.default not in targets(gm) and aten.baddbmm.default not in targets(gm)
     torch.testing.assert_close(gm(x).float(), ns(x).float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
