@@ -156,6 +156,15 @@ def group_timeout(group) -> datetime.timedelta | None:
     return backend_timeout(group)
 
 
+def is_done(work) -> bool:
+    """Whether an async collective has finished (profiling counters only: ``False`` where the
+    backend does not implement ``is_completed``)."""
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - some backends do not implement it
+        return False
+
+
 def wait(work, what: str, group) -> None:
     """``work.wait()``; a failure (a peer died, froze or skipped the collective) is re-raised
     naming the collective, the group and its timeout, on every rank that waits."""

@@ -215,7 +215,7 @@ class DedicatedGroup:
         cuda = self.device.type == "cuda"
         if self.record_profile:
             self.profile.waits += 1
-            self.profile.found_ready += int(all(_is_done(w) for w in self.works))
+            self.profile.found_ready += int(all(C.is_done(w) for w in self.works))
             t0 = time.perf_counter()
             if cuda:  # the stream stall: from "compute reached the wait" to "the data is there"
                 before = torch.cuda.Event(enable_timing=True)
@@ -373,10 +373,3 @@ def _unshard_stream(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = _UNSHARD_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
-
-
-def _is_done(work) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # noqa: BLE001 - some backends do not implement it
-        return False

@@ -183,7 +183,7 @@ class ReplicateStage:
         cuda = self.device.type == "cuda"
         if profile is not None:
             profile.publish_waits += 1
-            profile.publish_not_ready += int(not all(_is_done(w) for w in works))
+            profile.publish_not_ready += int(not all(C.is_done(w) for w in works))
             t0 = time.perf_counter()
             if cuda:
                 before = torch.cuda.Event(enable_timing=True)
@@ -227,10 +227,3 @@ class Publish:
     def apply(self, forward: bool) -> None:
         works, self.works = self.works, []
         self.stage.finish_publish(works, self.profile if forward else None)
-
-
-def _is_done(work) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # noqa: BLE001 - some backends do not implement it
-        return False

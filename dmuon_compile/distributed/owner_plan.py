@@ -274,7 +274,7 @@ def plan_owners(
         loads[r] += cost[i]
         byte_loads[r] += sizes[i]
         lb[r] += sizes[i]
-    _improve(owner, cost, loads, improve_rounds)
+    improve_balance(owner, cost, loads, improve_rounds)
 
     entries = [
         PlanEntry(s.fqn, tuple(int(d) for d in s.shape), owner[i], layers[i], flops[i], sizes[i])
@@ -283,7 +283,7 @@ def plan_owners(
     return OwnerPlan(world_size=world_size, entries=entries)
 
 
-def _improve(owner: list[int], cost: list[float], loads: list[float], rounds: int) -> None:
+def improve_balance(owner: list[int], cost: list[float], loads: list[float], rounds: int) -> None:
     """Move or swap matrices off the most loaded rank while that lowers the maximum load."""
     world = len(loads)
     if world < 2:

@@ -10,8 +10,8 @@ from dmuon_compile.distributed.owner_plan import (
     MatrixSpec,
     OwnerPlan,
     PlanEntry,
-    _improve,
     default_layer_key,
+    improve_balance,
     ns_cost_fn,
 )
 
@@ -131,10 +131,10 @@ def plan_tp_owners(
         column_bytes[k // tp_size] += sizes[i]
     movable = [i for i, s in enumerate(specs) if s.fqn in tp_fqns]
     if movable and len(movable) == len(specs):
-        _improve(slot_of, cost, loads, improve_rounds)
+        improve_balance(slot_of, cost, loads, improve_rounds)
     elif movable:  # keep the plain matrices' columns fixed; move the TP ones only
         sub_owner = [slot_of[i] for i in movable]
-        _improve(sub_owner, [cost[i] for i in movable], loads, improve_rounds)
+        improve_balance(sub_owner, [cost[i] for i in movable], loads, improve_rounds)
         for i, k in zip(movable, sub_owner):
             slot_of[i] = k
     entries = [

@@ -196,7 +196,7 @@ class TPStage:
         """Wait for the scattered update shards and apply them to this member's masters."""
         if forward and self.record_profile:
             self.profile.waits += 1
-            self.profile.not_ready += int(not all(_is_done(e[2]) for e in entries))
+            self.profile.not_ready += int(not all(C.is_done(e[2]) for e in entries))
             t0 = time.perf_counter()
         for master, out, work, lr, wd, adjust_lr_fn, global_shape in entries:
             C.wait(work, "the TP scatter of Newton–Schulz updates", self.pg)
@@ -278,13 +278,6 @@ class ScatterUpdates:
         entries, self.entries = self.entries, []
         if entries:
             self.stage._apply(entries, forward)
-
-
-def _is_done(work) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # noqa: BLE001 - some backends do not implement it
-        return False
 
 
 def build_stage(info, pg, tp_plan, params, groups, replicated: bool) -> TPStage:
