@@ -3,7 +3,7 @@
 Two algorithms (see docs/architecture.md, Newton–Schulz), both for X of shape (m, n) with
 m ≤ n (tall inputs are transposed) or batched (batch, m, n):
 
-- **direct**: per step A = X·Xᵀ, B = b·A + c·A², X ← a·X + B·X.
+- **direct**: per step A = X·Xᵀ, B = b·A + c·A², X ← a·X + B·X (computed as (B + a·I)·X).
 - **gram**: every odd polynomial of X is Q·X with Q a polynomial of R = X·Xᵀ, so the iteration
   runs on m×m matrices and only the first X·Xᵀ and the final Q·X touch the long side:
   Z = b·R + c·R²; Q ← Q·Z + a·Q (Q = Z + a·I on a segment's first step);

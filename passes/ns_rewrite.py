@@ -196,8 +196,8 @@ class SymmetricProductRewrite:
         if len(sa) < 2 or len(sb) < 2 or sa[-2] != sa[-1] or sb[-2] != sb[-1]:
             ctx.skip(
                 node,
-                f"rectangular product {sa}·{sb}: no symmetric form (a·X + B·X stays "
-                "a BLAS addmm; there is no fused dmuon op for it)",
+                f"rectangular product {sa}·{sb}: no symmetric form (direct NS's (B + a·I)·X "
+                "and Gram NS's Q·X stay BLAS products; there is no fused dmuon op for them)",
             )
             return None
         root = an.common_root(a, b)
