@@ -13,17 +13,10 @@ ROUNDS=${ROUNDS:-2}
 CONFIGS=${AB_CONFIGS:-adamw,ours_eager,ours_compiled}
 OUT=${OUT:-/tmp/ab}
 mkdir -p "$OUT"
-here=$(pwd)
-for k in $(seq 1 "$ROUNDS"); do
-  for tree in base new; do
-    src=$here; [ "$tree" = base ] && src=$(cd "$BASE" && pwd)
-    (cd "$src" && python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1)
-    for model in $MODELS; do
-      echo "== round $k $tree model $model ($src)" | tee -a "$OUT/ab.log"
-      (cd "$src" && timeout ${AB_TIMEOUT:-240} torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py \
-        --model "$model" --configs "$CONFIGS" --out "$OUT/ab_${tree}_${model}_${k}.json") 2>&1 \
-        | grep -v "^W\|Warning\|warn(" | tail -12 | tee -a "$OUT/ab.log"
-    done
-  done
-done
-python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1
+source "$(dirname "$0")/ab_trees.sh"
+run_one() {  # tree src model round
+  (cd "$2" && timeout ${AB_TIMEOUT:-240} torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py \
+    --model "$3" --configs "$CONFIGS" --out "$OUT/ab_$1_$3_$4.json") 2>&1 \
+    | grep -v "^W\|Warning\|warn(" | tail -12 | tee -a "$OUT/ab.log"
+}
+ab_rounds run_one "$OUT/ab.log"

@@ -18,20 +18,13 @@ OUT=${OUT:-/tmp/abstep}
 mkdir -p "$OUT" .gpu_cache
 export PYTHONUNBUFFERED=1 DMUON_CACHE_DIR=${DMUON_CACHE_DIR:-$PWD/.gpu_cache/dmuon}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.gpu_cache/triton}
-here=$(pwd)
-for k in $(seq 1 "$ROUNDS"); do
-  for tree in base new; do
-    src=$here; [ "$tree" = base ] && src=$(cd "$BASE" && pwd)
-    (cd "$src" && python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1)
-    for model in $MODELS; do
-      echo "== round $k $tree model $model ($src)" | tee -a "$OUT/abstep.log"
-      (cd "$src" && timeout ${AB_TIMEOUT:-200} python3 benchmarks/bench_step.py --model "$model" \
-        --configs $CONFIGS --no-fresh-cache --out "$OUT/abstep_${tree}_${model}_${k}.md") 2>&1 \
-        | grep -E "median|Error|error" | tee -a "$OUT/abstep.log"
-    done
-  done
-done
-python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1
+source "$(dirname "$0")/ab_trees.sh"
+run_one() {  # tree src model round
+  (cd "$2" && timeout ${AB_TIMEOUT:-200} python3 benchmarks/bench_step.py --model "$3" \
+    --configs $CONFIGS --no-fresh-cache --out "$OUT/abstep_$1_$3_$4.md") 2>&1 \
+    | grep -E "median|Error|error" | tee -a "$OUT/abstep.log"
+}
+ab_rounds run_one "$OUT/abstep.log"
 if [ "${PROFILE_NEW:-0}" = 1 ]; then
   for model in $MODELS; do
     echo "== profile new model $model" | tee -a "$OUT/abstep.log"

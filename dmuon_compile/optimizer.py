@@ -47,6 +47,7 @@ from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where
     PHASE_TP_NS_COMPILED,
     PHASE_TP_NS_EAGER,
     STEP_PHASES,
+    guarded,
 )
 from dmuon_compile.step_plan import PLAIN_STEP, StepPlan
 from dmuon_compile.trace_labels import NS, STEP, label
@@ -354,7 +355,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         for group in self.param_groups:
             params, grads, state_a, state_b = [], [], [], []
             if not failure:
-                _guarded(
+                guarded(
                     failure,
                     PHASE_STATE,
                     lambda g=group, lists=(params, grads, state_a, state_b): self._init_group(
@@ -448,7 +449,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             half.ortho = directions()
         else:
             compiling = compile_enabled(self.compile, params)
-            half.ortho = _guarded(
+            half.ortho = guarded(
                 failure, PHASE_COMPILED if compiling else PHASE_EAGER, directions, None
             )
             if half.ortho is None:
@@ -482,7 +483,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         grads, bufs = [g for *_, g, _b in bucket], [b for *_, b in bucket]
         updates = grads  # placeholders (never committed) when this rank has failed
         if not failure:
-            updates = _guarded(
+            updates = guarded(
                 failure,
                 PHASE_TP_MOMENTUM,
                 lambda: F.nesterov_input(
@@ -498,11 +499,11 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                 # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
                 compiled = compiled_step_for(self, group, mats, part="tp")
                 if compiled is not None:
-                    out = _guarded(
+                    out = guarded(
                         failure, PHASE_TP_NS_COMPILED, lambda: compiled.orthogonalize(mats), mats
                     )
                 else:
-                    out = _guarded(
+                    out = guarded(
                         failure, PHASE_TP_NS_EAGER, lambda: tp.orthogonalize(mats, self.ns), mats
                     )
         ortho = dict(zip((i for i, _ in whole), out))
@@ -567,16 +568,6 @@ def _deferrable(plan: StepPlan, halves: list, failure: list) -> bool:
         for part_halves in halves
         for half in part_halves
     )
-
-
-def _guarded(failure: list, phase: str, compute, placeholder):
-    """``compute()``, or on an exception: ``(phase, exception)`` appended to ``failure`` and
-    ``placeholder`` returned (``Muon.step``'s agreement then makes every rank raise)."""
-    try:
-        return compute()
-    except Exception as err:  # noqa: BLE001 - re-raised on every rank by the agreement
-        failure.append((phase, err))
-        return placeholder
 
 
 def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, list]:

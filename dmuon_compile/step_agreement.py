@@ -24,7 +24,7 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._c10d_compat import default_group
 from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.distributed._owned import local_of
-from dmuon_compile.step_phases import PHASE_CHECK, STEP_PHASES
+from dmuon_compile.step_phases import PHASE_CHECK, STEP_PHASES, guarded
 
 NONFINITE_MODES = ("raise", "skip")
 # The skip warning names the user's ``opt.step()`` line: _read_verdict ← _agree or _settle ←
@@ -108,12 +108,14 @@ class StepAgreement:
         taken = {id(p) for p in covered}
         rest = [p for p in check.params if id(p) not in taken]
         if rest:
-            try:
-                flags.append(self._finite_flags([p.grad for p in rest]))
-            except Exception as err:  # noqa: BLE001 - re-raised on every rank by the agreement
-                failure.append((PHASE_CHECK, err))
+            before = len(failure)
+            read = guarded(
+                failure, PHASE_CHECK, lambda: self._finite_flags([p.grad for p in rest]), None
+            )
+            if len(failure) > before:  # this rank's failure: the agreement raises it everywhere
                 check.finite = None
                 return
+            flags.append(read)
         check.params = covered + rest
         if flags:
             device = flags[0].device

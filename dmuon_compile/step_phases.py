@@ -25,3 +25,13 @@ STEP_PHASES = (
     PHASE_TP_NS_EAGER,
     PHASE_TP_NS_COMPILED,
 )
+
+
+def guarded(failure: list, phase: str, compute, placeholder):
+    """``compute()``, or on an exception: ``(phase, exception)`` appended to ``failure`` and
+    ``placeholder`` returned (``Muon.step``'s agreement then makes every rank raise)."""
+    try:
+        return compute()
+    except Exception as err:  # noqa: BLE001 - re-raised on every rank by the agreement
+        failure.append((phase, err))
+        return placeholder

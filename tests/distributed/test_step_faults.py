@@ -102,7 +102,7 @@ def _train(rank, world, kind, layout, fold=True, device="cpu"):
     from dmuon_compile import optimizer
 
     if not fold:  # the control: the failing rank raises at once, nobody agrees
-        optimizer._guarded = lambda failure, phase, compute, placeholder: compute()
+        optimizer.guarded = lambda failure, phase, compute, placeholder: compute()
     step = [-1]
     dev = local_device(device)
     if layout == "tp":
