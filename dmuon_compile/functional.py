@@ -134,16 +134,18 @@ def _orthogonalize_bucket(
 ) -> list[Tensor]:
     """NS of one shape bucket, one batched call for several matrices; empties ``bucket`` once
     it is stacked (see ``orthogonalize``'s ``release``). ``finite``: receives the bucket's
-    finite flags (1-D), from the norm NS normalises by (traced, the two are one reduction)."""
+    finite flags (1-D), from the norm NS normalises by (taken once, handed to NS)."""
     shape = bucket[0].shape
     mats = [matrix_view(u) for u in bucket]
     stack = mats[0] if len(mats) == 1 else torch.stack(mats)
     bucket.clear()
     del mats
-    if finite is not None:
+    norms = None
+    if finite is not None:  # NS normalises by the same norms: one reduction, not two
         norms = frobenius_norm(stack, ns.work_dtype_for(stack.device))
         finite.append(torch.isfinite(norms).reshape(-1))
-    results = [ns(stack)] if stack.dim() == 2 else list(ns(stack).unbind(0))
+    ortho = ns(stack, norms)
+    results = [ortho] if stack.dim() == 2 else list(ortho.unbind(0))
     # 2-D parameters need no reshape (and a traced step skips a call per matrix).
     return [r if r.shape == shape else r.reshape(shape) for r in results]
 

@@ -6,9 +6,9 @@ m ≤ n (tall inputs are transposed) or batched (batch, m, n):
 - **direct**: per step A = X·Xᵀ, B = b·A + c·A², X ← a·X + B·X (computed as (B + a·I)·X).
 - **gram**: every odd polynomial of X is Q·X with Q a polynomial of R = X·Xᵀ, so the iteration
   runs on m×m matrices and only the first X·Xᵀ and the final Q·X touch the long side:
-  Z = b·R + c·R²; Q ← Q·Z + a·Q (Q = Z + a·I on a segment's first step);
-  RZ = R·Z + a·R; R ← Z·RZ + a·RZ. Half precision lets tiny negative eigenvalues of R grow, so
-  the iteration *restarts* (X ← Q·X, R recomputed, Q reset) at ``restart_iterations``.
+  W = a·I + b·R + c·R²; Q ← Q·W (Q = W on a segment's first step); RZ = R·W; R ← W·RZ.
+  Half precision lets tiny negative eigenvalues of R grow, so the iteration *restarts*
+  (X ← Q·X, R recomputed, Q reset) at ``restart_iterations``.
 
 The matrix products go through a :class:`_Primitives` object: ``TorchPrimitives`` issues plain
 ``mm``/``addmm`` (cuBLAS on GPU) — the graph the compiler pass pattern-matches —,
@@ -87,6 +87,11 @@ class TorchPrimitives:
         return TorchPrimitives.add_identity(out, gamma) if gamma != 0.0 else out
 
     @staticmethod
+    def sym_mm(a: Tensor, b: Tensor) -> Tensor:
+        """a·b where the result is symmetric (commuting symmetric a, b), no C term."""
+        return a @ b
+
+    @staticmethod
     def add_identity(a: Tensor, gamma: float) -> Tensor:
         """a + gamma·I"""
         if not _traced(a):
@@ -151,8 +156,8 @@ class CustomOpPrimitives(TorchPrimitives):
         return torch.ops.dmuon.sym_mm(a, b, c, alpha, beta, gamma)
 
     @staticmethod
-    def add_identity(a: Tensor, gamma: float) -> Tensor:
-        return TorchPrimitives.add_identity(a, gamma)
+    def sym_mm(a: Tensor, b: Tensor) -> Tensor:
+        return CustomOpPrimitives.sym_addmm(None, a, b, beta=0.0, alpha=1.0)
 
 
 class QuackPrimitives(TorchPrimitives):
@@ -171,6 +176,10 @@ class QuackPrimitives(TorchPrimitives):
     ) -> Tensor:
         out = quack_gemm_symmetric()(a, b, C=c, alpha=float(alpha), beta=float(beta))
         return TorchPrimitives.add_identity(out, gamma) if gamma != 0.0 else out
+
+    @staticmethod
+    def sym_mm(a: Tensor, b: Tensor) -> Tensor:
+        return quack_gemm_symmetric()(a, b)
 
 
 def quack_gemm_symmetric():
@@ -218,8 +227,8 @@ def matrix_view(t: Tensor) -> Tensor:
 def frobenius_norm(g: Tensor, work_dtype: torch.dtype) -> Tensor:
     """Per-matrix Frobenius norm of ``g`` (2-D, or a 3-D stack), kept as ``(…, 1, 1)``, in fp32
     (fp64 for an fp64 work dtype): the norm :func:`normalize` divides by. The compiled step
-    also takes its finite flags from it (``functional.muon_directions``): written once, the
-    two uses are one node after CSE, one reduction in the graph."""
+    also takes its finite flags from it (``functional.muon_directions``) and hands the same
+    tensor to :class:`NewtonSchulz`: one reduction in the graph, not two."""
     compute = torch.float64 if work_dtype == torch.float64 else torch.float32
     if g.dtype not in (torch.float16, torch.bfloat16):
         g = g.to(compute)
@@ -228,10 +237,16 @@ def frobenius_norm(g: Tensor, work_dtype: torch.dtype) -> Tensor:
 
 
 def normalize(
-    g: Tensor, work_dtype: torch.dtype, eps: float = EPS, transpose: bool = False
+    g: Tensor,
+    work_dtype: torch.dtype,
+    eps: float = EPS,
+    transpose: bool = False,
+    norm: Tensor | None = None,
 ) -> Tensor:
     """Scale each matrix to Frobenius norm ≤ 1 (in fp32 or better), then cast to the work dtype;
-    ``transpose=True`` returns the scaled ``g.mT``.
+    ``transpose=True`` returns the scaled ``g.mT``. ``norm``: ``frobenius_norm(g, work_dtype)``
+    if the caller has it already (the compiled step's finite flags): traced, two calls of the
+    norm stay two reductions (Inductor does not merge them), a full read of ``g`` each.
 
     The norm is taken over ``g`` in its own layout, before any transpose: in the compiled step a
     reduction over a transposed view of a tall stack reads memory with a stride, several times
@@ -242,7 +257,7 @@ def normalize(
     compute = torch.float64 if work_dtype == torch.float64 else torch.float32
     if g.dtype not in (torch.float16, torch.bfloat16):
         g = g.to(compute)  # fp32/fp64 inputs: at most a cast of a full-precision tensor
-    denom = frobenius_norm(g, work_dtype) + eps
+    denom = (frobenius_norm(g, work_dtype) if norm is None else norm) + eps
     if work_dtype != compute and not _traced(g):
         # Eager: divide in fp32 and round once, on store, to the work dtype, in one pass over g
         # (the expression below would write a full-size fp32 temporary first).
@@ -292,13 +307,17 @@ def gram_ns(
             x = ops.apply_left(x, q, x, beta=0.0)  # X ← Q·X
             r = ops.gram(x)
             q = None
-        z = ops.sym_addmm(r, r, r, beta=b, alpha=c)  # Z = b·R + c·R²
-        # Q·(Z + aI) as Q·Z + a·Q keeps the a·I term out of the half-precision product.
-        q = ops.add_identity(z, a) if q is None else ops.sym_addmm(q, q, z, beta=a, alpha=1.0)
+        # W = a·I + b·R + c·R², the identity term in the product's fp32 epilogue (one
+        # rounding). Every other product of the step is then a plain product of two
+        # polynomials of R, with no C term to read (Q·W, not Q·Z + a·Q): C-bearing products ran
+        # ~10% slower and a·I needed a kernel of its own on a segment's first step
+        # (benchmarks/RESULTS.md §15; accuracy against float64 in the same section).
+        w = ops.sym_addmm(r, r, r, beta=b, alpha=c, gamma=a)
+        q = w if q is None else ops.sym_mm(q, w)  # Q ← Q·W
         last_of_segment = i + 1 == steps or (i + 1) in restarts
         if not last_of_segment:
-            rz = ops.sym_addmm(r, r, z, beta=a, alpha=1.0)  # RZ = R·Z + a·R
-            r = ops.sym_addmm(rz, z, rz, beta=a, alpha=1.0)  # R ← Z·RZ + a·RZ
+            rz = ops.sym_mm(r, w)  # RZ = R·W
+            r = ops.sym_mm(w, rz)  # R ← W·RZ
     return ops.apply_left(x, q, x, beta=0.0)  # X ← Q·X
 
 
@@ -489,15 +508,17 @@ class NewtonSchulz:
             )
         return direct_ns_flops(small, large, len(self.coefficients), sym)
 
-    def __call__(self, g: Tensor) -> Tensor:
+    def __call__(self, g: Tensor, norm: Tensor | None = None) -> Tensor:
         """Orthogonalise ``g`` (2-D, or a 3-D same-shape stack); returns the work dtype.
 
-        Small CUDA inputs replay a per-shape CUDA graph of this same call after the first one
-        (:mod:`dmuon_compile.ns_graphs`: bitwise the eager result, no launch overhead).
+        ``norm``: ``frobenius_norm(g, self.work_dtype_for(g.device))``, if the caller took it
+        already (it is then not taken again). Small CUDA inputs replay a per-shape CUDA graph of
+        this same call after the first one (:mod:`dmuon_compile.ns_graphs`: bitwise the eager
+        result, no launch overhead); with a ``norm`` they run directly.
         """
-        if ns_graphs.wanted(g):
+        if norm is None and ns_graphs.wanted(g):
             return self._graphed(self._config_key(g.device), self._orthogonalize, g)
-        return self._orthogonalize(g)
+        return self._orthogonalize(g, norm)
 
     def _config_key(self, device: torch.device) -> tuple:
         """Everything that selects the kernels of a call besides the input (graph cache key;
@@ -512,7 +533,7 @@ class NewtonSchulz:
             self.eps,
         )
 
-    def _orthogonalize(self, g: Tensor) -> Tensor:
+    def _orthogonalize(self, g: Tensor, norm: Tensor | None = None) -> Tensor:
         wide, transposed = _as_matrix_stack(g)  # validates the shape; (…, m, n) with m ≤ n
         m, n = wide.shape[-2], wide.shape[-1]
         del wide
@@ -522,14 +543,16 @@ class NewtonSchulz:
         # first step instead of keeping a matrix-sized copy alive to the end.
         if self.uses_gram(m, n):
             x = gram_ns(
-                normalize(g, work_dtype, self.eps, transpose=transposed),
+                normalize(g, work_dtype, self.eps, transpose=transposed, norm=norm),
                 self.coefficients,
                 self.restart_iterations,
                 ops,
             )
         else:
             x = direct_ns(
-                normalize(g, work_dtype, self.eps, transpose=transposed), self.coefficients, ops
+                normalize(g, work_dtype, self.eps, transpose=transposed, norm=norm),
+                self.coefficients,
+                ops,
             )
         return x.mT if transposed else x
 

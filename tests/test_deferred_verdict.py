@@ -221,3 +221,44 @@ def test_the_compiled_step_reads_only_the_other_gradients(monkeypatch):
     model.down.weight.grad[2, 3] = float("inf")
     with pytest.raises(FloatingPointError, match=r"down\.weight"):
         opt.step()
+
+
+class _NormCounter(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Counts the per-matrix reductions (sums over the last two dims) of a post-grad graph."""
+
+    def __init__(self):
+        self.sums = 0
+
+    def __call__(self, graph):
+        self.sums += sum(
+            1
+            for n in graph.nodes
+            if n.target == torch.ops.aten.sum.dim_IntList and list(n.args[1]) == [-2, -1]
+        )
+
+    def uuid(self):
+        return "dmuon-test-norm-counter-v1"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("finite_flags", [True, False])
+def test_the_flags_and_the_normalisation_share_one_norm(finite_flags):
+    """The compiled directions take each bucket's norm once: the finite flags and NS's
+    normalisation read the same reduction (two calls would stay two full reads of the stack:
+    Inductor does not merge them). Without flags (the control) there is one norm as well, so a
+    regression that takes the norm twice shows as two reductions per bucket."""
+    from dmuon_compile.compiled_step import CompiledMuonStep
+
+    shapes = [(8, 12)] * 3 + [(12, 8)] * 2 + [(8, 8)] * 2  # three buckets
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    bufs = [torch.randn(s, generator=g) for s in shapes]
+    counter = _NormCounter()
+    step = CompiledMuonStep(dmuon.NewtonSchulz())
+    with torch._inductor.config.patch(force_disable_caches=True, post_grad_custom_post_pass=counter):
+        out = step.directions(grads, bufs, momentum=0.9, nesterov=True, finite_flags=finite_flags)
+    assert counter.sums == 3
+    ortho = out[0] if finite_flags else out
+    plain = F.muon_directions(grads, bufs, momentum=0.9, nesterov=True, ns=dmuon.NewtonSchulz())
+    for a, b in zip(ortho, plain):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
