@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import triton
-from dmuon_compile.kernels.lower_tiles import product_output
+from dmuon_compile.kernels.lower_tiles import multiprocessor_count, product_output
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -595,11 +595,17 @@ def gluon_supported(a: Tensor, b: Tensor | None, c: Tensor | None = None) -> boo
     return unsupported_reason(a, b, c) is None
 
 
+@functools.cache
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    """A tile's shared-memory layout: built once per (block, dtype), not per launch (four
+    descriptors a launch made building it a visible share of the launcher's host time)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
+
+
 def _descriptor(t: Tensor, shape: list, strides: list, block: list):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
-    return TensorDescriptor(t, shape, strides, block, layout)
+    return TensorDescriptor(t, shape, strides, block, _shared_layout(tuple(block), t.dtype))
 
 
 def lower_tile_count(m: int, batch: int, split: int) -> tuple[int, int]:
@@ -685,7 +691,7 @@ def launch_gluon_kernel(
         )
     args, options = kernel_arguments(a, b, c, out, alpha, beta, gamma, config)
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(a.device.index).multi_processor_count
+        num_sms = multiprocessor_count(a.device.index)
     programs = max(1, min(args[6], num_sms))
     _symmetric_product_gluon_kernel[(programs,)](*args, **options)
     return out
@@ -697,7 +703,7 @@ def launch_gluon_kernel(
 
 
 def _signature_of_descriptor(dtype: torch.dtype, block: list) -> str:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(dtype))
+    layout = _shared_layout(tuple(block), dtype)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     return f"tensordesc<{name}{list(block)},{layout!r}>"
 
