@@ -1,0 +1,145 @@
+"""Gram NS's rounding on the CPU: the package's chain with every product rounded as the GPU
+kernels round it, against float64, for two ways of writing a step.
+
+The symmetric kernels accumulate in fp32, add their epilogue (β·C, γ·I) in fp32 and round once
+to fp16 on store; cuBLAS's rectangular products round once too. ``HalfRounding`` below does
+exactly that on the CPU (float32 matmuls of fp16-valued operands), so the package's own
+``newton_schulz.gram_ns`` runs here with the GPU's rounding points. Two forms of a step
+(coefficients a, b, c; R the Gram matrix):
+
+- ``w`` (the package's): W = a·I + b·R + c·R²; Q ← Q·W; RW = R·W; R ← W·RW. a·I is rounded
+  into W once; three of a step's four products have no C term.
+- ``c_terms`` (the form before it): Z = b·R + c·R²; Q ← Q·Z + a·Q; RZ = R·Z + a·R;
+  R ← Z·RZ + a·RZ. a·I never meets a rounding, at the cost of a C term on every product.
+
+Inputs: Gaussian (the error gate's inputs on the GPU), a spectrum decaying over four decades,
+and rank 8 plus noise. Prints the largest relative Frobenius error over ``--trials`` per case:
+
+    python benchmarks/ns_rounding.py            # 256×704, 512×1792, 384×1152; ~1 min
+    python benchmarks/ns_rounding.py --sizes 64x176 --trials 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dmuon_compile.coefficients import polar_express  # noqa: E402
+from dmuon_compile.newton_schulz import gram_ns  # noqa: E402
+
+HALF = torch.float16
+
+
+class HalfRounding:
+    """NS primitives that round each product once to fp16 from an fp32 accumulate."""
+
+    @staticmethod
+    def _out(acc: torch.Tensor) -> torch.Tensor:
+        return acc.to(HALF)
+
+    @staticmethod
+    def gram(x):
+        return HalfRounding._out(x.float() @ x.float().mT)
+
+    @staticmethod
+    def sym_addmm(c, a, b, beta, alpha, gamma=0.0):
+        acc = alpha * (a.float() @ b.float())
+        if c is not None and beta != 0.0:
+            acc = acc + beta * c.float()
+        if gamma != 0.0:
+            acc = acc + gamma * torch.eye(acc.shape[-1])
+        return HalfRounding._out(acc)
+
+    @staticmethod
+    def sym_mm(a, b):
+        return HalfRounding.sym_addmm(None, a, b, beta=0.0, alpha=1.0)
+
+    @staticmethod
+    def add_identity(a, gamma):
+        return HalfRounding._out(a.float() + gamma * torch.eye(a.shape[-1]))
+
+    @staticmethod
+    def apply_left(c, q, x, beta):
+        acc = q.float() @ x.float()
+        if beta != 0.0:
+            acc = acc + beta * c.float()
+        return HalfRounding._out(acc)
+
+
+def gram_ns_c_terms(x, table, restarts=(2,), ops=HalfRounding):
+    """The C-term form of a Gram NS step (module docstring), for comparison only."""
+    r, q, steps = ops.gram(x), None, len(table)
+    for i, (a, b, c) in enumerate(table):
+        if i in restarts and q is not None:
+            x = ops.apply_left(x, q, x, beta=0.0)
+            r, q = ops.gram(x), None
+        z = ops.sym_addmm(r, r, r, beta=b, alpha=c)
+        q = ops.add_identity(z, a) if q is None else ops.sym_addmm(q, q, z, beta=a, alpha=1.0)
+        if not (i + 1 == steps or (i + 1) in restarts):
+            rz = ops.sym_addmm(r, r, z, beta=a, alpha=1.0)
+            r = ops.sym_addmm(rz, z, rz, beta=a, alpha=1.0)
+    return ops.apply_left(x, q, x, beta=0.0)
+
+
+def reference(x: torch.Tensor, table) -> torch.Tensor:
+    """The same polynomial iteration in float64, directly on X."""
+    x = x.double()
+    for a, b, c in table:
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x
+
+
+def make_input(kind: str, m: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    g = torch.randn(m, n, dtype=torch.float64, generator=gen)
+    if kind == "decay":
+        u, _ = torch.linalg.qr(torch.randn(m, m, dtype=torch.float64, generator=gen))
+        v, _ = torch.linalg.qr(torch.randn(n, m, dtype=torch.float64, generator=gen))
+        g = (u * torch.logspace(0, -4, m, dtype=torch.float64)) @ v.mT
+    elif kind == "low_rank":
+        low = torch.randn(m, 8, dtype=torch.float64, generator=gen)
+        g = low @ torch.randn(8, n, dtype=torch.float64, generator=gen) + 1e-3 * g
+    return g / (g.norm() + 1e-7)
+
+
+def errors(m: int, n: int, kind: str, trials: int, seed: int = 0) -> dict[str, float]:
+    """Largest relative Frobenius error vs float64 of each form over ``trials`` inputs."""
+    table = polar_express(5)
+    gen = torch.Generator().manual_seed(seed)
+    worst = {"w": 0.0, "c_terms": 0.0}
+    for _ in range(trials):
+        x = make_input(kind, m, n, gen)
+        ref = reference(x, table)
+        x16 = x.to(HALF)
+        outs = {
+            "w": gram_ns(x16, table, (2,), HalfRounding),
+            "c_terms": gram_ns_c_terms(x16, table),
+        }
+        for name, out in outs.items():
+            err = float((out.double() - ref).norm() / ref.norm())
+            worst[name] = max(worst[name], err)
+    return worst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["256x704", "512x1792", "384x1152"])
+    ap.add_argument("--trials", type=int, default=3)
+    args = ap.parse_args(argv)
+    print("| m×n | input | W form (package) | C-term form | W / C-term |\n|---|---|---|---|---|")
+    for size in args.sizes:
+        m, n = (int(v) for v in size.split("x"))
+        for kind in ("gaussian", "decay", "low_rank"):
+            e = errors(m, n, kind, args.trials)
+            ratio = e["w"] / e["c_terms"]
+            print(f"| {m}×{n} | {kind} | {e['w']:.3e} | {e['c_terms']:.3e} | {ratio:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
