@@ -71,17 +71,19 @@ SHORTLIST: tuple[TileConfig, ...] = (
 
 
 # The Gluon kernel's configuration the autotune times beside the Triton candidates, for the
-# products with a beta·C term only: there the warp-specialised kernel (C prefetched by its own
-# loader warp) was 1.08-1.19× faster than the best Triton candidate on H200, while on the
-# products without C the Triton strips were 5% faster (benchmarks/RESULTS.md §13).
+# Gram-space products (sym_mm, with or without C) and products with a beta·C term: on H200 the
+# warp-specialised kernel was 1.08-1.19× faster than the best Triton candidate with C
+# (benchmarks/RESULTS.md §13), and the Triton TMA kernel without C was still slower than it with
+# C on 8-32 × 2048² stacks (§15). Plain SYRKs (X·Xᵀ, k ≠ m) leave it out: there the Triton
+# strips were 5% faster (§13), and each candidate is a compile of a cold first step.
 GLUON_SHORTLIST_FIELDS: tuple[dict, ...] = ({"split": 1, "stages": 4},)
 
 
 def gluon_candidates(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple:
-    """The Gluon configurations worth timing for these operands: none without a ``beta·C``
-    term, on anything but SM90, on layouts the Gluon kernel cannot read, or without Gluon
-    in this Triton."""
-    if c is None or not a.is_cuda:
+    """The Gluon configurations worth timing for these operands: none for a plain SYRK (no
+    ``b``, no ``beta·C``), on anything but SM90, on layouts the Gluon kernel cannot read, or
+    without Gluon in this Triton."""
+    if (b is None and c is None) or not a.is_cuda:
         return ()
     try:
         from dmuon_compile.kernels.syrk_gluon import GluonConfig, gluon_supported

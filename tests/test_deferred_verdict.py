@@ -255,7 +255,9 @@ def test_the_flags_and_the_normalisation_share_one_norm(finite_flags):
     bufs = [torch.randn(s, generator=g) for s in shapes]
     counter = _NormCounter()
     step = CompiledMuonStep(dmuon.NewtonSchulz())
-    with torch._inductor.config.patch(force_disable_caches=True, post_grad_custom_post_pass=counter):
+    with torch._inductor.config.patch(
+        force_disable_caches=True, post_grad_custom_post_pass=counter
+    ):
         out = step.directions(grads, bufs, momentum=0.9, nesterov=True, finite_flags=finite_flags)
     assert counter.sums == 3
     ortho = out[0] if finite_flags else out

@@ -61,10 +61,11 @@ def test_products_with_c_also_time_c_in_the_prologue(monkeypatch):
     assert all(c.c_load == "pointer" for c in syrk.candidates_for(512, a, None, has_c=True))
 
 
-def test_products_with_c_on_sm90_also_time_the_gluon_kernel(monkeypatch):
-    """Where the Gluon kernel can read the operands (SM90, row-major, a beta·C term) its
-    shortlist is timed beside the Triton candidates; without C, or where it cannot read them,
-    it is not; a verdict naming it round-trips through the cache's dict and is accepted."""
+def test_gram_products_and_products_with_c_on_sm90_also_time_the_gluon_kernel(monkeypatch):
+    """Where the Gluon kernel can read the operands (SM90, row-major) its shortlist is timed
+    beside the Triton candidates for a Gram-space product (``b`` given) with or without C and
+    for a SYRK with C; not for a plain SYRK, nor where it cannot read them; a verdict naming it
+    round-trips through the cache's dict and is accepted."""
     pytest.importorskip("triton.experimental.gluon")
     from dmuon_compile.kernels import syrk_gluon
 
@@ -74,7 +75,9 @@ def test_products_with_c_on_sm90_also_time_the_gluon_kernel(monkeypatch):
     monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: True)
     got = syrk.gluon_candidates(a, a, c)
     assert got and all(isinstance(g, syrk_gluon.GluonConfig) for g in got)
-    assert syrk.gluon_candidates(a, a, None) == ()
+    assert syrk.gluon_candidates(a, a, None) == got  # Q·W: a sym_mm without C
+    assert syrk.gluon_candidates(a, None, c) == got  # a SYRK with C
+    assert syrk.gluon_candidates(a, None, None) == ()  # a plain X·Xᵀ
     monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: False)
     assert syrk.gluon_candidates(a, a, c) == ()
     for config in got + (syrk.DEFAULT_TMA_CONFIG,):
