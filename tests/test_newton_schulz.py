@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dmuon_compile as dmuon
@@ -268,3 +268,21 @@ def test_add_identity_rounds_once(batch, m, dtype, gamma, seed):
     want = (a.to(wide) + torch.tensor(gamma, dtype=wide) * eye).to(dtype)
     assert torch.equal(out, want) and out.is_contiguous()
     assert torch.equal(a, before)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    shape=st.sampled_from([(6, 10), (10, 6), (3, 5, 9), (8, 8)]),
+    backend=st.sampled_from(["gram", "direct"]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_given_norm_gives_the_same_result(shape, backend, seed):
+    """``ns(g, norm)`` with the norm NS would take itself is ``ns(g)`` bit for bit; a different
+    norm (the control) changes the result, so the argument is used."""
+    from dmuon_compile.newton_schulz import frobenius_norm
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    ns = NewtonSchulz(backend=backend)
+    norm = frobenius_norm(g, ns.work_dtype_for(g.device))
+    assert torch.equal(ns(g, norm), ns(g))
+    assert not torch.equal(ns(g, norm * 4), ns(g))
