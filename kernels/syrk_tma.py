@@ -71,21 +71,14 @@ def _c_tile(c_desc, batch_index, first_m, first_n, ROWS: tl.constexpr, COLS: tl.
 
 @triton.jit
 def _tma_tile(
-    a_desc,
-    b_desc,
-    c_desc,
-    c_ptr,
-    out_ptr,
-    out_desc,
-    out_t_desc,
+    descs,
+    ptrs,
+    epilogue,
     batch_index,
     first_m,
     first_n,
     m,
     k,
-    c_strides,
-    out_strides,
-    coeffs,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -99,7 +92,11 @@ def _tma_tile(
     TMA_STORE: tl.constexpr,
 ):
     """One ROWS × COLS output tile at (first_m, first_n) of matrix ``batch_index``: TMA loads,
-    dot, epilogue (``coeffs`` = (alpha, beta, gamma); strides are (batch, row, col)).
+    dot, epilogue. The kernel's runtime arguments come packed as the kernel builds them once:
+    ``descs`` = (a, b, c, out, out_t) descriptors, ``ptrs`` = (c, out) pointers, ``epilogue`` =
+    (C strides, output strides, (alpha, beta, gamma)), strides as (batch, row, col). The
+    compile-time switches stay separate parameters: a tuple of them would reach the callee as
+    runtime values, and every branch would then be compiled.
 
     C enters in one of three ways: with C_PROLOGUE the accumulator starts at (beta/alpha)·C,
     loaded by TMA before the K loop (the launcher only sets it for alpha != 0), so the epilogue
@@ -110,6 +107,9 @@ def _tma_tile(
     mirrored) is written through the (batch, m, m) output descriptors: TMA clips rows and
     columns past m, so no mask is needed. Tiles that touch the diagonal keep masked stores.
     """
+    a_desc, b_desc, c_desc, out_desc, out_t_desc = descs
+    c_ptr, out_ptr = ptrs
+    c_strides, out_strides, coeffs = epilogue
     if C_PROLOGUE:
         acc = _c_tile(c_desc, batch_index, first_m, first_n, ROWS, COLS) * (coeffs[1] / coeffs[0])
     else:
@@ -326,9 +326,15 @@ def _symmetric_product_tma_kernel(
     # last nearly empty). FLATTEN (square tiles only) lets the compiler pipeline the next tile's
     # first loads under this tile's epilogue.
     pid = tl.program_id(0)
-    c_strides = (stride_cb, stride_cm, stride_cn)
-    out_strides = (stride_ob, stride_om, stride_on)
-    coeffs = (alpha, beta, gamma)
+    # The arguments every tile takes, packed once (see _tma_tile).
+    descs = (a_desc, b_desc, c_desc, out_desc, out_t_desc)
+    narrow_descs = (a_desc, b_narrow_desc, c_desc, out_desc, out_t_desc)
+    ptrs = (c_ptr, out_ptr)
+    epilogue = (
+        (stride_cb, stride_cm, stride_cn),
+        (stride_ob, stride_om, stride_on),
+        (alpha, beta, gamma),
+    )
     tiles_per_side = tl.cdiv(m, BLOCK_N)
     if BLOCK_N == 2 * BLOCK_M:
         full_items = batch * tiles_per_side * tiles_per_side
@@ -347,21 +353,14 @@ def _symmetric_product_tma_kernel(
                 col = j // 2
                 strip = tl.where(col == row, 1, j % 2)
                 _tma_tile(
-                    a_desc,
-                    b_desc,
-                    c_desc,
-                    c_ptr,
-                    out_ptr,
-                    out_desc,
-                    out_t_desc,
+                    descs,
+                    ptrs,
+                    epilogue,
                     batch_index,
                     row * BLOCK_N + strip * BLOCK_M,
                     col * BLOCK_N,
                     m,
                     k,
-                    c_strides,
-                    out_strides,
-                    coeffs,
                     BLOCK_M,
                     BLOCK_N,
                     BLOCK_K,
@@ -381,21 +380,14 @@ def _symmetric_product_tma_kernel(
                         batch_index = d // tiles_per_side
                         first = (d - batch_index * tiles_per_side) * BLOCK_N
                         _tma_tile(
-                            a_desc,
-                            b_narrow_desc,
-                            c_desc,
-                            c_ptr,
-                            out_ptr,
-                            out_desc,
-                            out_t_desc,
+                            narrow_descs,
+                            ptrs,
+                            epilogue,
                             batch_index,
                             first,
                             first,
                             m,
                             k,
-                            c_strides,
-                            out_strides,
-                            coeffs,
                             BLOCK_M,
                             BLOCK_M,
                             BLOCK_K,
@@ -417,21 +409,14 @@ def _symmetric_product_tma_kernel(
             row, col = _lower_tile_coords(t // STRIPS)
             strip = t % STRIPS
             _tma_tile(
-                a_desc,
-                b_desc,
-                c_desc,
-                c_ptr,
-                out_ptr,
-                out_desc,
-                out_t_desc,
+                descs,
+                ptrs,
+                epilogue,
                 batch_index,
                 row * BLOCK_N + strip * BLOCK_M,
                 col * BLOCK_N,
                 m,
                 k,
-                c_strides,
-                out_strides,
-                coeffs,
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_K,
