@@ -132,7 +132,9 @@ def _tma_tile(
     offs_n = first_n + tl.arange(0, COLS)
     batch64 = batch_index.to(tl.int64)
     # Tiles entirely below the diagonal go through the output descriptors (TMA_STORE), the
-    # others through masked stores.
+    # others through masked stores. The masked store is written twice on purpose: one flag
+    # set under ``if TMA_STORE`` reaches a later ``if`` as a runtime value in Triton 3.6, which
+    # would compile the descriptor stores for configurations whose descriptors are placeholders.
     if TMA_STORE:
         if first_m >= first_n + COLS:
             _store_below_diagonal(
