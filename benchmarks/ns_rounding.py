@@ -3,14 +3,15 @@ kernels round it, against float64, for two ways of writing a step.
 
 The symmetric kernels accumulate in fp32, add their epilogue (β·C, γ·I) in fp32 and round once
 to fp16 on store; cuBLAS's rectangular products round once too. ``HalfRounding`` below does
-exactly that on the CPU (float32 matmuls of fp16-valued operands), so the package's own
-``newton_schulz.gram_ns`` runs here with the GPU's rounding points. Two forms of a step
+exactly that on the CPU (the custom ops' torch references on fp16 operands), so the package's
+own ``newton_schulz.gram_ns`` runs here with the GPU's rounding points. Two forms of a step
 (coefficients a, b, c; R the Gram matrix):
 
-- ``w`` (the package's): W = a·I + b·R + c·R²; Q ← Q·W; RW = R·W; R ← W·RW. a·I is rounded
-  into W once; three of a step's four products have no C term.
-- ``c_terms`` (the form before it): Z = b·R + c·R²; Q ← Q·Z + a·Q; RZ = R·Z + a·R;
+- ``c_terms`` (the package's): Z = b·R + c·R²; Q ← Q·Z + a·Q; RZ = R·Z + a·R;
   R ← Z·RZ + a·RZ. a·I never meets a rounding, at the cost of a C term on every product.
+- ``w`` (tried, not shipped): W = a·I + b·R + c·R²; Q ← Q·W; RW = R·W; R ← W·RW. a·I is
+  rounded into W once; three of a step's four products have no C term (faster kernels), but
+  the error on decaying spectra grows (benchmarks/RESULTS.md §15).
 
 Inputs: Gaussian (the error gate's inputs on the GPU), a spectrum decaying over four decades,
 and rank 8 plus noise. Prints the largest relative Frobenius error over ``--trials`` per case:
@@ -29,6 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dmuon_compile.kernels.ops import (  # noqa: E402
+    sym_mm_reference,
+    symmetric_epilogue,
+    syrk_reference,
+)
+
 from dmuon_compile.coefficients import polar_express  # noqa: E402
 from dmuon_compile.newton_schulz import gram_ns  # noqa: E402
 
@@ -36,53 +43,47 @@ HALF = torch.float16
 
 
 class HalfRounding:
-    """NS primitives that round each product once to fp16 from an fp32 accumulate."""
-
-    @staticmethod
-    def _out(acc: torch.Tensor) -> torch.Tensor:
-        return acc.to(HALF)
+    """NS primitives that round each product once to fp16 from an fp32 accumulate: the
+    symmetric products are the custom ops' own torch references (``kernels/ops.py``: fp32
+    product and epilogue, lower triangle mirrored, one cast), the rectangular Q·X a float32
+    matmul rounded once, as cuBLAS does."""
 
     @staticmethod
     def gram(x):
-        return HalfRounding._out(x.float() @ x.float().mT)
+        return syrk_reference(x, None, 1.0, 0.0, 0.0)
 
     @staticmethod
     def sym_addmm(c, a, b, beta, alpha, gamma=0.0):
-        acc = alpha * (a.float() @ b.float())
-        if c is not None and beta != 0.0:
-            acc = acc + beta * c.float()
-        if gamma != 0.0:
-            acc = acc + gamma * torch.eye(acc.shape[-1])
-        return HalfRounding._out(acc)
+        return sym_mm_reference(a, b, c, alpha, beta, gamma)
 
     @staticmethod
     def sym_mm(a, b):
-        return HalfRounding.sym_addmm(None, a, b, beta=0.0, alpha=1.0)
+        return sym_mm_reference(a, b, None, 1.0, 0.0, 0.0)
 
     @staticmethod
     def add_identity(a, gamma):
-        return HalfRounding._out(a.float() + gamma * torch.eye(a.shape[-1]))
+        return symmetric_epilogue(a.float(), None, 1.0, 0.0, gamma, a.dtype)
 
     @staticmethod
     def apply_left(c, q, x, beta):
         acc = q.float() @ x.float()
         if beta != 0.0:
             acc = acc + beta * c.float()
-        return HalfRounding._out(acc)
+        return acc.to(HALF)
 
 
-def gram_ns_c_terms(x, table, restarts=(2,), ops=HalfRounding):
-    """The C-term form of a Gram NS step (module docstring), for comparison only."""
+def gram_ns_w_form(x, table, restarts=(2,), ops=HalfRounding):
+    """The W form of a Gram NS step (module docstring), for comparison only."""
     r, q, steps = ops.gram(x), None, len(table)
     for i, (a, b, c) in enumerate(table):
         if i in restarts and q is not None:
             x = ops.apply_left(x, q, x, beta=0.0)
             r, q = ops.gram(x), None
-        z = ops.sym_addmm(r, r, r, beta=b, alpha=c)
-        q = ops.add_identity(z, a) if q is None else ops.sym_addmm(q, q, z, beta=a, alpha=1.0)
+        w = ops.sym_addmm(r, r, r, beta=b, alpha=c, gamma=a)
+        q = w if q is None else ops.sym_mm(q, w)
         if not (i + 1 == steps or (i + 1) in restarts):
-            rz = ops.sym_addmm(r, r, z, beta=a, alpha=1.0)
-            r = ops.sym_addmm(rz, z, rz, beta=a, alpha=1.0)
+            rw = ops.sym_mm(r, w)
+            r = ops.sym_mm(w, rw)
     return ops.apply_left(x, q, x, beta=0.0)
 
 
@@ -117,8 +118,8 @@ def errors(m: int, n: int, kind: str, trials: int, seed: int = 0) -> dict[str, f
         ref = reference(x, table)
         x16 = x.to(HALF)
         outs = {
-            "w": gram_ns(x16, table, (2,), HalfRounding),
-            "c_terms": gram_ns_c_terms(x16, table),
+            "w": gram_ns_w_form(x16, table),
+            "c_terms": gram_ns(x16, table, (2,), HalfRounding),
         }
         for name, out in outs.items():
             err = float((out.double() - ref).norm() / ref.norm())
@@ -126,18 +127,41 @@ def errors(m: int, n: int, kind: str, trials: int, seed: int = 0) -> dict[str, f
     return worst
 
 
+def error_by_band(m: int, n: int, seed: int = 0) -> list[tuple[str, float, float]]:
+    """On one decaying-spectrum input: per band of σ/σ_max, each form's relative error on the
+    output's part along those left singular directions ``(band, W, C-term)``."""
+    table = polar_express(5)
+    x = make_input("decay", m, n, torch.Generator().manual_seed(seed))
+    ref = reference(x, table)
+    u, sv, _ = torch.linalg.svd(x, full_matrices=False)
+    outs = (gram_ns_w_form(x.to(HALF), table), gram_ns(x.to(HALF), table, (2,), HalfRounding))
+    rel = sv / sv[0]
+    rows = []
+    for lo, hi in ((1e-1, 2.0), (1e-2, 1e-1), (1e-3, 1e-2), (0.0, 1e-3)):
+        basis = u[:, (rel >= lo) & (rel < hi)]
+        part = (basis.mT @ ref).norm()
+        w, c = (float((basis.mT @ (o.double() - ref)).norm() / part) for o in outs)
+        rows.append((f"[{lo:g}, {min(hi, 1.0):g}]", w, c))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["256x704", "512x1792", "384x1152"])
     ap.add_argument("--trials", type=int, default=3)
     args = ap.parse_args(argv)
-    print("| m×n | input | W form (package) | C-term form | W / C-term |\n|---|---|---|---|---|")
+    print("| m×n | input | W form | C-term form (package) | W / C-term |\n|---|---|---|---|---|")
     for size in args.sizes:
         m, n = (int(v) for v in size.split("x"))
         for kind in ("gaussian", "decay", "low_rank"):
             e = errors(m, n, kind, args.trials)
             ratio = e["w"] / e["c_terms"]
             print(f"| {m}×{n} | {kind} | {e['w']:.3e} | {e['c_terms']:.3e} | {ratio:.2f} |")
+    m, n = (int(v) for v in args.sizes[0].split("x"))
+    print(f"\nDecaying spectrum, {m}×{n}: error along the input's singular directions by σ/σ_max")
+    print("| σ/σ_max | W form | C-term form (package) |\n|---|---|---|")
+    for band, w, c in error_by_band(m, n):
+        print(f"| {band} | {w:.2e} | {c:.2e} |")
     return 0
 
 

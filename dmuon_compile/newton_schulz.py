@@ -6,9 +6,9 @@ m ≤ n (tall inputs are transposed) or batched (batch, m, n):
 - **direct**: per step A = X·Xᵀ, B = b·A + c·A², X ← a·X + B·X (computed as (B + a·I)·X).
 - **gram**: every odd polynomial of X is Q·X with Q a polynomial of R = X·Xᵀ, so the iteration
   runs on m×m matrices and only the first X·Xᵀ and the final Q·X touch the long side:
-  W = a·I + b·R + c·R²; Q ← Q·W (Q = W on a segment's first step); RZ = R·W; R ← W·RZ.
-  Half precision lets tiny negative eigenvalues of R grow, so the iteration *restarts*
-  (X ← Q·X, R recomputed, Q reset) at ``restart_iterations``.
+  Z = b·R + c·R²; Q ← Q·Z + a·Q (Q = Z + a·I on a segment's first step);
+  RZ = R·Z + a·R; R ← Z·RZ + a·RZ. Half precision lets tiny negative eigenvalues of R grow, so
+  the iteration *restarts* (X ← Q·X, R recomputed, Q reset) at ``restart_iterations``.
 
 The matrix products go through a :class:`_Primitives` object: ``TorchPrimitives`` issues plain
 ``mm``/``addmm`` (cuBLAS on GPU) — the graph the compiler pass pattern-matches —,
@@ -87,11 +87,6 @@ class TorchPrimitives:
         return TorchPrimitives.add_identity(out, gamma) if gamma != 0.0 else out
 
     @staticmethod
-    def sym_mm(a: Tensor, b: Tensor) -> Tensor:
-        """a·b where the result is symmetric (commuting symmetric a, b), no C term."""
-        return a @ b
-
-    @staticmethod
     def add_identity(a: Tensor, gamma: float) -> Tensor:
         """a + gamma·I"""
         if not _traced(a):
@@ -156,8 +151,8 @@ class CustomOpPrimitives(TorchPrimitives):
         return torch.ops.dmuon.sym_mm(a, b, c, alpha, beta, gamma)
 
     @staticmethod
-    def sym_mm(a: Tensor, b: Tensor) -> Tensor:
-        return CustomOpPrimitives.sym_addmm(None, a, b, beta=0.0, alpha=1.0)
+    def add_identity(a: Tensor, gamma: float) -> Tensor:
+        return TorchPrimitives.add_identity(a, gamma)
 
 
 class QuackPrimitives(TorchPrimitives):
@@ -176,10 +171,6 @@ class QuackPrimitives(TorchPrimitives):
     ) -> Tensor:
         out = quack_gemm_symmetric()(a, b, C=c, alpha=float(alpha), beta=float(beta))
         return TorchPrimitives.add_identity(out, gamma) if gamma != 0.0 else out
-
-    @staticmethod
-    def sym_mm(a: Tensor, b: Tensor) -> Tensor:
-        return quack_gemm_symmetric()(a, b)
 
 
 def quack_gemm_symmetric():
@@ -307,17 +298,15 @@ def gram_ns(
             x = ops.apply_left(x, q, x, beta=0.0)  # X ← Q·X
             r = ops.gram(x)
             q = None
-        # W = a·I + b·R + c·R², the identity term in the product's fp32 epilogue (one
-        # rounding). Every other product of the step is then a plain product of two
-        # polynomials of R, with no C term to read (Q·W, not Q·Z + a·Q): C-bearing products ran
-        # ~10% slower and a·I needed a kernel of its own on a segment's first step
-        # (benchmarks/RESULTS.md §15; accuracy against float64 in the same section).
-        w = ops.sym_addmm(r, r, r, beta=b, alpha=c, gamma=a)
-        q = w if q is None else ops.sym_mm(q, w)  # Q ← Q·W
+        z = ops.sym_addmm(r, r, r, beta=b, alpha=c)  # Z = b·R + c·R²
+        # Q·(Z + aI) as Q·Z + a·Q keeps the a·I term out of the half-precision products: the
+        # form W = Z + aI (no C terms, ~0.4 ms faster on model S) had ~1.9× the error on the
+        # top singular directions of a decaying spectrum (benchmarks/RESULTS.md §15).
+        q = ops.add_identity(z, a) if q is None else ops.sym_addmm(q, q, z, beta=a, alpha=1.0)
         last_of_segment = i + 1 == steps or (i + 1) in restarts
         if not last_of_segment:
-            rz = ops.sym_mm(r, w)  # RZ = R·W
-            r = ops.sym_mm(w, rz)  # R ← W·RZ
+            rz = ops.sym_addmm(r, r, z, beta=a, alpha=1.0)  # RZ = R·Z + a·R
+            r = ops.sym_addmm(rz, z, rz, beta=a, alpha=1.0)  # R ← Z·RZ + a·RZ
     return ops.apply_left(x, q, x, beta=0.0)  # X ← Q·X
 
 

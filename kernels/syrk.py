@@ -73,9 +73,9 @@ SHORTLIST: tuple[TileConfig, ...] = (
 # The Gluon kernel's configuration the autotune times beside the Triton candidates, for the
 # Gram-space products (sym_mm, with or without C) and products with a beta·C term: on H200 the
 # warp-specialised kernel was 1.08-1.19× faster than the best Triton candidate with C
-# (benchmarks/RESULTS.md §13), and the Triton TMA kernel without C was still slower than it with
-# C on 8-32 × 2048² stacks (§15). Plain SYRKs (X·Xᵀ, k ≠ m) leave it out: there the Triton
-# strips were 5% faster (§13), and each candidate is a compile of a cold first step.
+# (benchmarks/RESULTS.md §13), and 5-19% faster than the best Triton TMA tile on sym_mm without C
+# at 8-32 × 2048² and 4-8 × 4096² (§15). Plain SYRKs (X·Xᵀ, k ≠ m) leave it out: there the
+# Triton strips were 5% faster (§13), and each candidate is a compile of a cold first step.
 GLUON_SHORTLIST_FIELDS: tuple[dict, ...] = ({"split": 1, "stages": 4},)
 
 
