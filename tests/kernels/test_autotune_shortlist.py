@@ -75,7 +75,7 @@ def test_gram_products_and_products_with_c_on_sm90_also_time_the_gluon_kernel(mo
     monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: True)
     got = syrk.gluon_candidates(a, a, c)
     assert got and all(isinstance(g, syrk_gluon.GluonConfig) for g in got)
-    assert syrk.gluon_candidates(a, a, None) == got  # Q·W: a sym_mm without C
+    assert syrk.gluon_candidates(a, a, None) == got  # a sym_mm without C
     assert syrk.gluon_candidates(a, None, c) == got  # a SYRK with C
     assert syrk.gluon_candidates(a, None, None) == ()  # a plain X·Xᵀ
     monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: False)

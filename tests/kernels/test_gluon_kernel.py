@@ -201,7 +201,7 @@ def test_gluon_matches_reference(m, k, batch, dtype, op, use_c, alpha, beta, gam
         ((4, 2048, 5632), "syrk", False),  # the first X·Xᵀ of a stack
         ((3, 2048, 2048), "sym_mm", True),  # Gram-space R·R with C
         ((1, 4096, 4096), "sym_mm", True),
-        ((8, 2048, 2048), "sym_mm", False),  # Gram NS's Q·W, R·W, W·RW: no C term
+        ((8, 2048, 2048), "sym_mm", False),  # a product of two polynomials, no C term
         ((4096, 1000), "syrk", True),  # 2-D, K not a multiple of BLOCK_K
     ],
 )
