@@ -505,6 +505,12 @@ class NewtonSchulz:
         this same call after the first one (:mod:`dmuon_compile.ns_graphs`: bitwise the eager
         result, no launch overhead); with a ``norm`` they run directly.
         """
+        if norm is not None and tuple(norm.shape) != tuple(g.shape[:-2]) + (1, 1):
+            raise ValueError(
+                f"NewtonSchulz: norm has shape {tuple(norm.shape)}, expected "
+                f"{tuple(g.shape[:-2]) + (1, 1)} (one per matrix, keepdim): pass "
+                "frobenius_norm(g, ns.work_dtype_for(g.device)), or leave it out"
+            )
         if norm is None and ns_graphs.wanted(g):
             return self._graphed(self._config_key(g.device), self._orthogonalize, g)
         return self._orthogonalize(g, norm)

@@ -286,3 +286,9 @@ def test_a_given_norm_gives_the_same_result(shape, backend, seed):
     norm = frobenius_norm(g, ns.work_dtype_for(g.device))
     assert torch.equal(ns(g, norm), ns(g))
     assert not torch.equal(ns(g, norm * 4), ns(g))
+
+
+def test_a_norm_of_the_wrong_shape_is_refused():
+    g = torch.randn(3, 4, 6)
+    with pytest.raises(ValueError, match=r"expected \(3, 1, 1\)"):
+        NewtonSchulz()(g, torch.ones(3))
