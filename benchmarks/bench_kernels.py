@@ -122,8 +122,8 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
     rows = [
         "| shape | baseline ms | ours-cuBLAS ms | ours-Triton ms | speedup (1)/(3) "
         "| speedup (1)/(2) | TFLOP/s base | TFLOP/s (3) | rel.err base | rel.err (3) "
-        "| NaN/Inf base | NaN/Inf (3) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rel.err decay base | rel.err decay (3) | NaN/Inf base | NaN/Inf (3) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ours_cublas, ours_triton = NewtonSchulz(kernel="cublas"), NewtonSchulz(kernel="triton")
     print(f"ours: {ours_triton.describe()}", flush=True)
@@ -146,6 +146,11 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
         sub = g[:4] if batch > 4 else g
         err_base = rel_err(baseline_ns(sub), baseline_ns(sub.double(), work_dtype=torch.float64))
         err_ours = rel_err(ours_triton(sub), ours64(sub.double()))
+        # The same on an input whose spectrum decays over four decades (gradients look more
+        # like this than like Gaussian noise; benchmarks/ns_rounding.py).
+        dec = decaying_spectrum(sub.shape, gen)
+        dec_base = rel_err(baseline_ns(dec), baseline_ns(dec.double(), work_dtype=torch.float64))
+        dec_ours = rel_err(ours_triton(dec), ours64(dec.double()))
         bad_base = bad_ours = 0
         for i in range(nan_inputs):
             gi = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16) * (
@@ -159,7 +164,8 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
             f"| {name} | {t_base:.3f} | {t_cublas:.3f} | {t_triton:.3f} "
             f"| {t_base / t_triton:.2f}× | {t_base / t_cublas:.2f}× "
             f"| {flops_base / t_base / 1e9:.0f} | {flops_ours / t_triton / 1e9:.0f} | "
-            f"{err_base:.2e} | {err_ours:.2e} | {bad_base}/{nan_inputs} | {bad_ours}/{nan_inputs} |"
+            f"{err_base:.2e} | {err_ours:.2e} | {dec_base:.2e} | {dec_ours:.2e} "
+            f"| {bad_base}/{nan_inputs} | {bad_ours}/{nan_inputs} |"
         )
         print(rows[-1] + f"  (first call incl. autotune {tune_s:.1f} s)", flush=True)
         if profile:
@@ -173,6 +179,21 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
         del g
         torch.cuda.empty_cache()
     return rows, speedups
+
+
+def decaying_spectrum(shape, gen: torch.Generator, decades: float = 4.0) -> torch.Tensor:
+    """bf16 matrices ``U·diag(σ)·Vᵀ`` with random orthonormal ``U, V`` and σ spaced
+    logarithmically from 1 down to ``10^-decades`` (``shape``: ``(m, n)`` or ``(b, m, n)``)."""
+    *batch, m, n = shape
+    r = min(m, n)
+    dev = gen.device
+
+    def orthonormal(rows: int) -> torch.Tensor:
+        q = torch.randn(*batch, rows, r, generator=gen, device=dev, dtype=torch.float64)
+        return torch.linalg.qr(q).Q
+
+    sigma = torch.logspace(0, -decades, r, device=dev, dtype=torch.float64)
+    return ((orthonormal(m) * sigma) @ orthonormal(n).mT).to(torch.bfloat16)
 
 
 def stress_inputs(
@@ -398,7 +419,8 @@ def main(argv=None) -> int:
             "(1) baseline: torch.optim.Muon NS (direct, Keller Jordan, bf16, cuBLAS); "
             '(2) `NewtonSchulz(kernel="cublas")`; (3) `NewtonSchulz(kernel="triton")`, eager. '
             "TFLOP/s count each algorithm's own FLOPs (NewtonSchulz.flops for ours). rel.err: "
-            "‖out − float64 run of the same iteration‖/‖ref‖. "
+            "‖out − float64 run of the same iteration‖/‖ref‖, on the Gaussian input and on one "
+            "whose singular values decay from 1 to 1e-4 (`decaying_spectrum`). "
             "NaN/Inf: inputs whose output had any, inputs scaled 1e-3..1e3.",
             "",
         ]

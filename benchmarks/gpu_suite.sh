@@ -22,7 +22,7 @@
 #               its log and JUnit XML are archived
 #   step_S/M    bench_step.py (§B1) with a profile of each configuration
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
-#   fsdp1_S/M   the same on one GPU
+#   fsdp1_S/M   the same on one GPU (FSDP1_PROFILE=1: with profiler traces, as fsdp_S/M)
 #   hsdp_S/M    HSDP ngpu×1 (pure replicate), ours configurations only + AdamW, with the
 #               replicate-stage counters (DMUON_RECORD_FORWARD_PROFILE=1) and ours compiled on
 #               the 1-D mesh in the same run (HSDP_WITH_1D), for the HSDP/1-D ratio
@@ -96,7 +96,7 @@ for stage in $STAGES; do
     fsdp1_*)
       timeout $T torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py --model "$model" \
         --configs ${FSDP_CONFIGS:-adamw,naive_muon,ours_eager,ours_compiled} \
-        --out "$WORK/${stage}_1gpu.json" 2>&1 | quiet | tee "$log" | tail -25 ;;
+        --out "$WORK/${stage}_1gpu.json" ${FSDP1_PROFILE:+--profile "$WORK/prof"} 2>&1 | quiet | tee "$log" | tail -25 ;;
     hsdp_*|hsdp2_*)  # replicate over all GPUs (ngpu×1), or over 2 (2×ngpu/2)
       replicas=$ngpu; [ "${stage%%_*}" = hsdp2 ] && replicas=2
       DMUON_RECORD_FORWARD_PROFILE=1 timeout $T torchrun --standalone --nproc_per_node "$ngpu" \
