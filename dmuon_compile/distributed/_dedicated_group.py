@@ -187,12 +187,15 @@ class DedicatedGroup:
         flat = self.flat
         own = self.params_of(self.rank)
         if self.mode == "all_gather":
-            send = torch.zeros(self.padded_chunk, dtype=self.compute_dtype, device=self.device)
+            # In place, as FSDP2 gathers: this rank's chunk of ``flat`` is the input, so no send
+            # buffer is filled and no copy of it lands in ``flat`` (NCCL skips the own chunk).
+            # The chunk's padding is gathered unset: no weight is a view of it.
+            base, width = self.chunk_base[self.rank], self.padded_chunk
+            send = flat[base : base + width]
             for p in own:
-                start = p.offset - self.chunk_base[self.rank]
-                send[start : start + p.numel].copy_(p.source.detach().reshape(-1))
-            self.works = [C.all_gather(flat, send, self.pg)]
-            self._keepalive = send
+                flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
+            # One rank: its chunk is the whole buffer, nothing to gather.
+            self.works = [C.all_gather(flat, send, self.pg)] if self.world > 1 else []
         else:
             for p in own:
                 flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
@@ -229,7 +232,7 @@ class DedicatedGroup:
                 after = torch.cuda.Event(enable_timing=True)
                 after.record()
                 self.stall_events.append((before, after))
-        self.works, self._keepalive = [], None
+        self.works = []
         self.state = GroupState.UNSHARDED
         for p in self.params:  # module.weight is the compute copy until the reshard
             p.use_compute_copy()
@@ -277,27 +280,33 @@ class DedicatedGroup:
     @torch.no_grad()
     def _reduce_grads(self) -> None:
         send_size = self.flat.numel()
-        grads = torch.zeros(send_size, dtype=self.reduce_dtype, device=self.device)
+        # Every weight's slot is written once, its gradient or zeros (not a zero-filled buffer
+        # first: one pass less). The chunks' padding is sent unset: its sums land in the
+        # reduce output's padding, which no gradient is a view of.
+        grads = torch.empty(send_size, dtype=self.reduce_dtype, device=self.device)
         for p in self.params:
             g = p.unsharded.grad
+            slot = grads[p.offset : p.offset + p.numel]
             if g is not None:
-                grads[p.offset : p.offset + p.numel].copy_(
-                    local_of(_as_placed(g, p.unsharded)).reshape(-1)
-                )
+                slot.copy_(local_of(_as_placed(g, p.unsharded)).reshape(-1))
+            else:
+                slot.zero_()
             p.unsharded.grad = None
         before, _ = self._divisions()
         if before is not None:
             grads.div_(before)
         # This rank's chunk of the sums, at group offset ``chunk_base[rank]``.
-        if self.mode == "all_gather":
+        if self.world == 1:  # the sum over one rank is its gradient: no collective, no copy
+            out, works = grads, []
+        elif self.mode == "all_gather":
             out = torch.empty(self.padded_chunk, dtype=self.reduce_dtype, device=self.device)
-            work = C.reduce_scatter_sum(out, grads, self.pg)
+            works = [C.reduce_scatter_sum(out, grads, self.pg)]
         else:
             out = torch.empty(
                 self.chunk_numel[self.rank], dtype=self.reduce_dtype, device=self.device
             )
-            work = C.reduce_scatter_v_sum(out, self._chunks(grads), self.pg)
-        self.pending_reduce.append(([work], out, self.chunk_base[self.rank], grads))
+            works = [C.reduce_scatter_v_sum(out, self._chunks(grads), self.pg)]
+        self.pending_reduce.append((works, out, self.chunk_base[self.rank], grads))
         self.grads_ready.clear()
         self.reduced = True
         if self.record_profile:
@@ -328,8 +337,10 @@ class DedicatedGroup:
                 continue
             for p in self.params_of(self.rank):
                 start = p.offset - base
-                g = out[start : start + p.numel].view(p.shape).to(p.orig_dtype, copy=True)
-                p.accumulate_grad(g.div_(after))
+                g = out[start : start + p.numel].view(p.shape)
+                # One pass: the division writes the new gradient (``out`` is this reduce's own
+                # buffer, so with nothing to divide the gradient is a view of it, no copy).
+                p.accumulate_grad(g if after == 1 else torch.div(g, after))
         self.pending_reduce.clear()
 
     @torch.no_grad()
