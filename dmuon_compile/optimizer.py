@@ -201,13 +201,14 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         returned tuple of tensors would fail its ``ConstantVariable`` return path.
         """
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad  # read once: on a dedicated weight each read is a torch function
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise RuntimeError(f"Muon does not support sparse gradients ({self.param_name(p)})")
             state = self.state[p]
             params.append(p)
-            grads.append(p.grad)
+            grads.append(grad)
             if group["use_muon"]:
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(

@@ -102,7 +102,9 @@ class StepAgreement:
         flags: list[Tensor] = []
         for grads, finite in checked:
             params = [by_grad.get(id(g)) for g in grads]
-            if None not in params:  # else read below with the rest
+            # ``is``, not ``in``: ``None in params`` would call each tensor's ``__eq__`` (a
+            # torch function per matrix on the step's host path).
+            if all(p is not None for p in params):  # else read below with the rest
                 covered += params
                 flags.append(finite)
         taken = {id(p) for p in covered}
