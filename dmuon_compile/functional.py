@@ -377,12 +377,13 @@ def adamw_update(
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
     # Step counters live on the CPU (as torch.optim.AdamW keeps them by default): no device sync.
-    for p, m, v, step in zip(params, exp_avgs, exp_avg_sqs, steps):
-        t = float(step.item())
-        bias1 = 1.0 - beta1**t
-        bias2 = 1.0 - beta2**t
-        denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / bias1)
+    # The per-parameter bias corrections go in as scalar lists: four foreach calls, not four
+    # launches per parameter (torch.optim.AdamW's foreach body does the same).
+    counts = [float(step.item()) for step in steps]
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**t) for t in counts])
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1.0 - beta1**t) for t in counts])
 
 
 def _adamw_traced(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, wd) -> None:

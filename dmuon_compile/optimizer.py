@@ -341,8 +341,8 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         ``self._step_check`` (the parameters with gradients, those whose state this step
         created: dropped again if the step does not commit; their finite flags are added after
         the directions, by ``_check_finite``).
-        ``local=True`` gives local tensors (the owners' whole matrices, FSDP2's shards: AdamW
-        is elementwise) instead of DTensors. A failure here is appended to ``failure``; the
+        ``local=True`` gives the Muon jobs local tensors (the owners' whole matrices) instead
+        of DTensors; the AdamW lists are always local (FSDP2's shards: AdamW is elementwise). A failure here is appended to ``failure``; the
         lists then hold placeholders (the gradients): the step only sends them, never commits.
         """
         with_grad = [
@@ -369,9 +369,10 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                 grads = [p.grad for p in params]
                 state_a, state_b = list(grads), [(g, None) for g in grads]
             if not group["use_muon"]:
+                # AdamW is elementwise: it runs on the local tensors (FSDP2's shards), never
+                # through DTensor dispatch (~0.1 ms of host time per op and parameter).
                 lists = (params, grads, state_a, [b[0] for b in state_b])
-                if local:
-                    lists = tuple([local_of(t) for t in xs] for xs in lists)
+                lists = tuple([local_of(t) for t in xs] for xs in lists)
                 adamw.append((group, *lists, [b[1] for b in state_b]))
                 continue
             if len(plan.parts) == 1 and plan.parts[0].params is None:  # the lists as they are
