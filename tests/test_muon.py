@@ -5,6 +5,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import dmuon_compile as dmuon
@@ -115,6 +117,51 @@ def test_adamw_part_matches_torch_adamw():
         adamw_update(
             ours, grads, m, v, steps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
         )
+    for r, o in zip(ref, ours):
+        torch.testing.assert_close(o, r.detach(), rtol=1e-6, atol=1e-7)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(
+        st.lists(st.integers(1, 6), min_size=1, max_size=2).map(tuple), min_size=1, max_size=4
+    ),
+    steps=st.integers(1, 4),
+    skipped=st.sets(st.tuples(st.integers(0, 3), st.integers(0, 3))),
+    weight_decay=st.sampled_from([0.0, 0.1]),
+    seed=st.integers(0, 2**16),
+)
+def test_adamw_part_matches_torch_adamw_with_uneven_step_counts(
+    shapes, steps, skipped, weight_decay, seed
+):
+    """Parameters without a gradient in some steps have their own step count: the foreach body
+    takes each one's bias corrections, as torch.optim.AdamW does per parameter."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    ref = [nn.Parameter(p.clone()) for p in params]
+    ours = [p.clone() for p in params]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    torch_opt = torch.optim.AdamW(ref, foreach=False, **kw)
+    m = [torch.zeros_like(p) for p in ours]
+    v = [torch.zeros_like(p) for p in ours]
+    counts = [torch.zeros(()) for _ in ours]
+    for step in range(steps):
+        live = [i for i in range(len(ours)) if (step, i) not in skipped]
+        for i, r in enumerate(ref):
+            r.grad = None
+        grads = {i: torch.randn(shapes[i], generator=gen) for i in live}
+        for i in live:
+            ref[i].grad = grads[i].clone()
+        torch_opt.step()
+        if live:
+            adamw_update(
+                [ours[i] for i in live],
+                [grads[i] for i in live],
+                [m[i] for i in live],
+                [v[i] for i in live],
+                [counts[i] for i in live],
+                **kw,
+            )
     for r, o in zip(ref, ours):
         torch.testing.assert_close(o, r.detach(), rtol=1e-6, atol=1e-7)
 
