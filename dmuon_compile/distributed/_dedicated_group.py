@@ -337,10 +337,7 @@ class DedicatedGroup:
                 continue
             for p in self.params_of(self.rank):
                 start = p.offset - base
-                g = out[start : start + p.numel].view(p.shape)
-                # One pass: the division writes the new gradient (``out`` is this reduce's own
-                # buffer, so with nothing to divide the gradient is a view of it, no copy).
-                p.accumulate_grad(g if after == 1 else torch.div(g, after))
+                p.accumulate_reduced(out[start : start + p.numel].view(p.shape), after)
         self.pending_reduce.clear()
 
     @torch.no_grad()

@@ -117,6 +117,13 @@ class DedicatedParam:
         elif full is not None:
             local_of(grad).add_(full.to(self.orig_dtype))
 
+    @torch.no_grad()
+    def accumulate_reduced(self, summed: Tensor, divide_by: float) -> None:
+        """:meth:`accumulate_grad` of ``summed / divide_by``, ``summed`` this weight's slice of a
+        reduce's own output buffer: the division writes the gradient (one pass, not a copy and
+        then an in-place division), and with nothing to divide the slice is the gradient."""
+        self.accumulate_grad(summed if divide_by == 1 else torch.div(summed, divide_by))
+
     @property
     def master_device(self) -> torch.device:
         return local_of(self.param).device

@@ -139,12 +139,8 @@ class ReplicateStage:
             offset = 0
             for p in self.params:
                 if p.owns:
-                    g = (
-                        column_grads[offset : offset + p.numel]
-                        .view(p.shape)
-                        .to(p.orig_dtype, copy=True)
-                    )
-                    p.accumulate_grad(g.div_(divide_by))
+                    summed = column_grads[offset : offset + p.numel].view(p.shape)
+                    p.accumulate_reduced(summed, divide_by)
                 offset += p.numel
         self.pending_reduce.clear()
 

@@ -51,12 +51,13 @@ class _Writes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _one_backward(rank: int, world: int) -> dict:
+def _one_backward(rank: int, world: int, hsdp: bool = False) -> dict:
     from dmuon_compile.dedicated_registry import runtime_of
     from dmuon_compile.distributed import _collectives as C
     from dmuon_compile.distributed._dedicated_group import DedicatedGroup
+    from dmuon_compile.distributed._replicate import ReplicateStage
 
-    model, _ = models.build_dedicated(world)
+    model, _ = models.build_dedicated(world, hsdp=hsdp)
     x = models.batches(1, world)[0][rank * 2 : rank * 2 + 2]
     model(x).square().mean().backward()  # the first iteration records the hook order
 
@@ -68,6 +69,7 @@ def _one_backward(rank: int, world: int) -> dict:
         "_finish_reduce": "finish",
     }
     originals = {m: getattr(DedicatedGroup, m) for m in patched}
+    replicate_finish = ReplicateStage._finish_reduce
     collectives = {c: getattr(C, c) for c in calls}
     wait = C.wait
 
@@ -98,6 +100,7 @@ def _one_backward(rank: int, world: int) -> dict:
     try:
         for m, phase in patched.items():
             setattr(DedicatedGroup, m, phased(originals[m], phase))
+        ReplicateStage._finish_reduce = phased(replicate_finish, "replicate_finish")
         for c in calls:
             setattr(C, c, counted(collectives[c], c))
         C.wait = unrecorded_wait
@@ -108,6 +111,7 @@ def _one_backward(rank: int, world: int) -> dict:
     finally:
         for m in patched:
             setattr(DedicatedGroup, m, originals[m])
+        ReplicateStage._finish_reduce = replicate_finish
         for c in calls:
             setattr(C, c, collectives[c])
         C.wait = wait
@@ -118,6 +122,9 @@ def _one_backward(rank: int, world: int) -> dict:
         "groups": len(groups),
         "weights": sum(len(g.params) for g in groups),
         "owned": sum(len(g.params_of(g.rank)) for g in groups),
+        "global_owned": sum(
+            sum(p.owns for p in g.replicate.params) for g in groups if g.replicate is not None
+        ),
         "modes": sorted({g.mode for g in groups}),
     }
 
@@ -145,6 +152,21 @@ def test_the_runtime_writes_each_weight_once_per_unshard_and_per_reduce(world):
             assert calls["all_gather"] > 0 and calls["reduce_scatter_sum"] == got["groups"]
             # The mean over the ranks: one division per owned weight, writing its gradient.
             assert finish == ({"aten.div.Tensor": got["owned"]} if got["owned"] else {}), finish
+
+
+def test_hsdp_global_owners_divide_once_and_one_rank_shards_gather_nothing():
+    """HSDP 2×1: the shard groups have one rank (no shard collective); the replicate reduce's
+    global owner divides its sum once, into the gradient (no copy of it first)."""
+    owned = 0
+    for got in run_ranks(_one_backward, 2, True, timeout=120):
+        ops, calls = got["ops"], got["calls"]
+        assert calls == {"all_gather": 0, "reduce_scatter_sum": 0}
+        # The shard stage's finish only sends the column's sums on to the global owners.
+        assert set(ops.get("finish", {})) == {"c10d.reduce_.default"}, ops.get("finish")
+        expected = {"aten.div.Tensor": got["global_owned"]} if got["global_owned"] else {}
+        assert ops.get("replicate_finish", {}) == expected, ops.get("replicate_finish")
+        owned += got["global_owned"]
+    assert owned > 0  # each weight has one global owner, on one of the two replicas
 
 
 def test_the_op_record_sees_a_zero_filled_buffer():
