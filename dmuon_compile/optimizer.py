@@ -342,8 +342,9 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         created: dropped again if the step does not commit; their finite flags are added after
         the directions, by ``_check_finite``).
         ``local=True`` gives the Muon jobs local tensors (the owners' whole matrices) instead
-        of DTensors; the AdamW lists are always local (FSDP2's shards: AdamW is elementwise). A failure here is appended to ``failure``; the
-        lists then hold placeholders (the gradients): the step only sends them, never commits.
+        of DTensors; the AdamW lists are always local (FSDP2's shards: AdamW is elementwise).
+        A failure here is appended to ``failure``; the lists then hold placeholders (the
+        gradients): the step only sends them, never commits.
         """
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None

@@ -147,7 +147,7 @@ def test_adamw_part_matches_torch_adamw_with_uneven_step_counts(
     counts = [torch.zeros(()) for _ in ours]
     for step in range(steps):
         live = [i for i in range(len(ours)) if (step, i) not in skipped]
-        for i, r in enumerate(ref):
+        for r in ref:
             r.grad = None
         grads = {i: torch.randn(shapes[i], generator=gen) for i in live}
         for i in live:

@@ -33,4 +33,6 @@ def test_the_decaying_input_has_the_spectrum_it_names(shape, decades, seed):
     # bf16 rounding of the entries moves the small singular values most: compare in log space
     # on the top decades, where the rounding is far below the spacing.
     top = want >= 1e-2
-    assert torch.allclose(sigma[..., top].log10(), want[top].log10().expand_as(sigma[..., top]), atol=0.02)
+    assert torch.allclose(
+        sigma[..., top].log10(), want[top].log10().expand_as(sigma[..., top]), atol=0.02
+    )
