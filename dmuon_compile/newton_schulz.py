@@ -150,10 +150,6 @@ class CustomOpPrimitives(TorchPrimitives):
             return kernels.sym_mm_cuda(a, b, c, alpha, beta, gamma)
         return torch.ops.dmuon.sym_mm(a, b, c, alpha, beta, gamma)
 
-    @staticmethod
-    def add_identity(a: Tensor, gamma: float) -> Tensor:
-        return TorchPrimitives.add_identity(a, gamma)
-
 
 class QuackPrimitives(TorchPrimitives):
     """Symmetric products through Dao-AILab's quack ``gemm_symmetric`` (CuTe DSL kernels that

@@ -34,7 +34,7 @@ import torch
 from dmuon_compile.log import env_flag, progress
 
 # 2: mirror; 3: 128×256 strips; 4: TMA; 5-7: TMA stores; 8: C by TMA; 9: Gluon; 10: Gluon also
-# timed for sym_mm without C (Gram NS's C-less products).
+# timed for sym_mm products without a C term.
 CACHE_VERSION = 10
 CUBLAS = "cublas"
 LOG_SWITCH = "DMUON_SYRK_AUTOTUNE_LOG"

@@ -185,20 +185,18 @@ class DedicatedGroup:
 
     def _issue_unshard(self, prefetch: bool) -> None:
         flat = self.flat
-        own = self.params_of(self.rank)
-        if self.mode == "all_gather":
-            # In place, as FSDP2 gathers: this rank's chunk of ``flat`` is the input, so no send
-            # buffer is filled and no copy of it lands in ``flat`` (NCCL skips the own chunk).
-            # The chunk's padding is gathered unset: no weight is a view of it.
-            base, width = self.chunk_base[self.rank], self.padded_chunk
-            send = flat[base : base + width]
-            for p in own:
-                flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
-            # One rank: its chunk is the whole buffer, nothing to gather.
-            self.works = [C.all_gather(flat, send, self.pg)] if self.world > 1 else []
+        # Both shapes gather in place: this rank's masters are cast into its own chunk of
+        # ``flat``, which is the collective's input (as FSDP2 gathers: no send buffer to fill
+        # and copy). An ``all_gather`` chunk's padding is gathered unset: no weight views it.
+        for p in self.params_of(self.rank):
+            flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
+        if self.world == 1:  # its chunk is the whole buffer: nothing to gather
+            self.works = []
+        elif self.mode == "all_gather":
+            base = self.chunk_base[self.rank]
+            send = flat[base : base + self.padded_chunk]
+            self.works = [C.all_gather(flat, send, self.pg)]
         else:
-            for p in own:
-                flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
             self.works = [C.all_gather_v(self._chunks(flat), self.pg)]
         self.state = GroupState.UNSHARDING
         if self.record_profile:
