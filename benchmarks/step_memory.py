@@ -97,8 +97,9 @@ def all_at_once_schedule():
 
     bucketed = F.muon_directions
 
-    def all_at_once(grads, bufs, *, momentum, nesterov, ns):
-        return F.orthogonalize(F.nesterov_input(grads, bufs, F.hyper(momentum), nesterov), ns)
+    def all_at_once(grads, bufs, *, momentum, nesterov, ns, layouts=None):
+        updates = F.nesterov_input(grads, bufs, F.hyper(momentum), nesterov)
+        return F.orthogonalize(updates, ns, layouts=layouts)
 
     F.muon_directions = all_at_once
     try:

@@ -241,10 +241,20 @@ class CompiledMuonStep:
         return t
 
     def __call__(
-        self, params, grads, bufs, *, lr, weight_decay, momentum, nesterov, adjust_lr_fn
+        self,
+        params,
+        grads,
+        bufs,
+        *,
+        lr,
+        weight_decay,
+        momentum,
+        nesterov,
+        adjust_lr_fn,
+        layouts=None,
     ) -> None:
         """The whole step: :meth:`directions`, then :meth:`commit`."""
-        ortho = self.directions(grads, bufs, momentum=momentum, nesterov=nesterov)
+        ortho = self.directions(grads, bufs, momentum=momentum, nesterov=nesterov, layouts=layouts)
         self.commit(
             params,
             grads,
@@ -254,6 +264,7 @@ class CompiledMuonStep:
             weight_decay=weight_decay,
             momentum=momentum,
             adjust_lr_fn=adjust_lr_fn,
+            layouts=layouts,
         )
 
     def commit(
@@ -268,6 +279,7 @@ class CompiledMuonStep:
         momentum,
         adjust_lr_fn,
         commit_if: Tensor | None = None,
+        layouts=None,
     ):
         """``functional.commit_muon_step`` compiled: buf ← μ·buf + g and the weight update, in
         place (after ``Muon.step``'s agreement); hyper-parameters as 0-d device tensors.
@@ -291,9 +303,12 @@ class CompiledMuonStep:
             momentum=mu_t,
             adjust_lr_fn=adjust_lr_fn,
             commit_if=commit_if,
+            layouts=None if layouts is None else tuple(layouts),
         )
 
-    def directions(self, grads, bufs, *, momentum, nesterov, finite_flags: bool = False):
+    def directions(
+        self, grads, bufs, *, momentum, nesterov, finite_flags: bool = False, layouts=None
+    ):
         """``functional.muon_directions`` in the compiled graph: NS(u) of every matrix, no
         state written (``Muon.step`` agrees across ranks, then commits). ``finite_flags=True``
         returns ``(directions, flags)``: each matrix's finite flag from the norm NS takes
@@ -310,7 +325,7 @@ class CompiledMuonStep:
         mu_t = self.hyper_tensor(device, momentum)
         if self.mode == "reduce-overhead":
             self._mark_static(list(grads) + list(bufs) + [mu_t])
-        with self._first_call("Muon step", grads):
+        with self._first_call("Muon step", grads, layouts):
             return self.fn(
                 list(grads),
                 list(bufs),
@@ -318,17 +333,18 @@ class CompiledMuonStep:
                 nesterov=bool(nesterov),
                 ns=self.chain,
                 finite_flags=finite_flags,
+                layouts=None if layouts is None else tuple(layouts),  # constants: no guard churn
             )
 
     @contextlib.contextmanager
-    def _first_call(self, name: str, mats):
+    def _first_call(self, name: str, mats, layouts=None):
         """Counts a call (when it returns); the first one (trace + compile + run: tens of
         seconds on big models) is announced per rank, before and after, with its time."""
         if self.calls > 0:
             yield
             self.calls += 1
             return
-        buckets = len(F.shape_buckets(mats))
+        buckets = len(F.shape_buckets(mats, layouts))
         progress(
             f"compiling the {name} ({len(mats)} matrices, {buckets} shape bucket(s)); "
             "DMUON_COMPILE_LOG=0 silences this",

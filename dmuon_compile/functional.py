@@ -19,9 +19,32 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dmuon_compile.newton_schulz import NewtonSchulz, frobenius_norm, matrix_view
+from dmuon_compile.layouts import Layout
+from dmuon_compile.newton_schulz import NewtonSchulz, frobenius_norm
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original", "none")
+MATRIX = Layout()  # a 2-D weight: one matrix
+
+
+def layouts_of(tensors: Sequence[Tensor], layouts: Sequence[Layout] | None) -> list[Layout]:
+    """Each tensor's :class:`~dmuon_compile.layouts.Layout`: as given, else one matrix per 2-D
+    tensor; a tensor of more dims needs its layout given (no silent flattening).
+
+    >>> layouts_of([torch.zeros(2, 3)], None)
+    [Layout(kind='matrix', split=None, split_dim=0, transposed=False)]
+    """
+    if layouts is not None:
+        if len(layouts) != len(tensors):
+            raise ValueError(f"{len(layouts)} layouts for {len(tensors)} tensors")
+        return list(layouts)
+    for t in tensors:
+        if t.dim() != 2:
+            raise ValueError(
+                f"a tensor of shape {tuple(t.shape)} is not one matrix: pass layouts= "
+                "(dmuon_compile.layouts.Layout: experts(), conv(), ...) saying what its "
+                "matrices are"
+            )
+    return [MATRIX] * len(tensors)
 
 
 def hyper(value):
@@ -82,17 +105,21 @@ def momentum_update(
     return torch._foreach_add(grads, bufs, alpha=momentum)
 
 
-def shape_buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
-    """Indices of ``tensors`` grouped by (shape, dtype, device), in first-seen order: the stacks
-    Newton–Schulz orthogonalises in one batched call. The step's only bucketing; traceable (the
-    keys are static under ``dynamic=False``).
+def shape_buckets(
+    tensors: Sequence[Tensor], layouts: Sequence[Layout] | None = None
+) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (matrix shape, dtype, device), in first-seen order:
+    the stacks Newton–Schulz orthogonalises in one batched call (an expert stack's matrices
+    join the 2-D weights of their shape). The step's only bucketing; traceable (the keys are
+    static under ``dynamic=False``).
 
     >>> shape_buckets([torch.zeros(2, 3), torch.zeros(4, 4), torch.zeros(2, 3)])
     [[0, 2], [1]]
     """
+    lays = layouts_of(tensors, layouts)
     buckets: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        buckets.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    for i, (t, lay) in enumerate(zip(tensors, lays)):
+        buckets.setdefault((lay.stacked_shape(t.shape), t.dtype, t.device), []).append(i)
     return list(buckets.values())
 
 
@@ -103,26 +130,30 @@ def orthogonalize(
     *,
     release: bool = False,
     finite: list | None = None,
+    layouts: Sequence[Layout] | None = None,
 ) -> list[Tensor]:
-    """NS(u) for every update; same-shape matrices are stacked into one batched call.
+    """NS(u) for every update, by its layout (an expert stack: each expert's matrix on its
+    own); matrices of one shape are stacked into one batched call.
 
     ``release=True`` drops each bucket's entries of ``updates`` (set to ``None``) once they are
     stacked: inputs the caller holds nowhere else (``muon_directions``' Nesterov inputs) are
     then freed before Newton–Schulz allocates its work copies. ``finite`` (a list, stacked
     matrices only): receives, per shape bucket, ``(indices of its updates, flags)``, the flags
-    a 1-D bool tensor saying whether each one's Frobenius norm — the one NS normalises by — is
-    finite.
+    a 1-D bool tensor saying whether each update's Frobenius norms — the ones NS normalises
+    by — are finite.
     """
+    lays = layouts_of(updates, layouts)
     if not batch_same_shape:
-        return [ns(matrix_view(u)).reshape(u.shape) for u in updates]
+        return [lay.unmatrices(ns(lay.matrices(u)), u.shape) for u, lay in zip(updates, lays)]
     out: list[Tensor | None] = [None] * len(updates)
-    for idx in shape_buckets(updates):
+    for idx in shape_buckets(updates, lays):
         bucket = [updates[i] for i in idx]
         if release:
             for i in idx:
                 updates[i] = None
         bucket_flags: list | None = [] if finite is not None else None
-        for i, r in zip(idx, _orthogonalize_bucket(bucket, ns, bucket_flags)):
+        results = _orthogonalize_bucket(bucket, ns, bucket_flags, [lays[i] for i in idx])
+        for i, r in zip(idx, results):
             out[i] = r
         if finite is not None:
             finite.append((idx, bucket_flags[0]))
@@ -130,24 +161,42 @@ def orthogonalize(
 
 
 def _orthogonalize_bucket(
-    bucket: list[Tensor], ns: NewtonSchulz, finite: list | None = None
+    bucket: list[Tensor], ns: NewtonSchulz, finite: list | None, layouts: list[Layout]
 ) -> list[Tensor]:
-    """NS of one shape bucket, one batched call for several matrices; empties ``bucket`` once
+    """NS of one shape bucket, one batched call for all its matrices; empties ``bucket`` once
     it is stacked (see ``orthogonalize``'s ``release``). ``finite``: receives the bucket's
-    finite flags (1-D), from the norm NS normalises by (taken once, handed to NS)."""
-    shape = bucket[0].shape
-    mats = [matrix_view(u) for u in bucket]
-    stack = mats[0] if len(mats) == 1 else torch.stack(mats)
+    finite flags (1-D, one per update), from the norms NS normalises by (taken once, handed
+    to NS)."""
+    shapes = [u.shape for u in bucket]
+    mats = [lay.matrices(u) for u, lay in zip(bucket, layouts)]
+    counts = [1 if m.dim() == 2 else m.shape[0] for m in mats]
+    if len(mats) == 1:
+        stack = mats[0]
+    elif all(m.dim() == 2 for m in mats):
+        stack = torch.stack(mats)
+    else:  # expert stacks (and 2-D weights of the same matrix shape): one batch
+        stack = torch.cat([m.unsqueeze(0) if m.dim() == 2 else m for m in mats])
     bucket.clear()
     del mats
     norms = None
     if finite is not None:  # NS normalises by the same norms: one reduction, not two
         norms = frobenius_norm(stack, ns.work_dtype_for(stack.device))
-        finite.append(torch.isfinite(norms).reshape(-1))
+        flags = torch.isfinite(norms).reshape(-1)
+        if any(c != 1 for c in counts):  # an update is finite when all its matrices are
+            flags = torch.stack([f.all() for f in flags.split(counts)])
+        finite.append(flags)
     ortho = ns(stack, norms)
-    results = [ortho] if stack.dim() == 2 else list(ortho.unbind(0))
-    # 2-D parameters need no reshape (and a traced step skips a call per matrix).
-    return [r if r.shape == shape else r.reshape(shape) for r in results]
+    if stack.dim() == 2 or len(counts) == 1:
+        results = [ortho]
+    elif all(c == 1 for c in counts):
+        results = list(ortho.unbind(0))
+    else:
+        results = list(ortho.split(counts))
+    # 2-D weights need no reshape (and a traced step skips a call per matrix).
+    return [
+        r if r.shape == shape else lay.unmatrices(r, shape)
+        for r, shape, lay in zip(results, shapes, layouts)
+    ]
 
 
 def apply_muon_update(
@@ -157,6 +206,7 @@ def apply_muon_update(
     weight_decay: float | Tensor,
     adjust_lr_fn: str | None,
     matrix_shapes: Sequence[Sequence[int]] | None = None,
+    layouts: Sequence[Layout] | None = None,
 ) -> None:
     """W ← (1 − lr·wd)·W − lr·scale(W)·O, in place (``lr``, ``weight_decay``: floats or 0-d
     tensors).
@@ -164,10 +214,12 @@ def apply_muon_update(
     Floats (eager) skip a zero decay and fold the step into ``add_``'s ``alpha``; tensors (the
     compiled step: no value may pick a branch, and ``alpha`` takes no tensor) always decay and
     scale by a 0-d factor. The same math. ``matrix_shapes``: the whole matrices' shapes when
-    ``params`` are shards of them (TP: the scale is the whole matrix's), else each param's own.
+    ``params`` are shards of them (TP: the scale is the whole matrix's), else each param's own
+    matrices' (``layouts``: an expert's, a fused half's).
     """
     if matrix_shapes is None:
-        matrix_shapes = [matrix_view(p).shape for p in params]
+        lays = layouts_of(params, layouts)
+        matrix_shapes = [lay.matrix_shape(p.shape) for p, lay in zip(params, lays)]
     scales = [lr_scale(shape, adjust_lr_fn) for shape in matrix_shapes]
     if _traced(lr, weight_decay):
         _apply_traced(params, ortho, lr, weight_decay, scales)
@@ -208,6 +260,7 @@ def muon_directions(
     nesterov: bool,
     ns: NewtonSchulz,
     finite_flags: bool = False,
+    layouts: Sequence[Layout] | None = None,
 ) -> list[Tensor] | tuple[list[Tensor], Tensor]:
     """The first half of a Muon step: NS(u) for every matrix, writing nothing.
 
@@ -228,13 +281,16 @@ def muon_directions(
     direction plus one bucket's working set, never every matrix's ``u`` at once.
     """
     momentum = hyper(momentum)
+    lays = layouts_of(grads, layouts)
     out: list[Tensor | None] = [None] * len(grads)
     order: list[int] = []  # the matrices in bucket order: the order of the flags' pieces
     pieces: list[Tensor] = []
-    for idx in shape_buckets(grads):
+    for idx in shape_buckets(grads, lays):
         bucket = nesterov_input([grads[i] for i in idx], [bufs[i] for i in idx], momentum, nesterov)
         finite: list | None = [] if finite_flags else None
-        for i, r in zip(idx, orthogonalize(bucket, ns, release=True, finite=finite)):  # frees u
+        bucket_lays = [lays[i] for i in idx]
+        results = orthogonalize(bucket, ns, release=True, finite=finite, layouts=bucket_lays)
+        for i, r in zip(idx, results):  # orthogonalize freed u
             out[i] = r
         for piece_idx, piece in finite or ():
             order += [idx[j] for j in piece_idx]
@@ -277,6 +333,7 @@ def commit_muon_step(
     momentum: float | Tensor,
     adjust_lr_fn: str | None = "match_rms_adamw",
     commit_if: Tensor | None = None,
+    layouts: Sequence[Layout] | None = None,
 ) -> None:
     """The second half of a Muon step, in place: buf ← μ·buf + g (the buf' that
     :func:`muon_directions` used), W ← (1 − lr·wd)·W − lr·scale(W)·O. Elementwise only.
@@ -292,12 +349,12 @@ def commit_muon_step(
     if commit_if is None:
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, grads)
-        apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn)
+        apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn, layouts=layouts)
         return
     new_bufs = torch._foreach_mul(bufs, momentum)
     torch._foreach_add_(new_bufs, grads)
     new_params = [p.clone() for p in params]
-    apply_muon_update(new_params, ortho, lr, weight_decay, adjust_lr_fn)
+    apply_muon_update(new_params, ortho, lr, weight_decay, adjust_lr_fn, layouts=layouts)
     for old, new in zip(list(bufs) + list(params), list(new_bufs) + new_params):
         old.copy_(torch.where(commit_if, new, old))
 
@@ -313,11 +370,14 @@ def muon_update(
     nesterov: bool,
     ns: NewtonSchulz,
     adjust_lr_fn: str | None = "match_rms_adamw",
+    layouts: Sequence[Layout] | None = None,
 ) -> None:
     """One Muon step on whole matrices, in place: momentum → Newton–Schulz → scaled update.
 
     buf ← μ·buf + g; u = g + μ·buf (Nesterov) or buf; W ← (1 − lr·wd)·W − lr·scale(W)·NS(u),
-    with same-shape matrices orthogonalised as one stack.
+    with same-shape matrices orthogonalised as one stack. ``layouts``: what each tensor's
+    matrices are (:class:`~dmuon_compile.layouts.Layout`; default: each 2-D tensor is one
+    matrix, and a tensor of more dims raises).
 
     The only implementation of the Muon step, in two halves: :func:`muon_directions` (computes,
     writes nothing) and :func:`commit_muon_step` (elementwise, in place). ``Muon``'s step runs
@@ -332,7 +392,9 @@ def muon_update(
         muon_update([w], [w.grad], [buf], lr=0.02, weight_decay=0.0, momentum=0.95,
                     nesterov=True, ns=NewtonSchulz())
     """
-    ortho = muon_directions(grads, bufs, momentum=momentum, nesterov=nesterov, ns=ns)
+    ortho = muon_directions(
+        grads, bufs, momentum=momentum, nesterov=nesterov, ns=ns, layouts=layouts
+    )
     commit_muon_step(
         params,
         grads,
@@ -342,6 +404,7 @@ def muon_update(
         weight_decay=weight_decay,
         momentum=momentum,
         adjust_lr_fn=adjust_lr_fn,
+        layouts=layouts,
     )
 
 

@@ -22,6 +22,7 @@ from dmuon_compile.distributed._owned import (
     is_owned,
     local_of,
 )
+from dmuon_compile.layouts import Layout, get_layout, resolve_layout, whole_expert_shards
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 from dmuon_compile.param_groups import (
     MuonGroups,
@@ -154,6 +155,9 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         # survive load_state_dict (it replaces the group dicts, not this attribute).
         self.compiled_steps: dict[StepKey, CompiledMuonStep] = {}
         self._param_names: dict[int, str] = {}
+        # Each Muon parameter's Layout (what its matrices are), by id: routing fills it for a
+        # Muon(model); ``_layout`` resolves the rest (declared, or 2-D).
+        self._layouts: dict[int, Layout] = {}
         self._step_check: _StepCheck | None = None  # from _prepare to _agree, within a step
 
         muon_defaults = dict(
@@ -189,6 +193,22 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         self._hold_hypers_hook = self.register_step_pre_hook(_hold_hypers)
         # Per group: its size and where its dedicated weights sit (``restore_dedicated``).
         self._dedicated_slots = [_dedicated_slots(g["params"]) for g in self.param_groups]
+        for group in self.param_groups:  # an unknown ≥3-D layout raises here, not at step()
+            if group["use_muon"]:
+                for p in group["params"]:
+                    self._layout(p)
+
+    def _layout(self, p: Tensor) -> Layout:
+        """``p``'s :class:`~dmuon_compile.layouts.Layout`: from routing, declared on it
+        (``dmuon.set_layout``), or one matrix for a 2-D tensor; otherwise an error naming it."""
+        layout = self._layouts.get(id(p))
+        if layout is None:
+            if get_layout(p) is None and p.ndim == 2:
+                layout = F.MATRIX
+            else:
+                layout = resolve_layout(self.param_name(p), p)
+            self._layouts[id(p)] = layout
+        return layout
 
     # ------------------------------------------------------------------ state
     def _init_group(
@@ -236,7 +256,12 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             if not group["use_muon"]:
                 continue
             for p in group["params"]:
-                if id(p) in ids and isinstance(p, DTensor) and not isinstance(p, OwnerTensor):
+                if (
+                    id(p) in ids
+                    and isinstance(p, DTensor)
+                    and not isinstance(p, OwnerTensor)
+                    and not whole_expert_shards(p, self._layout(p))
+                ):
                     raise ValueError(
                         f"Muon: {self.param_name(p)} is a Muon matrix but a DTensor shard "
                         f"({tuple(p.placements)} on {p.device_mesh}): it was sharded after the "
@@ -369,6 +394,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                 params = [p for p in group["params"] if p.grad is not None]
                 grads = [p.grad for p in params]
                 state_a, state_b = list(grads), [(g, None) for g in grads]
+            lays = [self._layout(p) for p in params] if group["use_muon"] else []
             if not group["use_muon"]:
                 # AdamW is elementwise: it runs on the local tensors (FSDP2's shards), never
                 # through DTensor dispatch (~0.1 ms of host time per op and parameter).
@@ -377,7 +403,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                 adamw.append((group, *lists, [b[1] for b in state_b]))
                 continue
             if len(plan.parts) == 1 and plan.parts[0].params is None:  # the lists as they are
-                jobs[0].append((plan.parts[0].name, group, params, grads, state_a))
+                jobs[0].append((plan.parts[0].name, group, params, grads, state_a, lays))
                 continue
             taken: set[int] = set()
             for part, part_jobs in zip(plan.parts, jobs):
@@ -389,10 +415,11 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                 taken.update(idx)
                 if idx:
                     picked = ([params[i] for i in idx], [grads[i] for i in idx])
-                    part_jobs.append((part.name, group, *picked, [state_a[i] for i in idx]))
+                    rest = ([state_a[i] for i in idx], [lays[i] for i in idx])
+                    part_jobs.append((part.name, group, *picked, *rest))
         if local:
             jobs = [
-                [(part, g, *_owned_locals(ps, gs, bs)) for part, g, ps, gs, bs in part_jobs]
+                [(part, g, *_owned_locals(ps, gs, bs, ls)) for part, g, ps, gs, bs, ls in part_jobs]
                 for part_jobs in jobs
             ]
         # The finite flags are taken after the directions (``_check_finite``): the compiled
@@ -407,6 +434,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         params: list,
         grads: list,
         bufs: list,
+        layouts: list,
         failure: list,
         tp=None,
     ) -> _StepHalf:
@@ -422,11 +450,13 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
 
         tp_half = None
         if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (_tp/stage.py)
+            lay_of = {id(p): lay for p, lay in zip(params, layouts)}
             mine, (params, grads, bufs) = tp.split(params, grads, bufs)
+            layouts = [lay_of[id(p)] for p in params]
             if mine:
                 tp_half = self._tp_directions(tp, group, mine, failure)
-        params, grads, bufs = _owned_locals(params, grads, bufs)
-        half = _StepHalf(group, params, grads, bufs, None, tp, tp_half)
+        params, grads, bufs, layouts = _owned_locals(params, grads, bufs, layouts)
+        half = _StepHalf(group, params, grads, bufs, None, tp, tp_half, layouts=layouts)
         if not params or failure:
             return half
         if tp is not None and not tp.updates_plain():
@@ -439,7 +469,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             # Both run functional.muon_directions: compiled (one graph) or called eagerly (also
             # what a user's torch.compile(opt.step) traces).
             compiled = half.compiled = compiled_step_for(self, group, params, part=part)
-            hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"])
+            hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"], layouts=layouts)
             with label(NS):
                 if compiled is not None:
                     ortho, half.finite = compiled.directions(
@@ -535,6 +565,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             momentum=group["momentum"],
             adjust_lr_fn=group["adjust_lr_fn"],
             commit_if=commit_if,
+            layouts=half.layouts,
         )
         if half.tp is not None:  # TP rank 0's new plain masters and momentum to its column
             half.tp.broadcast_plain(half.params, half.bufs)
@@ -554,6 +585,7 @@ class _StepHalf:
     receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
     compiled: object = None  # the CompiledMuonStep of the directions: it commits too
     finite: Tensor | None = None  # compiled: per matrix of ``grads``, finite? (from NS's norms)
+    layouts: list | None = None  # each matrix's Layout (what NS and the lr rule see)
 
 
 def _deferrable(plan: StepPlan, halves: list, failure: list) -> bool:
@@ -573,17 +605,17 @@ def _deferrable(plan: StepPlan, halves: list, failure: list) -> bool:
     )
 
 
-def _owned_locals(params: list, grads: list, bufs: list) -> tuple[list, list, list]:
-    """Local tensors of the matrices this rank holds whole (plain tensors pass through)."""
-    kept: tuple[list, list, list] = ([], [], [])
-    for p, g, b in zip(params, grads, bufs):
-        if is_owned(p):
+def _owned_locals(params: list, grads: list, bufs: list, layouts: list) -> tuple[list, ...]:
+    """Local tensors of the matrices this rank holds whole (plain tensors pass through), with
+    their layouts: a dedicated weight on its owner, an expert stack's local whole experts."""
+    kept: tuple[list, list, list, list] = ([], [], [], [])
+    for p, g, b, lay in zip(params, grads, bufs, layouts):
+        if is_owned(p) or whole_expert_shards(p, lay):
             p, g, b = local_of(p), local_of(g), local_of(b)
             if p.numel() == 0:
                 continue
-        kept[0].append(p)
-        kept[1].append(g)
-        kept[2].append(b)
+        for xs, x in zip(kept, (p, g, b, lay)):
+            xs.append(x)
     return kept
 
 

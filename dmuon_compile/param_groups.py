@@ -40,7 +40,7 @@ class MuonGroups:
             if runtime is not None:
                 runtime.check_registered()
                 runtime.check_compute_dtypes()
-            muon, adamw = _route_model(params, predicate)
+            muon, adamw = _route_model(params, predicate, layouts=self._layouts)
             if not muon and not self._has_dedicated(params):
                 warnings.warn(
                     "Muon: no parameter was routed to Muon (all get AdamW). Check predicate= or "
@@ -115,7 +115,9 @@ class MuonGroups:
         else:
             chosen = {id(p): default_muon_predicate(n, p) for n, p in zip(names, tensors)}
         if self.model is not None:
-            muon, adamw = _route_model(self.model, self._predicate, only=set(chosen))
+            muon, adamw = _route_model(
+                self.model, self._predicate, only=set(chosen), layouts=self._layouts
+            )
             chosen.update({id(p): True for _, p in muon})
             chosen.update({id(p): False for _, p in adamw})
         return [chosen[id(p)] for p in tensors]
@@ -147,6 +149,9 @@ class MuonGroups:
                     )
         if not groups:
             raise ValueError("Muon.add_param_group: the group has no parameters")
+        for group in groups:  # an unknown ≥3-D layout raises before any group is added
+            for p in group["params"] if group["use_muon"] else ():
+                self._layout(p)
         for group in groups:
             super().add_param_group(group)  # fills "momentum" into AdamW groups too
             _tensor_hypers([self.param_groups[-1]], taken=self.param_groups[:-1])

@@ -39,16 +39,29 @@ from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
 from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
 from dmuon_compile.distributed.policy import resolve_dtypes
+from dmuon_compile.layouts import Layout, infer_layout, resolve_layout, set_layout
+from dmuon_compile.routing import routing_module
 
 PROFILE_ENV = env.RECORD_FORWARD_PROFILE
 
 
-def _call_predicate(predicate, name: str, param: Tensor, modules: list[nn.Module]) -> bool:
+def _call_predicate(predicate, name: str, param: Tensor, modules: list[nn.Module]):
+    """``False``, ``True``, or the :class:`Layout` the predicate returned (selected).
+
+    The default leaves expert stacks to FSDP2: sharded along the expert dim (its default
+    ``Shard(0)``), every rank holds whole experts and orthogonalises its own, so their Newton–
+    Schulz spreads over all ranks (dedicated whole, one rank would run a stack's every expert).
+    A predicate may still select them (each stack then has one owner)."""
     if predicate is None:
         from dmuon_compile.routing import default_muon_predicate, routing_module
 
-        return default_muon_predicate(name, param, routing_module(modules))
-    return bool(predicate(name, param))
+        module = routing_module(modules)
+        layout = infer_layout(name, param, module)
+        if layout is not None and layout.kind == "experts":
+            return False
+        return default_muon_predicate(name, param, module)
+    verdict = predicate(name, param)
+    return verdict if isinstance(verdict, Layout) else bool(verdict)
 
 
 def _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout) -> None:
@@ -253,11 +266,11 @@ def dedicate_params(
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
             module_of.setdefault(id(p), []).append(mod)
-    selected = [
-        (name, p)
+    verdicts = {
+        name: _call_predicate(predicate, name, p, module_of[id(p)]) if p.requires_grad else False
         for name, p in model.named_parameters()
-        if p.requires_grad and _call_predicate(predicate, name, p, module_of[id(p)])
-    ]
+    }
+    selected = [(name, p) for name, p in model.named_parameters() if verdicts[name] is not False]
     if not selected:
         _no_match_warning(model)
         return {}
@@ -278,6 +291,12 @@ def dedicate_params(
         _check_boundary_runs(
             name, *_boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
         )
+    # What each selected weight's matrices are (an expert stack: one per expert); an unknown
+    # ≥3-D layout raises here, before anything changed.
+    layouts = {
+        name: resolve_layout(name, p, routing_module(module_of[id(p)]), verdicts[name])
+        for name, p in selected
+    }
 
     # A model built on the meta device: each owner allocates its masters here (uninitialised,
     # like model.to_empty); nothing else of a dedicated weight is ever allocated whole.
@@ -294,7 +313,7 @@ def dedicate_params(
         if mesh.device_type == "cuda"
         else torch.device(mesh.device_type)
     )
-    specs = [MatrixSpec(n, tuple(p.shape), p.element_size()) for n, p in selected]
+    specs = [MatrixSpec(n, tuple(p.shape), p.element_size(), layouts[n]) for n, p in selected]
     if tp is None:
         plan, tp_plan = plan_owners(specs, replicas * world, layer_id_fn=layer_id_fn), None
     else:  # owners over DP × TP slots: shard t of a matrix has the same DP owner on every t
@@ -387,6 +406,7 @@ def dedicate_params(
         omesh = owner_mesh(mesh.device_type, global_owner)
         set_dp_mesh(omesh, dp_mesh)  # where its norms go: FSDP2's mesh (clip_grad_norm_)
         dp.register(omesh, masters.get(dp.fqn), device)
+        set_layout(dp.param, layouts[dp.fqn])  # Muon(model) reads it: per-expert NS on the owner
         make_holder(dp.module, dp.attr, dp)
     mark_ancestors(model)  # model.to(dtype) checks every dedicated weight before converting
     for g in groups:

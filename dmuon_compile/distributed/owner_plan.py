@@ -26,6 +26,10 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from dmuon_compile.layouts import Layout
+
+_ONE_MATRIX = Layout.conv()  # (shape[0], prod(rest)): a 2-D shape as it is
+
 # Container names whose next path component is a layer index: Llama/Mistral ``layers.N``,
 # ViT/timm ``blocks.N`` (without it a ViT's blocks would collapse into one layer),
 # GPT-2 ``h.N``, BERT ``layer.N``, and a few common spellings.
@@ -82,6 +86,9 @@ class MatrixSpec:
     fqn: str
     shape: tuple[int, ...]
     itemsize: int = 4  # bytes per element of the master weight
+    # What its matrices are (an expert stack: E of them); None: one matrix, a ≥3-D shape
+    # viewed as (shape[0], prod(rest)) (a conv kernel).
+    layout: Layout | None = None
 
     @property
     def numel(self) -> int:
@@ -92,10 +99,12 @@ class MatrixSpec:
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
-        rest = 1
-        for s in self.shape[1:]:
-            rest *= int(s)
-        return int(self.shape[0]), rest
+        """The shape of each of its matrices, as Newton–Schulz sees it."""
+        return (self.layout or _ONE_MATRIX).stacked_shape(self.shape)
+
+    @property
+    def matrix_count(self) -> int:
+        return 1 if self.layout is None else self.layout.count(self.shape)
 
 
 @dataclass
@@ -251,7 +260,7 @@ def plan_owners(
     for s in specs:
         layer = layer_of(s.fqn)
         layers.append(default_layer_key(s.fqn) if layer is None else str(layer))
-    flops = [float(flops_of(*s.matrix_shape)) for s in specs]
+    flops = [float(s.matrix_count * flops_of(*s.matrix_shape)) for s in specs]
     sizes = [s.numel * s.itemsize for s in specs]
     total_f = sum(flops) or 1.0
     total_b = sum(sizes) or 1

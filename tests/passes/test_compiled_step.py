@@ -88,8 +88,10 @@ def test_non_symmetric_a_left_alone_by_inductor():
 
 
 def _params(shapes, dtype, seed):
+    """Parameters of ``shapes``; a 3-D one is declared an expert stack (per-expert NS)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    return [dmuon.set_layout(p, dmuon.Layout.experts()) if p.ndim == 3 else p for p in ps]
 
 
 def _set_grads(ps_a, ps_b, seed):

@@ -1,0 +1,131 @@
+"""Expert stacks under dedicate_params + FSDP2 (1-D and HSDP) train equal to one process with
+per-expert Newton–Schulz, including a rank whose tokens reach only some experts.
+
+The control: the same single-process run with each stack orthogonalised as one flattened
+``(E, hidden·dim)`` matrix (what a ≥3-D weight got before layouts) ends far from the
+distributed run, so the comparison can tell per-expert from flattened updates.
+Everything in fp32 (NewtonSchulz(work_dtype=float32)); tolerances as in
+test_dedicated_training.py (only reduction orders differ).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import moe_models
+from .harness import full_state, run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
+
+STEPS = 5
+HYPER = {"lr": 0.02, "momentum": 0.95, "adamw_lr": 1e-2, "weight_decay": 0.01, "compile": False}
+
+
+def _ns():
+    import dmuon_compile as dmuon
+
+    return dmuon.NewtonSchulz(kernel="cublas", work_dtype=torch.float32)
+
+
+def _loss(model, x):
+    # Depends on the output (not only on its normalisation): a wrong update changes it.
+    return (model(x) - 0.5).square().mean()
+
+
+def reference(world: int, flattened: bool = False):
+    import dmuon_compile as dmuon
+
+    model = moe_models.build_moe()
+    predicate = None
+    if flattened:  # the control: each expert stack as one (E, hidden·dim) matrix
+
+        def predicate(name, p):
+            if p.ndim == 3:
+                return dmuon.Layout.conv()
+            return dmuon.default_muon_predicate(name, p)
+
+    opt = dmuon.Muon(model, ns_backend=_ns(), predicate=predicate, **HYPER)
+    losses = []
+    for x in moe_models.expert_batches(moe_models.build_moe(), STEPS, world):
+        loss = _loss(model, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _select_experts_too(name, p):
+    import dmuon_compile as dmuon
+
+    return p.ndim == 3 or dmuon.default_muon_predicate(name, p)
+
+
+def train(rank: int, world: int, hsdp: bool, dedicate_experts: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon_compile as dmuon
+
+    model = moe_models.build_moe()
+    predicate = _select_experts_too if dedicate_experts else None
+    if hsdp:
+        mesh2 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        owners = dmuon.dedicate_params(
+            model, mesh2["shard"], predicate=predicate, replicate_mesh=mesh2["replicate"]
+        )
+        mesh = mesh2
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        owners = dmuon.dedicate_params(model, mesh, predicate=predicate)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
+    layouts = {
+        opt.param_name(p): opt._layout(p).kind
+        for g in opt.param_groups
+        if g["use_muon"]
+        for p in g["params"]
+    }
+    per_rank = moe_models.expert_batches(moe_models.build_moe(), STEPS, world)
+    losses, reached = [], []
+    for x in per_rank:
+        mine = x.chunk(world)[rank]
+        reached.append(sorted(moe_models.experts_reached(moe_models.build_moe(), mine)))
+        loss = _loss(model, mine)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        summed = loss.detach().clone()
+        torch.distributed.all_reduce(summed)
+        losses.append(summed.item() / world)
+    return losses, full_state(model), owners, layouts, reached[0]
+
+
+@pytest.mark.parametrize(
+    "hsdp, dedicate_experts",
+    [(False, False), (False, True), (True, False), (True, True)],
+    ids=["fsdp2-sharded", "fsdp2-dedicated", "hsdp2x1-sharded", "hsdp2x1-dedicated"],
+)
+def test_expert_stacks_train_equal_to_one_process(hsdp, dedicate_experts):
+    """Expert stacks either left to FSDP2 (the default: ``Shard(0)``, each rank's whole experts
+    orthogonalised where they live) or dedicated whole (a predicate selecting them)."""
+    world = 2
+    ref_losses, ref_state = reference(world)
+    results = run_ranks(train, world, hsdp, dedicate_experts, timeout=120)
+    losses, state, owners, layouts, _ = results[0]
+    assert layouts["layers.0.experts.w1"] == "experts"
+    assert ("layers.0.experts.w1" in owners) == dedicate_experts
+    assert "layers.0.proj.weight" in owners  # the dense matrices are dedicated either way
+    assert "layers.0.router.weight" not in layouts  # the router gets AdamW
+    # The last rank's tokens reach only experts 0 and 1 of the first layer.
+    assert results[world - 1][4] == [0, 1]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(state[name], ref, atol=2e-4, rtol=0, msg=name)
+    # Control: the flattened form moves the expert weights elsewhere.
+    _, flat_state = reference(world, flattened=True)
+    gap = (flat_state["layers.0.experts.w1"] - state["layers.0.experts.w1"]).abs().max()
+    assert gap > 1e-2, gap
