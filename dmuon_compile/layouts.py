@@ -155,14 +155,21 @@ def whole_expert_shards(param: Tensor, layout: Layout) -> bool:
     parallelism's ``Shard(0)`` over an ``ep`` mesh, or both), replicated otherwise. Then each
     rank orthogonalises its own experts exactly: a local shard is a stack of whole matrices.
     (A ``Shard(1)`` split, as torchtitan's expert FSDP uses when ``efsdp · ep > E``, is not.)"""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(param, DTensor) or layout.kind != "experts":
         return False
-    return all(
-        isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0)
-        for pl in param.placements
-    )
+    return all(isinstance(pl, Replicate) or _shards_dim0(pl) for pl in param.placements)
+
+
+def _shards_dim0(placement) -> bool:
+    """``Shard(0)``, or FSDP2's ``_StridedShard(0)`` over a ``Shard(0)`` (expert parallelism):
+    either way a local index of dim 0 is one whole expert. (``_StridedShard`` is not a
+    ``Shard`` subclass on torch 2.13, and its ``is_shard()`` is False there.)"""
+    from torch.distributed.tensor import Shard
+
+    strided = type(placement).__name__ == "_StridedShard"
+    return (isinstance(placement, Shard) or strided) and getattr(placement, "dim", None) == 0
 
 
 def set_layout(param: Tensor, layout: Layout) -> Tensor:

@@ -78,3 +78,55 @@ def experts_reached(model: TinyMoE, x: torch.Tensor) -> set[int]:
     with torch.no_grad():
         scores = model.layers[0].router(x).softmax(-1)
     return set(scores.topk(TOP_K, dim=-1).indices.flatten().tolist())
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class EPGroupedExperts(GroupedExperts):
+    """``GroupedExperts`` with its stacks ``Shard(0)`` over an ``ep`` mesh (expert parallelism):
+    every rank computes its local experts for all of the ep group's tokens — an all-gather in
+    and a reduce-scatter out, the dense equivalent of the all-to-all dispatch — so each local
+    expert's gradient sums every ep rank's tokens. An expert no token reached gets zeros."""
+
+    ep_mesh = None
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as fc
+
+        mesh, r = self.ep_mesh, self.ep_mesh.get_local_rank()
+        xs = fc.all_gather_tensor_autograd(x, 0, mesh)
+        ws = fc.all_gather_tensor_autograd(weights, 0, mesh)
+        # Each local expert's gradient sums the ep group's tokens; FSDP2 over the expert-data-
+        # parallel mesh divides by its own size only: 1/ep more makes it the global average
+        # (torchtitan sets FSDP2's gradient divide factor instead, a PREMUL_SUM gloo lacks).
+        scale = 1.0 / mesh.size()
+        w1, w2, w3 = (_GradScale.apply(w.to_local(), scale) for w in (self.w1, self.w2, self.w3))
+        local = w1.shape[0]
+        ws = ws[:, r * local : (r + 1) * local]
+        h = torch.nn.functional.silu(torch.einsum("td,ehd->teh", xs, w1))
+        h = h * torch.einsum("td,ehd->teh", xs, w3)
+        out = torch.einsum("ted,te->td", torch.einsum("teh,edh->ted", h, w2), ws)
+        return fc.reduce_scatter_tensor_autograd(out, "sum", 0, mesh)
+
+
+def make_expert_parallel(model: TinyMoE, ep_mesh) -> None:
+    """Shard every block's expert stacks ``Shard(0)`` over ``ep_mesh`` (torchtitan's EP
+    layout), in place; the experts then run :class:`EPGroupedExperts`' forward."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for block in model.layers:
+        experts = block.experts
+        experts.__class__ = EPGroupedExperts
+        experts.ep_mesh = ep_mesh
+        for name in ("w1", "w2", "w3"):
+            whole = getattr(experts, name).detach()
+            setattr(experts, name, nn.Parameter(distribute_tensor(whole, ep_mesh, [Shard(0)])))

@@ -129,3 +129,60 @@ def test_expert_stacks_train_equal_to_one_process(hsdp, dedicate_experts):
     _, flat_state = reference(world, flattened=True)
     gap = (flat_state["layers.0.experts.w1"] - state["layers.0.experts.w1"]).abs().max()
     assert gap > 1e-2, gap
+
+
+def train_ep(rank: int, world: int, ep: int):
+    """Dense matrices dedicated over all ranks, expert stacks ``Shard(0)`` over ``ep`` and
+    FSDP2 ``Shard(0)`` over the expert-data-parallel mesh (size ``world // ep``): each rank
+    holds whole experts and orthogonalises only those."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon_compile as dmuon
+
+    model = moe_models.build_moe()
+    dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    experts_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    moe_models.make_expert_parallel(model, experts_mesh["ep"])
+    owners = dmuon.dedicate_params(model, dp)
+    for block in model.layers:
+        fully_shard(block.experts, mesh=experts_mesh["efsdp"])
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
+    w1 = model.layers[0].experts.w1
+    local_experts = w1.to_local().shape[0]
+    layouts = {
+        opt.param_name(p): opt._layout(p).kind
+        for g in opt.param_groups
+        if g["use_muon"]
+        for p in g["params"]
+    }
+    losses = []
+    for x in moe_models.expert_batches(moe_models.build_moe(), STEPS, world):
+        mine = x.chunk(world)[rank]
+        loss = _loss(model, mine)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        summed = loss.detach().clone()
+        torch.distributed.all_reduce(summed)
+        losses.append(summed.item() / world)
+    state = {}
+    for name, p in model.named_parameters():
+        state[name] = p.full_tensor() if "experts" in name else None
+    state.update({k: v for k, v in full_state(model).items() if "experts" not in k})
+    return losses, state, owners, layouts, local_experts, str(w1.placements)
+
+
+@pytest.mark.parametrize("world, ep", [(2, 2), (4, 2)], ids=["ep2", "ep2xefsdp2"])
+def test_expert_parallel_trains_equal_to_one_process(world, ep):
+    ref_losses, ref_state = reference(world)
+    results = run_ranks(train_ep, world, ep, timeout=140)
+    losses, state, owners, layouts, local_experts, placements = results[0]
+    assert local_experts == moe_models.EXPERTS // world  # whole experts, split over all ranks
+    assert layouts["layers.0.experts.w1"] == "experts"
+    assert "layers.0.experts.w1" not in owners and "layers.0.proj.weight" in owners
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(state[name], ref, atol=2e-4, rtol=0, msg=name)

@@ -66,6 +66,12 @@ def detect_tp(selected, dp_mesh: DeviceMesh, replicate_mesh=None) -> TPInfo | No
                 'dedicate_params(model, mesh["dp"]) (or mesh["shard"] with replicate_mesh=).'
             )
         placement = p.placements[0]
+        if p.ndim == 3 and isinstance(placement, Shard) and placement.dim == 0:
+            raise ValueError(
+                f"dedicate_params: {name} is an expert-parallel stack (Shard(0) over mesh dim "
+                f"{mesh.mesh_dim_names}); it cannot be dedicated. Leave it out of the predicate "
+                "(the default does): each rank's Muon then orthogonalises its own whole experts."
+            )
         if not isinstance(placement, Shard) or placement.dim not in (0, 1) or p.ndim != 2:
             raise ValueError(
                 f"dedicate_params: {name} is a {p.ndim}-D DTensor with placement {placement}; TP "
@@ -99,6 +105,8 @@ def detect_tp_mesh(model: nn.Module, dp_mesh: DeviceMesh, replicate_mesh=None) -
         n for m in (dp_mesh, replicate_mesh) if m is not None for n in m.mesh_dim_names or ()
     }
     for p in model.parameters():
+        if p.ndim != 2:  # expert stacks sharded over an ``ep`` mesh: no TP axis for matrices
+            continue
         mesh = p.device_mesh if isinstance(p, DTensor) else None
         if mesh is None or mesh.ndim != 1 or mesh.mesh_dim_names is None:
             continue
