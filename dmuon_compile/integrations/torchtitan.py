@@ -31,6 +31,8 @@ torchtitan is an optional dependency: importing this module without it raises an
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,15 +49,27 @@ import torch
 from torch import nn
 
 import dmuon_compile as dmuon
+from dmuon_compile.routing import is_router
 
-__all__ = ["MuonOptimizers", "dedicating", "default_predicate"]
+__all__ = ["MuonOptimizers", "dedicating", "default_predicate", "muon_predicate"]
 
 FSDP_STEP = "apply_fsdp_to_decoder"  # the name parallelize_fn calls FSDP2 through
 
 
 def default_predicate(name: str, param: torch.Tensor) -> bool:
-    """The transformer blocks' 2-D weights (``layers.*``): not the embeddings, not the head."""
-    return name.startswith("layers.") and param.ndim == 2
+    """The weights ``dedicating`` dedicates: the transformer blocks' 2-D weights
+    (``layers.*``), not the embeddings, the head or a mixture-of-experts router
+    (``moe.router.gate``: AdamW, ``dmuon_compile.routing.is_router``). Expert stacks
+    (``GroupedExperts``' 3-D ``w1``/``w2``/``w3``) stay with FSDP2 and expert parallelism,
+    sharded along the expert dim; ``MuonOptimizers`` gives them Muon, each rank
+    orthogonalising its own whole experts."""
+    return name.startswith("layers.") and param.ndim == 2 and not is_router(name)
+
+
+def muon_predicate(name: str, param: torch.Tensor) -> bool:
+    """Every matrix that gets Muon in a ``dedicating`` job: :func:`default_predicate`'s and
+    the blocks' expert stacks (a one-process reference of the same job uses it)."""
+    return default_predicate(name, param) or (name.startswith("layers.") and param.ndim == 3)
 
 
 def _dp_dims(dp_mesh):
@@ -86,12 +100,17 @@ def dedicating(
     ``parallelism.spmd_backend="partial_dtensor"`` (the other backends hand FSDP2 a
     multi-dimensional storage mesh). Pipeline parallelism is not supported.
     """
-    namespace = getattr(parallelize_fn, "__globals__", {})
-    if FSDP_STEP not in namespace:
+    if getattr(parallelize_fn, "_dmuon_dedicating", False):
+        raise TypeError("dmuon: this parallelize_fn is already wrapped by dedicating(...)")
+    # Through other wrappers (functools.wraps): the function whose module calls FSDP2.
+    inner = inspect.unwrap(parallelize_fn)
+    namespace = getattr(inner, "__globals__", {})
+    fsdp_step = namespace.get(FSDP_STEP) or _torchtitan_fsdp_step()
+    if not any(name.startswith("apply_fsdp_to_") for name in namespace):
         raise TypeError(
-            f"dmuon: {getattr(parallelize_fn, '__qualname__', parallelize_fn)} does not call "
-            f"torchtitan's {FSDP_STEP}; call dmuon.dedicate_params(model, mesh) yourself "
-            "between TP/compile and fully_shard."
+            f"dmuon: {getattr(inner, '__qualname__', inner)} does not call torchtitan's "
+            f"{FSDP_STEP}; call dmuon.dedicate_params(model, mesh) yourself between TP/compile "
+            "and fully_shard."
         )
 
     @functools.wraps(parallelize_fn)
@@ -104,7 +123,6 @@ def dedicating(
             )
         if parallel_dims.pp_enabled:
             raise ValueError("dmuon: pipeline parallelism is not supported with dedicated weights")
-        fsdp_step = namespace[FSDP_STEP]
         calls = []
 
         def dedicate_then_fsdp(module, dp_mesh, *args, **kw):
@@ -118,18 +136,41 @@ def dedicating(
             calls.append(module)
             return fsdp_step(module, dp_mesh, *args, **kw)
 
-        namespace[FSDP_STEP] = dedicate_then_fsdp
+        # Every torchtitan module that imported the FSDP step (DeepSeek-V3's MTP decoder calls
+        # it from its own module), for the duration of the call.
+        holders = _holders_of(fsdp_step)
+        for holder in holders:
+            holder[FSDP_STEP] = dedicate_then_fsdp
         try:
             out = parallelize_fn(
                 model, parallel_dims=parallel_dims, parallelism=parallelism, **kwargs
             )
         finally:
-            namespace[FSDP_STEP] = fsdp_step
+            for holder in holders:
+                holder[FSDP_STEP] = fsdp_step
         if len(calls) != 1:
             raise RuntimeError(f"dmuon: {FSDP_STEP} ran {len(calls)} times (expected once)")
         return out
 
+    parallelize._dmuon_dedicating = True
     return parallelize
+
+
+def _torchtitan_fsdp_step():
+    from torchtitan.distributed import fsdp
+
+    return getattr(fsdp, FSDP_STEP)
+
+
+def _holders_of(fsdp_step) -> list[dict]:
+    """The globals of every loaded torchtitan module bound to ``fsdp_step``."""
+    return [
+        vars(module)
+        for name, module in list(sys.modules.items())
+        if name.startswith("torchtitan")
+        and module is not None
+        and vars(module).get(FSDP_STEP) is fsdp_step
+    ]
 
 
 class MuonOptimizers(OptimizersContainer):
