@@ -40,12 +40,19 @@ on torch 2.13 and 2.11):
   DTensor's sharding rules rebuild plain ``Shard(0)`` for its outputs (wrong labels), and its
   foreach rules mixed it up with FSDP2's own ``Shard(0)`` gradients of the same shape (a hang).
 
+Plain saving works as for any DTensor: ``data_ptr()`` is 0 (what marks a wrapper subclass for
+torch), so ``torch.save`` (``torch.load`` with its default ``weights_only``), ``copy.deepcopy``
+and ``dcp.async_save`` take an owner tensor by its local tensor; a loaded or copied one is back
+on this process's owner mesh object, which the lookups here go by.
+
 Beside this module: ``_owner_meshes.py`` (the owner meshes and what is known about each),
 ``_owner_norms.py`` (the norm of an owner tensor, the clip's local scaling) and
 ``_owner_init.py`` (``nn.init`` and random fills on dedicated weights).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -92,11 +99,27 @@ class OwnerTensor(DTensor):
         return full_tensor(self)
 
     def data_ptr(self) -> int:
-        # The address of this rank's data (0 where it holds none), as FSDP2's DTensors are
-        # addressed by their local shard. accelerate's FSDP2 prepare matches the optimizer's
-        # parameters to the model's by it; ``Muon`` puts back the weights held elsewhere,
-        # which all have address 0 (``Muon.restore_dedicated``).
-        return _dt.local_tensor(self).data_ptr()
+        # 0: a wrapper holds no data of its own, and torch tells a wrapper subclass by that
+        # (torch.save pickles it by its local tensor, copy.deepcopy clones it). torch 2.13 gives
+        # a DTensor its local tensor's storage offset, which makes a weight viewing a flat buffer
+        # (HSDP's masters and replicas) read as non-zero without this.
+        return 0
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy copies every slot, the mesh too: the copy keeps this owner mesh, by which
+        # it is known for what it is (full_tensor's holders, the norms' mesh).
+        mesh = _dt.spec(self).mesh
+        memo.setdefault(id(mesh), mesh)
+        return super().__deepcopy__(memo)
+
+    def __setstate__(self, state) -> None:
+        # Unpickling (torch.load) rebuilds the mesh as a copy: this process's equal owner mesh
+        # takes its place, as in __deepcopy__; a copy that matches none (another process) stays.
+        torch._utils._set_obj_state(self, state)
+        spec = _dt.spec(self)
+        known = _known_owner_mesh(spec.mesh)
+        if known is not None and known is not spec.mesh:
+            self._spec = dataclasses.replace(spec, mesh=known)
 
     def to_local(self, *, grad_placements=None) -> Tensor:
         _pending.before_access(write=False)  # a pending update lands first (_pending.py)
@@ -155,6 +178,23 @@ class OwnerTensor(DTensor):
                 return out
         with _compat.disable_torch_function_subclass():
             return _rewrap(func(*args, **kwargs))
+
+
+# torch.load's default (weights_only) loads DTensors; owner tensors are DTensors of the same parts.
+torch.serialization.add_safe_globals([OwnerTensor])
+
+
+def _known_owner_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The owner mesh of this process equal to ``mesh`` (``mesh`` itself when it is one)."""
+    if is_owner_mesh(mesh):
+        return mesh
+    if mesh.ndim == 1 and mesh.size() == 1:
+        known = MESHES.owner_meshes.get((mesh.device_type, int(mesh.mesh.reshape(-1)[0])))
+        return known if known == mesh else None
+    for known in MESHES.keep:  # TP owner group meshes
+        if id(known) in MESHES.group_ranks and known == mesh:
+            return known
+    return None
 
 
 # ``p.grad``, ``p.data``, ``p.grad = None``: no value read or written (``zero_grad`` right after an

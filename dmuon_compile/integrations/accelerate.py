@@ -5,9 +5,10 @@ on the model itself, so the weights must be dedicated *before* it, on the ranks 
 will shard over, and the optimizer must be built on the dedicated model (it routes the
 dedicated weights to Muon). :func:`dedicate_params` does the first; then plain
 ``accelerator.prepare(model, dmuon.Muon(model))`` works: accelerate swaps the optimizer's
-FSDP2 parameters for their shards (matching them by data address), and right after that swap
-the ``Muon`` puts its dedicated weights, which ``fully_shard`` does not touch, back where they
-were (:func:`dedicate_params` installs that, once per process; see :func:`_restore_after_swap`)::
+FSDP2 parameters for their shards (matching them by data address, which tells no dedicated
+weight apart), and right after that swap the ``Muon`` puts its dedicated weights, which
+``fully_shard`` does not touch, back where they were (:func:`dedicate_params` installs that,
+once per process; see :func:`_restore_after_swap`)::
 
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -151,12 +152,16 @@ def _restore_after_swap() -> None:
     """Make accelerate's FSDP2 prepare leave a ``dmuon.Muon``'s dedicated weights in place.
 
     The prepare swaps every optimizer parameter for the one ``fully_shard`` registered under its
-    name, found by data address (``fsdp2_switch_optimizer_parameters``). A dedicated weight held
-    by another rank has no data here (address 0), so that swap mixes those up. accelerate offers
-    no hook after it, so its swap function is wrapped (once per process): after each swap a
-    ``Muon`` (also inside accelerate's ``AcceleratedOptimizer``) puts them back
-    (``Muon.restore_dedicated``), once per prepare instead of a check in every step. Other
-    optimizers are left as accelerate leaves them."""
+    name, found by data address (``fsdp2_switch_optimizer_parameters``). A dedicated weight has
+    no address that tells it apart: none here where another rank holds it, and where it is held,
+    accelerate versions differ (1.10 to 1.12 key the model's side by ``data_ptr()``, which is
+    0 for every DTensor wrapper, and the optimizer's by the local tensor's address). So for a
+    ``Muon`` (also inside accelerate's ``AcceleratedOptimizer``) the dedicated slots may find
+    any weight or none in that lookup, and right after it ``Muon.restore_dedicated`` puts each
+    dedicated weight back by identity, once per prepare instead of a check in every step; any
+    other parameter must still be found. accelerate offers no hook after the swap, so its swap
+    function is wrapped (once per process). Other optimizers are left as accelerate leaves
+    them."""
     import accelerate.accelerator as accelerator_module
 
     swap = getattr(accelerator_module, "fsdp2_switch_optimizer_parameters", None)
@@ -171,15 +176,32 @@ def _restore_after_swap() -> None:
         return
 
     def swap_then_restore(optimizer, mapping):
-        swap(optimizer, mapping)
         from dmuon_compile.optimizer import Muon
 
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-        if isinstance(inner, Muon):
-            inner.restore_dedicated()
+        if not isinstance(inner, Muon):
+            swap(optimizer, mapping)
+            return
+        swap(optimizer, _Unmatched(mapping))
+        inner.restore_dedicated()
+        if any(p is _Unmatched.MISSING for g in inner.param_groups for p in g["params"]):
+            raise KeyError(  # accelerate's own error for a parameter it cannot find
+                "A parameter in the optimizer couldn't be switched to its sharded version "
+                "(accelerate's FSDP2 prepare found no parameter of the model at its address)."
+            )
 
     swap_then_restore.restores_dedicated = True
     accelerator_module.fsdp2_switch_optimizer_parameters = swap_then_restore
+
+
+class _Unmatched(dict):
+    """accelerate's address -> parameter mapping, giving ``MISSING`` for an address it lacks (a
+    dedicated slot's: ``restore_dedicated`` refills those; any other is an error)."""
+
+    MISSING = None
+
+    def __missing__(self, key):
+        return self.MISSING
 
 
 class MuonFactory:

@@ -9,6 +9,9 @@ workaround kept here); everything else is accelerate's own code: ``accelerator.p
   ``integrations.accelerate.dedicate_params`` trains like one process with the whole batch
   (weights within 1e-5 after 3 steps). Before, prepare raised ``KeyError: A parameter in the
   optimizer couldn't be switched to its sharded version``.
+- The same with the model's parameters keyed as accelerate 1.10-1.12 keyed them (a dedicated
+  weight by its ``data_ptr()``, 0, the optimizer's side by its local tensor's address): before,
+  prepare raised accelerate's ``KeyError`` on each rank that holds a dedicated weight.
 - Control: the optimizer's parameter lists right after accelerate's swap (before Muon puts
   its dedicated weights back, once, inside prepare) hold the wrong weights on a rank that owns
   some but not all: the swap alone is not enough, and the test would see it.
@@ -135,10 +138,37 @@ def train_prepared(rank: int, world: int, steps: int, accelerator) -> dict:
     }
 
 
+def keyed_as_accelerate_1_12(accelerator):
+    """``accelerator`` keying the model's parameters as accelerate 1.10-1.12 did: a DTensor
+    subclass (a dedicated weight) by its own ``data_ptr()``, which is 0 for every DTensor
+    wrapper, while the optimizer's side has the local tensor's address (1.16 keys both so)."""
+    from torch.distributed.tensor import DTensor
+
+    named_parameters = accelerator._get_named_parameters
+
+    def keys(*args, drop_refs=False):
+        named = named_parameters(*args, drop_refs=drop_refs)
+        if drop_refs:
+            for model in (a for a in args if isinstance(a, torch.nn.Module)):
+                for name, p in model.named_parameters():
+                    if isinstance(p, DTensor) and type(p) is not DTensor:
+                        named[name] = p.data_ptr()
+        return named
+
+    accelerator._get_named_parameters = keys
+    return accelerator
+
+
 def accelerate_worker(rank: int, world: int, steps: int):
     ddp_error = ddp_of_dedicated(world)
     out = train_prepared(rank, world, steps, fsdp2_accelerator(world))
-    return {**out, "ddp_error": ddp_error, "sharded_error": sharded_muon_matrix(world)}
+    older = train_prepared(rank, world, steps, keyed_as_accelerate_1_12(fsdp2_accelerator(world)))
+    return {
+        **out,
+        "older_keys": older,
+        "ddp_error": ddp_error,
+        "sharded_error": sharded_muon_matrix(world),
+    }
 
 
 def gpu_worker(rank: int, world: int, steps: int):
@@ -182,6 +212,19 @@ def test_prepare_trains_like_one_process(accelerate_ranks):
         assert "lm_head.weight" in out["kept"][1]  # the head and the vectors: AdamW
         for name, want in ref.items():
             torch.testing.assert_close(out["state"][name], want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_prepare_with_older_accelerate_keys_trains_like_one_process(accelerate_ranks):
+    """accelerate 1.10-1.12 key a dedicated weight differently on the model's side (its
+    ``data_ptr()``, 0) and the optimizer's (its local tensor's address), so where it is held the
+    swap finds nothing at its address: the integration leaves dedicated slots to
+    ``Muon.restore_dedicated`` instead of failing with accelerate's ``KeyError``."""
+    ref = reference(WORLD, STEPS)
+    for rank, out in enumerate(accelerate_ranks):
+        older = out["older_keys"]
+        assert older["kept"] == older["built"] and older["restores"] == 1, rank
+        for name, want in ref.items():
+            torch.testing.assert_close(older["state"][name], want, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.gpu
