@@ -334,6 +334,7 @@ def commit_muon_step(
     adjust_lr_fn: str | None = "match_rms_adamw",
     commit_if: Tensor | None = None,
     layouts: Sequence[Layout] | None = None,
+    matrix_shapes: Sequence[Sequence[int]] | None = None,
 ) -> None:
     """The second half of a Muon step, in place: buf ← μ·buf + g (the buf' that
     :func:`muon_directions` used), W ← (1 − lr·wd)·W − lr·scale(W)·O. Elementwise only.
@@ -342,6 +343,8 @@ def commit_muon_step(
     written as ``where(commit_if, new, old)``, so a step whose verdict turns out false changes
     nothing, NaN gradients included, and no host read has to come first. Compiled, the select
     fuses into the same kernels (the same bytes); eager, it costs a copy of each tensor.
+    ``matrix_shapes``: each matrix's whole shape when ``params`` are shards of it (the
+    learning-rate rule reads it); default: from the tensors and ``layouts``.
     """
     lr, weight_decay, momentum = hyper(lr), hyper(weight_decay), hyper(momentum)
     if not params:
@@ -349,12 +352,12 @@ def commit_muon_step(
     if commit_if is None:
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, grads)
-        apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn, layouts=layouts)
+        apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn, matrix_shapes, layouts)
         return
     new_bufs = torch._foreach_mul(bufs, momentum)
     torch._foreach_add_(new_bufs, grads)
     new_params = [p.clone() for p in params]
-    apply_muon_update(new_params, ortho, lr, weight_decay, adjust_lr_fn, layouts=layouts)
+    apply_muon_update(new_params, ortho, lr, weight_decay, adjust_lr_fn, matrix_shapes, layouts)
     for old, new in zip(list(bufs) + list(params), list(new_bufs) + new_params):
         old.copy_(torch.where(commit_if, new, old))
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_compile import functional as F
 from dmuon_compile.between_steps import BetweenSteps
+from dmuon_compile.distributed._expert_shards import needs_reshard
 from dmuon_compile.distributed._owned import (
     OwnerTensor,
     is_owned,
@@ -261,6 +262,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                     and isinstance(p, DTensor)
                     and not isinstance(p, OwnerTensor)
                     and not whole_expert_shards(p, self._layout(p))
+                    and not needs_reshard(p, self._layout(p))
                 ):
                     raise ValueError(
                         f"Muon: {self.param_name(p)} is a Muon matrix but a DTensor shard "
@@ -317,7 +319,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         failure: list = []  # this rank's [(phase, exception)]
         jobs, adamw = self._prepare(plan, torch.compiler.is_compiling(), failure)
         halves = [
-            [self._muon_directions(*job, failure, plan.tp) for job in part_jobs]
+            [h for job in part_jobs for h in self._muon_directions(*job, failure, plan.tp)]
             for part_jobs in jobs
         ]
         # Only the TP halves cross into ``_agree`` (eager): under a user-compiled step the other
@@ -437,9 +439,11 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         layouts: list,
         failure: list,
         tp=None,
-    ) -> _StepHalf:
+    ) -> list[_StepHalf]:
         """The first half of Muon for some of a group's matrices (``part`` names the subset:
         one compiled graph each): the compiled step if enabled, else the eager reference.
+        Expert stacks sharded inside their experts get a half of their own
+        (:meth:`_resharded_directions`).
 
         Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local
         tensors (the whole matrix on its owner); ranks that hold no rows of a matrix skip it.
@@ -455,15 +459,25 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             layouts = [lay_of[id(p)] for p in params]
             if mine:
                 tp_half = self._tp_directions(tp, group, mine, failure)
+        halves = []
+        inside = [i for i, (p, lay) in enumerate(zip(params, layouts)) if needs_reshard(p, lay)]
+        if inside:  # expert stacks sharded inside their experts: NS on whole experts
+            picked = ([xs[i] for i in inside] for xs in (params, grads, bufs, layouts))
+            halves.append(self._resharded_directions(group, *picked, failure))
+            kept = [i for i in range(len(params)) if i not in set(inside)]
+            params, grads, bufs, layouts = (
+                [xs[i] for i in kept] for xs in (params, grads, bufs, layouts)
+            )
         params, grads, bufs, layouts = _owned_locals(params, grads, bufs, layouts)
         half = _StepHalf(group, params, grads, bufs, None, tp, tp_half, layouts=layouts)
+        halves.insert(0, half)
         if not params or failure:
-            return half
+            return halves
         if tp is not None and not tp.updates_plain():
             # Plain weights of a TP model: one master per TP column, stepped on TP rank 0; the
             # other TP ranks take weights and momentum from its broadcast in the commit.
             half.receive_plain = True
-            return half
+            return halves
 
         def directions():
             # Both run functional.muon_directions: compiled (one graph) or called eagerly (also
@@ -487,7 +501,39 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             )
             if half.ortho is None:
                 half.finite = None  # a failed call's flags do not count
-        return half
+        return halves
+
+    def _resharded_directions(
+        self, group: dict, params: list, grads: list, bufs: list, layouts: list, failure: list
+    ) -> _StepHalf:
+        """The first half of Muon for expert stacks sharded inside their experts
+        (``distributed/_expert_shards.py``): the Nesterov inputs of the local shards,
+        redistributed to whole experts, orthogonalised, redistributed back. The
+        redistributions go out on every rank whatever happened here (placeholders after a
+        failure); the commit applies the local shards with each expert's whole shape."""
+        from dmuon_compile.distributed._expert_shards import orthogonalize_resharded
+
+        shapes = [lay.matrix_shape(p.shape) for p, lay in zip(params, layouts)]
+        lp, lg, lb = ([local_of(x) for x in xs] for xs in (params, grads, bufs))
+        updates = lg  # placeholders (never committed) when this rank has failed
+        if not failure:
+            updates = guarded(
+                failure,
+                PHASE_EAGER,
+                lambda: F.nesterov_input(lg, lb, F.hyper(group["momentum"]), group["nesterov"]),
+                lg,
+            )
+
+        def orthogonalize(mats, lays):
+            if failure:
+                return mats
+            return guarded(
+                failure, PHASE_EAGER, lambda: F.orthogonalize(mats, self.ns, layouts=lays), mats
+            )
+
+        with label(NS):
+            ortho = orthogonalize_resharded(params, updates, layouts, orthogonalize)
+        return _StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
 
     def _tp_directions(self, tp, group: dict, mine: list, failure: list) -> TPStepHalf:
         """The first half of Muon on a part's TP matrices (``mine``: ``tp.split``'s rows), one
@@ -566,6 +612,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             adjust_lr_fn=group["adjust_lr_fn"],
             commit_if=commit_if,
             layouts=half.layouts,
+            **({"matrix_shapes": half.matrix_shapes} if half.matrix_shapes else {}),
         )
         if half.tp is not None:  # TP rank 0's new plain masters and momentum to its column
             half.tp.broadcast_plain(half.params, half.bufs)
@@ -586,6 +633,7 @@ class _StepHalf:
     compiled: object = None  # the CompiledMuonStep of the directions: it commits too
     finite: Tensor | None = None  # compiled: per matrix of ``grads``, finite? (from NS's norms)
     layouts: list | None = None  # each matrix's Layout (what NS and the lr rule see)
+    matrix_shapes: list | None = None  # whole matrices' shapes when the tensors are shards
 
 
 def _deferrable(plan: StepPlan, halves: list, failure: list) -> bool:

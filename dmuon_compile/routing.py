@@ -85,6 +85,7 @@ def route_model(
     parameter whose layout none of them gives raises, naming it and how to declare it.
     """
     from dmuon_compile.dedicated_registry import dedicated_parameters  # late: no import cycle
+    from dmuon_compile.distributed._expert_shards import needs_reshard
 
     # By identity, not name: a module wrapped after dedicate_params (checkpoint_wrapper adds
     # ``_checkpoint_wrapped_module.`` to the names) still holds the same dedicated parameters.
@@ -109,8 +110,8 @@ def route_model(
         layout = None
         if chosen and hasattr(p, "to_local") and id(p) not in dedicated:  # FSDP2/TP/EP shard
             layout = _layout_or_none(name, p, module, verdict)
-            if layout is not None and whole_expert_shards(p, layout):
-                pass  # each rank orthogonalises its own whole experts
+            if layout is not None and (whole_expert_shards(p, layout) or needs_reshard(p, layout)):
+                pass  # whole experts: held, or redistributed for NS (_expert_shards.py)
             elif dedicated:
                 chosen = False  # an FSDP2 shard next to dedicated params: NS on a shard is wrong
             else:

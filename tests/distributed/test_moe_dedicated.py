@@ -131,12 +131,15 @@ def test_expert_stacks_train_equal_to_one_process(hsdp, dedicate_experts):
     assert gap > 1e-2, gap
 
 
-def train_ep(rank: int, world: int, ep: int):
+def train_ep(rank: int, world: int, ep: int, expert_shard_dim: int = 0):
     """Dense matrices dedicated over all ranks, expert stacks ``Shard(0)`` over ``ep`` and
-    FSDP2 ``Shard(0)`` over the expert-data-parallel mesh (size ``world // ep``): each rank
-    holds whole experts and orthogonalises only those."""
+    FSDP2 ``Shard(expert_shard_dim)`` over the expert-data-parallel mesh (size
+    ``world // ep``): with 0 each rank holds whole experts and orthogonalises only those; with
+    1 (torchtitan's choice when efsdp · ep exceeds the experts) the step redistributes the
+    stacks' Nesterov inputs to whole experts for Newton–Schulz."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     import dmuon_compile as dmuon
 
@@ -146,7 +149,10 @@ def train_ep(rank: int, world: int, ep: int):
     moe_models.make_expert_parallel(model, experts_mesh["ep"])
     owners = dmuon.dedicate_params(model, dp)
     for block in model.layers:
-        fully_shard(block.experts, mesh=experts_mesh["efsdp"])
+        placement = Shard(expert_shard_dim)
+        fully_shard(
+            block.experts, mesh=experts_mesh["efsdp"], shard_placement_fn=lambda _: placement
+        )
         fully_shard(block, mesh=dp)
     fully_shard(model, mesh=dp)
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
@@ -175,12 +181,18 @@ def train_ep(rank: int, world: int, ep: int):
     return losses, state, owners, layouts, local_experts, str(w1.placements)
 
 
-@pytest.mark.parametrize("world, ep", [(2, 2), (4, 2)], ids=["ep2", "ep2xefsdp2"])
-def test_expert_parallel_trains_equal_to_one_process(world, ep):
+@pytest.mark.parametrize(
+    "world, ep, shard_dim",
+    [(2, 2, 0), (4, 2, 0), (2, 1, 1), (4, 2, 1)],
+    ids=["ep2", "ep2xefsdp2", "fsdp2-shard1", "ep2xefsdp2-shard1"],
+)
+def test_expert_parallel_trains_equal_to_one_process(world, ep, shard_dim):
     ref_losses, ref_state = reference(world)
-    results = run_ranks(train_ep, world, ep, timeout=140)
+    results = run_ranks(train_ep, world, ep, shard_dim, timeout=140)
     losses, state, owners, layouts, local_experts, placements = results[0]
-    assert local_experts == moe_models.EXPERTS // world  # whole experts, split over all ranks
+    # Whole experts split over all ranks, or (Shard(1)) every local expert's slice.
+    expected = moe_models.EXPERTS // world if shard_dim == 0 else moe_models.EXPERTS // ep
+    assert local_experts == expected, placements
     assert layouts["layers.0.experts.w1"] == "experts"
     assert "layers.0.experts.w1" not in owners and "layers.0.proj.weight" in owners
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
