@@ -69,11 +69,11 @@ class BetweenSteps:
         right after accelerate's FSDP2 prepare swapped the optimizer's parameters.
 
         That swap replaces every parameter by the one ``fully_shard`` registered under its
-        name, found by data address (``data_ptr``). It maps FSDP2's parameters to their shards,
-        and a dedicated weight owned here to itself, but every dedicated weight held by another
-        rank has no data here (address 0): those come back in any order. They never change
-        (``fully_shard`` leaves them alone), so each goes back to its position; any other
-        change of a dedicated weight's place raises.
+        name, found by data address. It maps FSDP2's parameters to their shards, but no address
+        tells a dedicated weight apart (a wrapper's ``data_ptr()`` is 0; accelerate versions key
+        the two sides differently): those slots come back with any weight or none. Dedicated
+        weights never change (``fully_shard`` leaves them alone), so each goes back to its
+        position by identity; any other change of a dedicated weight's place raises.
         """
         for index, group in enumerate(self.param_groups):
             params = group["params"]

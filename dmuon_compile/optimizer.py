@@ -78,7 +78,8 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         ns_backend: ``"gram"`` (default), ``"direct"`` or a ``NewtonSchulz``.
         adjust_lr_fn: ``"match_rms_adamw"`` (default, 0.2·√max(m, n)), ``"original"``
             (√max(1, m/n), torch.optim.Muon's default) or ``"none"``.
-        predicate: ``predicate(name, param) -> bool`` choosing Muon matrices (module input only).
+        predicate: ``predicate(name, param) -> bool | Layout`` choosing Muon matrices (module
+            input only); a ``dmuon.Layout`` also says what a ≥3-D parameter's matrices are.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters for the
             other parameters (defaults 3e-4, (0.9, 0.95), 1e-8, 0).
         nonfinite_grads: ``"raise"`` (default) raises ``FloatingPointError`` naming the
