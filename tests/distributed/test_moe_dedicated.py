@@ -33,10 +33,10 @@ def _loss(model, x):
     return (model(x) - 0.5).square().mean()
 
 
-def reference(world: int, flattened: bool = False):
+def reference(world: int, flattened: bool = False, device: str = "cpu"):
     import dmuon_compile as dmuon
 
-    model = moe_models.build_moe()
+    model = moe_models.build_moe().to(device)
     predicate = None
     if flattened:  # the control: each expert stack as one (E, hidden·dim) matrix
 
@@ -48,12 +48,12 @@ def reference(world: int, flattened: bool = False):
     opt = dmuon.Muon(model, ns_backend=_ns(), predicate=predicate, **HYPER)
     losses = []
     for x in moe_models.expert_batches(moe_models.build_moe(), STEPS, world):
-        loss = _loss(model, x)
+        loss = _loss(model, x.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def _select_experts_too(name, p):
@@ -62,27 +62,40 @@ def _select_experts_too(name, p):
     return p.ndim == 3 or dmuon.default_muon_predicate(name, p)
 
 
-def train(rank: int, world: int, hsdp: bool, dedicate_experts: bool):
+def train(
+    rank: int,
+    world: int,
+    replicas: int,
+    dedicate_experts: bool,
+    device: str = "cpu",
+    compile: bool = False,
+):
+    """``replicas`` > 1: HSDP ``replicas × (world / replicas)``; ``compile``: the compiled
+    step (``device="cuda"``: ranks sharing the one GPU over gloo)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon_compile as dmuon
 
-    model = moe_models.build_moe()
+    from .harness import local_device
+
+    dev = local_device(device)
+    model = moe_models.build_moe().to(dev)
     predicate = _select_experts_too if dedicate_experts else None
-    if hsdp:
-        mesh2 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    if replicas > 1:
+        shape = (replicas, world // replicas)
+        mesh2 = init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
         owners = dmuon.dedicate_params(
             model, mesh2["shard"], predicate=predicate, replicate_mesh=mesh2["replicate"]
         )
         mesh = mesh2
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         owners = dmuon.dedicate_params(model, mesh, predicate=predicate)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
+    opt = dmuon.Muon(model, ns_backend=_ns(), **{**HYPER, "compile": compile})
     layouts = {
         opt.param_name(p): opt._layout(p).kind
         for g in opt.param_groups
@@ -94,37 +107,45 @@ def train(rank: int, world: int, hsdp: bool, dedicate_experts: bool):
     for x in per_rank:
         mine = x.chunk(world)[rank]
         reached.append(sorted(moe_models.experts_reached(moe_models.build_moe(), mine)))
-        loss = _loss(model, mine)
+        loss = _loss(model, mine.to(dev))
         loss.backward()
         opt.step()
         opt.zero_grad()
         summed = loss.detach().clone()
         torch.distributed.all_reduce(summed)
         losses.append(summed.item() / world)
-    return losses, full_state(model), owners, layouts, reached[0]
+    state = {k: v.cpu() for k, v in full_state(model).items()}
+    return losses, state, owners, layouts, reached[0], len(opt.compiled_steps)
 
 
 @pytest.mark.parametrize(
-    "hsdp, dedicate_experts",
-    [(False, False), (False, True), (True, False), (True, True)],
-    ids=["fsdp2-sharded", "fsdp2-dedicated", "hsdp2x1-sharded", "hsdp2x1-dedicated"],
+    "world, replicas, dedicate_experts",
+    [(2, 1, False), (2, 1, True), (2, 2, False), (2, 2, True), (4, 2, False)],
+    ids=["fsdp2-sharded", "fsdp2-dedicated", "hsdp2x1-sharded", "hsdp2x1-dedicated", "hsdp2x2"],
 )
-def test_expert_stacks_train_equal_to_one_process(hsdp, dedicate_experts):
+def test_expert_stacks_train_equal_to_one_process(world, replicas, dedicate_experts):
     """Expert stacks either left to FSDP2 (the default: ``Shard(0)``, each rank's whole experts
     orthogonalised where they live) or dedicated whole (a predicate selecting them)."""
-    world = 2
-    ref_losses, ref_state = reference(world)
-    results = run_ranks(train, world, hsdp, dedicate_experts, timeout=120)
-    losses, state, owners, layouts, _ = results[0]
+    check_expert_stacks(world, replicas, dedicate_experts)
+
+
+def check_expert_stacks(world, replicas, dedicate_experts, device="cpu", compile=False):
+    ref_losses, ref_state = reference(world, device=device)
+    results = run_ranks(
+        train, world, replicas, dedicate_experts, device, compile, device=device, timeout=200
+    )
+    losses, state, owners, layouts, _, compiled = results[0]
+    assert compiled == (1 if compile else 0)
     assert layouts["layers.0.experts.w1"] == "experts"
     assert ("layers.0.experts.w1" in owners) == dedicate_experts
     assert "layers.0.proj.weight" in owners  # the dense matrices are dedicated either way
     assert "layers.0.router.weight" not in layouts  # the router gets AdamW
     # The last rank's tokens reach only experts 0 and 1 of the first layer.
     assert results[world - 1][4] == [0, 1]
+    tol = 2e-4 if device == "cpu" else 1e-3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name], ref, atol=2e-4, rtol=0, msg=name)
+        torch.testing.assert_close(state[name], ref, atol=tol, rtol=0, msg=name)
     # Control: the flattened form moves the expert weights elsewhere.
     _, flat_state = reference(world, flattened=True)
     gap = (flat_state["layers.0.experts.w1"] - state["layers.0.experts.w1"]).abs().max()

@@ -1,0 +1,35 @@
+"""Expert stacks on the multi-rank CUDA tier: ranks share ``cuda:0`` over gloo, on CUDA tensors
+(see test_gpu_tier.py). FSDP2-sharded expert stacks (each rank its whole experts) and dedicated
+dense matrices, eager and compiled, HSDP with the stacks dedicated whole: equal to one process
+on the same device. ``DMUON_TIER_DEVICE=cpu`` runs them on the CPU.
+
+(Expert parallelism and ``Shard(1)`` expert FSDP are not here: their forward and the step's
+redistribution use functional collectives, which crash on CUDA tensors over gloo on torch
+2.11; the CPU tests cover them.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .test_moe_dedicated import check_expert_stacks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.tier, pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(autouse=True)
+def _fp32_matmuls():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_fsdp2_sharded_expert_stacks_match_single_process(tier_device, compile, cache_dir):
+    check_expert_stacks(2, 1, False, device=tier_device, compile=compile)
+
+
+def test_hsdp_dedicated_expert_stacks_match_single_process(tier_device):
+    check_expert_stacks(2, 2, True, device=tier_device)
