@@ -99,6 +99,14 @@ class BetweenSteps:
                 )
         if self.model is not None:  # the names of the parameters the lists now hold
             self._param_names.update({id(p): n for n, p in self.model.named_parameters()})
+        # The layouts by slot (the swap is one for one): rebuilt, not extended, since the old
+        # parameters' ids may now belong to other tensors.
+        self._layouts = {
+            id(p): layout
+            for group, layouts in zip(self.param_groups, self._slot_layouts)
+            for p, layout in zip(group["params"], layouts)
+            if layout is not None
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict`` after checking that the state fits.

@@ -29,6 +29,7 @@ from dmuon_compile.param_groups import (
     MuonGroups,
     _check_nonneg,
     _dedicated_slots,
+    _group_layouts,
     _hold_hypers,
     _tensor_hypers,
 )
@@ -195,10 +196,9 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         self._hold_hypers_hook = self.register_step_pre_hook(_hold_hypers)
         # Per group: its size and where its dedicated weights sit (``restore_dedicated``).
         self._dedicated_slots = [_dedicated_slots(g["params"]) for g in self.param_groups]
-        for group in self.param_groups:  # an unknown ≥3-D layout raises here, not at step()
-            if group["use_muon"]:
-                for p in group["params"]:
-                    self._layout(p)
+        # Each Muon parameter's layout, by slot (an unknown ≥3-D layout raises here, not at
+        # step()): ``restore_dedicated`` re-keys them after a wrapper swapped the parameters.
+        self._slot_layouts = [_group_layouts(self, g) for g in self.param_groups]
 
     def _layout(self, p: Tensor) -> Layout:
         """``p``'s :class:`~dmuon_compile.layouts.Layout`: from routing, declared on it

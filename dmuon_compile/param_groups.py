@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from dmuon_compile.optimizer import Muon
 
 
+def _group_layouts(opt: Muon, group: dict) -> list:
+    """Each parameter's layout in a group (``None`` in an AdamW group)."""
+    return [opt._layout(p) if group["use_muon"] else None for p in group["params"]]
+
+
 class MuonGroups:
     """``Muon``'s group building, routing and naming (see the module docstring)."""
 
@@ -150,12 +155,12 @@ class MuonGroups:
         if not groups:
             raise ValueError("Muon.add_param_group: the group has no parameters")
         for group in groups:  # an unknown ≥3-D layout raises before any group is added
-            for p in group["params"] if group["use_muon"] else ():
-                self._layout(p)
+            _group_layouts(self, group)
         for group in groups:
             super().add_param_group(group)  # fills "momentum" into AdamW groups too
             _tensor_hypers([self.param_groups[-1]], taken=self.param_groups[:-1])
             self._dedicated_slots.append(_dedicated_slots(self.param_groups[-1]["params"]))
+            self._slot_layouts.append(_group_layouts(self, self.param_groups[-1]))
 
     def _name_from_model(self, groups: list[dict]) -> None:
         """Unnamed new groups of a ``Muon(model)`` (whose groups are named) get the model's
