@@ -13,6 +13,23 @@ Launch with torchrun, one process per GPU (or CPU processes with gloo for a smok
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu --tp 2
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --model S --profile prof/  # + traces
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --quick --device cpu --profile /tmp/prof
+    torchrun --nproc_per_node 1 benchmarks/bench_fsdp.py --model E --out results_E.json  # MoE
+    torchrun --nproc_per_node 1 benchmarks/bench_fsdp.py --quick --device cpu --model E \
+        --moe-impl grouped_mm                                           # tiny MoE on CPU
+
+Model E (mixture of experts, ``MOE``): DeepSeek-V3's MoE layer at dim 2048, 4 layers: attention
+q/k/v/o 2048×2048, a router Linear(2048, 64) (sigmoid scores, top-6 normalised), 64 routed
+SwiGLU experts of hidden 768 as torchtitan's ``GroupedExperts`` stacks (w1, w3 (64, 768, 2048),
+w2 (64, 2048, 768)) and one shared SwiGLU expert of hidden 1536 (``*_proj``). The ours
+configurations dedicate the ``*_proj`` weights as for S; the expert stacks stay with FSDP2
+(``Shard(0)``: whole experts per rank) and ``dmuon.Muon`` orthogonalises each rank's experts one
+by one; the router gets AdamW. ``naive_muon`` gathers the stacks whole and runs NS per expert.
+The experts run ``torch._grouped_mm`` over each token's top-k experts (``--moe-impl
+grouped_mm``: bf16 on CUDA, the GEMMs' size fixed whatever the routing), or, where a probe of it
+fails (``auto``) or with ``--moe-impl dense``, every expert on every token weighted by the
+routing (E/k = 10.7× the expert FLOPs). The report names the choice (``moe_impl``) and counts
+``iter_tflop_per_rank`` (forward + backward matmul FLOPs of the top-k model: ~11.2 TFLOP for
+8×1024 tokens) and each configuration's ``model_tflop_per_s``.
 
 Configurations (all built up front, then run interleaved iteration by iteration):
 
@@ -88,12 +105,32 @@ from torch import nn
 import dmuon_compile as dmuon
 from dmuon_compile.newton_schulz import direct_ns_flops, gram_ns_flops
 
-MODELS = {  # D, F, layers
+MODELS = {  # D, F, layers (a MoE model: F is its shared expert's hidden width)
     "S": (2048, 5632, 8),
     "M": (4096, 14336, 4),
     "G": (2048, 7168, 8),  # Llama-3 8B's layout at S's width: F = 3.5·D, grouped-query k/v
+    "E": (2048, 1536, 4),  # mixture of experts: MOE["E"]
     "quick": (64, 128, 2),
+    "quick_E": (64, 96, 2),  # --quick --model E
 }
+# Mixture-of-experts models: routed experts, each expert's hidden width, top-k. E is
+# DeepSeek-V3's MoE layer (256 routed experts of hidden 2048 at dim 7168, top-8, one shared
+# expert, sigmoid router scores normalised over the chosen) scaled to dim 2048: 64 experts of
+# hidden 768 (DeepSeek-V2-Lite / Moonlight's dim and expert count), top-6, one shared expert of
+# hidden 2·768 = 1536; attention q/k/v/o dense 2048×2048 (MHA, 16 heads of 128: MLA's low-rank
+# projections left out), 4 layers, so one iteration of 8×1024 tokens is ~11 TFLOP (tens of ms
+# on an H200) and four configurations' states fit one GPU. The expert stacks are torchtitan's
+# GroupedExperts (w1, w3 (E, hidden, D); w2 (E, D, hidden)); the same shapes as
+# bench_step.py's model E.
+MOE = {
+    "E": (64, 768, 6),
+    "quick_E": (8, 32, 2),
+}
+MOE_IMPLS = ("auto", "grouped_mm", "dense")
+# Rows of each expert's token group in the grouped GEMM: a multiple of this, and at least this
+# (torchtitan pads bf16 groups to 8 rows for torch._grouped_mm; 16 keeps every group start
+# 32-byte aligned too).
+GROUP_ALIGN = 16
 # Query heads per k/v head (grouped-query attention: k/v have D / this rows); 1 elsewhere.
 KV_GROUPS = {"G": 4}
 HEAD_DIM = 128
@@ -113,8 +150,127 @@ class RMSNorm(nn.Module):
         )
 
 
+def grouped_experts(x, idx, weights, w1, w2, w3):
+    """SwiGLU experts over each token's chosen experts with ``torch._grouped_mm`` (bf16, CUDA
+    SM90+; torchtitan's GroupedExperts path). ``x`` (T, D); ``idx``/``weights`` (T, k): the
+    chosen experts and their weights. The T·k (token, expert) rows are sorted by expert into a
+    zero-padded buffer of a fixed size, T·k + E·GROUP_ALIGN rows (no device-to-host sync), each
+    expert's group a multiple of GROUP_ALIGN rows (at least one), the last group running to the
+    buffer's end; so the GEMMs' cost is the same every iteration whatever the routing."""
+    tokens, k = idx.shape
+    experts, n = w1.shape[0], tokens * k
+    cap = -(-(n + experts * GROUP_ALIGN) // GROUP_ALIGN) * GROUP_ALIGN
+    flat = idx.reshape(-1)  # row a = token·k + slot: its expert
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+    padded = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).clamp_min(GROUP_ALIGN)
+    ends = padded.cumsum(0)
+    chosen = flat[order]
+    within = torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[chosen]
+    row = torch.empty_like(order).scatter_(0, order, (ends - padded)[chosen] + within)
+    offs = torch.cat([ends[:-1], ends.new_tensor([cap])]).to(torch.int32)
+    buf = x.new_zeros(cap, x.shape[1]).index_copy(0, row, x.repeat_interleave(k, 0))
+    h = F.silu(torch._grouped_mm(buf, w1.mT, offs=offs)) * torch._grouped_mm(buf, w3.mT, offs=offs)
+    out = torch._grouped_mm(h, w2.mT, offs=offs).index_select(0, row).view(tokens, k, -1)
+    return (out * weights.unsqueeze(-1)).sum(1)
+
+
+def dense_experts(x, idx, weights, w1, w2, w3):
+    """The same SwiGLU experts computed for every token and expert (batched einsums), weighted
+    by the routing weights (zero where an expert was not chosen): E / k times the expert FLOPs
+    of ``grouped_experts``, on any device and dtype. The fallback (and the CPU smoke run)."""
+    dense = torch.zeros(x.shape[0], w1.shape[0], dtype=x.dtype, device=x.device)
+    dense = dense.scatter(-1, idx, weights)
+    h = F.silu(torch.einsum("td,ehd->teh", x, w1)) * torch.einsum("td,ehd->teh", x, w3)
+    return torch.einsum("ted,te->td", torch.einsum("teh,edh->ted", h, w2), dense)
+
+
+def grouped_mm_problem(device) -> str | None:
+    """``None`` when ``torch._grouped_mm`` runs ``grouped_experts`` forward and backward in
+    bf16 on ``device`` and matches ``dense_experts``; otherwise why not (``--moe-impl auto``
+    then uses the dense experts)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x, w1, w2, w3 = (
+            torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+            for shape in ((40, 64), (4, 32, 64), (4, 64, 32), (4, 32, 64))
+        )
+        idx = torch.randn(40, 4, generator=gen).topk(2, dim=-1).indices
+        weights = torch.rand(40, 2, generator=gen)
+        ref = dense_experts(x, idx, weights, w1, w2, w3)
+        xs = [t.to(device, torch.bfloat16).requires_grad_() for t in (x, w1, w2, w3)]
+        out = grouped_experts(xs[0], idx.to(device), weights.to(device, torch.bfloat16), *xs[1:])
+        out.float().square().sum().backward()
+        err = float((out.detach().float().cpu() - ref).norm() / ref.norm())
+        if not (err < 2e-2 and all(bool(torch.isfinite(t.grad).all()) for t in xs)):
+            return f"torch._grouped_mm gave a relative error of {err:.3g} on {device}"
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the dense experts
+        return f"torch._grouped_mm failed on {device}: {type(exc).__name__}: {exc}"
+    return None
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's expert stacks: w1, w3 (E, hidden, D), w2 (E, D, hidden). The class name
+    ends in ``Experts``: ``dmuon.Muon`` orthogonalises each expert on its own
+    (``dmuon.Layout.experts()``), and ``dedicate_params(predicate=is_proj)`` leaves the stacks
+    to FSDP2 (``Shard(0)``: each rank holds, and orthogonalises, whole experts)."""
+
+    def __init__(self, dim, hidden, experts, impl="dense"):
+        super().__init__()
+        self.impl = impl
+
+        def init(*shape):  # nn.Linear's default: uniform(±1/√fan_in)
+            return nn.Parameter(torch.empty(shape).uniform_(-1, 1) / shape[-1] ** 0.5)
+
+        self.w1, self.w2, self.w3 = (
+            init(experts, hidden, dim),
+            init(experts, dim, hidden),
+            init(experts, hidden, dim),
+        )
+
+    def forward(self, x, idx, weights):
+        fn = grouped_experts if self.impl == "grouped_mm" else dense_experts
+        return fn(x, idx, weights, self.w1, self.w2, self.w3)
+
+
+class SharedMLP(nn.Module):
+    """The shared expert: a dense SwiGLU MLP (its weights are ``*_proj``: dedicated)."""
+
+    def __init__(self, dim, ffn):
+        super().__init__()
+        self.gate_proj, self.up_proj = (
+            nn.Linear(dim, ffn, bias=False),
+            nn.Linear(dim, ffn, bias=False),
+        )
+        self.down_proj = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, h):
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class MoE(nn.Module):
+    """DeepSeek-V3's MoE layer: sigmoid router scores, the top-k experts per token weighted by
+    their scores normalised to sum 1, plus one shared expert every token goes through. The
+    router (``router``: AdamW under ``dmuon.Muon``) is a plain Linear."""
+
+    def __init__(self, dim, ffn, experts, hidden, top_k, impl="dense"):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden, experts, impl)
+        self.shared = SharedMLP(dim, ffn)
+
+    def forward(self, h):
+        x = h.reshape(-1, h.shape[-1])
+        top = torch.sigmoid(self.router(x).float()).topk(self.top_k, dim=-1)
+        weights = (top.values / top.values.sum(-1, keepdim=True)).to(x.dtype)
+        return (self.experts(x, top.indices, weights) + self.shared(x)).view_as(h)
+
+
 class Block(nn.Module):
-    def __init__(self, dim, ffn, head_dim, kv_groups=1):
+    def __init__(self, dim, ffn, head_dim, kv_groups=1, moe=None, moe_impl="dense"):
         super().__init__()
         self.heads, self.kv_groups = dim // head_dim, kv_groups
         self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
@@ -122,6 +278,10 @@ class Block(nn.Module):
             nn.Linear(dim, rows, bias=False)
             for rows in (dim, dim // kv_groups, dim // kv_groups, dim)
         )
+        self.moe = None
+        if moe is not None:  # (experts, hidden, top_k): the MLP is a MoE layer
+            self.moe = MoE(dim, ffn, *moe, impl=moe_impl)
+            return
         self.gate_proj, self.up_proj = (
             nn.Linear(dim, ffn, bias=False),
             nn.Linear(dim, ffn, bias=False),
@@ -144,13 +304,17 @@ class Block(nn.Module):
         )
         x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_norm(x)
+        if self.moe is not None:
+            return x + self.moe(h)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 class Stack(nn.Module):
-    def __init__(self, dim, ffn, layers, head_dim, kv_groups=1):
+    def __init__(self, dim, ffn, layers, head_dim, kv_groups=1, moe=None, moe_impl="dense"):
         super().__init__()
-        self.layers = nn.ModuleList(Block(dim, ffn, head_dim, kv_groups) for _ in range(layers))
+        self.layers = nn.ModuleList(
+            Block(dim, ffn, head_dim, kv_groups, moe, moe_impl) for _ in range(layers)
+        )
 
     def forward(self, x):
         for block in self.layers:
@@ -160,6 +324,26 @@ class Stack(nn.Module):
 
 def is_proj(name, p):
     return name.endswith("_proj.weight")
+
+
+def is_expert_stack(name, p):
+    """A MoE model's expert stack (``...experts.w1``; 3-D): Muon per expert, never dedicated."""
+    return p.ndim == 3 and name.rsplit(".", 2)[-2] == "experts"
+
+
+def iteration_flops(model, batch, seq):
+    """Matmul FLOPs of one training iteration (forward + backward = 3 × forward) on one rank:
+    the projections, the causal attention (q·kᵀ and p·v over the half the mask keeps), the MLP
+    (a MoE model: the top-k experts per token, the shared expert and the router)."""
+    dim, ffn, layers = MODELS[model]
+    kv = dim // KV_GROUPS.get(model, 1)
+    per_token = 2 * dim * (2 * dim + 2 * kv) + 2 * seq * dim  # projections + causal attention
+    if model in MOE:
+        experts, hidden, top_k = MOE[model]
+        per_token += 6 * dim * (top_k * hidden + ffn) + 2 * dim * experts
+    else:
+        per_token += 6 * dim * ffn
+    return 3 * per_token * layers * batch * seq
 
 
 def tp_plan(layers):
@@ -188,6 +372,8 @@ def check_tp(tp, world, model, replicate=None, hsdp=False):
         )
     if replicate is not None or hsdp:
         raise SystemExit("--tp runs on a (dp, tp) mesh: drop --replicate/--hsdp")
+    if model in MOE:
+        raise SystemExit(f"--tp: model {model} (mixture of experts) has no TP plan; drop --tp")
     dim, ffn, _layers = MODELS[model]
     heads = dim // (HEAD_DIM if model != "quick" else 16)
     kv_heads = heads // KV_GROUPS.get(model, 1)
@@ -201,8 +387,12 @@ class NaiveMuon:
 
     def __init__(self, model, mesh, ns, lr=0.02, momentum=0.95, adamw_lr=3e-4, fused=False):
         # mesh: the 1-D shard mesh (FSDP2's HSDP has already averaged over the replicas)
-        self.mats = [p for n, p in model.named_parameters() if is_proj(n, p)]
-        others = [p for n, p in model.named_parameters() if not is_proj(n, p)]
+        # A MoE model's expert stacks too: gathered whole, NS per expert (a 3-D batch).
+        def muon(n, p):
+            return is_proj(n, p) or is_expert_stack(n, p)
+
+        self.mats = [p for n, p in model.named_parameters() if muon(n, p)]
+        others = [p for n, p in model.named_parameters() if not muon(n, p)]
         self.adamw = torch.optim.AdamW(others, lr=adamw_lr, fused=fused or None)
         self.bufs = [torch.zeros_like(p.to_local()) for p in self.mats]
         self.ns, self.lr, self.mu, self.mesh = ns, lr, momentum, mesh
@@ -222,7 +412,7 @@ class NaiveMuon:
             o = self.ns(full)
             rows = torch.chunk(o, world, dim=0)
             if rank < len(rows) and rows[rank].numel():
-                scale = 0.2 * math.sqrt(max(p.shape))
+                scale = 0.2 * math.sqrt(max(p.shape[-2:]))  # each matrix's (expert's)
                 p.to_local().add_(rows[rank].to(p.dtype), alpha=-self.lr * scale)
         self.adamw.step()
 
@@ -232,13 +422,18 @@ class NaiveMuon:
         self.adamw.zero_grad()
 
 
-def ns_floor_ms(dim, ffn, layers, world, kv_groups=1):
+def ns_floor_ms(dim, ffn, layers, world, kv_groups=1, moe=None):
     """§B floor: Gram NS (one restart, symmetric) where α ≥ 2, direct symmetric otherwise.
 
     The same with ``--tp``: NS runs once per whole matrix in the job (on its TP owner), so the
-    per-matrix work is divided over all ``world`` ranks, as on the 1-D mesh."""
+    per-matrix work is divided over all ``world`` ranks, as on the 1-D mesh. ``moe``
+    (experts, hidden, top_k): ``ffn`` is the shared expert's, and each layer adds its experts'
+    matrices, E of (hidden, D) twice and E of (D, hidden) (Muon per expert)."""
     kv = (dim // kv_groups, dim)
     shapes = [(dim, dim), kv, kv, (dim, dim)] + [(ffn, dim)] * 2 + [(dim, ffn)]
+    if moe is not None:
+        experts, hidden, _top_k = moe
+        shapes += [(hidden, dim)] * (2 * experts) + [(dim, hidden)] * experts
     total = 0.0
     for m, n in shapes * layers:
         small, large = min(m, n), max(m, n)
@@ -259,10 +454,18 @@ def build(config, args, meshes, device):
     mesh, shard_mesh, replicate_mesh, tp_mesh = meshes
     config = config.removeprefix("1d_")  # the same configuration, built on the 1-D mesh given
     dim, ffn, layers = MODELS[args.model]
-    head_dim = HEAD_DIM if args.model != "quick" else 16
+    head_dim = HEAD_DIM if not args.model.startswith("quick") else 16
     torch.manual_seed(0)
     with torch.device(device):
-        model = Stack(dim, ffn, layers, head_dim, KV_GROUPS.get(args.model, 1))
+        model = Stack(
+            dim,
+            ffn,
+            layers,
+            head_dim,
+            KV_GROUPS.get(args.model, 1),
+            MOE.get(args.model),
+            getattr(args, "moe_impl", "dense"),
+        )
     if tp_mesh is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -296,6 +499,17 @@ def build(config, args, meshes, device):
             model, lr=0.02, ns_backend=ns, replicate_async=config != "ours_eager_sync", **kw
         )
     return model, opt
+
+
+def routed(opt):
+    """How many parameters ``dmuon.Muon`` gives Muon, by layout kind (``matrix``, ``experts``:
+    one NS per expert), and how many AdamW (``adamw``)."""
+    counts = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            kind = opt._layout(p).kind if group["use_muon"] else "adamw"
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def sync(device):
@@ -336,8 +550,20 @@ def profile_iterations(model, opt, inputs, device, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["S", "M", "G"], default="S")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (smoke run)")
+    ap.add_argument("--model", choices=["S", "M", "G", "E"], default="S")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny shapes, few iterations (smoke run; with --model E a tiny MoE)",
+    )
+    ap.add_argument(
+        "--moe-impl",
+        choices=MOE_IMPLS,
+        default="auto",
+        help="model E's experts: grouped_mm (torch._grouped_mm over each token's top-k experts, "
+        "bf16 on CUDA), dense (every expert on every token, weighted by the routing: E/k times "
+        "the expert FLOPs), auto (grouped_mm on CUDA when a probe of it passes, else dense)",
+    )
     ap.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
@@ -402,7 +628,7 @@ def main(argv=None):
     )
     args = ap.parse_args(argv)
     if args.quick:
-        args.model = "quick"
+        args.model = "quick_E" if args.model == "E" else "quick"
     if args.profile_iters < 1:
         ap.error("--profile-iters must be >= 1")
     iters = args.iters or (3 if args.quick else 6)
@@ -418,6 +644,16 @@ def main(argv=None):
         device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    moe_note = None  # why --moe-impl auto did not pick grouped_mm
+    if args.model in MOE and args.moe_impl == "auto":
+        moe_note = grouped_mm_problem(device) if device.type == "cuda" else "CPU run: dense experts"
+        ok = torch.tensor([0.0 if moe_note else 1.0], device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank runs the same experts
+        args.moe_impl = "grouped_mm" if ok.item() == 1.0 else "dense"
+        if args.moe_impl == "dense" and moe_note is None:
+            moe_note = "grouped_mm failed on another rank"
+        if rank == 0 and moe_note and device.type == "cuda":
+            print(f"[bench_fsdp] dense experts: {moe_note}", file=sys.stderr, flush=True)
     hsdp = args.hsdp or args.replicate is not None
     replicas = args.replicate or 1
     if replicas < 1 or world % replicas:
@@ -628,7 +864,8 @@ def main(argv=None):
             del inputs
 
     dim_, ffn, layers = MODELS[args.model]
-    floor = ns_floor_ms(dim_, ffn, layers, world, KV_GROUPS.get(args.model, 1))
+    floor = ns_floor_ms(dim_, ffn, layers, world, KV_GROUPS.get(args.model, 1), MOE.get(args.model))
+    flops = iteration_flops(args.model, batch, seq)  # per rank (per TP group with --tp)
     results = {}
     for c in configs:
         # Owner-load balance: every rank's own median step time, gathered (before the MAX below).
@@ -643,6 +880,7 @@ def main(argv=None):
         dist.all_reduce(st, op=dist.ReduceOp.MAX)
         results[c] = {
             "iter_ms": statistics.median(it.cpu().tolist()),
+            "model_tflop_per_s": flops / statistics.median(it.cpu().tolist()) / 1e9,
             "step_ms": statistics.median(st.cpu().tolist()),
             "peak_mem_gib": max(times[c]["peak"]) / 2**30 if times[c]["peak"] else None,
             "step_ms_per_rank": per_rank_ms,
@@ -652,6 +890,7 @@ def main(argv=None):
             plan = dmuon.summarize_comm_plan(built[c][0]).get("balance")
             if plan:
                 results[c]["planned_balance"] = plan
+            results[c]["routed"] = routed(built[c][1])
         if c in back_to_back:
             results[c]["back_to_back_ms"] = back_to_back[c]
         results[c].update(replicate_info.get(c, {}))
@@ -677,6 +916,12 @@ def main(argv=None):
         "model": args.model,
         "dims": MODELS[args.model],
         "kv_groups": KV_GROUPS.get(args.model, 1),
+        "moe": dict(zip(("experts", "hidden", "top_k"), MOE[args.model]))
+        if args.model in MOE
+        else None,
+        "moe_impl": (args.moe_impl if args.model in MOE else None),
+        "moe_impl_note": moe_note,
+        "iter_tflop_per_rank": flops / 1e12,
         "world_size": world,
         "device": str(device),
         "mesh": {"dp": world // tp, "tp": tp}
@@ -707,6 +952,16 @@ def main(argv=None):
             else f"1-D FSDP over {world}"
         )
         print(f"mesh: {shape}" + (" (1d_*: 1-D FSDP over all ranks)" if with_1d else ""))
+        experts = (
+            f"; MoE {MOE[args.model][0]} experts, top-{MOE[args.model][2]}, {args.moe_impl}"
+            + (f" ({moe_note})" if moe_note else "")
+            if args.model in MOE
+            else ""
+        )
+        print(
+            f"model {args.model}: {flops / 1e12:.3g} TFLOP per iteration per rank "
+            f"({batch}×{seq} tokens, forward + backward matmuls){experts}"
+        )
         print(
             "| config | iter ms | step ms | back-to-back ms | exposed comm % | peak GiB "
             "| Muon tax | "
@@ -735,6 +990,10 @@ def main(argv=None):
                 print(f"  {c} TP stage: {json.dumps(r['tp_plan'])}")
             if "tp_profile" in r:
                 print(f"  {c} TP scatter waits at forward: {json.dumps(r['tp_profile'])}")
+        print(
+            "model TFLOP/s per rank (iteration): "
+            + ", ".join(f"{c} {r['model_tflop_per_s']:.4g}" for c, r in results.items())
+        )
         for c, prof in profiles.items():
             print(f"profile {c} (rank 0, {args.profile_iters} back-to-back iterations):")
             if "error" in prof:

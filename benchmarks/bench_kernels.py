@@ -41,6 +41,11 @@ NS_SHAPES = [
     (8192, 28672),
     (32, 2048, 5632),
     (216, 2048, 7168),
+    # Mixture-of-experts stacks (E, m, n), per-expert NS (a 3-D input is a batch of matrices):
+    (32, 2048, 7168),  # 32 experts of hidden 2048 at dim 7168 (DeepSeek-V3's experts, E/8)
+    (64, 768, 2048),  # benchmark model E's w1/w3 (bench_step.py, bench_fsdp.py)
+    (8, 7168, 2048),  # DeepSeek-V3's w2 (dim × hidden), tall: transposed
+    (16, 1536, 4096),  # Qwen3-MoE-like experts (hidden 1536 at dim 4096)
 ]
 QUICK_NS_SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (14336, 4096), (32, 2048, 5632)]
 SYRK_BATCH = {1024: 16, 2048: 8, 4096: 4, 8192: 2}

@@ -1,14 +1,24 @@
-"""benchmarks/README.md §B1: the optimizer step alone over the matrices of models S and M (one GPU).
+"""benchmarks/README.md §B1: the optimizer step alone over the matrices of models S, M, E (one GPU).
 
     python benchmarks/bench_step.py --out benchmarks/RESULTS_step.md       # S and M, CUDA
+    python benchmarks/bench_step.py --model E --out /tmp/step_E.md         # the MoE model E
     python benchmarks/bench_step.py --quick --out /tmp/step.md             # fewer repeats
     python benchmarks/bench_step.py --quick --device cpu                   # tiny CPU smoke run
+    python benchmarks/bench_step.py --quick --device cpu --model tiny_E    # tiny MoE on CPU
     python benchmarks/bench_step.py --profile prof/                        # + where the time goes
     python benchmarks/bench_step.py --quick --device cpu --profile /tmp/p  # (CPU: no GPU events)
 
 Matrices: per layer q, k, v, o (D×D), gate, up (F×D), down (D×F); S: D=2048, F=5632, 8 layers
 (56 matrices); M: D=4096, F=14336, 4 layers (28 matrices); fp32 parameters, random normal
-gradients (never zeros). Configurations, each on its own copy of the parameters:
+gradients (never zeros). E (mixture of experts, DeepSeek-V3's MoE layer at reduced width, as
+bench_fsdp.py's model E): per layer q, k, v, o (2048×2048), the shared expert's gate, up
+(1536×2048) and down (2048×1536), and the routed experts as torchtitan's ``GroupedExperts``
+stacks w1, w3 (64, 768, 2048) and w2 (64, 2048, 768), 4 layers: 28 matrices and 12 expert
+stacks (796 matrices); the router (64×2048) gets AdamW and is not in the set. Our optimizer
+gets the stacks as 3-D tensors declared ``dmuon.Layout.experts()`` (Newton–Schulz per expert);
+``torch.optim.Muon`` takes 2-D parameters only, so it gets each stack as its 64 experts, 64
+separate 2-D matrices of the same values (the per-expert peer). Configurations, each on its own
+copy of the parameters:
 
 1. ``torch_muon``: ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``, eager — the baseline;
 2. ``torch_muon_compiled``: the same with ``opt.step = torch.compile(opt.step)``;
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import os
 import statistics
@@ -45,10 +56,21 @@ import time
 
 import torch
 
-MODELS = {  # D, F, layers
+MODELS = {  # D, F, layers (E: F is the shared expert's hidden width)
     "S": (2048, 5632, 8),
     "M": (4096, 14336, 4),
+    "E": (2048, 1536, 4),
     "tiny": (64, 176, 2),  # CPU smoke run
+    "tiny_E": (64, 96, 2),  # CPU smoke run of E
+}
+# Mixture-of-experts models: routed experts, each expert's hidden width, top-k (the router's
+# choice; the step does not read it). The same as bench_fsdp.py's MOE: E is DeepSeek-V3's MoE
+# layer (256 experts of hidden 2048 at dim 7168, top-8, one shared expert) scaled to dim 2048:
+# 64 experts of hidden 768 (DeepSeek-V2-Lite / Moonlight's dim and expert count), top-6, one
+# shared expert of 2·768; attention q/k/v/o dense 2048×2048 (no MLA low-rank projections).
+MOE = {
+    "E": (64, 768, 6),
+    "tiny_E": (8, 32, 2),
 }
 CONFIGS = (
     "torch_muon",
@@ -63,24 +85,49 @@ PROFILE_STEPS = 3
 SAVED_TRACES = ("ours_compiled",)
 
 
-def matrix_shapes(model: str) -> list[tuple[int, int]]:
-    """The 2-D weight shapes of one model, layer by layer (q, k, v, o, gate, up, down).
+def matrix_shapes(model: str) -> list[tuple[int, ...]]:
+    """The Muon weight shapes of one model, layer by layer (q, k, v, o, gate, up, down); a MoE
+    model's MLP is its shared expert (gate, up, down) and its expert stacks w1, w3
+    ``(E, hidden, D)`` and w2 ``(E, D, hidden)``, 3-D (torchtitan's ``GroupedExperts``).
 
-    >>> len(matrix_shapes("S")), len(matrix_shapes("M"))
-    (56, 28)
+    >>> len(matrix_shapes("S")), len(matrix_shapes("M")), len(matrix_shapes("E"))
+    (56, 28, 40)
     """
     d, f, layers = MODELS[model]
     per_layer = [(d, d)] * 4 + [(f, d), (f, d), (d, f)]
+    if model in MOE:
+        experts, hidden, _top_k = MOE[model]
+        per_layer += [(experts, hidden, d), (experts, hidden, d), (experts, d, hidden)]
     return per_layer * layers
 
 
-def make_params(shapes, device, seed: int = 0):
+@functools.lru_cache(maxsize=1)
+def host_values(shapes: tuple, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each shape's (value, gradient) on the host, drawn once per model and reused by its
+    configurations (E's 1.3 G values take seconds to draw on the CPU)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    return [
+        (torch.randn(shape, generator=g).mul_(0.02), torch.randn(shape, generator=g))
+        for shape in shapes
+    ]
+
+
+def make_params(shapes, device, seed: int = 0, split_experts: bool = False):
+    """fp32 parameters of ``shapes`` with random gradients. A 3-D shape is an expert stack:
+    declared ``dmuon.Layout.experts()`` (one Newton–Schulz per expert), or, with
+    ``split_experts`` (for ``torch.optim.Muon``, 2-D only), its experts as separate 2-D
+    parameters holding the same values."""
+    import dmuon_compile as dmuon
+
     params = []
-    for shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, generator=g).mul_(0.02).to(device))
-        p.grad = torch.randn(shape, generator=g).to(device)  # kept in place: CUDA-graph safe
-        params.append(p)
+    for shape, (data, grad) in zip(shapes, host_values(tuple(map(tuple, shapes)), seed)):
+        split = split_experts and len(shape) == 3
+        for d, gr in zip(data.unbind(0), grad.unbind(0)) if split else [(data, grad)]:
+            p = torch.nn.Parameter(d.to(device, copy=True))  # a copy: the host values are reused
+            p.grad = gr.to(device, copy=True)  # kept in place: CUDA-graph safe
+            if p.ndim == 3:
+                dmuon.set_layout(p, dmuon.Layout.experts())
+            params.append(p)
     return params
 
 
@@ -151,7 +198,8 @@ def trace_analysis():
 def run_config(
     config: str, model: str, device, warmup: int, repeats: int, profile_dir: str | None = None
 ) -> dict:
-    params = make_params(matrix_shapes(model), device)
+    # torch.optim.Muon takes 2-D parameters only: each expert stack as its E experts (same values).
+    params = make_params(matrix_shapes(model), device, split_experts=config.startswith("torch"))
     opt = build(config, params)
     row = {"model": model, "config": config, "first_step_s": first_step_s(opt, device)}
     for _ in range(warmup):
@@ -285,7 +333,8 @@ def main(argv=None) -> int:
         nargs="+",
         default=None,
         choices=sorted(MODELS),
-        help="models to run (default: S M on CUDA, tiny with --device cpu)",
+        help="models to run (default: S M on CUDA, tiny with --device cpu; E: the MoE model, "
+        "tiny_E its CPU smoke size)",
     )
     ap.add_argument("--configs", nargs="+", default=None, choices=CONFIGS)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (and tiny shapes on CPU)")
@@ -321,6 +370,22 @@ def main(argv=None) -> int:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
 
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+    def header() -> str:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return (
+            f"### B1: optimizer step ({now:%Y-%m-%d %H:%M} "
+            f"UTC, {name}, torch {torch.__version__}, triton {triton_version})\n\n"
+            f"Command: `python {' '.join(sys.argv)}`; warmup {warmup}, repeats {repeats}."
+        )
+
     rows = []
     for model in models:
         for config in configs:
@@ -333,20 +398,12 @@ def main(argv=None) -> int:
             )
             if "profile" in row:
                 print("\n".join(trace_analysis().where_the_time_goes(row["profile"])), flush=True)
+            # The table after each configuration, so a run cut off by a time limit leaves one.
+            if args.out:
+                with open(args.out, "w") as f:
+                    f.write(markdown(rows, header()))
 
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    header = (
-        f"### B1: optimizer step ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
-        f"UTC, {name}, torch {torch.__version__}, triton {triton_version})\n\n"
-        f"Command: `python {' '.join(sys.argv)}`; warmup {warmup}, repeats {repeats}."
-    )
-    table = markdown(rows, header)
+    table = markdown(rows, header())
     print()
     print(table)
     if args.out:

@@ -20,9 +20,17 @@
 #               TIER_K is pytest's -k: a device call holds ~10 min, so run the tier in three
 #               calls, TIER_K="not compiled", "compiled and not race", "race and compiled");
 #               its log and JUnit XML are archived
-#   step_S/M    bench_step.py (§B1) with a profile of each configuration
+#   step_S/M/E  bench_step.py (§B1) with a profile of each configuration (STEP_CONFIGS,
+#               STEP_TIMEOUT); E, the MoE model, leaves torch_muon_compiled out by default: its
+#               peer gets every expert as a 2-D matrix, 796 in one Dynamo graph, minutes of
+#               compile (CPU: 50 matrices 57 s, 200 matrices 274 s); run it in a call of its own,
+#               STAGES=step_E STEP_CONFIGS="torch_muon_compiled ours_compiled" STEP_TIMEOUT=560
+#               (bench_step.py writes its table after each configuration: a cut-off run keeps it)
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
-#   fsdp1_S/M   the same on one GPU (FSDP1_PROFILE=1: with profiler traces, as fsdp_S/M)
+#   fsdp1_S/M/E the same on one GPU (FSDP1_PROFILE=1: with profiler traces, as fsdp_S/M;
+#               FSDP1_ARGS: more bench_fsdp.py options); E: the MoE model, its experts on
+#               torch._grouped_mm where a probe of it passes, else dense (FSDP1_ARGS=
+#               "--moe-impl dense" forces those)
 #   hsdp_S/M    HSDP ngpu×1 (pure replicate), ours configurations only + AdamW, with the
 #               replicate-stage counters (DMUON_RECORD_FORWARD_PROFILE=1) and ours compiled on
 #               the 1-D mesh in the same run (HSDP_WITH_1D), for the HSDP/1-D ratio
@@ -86,8 +94,10 @@ for stage in $STAGES; do
         -p no:cacheprovider --durations=0 --junitxml="$WORK/tier.xml" ${TIER_K:+-k "$TIER_K"} \
         2>&1 | tee "$log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|s call" | tail -60 ;;
     step_*)
-      timeout ${STEP_TIMEOUT:-200} python3 benchmarks/bench_step.py --model "$model" \
-        --configs ${STEP_CONFIGS:-torch_muon torch_muon_compiled ours_eager_cublas ours_eager ours_compiled} \
+      configs="torch_muon torch_muon_compiled ours_eager_cublas ours_eager ours_compiled"; limit=200
+      [ "$model" = E ] && configs="torch_muon ours_eager_cublas ours_eager ours_compiled" && limit=300
+      timeout ${STEP_TIMEOUT:-$limit} python3 benchmarks/bench_step.py --model "$model" \
+        --configs ${STEP_CONFIGS:-$configs} \
         --out "$WORK/$stage.md" --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -60 ;;
     fsdp_*)
       timeout $T torchrun --standalone --nproc_per_node "$ngpu" benchmarks/bench_fsdp.py --model "$model" \
@@ -96,7 +106,7 @@ for stage in $STAGES; do
     fsdp1_*)
       timeout $T torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py --model "$model" \
         --configs ${FSDP_CONFIGS:-adamw,naive_muon,ours_eager,ours_compiled} \
-        --out "$WORK/${stage}_1gpu.json" ${FSDP1_PROFILE:+--profile "$WORK/prof"} 2>&1 | quiet | tee "$log" | tail -25 ;;
+        --out "$WORK/${stage}_1gpu.json" ${FSDP1_PROFILE:+--profile "$WORK/prof"} ${FSDP1_ARGS:-} 2>&1 | quiet | tee "$log" | tail -25 ;;
     hsdp_*|hsdp2_*)  # replicate over all GPUs (ngpu×1), or over 2 (2×ngpu/2)
       replicas=$ngpu; [ "${stage%%_*}" = hsdp2 ] && replicas=2
       DMUON_RECORD_FORWARD_PROFILE=1 timeout $T torchrun --standalone --nproc_per_node "$ngpu" \
