@@ -84,6 +84,8 @@ def make_params(shapes, device, seed: int = 0) -> list[torch.nn.Parameter]:
     for shape in shapes:
         p = torch.nn.Parameter(torch.randn(shape, generator=g).mul_(0.02).to(device))
         p.grad = torch.randn(shape, generator=g).to(device)
+        if p.ndim == 3:  # bench_step's expert stacks (model E): per-expert Newton–Schulz
+            dmuon.set_layout(p, dmuon.Layout.experts())
         params.append(p)
     return params
 
