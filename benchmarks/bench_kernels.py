@@ -354,6 +354,11 @@ def main(argv=None) -> int:
         "--nan-inputs", type=int, default=None, help="random inputs per shape for the NaN count"
     )
     parser.add_argument(
+        "--ns-shapes",
+        default=None,
+        help="section A: only these shapes, e.g. 32x2048x7168,2048x5632 (a stack: batch first)",
+    )
+    parser.add_argument(
         "--profile-ns",
         action="store_true",
         help="section A: also print each shape's top GPU kernels (torch.profiler, 3 calls)",
@@ -415,9 +420,10 @@ def main(argv=None) -> int:
         write_markdown()
     if "A" in args.sections:
         nan_inputs = args.nan_inputs if args.nan_inputs is not None else (3 if args.quick else 20)
-        rows, sp = run_ns_section(
-            QUICK_NS_SHAPES if args.quick else NS_SHAPES, nan_inputs, args.profile_ns
-        )
+        shapes = QUICK_NS_SHAPES if args.quick else NS_SHAPES
+        if args.ns_shapes:
+            shapes = [tuple(int(d) for d in s.split("x")) for s in args.ns_shapes.split(",")]
+        rows, sp = run_ns_section(shapes, nan_inputs, args.profile_ns)
         lines += [
             "## A. Newton–Schulz per matrix",
             "",
