@@ -91,6 +91,45 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; the gradient is reduce-scattered back (sum). Plain
+    c10d collectives: gloo runs them on CUDA tensors too (the multi-rank CUDA tier)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter_sum(grad, ctx.group), None
+
+
+class _ScatterSum(torch.autograd.Function):
+    """Reduce-scatter (sum) along dim 0 over ``group``; the gradient is all-gathered back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _scatter_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherTokens.forward(ctx, grad, ctx.group), None
+
+
+def _scatter_sum(x, group):
+    import torch.distributed as dist
+
+    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
 class EPGroupedExperts(GroupedExperts):
     """``GroupedExperts`` with its stacks ``Shard(0)`` over an ``ep`` mesh (expert parallelism):
     every rank computes its local experts for all of the ep group's tokens — an all-gather in
@@ -100,33 +139,34 @@ class EPGroupedExperts(GroupedExperts):
     ep_mesh = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from torch.distributed import _functional_collectives as fc
-
-        mesh, r = self.ep_mesh, self.ep_mesh.get_local_rank()
-        xs = fc.all_gather_tensor_autograd(x, 0, mesh)
-        ws = fc.all_gather_tensor_autograd(weights, 0, mesh)
+        group, r = self.ep_mesh.get_group(), self.ep_mesh.get_local_rank()
+        xs = _GatherTokens.apply(x, group)
+        ws = _GatherTokens.apply(weights, group)
         # Each local expert's gradient sums the ep group's tokens; FSDP2 over the expert-data-
         # parallel mesh divides by its own size only: 1/ep more makes it the global average
         # (torchtitan sets FSDP2's gradient divide factor instead, a PREMUL_SUM gloo lacks).
-        scale = 1.0 / mesh.size()
+        scale = 1.0 / self.ep_mesh.size()
         w1, w2, w3 = (_GradScale.apply(w.to_local(), scale) for w in (self.w1, self.w2, self.w3))
         local = w1.shape[0]
         ws = ws[:, r * local : (r + 1) * local]
         h = torch.nn.functional.silu(torch.einsum("td,ehd->teh", xs, w1))
         h = h * torch.einsum("td,ehd->teh", xs, w3)
         out = torch.einsum("ted,te->td", torch.einsum("teh,edh->ted", h, w2), ws)
-        return fc.reduce_scatter_tensor_autograd(out, "sum", 0, mesh)
+        return _ScatterSum.apply(out, group)
 
 
 def make_expert_parallel(model: TinyMoE, ep_mesh) -> None:
     """Shard every block's expert stacks ``Shard(0)`` over ``ep_mesh`` (torchtitan's EP
     layout), in place; the experts then run :class:`EPGroupedExperts`' forward."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 
+    n, r = ep_mesh.size(), ep_mesh.get_local_rank()
     for block in model.layers:
         experts = block.experts
         experts.__class__ = EPGroupedExperts
         experts.ep_mesh = ep_mesh
         for name in ("w1", "w2", "w3"):
-            whole = getattr(experts, name).detach()
-            setattr(experts, name, nn.Parameter(distribute_tensor(whole, ep_mesh, [Shard(0)])))
+            whole = getattr(experts, name).detach()  # the same on every rank (one seed)
+            local = whole.chunk(n)[r].clone()
+            shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            setattr(experts, name, nn.Parameter(shard))

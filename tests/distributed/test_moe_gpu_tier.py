@@ -3,9 +3,10 @@
 dense matrices, eager and compiled, HSDP with the stacks dedicated whole: equal to one process
 on the same device. ``DMUON_TIER_DEVICE=cpu`` runs them on the CPU.
 
-(Expert parallelism and ``Shard(1)`` expert FSDP are not here: their forward and the step's
-redistribution use functional collectives, which crash on CUDA tensors over gloo on torch
-2.11; the CPU tests cover them.)
+Expert parallelism too (stacks ``Shard(0)`` over an ``ep`` mesh, with and without FSDP2 over the
+expert-data-parallel mesh). Not ``Shard(1)`` expert FSDP: the step's redistribution to whole
+experts runs DTensor's functional collectives, which crash on CUDA tensors over gloo on torch
+2.11 (NCCL runs them); the CPU tests cover it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .test_moe_dedicated import check_expert_stacks
+from .test_moe_dedicated import check_expert_parallel, check_expert_stacks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.tier, pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -33,3 +34,8 @@ def test_fsdp2_sharded_expert_stacks_match_single_process(tier_device, compile, 
 
 def test_hsdp_dedicated_expert_stacks_match_single_process(tier_device):
     check_expert_stacks(2, 2, True, device=tier_device)
+
+
+@pytest.mark.parametrize("world, ep", [(2, 2), (4, 2)], ids=["ep2", "ep2xefsdp2"])
+def test_expert_parallel_matches_single_process(tier_device, world, ep):
+    check_expert_parallel(world, ep, 0, device=tier_device)
