@@ -1,6 +1,7 @@
 """torchtitan's DeepSeek-V3 debug model (a dense block and a MoE block of 8 experts) through
 ``dmuon_compile.integrations.torchtitan`` on 4 gloo ranks, with torchtitan's own pieces: its
-``ParallelDims`` (EP 2 × expert FSDP 2, and 1-D FSDP), ``parallelize_deepseekv3`` wrapped by
+``ParallelDims`` (EP 2 × expert FSDP 2, HSDP 2 × 2 with EP 2, and 1-D FSDP),
+``parallelize_deepseekv3`` wrapped by
 ``dedicating``, ``MuonOptimizers`` and its DCP ``CheckpointManager``.
 
 - The dense matrices are dedicated; the expert stacks stay sharded along the expert dim (EP and
@@ -52,7 +53,7 @@ def _full(model) -> dict:
     return state
 
 
-def _train(rank, world, folder, ep, load_from=None, save=False, plain=None):
+def _train(rank, world, folder, ep, load_from=None, save=False, plain=None, replicate=1):
     """``plain`` (initial weights): torchtitan's own FSDP2 path (no dmuon) from those
     weights: only the first step's gradients."""
     import torch.distributed as dist
@@ -71,7 +72,7 @@ def _train(rank, world, folder, ep, load_from=None, save=False, plain=None):
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
     dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as torchtitan's Trainer does
     dims = ParallelDims(
-        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=ep, world_size=world,
+        dp_replicate=replicate, dp_shard=-1, cp=1, tp=1, pp=1, ep=ep, world_size=world,
         spmd_backend="partial_dtensor",
     )  # fmt: skip
     dims.build_mesh()
@@ -161,7 +162,8 @@ def _scenarios(rank, world, folder):
     ep2 = _train(rank, world, f"{folder}/ep2", ep=2, save=True)
     ep1 = _train(rank, world, f"{folder}/ep1", ep=1, load_from=f"{folder}/ep2")
     plain = _train(rank, world, f"{folder}/plain", ep=2, plain=ep2["initial"])
-    return {"ep2": ep2, "ep1_resumed": ep1, "fsdp2_grads": plain}
+    hsdp = _train(rank, world, f"{folder}/hsdp", ep=2, replicate=2)
+    return {"ep2": ep2, "ep1_resumed": ep1, "fsdp2_grads": plain, "hsdp_ep2": hsdp}
 
 
 def _reference(initial, world):
@@ -214,9 +216,14 @@ def test_deepseek_v3_with_expert_parallelism_trains_like_one_process_and_resumes
     for name, grad in r0["grads"].items():
         err = (grad - ref_grads[name]).norm() / ref_grads[name].norm()
         assert err < (5e-3 if "routed_experts" in name else 1e-4), (name, err)
+    hsdp_ref = _reference(results[0]["hsdp_ep2"]["initial"], world)[0]
     for r in results:
         torch.testing.assert_close(
             torch.tensor(r["ep2"]["losses"]), torch.tensor(ref), rtol=1e-4, atol=0
+        )
+        # HSDP (dp_replicate 2 × fsdp 2) with EP 2: one process's losses from its weights
+        torch.testing.assert_close(
+            torch.tensor(r["hsdp_ep2"]["losses"]), torch.tensor(hsdp_ref), rtol=1e-4, atol=0
         )
         # EP 1 after the EP 2 save: the expert stacks resharded (FSDP2 Shard(0) over 4 ranks)
         assert r["ep1_resumed"]["resumed"] == pytest.approx(r["ep2"]["after_save"], rel=1e-5)
