@@ -116,7 +116,7 @@ def route_model(
                 chosen = False  # an FSDP2 shard next to dedicated params: NS on a shard is wrong
             else:
                 raise ValueError(
-                    f"Muon: {name!r} is a DTensor shard ({tuple(p.placements)}), but "
+                    f"Muon: {name!r} is a DTensor shard ({getattr(p, 'placements', '?')}), but "
                     "Newton–Schulz needs whole matrices. Call dmuon.dedicate_params(model, mesh, "
                     "...) before fully_shard so each matrix lives whole on an owner rank, or "
                     "exclude it with predicate= (it then gets AdamW on its shard). An expert "

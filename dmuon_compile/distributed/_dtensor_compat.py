@@ -9,6 +9,7 @@ raises :class:`dmuon_compile._compat.TorchInternalsError` when this torch moved 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -57,6 +58,20 @@ def local_tensor(t: DTensor):
 def spec(t: DTensor):
     """``t._spec``: the ``DTensorSpec`` (mesh, placements, global shape) of ``t``."""
     return t._spec
+
+
+def set_spec_mesh(t: DTensor, mesh: DeviceMesh) -> None:
+    """``t._spec`` with its mesh replaced by ``mesh`` (an equal mesh object: lookups by
+    identity find it)."""
+    t._spec = dataclasses.replace(t._spec, mesh=mesh)
+
+
+def set_pickled_state(t, state) -> None:
+    """``torch._utils._set_obj_state``: what ``Tensor.__setstate__`` does for a tensor
+    subclass's unpickled state."""
+    import torch._utils
+
+    torch._utils._set_obj_state(t, state)
 
 
 def make_spec(mesh: DeviceMesh, placements, shape, stride, dtype):

@@ -52,8 +52,6 @@ Beside this module: ``_owner_meshes.py`` (the owner meshes and what is known abo
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -115,11 +113,11 @@ class OwnerTensor(DTensor):
     def __setstate__(self, state) -> None:
         # Unpickling (torch.load) rebuilds the mesh as a copy: this process's equal owner mesh
         # takes its place, as in __deepcopy__; a copy that matches none (another process) stays.
-        torch._utils._set_obj_state(self, state)
-        spec = _dt.spec(self)
-        known = _known_owner_mesh(spec.mesh)
-        if known is not None and known is not spec.mesh:
-            self._spec = dataclasses.replace(spec, mesh=known)
+        _dt.set_pickled_state(self, state)
+        mesh = _dt.spec(self).mesh
+        known = _known_owner_mesh(mesh)
+        if known is not None and known is not mesh:
+            _dt.set_spec_mesh(self, known)
 
     def to_local(self, *, grad_placements=None) -> Tensor:
         _pending.before_access(write=False)  # a pending update lands first (_pending.py)
