@@ -20,8 +20,9 @@ ROUTER_NAMES = ("router", "gate")
 
 def default_muon_predicate(name: str, param: Tensor, module: nn.Module | None = None) -> bool:
     """The documented routing rule: Muon for ≥2-D weights except embeddings, output heads,
-    mixture-of-experts routers (:func:`is_router`) and biases (also an expert module's 2-D
-    per-expert bias stacks); a ≥3-D weight needs a known layout: a conv kernel, an expert
+    mixture-of-experts routers (:func:`is_router`), biases (also an expert module's 2-D
+    per-expert bias stacks) and ≥3-D tensors of one non-trivial dim (a per-channel scale
+    ``(C, 1, 1)``); a ≥3-D weight needs a known layout: a conv kernel, an expert
     stack, or one declared with ``dmuon.set_layout`` (``dmuon_compile.layouts``).
 
     A parameter is excluded when its module is an ``nn.Embedding`` (or ``EmbeddingBag``) or when
@@ -36,6 +37,8 @@ def default_muon_predicate(name: str, param: Tensor, module: nn.Module | None = 
         return False
     if is_expert_module(module) and param.ndim < 3:  # per-expert vectors (GPT-OSS's biases)
         return False
+    if param.ndim >= 3 and sum(int(s) > 1 for s in param.shape) <= 1:
+        return False  # a vector in ≥3-D shape (a per-channel scale (C, 1, 1)): no matrix
     parts = name.split(".")
     owner = parts[-2] if len(parts) >= 2 else ""
     return owner not in HEAD_NAMES and "embed" not in owner
