@@ -155,9 +155,11 @@ def whole_expert_shards(param: Tensor, layout: Layout) -> bool:
     parallelism's ``Shard(0)`` over an ``ep`` mesh, or both), replicated otherwise. Then each
     rank orthogonalises its own experts exactly: a local shard is a stack of whole matrices.
     (A ``Shard(1)`` split, as torchtitan's expert FSDP uses when ``efsdp · ep > E``, is not.)"""
+    if layout.kind != "experts":  # first: the step asks this of every Muon matrix
+        return False
     from torch.distributed.tensor import DTensor, Replicate
 
-    if not isinstance(param, DTensor) or layout.kind != "experts":
+    if not isinstance(param, DTensor):
         return False
     return all(isinstance(pl, Replicate) or _shards_dim0(pl) for pl in param.placements)
 

@@ -25,8 +25,8 @@ from dmuon_compile.layouts import Layout, whole_expert_shards
 def needs_reshard(param: Tensor, layout: Layout) -> bool:
     """An expert stack (a DTensor) some of whose mesh dims shard inside the experts."""
     return (
-        isinstance(param, DTensor)
-        and layout.kind == "experts"
+        layout.kind == "experts"
+        and isinstance(param, DTensor)
         and not whole_expert_shards(param, layout)
         and all(isinstance(pl, (Shard, Replicate)) or _strided(pl) for pl in param.placements)
     )
