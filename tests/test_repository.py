@@ -65,6 +65,28 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert command in ci
 
 
+def _readme_test_command() -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    return readme[readme.index("# the tests and the lint (what CI runs, .ci/run)") + 1]
+
+
+def test_the_test_command_installs_the_integrations_extras():
+    """CI runs ``tests/integrations/`` rather than skipping it: the test command installs
+    accelerate, transformers (≥ 5.25, which brings HF's ``kernels``), torchtitan and Triton, in
+    one ``pip install`` (pyproject.toml's test extra says why one)."""
+    command = _readme_test_command()
+    assert command.count("pip install") == 1
+    (extras,) = re.findall(r'pip install [^&]*-e "\.\[([a-z_,]+)\]"', command)
+    extras = extras.split(",")
+    assert {"test", "accelerate", "torchtitan"} <= set(extras)
+    optional = _pyproject()["project"]["optional-dependencies"]
+    requirements = [r for extra in extras for r in optional[extra]]
+    names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in requirements}
+    assert {"accelerate", "transformers", "torchtitan", "triton"} <= names
+    (transformers,) = [r for r in optional["test"] if r.startswith("transformers")]
+    assert int(re.fullmatch(r"transformers>=5\.(\d+)", transformers).group(1)) >= 25
+
+
 def _pyproject() -> dict:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
