@@ -75,8 +75,9 @@ def test_bare_kernels_from_the_root_is_hf_kernels(tmp_path, root_entry):
     cwd, pythonpath = (ROOT, None) if root_entry == "cwd" else (tmp_path, str(ROOT))
     lines = _run(
         """
-        import importlib.metadata, kernels
-        from kernels import CUDAProperties  # what transformers imports
+        import importlib, importlib.metadata
+        kernels = importlib.import_module("kernels")
+        kernels.CUDAProperties  # what transformers imports
         print(kernels.__file__)
         print(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
         """,
