@@ -56,6 +56,16 @@ def reference(world: int, flattened: bool = False, device: str = "cpu"):
     return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
+def _muon_layouts(opt) -> dict:
+    """``{name: layout kind}`` of the optimizer's Muon parameters."""
+    return {
+        opt.param_name(p): opt._layout(p).kind
+        for g in opt.param_groups
+        if g["use_muon"]
+        for p in g["params"]
+    }
+
+
 def _select_experts_too(name, p):
     import dmuon_compile as dmuon
 
@@ -96,24 +106,14 @@ def train(
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, ns_backend=_ns(), **{**HYPER, "compile": compile})
-    layouts = {
-        opt.param_name(p): opt._layout(p).kind
-        for g in opt.param_groups
-        if g["use_muon"]
-        for p in g["params"]
-    }
+    layouts = _muon_layouts(opt)
     per_rank = moe_models.expert_batches(moe_models.build_moe(), STEPS, world)
     losses, reached = [], []
     for x in per_rank:
-        mine = x.chunk(world)[rank]
-        reached.append(sorted(moe_models.experts_reached(moe_models.build_moe(), mine)))
-        loss = _loss(model, mine.to(dev))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        summed = loss.detach().clone()
-        torch.distributed.all_reduce(summed)
-        losses.append(summed.item() / world)
+        reached.append(
+            sorted(moe_models.experts_reached(moe_models.build_moe(), x.chunk(world)[rank]))
+        )
+        losses.append(_step(model, opt, x.to(dev), rank, world))
     state = {k: v.cpu() for k, v in full_state(model).items()}
     return losses, state, owners, layouts, reached[0], len(opt.compiled_steps)
 
@@ -182,22 +182,9 @@ def train_ep(rank: int, world: int, ep: int, expert_shard_dim: int = 0, device: 
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
     w1 = model.layers[0].experts.w1
     local_experts = w1.to_local().shape[0]
-    layouts = {
-        opt.param_name(p): opt._layout(p).kind
-        for g in opt.param_groups
-        if g["use_muon"]
-        for p in g["params"]
-    }
-    losses = []
-    for x in moe_models.expert_batches(moe_models.build_moe(), STEPS, world):
-        mine = x.chunk(world)[rank]
-        loss = _loss(model, mine.to(dev))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        summed = loss.detach().clone()
-        torch.distributed.all_reduce(summed)
-        losses.append(summed.item() / world)
+    layouts = _muon_layouts(opt)
+    batches = moe_models.expert_batches(moe_models.build_moe(), STEPS, world)
+    losses = [_step(model, opt, x.to(dev), rank, world) for x in batches]
     state = {}
     for name, p in model.named_parameters():
         state[name] = whole_tensor(p).cpu() if "experts" in name else None
