@@ -40,6 +40,40 @@ EPS = 1e-7
 BACKENDS = ("gram", "direct")
 KERNELS = ("auto", "triton", "quack", "cublas")
 QUACK_INSTALL = 'pip install "dmuon_compile[quack]"'
+# Kernel names users bring from other Muon code (CuTe/CUTLASS SYRK kernels, "syrk"), by the
+# prefix, with this package's kernel that does the same: an error names it (no silent alias,
+# since quack needs its extra and a GPU).
+KERNEL_EQUIVALENTS = (
+    ("cute", "quack"),
+    ("cutlass", "quack"),
+    ("syrk", "triton"),
+    ("triton", "triton"),
+    ("torch", "cublas"),
+)
+EQUIVALENT_NOTES = {
+    "quack": f"Dao-AILab's CuTe DSL gemm_symmetric, CUDA SM80+: {QUACK_INSTALL}",
+    "triton": "the Triton SYRK kernels, SM80+ CUDA",
+    "cublas": "plain torch matmuls, every device",
+}
+
+
+def unknown_kernel_error(kernel) -> ValueError:
+    """The error for a ``kernel=`` this package does not have: the kernels it has and, for a
+    name from elsewhere, the nearest one here."""
+    message = f"NewtonSchulz(kernel={kernel!r}): choose one of {KERNELS}"
+    name = str(kernel).strip().lower()
+    near = next((ours for prefix, ours in KERNEL_EQUIVALENTS if name.startswith(prefix)), None)
+    if near is not None:
+        message += (
+            f". {kernel!r} is not a kernel of dmuon_compile; the nearest is kernel={near!r} "
+            f"({EQUIVALENT_NOTES[near]})"
+        )
+    message += (
+        ". kernel='auto' (the default) runs the Triton SYRK kernels where they work, else cuBLAS."
+    )
+    return ValueError(message)
+
+
 # Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS
 # (docs/architecture.md, Newton–Schulz).
 DEFAULT_GRAM_MIN_ASPECT = 1.5
@@ -372,7 +406,7 @@ class NewtonSchulz:
         if backend not in BACKENDS:
             raise ValueError(f"NewtonSchulz(backend={backend!r}): choose one of {BACKENDS}")
         if kernel not in KERNELS:
-            raise ValueError(f"NewtonSchulz(kernel={kernel!r}): choose one of {KERNELS}")
+            raise unknown_kernel_error(kernel)
         if deterministic and kernel in ("triton", QUACK):
             raise ValueError(
                 f"NewtonSchulz(kernel={kernel!r}, deterministic=True) conflict: deterministic=True "

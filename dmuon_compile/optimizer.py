@@ -35,11 +35,14 @@ from dmuon_compile.param_groups import (
 )
 from dmuon_compile.routing import HEAD_NAMES, default_muon_predicate, routing_module  # noqa: F401
 from dmuon_compile.step_agreement import (  # noqa: F401 - MuonStepError: the public name
+    COMPILED,
+    EAGER,
     NONFINITE_MODES,
     MuonStepError,
     PendingVerdict,
     StepAgreement,
     _StepCheck,
+    directions_finite,
 )
 from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where users look
     PHASE_CHECK,
@@ -84,7 +87,8 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters for the
             other parameters (defaults 3e-4, (0.9, 0.95), 1e-8, 0).
         nonfinite_grads: ``"raise"`` (default) raises ``FloatingPointError`` naming the
-            parameters with NaN/Inf gradients before anything is updated; ``"skip"`` warns and
+            parameters with NaN/Inf gradients (or Muon momentum buffers, e.g. from a loaded
+            state) and which of the two, before anything is updated; ``"skip"`` warns and
             skips the whole step (weights and state unchanged).
         replicate_async: with HSDP (``dedicate_params(..., replicate_mesh=...)``) publish new
             weights to the other replicas asynchronously, overlapping the next forward
@@ -326,9 +330,15 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         # Only the TP halves cross into ``_agree`` (eager): under a user-compiled step the other
         # halves' groups hold DTensor parameters, whose meshes Dynamo cannot pass out.
         tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
-        # The compiled halves' finite flags (from NS's norms); the other gradients are read
-        # in ``_check_finite``. Only (local gradients, flags) pairs cross into eager code.
-        checked = [(h.grads, h.finite) for hs in halves for h in hs if h.finite is not None]
+        # The Muon halves' finite flags (compiled: NS's norms; eager: a norm of NS's output),
+        # covering gradient and momentum; the other gradients are read in ``_check_finite``.
+        # Only (local gradients, flags, path) cross into eager code.
+        checked = [
+            (h.grads, h.finite, EAGER if h.compiled is None else COMPILED)
+            for hs in halves
+            for h in hs
+            if h.finite is not None
+        ]
         self._check_finite(checked, failure)
         verdict = self._agree(failure, tp_halves, defer=_deferrable(plan, halves, failure))
         if verdict is False:
@@ -491,7 +501,11 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                         grads, bufs, finite_flags=True, **hypers
                     )
                     return ortho
-                return F.muon_directions(grads, bufs, ns=self.ns, **hypers)
+                ortho = F.muon_directions(grads, bufs, ns=self.ns, **hypers)
+                # NS's output is NaN wherever g or the momentum held a NaN/Inf: one norm of it
+                # checks both, in place of the gradients' read in ``_check_finite``.
+                half.finite = directions_finite(ortho)
+                return ortho
 
         if torch.compiler.is_compiling():  # traced: an error raises where torch raises it
             half.ortho = directions()
@@ -632,7 +646,7 @@ class _StepHalf:
     tp_half: object = None  # its half of this part (``distributed._tp.TPStepHalf``)
     receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
     compiled: object = None  # the CompiledMuonStep of the directions: it commits too
-    finite: Tensor | None = None  # compiled: per matrix of ``grads``, finite? (from NS's norms)
+    finite: Tensor | None = None  # per matrix of ``grads``: finite? (gradient and momentum)
     layouts: list | None = None  # each matrix's Layout (what NS and the lr rule see)
     matrix_shapes: list | None = None  # whole matrices' shapes when the tensors are shards
 

@@ -216,7 +216,12 @@ def _hold_hypers(opt: Muon, args, kwargs) -> None:
     """Step pre-hook: a float written into a group's ``lr``/``weight_decay``/``momentum``
     (OneCycleLR and CyclicLR assign ``group["momentum"] = m`` every step) goes back into that
     group's own 0-d tensor, so a user-compiled ``opt.step`` sees one tensor input whose value
-    changed, not a new constant that fails Dynamo's guard and recompiles."""
+    changed, not a new constant that fails Dynamo's guard and recompiles.
+
+    First it checks every group's values (:func:`_check_group_hypers`): a NaN/Inf/negative
+    value set after construction raises here, naming the group, before anything changes."""
+    for index, group in enumerate(opt.param_groups):
+        _check_group_hypers(opt, index, group)
     for index, group in enumerate(opt.param_groups):
         for key in HYPER_TENSORS:
             value = group.get(key)
@@ -227,6 +232,44 @@ def _hold_hypers(opt: Muon, args, kwargs) -> None:
                 held = opt._held_hypers[(index, key)] = torch.zeros((), dtype=torch.float64)
             held.fill_(float(value))
             group[key] = held
+
+
+def _check_group_hypers(opt: Muon, index: int, group: dict) -> None:
+    """A group's hyper-parameters as the step will use them, checked at every ``step()``: a
+    scheduler, ``load_state_dict`` or ``group["lr"] = ...`` may write any value after the
+    constructor checked its own. Muon groups: lr, weight_decay ≥ 0, momentum in [0, 1); AdamW
+    groups: lr, weight_decay, eps ≥ 0, betas in [0, 1) (their ``momentum`` is unused). Host
+    reads of 0-d CPU tensors only: a value the user put on an accelerator is not read (that
+    would sync the device)."""
+    use_muon = group.get("use_muon", True)
+    unit = ("momentum",) if use_muon else ("betas",)
+    keys = ("lr", "weight_decay", "momentum") if use_muon else ("lr", "weight_decay", "eps")
+    checks = [(key, key, group.get(key)) for key in keys]
+    if not use_muon:
+        checks += [(f"betas[{i}]", "betas", b) for i, b in enumerate(group.get("betas") or ())]
+    for label, key, value in checks:
+        if isinstance(value, Tensor):
+            if value.device.type != "cpu" or value.numel() != 1:
+                continue
+            value = value.item()
+        if value is None:
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        top = 1.0 if key in unit else math.inf
+        if 0.0 <= number < top:  # NaN fails it; an Inf lr or weight decay too
+            continue
+        params = group["params"]
+        first = f", first {opt.param_name(params[0])}" if params else ""
+        rule = "in [0, 1)" if key in unit else ">= 0"
+        raise ValueError(
+            f"Muon.step: param_groups[{index}] (the {'Muon' if use_muon else 'AdamW'} group of "
+            f"{len(params)} parameters{first}) has {label}={value!r}; it must be a finite "
+            f"number {rule}. Fix what wrote it (an LR scheduler, load_state_dict, "
+            f"group[{key!r}] = ...). The step changed nothing."
+        )
 
 
 def _dedicated_slots(params: list) -> tuple[int, dict[int, Tensor]]:

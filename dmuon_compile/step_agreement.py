@@ -2,13 +2,13 @@
 together.
 
 ``Muon.step`` computes every matrix's update first (writing nothing), then calls
-:meth:`StepAgreement._agree`: each rank's finite flags of its gradients and the phase in which
-its local work failed, if it did, go into one all-reduce (no collective at all where every
-rank sees the same gradients), and only then is anything written. A step that fails on one
-rank therefore raises :class:`MuonStepError` on every rank and changes nothing anywhere; a
-non-finite gradient raises ``FloatingPointError`` or skips the step (``nonfinite_grads``).
-``Muon`` inherits these methods; they read its ``param_groups``, ``state``, ``model`` and
-``nonfinite_grads``.
+:meth:`StepAgreement._agree`: each rank's finite flags of its gradients (and Muon momentum
+buffers) and the phase in which its local work failed, if it did, go into one all-reduce (no
+collective at all where every rank sees the same gradients), and only then is anything
+written. A step that fails on one rank therefore raises :class:`MuonStepError` on every rank
+and changes nothing anywhere; a non-finite gradient or momentum buffer raises
+``FloatingPointError`` or skips the step (``nonfinite_grads``). ``Muon`` inherits these
+methods; they read its ``param_groups``, ``state``, ``model`` and ``nonfinite_grads``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,18 @@ from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.step_phases import PHASE_CHECK, STEP_PHASES, guarded
 
 NONFINITE_MODES = ("raise", "skip")
+# Where a parameter's finite flag came from: the compiled directions (NS's norms of u = g + μ·buf),
+# the eager directions (NS's output, NaN wherever u held a NaN/Inf) or a direct read of the
+# gradient (and the Muon momentum buffer) in ``_check_finite``.
+COMPILED, EAGER, READ = "compiled", "eager", "read"
+MOMENTUM = "momentum_buffer"  # a Muon matrix's state key
+GRADIENT, MOMENTUM_BUFFER = "gradient", "momentum buffer"  # what a non-finite error names
+# The path that found a non-finite value, as the error names it.
+FOUND_BY = {
+    COMPILED: "the compiled Muon step",
+    EAGER: "the eager Muon step",
+    READ: "a direct read of the values",
+}
 # The skip warning names the user's ``opt.step()`` line: _read_verdict ← _agree or _settle ←
 # torch.compiler.disable's wrapper ← Muon._step ← Muon.step ← torch.no_grad ← torch.optim's
 # step hooks ← the caller (tests/test_deferred_verdict.py holds it, both ways).
@@ -55,6 +67,9 @@ class _StepCheck:
     finite: Tensor | None  # their finite flags, on the device
     fresh: list  # those whose state this step created: dropped if the step does not commit
     tp: object = None  # the plan's TP stage: drops the scatters of a step that does not commit
+    # Per parameter, which check set its flag (COMPILED, EAGER or READ): only read to word the
+    # error (a NaN with finite gradient and momentum means different things on each path).
+    paths: list | None = None
 
 
 @dataclass
@@ -65,6 +80,24 @@ class PendingVerdict:
     check: _StepCheck
     ok: Tensor  # commit or keep every old value
     votes: Tensor | None  # the all-reduced votes where ranks' gradients differ, else None
+
+
+def directions_finite(ortho: list[Tensor]) -> Tensor | None:
+    """Per direction NS(u) of the eager step: finite or not (a 1-D bool tensor on the device).
+
+    Newton–Schulz normalises ``u = g + μ·buf`` by its norm and multiplies matrices: a NaN or
+    Inf anywhere in the gradient or the momentum makes the norm NaN/Inf and the whole output
+    NaN. So one ``foreach`` norm of the directions (NS's work dtype: at most the bytes of the
+    gradients it replaces) checks both, where the compiled step reads its flags from the norms
+    NS takes; the eager step keeps NS's input-only signature (its CUDA-graph replay)."""
+    if not ortho:
+        return None
+    norms = torch._foreach_norm(ortho)
+    return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
+
+
+def _all_finite(t: Tensor) -> bool:
+    return bool(torch.isfinite(local_of(t)).all())
 
 
 def _step_error(failed: dict[int, str], failure: list) -> MuonStepError:
@@ -82,6 +115,32 @@ def _step_error(failed: dict[int, str], failure: list) -> MuonStepError:
     return err
 
 
+def _nonfinite_message(bad: list[tuple]) -> str:
+    """The non-finite step's message: each parameter with what is not finite in it and the
+    path that found it, then the advice for those kinds of value. ``bad``: ``(name, what,
+    kinds found, path or None)``."""
+    shown = ", ".join(f"{name} ({what})" for name, what, *_ in bad[:8])
+    if len(bad) > 8:
+        shown += f" and {len(bad) - 8} more"
+    kinds = {kind for _, _, found, _ in bad for kind in found}
+    paths = [FOUND_BY[p] for p in FOUND_BY if any(path == p for *_, path in bad)]
+    found_by = f", found by {' and '.join(paths)}" if paths else ""
+    parts = [f"non-finite (NaN/Inf) values in {shown}{found_by}."]
+    if GRADIENT in kinds:
+        parts.append(
+            "A non-finite gradient: check whether AdamW alone shows the same NaN (then the "
+            "cause is upstream: data, model, dtype)."
+        )
+    if MOMENTUM_BUFFER in kinds:
+        parts.append(
+            "A non-finite momentum buffer comes from the optimizer state (a loaded checkpoint, "
+            "a write to opt.state): load a good state or zero that buffer (skipping steps does "
+            "not clear it)."
+        )
+    parts.append("Pass nonfinite_grads='skip' to skip such steps instead.")
+    return " ".join(parts)
+
+
 class StepAgreement:
     """``Muon``'s agreement methods (see the module docstring)."""
 
@@ -90,44 +149,67 @@ class StepAgreement:
         """The step's finite flags, one per parameter with a gradient, kept in
         ``self._step_check`` in the order the verdict names them.
 
-        ``checked``: ``(local gradients, flags)`` of the compiled halves, whose flags come
-        from the norms Newton–Schulz takes of their Nesterov inputs (no extra read of the
-        gradients); every other gradient (AdamW, eager, TP, a failed half) is read here by one
-        ``foreach`` norm. A failure of that read is this rank's failure in
-        ``PHASE_CHECK``.
+        ``checked``: ``(local gradients, flags, path)`` of the Muon halves that brought flags
+        covering both the gradient and the momentum buffer with no extra read: compiled halves
+        from the norms Newton–Schulz takes of their Nesterov inputs, eager ones from a norm of
+        the directions (:func:`directions_finite`). Every other gradient (AdamW, TP, expert
+        shards, a failed half) is read here by one ``foreach`` norm, with the momentum buffer
+        of a Muon matrix that had one before this step (a NaN there, e.g. from a loaded state,
+        would otherwise be written into the weights). A failure of that read is this rank's
+        failure in ``PHASE_CHECK``.
         """
         check = self._step_check
         by_grad = {id(local_of(p.grad)): p for p in check.params}
         covered: list = []
+        paths: list[str] = []
         flags: list[Tensor] = []
-        for grads, finite in checked:
+        for grads, finite, path in checked:
             params = [by_grad.get(id(g)) for g in grads]
             # ``is``, not ``in``: ``None in params`` would call each tensor's ``__eq__`` (a
             # torch function per matrix on the step's host path).
             if all(p is not None for p in params):  # else read below with the rest
                 covered += params
+                paths += [path] * len(params)
                 flags.append(finite)
         taken = {id(p) for p in covered}
         rest = [p for p in check.params if id(p) not in taken]
         if rest:
             before = len(failure)
-            read = guarded(
-                failure, PHASE_CHECK, lambda: self._finite_flags([p.grad for p in rest]), None
-            )
+            read = guarded(failure, PHASE_CHECK, lambda: self._read_flags(rest, check), None)
             if len(failure) > before:  # this rank's failure: the agreement raises it everywhere
                 check.finite = None
                 return
             flags.append(read)
         check.params = covered + rest
+        check.paths = paths + [READ] * len(rest)
         if flags:
             device = flags[0].device
             check.finite = torch.cat([f.to(device).reshape(-1) for f in flags])
 
-    def _finite_flags(self, grads: list[Tensor]) -> Tensor | None:
-        """Per gradient: finite or not, on the device (read on the host by the agreement)."""
+    def _read_flags(self, params: list, check: _StepCheck) -> Tensor | None:
+        """The flags of ``params`` read directly: the gradient, and the momentum buffer of a
+        Muon matrix whose state existed before this step (a new one is zeros)."""
+        fresh = {id(p) for p in check.fresh}
+        bufs = [None if id(p) in fresh else self.state.get(p, {}).get(MOMENTUM) for p in params]
+        grads = [p.grad for p in params]
+        if all(b is None for b in bufs):
+            return self._finite_flags(grads)
+        return self._finite_flags(grads, bufs)
+
+    def _finite_flags(self, grads: list[Tensor], bufs: list | None = None) -> Tensor | None:
+        """Per gradient: finite or not, on the device (read on the host by the agreement).
+        ``bufs``: a momentum buffer (or ``None``) per gradient, checked with it."""
         if not grads:
             return None
-        norms = torch._foreach_norm([local_of(g).float() for g in grads])
+        extra = [(i, b) for i, b in enumerate(bufs or ()) if b is not None]
+        norms = list(
+            torch._foreach_norm([local_of(t).float() for t in grads + [b for _, b in extra]])
+        )
+        if extra:
+            # Norms are >= 0 or NaN/Inf: g's plus buf's is finite iff both are. One foreach add,
+            # no per-matrix op on the host path.
+            torch._foreach_add_([norms[i] for i, _ in extra], norms[len(grads) :])
+            norms = norms[: len(grads)]
         return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
 
     @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
@@ -200,10 +282,10 @@ class StepAgreement:
     def _read_verdict(self, check: _StepCheck, votes: Tensor | None, failure: list) -> bool:
         """The step's one host read: the local finite flags, or the all-reduced votes."""
         params, finite = check.params, check.finite
-        bad: list[str] = []
+        bad: list[tuple] = []
         if votes is None:
             if finite is not None and not bool(finite.all()):  # one host sync per step
-                bad = self._nonfinite_names(params, finite)
+                bad = self._nonfinite_names(params, finite, check.paths)
         else:
             values = votes.tolist()  # one host sync per step
             failed = {
@@ -215,26 +297,47 @@ class StepAgreement:
                 raise _step_error(failed, failure)
             if values[0] > 0:
                 bad = (
-                    self._nonfinite_names(params, finite)
+                    self._nonfinite_names(params, finite, check.paths)
                     if finite is not None and not bool(finite.all())
                     else []
-                ) or ["a gradient held by another rank (see that rank's error)"]
+                ) or [("a matrix held by another rank", "see that rank's error", (GRADIENT,), None)]
         if bad:
-            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-            message = (
-                f"non-finite (NaN/Inf) gradient in {shown} (for a compiled Muon step: in the "
-                "gradient or its momentum buffer). Check whether AdamW alone shows the "
-                "same NaN (then the cause is upstream: data, model, dtype); pass "
-                "nonfinite_grads='skip' to skip such steps instead."
-            )
+            message = _nonfinite_message(bad)
             if self.nonfinite_grads == "raise":
                 raise FloatingPointError("Muon.step: " + message)
             warnings.warn("Muon.step skipped: " + message, stacklevel=_USER_FRAME)
             return False
         return True
 
-    def _nonfinite_names(self, params: list[Tensor], finite: Tensor) -> list[str]:
-        return [self.param_name(p) for p, ok in zip(params, finite.tolist()) if not ok]
+    def _nonfinite_names(
+        self, params: list[Tensor], finite: Tensor, paths: list | None = None
+    ) -> list[tuple]:
+        """``(name, what is not finite, kinds found, path)`` of each flagged parameter. Only on
+        a non-finite step: its gradient and momentum buffer are read again to say which."""
+        paths = paths or [READ] * len(params)
+        return [
+            (self.param_name(p), *self._nonfinite_part(p, path), path)
+            for p, ok, path in zip(params, finite.tolist(), paths)
+            if not ok
+        ]
+
+    def _nonfinite_part(self, p: Tensor, path: str) -> tuple[str, tuple]:
+        buf = self.state.get(p, {}).get(MOMENTUM)
+        found = tuple(
+            kind
+            for kind, t in ((GRADIENT, p.grad), (MOMENTUM_BUFFER, buf))
+            if t is not None and not _all_finite(t)
+        )
+        if found:
+            return " and ".join(found), found
+        # Both finite: what overflowed depends on where the flag came from.
+        if path == COMPILED:  # the flags are isfinite(‖u‖)
+            what = "the compiled step's Newton–Schulz input g + μ·buf has a norm past float32"
+        elif path == EAGER:
+            what = "the eager step's Newton–Schulz returned NaN/Inf"
+        else:
+            what = "a norm past float32"
+        return f"gradient and momentum finite, but {what}", found
 
     def _abort(self, tp_halves: list, check: _StepCheck) -> None:
         """A step that does not commit: no state of its own left behind, TP scatters drained."""

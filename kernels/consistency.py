@@ -34,11 +34,15 @@ def check_ns_backend_consistent(ns=None, group=None) -> str:
             rank = dist.get_global_rank(group, index) if group is not None else index
             by_backend.setdefault(backend, []).append(rank)
         majority = max(by_backend, key=lambda b: len(by_backend[b]))
-        odd = {b: r for b, r in by_backend.items() if b != majority}
+        if 2 * len(by_backend[majority]) > world:  # "most" only for more than half the ranks
+            odd = {b: r for b, r in by_backend.items() if b != majority}
+            head = f"Most ranks ({by_backend[majority]}) use {majority!r}, but"
+        else:  # an even split (1 vs 1) or no majority: every side by name
+            odd, head = by_backend, "No backend is on most ranks:"
         lines = "\n".join(f"  ranks {ranks}: {backend!r}" for backend, ranks in odd.items())
         raise RuntimeError(
             "dmuon_compile: ranks resolved different Newton–Schulz kernels, which makes replicas "
-            f"drift. Most ranks ({by_backend[majority]}) use {majority!r}, but\n{lines}\n"
+            f"drift. {head}\n{lines}\n"
             "Set the same NewtonSchulz(kernel=...) or DMUON_NS_KERNEL on every rank "
             "(kernel='cublas' works everywhere)."
         )

@@ -134,6 +134,31 @@ def _check_boundary_runs(fqn: str, path: str, module: nn.Module) -> None:
         )
 
 
+def _check_no_reentrant_wrapper(model: nn.Module, selected: list) -> None:
+    """Refuse a reentrant ``checkpoint_wrapper`` around dedicated weights, applied before this
+    call (the documented error). Applied after, the recomputation hook raises it; applied
+    before, the wrapper is the hook group, outside the recomputation, and the weights would
+    silently take the reentrant backward. Duck-typed on the wrapper's ``checkpoint_impl`` (an
+    enum member named ``REENTRANT``): no import of torch's private module."""
+    for path, module in model.named_modules():
+        impl = getattr(module, "checkpoint_impl", None)
+        if getattr(impl, "name", None) != "REENTRANT":
+            continue
+        prefix = f"{path}." if path else ""
+        inside = [name for name, _ in selected if name.startswith(prefix)]
+        if inside:
+            raise RuntimeError(
+                f"dmuon_compile: {path or '<root>'!r} is a checkpoint_wrapper with "
+                f"CheckpointImpl.REENTRANT around dedicated weights ({inside[0]}"
+                f"{f' and {len(inside) - 1} more' if len(inside) > 1 else ''}): reentrant "
+                "activation checkpointing is not supported (its first forward runs without "
+                "gradients, and the dedicated runtime follows only non-reentrant "
+                "recomputation). Fix: checkpoint_wrapper with its default "
+                "CheckpointImpl.NO_REENTRANT, or torch.utils.checkpoint.checkpoint(..., "
+                "use_reentrant=False)."
+            )
+
+
 def _whole_on(p: Tensor, device: torch.device) -> Tensor | None:
     """This rank's whole copy of an owned weight on ``device``; ``None`` for a meta weight (its
     master is allocated, uninitialised, where it lives: see ``_allocate_master``)."""
@@ -274,6 +299,7 @@ def dedicate_params(
     if not selected:
         _no_match_warning(model)
         return {}
+    _check_no_reentrant_wrapper(model, selected)
     tp = _tp.detect_tp(selected, mesh, replicate_mesh)  # None without TP-sharded weights
     if tp is None:  # a TP model whose dedicated weights are all plain: one master per column
         tp = _tp.detect_tp_mesh(model, mesh, replicate_mesh)

@@ -17,12 +17,13 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from dmuon_compile.train import checkpointing, runtime
 from dmuon_compile.train.data import DEFAULT_VAL_FRACTION, load_corpus
-from dmuon_compile.train.loop import OPTIMIZERS, TrainConfig, train_one
+from dmuon_compile.train.loop import OPTIMIZERS, TrainConfig, model_sizes, train_one
 from dmuon_compile.train.metrics import CsvLog, mfu, peak_flops, plot_losses
 from dmuon_compile.train.model import GPTConfig
 
@@ -284,6 +285,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_si
             args.resume = checkpointing.find(args.resume)
         except FileNotFoundError as exc:
             parser.error(str(exc))
+        try:
+            checkpointing.check_sizes(args.resume, model_sizes(args))
+        except checkpointing.ResumeMismatch as exc:
+            fail(parser, exc)
     if args.peak_tflops is not None and not (
         math.isfinite(args.peak_tflops) and args.peak_tflops > 0
     ):
@@ -292,6 +297,11 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_si
         parser.error(
             "--device cuda, but no CUDA GPU is usable here; use --device cpu or --device auto"
         )
+
+
+def fail(parser: argparse.ArgumentParser, exc: Exception) -> NoReturn:
+    """Exit with status 2 and one line naming the problem: the usage text would bury it."""
+    parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 
 def make_out_dir(out_dir: Path | None) -> Path:
@@ -329,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary."""
     args, parser = parse_args(argv)
     validate(args, parser, runtime.env_world_size())
+    runtime.set_default_threads(print if runtime.env_rank() == 0 else lambda *_: None)
     if args.resume is not None:
         done = checkpointing.read_meta(args.resume)["step"]
         if done >= args.steps:  # nothing to train: say so instead of an empty run
@@ -361,6 +372,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(exc))
     try:
         return _run(args, config_from_args(args, env.device), corpus, env)
+    except checkpointing.ResumeMismatch as exc:  # a checkpoint without sizes: found on load
+        fail(parser, exc)
     finally:
         runtime.teardown(env)
 

@@ -53,6 +53,12 @@ class TrainConfig:
     compile_model: bool = False  # per-block torch.compile
 
 
+def model_sizes(cfg) -> dict:
+    """The sizes a checkpoint records and a resume must match (``checkpointing.MODEL_FLAGS``):
+    from a ``TrainConfig`` or the command line's namespace."""
+    return {key: getattr(cfg, key) for key in checkpointing.MODEL_FLAGS}
+
+
 @dataclass
 class RunResult:
     """What one run reports to the driver and the tests."""
@@ -207,7 +213,7 @@ def train_one(
 
     start = 0
     if resume is not None:
-        start = checkpointing.load(resume, model, opt, sched, name)
+        start = checkpointing.load(resume, model, opt, sched, name, sizes=model_sizes(cfg))
         history = checkpointing.read_history(resume)  # the curves before the checkpoint
         result.val_losses = [tuple(v) for v in history.get("val_losses", [])]
         result.train_losses = [tuple(v) for v in history.get("train_losses", [])]
@@ -231,7 +237,9 @@ def train_one(
             "train_losses": result.train_losses,
             "train_time_s": result.train_time_s,
         }
-        checkpointing.save(directory, model, opt, sched, step, name, env.is_main, history)
+        checkpointing.save(
+            directory, model, opt, sched, step, name, env.is_main, history, model_sizes(cfg)
+        )
         if env.is_main and show_progress:
             print(f"{name}: checkpoint {directory} ({time.perf_counter() - t0:.1f}s)")
 

@@ -104,6 +104,70 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def available_cores() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (a
+    container limited to 2 CPUs still shows the host's cores to ``os.cpu_count()`` and to
+    torch's default thread count)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpus()
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
+    return max(1, cores)
+
+
+def _cgroup_cpus() -> float | None:
+    """The cgroup CPU quota in CPUs (v2 ``cpu.max``, v1 ``cfs_quota_us``), ``None`` if none."""
+    for path, split in (
+        ("/sys/fs/cgroup/cpu.max", lambda text: text.split()[:2]),
+        (
+            "/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
+            lambda text: [text, Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text()],
+        ),
+    ):
+        try:
+            quota, period = split(Path(path).read_text().strip())
+            quota, period = int(quota), int(period)
+        except (OSError, ValueError):  # no such file, "max", a malformed line
+            continue
+        if quota > 0 and period > 0:
+            return quota / period
+    return None
+
+
+def choose_threads(environ=None, cores: int | None = None, current: int | None = None):
+    """``(threads, why)``: the intra-op thread count the demo sets, or ``(None, "")`` to keep
+    torch's. Only when ``OMP_NUM_THREADS`` is unset and torch would run more threads than the
+    cores each local process has (``cores // LOCAL_WORLD_SIZE``): oversubscribed cores made
+    one process ~6x slower per step."""
+    environ = os.environ if environ is None else environ
+    if environ.get("OMP_NUM_THREADS", "").strip():
+        return None, ""
+    cores = available_cores() if cores is None else cores
+    current = torch.get_num_threads() if current is None else current
+    local = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    per_process = max(1, cores // local)
+    if current <= per_process:
+        return None, ""
+    why = (
+        f"OMP_NUM_THREADS is unset and torch would run {current} threads per process on "
+        f"{cores} available core(s) for {local} process(es): using {per_process} "
+        "(set OMP_NUM_THREADS to choose)"
+    )
+    return per_process, why
+
+
+def set_default_threads(say=print) -> int | None:
+    """Apply :func:`choose_threads` to this process; ``say`` gets the one log line."""
+    threads, why = choose_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+        say(f"threads: {why}")
+    return threads
+
+
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     """``auto`` → ``cuda:<local_rank>`` when CUDA is available, else ``cpu``.
 
