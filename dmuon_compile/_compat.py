@@ -128,6 +128,12 @@ _INIT_LOGS = PrivateAPI("torch._logging._internal", "_init_logs", "the TORCH_LOG
 _CORRECT_FAN = PrivateAPI(
     "torch.nn.init", "_calculate_correct_fan", "Kaiming init of dedicated weights"
 )
+_AGREEMENT = "Muon.zero_grad's agreement after an exception in forward or backward"
+# c10d internals read by that agreement (here: distributed/_c10d_compat.py is another area's).
+_DEFAULT_STORE = PrivateAPI("torch.distributed.distributed_c10d", "_get_default_store", _AGREEMENT)
+_SEQUENCE_NUMBER = PrivateAPI(
+    "torch.distributed", "ProcessGroup._get_sequence_number_for_group", _AGREEMENT
+)
 _TREE_FLATTEN = PrivateAPI("torch.utils._pytree", "tree_flatten", "owner tensors' torch functions")
 _TREE_MAP = PrivateAPI("torch.utils._pytree", "tree_map", "owner tensors' torch functions")
 
@@ -180,6 +186,22 @@ def calculate_correct_fan(tensor, mode: str) -> int:
     """``torch.nn.init._calculate_correct_fan``: the fan the Kaiming initialisers use, for an
     owner tensor initialised on its owner (``distributed/_owner_init.py``)."""
     return _CORRECT_FAN.get()(tensor, mode)
+
+
+def default_store():
+    """``torch.distributed.distributed_c10d._get_default_store()``: the rendezvous store, a
+    channel beside the process groups (``Muon.zero_grad``'s agreement)."""
+    return _DEFAULT_STORE.get()()
+
+
+def collectives_issued(group) -> int | None:
+    """How many collectives this rank has issued on ``group``
+    (``ProcessGroup._get_sequence_number_for_group``); ``None`` where its backend keeps no count."""
+    _SEQUENCE_NUMBER.get()  # raises if this torch dropped it
+    try:
+        return int(group._get_sequence_number_for_group())
+    except RuntimeError:  # a backend without sequence numbers
+        return None
 
 
 def tree_flatten(tree):

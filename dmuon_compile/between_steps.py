@@ -1,7 +1,8 @@
 """What ``Muon`` does outside ``step()``: ``zero_grad``, ``load_state_dict``, ``restore_dedicated``.
 
 - ``zero_grad`` also drops the gradients of dedicated weights still in flight (after an
-  exception in forward or backward), so a failed batch can be skipped on every rank;
+  exception in forward or backward), so a batch that failed on every rank can be skipped; it
+  agrees with every rank first, and raises where the pass failed on some ranks only;
 - ``load_state_dict`` checks that the state fits (a dedicated parameter's state loads only where
   it was saved) before anything is loaded;
 - ``restore_dedicated`` puts the dedicated weights back in the parameter lists after a wrapper
@@ -13,8 +14,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from dmuon_compile.distributed._owned import OwnerTensor, is_owned, owner_rank, same_layout
 
@@ -26,7 +30,140 @@ def _layout(t: Tensor) -> str:
         return "a plain tensor"
     if is_owned(t):
         return f"owned by rank {owner_rank(t)} {tuple(t.placements)}"
-    return f"a DTensor on ranks {t.device_mesh.mesh.flatten().tolist()} {tuple(t.placements)}"
+    return f"a DTensor on ranks {t.device_mesh.mesh.tolist()} {tuple(t.placements)}"
+
+
+def _fits(value: Tensor, p: Tensor) -> bool:
+    """Whether state ``value`` has ``p``'s layout: the same owner, or the same mesh (its ranks
+    in its shape, not the object: a loaded state holds copies) and placements, so that each rank
+    holds the piece of ``p`` it steps. Global shapes are checked before."""
+    if is_owned(p):
+        return is_owned(value) and same_layout(value, p)
+    if not isinstance(p, DTensor):
+        return not isinstance(value, DTensor)
+    return (
+        isinstance(value, DTensor)
+        and not is_owned(value)
+        and value.device_mesh.device_type == p.device_mesh.device_type
+        and value.device_mesh.mesh.tolist() == p.device_mesh.mesh.tolist()
+        and tuple(value.placements) == tuple(p.placements)
+    )
+
+
+def _fsdp_backward_aborted(model) -> bool:
+    """Whether FSDP2's end-of-backward callback is still due: a backward raised before it ran
+    (what ``_fsdp_compat.finish_aborted_backward`` would finish, collectively)."""
+    from dmuon_compile.distributed import _fsdp_compat
+
+    feature = "Muon.zero_grad after a failed backward"
+    for module in _fsdp_compat.fsdp_modules(model):
+        state = _fsdp_compat._state(module)
+        if not _fsdp_compat._require(state, "_is_root", feature):
+            continue
+        ctx = _fsdp_compat._require(state, "_state_ctx", feature)
+        if _fsdp_compat._require(ctx, "post_backward_final_callback_queued", feature):
+            return True
+    return False
+
+
+def _pass_unfinished(model, runtime) -> bool:
+    """Whether a forward or backward was left unfinished (an exception in it), by local state."""
+    if runtime is not None and runtime.pass_unfinished():
+        return True
+    return _fsdp_backward_aborted(model)
+
+
+# Agreements so far in this process: every rank makes the same ones in the same order (each
+# skips the same aborted passes), which names their keys in the store.
+_AGREEMENTS = itertools.count()
+
+
+def _process_groups(model, runtime) -> dict[str, object]:
+    """The process groups the model's collectives go over, by name: the default group, the
+    meshes of its DTensor parameters (FSDP2's, TP's) and the dedicated runtime's."""
+    from dmuon_compile.distributed._c10d_compat import default_group
+
+    groups = [default_group()]
+    meshes = {}
+    for p in model.parameters():
+        if isinstance(p, DTensor) and not is_owned(p):
+            meshes.setdefault(id(p.device_mesh), p.device_mesh)
+    for mesh in meshes.values():
+        try:
+            groups += mesh.get_all_groups()
+        except RuntimeError:  # a mesh without process groups (a TP weight's owner group)
+            continue
+    if runtime is not None:
+        groups += runtime.process_groups()
+    return {g.group_name: g for g in groups}
+
+
+def _agree_to_skip(model, runtime) -> None:
+    """Return once every rank is here with the same number of collectives issued on every
+    process group the model uses (then finishing or dropping the aborted pass issues the same
+    collectives everywhere); raise otherwise, having issued none.
+
+    The agreement goes through the rendezvous store, not a process group: a peer that did not
+    raise waits inside a collective of the aborted pass, and anything this rank issued on that
+    group would pair with it. That peer never comes here (or comes after its own collective
+    timed out, with more collectives issued): this raises by the default group's timeout.
+    """
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from dmuon_compile import _compat
+    from dmuon_compile.distributed import _collectives as C
+    from dmuon_compile.distributed._c10d_compat import default_group
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    me, world = dist.get_rank(), dist.get_world_size()
+    issued = {
+        name: _compat.collectives_issued(g) for name, g in _process_groups(model, runtime).items()
+    }
+    store = _compat.default_store()
+    prefix = f"dmuon/zero_grad/{next(_AGREEMENTS)}/"
+    keys = [f"{prefix}{r}" for r in range(world)]
+    store.set(keys[me], json.dumps(issued))
+    timeout = C.group_timeout(default_group()) or datetime.timedelta(minutes=30)
+    restart = (
+        "A forward or backward that failed on some ranks only cannot be skipped: the other "
+        "ranks are inside one of its collectives, which ends at the process-group timeout (gloo "
+        "then closes the connections, NCCL aborts the communicator). Muon.zero_grad issued "
+        "nothing. End every rank and restart from the last checkpoint (torchrun --max-restarts); "
+        "only an exception raised on every rank at the same point (or one inside opt.step(), "
+        "dmuon.MuonStepError) is skipped by catching it and calling opt.zero_grad()."
+    )
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as err:  # DistStoreError: a peer did not come within the timeout
+        here = [r for r, key in enumerate(keys) if _store_has(store, key)]
+        missing = sorted(set(range(world)) - set(here))
+        if missing:  # (all here: the last came as the wait ended, compare below)
+            raise RuntimeError(
+                f"dmuon_compile: Muon.zero_grad after an exception in forward or backward on "
+                f"rank {me}: ranks {missing} did not come to skip that pass within {timeout} "
+                f"(ranks {here} did). {restart}"
+            ) from err
+    views = [json.loads(store.get(key)) for key in keys]
+    for name in issued:
+        counts = {r: v[name] for r, v in enumerate(views) if v.get(name) is not None}
+        if len(set(counts.values())) > 1:
+            raise RuntimeError(
+                f"dmuon_compile: Muon.zero_grad after an exception in forward or backward on "
+                f"rank {me}: the ranks left that pass at different points (collectives issued "
+                f"on process group {name!r}, by rank: {counts}), so their collectives no "
+                f"longer pair. {restart}"
+            )
+
+
+def _store_has(store, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except RuntimeError:  # the store itself is gone (its host rank ended)
+        return False
 
 
 class BetweenSteps:
@@ -35,12 +172,17 @@ class BetweenSteps:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
         flight are dropped (after an exception in forward or backward, reduces already issued
-        would otherwise land on the owners' gradients after this call). Collective when such
-        reduces are pending (every rank issued them; they are waited for until finished, also on
-        CUDA, or this raises by the group timeout); cheap otherwise.
+        would otherwise land on the owners' gradients after this call). Cheap after a step.
 
-        The exception must reach every rank: one inside ``step()`` does (``MuonStepError`` on
-        every rank); one in forward or backward must happen, or be caught, on every rank.
+        After a forward or backward that raised, it first agrees with every rank, through the
+        rendezvous store (no process group), that all of them left that pass at the same point
+        (the same number of collectives issued on every group); only then does it finish
+        FSDP2's aborted backward and drop the collectives in flight (waited for until finished,
+        also on CUDA), which is collective. An exception on some ranks only cannot be skipped:
+        the other ranks wait inside one of the pass's collectives until the process-group
+        timeout, and this raises a ``RuntimeError`` by that timeout, having issued nothing
+        (restart from a checkpoint). One inside ``step()`` reaches every rank
+        (``MuonStepError``) and is skipped.
 
         Example::
 
@@ -54,9 +196,14 @@ class BetweenSteps:
         from dmuon_compile.distributed._autograd_compat import in_backward
         from dmuon_compile.distributed._pending import gradient_writes
 
-        if self.model is not None and not in_backward():
-            _fsdp_compat.finish_aborted_backward(self.model)
         runtime = runtime_of(self.model)
+        if self.model is not None and not in_backward():
+            if _pass_unfinished(self.model, runtime):
+                # What finishes or drops the aborted pass is collective: every rank must have
+                # left it at the same point, or this rank's collectives would pair with the ones
+                # a peer still waits in (a crash, or a hang).
+                _agree_to_skip(self.model, runtime)
+            _fsdp_compat.finish_aborted_backward(self.model)
         if runtime is not None:
             runtime.discard_backward()
         with gradient_writes():  # set_to_none=False zeroes gradients, no weight: no publish
@@ -111,11 +258,12 @@ class BetweenSteps:
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict`` after checking that the state fits.
 
-        State of a dedicated parameter must have been saved with the same owner and mesh (an
-        ``opt.state_dict()`` holds each rank's own view). Anything else — another model, another
-        routing, another cluster shape — raises a ``ValueError`` naming the parameter before
-        anything is loaded. To resume on another mesh or world size, checkpoint through
-        ``torch.distributed.checkpoint`` (``get_state_dict`` / ``set_state_dict``), which reshards.
+        State of a dedicated parameter must have been saved with the same owner, state of an
+        FSDP2 shard on the same mesh and placements (an ``opt.state_dict()`` holds each rank's
+        own view). Anything else — another model, another routing, another cluster shape —
+        raises a ``ValueError`` naming the parameter before anything is loaded. To resume on
+        another mesh or world size, checkpoint through ``torch.distributed.checkpoint``
+        (``get_state_dict`` / ``set_state_dict``), which reshards.
 
         Example::
 
@@ -145,8 +293,9 @@ class BetweenSteps:
                 )
             index_to_param.update(zip(saved["params"], group["params"]))
         fix = (
-            "Optimizer state of a dedicated parameter only loads where it was saved (same owner, "
-            "same mesh). To resume on another cluster shape, save and load with "
+            "A plain opt.state_dict() holds each rank's own piece: it loads only where it was "
+            "saved (a dedicated parameter on the same owner, an FSDP2 shard on the same mesh and "
+            "placements). To resume on another cluster shape, save and load with "
             "torch.distributed.checkpoint: state = get_state_dict(model, opt); "
             "dcp.load(state, ...); "
             "set_state_dict(model, opt, model_state_dict=..., optim_state_dict=...)."
@@ -163,7 +312,7 @@ class BetweenSteps:
                         f"Muon.load_state_dict: {key} of {self.param_name(p)} has shape "
                         f"{tuple(value.shape)}, the parameter {tuple(p.shape)}. {fix}"
                     )
-                if is_owned(p) and not (is_owned(value) and same_layout(value, p)):
+                if not _fits(value, p):
                     raise ValueError(
                         f"Muon.load_state_dict: {key} of {self.param_name(p)} was saved as "
                         f"{_layout(value)}; the parameter is {_layout(p)}. {fix}"

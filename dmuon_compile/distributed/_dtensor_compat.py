@@ -10,6 +10,7 @@ raises :class:`dmuon_compile._compat.TorchInternalsError` when this torch moved 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,6 +35,43 @@ _ROOT_MESH = PrivateAPI(
     "the HSDP and TP mesh checks",
     _MODULE,
 )
+
+
+_FULL_LOAD = "full state dicts loaded into dedicated weights (torch's set_*_state_dict)"
+# The two calls torch's full-state loads place each tensor with (read on torch 2.13): the
+# distribution of a dict held on every rank, and the copy after the broadcast from rank 0.
+_SD_DISTRIBUTE = PrivateAPI(
+    "torch.distributed._state_dict_utils", "distribute_tensor", _FULL_LOAD, _MODULE
+)
+_SD_DISTRIBUTE_TENSORS = PrivateAPI(
+    "torch.distributed._state_dict_utils", "_distribute_tensors", _FULL_LOAD, _MODULE
+)
+
+
+def route_full_state_loads(distribute, distribute_tensors) -> None:
+    """Route the two calls by which torch's full-state loads (``set_model_state_dict`` /
+    ``set_optimizer_state_dict`` with ``full_state_dict=True``, with or without
+    ``broadcast_from_rank0``) place a tensor into a DTensor through ``distribute(original, ...)``
+    and ``distribute_tensors(original, ...)``, which handle owner meshes and call ``original``
+    otherwise. Owner meshes have no process group (``distribute_tensor`` broadcasts on one) and
+    a rank outside one holds nothing (the copy after the broadcast slices for every rank).
+    Installed once, as attributes of ``torch.distributed._state_dict_utils``, where torch's own
+    calls look them up; resolved uncached, so a second call finds its wrappers in place."""
+    import torch.distributed._state_dict_utils as utils
+
+    for api, route in ((_SD_DISTRIBUTE, distribute), (_SD_DISTRIBUTE_TENSORS, distribute_tensors)):
+        original = api.resolve()
+        if not getattr(original, "dmuon_routed", False):
+            setattr(utils, api.path, _routed(route, original))
+
+
+def _routed(route, original):
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        return route(original, *args, **kwargs)
+
+    call.dmuon_routed = True
+    return call
 
 
 def check_dtensor_layout() -> None:

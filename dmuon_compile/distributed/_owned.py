@@ -36,6 +36,12 @@ on torch 2.13 and 2.11):
   weight on every rank; ``dmuon.full_tensor(t)`` does the same for any tensor. Its
   ``redistribute(Replicate)`` does the same, which is how torch's
   ``get_model_state_dict(full_state_dict=True)`` gathers a DTensor.
+- torch's full-state loads (``set_model_state_dict`` / ``set_optimizer_state_dict`` with
+  ``full_state_dict=True``) place each whole tensor into its DTensor with ``distribute_tensor``
+  (the dict on every rank: a broadcast on the mesh, which an owner mesh has no process group
+  for) or slice it for this rank (``broadcast_from_rank0``: a rank outside the mesh gets the
+  whole tensor, not its empty piece). Both calls are routed here for owner meshes
+  (``_dtensor_compat.route_full_state_loads``): each holder takes its piece of its own copy.
 - A shard-like placement on FSDP2's mesh (``Shard(0)`` subclass) was tried first and dropped:
   DTensor's sharding rules rebuild plain ``Shard(0)`` for its outputs (wrong labels), and its
   foreach rules mixed it up with FSDP2's own ``Shard(0)`` gradients of the same shape (a hang).
@@ -296,6 +302,50 @@ def _rewrap(out):
     return out
 
 
+def _distribute_for_load(original, tensor, device_mesh=None, placements=None, **kwargs):
+    """``distribute_tensor`` as torch's full-state load calls it with the dict on every rank.
+    Onto a one-rank owner mesh the owner keeps its own copy (``src_data_rank=None``): the data
+    a broadcast from the mesh's only rank would give, and the mesh has no process group to
+    broadcast on. Ranks outside an owner mesh get DTensor's empty local; the result is an
+    :class:`OwnerTensor`, as every result on an owner mesh."""
+    if device_mesh is None or not is_owner_mesh(device_mesh):
+        return original(tensor, device_mesh, placements, **kwargs)
+    if id(device_mesh) in MESHES.owner_of:
+        kwargs["src_data_rank"] = None
+    return _rewrap(original(tensor, device_mesh, placements, **kwargs))
+
+
+def _distribute_tensors_for_load(original, local_state_dict, keys, *args, **kwargs):
+    """The copy of the tensors broadcast from rank 0 into their DTensors: an owner tensor on a
+    rank that holds none of it keeps its (empty) self; torch would slice the whole tensor for
+    it (a rank outside a mesh has no coordinate, hence no slice)."""
+    for key in keys:
+        entry = local_state_dict.get(key)
+        if isinstance(entry, tuple) and isinstance(entry[0], OwnerTensor):
+            t, whole = entry
+            if not _holds_piece(t):
+                local_state_dict[key] = (
+                    wrap_like(empty_local(t.dtype, whole.device), t) if t.is_meta else t
+                )
+    return original(local_state_dict, keys, *args, **kwargs)
+
+
+def _holds_piece(t: DTensor) -> bool:
+    me = dist.get_rank()
+    ranks = MESHES.group_ranks.get(id(t.device_mesh))
+    return me in ranks if ranks is not None else owner_rank(t) == me
+
+
+_ROUTED = False
+
+
+def _route_full_state_loads() -> None:
+    global _ROUTED
+    if not _ROUTED:
+        _dt.route_full_state_loads(_distribute_for_load, _distribute_tensors_for_load)
+        _ROUTED = True
+
+
 def make_owned(
     local: Tensor | None,
     mesh: DeviceMesh,
@@ -309,6 +359,7 @@ def make_owned(
     whole tensor, shared, not copied) or ``None`` off the owner. ``placement``: ``Replicate()``
     (default, a one-rank mesh) or ``Shard(d)`` on an owner group mesh (``local``: this member's
     shard, not checked)."""
+    _route_full_state_loads()  # torch's full-state loads place owner tensors here (above)
     shape = torch.Size(shape)
     if local is None:
         local = empty_local(dtype, device)

@@ -516,6 +516,33 @@ class DedicatedRuntime(RuntimeStepSide):
         if sync and self.replicated:
             self.pending.note_write()
 
+    def pass_unfinished(self) -> bool:
+        """Whether a forward with gradients or a backward began and did not finish its
+        synchronising backward: what an exception in forward or backward leaves (local state
+        only). False right after a step, and after forwards without gradients that ended."""
+        return (
+            self.state == RuntimeState.BACKWARD
+            or self._reduces_issued > 0
+            or any(
+                g.ran_forward or g.pending_reduce or g.state == GroupState.UNSHARDING
+                for g in self.groups
+            )
+        )
+
+    def process_groups(self) -> list:
+        """The process groups this model's collectives go over: the meshes' (FSDP2's too, when
+        it shards over the same mesh), the dedicated groups', HSDP's replicate and TP's."""
+        groups = list(self.mesh.get_all_groups())
+        if self.replicate_mesh is not None:
+            groups += self.replicate_mesh.get_all_groups()
+        for group in self.groups:
+            groups.append(group.pg)
+            if group.replicate is not None:
+                groups.append(group.replicate.pg)
+        if self.tp is not None:
+            groups.append(self.tp.pg)
+        return groups
+
     def discard_backward(self) -> None:
         """Drop every gradient still in flight or on the compute copies (``Muon.zero_grad``).
 

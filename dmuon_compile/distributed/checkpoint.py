@@ -6,10 +6,12 @@ under their original names, and DCP (``dcp.save`` / ``dcp.load`` of ``get_state_
 checkpoints and reshards them like FSDP2's parameters: that is the path for resuming on another
 cluster shape. torch's ``get_model_state_dict(full_state_dict=True)`` gathers each DTensor with
 ``redistribute(Replicate)``, which an owner tensor answers with the whole weight on every rank
-(a plain dedicated weight, or a TP weight's shards from its owner group), so that works too. The
-two helpers here are the full-state-dict pair: one dict with every tensor whole and a copy (for
-``torch.save``, HF ``save_pretrained(state_dict=...)``, or a single-process model), and its way
-back in.
+(a plain dedicated weight, or a TP weight's shards from its owner group), so that works too,
+and so do torch's full-state loads, ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
+``full_state_dict=True`` (with or without ``broadcast_from_rank0``; ``_owned.py`` says how), the
+HF Trainer's FSDP2 ``FULL_STATE_DICT`` checkpoints included. The two helpers here are the
+full-state-dict pair: one dict with every tensor whole and a copy (for ``torch.save``, HF
+``save_pretrained(state_dict=...)``, or a single-process model), and its way back in.
 """
 
 from __future__ import annotations
