@@ -58,6 +58,8 @@ Beside this module: ``_owner_meshes.py`` (the owner meshes and what is known abo
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -342,8 +344,15 @@ _ROUTED = False
 def _route_full_state_loads() -> None:
     global _ROUTED
     if not _ROUTED:
-        _dt.route_full_state_loads(_distribute_for_load, _distribute_tensors_for_load)
         _ROUTED = True
+        try:
+            _dt.route_full_state_loads(_distribute_for_load, _distribute_tensors_for_load)
+        except RuntimeError as exc:  # a torch without them: only that feature is lost, and said
+            warnings.warn(
+                f"dmuon_compile: torch's full-state loads into dedicated weights are not routed "
+                f"on this torch ({exc}); load with dmuon.set_model_state_dict or DCP instead.",
+                stacklevel=3,
+            )
 
 
 def make_owned(
