@@ -339,10 +339,11 @@ def last_annotation_start(trace, name: str | None = None):
 
 def phase_host_ms(trace) -> dict:
     """Host milliseconds inside each ``dmuon::`` range (``dmuon::unshard``, ``dmuon::reduce``,
-    ``dmuon::publish``, ...), summed over its occurrences (nested ranges count in each)."""
+    ``dmuon::publish``, ...), summed over its occurrences (nested ranges count in each) and over
+    hook groups (``dmuon::unshard (layers.0)`` counts as ``dmuon::unshard``)."""
     out: dict = {}
     for ev in _host_events(trace, LABEL_PREFIX):
-        name = str(ev["name"])
+        name = str(ev["name"]).split(" (", 1)[0]
         if name.startswith(LABEL_PREFIX):
             out[name] = out.get(name, 0.0) + float(ev.get("dur", 0.0)) / 1e3
     return dict(sorted(out.items()))

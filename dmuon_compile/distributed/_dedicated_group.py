@@ -176,7 +176,7 @@ class DedicatedGroup:
             side = _unshard_stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
         with (
-            label(UNSHARD),
+            label(UNSHARD, self.name),
             torch.cuda.stream(side) if side is not None else contextlib.nullcontext(),
         ):
             if queued:
@@ -221,7 +221,7 @@ class DedicatedGroup:
             if cuda:  # the stream stall: from "compute reached the wait" to "the data is there"
                 before = torch.cuda.Event(enable_timing=True)
                 before.record()
-        with label(UNSHARD):
+        with label(UNSHARD, self.name):
             for w in self.works:
                 C.wait(w, f"the unshard ({self.mode}) of dedicated group {self.name!r}", self.pg)
         if self.record_profile:
@@ -272,7 +272,7 @@ class DedicatedGroup:
 
     def reduce_grads(self) -> None:
         """Pack the local gradients (owner-packed), issue the reduce to owners, free them."""
-        with label(REDUCE):
+        with label(REDUCE, self.name):
             self._reduce_grads()
 
     @torch.no_grad()
@@ -319,7 +319,7 @@ class DedicatedGroup:
         async; :meth:`drain` waits for it), which divides.
         """
         if self.pending_reduce:
-            with label(REDUCE):
+            with label(REDUCE, self.name):
                 self._finish_reduce()
 
     @torch.no_grad()

@@ -67,6 +67,7 @@ class ReplicateStage:
     copy_in: list = field(default_factory=list)  # (param, view): owners whose dtype differs
     pending_reduce: list = field(default_factory=list)
     stall_events: list = field(default_factory=list)
+    name: str = ""  # the hook group's (its profiler ranges name it)
 
     # ------------------------------------------------------------------ layout
     def build(self, values: dict[str, Tensor | None]) -> dict[str, Tensor]:
@@ -115,7 +116,7 @@ class ReplicateStage:
     def reduce(self, column_grads: Tensor, divide_by: float, profile=None) -> None:
         """Issue the reduce of the column's gradient sums to each global owner (async); the
         global owner divides the sum by ``divide_by``."""
-        with label(REDUCE):
+        with label(REDUCE, self.name or None):
             works = [
                 C.reduce_sum(column_grads[s.start : s.start + s.numel], s.root, self.pg)
                 for s in self.segments
@@ -128,7 +129,7 @@ class ReplicateStage:
     def finish_reduce(self) -> None:
         """Wait for the reduces; the global owner's ``param.grad`` gets the sum / ``divide_by``."""
         if self.pending_reduce:
-            with label(REDUCE):
+            with label(REDUCE, self.name or None):
                 self._finish_reduce()
 
     @torch.no_grad()
@@ -158,7 +159,7 @@ class ReplicateStage:
         """Broadcast each global owner's weights to its column peers (async): the pending
         update the runtime queues (``_pending.py``), applied by :meth:`finish_publish`. The
         caller has applied this group's earlier entries (a previous publish still in flight)."""
-        with label(PUBLISH):
+        with label(PUBLISH, self.name or None):
             for p, view in self.copy_in:
                 view.copy_(p.master)
             works = [
@@ -184,7 +185,7 @@ class ReplicateStage:
             if cuda:
                 before = torch.cuda.Event(enable_timing=True)
                 before.record()
-        with label(PUBLISH):
+        with label(PUBLISH, self.name or None):
             for w in works:
                 C.wait(w, "the HSDP replicate broadcast of the new weights", self.pg)
         if profile is not None:

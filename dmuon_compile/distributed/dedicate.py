@@ -414,7 +414,7 @@ def dedicate_params(
         g.build()
         if rep_pg is not None:
             g.replicate = ReplicateStage(
-                g.params_of(rank), rep_rank, replicas, world, rep_pg, device, key[1]
+                g.params_of(rank), rep_rank, replicas, world, rep_pg, device, key[1], name=label
             )
             masters.update(g.replicate.build(initial))
         else:

@@ -29,6 +29,12 @@ def _profiled_labels(model, opt, x) -> set[str]:
     return {e.name for e in prof.events() if e.name.startswith("dmuon::")}
 
 
+def _phases(names) -> set[str]:
+    from dmuon_compile.trace_labels import phase_of
+
+    return {phase_of(n) for n in names}
+
+
 def _labels(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -58,9 +64,13 @@ def test_every_phase_is_labelled():
     from dmuon_compile import trace_labels as L
 
     for got in run_ranks(_labels, 2, timeout=100):
-        assert {L.UNSHARD, L.REDUCE, L.PUBLISH, L.STEP, L.NS} <= set(got["hsdp"]), got
-        assert {L.TP_GATHER, L.TP_SCATTER, L.STEP} <= set(got["tp"]), got
-        assert set(got["hsdp"]) | set(got["tp"]) == set(L.ALL), got
+        hsdp, tp = _phases(got["hsdp"]), _phases(got["tp"])
+        assert {L.UNSHARD, L.REDUCE, L.PUBLISH, L.STEP, L.NS} <= hsdp, got
+        assert {L.TP_GATHER, L.TP_SCATTER, L.STEP} <= tp, got
+        assert hsdp | tp == set(L.ALL), got
+        # The unshard, reduce and publish ranges name their hook group, as FSDP2's do.
+        for phase in (L.UNSHARD, L.REDUCE, L.PUBLISH):
+            assert f"{phase} (layers.0)" in got["hsdp"], got
 
 
 def test_labels_cost_nothing_without_a_profiler():
