@@ -33,7 +33,7 @@ PG_TIMEOUT_S = 4.0
 FAILING, FAIL_AT = 1, 1  # the rank that raises, and the batch it raises in
 
 
-def _readme_recipe(rank, world, where, layer):
+def _readme_recipe(rank, world, where, layer, hsdp=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -41,8 +41,14 @@ def _readme_recipe(rank, world, where, layer):
 
     torch.manual_seed(0)
     model = models.TinyLlama()
-    mesh = init_device_mesh("cpu", (world,))
-    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
+    if hsdp:  # world replicas of one shard: the publish to the replicas is in play too
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        dmuon.dedicate_params(
+            model, mesh["shard"], predicate=models.proj_predicate, replicate_mesh=mesh["replicate"]
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -82,13 +88,13 @@ def _readme_recipe(rank, world, where, layer):
 
 
 @pytest.mark.parametrize(
-    "where,layer",
-    [("backward", 1), ("backward", 0), ("forward", 1)],
-    ids=["backward_mid", "backward_last_block", "forward"],
+    "where,layer,hsdp",
+    [("backward", 1, False), ("backward", 0, False), ("forward", 1, False), ("forward", 1, True)],
+    ids=["backward_mid", "backward_last_block", "forward", "forward_hsdp2x1"],
 )
-def test_one_rank_exception_ends_every_rank_cleanly(where, layer):
+def test_one_rank_exception_ends_every_rank_cleanly(where, layer, hsdp):
     out = run_ranks_with_victim(
-        _readme_recipe, 2, -1, where, layer, timeout=60, pg_timeout_s=PG_TIMEOUT_S
+        _readme_recipe, 2, -1, where, layer, hsdp, timeout=60, pg_timeout_s=PG_TIMEOUT_S
     )
     for rank, r in out.items():
         log = r["log"]
