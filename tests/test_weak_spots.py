@@ -154,9 +154,13 @@ def test_valid_hyper_parameters_still_step():
     opt.param_groups[0]["lr"] = 0.0  # zero is allowed, as at construction
     opt.param_groups[0]["momentum"] = 0.0
     _backward(model, 1)
+    steps = [s["step"].item() for s in opt.state.values() if "step" in s]
+    assert steps  # the model has AdamW parameters, stepped once already
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()
+    # the step ran: every AdamW state counted it (lr 0 leaves the weights as they were)
+    assert [s["step"].item() for s in opt.state.values() if "step" in s] == [n + 1 for n in steps]
 
 
 # ------------------------------------------------------------------ 9. kernels from elsewhere
