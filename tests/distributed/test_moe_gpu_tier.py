@@ -12,19 +12,11 @@ experts runs DTensor's functional collectives, which crash on CUDA tensors over 
 from __future__ import annotations
 
 import pytest
-import torch
 
+from .test_gpu_tier import _fp32_matmuls  # noqa: F401 - the tier's autouse fixture (fp32 refs)
 from .test_moe_dedicated import check_expert_parallel, check_expert_stacks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.tier, pytest.mark.distributed, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(autouse=True)
-def _fp32_matmuls():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
