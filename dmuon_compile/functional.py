@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from dmuon_compile.layouts import Layout
-from dmuon_compile.newton_schulz import NewtonSchulz, frobenius_norm
+from dmuon_compile.newton_schulz import DEFAULT_STACK_BYTES, NewtonSchulz, frobenius_norm  # noqa: F401
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original", "none")
 MATRIX = Layout()  # a 2-D weight: one matrix
@@ -106,21 +106,41 @@ def momentum_update(
 
 
 def shape_buckets(
-    tensors: Sequence[Tensor], layouts: Sequence[Layout] | None = None
+    tensors: Sequence[Tensor],
+    layouts: Sequence[Layout] | None = None,
+    max_bytes: int | None = None,
 ) -> list[list[int]]:
     """Indices of ``tensors`` grouped by (matrix shape, dtype, device), in first-seen order:
     the stacks Newton–Schulz orthogonalises in one batched call (an expert stack's matrices
-    join the 2-D weights of their shape). The step's only bucketing; traceable (the keys are
-    static under ``dynamic=False``).
+    join the 2-D weights of their shape). ``max_bytes`` (``NewtonSchulz.stack_bytes``) cuts a
+    group into consecutive stacks of at most that many bytes (a tensor alone past it is a
+    stack of its own, which NS then runs in pieces). The step's only bucketing; traceable (the
+    keys are static under ``dynamic=False``).
 
     >>> shape_buckets([torch.zeros(2, 3), torch.zeros(4, 4), torch.zeros(2, 3)])
     [[0, 2], [1]]
+    >>> shape_buckets([torch.zeros(2, 3)] * 3, max_bytes=48)
+    [[0, 1], [2]]
     """
     lays = layouts_of(tensors, layouts)
-    buckets: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, (t, lay) in enumerate(zip(tensors, lays)):
-        buckets.setdefault((lay.stacked_shape(t.shape), t.dtype, t.device), []).append(i)
-    return list(buckets.values())
+        groups.setdefault((lay.stacked_shape(t.shape), t.dtype, t.device), []).append(i)
+    if max_bytes is None:
+        return list(groups.values())
+    buckets: list[list[int]] = []
+    for idx in groups.values():
+        current: list[int] = []
+        size = 0
+        for i in idx:
+            nbytes = tensors[i].numel() * tensors[i].element_size()
+            if current and size + nbytes > max_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        buckets.append(current)
+    return buckets
 
 
 def orthogonalize(
@@ -146,7 +166,7 @@ def orthogonalize(
     if not batch_same_shape:
         return [lay.unmatrices(ns(lay.matrices(u)), u.shape) for u, lay in zip(updates, lays)]
     out: list[Tensor | None] = [None] * len(updates)
-    for idx in shape_buckets(updates, lays):
+    for idx in shape_buckets(updates, lays, ns.stack_bytes):
         bucket = [updates[i] for i in idx]
         if release:
             for i in idx:
@@ -285,7 +305,7 @@ def muon_directions(
     out: list[Tensor | None] = [None] * len(grads)
     order: list[int] = []  # the matrices in bucket order: the order of the flags' pieces
     pieces: list[Tensor] = []
-    for idx in shape_buckets(grads, lays):
+    for idx in shape_buckets(grads, lays, ns.stack_bytes):
         bucket = nesterov_input([grads[i] for i in idx], [bufs[i] for i in idx], momentum, nesterov)
         finite: list | None = [] if finite_flags else None
         bucket_lays = [lays[i] for i in idx]

@@ -77,6 +77,11 @@ def unknown_kernel_error(kernel) -> ValueError:
 # Below this aspect ratio n/m Gram NS saves no FLOPs over direct NS
 # (docs/architecture.md, Newton–Schulz).
 DEFAULT_GRAM_MIN_ASPECT = 1.5
+# The most bytes one batched Newton–Schulz call stacks (its input, as given): a longer stack, or
+# a shape bucket of the step past it, is cut into several calls. NS's working set is a few times
+# its input (iterate, next value, one product), so this bounds the step's peak above the
+# directions; 4 GiB still holds 16 fp32 matrices of 4096×16384, enough to fill a GPU.
+DEFAULT_STACK_BYTES = 4 << 30
 
 
 def _traced(t: Tensor) -> bool:
@@ -383,6 +388,10 @@ class NewtonSchulz:
             fp32 for CPU inputs).
         gram_min_aspect: matrices with n/m below this run direct NS (default 1.5).
         eps: added to the Frobenius norm before dividing.
+        stack_bytes: the most bytes of input one batched call stacks (default 4 GiB,
+            ``DEFAULT_STACK_BYTES``): a longer stack runs as several calls, and the optimizer
+            step cuts its shape buckets to it. Bounds the step's working memory (a few times
+            this) above the directions it keeps.
 
     Example::
 
@@ -402,6 +411,7 @@ class NewtonSchulz:
         work_dtype: torch.dtype | None = None,
         gram_min_aspect: float = DEFAULT_GRAM_MIN_ASPECT,
         eps: float = EPS,
+        stack_bytes: int = DEFAULT_STACK_BYTES,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"NewtonSchulz(backend={backend!r}): choose one of {BACKENDS}")
@@ -445,6 +455,12 @@ class NewtonSchulz:
             raise ValueError(f"gram_min_aspect must be >= 1 (got {gram_min_aspect})")
         self.gram_min_aspect = gram_min_aspect
         self.eps = eps
+        if isinstance(stack_bytes, bool) or not isinstance(stack_bytes, int) or stack_bytes < 1:
+            raise ValueError(
+                f"NewtonSchulz(stack_bytes={stack_bytes!r}): give a positive number of bytes, "
+                f"e.g. {DEFAULT_STACK_BYTES} (4 GiB, the default)"
+            )
+        self.stack_bytes = stack_bytes
         self.kernel, self.kernel_reason = self._resolve_kernel(self.requested_kernel)
         self._graphed = ns_graphs.GraphedCalls()  # per-shape CUDA graphs of small eager calls
 
@@ -541,9 +557,29 @@ class NewtonSchulz:
                 f"{tuple(g.shape[:-2]) + (1, 1)} (one per matrix, keepdim): pass "
                 "frobenius_norm(g, ns.work_dtype_for(g.device)), or leave it out"
             )
+        per_call = self.matrices_per_call(g.shape[-2:], g.element_size())
+        if g.dim() == 3 and g.shape[0] > per_call:
+            return self._in_pieces(g, norm, per_call)
         if norm is None and ns_graphs.wanted(g):
             return self._graphed(self._config_key(g.device), self._orthogonalize, g)
         return self._orthogonalize(g, norm)
+
+    def matrices_per_call(self, shape: Sequence[int], element_size: int = 4) -> int:
+        """How many (m, n) matrices of ``element_size`` bytes one call stacks (at least one)."""
+        return max(1, self.stack_bytes // (int(shape[0]) * int(shape[1]) * element_size))
+
+    def _in_pieces(self, g: Tensor, norm: Tensor | None, per_call: int) -> Tensor:
+        """A stack past ``stack_bytes`` as several calls, each result copied into one output
+        (each piece's working set is freed before the next piece's is made)."""
+        out = None
+        for start in range(0, g.shape[0], per_call):
+            piece = slice(start, start + per_call)
+            r = self(g[piece], None if norm is None else norm[piece])
+            if out is None:
+                out = r.new_empty((g.shape[0], *r.shape[1:]))
+            out[piece].copy_(r)
+            del r
+        return out
 
     def _config_key(self, device: torch.device) -> tuple:
         """Everything that selects the kernels of a call besides the input (graph cache key;

@@ -75,6 +75,11 @@ from dmuon_compile.distributed._pending import PendingUpdates
 from dmuon_compile.distributed._runtime_step import RuntimeStepSide
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 
+# HSDP: how many groups' replicate reduces (and their column sums) may be in flight in a
+# backward; an older one is finished (on CUDA a stream dependency, not a host block) before a
+# newer group's is issued, so the sums do not pile up until the end of backward.
+REPLICATE_REDUCES_IN_FLIGHT = 2
+
 
 class RuntimeState(Enum):
     """Where a model's iteration is, for its dedicated groups (FSDP2 keeps its own as an enum
@@ -152,6 +157,11 @@ class DedicatedRuntime(RuntimeStepSide):
         self.state = RuntimeState.IDLE
         self._sync: bool | None = None
         self._reducing: list[DedicatedGroup] = []
+        # HSDP: groups whose replicate reduce (their column's gradient sums) is in flight,
+        # oldest first; at most REPLICATE_REDUCES_IN_FLIGHT, so those sums do not all live until
+        # the end of backward. ``replicate_peak``: the most at once in this runtime (tests).
+        self._replicating: list[DedicatedGroup] = []
+        self.replicate_peak = 0
         self._reduces_issued = 0  # how many groups of this backward's reduce order reduced
         self._order_frozen = False  # forward_order is complete once a backward has run
         self.handles: list = []
@@ -477,7 +487,14 @@ class DedicatedRuntime(RuntimeStepSide):
             for other in self._reducing:
                 if other is not group:
                     other.finish_reduce()
+                    if other.replicate is not None and other.replicate.pending():
+                        self._replicating.append(other)
             self._reducing = [group]
+            while len(self._replicating) > REPLICATE_REDUCES_IN_FLIGHT:
+                self._replicating.pop(0).replicate.finish_reduce()
+            if self.replicated:  # counted from the stages themselves
+                alive = sum(1 for g in self.groups if g.replicate and g.replicate.pending())
+                self.replicate_peak = max(self.replicate_peak, alive)
 
     def _on_grad(self, group: DedicatedGroup, param: DedicatedParam) -> None:
         self._queue_backward_end()
@@ -496,7 +513,7 @@ class DedicatedRuntime(RuntimeStepSide):
             # Every group that ran forward reduces, in the same order on every rank; weights
             # this rank did not use contribute zeros (the reference gradient's meaning).
             self._issue_reduces()
-        self._reducing = []
+        self._reducing, self._replicating = [], []
         self._sync = None
         self._reduces_issued = 0
         for group in self.groups:
@@ -568,6 +585,7 @@ class DedicatedRuntime(RuntimeStepSide):
             group.ran_forward = False
             group.reshard()
         self.state, self._sync, self._reducing = RuntimeState.IDLE, None, []
+        self._replicating = []
         self._reduces_issued = 0
         self._reset_clock()
 
@@ -580,5 +598,6 @@ class DedicatedRuntime(RuntimeStepSide):
             group.reshard()
             group.grads_ready.clear()
         self.state, self._sync, self._reducing = RuntimeState.IDLE, None, []  # all resharded
+        self._replicating = []
         self._reduces_issued = 0
         self._reset_clock()

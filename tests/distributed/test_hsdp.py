@@ -33,9 +33,15 @@ def _muon(model, compile=False, **kw):
     return dmuon.Muon(model, ns_backend=_ns(), compile=compile, **HYPER, **kw)
 
 
-def reference(world: int, steps: int = STEPS, double_at: int | None = None, device: str = "cpu"):
+def reference(
+    world: int,
+    steps: int = STEPS,
+    double_at: int | None = None,
+    device: str = "cpu",
+    layers: int = models.LAYERS,
+):
     """One process, the whole global batch (the same sequence of steps)."""
-    model = models.build_llama().to(device)
+    model = models.build_llama(layers=layers).to(device)
     opt = _muon(model, predicate=models.proj_predicate)
     losses, first = [], None
     for i, x in enumerate(models.batches(steps, world)):
@@ -53,7 +59,15 @@ def reference(world: int, steps: int = STEPS, double_at: int | None = None, devi
 
 
 def train_hsdp(
-    rank, world, replicas, steps, replicate_async, double_at=None, device="cpu", compile_cache=None
+    rank,
+    world,
+    replicas,
+    steps,
+    replicate_async,
+    double_at=None,
+    device="cpu",
+    compile_cache=None,
+    layers=models.LAYERS,
 ):
     """``compile_cache``: a directory for this rank's Inductor cache, and ``compile=True``."""
     import os
@@ -69,7 +83,7 @@ def train_hsdp(
     hsdp = init_device_mesh(
         device, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
     )
-    model = models.build_llama().to(dev)
+    model = models.build_llama(layers=layers).to(dev)
     owners = dmuon.dedicate_params(
         model, hsdp["shard"], predicate=models.proj_predicate, replicate_mesh=hsdp["replicate"]
     )
@@ -113,6 +127,7 @@ def train_hsdp(
         "profile": json.dumps(dmuon.collect_forward_unshard_profile(model, synchronize=True)),
         "state": full_state(model),
         "compiled": {f"{k.group}/{k.part}": step.calls for k, step in opt.compiled_steps.items()},
+        "replicate_peak": runtime.replicate_peak,
     }
     dmuon.wait_all_replicate_broadcasts(model)
     out["pending_after"] = runtime.pending_collectives()
@@ -127,10 +142,10 @@ def _two_by_two(rank, world):
     }
 
 
-def _check_run(results, ref, world: int, replicas: int) -> None:
+def _check_run(results, ref, world: int, replicas: int, layers: int = models.LAYERS) -> None:
     ref_losses, ref_state, ref_grads = ref
     r0 = results[0]
-    n = 7 * models.LAYERS
+    n = 7 * layers
     assert all(r["owners"] == r0["owners"] for r in results) and len(r0["owners"]) == n
     assert sorted(set(r0["owners"].values())) == list(range(world))  # spread over all R×S ranks
     # one Newton–Schulz per matrix in the job: each matrix in exactly one rank's Muon
@@ -206,6 +221,30 @@ def test_hsdp_2x1_pure_replicate_1x2_and_double_step():
     _check_run([r["1x2"] for r in results], ref, 2, 1)
     _check_run([r["double"] for r in results], reference(2, double_at=DOUBLE_AT), 2, 2)
     assert json.loads(results[0]["1x2"]["comm"])["replicate"] == {"size": 1, "active": False}
+
+
+DEEP = 6  # layers: more hook groups than replicate reduces may be in flight
+
+
+def _deep_2x1(rank, world):
+    from dmuon_compile.distributed import _runtime
+
+    bounded = train_hsdp(rank, world, 2, 3, True, layers=DEEP)
+    _runtime.REPLICATE_REDUCES_IN_FLIGHT = 10**6  # control: every group's sums until the end
+    unbounded = train_hsdp(rank, world, 2, 3, True, layers=DEEP)
+    return {"bounded": bounded, "unbounded": unbounded}
+
+
+def test_hsdp_keeps_at_most_two_replicate_reduces_in_flight():
+    """The column sums of at most two groups live at once in a backward, and the training is
+    the same as one process's; the control (no bound) holds every group's but the last's."""
+    results = run_ranks(_deep_2x1, 2, timeout=150)
+    ref = reference(2, steps=3, layers=DEEP)
+    _check_run([r["bounded"] for r in results], ref, 2, 2, layers=DEEP)
+    _check_run([r["unbounded"] for r in results], ref, 2, 2, layers=DEEP)
+    for r in results:
+        assert r["bounded"]["replicate_peak"] == 2
+        assert r["unbounded"]["replicate_peak"] == DEEP - 1
 
 
 def _two_ranks_compiled(rank, world, cache):
