@@ -43,6 +43,8 @@
 #               model in its own processes, COLD_REPEATS times (default 1); COLD_WARM_ARGS
 #               (e.g. "--cprofile 40") go to the warm runs: first compiled step split into
 #               SYRK autotune, Triton compiles, Dynamo and Inductor
+#   memory      step_memory.py: the step's peak memory and time, with the 4 GiB stack budget and
+#               without (MEMORY_MODELS, default "S M G L70"; MEMORY_CONFIGS; MEMORY_TIMEOUT 400)
 #   nsgraph     ns_graph_probe.py: eager NS per call vs torch.optim.Muon's, with graph replay
 #   parity      the training demo for 20 steps on 1 GPU and on all GPUs, compared step by step
 #               (benchmarks/loss_parity.py)
@@ -141,6 +143,9 @@ for stage in $STAGES; do
           done
         done
       done 2>&1 | tee "$log" ;;
+    memory)
+      timeout ${MEMORY_TIMEOUT:-400} python3 benchmarks/step_memory.py --model ${MEMORY_MODELS:-S M G L70} \
+        ${MEMORY_CONFIGS:+--configs $MEMORY_CONFIGS} --out "$WORK/memory.md" 2>&1 | quiet | tee "$log" | tail -30 ;;
     nsgraph)
       timeout $T python3 benchmarks/ns_graph_probe.py 2>&1 | quiet | tee "$log" ;;
     parity)

@@ -15,7 +15,13 @@ parameters:
 - ``eager_all_at_once``: the same optimizer with every matrix's Nesterov input computed before
   the first bucket's Newton–Schulz (the control: every ``u`` alive at once, next to the
   directions);
-- ``ours_compiled``: ``dmuon.Muon(compile=True)`` (CUDA, or ``--configs`` on CPU: slow).
+- ``ours_compiled``: ``dmuon.Muon(compile=True)`` (CUDA, or ``--configs`` on CPU: slow);
+- ``eager_unbounded`` / ``compiled_unbounded``: the same with no stack budget
+  (``NewtonSchulz(stack_bytes=2**62)``: each shape bucket one batched call, the schedule before
+  the budget) — the control for the budget's memory and its speed.
+
+``L70`` is one shape bucket of a Llama-3 70B layer stack: 12 FFN matrices of 28672×8192 (fp32,
+11 GiB of NS input: past the 4 GiB default budget, so the bucket runs as three stacks).
 
 Per configuration, after ``--warmup`` steps (the compile included): the step's peak extra memory,
 ``torch.cuda.max_memory_allocated()`` during one ``step()`` minus the allocated bytes before it
@@ -40,7 +46,15 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).resolve().parent
-CONFIGS = ("ours_eager", "eager_all_at_once", "ours_compiled")
+CONFIGS = (
+    "ours_eager",
+    "eager_all_at_once",
+    "ours_compiled",
+    "eager_unbounded",
+    "compiled_unbounded",
+)
+EXTRA_MODELS = {"L70": [(28672, 8192)] * 12}  # one 70B shape bucket (see the docstring)
+UNBOUNDED = 2**62
 LR = 0.02
 
 
@@ -53,7 +67,7 @@ def _sibling(name: str):
 
 
 def known_models() -> list[str]:
-    models = set(_sibling("bench_step").MODELS)
+    models = set(_sibling("bench_step").MODELS) | set(EXTRA_MODELS)
     try:
         models |= set(_sibling("bench_fsdp").MODELS)
     except Exception:  # noqa: BLE001 - bench_fsdp needs nothing beyond the package; be lenient
@@ -64,6 +78,8 @@ def known_models() -> list[str]:
 def model_shapes(name: str) -> list[tuple[int, ...]]:
     """The 2-D weight shapes of model ``name``: bench_step.py's ``matrix_shapes``, else the
     projection weights of bench_fsdp.py's model built on the meta device."""
+    if name in EXTRA_MODELS:
+        return list(EXTRA_MODELS[name])
     step = _sibling("bench_step")
     if name in step.MODELS:
         return [tuple(s) for s in step.matrix_shapes(name)]
@@ -146,12 +162,16 @@ def run_config(config: str, model: str, device: torch.device, warmup: int) -> di
 
     shapes = model_shapes(model)
     params = make_params(shapes, device)
-    opt = dmuon.Muon(params, lr=LR, compile=config == "ours_compiled")
+    budget = {"stack_bytes": UNBOUNDED} if config.endswith("_unbounded") else {}
+    ns = dmuon.NewtonSchulz(**budget)
+    compiled = config in ("ours_compiled", "compiled_unbounded")
+    opt = dmuon.Muon(params, lr=LR, compile=compiled, ns_backend=ns)
     schedule = all_at_once_schedule() if config == "eager_all_at_once" else _nothing()
     with schedule:
         for _ in range(warmup):
             opt.step()
         peak = peak_extra_bytes(opt.step, device)
+        step_ms = _step_ms(opt, device)
     owned = sum(p.numel() * p.element_size() for p in params)
     owned += sum(s["momentum_buffer"].numel() * 4 for s in opt.state.values())
     work = torch.empty((), dtype=opt.ns.work_dtype_for(device)).element_size()
@@ -164,12 +184,30 @@ def run_config(config: str, model: str, device: torch.device, warmup: int) -> di
         "bucket_bytes": largest_bucket_fp32_bytes(shapes),
         "directions_bytes": sum(p.numel() for p in params) * work,
         "peak_bytes": peak,
+        "step_ms": step_ms,
+        "stack_bytes": ns.stack_bytes,
     }
     del opt, params
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _step_ms(opt, device: torch.device, repeats: int = 3) -> float:
+    """Median wall time of ``repeats`` steps (CUDA: synchronised around each)."""
+    import time
+
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 @contextmanager
@@ -184,8 +222,8 @@ def markdown(rows: list[dict], header: str) -> str:
         "",
         "| model | configuration | matrices | buckets | owned state MiB | largest bucket fp32 "
         "MiB | directions MiB | step peak extra MiB | peak / owned | (peak − directions) / "
-        "largest bucket |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "largest bucket | stack budget | step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -193,15 +231,22 @@ def markdown(rows: list[dict], header: str) -> str:
             f"{r['owned_bytes'] / mib:.1f} | {r['bucket_bytes'] / mib:.1f} | "
             f"{r['directions_bytes'] / mib:.1f} | {r['peak_bytes'] / mib:.1f} | "
             f"{r['peak_bytes'] / r['owned_bytes']:.2f} | "
-            f"{(r['peak_bytes'] - r['directions_bytes']) / r['bucket_bytes']:.2f} |"
+            f"{(r['peak_bytes'] - r['directions_bytes']) / r['bucket_bytes']:.2f} | "
+            f"{_budget(r['stack_bytes'])} | {r['step_ms']:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _budget(nbytes: int) -> str:
+    return "none" if nbytes >= UNBOUNDED else f"{nbytes / 2**30:g} GiB"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", nargs="+", default=None, help="default: S M G on CUDA, tiny on CPU")
+    ap.add_argument(
+        "--model", nargs="+", default=None, help="default: S M G L70 on CUDA, tiny on CPU"
+    )
     ap.add_argument("--configs", nargs="+", default=None, choices=CONFIGS)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None, help="write the markdown table here")
@@ -212,7 +257,8 @@ def main(argv=None) -> int:
         ap.error("--device cuda but no CUDA device; pass --device cpu for a smoke run")
     known = known_models()
     if args.model is None:
-        models = ["tiny"] if device.type == "cpu" else [m for m in ("S", "M", "G") if m in known]
+        on_gpu = [m for m in ("S", "M", "G", "L70") if m in known]
+        models = ["tiny"] if device.type == "cpu" else on_gpu
     else:
         models = args.model
     for m in models:
@@ -220,7 +266,8 @@ def main(argv=None) -> int:
             ap.error(f"--model {m}: choose from {known}")
     configs = list(args.configs or CONFIGS)
     if args.configs is None and device.type == "cpu":
-        configs.remove("ours_compiled")  # an Inductor CPU compile takes minutes: ask for it
+        for slow in ("ours_compiled", "compiled_unbounded"):  # CPU Inductor: minutes; ask
+            configs.remove(slow)
     rows = []
     for model in models:
         for config in configs:
