@@ -610,19 +610,19 @@ def improve_balance(owner: list[int], cost: list[float], loads: list[float], rou
         and all(0 <= r < world for r in owner)
     ):
         return _improve_balance_reference(owner, cost, loads, rounds)
-    import numpy as np  # here, not at the top: the plan's data types need no numpy
+    import torch  # here, not at the top: the plan's data types need none of it
 
     members: dict[int, list[int]] = defaultdict(list)
     for i, r in enumerate(owner):
         members[r].append(i)
-    load_arr = np.array(loads, dtype=np.float64)
-    cost_arr = np.array(cost, dtype=np.float64)
-    owner_arr = np.array(owner, dtype=np.int64)
+    load_arr = torch.tensor(loads, dtype=torch.float64)
+    cost_arr = torch.tensor(cost, dtype=torch.float64)
+    owner_arr = torch.tensor(owner, dtype=torch.int64)
     for _ in range(rounds):
-        hi = int(np.argmax(load_arr))  # the first of the most loaded: max of (load, -rank)
+        hi = int(torch.argmax(load_arr))  # the first of the most loaded: max of (load, -rank)
         top = loads[hi]
         limit = top - 1e-12
-        others = load_arr.copy()
+        others = load_arr.clone()
         others[hi] = math.inf  # never a destination
         least = float(others.min())
         best = None  # (new max of the pair, i)
@@ -637,7 +637,7 @@ def improve_balance(owner: list[int], cost: list[float], loads: list[float], rou
                 best = (new_pair, i)
         if best is not None:
             new_pair, i = best
-            dst = int(np.flatnonzero(others + cost[i] <= new_pair)[0])
+            dst = int(torch.nonzero(others + cost[i] <= new_pair)[0, 0])
             j = None
         else:
             best = _best_swap(members, cost, hi, top, limit, load_arr, cost_arr, owner_arr)
@@ -656,7 +656,7 @@ def _best_swap(members, cost, hi, top, limit, load_arr, cost_arr, owner_arr):
     """The reference's swap choice, ``(i, j, dst)`` or None: for each distinct cost on ``hi`` (in
     ``members[hi]`` order) all swaps at once, then the first of the best in the reference's
     order (destination ascending, then its members' order)."""
-    import numpy as np
+    import torch
 
     pair_load = load_arr[owner_arr]  # L_dst of every matrix j
     elsewhere = owner_arr != hi
@@ -668,18 +668,18 @@ def _best_swap(members, cost, hi, top, limit, load_arr, cost_arr, owner_arr):
             continue
         seen.add(c)
         delta = c - cost_arr
-        new_pair = np.maximum(top - delta, pair_load + delta)
+        new_pair = torch.maximum(top - delta, pair_load + delta)
         ok = elsewhere & (delta > 0) & (new_pair < limit)
-        if not ok.any():
+        if not bool(ok.any()):
             continue
-        value = new_pair[ok].min()
+        value = float(new_pair[ok].min())
         if best is None or value < best[0]:
             best = (value, i, ok & (new_pair == value))
     if best is None:
         return None
     _, i, reach = best
     dst = int(owner_arr[reach].min())
-    j = next(j for j in members[dst] if reach[j])
+    j = next(j for j in members[dst] if bool(reach[j]))
     return i, j, dst
 
 
