@@ -323,10 +323,14 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         # the owners' and FSDP2's DTensors (meshes, process groups) stay in eager code.
         failure: list = []  # this rank's [(phase, exception)]
         jobs, adamw = self._prepare(plan, torch.compiler.is_compiling(), failure)
+        split_halves: list[_StepHalf] = []
+        if plan.split:  # matrices whose NS a group of ranks shares: first, on every member
+            jobs, split_halves = self._split_directions(plan.split, jobs, failure)
         halves = [
             [h for job in part_jobs for h in self._muon_directions(*job, failure, plan.tp)]
             for part_jobs in jobs
         ]
+        halves[0][:0] = split_halves  # committed with the first part (before its ``after``)
         # Only the TP halves cross into ``_agree`` (eager): under a user-compiled step the other
         # halves' groups hold DTensor parameters, whose meshes Dynamo cannot pass out.
         tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
@@ -517,6 +521,58 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             if half.ortho is None:
                 half.finite = None  # a failed call's flags do not count
         return halves
+
+    @torch.compiler.disable  # process groups and host-side piece checks stay eager
+    def _split_directions(self, split: tuple, jobs: list, failure: list):
+        """The first half of Muon for the split matrices (``distributed/_split_step.py``):
+        taken out of ``jobs``; every rank walks them in the plan's order and joins the
+        collectives of its groups; the owner gets NS(u) and a half of its own to commit.
+        Under a user's ``torch.compile(opt.step)`` the jobs hold local tensors, nothing matches
+        and each owner runs its matrix's NS whole: the same math, on every rank the same."""
+        from dmuon_compile.distributed._split_step import orthogonalize_split
+
+        wanted = {s.param_id for s in split}
+        found: dict[int, tuple] = {}
+        kept_jobs = []
+        for part_jobs in jobs:
+            kept = []
+            for part, group, ps, gs, bs, ls in part_jobs:
+                keep = [i for i, p in enumerate(ps) if id(p) not in wanted]
+                for i, p in enumerate(ps):
+                    if id(p) in wanted:
+                        found[id(p)] = (group, p, gs[i], bs[i], ls[i])
+                kept.append((part, group, *([xs[i] for i in keep] for xs in (ps, gs, bs, ls))))
+            kept_jobs.append(kept)
+        by_group: dict[int, _StepHalf] = {}
+        for sg in split:
+            if sg.pg is None or sg.param_id not in found:  # not a member / no gradient anywhere
+                continue
+            group, p, g, b, lay = found[sg.param_id]
+            lp, lg, lb = local_of(p), local_of(g), local_of(b)
+            owner = lp.numel() > 0
+            u = None
+            if owner:
+                u = lg  # a placeholder (never committed) when this rank has failed
+                if not failure:
+                    momentum, nesterov = F.hyper(group["momentum"]), group["nesterov"]
+                    u = guarded(
+                        failure,
+                        PHASE_EAGER,
+                        lambda lg=lg, lb=lb: F.nesterov_input([lg], [lb], momentum, nesterov)[0],
+                        lg,
+                    )
+            with label(NS):
+                ortho = orthogonalize_split(u, sg, self.ns, like=lg if owner else lp)
+            if owner:
+                half = by_group.setdefault(
+                    id(group), _StepHalf(group, [], [], [], [], layouts=[])
+                )
+                for xs, x in zip(
+                    (half.params, half.grads, half.bufs, half.ortho, half.layouts),
+                    (lp, lg, lb, ortho, lay),
+                ):
+                    xs.append(x)
+        return kept_jobs, list(by_group.values())
 
     def _resharded_directions(
         self, group: dict, params: list, grads: list, bufs: list, layouts: list, failure: list

@@ -56,6 +56,9 @@ class StepPlan:
     # gathered to their TP owners around Newton–Schulz and the updates scattered back; a TP
     # model's plain weights are stepped on TP rank 0 and broadcast over the TP group.
     tp: object = None
+    # Matrices whose Newton–Schulz a group of ranks shares (``distributed/_split_step.py``
+    # ``SplitGroup``s, in the owner plan's order): stepped before the parts, on every member.
+    split: tuple = ()
 
 
 PLAIN_STEP = StepPlan()

@@ -117,6 +117,20 @@ def reduce_sum(tensor: Tensor, dst_group_rank: int, group) -> dist.Work:
     return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+def scatter(output: Tensor, inputs: list[Tensor] | None, src_group_rank: int, group) -> dist.Work:
+    """``output`` ← ``inputs[this group rank]`` of group rank ``src_group_rank`` (equal sizes;
+    ``inputs`` only there); async."""
+    src = dist.get_global_rank(group, src_group_rank)
+    return dist.scatter(output, inputs, src=src, group=group, async_op=True)
+
+
+def gather(input: Tensor, outputs: list[Tensor] | None, dst_group_rank: int, group) -> dist.Work:
+    """``outputs[r]`` on group rank ``dst_group_rank`` ← group rank ``r``'s ``input`` (equal
+    sizes; ``outputs`` only there); async."""
+    dst = dist.get_global_rank(group, dst_group_rank)
+    return dist.gather(input, outputs, dst=dst, group=group, async_op=True)
+
+
 def all_gather_digests(digest: str, group, device: torch.device) -> list[str]:
     """Every rank's hex digest (64 hex chars), gathered as a uint8 tensor: no pickling."""
     raw = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=device)

@@ -174,6 +174,8 @@ class DedicatedRuntime(RuntimeStepSide):
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
         self.tp = None  # TP stage (``_tp/stage.py``): gather → NS on the TP owner → scatter
+        # Split matrices (``_split_step.py``): NS shared by a group of ranks; set by dedicate_params
+        self.split: tuple = ()
         # group → the fully_shard modules that would manage its weights (set at first use)
         self._fsdp_managers: dict[int, dict[str, nn.Module]] | None = None
         # Built once: torch.compiler.disable wraps per call otherwise (every forward, output).
@@ -533,6 +535,20 @@ class DedicatedRuntime(RuntimeStepSide):
         if sync and self.replicated:
             self.pending.note_write()
 
+    def reduce_accumulated(self) -> None:
+        """Reduce now, as the end of a synchronising backward would, the gradients that
+        backwards without gradient sync left on the compute copies: a pipeline stage runs every
+        micro-batch's backward with sync off and then reduces FSDP2's gradients by hand (torch's
+        ``PipelineStage.perform_reduce_grad``, which ``integrations.torchtitan`` extends with
+        this call). Collective over the data-parallel ranks; nothing to do while sync is off or
+        when no forward with gradients ran since the last synchronising backward."""
+        if in_backward():
+            raise RuntimeError("dmuon_compile: reduce_accumulated() runs after backward, not in it")
+        if not any(g.ran_forward for g in self.groups) or not self.follow_fsdp():
+            return
+        self._sync = True
+        self._post_backward()
+
     def pass_unfinished(self) -> bool:
         """Whether a forward with gradients or a backward began and did not finish its
         synchronising backward: what an exception in forward or backward leaves (local state
@@ -558,6 +574,7 @@ class DedicatedRuntime(RuntimeStepSide):
                 groups.append(group.replicate.pg)
         if self.tp is not None:
             groups.append(self.tp.pg)
+        groups += [split.pg for split in self.split if split.pg is not None]
         return groups
 
     def discard_backward(self) -> None:

@@ -79,15 +79,18 @@ class RuntimeStepSide:
         never on what this rank owns, so every rank issues the same collectives at the same
         points: SPMD. Without HSDP and TP: :data:`PLAIN_STEP` (nothing to do around the step).
         """
+        split = self.split
         if not self.replicated and self.tp is None:
-            return PLAIN_STEP
+            return PLAIN_STEP if not split else StepPlan(split=split)
         parts = (StepPart("all"),)
         group = self.early_group()
         if group is not None and len(self.groups) >= 2:  # one group: nothing to overlap with
             mine = frozenset(id(p.param) for p in group.params if p.owns)
             publish = functools.partial(self._publish_early, group)
             parts = (StepPart("early", mine, after=publish), StepPart("rest"))
-        return StepPlan(parts, before=self.before_step, finish=self.after_step, tp=self.tp)
+        return StepPlan(
+            parts, before=self.before_step, finish=self.after_step, tp=self.tp, split=split
+        )
 
     @torch.compiler.disable
     def _publish_early(self, group: DedicatedGroup) -> None:

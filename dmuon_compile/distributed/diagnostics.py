@@ -169,8 +169,26 @@ def summarize_comm_plan(model: nn.Module) -> dict:
         "forward_order": [g.name for g in runtime.forward_order],
         "replicate": _replicate_summary(runtime, groups),
         "tp": _tp_summary(runtime),
+        "split": _split_summary(runtime),
         "groups": groups,
     }
+
+
+def _split_summary(runtime) -> list[dict]:
+    """Matrices whose NS a group of ranks shares: per matrix its global ranks, its owner, whether
+    this rank takes part; per step the owner scatters the input and gathers the result, each
+    ``elements`` (the gradient's dtype out, NS's work dtype back)."""
+    return [
+        {
+            "param": s.fqn,
+            "shape": list(s.shape),
+            "ranks": list(s.ranks),
+            "owner": s.owner,
+            "member": s.pg is not None,
+            "elements": s.shape[0] * s.shape[1],
+        }
+        for s in getattr(runtime, "split", ())
+    ]
 
 
 def _tp_fields(dp) -> dict:

@@ -23,6 +23,11 @@ Two changes to a torchtitan trainer config (README: torchtitan)::
 - :class:`MuonOptimizers` is torchtitan's ``OptimizersContainer`` holding one ``dmuon.Muon``
   per model part, its groups carrying ``param_names`` (canonical FQNs), so torchtitan's
   checkpointer saves and loads its FQN-keyed state.
+- Pipeline parallelism (``pipeline_llm``) needs no other line: ``parallelize_fn`` runs once per
+  stage's model part, each gets its own owners over its data-parallel ranks, and the stages'
+  once-per-step gradient reduce (``PipelineStage.perform_reduce_grad``) reduces the dedicated
+  gradients its micro-batches accumulated too. :func:`summarize_stages` shows each stage's plan
+  (docs/pipeline.md).
 
 torchtitan is an optional dependency: importing this module without it raises an
 ``ImportError`` naming the extra.
@@ -49,9 +54,16 @@ import torch
 from torch import nn
 
 import dmuon_compile as dmuon
+from dmuon_compile.dedicated_registry import runtime_of
 from dmuon_compile.routing import is_router
 
-__all__ = ["MuonOptimizers", "dedicating", "default_predicate", "muon_predicate"]
+__all__ = [
+    "MuonOptimizers",
+    "dedicating",
+    "default_predicate",
+    "muon_predicate",
+    "summarize_stages",
+]
 
 FSDP_STEP = "apply_fsdp_to_decoder"  # the name parallelize_fn calls FSDP2 through
 
@@ -98,7 +110,10 @@ def dedicating(
     ``training.mixed_precision_param``) unless ``param_policy=``/``compute_dtype=`` is given;
     other keyword arguments go to ``dmuon.dedicate_params``. Needs
     ``parallelism.spmd_backend="partial_dtensor"`` (the other backends hand FSDP2 a
-    multi-dimensional storage mesh). Pipeline parallelism is not supported.
+    multi-dimensional storage mesh). With pipeline parallelism ``pipeline_llm`` calls it once
+    per model part (stage): each stage's weights get owners among its data-parallel ranks, and
+    the stage's once-per-step gradient reduce (``PipelineStage.perform_reduce_grad``) reduces
+    the dedicated gradients its micro-batches accumulated (docs/pipeline.md).
     """
     if getattr(parallelize_fn, "_dmuon_dedicating", False):
         raise TypeError("dmuon: this parallelize_fn is already wrapped by dedicating(...)")
@@ -122,7 +137,7 @@ def dedicating(
                 "mesh)."
             )
         if parallel_dims.pp_enabled:
-            raise ValueError("dmuon: pipeline parallelism is not supported with dedicated weights")
+            _reduce_at_stage_end()
         calls = []
 
         def dedicate_then_fsdp(module, dp_mesh, *args, **kw):
@@ -154,6 +169,80 @@ def dedicating(
 
     parallelize._dmuon_dedicating = True
     return parallelize
+
+
+def _reduce_at_stage_end() -> None:
+    """Make torch's pipeline stages reduce dedicated gradients once per step (idempotent).
+
+    A stage runs each micro-batch's backward with FSDP2's gradient sync off, so the dedicated
+    gradients accumulate on the compute copies like FSDP2's own; after the last one the schedule
+    calls the stage's ``perform_reduce_grad`` (1F1B, GPipe and the looped schedules'
+    ``REDUCE_GRAD`` action), which turns sync back on and reduces FSDP2's gradients by hand. Its
+    wrapper here then reduces the dedicated ones of a stage whose model part has them
+    (``DedicatedRuntime.reduce_accumulated``), before the schedule's gradient scaling, which
+    thus scales both. Stages of other models are left as they were.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    original = PipelineStage.perform_reduce_grad
+    if getattr(original, "_dmuon_reduces_dedicated", False):
+        return
+
+    @functools.wraps(original)
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        submod = getattr(self.submod, "_orig_mod", self.submod)  # through torch.compile(model)
+        runtime = runtime_of(submod)
+        if runtime is None:
+            return original(self, grad_scale_factor)
+        original(self, 1)  # FSDP2's own reduce; gradient sync is on again
+        runtime.reduce_accumulated()
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
+        return None
+
+    perform_reduce_grad._dmuon_reduces_dedicated = True
+    PipelineStage.perform_reduce_grad = perform_reduce_grad
+
+
+def summarize_stages(model_parts: list[nn.Module]) -> dict:
+    """The owner plans of this rank's pipeline stages (torchtitan's ``model_parts``, in order)
+    and the Newton–Schulz work they add up to. Local: no collective.
+
+    ``"stages"``: per model part, ``"plan"`` (``dmuon.summarize_comm_plan`` of the part),
+    ``"ranks"`` (the global ranks of its data-parallel shard group, indexed by owner),
+    ``"dedicated"`` (its dedicated weights) and ``"ns_flops_per_rank"`` (each of those ranks'
+    Newton–Schulz FLOPs of one step for this stage). ``"ns_flops_per_rank"`` and
+    ``"ns_max_over_mean"``: summed over the stages, what each rank runs in one step (a looped
+    schedule puts several stages on a rank; each stage is balanced on its own). A part without
+    dedicated weights has ``"plan": {"dedicated": False, ...}`` and empty fields; with HSDP the
+    owners span replicate × shard slots and only ``"plan"`` is filled.
+    """
+    stages, totals = [], {}
+    for part in model_parts:
+        plan = dmuon.summarize_comm_plan(part)
+        runtime = runtime_of(part)
+        if runtime is None:
+            stages.append({"ranks": [], "dedicated": [], "ns_flops_per_rank": {}, "plan": plan})
+            continue
+        ranks = [int(r) for r in runtime.mesh.mesh.flatten().tolist()]
+        loads = plan["ns_flops_per_owner"]
+        per_rank = {ranks[int(o)]: f for o, f in loads.items()} if len(loads) == len(ranks) else {}
+        for rank, flops in per_rank.items():
+            totals[rank] = totals.get(rank, 0.0) + flops
+        stages.append(
+            {
+                "ranks": ranks,
+                "dedicated": runtime.param_names(),
+                "ns_flops_per_rank": per_rank,
+                "plan": plan,
+            }
+        )
+    mean = sum(totals.values()) / len(totals) if totals else 0.0
+    return {
+        "stages": stages,
+        "ns_flops_per_rank": dict(sorted(totals.items())),
+        "ns_max_over_mean": max(totals.values()) / mean if mean else 1.0,
+    }
 
 
 def _torchtitan_fsdp_step():
