@@ -564,9 +564,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             with label(NS):
                 ortho = orthogonalize_split(u, sg, self.ns, like=lg if owner else lp)
             if owner:
-                half = by_group.setdefault(
-                    id(group), _StepHalf(group, [], [], [], [], layouts=[])
-                )
+                half = by_group.setdefault(id(group), _StepHalf(group, [], [], [], [], layouts=[]))
                 for xs, x in zip(
                     (half.params, half.grads, half.bufs, half.ortho, half.layouts),
                     (lp, lg, lb, ortho, lay),
