@@ -277,7 +277,8 @@ def main(argv=None) -> int:
                 f"{model:5s} {config:18s} peak extra {row['peak_bytes'] / 2**20:9.1f} MiB = "
                 f"{row['peak_bytes'] / row['owned_bytes']:.2f} x owned, directions + "
                 f"{(row['peak_bytes'] - row['directions_bytes']) / row['bucket_bytes']:.2f} x "
-                "largest bucket",
+                f"largest bucket, step {row['step_ms']:.2f} ms "
+                f"(budget {_budget(row['stack_bytes'])})",
                 flush=True,
             )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
