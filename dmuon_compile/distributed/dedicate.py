@@ -9,6 +9,10 @@ afterwards, the documented order) leave it alone. The group hooks (``_runtime.py
 unsharded compute copy in for forward and backward. The design, tensor by tensor:
 docs/dedicated_params.md.
 
+The planning (which weights, their layouts and hook groups, the owner plan) is
+:func:`plan_dedicated`, a pure function of the model's names, shapes and dtypes: the dry run
+(``python -m dmuon_compile.plan``, docs/dry_run.md) runs the same code on a meta-device model.
+
 HSDP (``replicate_mesh`` of size R > 1 next to the shard mesh of size S): the plan balances the
 owners over all R × S ranks, so every matrix has exactly one global owner and Newton–Schulz
 runs once per matrix in the whole job; the owner's shard coordinate in the other replicas keeps
@@ -21,6 +25,7 @@ import datetime
 import hashlib
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +42,13 @@ from dmuon_compile.distributed._owner_init import key_fills
 from dmuon_compile.distributed._owner_meshes import owner_mesh, set_dp_mesh
 from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.distributed._runtime import DedicatedRuntime
-from dmuon_compile.distributed.owner_plan import MatrixSpec, extract_layer_id, plan_owners
+from dmuon_compile.distributed._split_step import build_split_groups
+from dmuon_compile.distributed.owner_plan import (
+    MatrixSpec,
+    OwnerPlan,
+    extract_layer_id,
+    plan_owners,
+)
 from dmuon_compile.distributed.policy import resolve_dtypes
 from dmuon_compile.layouts import Layout, infer_layout, resolve_layout, set_layout
 from dmuon_compile.routing import routing_module
@@ -64,7 +75,9 @@ def _call_predicate(predicate, name: str, param: Tensor, modules: list[nn.Module
     return verdict if isinstance(verdict, Layout) else bool(verdict)
 
 
-def _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout) -> None:
+def _check_arguments(
+    predicate, hook_boundary_predicate, layer_id_fn, timeout, split_size=1
+) -> None:
     """Bad arguments fail here, naming the argument and the fix, before anything changes."""
     for arg, value, form in (
         ("predicate", predicate, "lambda name, param: name.endswith('proj.weight')"),
@@ -82,6 +95,11 @@ def _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout) -
         raise ValueError(
             f"dedicate_params: timeout must be a positive datetime.timedelta, got {timeout!r}; "
             "e.g. timeout=datetime.timedelta(minutes=5)"
+        )
+    if isinstance(split_size, bool) or not isinstance(split_size, int) or split_size < 1:
+        raise ValueError(
+            f"dedicate_params: split_size must be a positive int (ranks sharing one matrix's "
+            f"Newton–Schulz), got {split_size!r}; e.g. split_size=8 for a node of 8 GPUs, or 1"
         )
 
 
@@ -193,6 +211,170 @@ def _check_plan_identical(
         )
 
 
+@dataclass
+class _Selection:
+    """The parameters a predicate selects, and every module that holds each parameter."""
+
+    module_of: dict[int, list[nn.Module]]
+    verdicts: dict[str, object]  # False, True or the Layout the predicate returned
+    selected: list[tuple[str, Tensor]]
+
+
+def _select(model: nn.Module, predicate) -> _Selection:
+    module_of: dict[int, list[nn.Module]] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            module_of.setdefault(id(p), []).append(mod)
+    verdicts = {
+        name: _call_predicate(predicate, name, p, module_of[id(p)]) if p.requires_grad else False
+        for name, p in model.named_parameters()
+    }
+    selected = [(name, p) for name, p in model.named_parameters() if verdicts[name] is not False]
+    return _Selection(module_of, verdicts, selected)
+
+
+@dataclass
+class DedicatedPlan:
+    """What ``dedicate_params`` decides before it touches a tensor or a process group: the
+    selected weights, their layouts and hook groups, and the owner plan. A pure function of the
+    model's names, shapes and dtypes (:func:`plan_dedicated`), so a model on the meta device
+    plans without GPUs (``python -m dmuon_compile.plan``)."""
+
+    selected: list[tuple[str, Tensor]]
+    module_of: dict[int, list[nn.Module]]
+    layouts: dict[str, Layout]
+    # fqn -> (path, module) whose forward hooks unshard it: its hook group
+    boundaries: dict[str, tuple[str, nn.Module]]
+    specs: list[MatrixSpec]
+    # owners over replicate_size × world_size ranks (replicate_size set); ``None``: nothing
+    # was selected
+    plan: OwnerPlan | None
+    tp_plan: _tp.TPPlan | None = None
+    tp_fqns: set[str] = field(default_factory=set)
+
+    def owners(self) -> dict[str, int]:
+        return self.plan.owners() if self.plan is not None else {}
+
+
+def _plan_selected(
+    model: nn.Module,
+    selection: _Selection,
+    *,
+    world_size: int,
+    replicate_size: int,
+    hook_boundary_predicate,
+    layer_id_fn,
+    tp_size: int | None,
+    tp_fqns: set[str],
+    split_size: int = 1,
+    ns=None,
+) -> DedicatedPlan:
+    """Check the selected weights, resolve their layouts and hook groups, plan the owners."""
+    selected, module_of, verdicts = selection.selected, selection.module_of, selection.verdicts
+    boundaries = {}
+    for name, p in selected:
+        if p.ndim < 2:
+            raise ValueError(
+                f"dedicate_params: {name} has shape {tuple(p.shape)}; only ≥2-D weights can be "
+                "dedicated"
+            )
+        if len(module_of[id(p)]) > 1:
+            raise ValueError(
+                f"dedicate_params: {name} is shared by several modules (tied weights); exclude it "
+                "with predicate="
+            )
+        boundaries[name] = _boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
+        _check_boundary_runs(name, *boundaries[name])
+    # What each selected weight's matrices are (an expert stack: one per expert); an unknown
+    # ≥3-D layout raises here, before anything changed.
+    layouts = {
+        name: resolve_layout(name, p, routing_module(module_of[id(p)]), verdicts[name])
+        for name, p in selected
+    }
+    specs = [MatrixSpec(n, tuple(p.shape), p.element_size(), layouts[n]) for n, p in selected]
+    if split_size != 1:  # the planner splits layout-free specs only: a plain 2-D matrix is one
+        specs = [replace(s, layout=None) if s.layout == Layout.matrix() else s for s in specs]
+    ranks = replicate_size * world_size
+    if tp_size is None:
+        kwargs = {} if ns is None else {"ns": ns}
+        plan = plan_owners(specs, ranks, layer_id_fn=layer_id_fn, split_size=split_size, **kwargs)
+        tp_plan = None
+    else:  # owners over DP × TP slots: shard t of a matrix has the same DP owner on every t
+        if split_size != 1:
+            raise NotImplementedError(
+                f"split_size={split_size} with TP (tp_size={tp_size}): split planning covers "
+                "data-parallel owners only; plan with split_size=1"
+            )
+        kwargs = {} if ns is None else {"ns": ns}
+        plan, tp_plan = _tp.plan_tp_owners(
+            specs, ranks, tp_size, tp_fqns, layer_id_fn=layer_id_fn, **kwargs
+        )
+    plan.replicate_size = replicate_size
+    return DedicatedPlan(
+        selected, module_of, layouts, boundaries, specs, plan, tp_plan, set(tp_fqns)
+    )
+
+
+def plan_dedicated(
+    model: nn.Module,
+    *,
+    world_size: int,
+    replicate_size: int = 1,
+    predicate: Callable[[str, Tensor], bool] | None = None,
+    hook_boundary_predicate: Callable[[str, nn.Module], bool] | None = None,
+    layer_id_fn: Callable[[str], str | None] | None = None,
+    tp_size: int = 1,
+    tp_fqns: set[str] | None = None,
+    split_size: int = 1,
+    ns=None,
+) -> DedicatedPlan:
+    """The planning of :func:`dedicate_params`, without a mesh or a process group: which
+    weights are dedicated (same predicate, checks and layouts), their hook groups, and the
+    owner plan over ``replicate_size × world_size`` ranks (HSDP owners are global:
+    ``replica · world_size + shard``). Works on a model built on the meta device.
+
+    ``world_size`` is the shard group's size (``mesh.size()``). ``tp_size > 1``: plan over the
+    DP × TP slots as ``dedicate_params`` does for a TP model, with ``tp_fqns`` the TP-sharded
+    weights (default: every selected 2-D weight). ``split_size``: passed to ``plan_owners``
+    (split planning). ``ns``: the object whose ``flops(m, n)`` prices Newton–Schulz (default
+    ``NewtonSchulz()`` on this machine, as ``dedicate_params``).
+
+    Example::
+
+        with torch.device("meta"):
+            model = MyTransformer()
+        planned = plan_dedicated(model, world_size=64, replicate_size=2)
+        planned.owners()  # {fqn: global owner rank}
+    """
+    _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, None)
+    for arg, value in (
+        ("world_size", world_size),
+        ("replicate_size", replicate_size),
+        ("tp_size", tp_size),
+        ("split_size", split_size),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"plan_dedicated: {arg} must be an integer >= 1, got {value!r}")
+    selection = _select(model, predicate)
+    if not selection.selected:
+        return DedicatedPlan([], selection.module_of, {}, {}, [], None)
+    _check_no_reentrant_wrapper(model, selection.selected)
+    if tp_fqns is None:
+        tp_fqns = {n for n, p in selection.selected if p.ndim == 2} if tp_size > 1 else set()
+    return _plan_selected(
+        model,
+        selection,
+        world_size=world_size,
+        replicate_size=replicate_size,
+        hook_boundary_predicate=hook_boundary_predicate,
+        layer_id_fn=layer_id_fn,
+        tp_size=tp_size if tp_size > 1 else None,
+        tp_fqns=set(tp_fqns),
+        split_size=split_size,
+        ns=ns,
+    )
+
+
 def dedicate_params(
     model: nn.Module,
     mesh,
@@ -205,6 +387,7 @@ def dedicate_params(
     layer_id_fn: Callable[[str], str | None] | None = None,
     reshard_after_forward: bool = True,
     timeout: datetime.timedelta | None = None,
+    split_size: int = 1,
 ) -> dict[str, int]:
     """Give each selected matrix one owner rank; keep it out of FSDP2; install the hooks.
 
@@ -248,6 +431,12 @@ def dedicate_params(
             process group's, i.e. ``init_process_group(timeout=...)``. The TP stage runs on
             the TP mesh's own group, with that group's timeout (README: Communicators and
             timeouts).
+        split_size: ranks that share one matrix's Newton–Schulz (default 1: never). With e.g.
+            8 (a node), a 2-D matrix whose NS alone exceeds a rank's balanced share of the
+            step is planned over an aligned block of 8 ranks: its owner (the block's first)
+            keeps the weight and gradient, and in ``Muon.step`` the block orthogonalises it
+            together (``distributed/split_ns.py``); ``summarize_comm_plan(model)["split"]``
+            lists them. The data-parallel world (× replicas) must divide by it; not with TP.
 
     Returns:
         ``{fqn: owner rank}`` for every dedicated parameter: ranks of ``mesh``; with HSDP the
@@ -277,7 +466,7 @@ def dedicate_params(
     """
     if runtime_of(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model (call it once)")
-    _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout)
+    _check_arguments(predicate, hook_boundary_predicate, layer_id_fn, timeout, split_size)
     mesh_checks.check_shard_mesh(mesh)
     mesh_checks.check_replicate_mesh(mesh, replicate_mesh)
     if _fsdp_compat.fsdp_modules(model):
@@ -287,42 +476,30 @@ def dedicate_params(
             "fully_shard(blocks) → fully_shard(model) → dmuon.Muon(model)."
         )
 
-    module_of = {}
-    for mod in model.modules():
-        for p in mod.parameters(recurse=False):
-            module_of.setdefault(id(p), []).append(mod)
-    verdicts = {
-        name: _call_predicate(predicate, name, p, module_of[id(p)]) if p.requires_grad else False
-        for name, p in model.named_parameters()
-    }
-    selected = [(name, p) for name, p in model.named_parameters() if verdicts[name] is not False]
-    if not selected:
+    selection = _select(model, predicate)
+    if not selection.selected:
         _no_match_warning(model)
         return {}
+    selected = selection.selected
     _check_no_reentrant_wrapper(model, selected)
     tp = _tp.detect_tp(selected, mesh, replicate_mesh)  # None without TP-sharded weights
     if tp is None:  # a TP model whose dedicated weights are all plain: one master per column
         tp = _tp.detect_tp_mesh(model, mesh, replicate_mesh)
-    for name, p in selected:
-        if p.ndim < 2:
-            raise ValueError(
-                f"dedicate_params: {name} has shape {tuple(p.shape)}; only ≥2-D weights can be "
-                "dedicated"
-            )
-        if len(module_of[id(p)]) > 1:
-            raise ValueError(
-                f"dedicate_params: {name} is shared by several modules (tied weights); exclude it "
-                "with predicate="
-            )
-        _check_boundary_runs(
-            name, *_boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
-        )
-    # What each selected weight's matrices are (an expert stack: one per expert); an unknown
-    # ≥3-D layout raises here, before anything changed.
-    layouts = {
-        name: resolve_layout(name, p, routing_module(module_of[id(p)]), verdicts[name])
-        for name, p in selected
-    }
+    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    # The planning the dry run (dmuon_compile.plan) runs too: checks, layouts, the owner plan.
+    planned = _plan_selected(
+        model,
+        selection,
+        world_size=mesh.size(),
+        replicate_size=replicas,
+        hook_boundary_predicate=hook_boundary_predicate,
+        layer_id_fn=layer_id_fn,
+        tp_size=tp.size if tp is not None else None,
+        tp_fqns={n for n, p in selected if isinstance(p, DTensor)},
+        split_size=split_size,
+    )
+    module_of, layouts = planned.module_of, planned.layouts
+    plan, tp_plan = planned.plan, planned.tp_plan
 
     # A model built on the meta device: each owner allocates its masters here (uninitialised,
     # like model.to_empty); nothing else of a dedicated weight is ever allocated whole.
@@ -331,7 +508,6 @@ def dedicate_params(
     # collectives on the mesh's groups never queue behind ours (README: Communicators).
     pg = C.private_group(mesh, timeout)
     rank, world = mesh.get_local_rank(), mesh.size()
-    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     rep_pg = C.private_group(replicate_mesh, timeout) if replicas > 1 else None
     rep_rank = replicate_mesh.get_local_rank() if replicas > 1 else 0
     device = (
@@ -339,19 +515,11 @@ def dedicate_params(
         if mesh.device_type == "cuda"
         else torch.device(mesh.device_type)
     )
-    specs = [MatrixSpec(n, tuple(p.shape), p.element_size(), layouts[n]) for n, p in selected]
-    if tp is None:
-        plan, tp_plan = plan_owners(specs, replicas * world, layer_id_fn=layer_id_fn), None
-    else:  # owners over DP × TP slots: shard t of a matrix has the same DP owner on every t
-        tp_fqns = {n for n, p in selected if isinstance(p, DTensor)}
-        plan, tp_plan = _tp.plan_tp_owners(
-            specs, replicas * world, tp.size, tp_fqns, layer_id_fn=layer_id_fn
-        )
+    if tp is not None:
         # The TP mesh's own group: FSDP2 never issues collectives on it (only TP's activation
         # collectives do), so a duplicate communicator would buy nothing worth its memory.
         tp_pg = tp.mesh.get_group()
         _check_plan_identical(plan, tp_pg, device, tp.rank, axis="tp", on_meta=on_meta)
-    plan.replicate_size = replicas
     _check_plan_identical(plan, pg, device, rank, on_meta=on_meta)
     if rep_pg is not None:  # shard groups and replicate groups together connect every rank
         _check_plan_identical(plan, rep_pg, device, rep_rank, axis="replicate", on_meta=on_meta)
@@ -386,7 +554,7 @@ def dedicate_params(
             elif not p.is_meta:
                 p.data = torch.empty(0, dtype=p.dtype, device=device)  # free the non-owner copy
         params.append(dp)
-        path, bmod = _boundary_module(model, name, hook_boundary_predicate, layer_id_fn)
+        path, bmod = planned.boundaries[name]
         key = (path, param_dtype, reduce_dtype)
         grouped.setdefault(key, []).append(dp)
         group_module[key] = (path, bmod)
@@ -446,6 +614,10 @@ def dedicate_params(
     )
     if tp is not None:
         runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, replicas > 1))
+    # Every rank creates every split group, in the plan's order (new_group is collective).
+    runtime.split = build_split_groups(
+        plan, {dp.fqn: dp.param for dp in params}, rank_grid, timeout
+    )
     for dp in params:  # random fills of the weight draw from its own generator (_owner_init.py)
         if dp.owns:
             shard = tp.rank if isinstance(dp, _tp.TPDedicatedParam) else 0
