@@ -566,7 +566,7 @@ def dry_run(
     (unsharded compute copies; gradient reduces); ``None`` keeps the weights' dtype.
     ``compiled``: the step's working set (``Muon(compile=True)`` holds one stack, eager about
     two). ``rates``: the device's NS rates (:class:`~dmuon_compile.ns_rates.NSRates`).
-    ``stack_bytes``: ``Muon(ns_stack_bytes=...)`` (default ``functional.DEFAULT_STACK_BYTES``).
+    ``stack_bytes``: ``NewtonSchulz(stack_bytes=...)`` (default 4 GiB).
     ``ns``: what prices NS for the owner plan (default: as ``dedicate_params`` on a GPU with
     Triton kernels; pass ``NewtonSchulz()`` to plan exactly as on this machine).
 
@@ -924,7 +924,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-reshard", action="store_true", help="reshard_after_forward=False (one unshard)"
     )
     ap.add_argument("--rates", help="JSON file of your device's NS rates (ns_rates.NSRates.load)")
-    ap.add_argument("--stack-gib", type=float, help="Muon(ns_stack_bytes=...) in GiB")
+    ap.add_argument("--stack-gib", type=float, help="NewtonSchulz(stack_bytes=...) in GiB")
     ap.add_argument("--top", type=int, default=5, help="busiest ranks shown (default 5)")
     ap.add_argument("--per-rank", action="store_true", help="print every rank's row")
     ap.add_argument("--json", action="store_true", help="print JSON (every rank) instead")
