@@ -232,10 +232,19 @@ def run_case(name, shape, op, use_c, configs, args, timed=True):
 
 def compile_table(configs) -> None:
     """Compile every config for sm_90 (no GPU needed): shared memory, registers, spills."""
-    from dmuon_compile.kernels.syrk_gluon import (
-        SMEM_LIMIT,
-        compile_for_target,
-        ptxas_resource_usage,
+    import importlib.util
+    from pathlib import Path
+
+    from dmuon_compile.kernels.syrk_gluon import SMEM_LIMIT
+
+    # The offline compile lives with the benchmarks (kernel_resources.py), not in the kernels.
+    path = Path(__file__).resolve().parent / "kernel_resources.py"
+    spec = importlib.util.spec_from_file_location("_dmuon_bench_kernel_resources", path)
+    resources = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(resources)
+    compile_for_target, ptxas_resource_usage = (
+        resources.compile_for_target,
+        resources.ptxas_resource_usage,
     )
 
     for config in configs:

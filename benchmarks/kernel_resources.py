@@ -10,6 +10,10 @@ in the epilogue half a strip at a time (``c_load="tma"``), does not.
 
     python benchmarks/kernel_resources.py                 # every TMA candidate, with/without C
     python benchmarks/kernel_resources.py --dtype fp16
+
+The Gluon kernel's offline compile (:func:`compile_for_target`, :func:`ptxas_resource_usage`)
+lives here too, with the offline tooling, not in the kernel package (``gluon_probe.py
+--compile`` and ``tests/kernels/test_gluon_kernel.py`` use it).
 """
 
 from __future__ import annotations
@@ -111,6 +115,102 @@ def _resource_usage(cubin: bytes) -> dict:
     if registers is None or stack is None:
         raise RuntimeError(f"cuobjdump gave no resource usage: {text[:200]!r}")
     return {"registers": int(registers.group(1)), "spill": int(stack.group(1))}
+
+
+# ----------------------------------------------------------------------------------------------
+# The Gluon kernel (kernels/syrk_gluon.py), compiled without a GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def _gluon_descriptor_signature(dtype, block: list) -> str:
+    import torch
+    from dmuon_compile.kernels.syrk_gluon import _shared_layout
+
+    layout = _shared_layout(tuple(block), dtype)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    return f"tensordesc<{name}{list(block)},{layout!r}>"
+
+
+def compile_for_target(
+    config,
+    *,
+    syrk: bool,
+    has_c: bool,
+    dtype=None,
+    c_dtype=None,
+    capability: int = 90,
+):
+    """Compile the Gluon kernel with ``config`` (a ``GluonConfig``) for ``sm_<capability>``
+    without a GPU (``triton.compile``); ``dtype`` defaults to bf16.
+
+    Returns Triton's compiled kernel: ``.asm`` holds the TTGIR, PTX and cubin, ``.metadata``
+    the shared memory (``shared``) and launch options. Registers per thread are in the cubin
+    (see :func:`ptxas_resource_usage`).
+    """
+    import torch
+    from dmuon_compile.kernels.syrk_gluon import BLOCK, _symmetric_product_gluon_kernel
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    dtype = dtype or torch.bfloat16
+    bk = config.block_k
+    c_dtype = c_dtype or dtype
+    b_block = [BLOCK, bk] if syrk else [1, bk, BLOCK]
+    out_sig = _gluon_descriptor_signature(dtype, [1, BLOCK, BLOCK])
+    signature = {
+        "a_desc": _gluon_descriptor_signature(dtype, [BLOCK, bk]),
+        "b_desc": _gluon_descriptor_signature(dtype, b_block),
+        "c_desc": _gluon_descriptor_signature(c_dtype, [1, BLOCK, BLOCK]) if has_c else out_sig,
+        "out_desc": out_sig,
+        "m": "i32",
+        "k": "i32",
+        "total_tiles": "i32",
+        "tiles_per_matrix": "i32",
+        "alpha": "fp32",
+        "beta": "fp32",
+        "gamma": "fp32",
+    }
+    constexprs = dict(
+        SPLIT=config.split,
+        STAGES=config.stages,
+        C_SLOTS=config.c_slots,
+        CONSUMERS=config.consumers,
+        SYRK=syrk,
+        HAS_C=has_c,
+        num_warps=config.num_warps,
+    )
+    for name in constexprs:
+        signature[name] = "constexpr"
+    source = GluonASTSource(_symmetric_product_gluon_kernel, signature, constexprs)
+    options = dict(num_warps=config.num_warps)
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def ptxas_resource_usage(compiled) -> dict:
+    """``{"registers", "spill_stores", "spill_loads"}`` of a compiled kernel, from Triton's
+    bundled ``ptxas -v`` run on its PTX (no GPU needed)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    arch = re.search(r"^\.target\s+(\S+)", compiled.asm["ptx"], re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run(
+            [ptxas, f"-arch={arch}", "-v", path, "-o", os.path.join(tmp, "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill_stores": int(spills.group(1)),
+        "spill_loads": int(spills.group(2)),
+    }
 
 
 def main(argv=None) -> int:

@@ -43,7 +43,7 @@ from dmuon_compile.distributed.checkpoint import (  # noqa: E402
 )
 from dmuon_compile.distributed.clip import clip_grad_norm_  # noqa: E402
 from dmuon_compile.functional import lr_scale  # noqa: E402
-from dmuon_compile.kernels.consistency import check_ns_backend_consistent  # noqa: E402
+from dmuon_compile.kernel_choice import check_ns_backend_consistent  # noqa: E402
 from dmuon_compile.layouts import Layout, get_layout, set_layout  # noqa: E402
 from dmuon_compile.newton_schulz import (  # noqa: E402
     NewtonSchulz,

@@ -39,7 +39,8 @@ def check_torch_version(version: str) -> None:
 #
 # One module per torch area (the table in docs/torch_internals.md lists every API):
 #
-# - this module: torch core, Dynamo, Inductor, the profiler and ``torch._logging``;
+# - this module: torch core, Dynamo, Inductor (the NS-chain pass of ``passes/`` included), the
+#   profiler and ``torch._logging``;
 # - ``distributed/_dtensor_compat.py``: DTensor and DeviceMesh internals;
 # - ``distributed/_fsdp_compat.py``: FSDP2 internals;
 # - ``distributed/_autograd_compat.py``: the autograd engine;
@@ -118,6 +119,20 @@ _MODE_OPTIONS = PrivateAPI(
 _INDUCTOR_CONFIG = PrivateAPI(
     "torch._inductor", "config.post_grad_custom_pre_pass", "the NS-chain pass"
 )
+_CUSTOM_GRAPH_PASS = PrivateAPI(
+    "torch._inductor.custom_graph_pass", "CustomGraphPass", "the NS-chain pass (passes/)"
+)
+_HASH_FOR_FILES = PrivateAPI(
+    "torch._inductor.custom_graph_pass",
+    "get_hash_for_files",
+    "the NS-chain pass's FX-graph-cache key (passes/)",
+)
+_DYNAMO_COUNTERS = PrivateAPI(
+    "torch._dynamo.utils", "counters", "the NS-chain pass's counters['dmuon'] (passes/)"
+)
+_DETECT_FAKE_MODE = PrivateAPI(
+    "torch._guards", "detect_fake_mode", "the fake values of the NS-chain pass's ops (passes/)"
+)
 _MARK_STATIC = PrivateAPI(
     "torch._dynamo", "mark_static_address", "the compiled step's static state"
 )
@@ -159,11 +174,40 @@ def inductor_mode_options(mode: str) -> dict:
 
 def post_grad_custom_pre_pass():
     """Inductor's global ``config.post_grad_custom_pre_pass`` now (where a user-compiled step's
-    NS-chain pass is installed, ``compiled_step.py``)."""
-    _INDUCTOR_CONFIG.get()  # raises if Inductor dropped the option
+    NS-chain pass is installed, ``compiled_step.py``; ``passes/manager.py``)."""
+    # resolve(), not get(): a setting, read live (get() would cache its first value).
+    return _INDUCTOR_CONFIG.resolve()
+
+
+def set_post_grad_custom_pre_pass(value) -> None:
+    """Set Inductor's global ``config.post_grad_custom_pre_pass`` (``passes/manager.py``'s
+    ``install_global_pass``)."""
+    _INDUCTOR_CONFIG.resolve()  # raises if Inductor dropped the option
     import torch._inductor.config
 
-    return torch._inductor.config.post_grad_custom_pre_pass
+    torch._inductor.config.post_grad_custom_pre_pass = value
+
+
+def custom_graph_pass_base() -> type:
+    """``torch._inductor.custom_graph_pass.CustomGraphPass``: the base class of the NS-chain
+    pass (``passes/manager.py``)."""
+    return _CUSTOM_GRAPH_PASS.get()
+
+
+def hash_for_files(paths: tuple, extra: str = "") -> bytes:
+    """``torch._inductor.custom_graph_pass.get_hash_for_files``: the NS-chain pass's uuid."""
+    return _HASH_FOR_FILES.get()(paths, extra)
+
+
+def dynamo_counters():
+    """``torch._dynamo.utils.counters`` (the pass keeps its totals under ``"dmuon"``)."""
+    return _DYNAMO_COUNTERS.get()
+
+
+def detect_fake_mode(inputs=None):
+    """``torch._guards.detect_fake_mode``: the fake mode of a graph's values (the pass computes
+    its inserted ops' fake values in it)."""
+    return _DETECT_FAKE_MODE.get()(inputs)
 
 
 def mark_static_address(t) -> None:

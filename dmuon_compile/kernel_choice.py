@@ -2,9 +2,14 @@
 
 Eager Newton–Schulz (``NewtonSchulz.primitives_for``), the compiled step (whether it runs the
 NS-chain pass: ``compiled_step.pass_enabled``), the pass itself (which products it leaves on
-cuBLAS: ``passes.ns_rewrite.below_size_gate``) and the ops' untimed fallback when autotune does
-not time (``kernels.autotune.heuristic_choice``) all call :func:`choose_kernel`; its docstring
-holds every rule. No other module compares sizes, dtypes or kernel names to pick a path.
+cuBLAS: ``passes.ns_rewrite.below_size_gate``) all call :func:`choose_kernel`; its docstring
+holds every rule. The ops' untimed fallback when autotune does not time (rule 2) is decided
+inside the kernel package, which imports nothing above it: ``kernels.autotune.untimed_choice``
+holds that rule, and :func:`choose_kernel` (``site="op"``) asks it. No other module compares
+sizes, dtypes or kernel names to pick a path.
+
+:func:`check_ns_backend_consistent` checks, at start-up, that every rank resolved the same
+kernel (the gather and the comparison are ``kernels.consistency.agree_across_ranks``).
 """
 
 from __future__ import annotations
@@ -13,15 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
+from dmuon_compile.kernels.autotune import (  # noqa: F401  (UNTIMED_MIN_ROWS: re-exported)
+    HALF_DTYPES,
+    UNTIMED_MIN_ROWS,
+    untimed_choice,
+)
+from dmuon_compile.kernels.consistency import agree_across_ranks
+
 # Size gate of the Newton–Schulz products (m×m outputs, a stack of ``batch``): on H200 the
 # Triton kernels lost to cuBLAS below it (benchmarks/RESULTS.md §1).
 TRITON_MIN_ROWS = 4096
 TRITON_MIN_ROWS_BATCHED = 2048
 TRITON_MIN_BATCH = 8
-# The op's untimed fallback: a launch needs about this many rows of output (m·√batch) to fill
-# the chip with tiles (docs/architecture.md, Kernels).
-UNTIMED_MIN_ROWS = 1024
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+# The op's untimed fallback (UNTIMED_MIN_ROWS, HALF_DTYPES) is the kernel package's rule,
+# kernels/autotune.py, imported above under the same names.
 # kernel="quack": products with fewer output rows than one of quack's symmetric tiles run cuBLAS
 # (the threshold Dao-AILab's gram-newton-schulz uses with the same kernel).
 QUACK_MIN_ROWS = 256
@@ -123,11 +133,8 @@ def choose_kernel(
     if site == "op":
         if m is None:
             raise ValueError("choose_kernel('op', ...) needs m (rows of the output)")
-        if dtype not in HALF_DTYPES:
-            return KernelChoice(CUBLAS, f"untimed: {dtype} runs cuBLAS")
-        if m * max(batch, 1) ** 0.5 < UNTIMED_MIN_ROWS:
-            return KernelChoice(CUBLAS, f"untimed: {batch}×{m}×{m} has too few tiles")
-        return KernelChoice(TRITON, f"untimed: {batch}×{m}×{m} {dtype} fills the chip")
+        uses_triton, why = untimed_choice(m, batch, dtype)  # the kernel package's rule
+        return KernelChoice(TRITON if uses_triton else CUBLAS, why)
     if site == "step":
         if resolved == TRITON:
             return KernelChoice(TRITON, "the Triton kernels run here")
@@ -160,3 +167,20 @@ def _quack_choice(site: str, m: int | None, dtype, device: str | None) -> Kernel
     if m < QUACK_MIN_ROWS:
         return KernelChoice(CUBLAS, f"{m}×{m} output is below quack's tile ({QUACK_MIN_ROWS})")
     return KernelChoice(QUACK, f"{m}×{m} {dtype}: quack's gemm_symmetric")
+
+
+def check_ns_backend_consistent(ns=None, group=None) -> str:
+    """All-gather ``get_ns_backend(ns)`` over ``group`` and raise if the ranks disagree.
+
+    Returns this rank's backend string. Without an initialised process group it only returns
+    the local string. Collective: every rank of ``group`` must call it.
+
+    Example::
+
+        opt = dmuon.Muon(model, lr=0.02)
+        dmuon.check_ns_backend_consistent(opt)   # raises RuntimeError listing odd ranks
+    """
+    # Late: newton_schulz imports this module (the rules) at its top.
+    from dmuon_compile.newton_schulz import get_ns_backend
+
+    return agree_across_ranks(get_ns_backend(ns), group)

@@ -7,6 +7,11 @@ implementation when Triton is importable. A machine without Triton still imports
 
 Imported as the bare ``kernels`` (the checkout's root on ``sys.path``), this file defines nothing:
 the installed ``kernels`` (HF's, which transformers imports) takes its place (``_bare_name.py``).
+
+The floor of the package: no module here imports from ``dmuon_compile`` above it, except the
+leaf utilities ``dmuon_compile.env`` (every ``DMUON_*`` variable), ``dmuon_compile.log`` and
+``dmuon_compile._compat``, which import nothing else of the package
+(``tests/test_repository.py`` checks both).
 """
 
 if __name__ == "kernels":  # the checkout's folder under its bare name: not this package
@@ -22,7 +27,7 @@ if __name__ == "kernels":  # the checkout's folder under its bare name: not this
 else:
     from dmuon_compile.kernels import ops  # noqa: F401  (registers torch.ops.dmuon.*)
     from dmuon_compile.kernels.availability import triton_status
-    from dmuon_compile.kernels.consistency import check_ns_backend_consistent
+    from dmuon_compile.kernels.consistency import agree_across_ranks, check_ns_backend_consistent
 
     try:
         from dmuon_compile.kernels import syrk  # noqa: F401  (registers the CUDA kernels)
@@ -34,6 +39,7 @@ else:
     __all__ = [
         "ops",
         "triton_status",
+        "agree_across_ranks",
         "check_ns_backend_consistent",
         "TRITON_KERNELS_IMPORT_ERROR",
     ]

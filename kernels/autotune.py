@@ -31,16 +31,21 @@ from pathlib import Path
 
 import torch
 
-from dmuon_compile.log import env_flag, progress
+from dmuon_compile import env
+from dmuon_compile.log import progress
 
 # 2: mirror; 3: 128×256 strips; 4: TMA; 5-7: TMA stores; 8: C by TMA; 9: Gluon; 10: Gluon also
 # timed for sym_mm products without a C term.
 CACHE_VERSION = 10
 CUBLAS = "cublas"
-LOG_SWITCH = "DMUON_SYRK_AUTOTUNE_LOG"
-ENABLE_SWITCH = "DMUON_SYRK_AUTOTUNE"
+LOG_SWITCH = env.SYRK_AUTOTUNE_LOG
+ENABLE_SWITCH = env.SYRK_AUTOTUNE
 # A Triton candidate must be this much faster than cuBLAS to be chosen (timing noise ~1-2%).
 WIN_MARGIN = 0.02
+# The op's untimed rule (:func:`untimed_choice`): a launch needs about this many rows of output
+# (m·√batch) to fill the chip with tiles (docs/architecture.md, Kernels).
+UNTIMED_MIN_ROWS = 1024
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def default_cache_dir() -> Path:
@@ -50,7 +55,7 @@ def default_cache_dir() -> Path:
     >>> isinstance(default_cache_dir(), Path)
     True
     """
-    explicit = os.environ.get("DMUON_CACHE_DIR")
+    explicit = env.cache_dir()
     if explicit:
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -254,20 +259,34 @@ def tune(
 
 def autotune_enabled() -> bool:
     """False when ``DMUON_SYRK_AUTOTUNE=0`` (the heuristic decides instead)."""
-    return env_flag(ENABLE_SWITCH, True)
+    return env.syrk_autotune()
 
 
 def exhaustive() -> bool:
     """True when ``DMUON_SYRK_AUTOTUNE=all``: time every candidate, not the shortlist."""
-    return os.environ.get(ENABLE_SWITCH, "").strip().lower() == "all"
+    return env.syrk_autotune_all()
+
+
+def untimed_choice(m: int, batch: int, dtype: torch.dtype) -> tuple[bool, str]:
+    """``(Triton?, why)`` for a product the op does not time (rule 2 of
+    :func:`dmuon_compile.kernel_choice.choose_kernel`, ``site="op"``, which asks this function:
+    the rule lives here, with the op, because the kernels import nothing above them).
+
+    Triton for fp16/bf16 with at least ``UNTIMED_MIN_ROWS`` rows of output per launch
+    (m·√batch); fp32/fp64 and smaller launches run cuBLAS.
+
+    >>> untimed_choice(512, 4, torch.bfloat16)[0], untimed_choice(512, 1, torch.bfloat16)[0]
+    (True, False)
+    """
+    if dtype not in HALF_DTYPES:
+        return False, f"untimed: {dtype} runs cuBLAS"
+    if m * max(batch, 1) ** 0.5 < UNTIMED_MIN_ROWS:
+        return False, f"untimed: {batch}×{m}×{m} has too few tiles"
+    return True, f"untimed: {batch}×{m}×{m} {dtype} fills the chip"
 
 
 def heuristic_choice(m: int, batch: int, dtype: torch.dtype, default_config) -> object:
-    """Untimed choice: ``default_config`` where
-    :func:`dmuon_compile.kernel_choice.choose_kernel` (``site="op"``) picks Triton — half
+    """Untimed choice: ``default_config`` where :func:`untimed_choice` picks Triton — half
     precision with ≥ 1024 rows of output per launch (m·√batch) — else ``"cublas"``.
     """
-    from dmuon_compile.kernel_choice import choose_kernel
-
-    choice = choose_kernel("op", m=m, batch=batch, dtype=dtype, device="cuda")
-    return default_config if choice.uses_op else CUBLAS
+    return default_config if untimed_choice(m, batch, dtype)[0] else CUBLAS

@@ -2,6 +2,12 @@
 
 Mixing kernels across ranks (Triton on some, cuBLAS on others, e.g. after a per-node
 ``DMUON_NS_KERNEL``) makes replicas drift apart; this turns that into a clear error at start-up.
+
+The kernels are the floor of the package: this module imports nothing of ``dmuon_compile``
+above them. :func:`agree_across_ranks` gathers and compares any per-rank description;
+``dmuon.check_ns_backend_consistent`` (``dmuon_compile/kernel_choice.py``) gives it
+``get_ns_backend(ns)``, the active orthogonaliser's when ``ns`` is omitted. The
+:func:`check_ns_backend_consistent` here takes the orthogonaliser (or its ``Muon``) explicitly.
 """
 
 from __future__ import annotations
@@ -9,20 +15,13 @@ from __future__ import annotations
 import torch.distributed as dist
 
 
-def check_ns_backend_consistent(ns=None, group=None) -> str:
-    """All-gather ``get_ns_backend(ns)`` over ``group`` and raise if the ranks disagree.
+def agree_across_ranks(local: str, group=None) -> str:
+    """All-gather ``local`` (this rank's backend description) over ``group`` and raise a
+    ``RuntimeError`` naming the odd ranks if the ranks disagree; returns ``local``.
 
-    Returns this rank's backend string. Without an initialised process group it only returns
-    the local string. Collective: every rank of ``group`` must call it.
-
-    Example::
-
-        opt = dmuon.Muon(model, lr=0.02)
-        dmuon.check_ns_backend_consistent(opt)   # raises RuntimeError listing odd ranks
+    Without an initialised process group it only returns ``local``. Collective: every rank of
+    ``group`` must call it.
     """
-    from dmuon_compile.newton_schulz import get_ns_backend
-
-    local = get_ns_backend(ns)
     if not (dist.is_available() and dist.is_initialized()):
         return local
     world = dist.get_world_size(group)
@@ -47,3 +46,21 @@ def check_ns_backend_consistent(ns=None, group=None) -> str:
             "(kernel='cublas' works everywhere)."
         )
     return local
+
+
+def check_ns_backend_consistent(ns, group=None) -> str:
+    """:func:`agree_across_ranks` over ``ns.describe()``: ``ns`` a ``NewtonSchulz``, or a
+    ``Muon`` (its ``.ns``). ``dmuon.check_ns_backend_consistent`` also takes none (the active
+    orthogonaliser).
+
+    Example::
+
+        check_ns_backend_consistent(dmuon.NewtonSchulz(kernel="cublas"))
+    """
+    describe = getattr(ns, "describe", None) or getattr(getattr(ns, "ns", None), "describe", None)
+    if not callable(describe):
+        raise TypeError(
+            "check_ns_backend_consistent() takes a NewtonSchulz or a Muon, got "
+            f"{type(ns).__name__}; dmuon.check_ns_backend_consistent() reads the active one"
+        )
+    return agree_across_ranks(describe(), group)

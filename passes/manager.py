@@ -12,17 +12,26 @@ compiles ``opt.step`` themselves, see ``compiled_step.py``).
 The pass has a stable :meth:`NSChainPass.uuid` (a hash of the pass and kernel sources, the
 flags and the wrapped pass's uuid), so Inductor's FX graph cache stays on; a cache hit then
 skips the pass — tests that assert it ran disable caches.
+
+Inductor's internals (``CustomGraphPass``, ``get_hash_for_files``, the global config) are read
+through ``dmuon_compile/_compat.py``; ``DMUON_NS_KERNEL`` through ``dmuon_compile/env.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
 from dmuon_compile.passes.ns_rewrite import SUBPASSES, RewriteStats, rewrite_ns_chain
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from dmuon_compile import env
+from dmuon_compile._compat import (
+    custom_graph_pass_base,
+    hash_for_files,
+    post_grad_custom_pre_pass,
+    set_post_grad_custom_pre_pass,
+)
 
 log = logging.getLogger("dmuon_compile.passes")
 
@@ -43,7 +52,7 @@ def _source_files() -> tuple[str, ...]:
     return tuple(str(f) for f in files)
 
 
-class NSChainPass(CustomGraphPass):
+class NSChainPass(custom_graph_pass_base()):
     """Rewrite the Newton–Schulz chain of a post-grad graph into ``torch.ops.dmuon`` kernels.
 
     Args:
@@ -121,10 +130,10 @@ class NSChainPass(CustomGraphPass):
                 f"subpasses={','.join(self.subpasses)}",
                 f"prove={self.prove}",
                 f"user={user_uuid!r}",
-                f"kernel_env={os.environ.get('DMUON_NS_KERNEL', '')}",
+                f"kernel_env={env.ns_kernel_setting()}",
             ]
         )
-        return get_hash_for_files(_source_files(), extra).hex()
+        return hash_for_files(_source_files(), extra).hex()
 
     def __repr__(self) -> str:
         return f"NSChainPass(user_pass={self.user_pass!r}, subpasses={self.subpasses})"
@@ -148,9 +157,7 @@ def compile_options(extra: dict | None = None, **kwargs) -> dict:
     ['post_grad_custom_pre_pass']
     """
     options = dict(extra or {})
-    current = options.get(
-        "post_grad_custom_pre_pass", torch._inductor.config.post_grad_custom_pre_pass
-    )
+    current = options.get("post_grad_custom_pre_pass", post_grad_custom_pre_pass())
     options["post_grad_custom_pre_pass"] = wrap_pass(current, **kwargs)
     return options
 
@@ -166,12 +173,11 @@ def install_global_pass() -> NSChainPass:
     >>> p = install_global_pass(); install_global_pass() is p
     True
     """
-    config = torch._inductor.config
-    current = config.post_grad_custom_pre_pass
+    current = post_grad_custom_pre_pass()
     if isinstance(current, NSChainPass):
         return current
     wrapped = wrap_pass(current)
-    config.post_grad_custom_pre_pass = wrapped
+    set_post_grad_custom_pre_pass(wrapped)
     log.info(
         "installed the dmuon NS-chain pass as torch._inductor.config.post_grad_custom_pre_pass"
         " (wrapping %r)",

@@ -42,8 +42,9 @@ from dmuon_compile.passes.symmetry import (
     strip_noop_views,
     val,
 )
-from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
+
+from dmuon_compile._compat import detect_fake_mode, dynamo_counters
 
 log = logging.getLogger("dmuon_compile.passes")
 aten = torch.ops.aten
@@ -59,7 +60,7 @@ def _sym_mm():
 
 @dataclass
 class RewriteStats:
-    """What one run of the pass did (also mirrored into ``counters["dmuon"]``)."""
+    """What one run of the pass did (also mirrored into ``dynamo_counters()["dmuon"]``)."""
 
     rewrites: Counter = field(default_factory=Counter)
     skipped: list[str] = field(default_factory=list)
@@ -70,7 +71,7 @@ class RewriteStats:
 
     def count(self, name: str) -> None:
         self.rewrites[name] += 1
-        counters["dmuon"][name] += 1
+        dynamo_counters()["dmuon"][name] += 1
 
 
 @dataclass
@@ -82,7 +83,7 @@ class RewriteContext:
 
     def skip(self, node: Node, why: str) -> None:
         self.stats.skipped.append(f"{node.name}: {why}")
-        counters["dmuon"]["skipped"] += 1
+        dynamo_counters()["dmuon"]["skipped"] += 1
         log.debug("skip %s (%s): %s", node.name, _short(node.target), why)
 
 
@@ -98,8 +99,6 @@ def _shape(node) -> tuple:
 def _insert(ctx: RewriteContext, before: Node, target, args: tuple) -> Node:
     """Insert ``target(*args)`` before ``before``, with its fake value computed for later
     passes."""
-    from torch._guards import detect_fake_mode
-
     with ctx.graph.inserting_before(before):
         new = ctx.graph.call_function(target, args)
     fakes = [val(a) for a in args if isinstance(a, Node)]
@@ -226,7 +225,7 @@ class SymmetricProductRewrite:
                 ctx.skip(node, "sympy could not prove the replacement is the same polynomial")
                 return None
             ctx.stats.proved += 1
-            counters["dmuon"]["proved"] += 1
+            dynamo_counters()["dmuon"]["proved"] += 1
             proof = f"proved equal polynomials of degree {original.poly.degree()}"
         else:
             proof = "polynomial not carried (degree cap or tensor scale): provenance only"
@@ -371,7 +370,7 @@ class EpilogueFold:
                     )
                     return None
                 ctx.stats.proved += 1
-                counters["dmuon"]["proved"] += 1
+                dynamo_counters()["dmuon"]["proved"] += 1
             new = _insert(ctx, node, _sym_mm(), new_args)
             ctx.stats.count(self.name)
             log.debug(

@@ -123,6 +123,78 @@ def test_quack_extra_is_declared():
     assert any(d.startswith("quack-kernels") for d in extras["quack"])
 
 
+# ---------------------------------------------------------------------- the package's folders
+#
+# The guards below read every module the distribution installs: pyproject.toml maps the package
+# onto three folders (``dmuon_compile/``, and ``passes/`` and ``kernels/`` at the checkout's
+# root, installed as ``dmuon_compile.passes`` and ``dmuon_compile.kernels``).
+
+PACKAGE_DIRS = {
+    "dmuon_compile": "dmuon_compile",
+    "passes": "dmuon_compile.passes",
+    "kernels": "dmuon_compile.kernels",
+}
+
+
+def package_folders(pyproject: dict) -> dict[str, str]:
+    """``{folder: package}`` of every folder the distribution installs: ``package-dir``'s
+    entries, and each listed package's folder under its nearest mapped parent."""
+    setuptools = pyproject["tool"]["setuptools"]
+    mapping = dict(setuptools.get("package-dir", {}))
+    folders = {folder: package for package, folder in mapping.items()}
+    for package in setuptools.get("packages", []):
+        parent = max((p for p in mapping if package == p or package.startswith(p + ".")), key=len)
+        rest = package[len(parent) :].lstrip(".").replace(".", "/")
+        folder = mapping[parent] + ("/" + rest if rest else "")
+        if not any(folder == f or folder.startswith(f + "/") for f in folders):
+            folders[folder] = package
+    return folders
+
+
+def unscanned_folders(pyproject: dict, scanned: dict[str, str]) -> dict[str, str]:
+    """The installed folders (with their package) that no entry of ``scanned`` covers."""
+    return {
+        folder: package
+        for folder, package in package_folders(pyproject).items()
+        if not any(folder == f or folder.startswith(f + "/") for f in scanned)
+    }
+
+
+def test_the_guards_scan_every_package_folder():
+    meta = _pyproject()
+    assert unscanned_folders(meta, PACKAGE_DIRS) == {}
+    assert package_folders(meta) == PACKAGE_DIRS  # and the packages they are installed as
+    scanned = {rel.split("/")[0] for rel, _, _ in package_modules()}
+    assert scanned == set(PACKAGE_DIRS)
+
+
+def test_the_package_folder_check_has_teeth():
+    """The control: a package mapped onto a new folder is unscanned until PACKAGE_DIRS names
+    it (as ``passes/`` and ``kernels/`` were)."""
+    meta = _pyproject()
+    planted = {"tool": {"setuptools": dict(meta["tool"]["setuptools"])}}
+    setuptools = planted["tool"]["setuptools"]
+    setuptools["package-dir"] = {**setuptools["package-dir"], "dmuon_compile.extra": "extra"}
+    setuptools["packages"] = [*setuptools["packages"], "dmuon_compile.extra"]
+    assert unscanned_folders(planted, PACKAGE_DIRS) == {"extra": "dmuon_compile.extra"}
+    old = {"dmuon_compile": "dmuon_compile"}  # what the guards used to read
+    assert set(unscanned_folders(meta, old)) == {"passes", "kernels"}
+
+
+def package_modules():
+    """``(path relative to the root, module name, text)`` of every module of the package."""
+    for folder, package in PACKAGE_DIRS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            rel = path.relative_to(ROOT / folder)
+            parts = rel.parent.parts + (() if path.stem == "__init__" else (path.stem,))
+            module = ".".join((package, *parts))
+            if path.stem == "__init__":  # a package: relative imports resolve inside it
+                module += ".__init__"
+            yield path.relative_to(ROOT).as_posix(), module, path.read_text(encoding="utf-8")
+
+
 # ---------------------------------------------------------------------------- the import graph
 
 
@@ -147,28 +219,51 @@ def imported_modules(source: str, module: str) -> set[str]:
     return out
 
 
-def _imports_of_distributed() -> dict[str, set[str]]:
-    """The imports of every module of ``distributed/``, its subpackages included."""
-    folder = ROOT / "dmuon_compile" / "distributed"
-    out = {}
-    for path in sorted(folder.rglob("*.py")):
-        rel = path.relative_to(folder)
-        parts = rel.parent.parts + (() if path.stem == "__init__" else (path.stem,))
-        module = ".".join(("dmuon_compile", "distributed", *parts))
-        if path.stem == "__init__":  # a package: relative imports resolve inside it
-            module += ".__init__"
-        out[rel.as_posix()] = imported_modules(path.read_text(encoding="utf-8"), module)
-    return out
+# Muon: the optimizer and the three modules it is split into; the package root re-exports it.
+MUON_MODULES = {
+    "dmuon_compile/optimizer.py",
+    "dmuon_compile/param_groups.py",
+    "dmuon_compile/step_agreement.py",
+    "dmuon_compile/between_steps.py",
+}
+# Above Muon (they use it): the package root, the framework integrations and the demo trainer.
+ABOVE_MUON = ("dmuon_compile/__init__.py", "dmuon_compile/integrations/", "dmuon_compile/train/")
+
+
+def muon_names() -> set[str]:
+    """Muon's modules by name, and the names the package root re-exports from them
+    (``from dmuon_compile import Muon`` imports the optimizer too)."""
+    modules = {"dmuon_compile." + Path(rel).stem for rel in MUON_MODULES}
+    root = (ROOT / "dmuon_compile" / "__init__.py").read_text(encoding="utf-8")
+    names = set(modules)
+    for name in imported_modules(root, "dmuon_compile.__init__"):
+        for mod in modules:
+            if name.startswith(mod + "."):
+                names.add("dmuon_compile." + name.rsplit(".", 1)[1])
+    return names
+
+
+def optimizer_imports(modules) -> dict[str, list[str]]:
+    """``{path: Muon's modules it imports}`` over ``(path, module, text)`` of modules below Muon
+    (every module but Muon's and those of :data:`ABOVE_MUON`)."""
+    muon = muon_names()
+    found = {}
+    for rel, module, text in modules:
+        if rel in MUON_MODULES or rel.startswith(ABOVE_MUON):
+            continue
+        hits = sorted(imported_modules(text, module) & muon)
+        if hits:
+            found[rel] = hits
+    return found
 
 
 def test_the_runtime_does_not_import_the_optimizer():
     """One direction: the optimizer calls the runtime, never the reverse (routing rules, step
-    phases and the runtime accessor live in modules below both)."""
-    offenders = {
-        name: sorted(m for m in mods if m == "dmuon_compile.optimizer")
-        for name, mods in _imports_of_distributed().items()
-    }
-    assert not {n: m for n, m in offenders.items() if m}, offenders
+    phases and the runtime accessor live in modules below both). "The runtime": every module of
+    the package below Muon (``distributed/``, ``passes/``, ``kernels/``, the step's modules);
+    "the optimizer": Muon's four modules, and the root's re-exports of them."""
+    offenders = optimizer_imports(package_modules())
+    assert not offenders, offenders
 
 
 def test_import_graph_check_has_teeth():
@@ -179,29 +274,186 @@ def test_import_graph_check_has_teeth():
     assert "dmuon_compile.optimizer" not in imported_modules(
         "from dmuon_compile.routing import route_model\n", "dmuon_compile.distributed.x"
     )
+    planted = [
+        ("dmuon_compile/distributed/x.py", "dmuon_compile.distributed.x", relative),
+        ("kernels/x.py", "dmuon_compile.kernels.x", "from dmuon_compile import step_agreement\n"),
+        ("passes/x.py", "dmuon_compile.passes.x", "from dmuon_compile import Muon\n"),
+        (
+            "dmuon_compile/layouts.py",
+            "dmuon_compile.layouts",
+            "import dmuon_compile.param_groups\n",
+        ),
+        ("dmuon_compile/integrations/x.py", "dmuon_compile.integrations.x", relative),
+    ]
+    assert set(optimizer_imports(planted)) == {p[0] for p in planted[:4]}
 
+
+# The leaf utilities the kernels may import: they import nothing else of the package.
+FLOOR_LEAVES = {"dmuon_compile.env", "dmuon_compile.log", "dmuon_compile._compat"}
+KERNELS = "dmuon_compile.kernels"
+
+
+def package_imports(source: str, module: str) -> set[str]:
+    """The package's modules ``source`` imports: ``from dmuon_compile import env`` is
+    ``dmuon_compile.env``; a bare ``import dmuon_compile`` is the package root."""
+    import ast
+
+    package = module.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base == "dmuon_compile":  # from the root: its submodules or its names
+                out.update(f"{base}.{alias.name}" for alias in node.names)
+            else:
+                out.add(base)
+    return {m for m in out if m == "dmuon_compile" or m.startswith("dmuon_compile.")}
+
+
+def floor_violations(modules) -> dict[str, list[str]]:
+    """``{path: modules above the floor it imports}``: a module of ``kernels/`` may import the
+    kernels and :data:`FLOOR_LEAVES`; a leaf may import the other leaves only."""
+    found = {}
+    for rel, module, text in modules:
+        kernel = rel.startswith("kernels/")
+        if not (kernel or module in FLOOR_LEAVES):
+            continue
+        above = sorted(
+            m
+            for m in package_imports(text, module)
+            if m not in FLOOR_LEAVES
+            and not (kernel and (m == KERNELS or m.startswith(KERNELS + ".")))
+        )
+        if above:
+            found[rel] = above
+    return found
+
+
+def test_the_kernels_import_nothing_above_them():
+    """``kernels/`` is the floor: it imports no module of the package above it (the NS
+    orthogonaliser, the kernel choice, the pass, the optimizer), only the leaf utilities,
+    which import nothing else of the package."""
+    violations = floor_violations(package_modules())
+    assert not violations, violations
+
+
+def test_the_floor_check_has_teeth():
+    """The control: the loops the kernels used to have, planted back, are found."""
+    late = "def f():\n    from dmuon_compile.newton_schulz import get_ns_backend\n"
+    planted = [
+        ("kernels/consistency.py", "dmuon_compile.kernels.consistency", late),
+        (
+            "kernels/autotune.py",
+            "dmuon_compile.kernels.autotune",
+            "from ..kernel_choice import x\n",
+        ),
+        ("kernels/x.py", "dmuon_compile.kernels.x", "import dmuon_compile\n"),
+        ("kernels/y.py", "dmuon_compile.kernels.y", "from dmuon_compile import passes\n"),
+        ("dmuon_compile/log.py", "dmuon_compile.log", "from dmuon_compile import routing\n"),
+        ("dmuon_compile/env.py", "dmuon_compile.env", "from dmuon_compile.kernels import ops\n"),
+    ]
+    assert set(floor_violations(planted)) == {p[0] for p in planted}
+    clean = [
+        ("kernels/z.py", "dmuon_compile.kernels.z", "from dmuon_compile import env\n"),
+        ("kernels/w.py", "dmuon_compile.kernels.w", "from .lower_tiles import TileConfig\n"),
+        ("dmuon_compile/log.py", "dmuon_compile.log", "from dmuon_compile._compat import x\n"),
+        ("passes/p.py", "dmuon_compile.passes.p", "from dmuon_compile import kernel_choice\n"),
+    ]
+    assert floor_violations(clean) == {}
+
+
+# ---------------------------------------------------------------- DMUON_* variables: env.py
 
 ENV_READ = re.compile(
     r"""(?:environ\.get|getenv)\(\s*["']DMUON_|environ\[\s*["']DMUON_|\benv_flag\("""
 )
+DMUON_NAME = re.compile(r"DMUON_[A-Z0-9_]+")
+# Calls that write a variable (a launcher sets one for the runtime to read through env.py).
+ENV_WRITES = {"setdefault", "setenv", "putenv"}
+
+
+def dmuon_names_outside_writes(source: str) -> list[str]:
+    """``DMUON_*`` names held as a whole string in code (a name read indirectly, e.g.
+    ``SWITCH = "DMUON_X"; os.environ.get(SWITCH)``), except those a write passes."""
+    import ast
+
+    tree = ast.parse(source)
+    written = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ENV_WRITES:
+                written.update(id(a) for a in node.args[:1])
+    docstrings = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            docstrings.add(id(body[0].value))
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and DMUON_NAME.fullmatch(node.value)
+        and id(node) not in written | docstrings
+    ]
+
+
+def env_readers(modules) -> dict[str, list[str]]:
+    """``{path: what it reads}`` of the modules other than ``dmuon_compile/env.py`` that read a
+    ``DMUON_*`` variable themselves (``log.py``: the generic switch reader, naming none)."""
+    found = {}
+    for rel, _, text in modules:
+        if rel == "dmuon_compile/env.py":
+            continue
+        reads = [] if rel == "dmuon_compile/log.py" else ENV_READ.findall(text)
+        reads += dmuon_names_outside_writes(text)
+        if reads:
+            found[rel] = sorted(set(reads))
+    return found
 
 
 def test_dmuon_variables_are_read_in_one_module():
     """``dmuon_compile/env.py`` reads (and documents) every ``DMUON_*`` variable of the
-    package."""
-    readers = [
-        str(path.relative_to(ROOT))
-        for path in sorted((ROOT / "dmuon_compile").rglob("*.py"))
-        # log.py: the generic switch reader (progress lines; the kernel package's switches)
-        if path.name not in ("env.py", "log.py")
-        and ENV_READ.search(path.read_text(encoding="utf-8"))
-    ]
+    package, the kernels' and the pass's included."""
+    readers = env_readers(package_modules())
     assert not readers, readers
-    assert ENV_READ.search('os.environ.get("DMUON_NS_KERNEL", "")')  # the check has teeth
-    assert ENV_READ.search("record = env_flag(PROFILE_ENV, False)")
 
+
+def test_the_env_check_has_teeth():
+    assert ENV_READ.search('os.environ.get("DMUON_NS_KERNEL", "")')
+    assert ENV_READ.search("record = env_flag(PROFILE_ENV, False)")
+    planted = [
+        # what passes/manager.py did
+        ("passes/manager.py", "", "x = f\"{os.environ.get('DMUON_NS_KERNEL', '')}\"\n"),
+        # what kernels/autotune.py did: the name in a constant, read through it
+        ("kernels/autotune.py", "", 'S = "DMUON_SYRK_AUTOTUNE"\nos.environ.get(S, "")\n'),
+        ("dmuon_compile/x.py", "", "flag = env_flag(SWITCH)\n"),
+    ]
+    assert set(env_readers(planted)) == {p[0] for p in planted}
+    clean = [
+        ("dmuon_compile/train/runtime.py", "", 'os.environ.setdefault("DMUON_X", "1")\n'),
+        (
+            "kernels/a.py",
+            "",
+            '"""``DMUON_CACHE_DIR`` in a docstring."""\nfrom dmuon_compile import env\n',
+        ),
+        ("dmuon_compile/c.py", "", 'raise ValueError("set DMUON_NS_KERNEL=cublas")\n'),
+        ("dmuon_compile/env.py", "", 'NS = "DMUON_NS_KERNEL"\nos.environ.get(NS)\n'),
+    ]
+    assert env_readers(clean) == {}
+
+
+# ------------------------------------------------------------ private torch APIs: compat modules
 
 # Private torch APIs are read in the compat modules only (docs/torch_internals.md lists them).
+# ``passes/`` (Inductor's CustomGraphPass and config, Dynamo's counters, torch._guards) and
+# ``kernels/`` read theirs through ``dmuon_compile/_compat.py``: neither folder has its own.
 COMPAT_MODULES = {
     "dmuon_compile/_compat.py",
     "dmuon_compile/distributed/_dtensor_compat.py",
@@ -240,19 +492,25 @@ def private_torch_uses(source: str) -> list[str]:
     return PRIVATE_TORCH.findall(code_without_strings(source))
 
 
-def test_private_torch_apis_are_read_in_the_compat_modules_only():
+def private_torch_readers(modules) -> dict[str, list[str]]:
+    """``{path: private torch APIs it reads}`` of the modules that are not compat modules."""
     offenders = {}
-    for path in sorted((ROOT / "dmuon_compile").rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel in COMPAT_MODULES or {"kernels", "passes"} & set(path.parts[len(ROOT.parts) :]):
+    for rel, _, text in modules:
+        if rel in COMPAT_MODULES:
             continue
-        found = private_torch_uses(path.read_text(encoding="utf-8"))
+        found = private_torch_uses(text)
         if found:
             offenders[rel] = sorted(set(found))
+    return offenders
+
+
+def test_private_torch_apis_are_read_in_the_compat_modules_only():
+    offenders = private_torch_readers(package_modules())
     assert not offenders, (
         "private torch APIs outside the compat modules (read them through "
         f"dmuon_compile/_compat.py or distributed/_*_compat.py): {offenders}"
     )
+    assert all((ROOT / rel).is_file() for rel in COMPAT_MODULES)
 
 
 def test_private_torch_check_has_teeth():
@@ -267,3 +525,10 @@ def test_private_torch_check_has_teeth():
         "torch._foreach_add_(a, b)\nx = self._spec_cache\nv = torch.__version__\n"
     )
     assert private_torch_uses(clean) == []
+    planted = [  # what passes/manager.py and ns_rewrite.py read before
+        ("passes/manager.py", "", "current = torch._inductor.config.post_grad_custom_pre_pass\n"),
+        ("passes/ns_rewrite.py", "", "from torch._dynamo.utils import counters\n"),
+        ("kernels/x.py", "", "from torch._inductor.custom_graph_pass import CustomGraphPass\n"),
+        ("dmuon_compile/_compat.py", "", "import torch._inductor.config\n"),
+    ]
+    assert set(private_torch_readers(planted)) == {p[0] for p in planted[:3]}

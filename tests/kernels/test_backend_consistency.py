@@ -1,17 +1,38 @@
-"""``check_ns_backend_consistent``: every rank must resolve the same NS kernel."""
+"""``check_ns_backend_consistent``: every rank must resolve the same NS kernel.
+
+``dmuon.check_ns_backend_consistent`` lives in ``kernel_choice.py``; the gather and the
+comparison are the kernel package's (``kernels.consistency.agree_across_ranks``), which imports
+nothing above it, so its own ``check_ns_backend_consistent`` takes the orthogonaliser
+explicitly."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from dmuon_compile.kernels.consistency import check_ns_backend_consistent
+from dmuon_compile.kernels import consistency
 
-from dmuon_compile import NewtonSchulz
+from dmuon_compile import NewtonSchulz, check_ns_backend_consistent, get_ns_backend
 
 
 def test_without_process_group_returns_local_backend():
     ns = NewtonSchulz(kernel="cublas")
     assert check_ns_backend_consistent(ns) == ns.describe()
+    assert consistency.check_ns_backend_consistent(ns) == ns.describe()
+    assert consistency.agree_across_ranks("x") == "x"
+
+
+def test_without_an_argument_the_active_backend():
+    assert check_ns_backend_consistent() == get_ns_backend()
+    with pytest.raises(TypeError, match="NewtonSchulz or a Muon"):
+        consistency.check_ns_backend_consistent(None)
+
+
+def test_a_muon_is_read_through_its_ns():
+    class Holder:  # what Muon offers: its orthogonaliser as .ns
+        ns = NewtonSchulz(kernel="cublas")
+
+    assert consistency.check_ns_backend_consistent(Holder()) == Holder.ns.describe()
+    assert check_ns_backend_consistent(Holder()) == Holder.ns.describe()
 
 
 def test_disagreeing_ranks_are_listed(monkeypatch):
