@@ -8,19 +8,26 @@
 - ``restore_dedicated`` puts the dedicated weights back in the parameter lists after a wrapper
   swapped them (accelerate's FSDP2 prepare).
 
-``Muon`` inherits :class:`BetweenSteps`; it reads the optimizer's ``model``, ``param_groups``,
-``_dedicated_slots`` and ``param_name``.
+``Muon`` holds a :class:`BetweenSteps` (``opt._between``) and calls it from those three methods
+with what it needs (the parameter groups, the namer, torch's own ``zero_grad``); it never reads
+the optimizer.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from dmuon_compile.distributed._owned import OwnerTensor, is_owned, owner_rank, same_layout
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from dmuon_compile.layouts import Layout
 
 
 def _layout(t: Tensor) -> str:
@@ -166,31 +173,34 @@ def _store_has(store, key: str) -> bool:
         return False
 
 
+class _Slots(NamedTuple):
+    """One group's parameter list as it was built (what ``restore_dedicated`` puts back)."""
+
+    count: int  # its length
+    dedicated: dict[int, Tensor]  # its dedicated weights (owner tensors), by position
+    layouts: list  # each parameter's Layout (``None`` in an AdamW group), by position
+
+
 class BetweenSteps:
-    """``Muon``'s methods outside the step (see the module docstring)."""
+    """``Muon``'s work outside the step (see the module docstring).
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
-        flight are dropped (after an exception in forward or backward, reduces already issued
-        would otherwise land on the owners' gradients after this call). Cheap after a step.
+    Args:
+        model: the module of a ``Muon(model)``, else ``None``.
+    """
 
-        After a forward or backward that raised, it first agrees with every rank, through the
-        rendezvous store (no process group), that all of them left that pass at the same point
-        (the same number of collectives issued on every group); only then does it finish
-        FSDP2's aborted backward and drop the collectives in flight (waited for until finished,
-        also on CUDA), which is collective. An exception on some ranks only cannot be skipped:
-        the other ranks wait inside one of the pass's collectives until the process-group
-        timeout, and this raises a ``RuntimeError`` by that timeout, having issued nothing
-        (restart from a checkpoint). One inside ``step()`` reaches every rank
-        (``MuonStepError``) and is skipped.
+    def __init__(self, model: nn.Module | None) -> None:
+        self.model = model
+        self._slots: list[_Slots] = []  # per param group, in order
 
-        Example::
+    def add_group(self, params: list, layouts: list) -> None:
+        """Remember a new group's parameter list (its size, where its dedicated weights sit,
+        each slot's layout) for :meth:`restore_dedicated`."""
+        dedicated = {i: p for i, p in enumerate(params) if isinstance(p, OwnerTensor)}
+        self._slots.append(_Slots(len(params), dedicated, list(layouts)))
 
-            try:
-                loss = model(x).loss; loss.backward(); opt.step()
-            except (torch.OutOfMemoryError, dmuon.MuonStepError):
-                opt.zero_grad()  # drop this batch on every rank, then go on
-        """
+    def zero_grad(self, zero: Callable[[], None]) -> None:
+        """``zero()`` (torch's ``zero_grad``), after finishing or dropping a pass that raised
+        and the dedicated gradients still in flight: see ``Muon.zero_grad``."""
         from dmuon_compile.dedicated_registry import runtime_of
         from dmuon_compile.distributed import _fsdp_compat
         from dmuon_compile.distributed._autograd_compat import in_backward
@@ -207,24 +217,16 @@ class BetweenSteps:
         if runtime is not None:
             runtime.discard_backward()
         with gradient_writes():  # set_to_none=False zeroes gradients, no weight: no publish
-            super().zero_grad(set_to_none=set_to_none)
+            zero()
 
-    @torch.compiler.disable  # bookkeeping on the parameter lists: eager
-    def restore_dedicated(self) -> None:
-        """Put the dedicated weights back where they were in each group's parameter list, after
-        a wrapper replaced the lists; ``dmuon_compile.integrations.accelerate`` calls it once,
-        right after accelerate's FSDP2 prepare swapped the optimizer's parameters.
-
-        That swap replaces every parameter by the one ``fully_shard`` registered under its
-        name, found by data address. It maps FSDP2's parameters to their shards, but no address
-        tells a dedicated weight apart (a wrapper's ``data_ptr()`` is 0; accelerate versions key
-        the two sides differently): those slots come back with any weight or none. Dedicated
-        weights never change (``fully_shard`` leaves them alone), so each goes back to its
-        position by identity; any other change of a dedicated weight's place raises.
-        """
-        for index, group in enumerate(self.param_groups):
+    def restore_dedicated(
+        self, param_groups: list[dict], param_name: Callable[[Tensor], str]
+    ) -> dict[int, Layout]:
+        """Put each group's dedicated weights back in its parameter list (see
+        ``Muon.restore_dedicated``); returns the layouts by the new parameters' ids."""
+        for index, group in enumerate(param_groups):
             params = group["params"]
-            built, where = self._dedicated_slots[index]
+            built, where, _ = self._slots[index]
             if len(params) != built:
                 raise ValueError(
                     f"Muon: param_groups[{index}] now holds {len(params)} parameters, "
@@ -240,55 +242,40 @@ class BetweenSteps:
             if stray:
                 raise ValueError(
                     f"Muon: param_groups[{index}] holds the dedicated weight "
-                    f"{self.param_name(params[stray[0]])} at position {stray[0]}, where the "
+                    f"{param_name(params[stray[0]])} at position {stray[0]}, where the "
                     "optimizer was built with another parameter. Build the optimizer on the "
                     "model after dmuon.dedicate_params and let it keep its dedicated weights."
                 )
-        if self.model is not None:  # the names of the parameters the lists now hold
-            self._param_names.update({id(p): n for n, p in self.model.named_parameters()})
         # The layouts by slot (the swap is one for one): rebuilt, not extended, since the old
         # parameters' ids may now belong to other tensors.
-        self._layouts = {
+        return {
             id(p): layout
-            for group, layouts in zip(self.param_groups, self._slot_layouts)
-            for p, layout in zip(group["params"], layouts)
+            for group, slots in zip(param_groups, self._slots)
+            for p, layout in zip(group["params"], slots.layouts)
             if layout is not None
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """``torch.optim.Optimizer.load_state_dict`` after checking that the state fits.
-
-        State of a dedicated parameter must have been saved with the same owner, state of an
-        FSDP2 shard on the same mesh and placements (an ``opt.state_dict()`` holds each rank's
-        own view). Anything else — another model, another routing, another cluster shape —
-        raises a ``ValueError`` naming the parameter before anything is loaded. To resume on
-        another mesh or world size, checkpoint through ``torch.distributed.checkpoint``
-        (``get_state_dict`` / ``set_state_dict``), which reshards.
-
-        Example::
-
-            opt.load_state_dict(opt.state_dict())  # same run, same ranks
-        """
-        self._check_loadable(state_dict)
-        super().load_state_dict(state_dict)
-
-    def _check_loadable(self, state_dict: dict) -> None:
+    def check_loadable(
+        self, state_dict: dict, param_groups: list[dict], param_name: Callable[[Tensor], str]
+    ) -> None:
+        """Raise, naming the parameter, if ``state_dict`` does not fit ``param_groups`` (see
+        ``Muon.load_state_dict``)."""
         saved_groups = state_dict.get("param_groups", [])
-        if len(saved_groups) != len(self.param_groups):
+        if len(saved_groups) != len(param_groups):
             raise ValueError(
                 f"Muon.load_state_dict: the state has {len(saved_groups)} param groups, this "
-                f"optimizer {len(self.param_groups)} (Muon + AdamW groups of another model or "
+                f"optimizer {len(param_groups)} (Muon + AdamW groups of another model or "
                 "routing). Build the optimizer the way the saved run did, or load through "
                 "torch.distributed.checkpoint's "
                 "set_state_dict, which maps state by parameter name."
             )
         index_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
+        for saved, group in zip(saved_groups, param_groups):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"Muon.load_state_dict: a saved group has {len(saved['params'])} parameters, "
                     f"this optimizer's has {len(group['params'])} (first here: "
-                    f"{self.param_name(group['params'][0])}). Load through "
+                    f"{param_name(group['params'][0])}). Load through "
                     "torch.distributed.checkpoint's set_state_dict to map state by name."
                 )
             index_to_param.update(zip(saved["params"], group["params"]))
@@ -309,11 +296,11 @@ class BetweenSteps:
                     continue
                 if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(
-                        f"Muon.load_state_dict: {key} of {self.param_name(p)} has shape "
+                        f"Muon.load_state_dict: {key} of {param_name(p)} has shape "
                         f"{tuple(value.shape)}, the parameter {tuple(p.shape)}. {fix}"
                     )
                 if not _fits(value, p):
                     raise ValueError(
-                        f"Muon.load_state_dict: {key} of {self.param_name(p)} was saved as "
+                        f"Muon.load_state_dict: {key} of {param_name(p)} was saved as "
                         f"{_layout(value)}; the parameter is {_layout(p)}. {fix}"
                     )

@@ -3,13 +3,23 @@
 Matrices chosen for Muon (dedicated parameters, or by the routing rule below) get
 momentum → Newton–Schulz → scaled update; every other parameter gets AdamW in the same
 optimizer, so one ``step()``, one ``state_dict()`` and one LR scheduler drive both.
+
+``Muon`` is one class in torch.optim's shape (``_init_group``, ``step``); it owns its groups and
+state and holds three collaborators, none of which imports this module:
+
+- ``_routing`` (:class:`~dmuon_compile.param_groups.GroupRouting`): groups, names, layouts;
+- ``_agreement`` (:class:`~dmuon_compile.step_agreement.StepAgreement`): between the step's two
+  halves, every rank commits, skips or raises together;
+- ``_between`` (:class:`~dmuon_compile.between_steps.BetweenSteps`): ``zero_grad``,
+  ``load_state_dict`` and ``restore_dedicated``'s checks and bookkeeping.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -23,21 +33,15 @@ from dmuon_compile.distributed._owned import (
     is_owned,
     local_of,
 )
-from dmuon_compile.layouts import Layout, get_layout, resolve_layout, whole_expert_shards
+from dmuon_compile.layouts import Layout, whole_expert_shards
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
-from dmuon_compile.param_groups import (
-    MuonGroups,
-    _check_nonneg,
-    _dedicated_slots,
-    _group_layouts,
-    _hold_hypers,
-    _tensor_hypers,
-)
+from dmuon_compile.param_groups import GroupRouting, _check_nonneg, _hold_hypers, _tensor_hypers
 from dmuon_compile.routing import HEAD_NAMES, default_muon_predicate, routing_module  # noqa: F401
 from dmuon_compile.step_agreement import (  # noqa: F401 - MuonStepError: the public name
     COMPILED,
     EAGER,
     NONFINITE_MODES,
+    FiniteFlags,
     MuonStepError,
     PendingVerdict,
     StepAgreement,
@@ -60,10 +64,45 @@ from dmuon_compile.trace_labels import NS, STEP, label
 
 if TYPE_CHECKING:
     from dmuon_compile.compiled_step import CompiledMuonStep, StepKey
+    from dmuon_compile.distributed._split_step import SplitGroup
     from dmuon_compile.distributed._tp import TPStepHalf
+    from dmuon_compile.distributed._tp.stage import TPStage
 
 
-class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
+class MuonJob(NamedTuple):
+    """Some of a Muon group's matrices for one part of the plan, as ``_prepare`` hands them to
+    the directions (one compiled graph per part and group)."""
+
+    part: str  # the plan's part (``StepPart.name``)
+    group: dict
+    params: list
+    grads: list
+    bufs: list  # momentum buffers
+    layouts: list  # each matrix's Layout
+
+
+class AdamWJob(NamedTuple):
+    """An AdamW group's local tensors with gradients, as ``functional.adamw_update`` takes them."""
+
+    group: dict
+    params: list
+    grads: list
+    exp_avgs: list
+    exp_avg_sqs: list
+    steps: list
+
+
+class _SplitMatrix(NamedTuple):
+    """A matrix whose Newton–Schulz a group of ranks shares, found in the jobs."""
+
+    group: dict
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    layout: Layout
+
+
+class Muon(torch.optim.Optimizer):
     """Muon for matrices, AdamW for everything else, in one optimizer.
 
     Args:
@@ -161,11 +200,6 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         # The compiled Muon steps, one graph each, by StepKey(group position, part): positions
         # survive load_state_dict (it replaces the group dicts, not this attribute).
         self.compiled_steps: dict[StepKey, CompiledMuonStep] = {}
-        self._param_names: dict[int, str] = {}
-        # Each Muon parameter's Layout (what its matrices are), by id: routing fills it for a
-        # Muon(model); ``_layout`` resolves the rest (declared, or 2-D).
-        self._layouts: dict[int, Layout] = {}
-        self._step_check: _StepCheck | None = None  # from _prepare to _agree, within a step
 
         muon_defaults = dict(
             use_muon=True,
@@ -182,13 +216,17 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             eps=adamw_eps,
             weight_decay=adamw_weight_decay,
         )
-        # What add_param_group fills a new group from, and the rule that routes it.
-        self._group_defaults = {True: muon_defaults, False: adamw_defaults}
-        self._predicate = predicate
+        # The collaborators (see the module docstring): what add_param_group fills a new group
+        # from and the rule that routes it; the step's agreement; the work between steps.
+        self._routing = GroupRouting(
+            self.model, predicate, {True: muon_defaults, False: adamw_defaults}
+        )
+        self._agreement = StepAgreement(self)
+        self._between = BetweenSteps(self.model)
         # The 0-d tensors a step pre-hook puts back when a scheduler or the user writes a float
         # hyper-parameter into a group, by (group position, key): see ``_hold_hypers``.
         self._held_hypers: dict[tuple[int, str], Tensor] = {}
-        groups = self._build_groups(params, predicate)
+        groups = self._routing.build(params)
         if not groups:
             raise ValueError("Muon got no parameters that require grad")
         # ``momentum`` (Muon's μ) as torch's momentum optimizers expose it: OneCycleLR/CyclicLR
@@ -198,23 +236,60 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         self._building = False
         _tensor_hypers(self.param_groups)
         self._hold_hypers_hook = self.register_step_pre_hook(_hold_hypers)
-        # Per group: its size and where its dedicated weights sit (``restore_dedicated``).
-        self._dedicated_slots = [_dedicated_slots(g["params"]) for g in self.param_groups]
-        # Each Muon parameter's layout, by slot (an unknown ≥3-D layout raises here, not at
-        # step()): ``restore_dedicated`` re-keys them after a wrapper swapped the parameters.
-        self._slot_layouts = [_group_layouts(self, g) for g in self.param_groups]
+        # Per group: where its dedicated weights sit and each parameter's layout, by slot
+        # (``restore_dedicated``); an unknown ≥3-D layout raises here, not at step().
+        for group in self.param_groups:
+            self._between.add_group(group["params"], self._routing.group_layouts(group))
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group`` with Muon's defaults: a group without
+        ``use_muon`` is routed by the rule the constructor used (a ``Muon(model)``: the model's
+        routing; parameters: ≥2-D → Muon), so one call may add two groups (Muon and AdamW).
+        Missing hyper-parameters come from this optimizer's Muon or AdamW defaults. ``(name,
+        parameter)`` pairs or ``param_names`` name the parameters; on a ``Muon(model)`` the
+        model's names are filled in. Errors (a parameter already in a group, a 1-D tensor with
+        ``use_muon=True``) raise here, before any group is added.
+
+        Example::
+
+            opt.add_param_group({"params": model.head.parameters(), "use_muon": False})
+        """
+        if getattr(self, "_building", False):
+            super().add_param_group(param_group)
+            return
+        groups = self._routing.complete(param_group, "add_param_group's group")
+        self._routing.name_from_model(groups, self.param_groups)
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        for group in groups:
+            for p in group["params"]:
+                if id(p) in held:
+                    raise ValueError(
+                        f"Muon.add_param_group: {self.param_name(p)} is already in a param group"
+                    )
+        if not groups:
+            raise ValueError("Muon.add_param_group: the group has no parameters")
+        for group in groups:  # an unknown ≥3-D layout raises before any group is added
+            self._routing.group_layouts(group)
+        for group in groups:
+            super().add_param_group(group)  # fills "momentum" into AdamW groups too
+            new = self.param_groups[-1]
+            _tensor_hypers([new], taken=self.param_groups[:-1])
+            self._between.add_group(new["params"], self._routing.group_layouts(new))
+
+    def param_name(self, p: Tensor) -> str:
+        """``p``'s name (from the model or the groups), or its shape when it has none."""
+        return self._routing.name(p)
 
     def _layout(self, p: Tensor) -> Layout:
         """``p``'s :class:`~dmuon_compile.layouts.Layout`: from routing, declared on it
         (``dmuon.set_layout``), or one matrix for a 2-D tensor; otherwise an error naming it."""
-        layout = self._layouts.get(id(p))
-        if layout is None:
-            if get_layout(p) is None and p.ndim == 2:
-                layout = F.MATRIX
-            else:
-                layout = resolve_layout(self.param_name(p), p)
-            self._layouts[id(p)] = layout
-        return layout
+        return self._routing.layout(p)
+
+    @property
+    def _layouts(self) -> dict[int, Layout]:
+        """Each Muon parameter's Layout by id (``GroupRouting.layouts``; tests read it)."""
+        return self._routing.layouts
 
     # ------------------------------------------------------------------ state
     def _init_group(
@@ -314,75 +389,66 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Two halves with one agreement between them (``_agree``): first every Muon matrix's
-        # update is computed (nothing written; a failure on this rank is caught and recorded
-        # in ``failure``, and the step's collectives still go out), then all ranks agree on
-        # non-finite gradients and failures, and only then is anything written. A step that
-        # fails on one rank therefore raises on every rank and changes nothing anywhere.
-        # Under the user's torch.compile(opt.step) the math is traced on plain local tensors:
-        # the owners' and FSDP2's DTensors (meshes, process groups) stay in eager code.
+        # Two halves with one agreement between them: first every Muon matrix's update is
+        # computed (nothing written; a failure on this rank is recorded in ``failure`` and the
+        # step's collectives still go out), then all ranks agree on non-finite gradients and
+        # failures, and only then is anything written: a step that fails on one rank raises on
+        # every rank and changes nothing anywhere. Under the user's torch.compile(opt.step) the
+        # math is traced on plain local tensors: DTensors (meshes, process groups) stay eager.
         failure: list = []  # this rank's [(phase, exception)]
         jobs, adamw = self._prepare(plan, torch.compiler.is_compiling(), failure)
-        split_halves: list[_StepHalf] = []
-        if plan.split:  # matrices whose NS a group of ranks shares: first, on every member
-            jobs, split_halves = self._split_directions(plan.split, jobs, failure)
-        halves = [
-            [h for job in part_jobs for h in self._muon_directions(*job, failure, plan.tp)]
-            for part_jobs in jobs
-        ]
-        halves[0][:0] = split_halves  # committed with the first part (before its ``after``)
-        # Only the TP halves cross into ``_agree`` (eager): under a user-compiled step the other
-        # halves' groups hold DTensor parameters, whose meshes Dynamo cannot pass out.
+        halves = self._directions(plan, jobs, failure)
+        # Only the TP halves and (local gradients, flags, path) cross into the agreement
+        # (eager): the other halves' groups hold DTensors, whose meshes Dynamo cannot pass out.
         tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
-        # The Muon halves' finite flags (compiled: NS's norms; eager: a norm of NS's output),
-        # covering gradient and momentum; the other gradients are read in ``_check_finite``.
-        # Only (local gradients, flags, path) cross into eager code.
-        checked = [
-            (h.grads, h.finite, EAGER if h.compiled is None else COMPILED)
-            for hs in halves
-            for h in hs
-            if h.finite is not None
-        ]
-        self._check_finite(checked, failure)
-        verdict = self._agree(failure, tp_halves, defer=_deferrable(plan, halves, failure))
+        self._agreement.check_finite(_finite_flags(halves), failure)
+        verdict = self._agreement.agree(failure, tp_halves, _deferrable(plan, halves, failure))
         if verdict is False:
             return loss  # skipped (nonfinite_grads="skip")
         # A deferred verdict stays on the device: the commit selects on it, and it is read
-        # after the commit is enqueued (``_settle``), so the GPU is not idle meanwhile.
+        # after the commit is enqueued (``settle``), so the GPU is not idle meanwhile.
         commit_if = verdict.ok if isinstance(verdict, PendingVerdict) else None
-        # The plan's parts in order, each followed by its action (HSDP: the first group the next
-        # forward needs is committed and published first, so its broadcast runs under the rest
-        # of the step instead of in front of the next forward).
+        # The plan's parts in order, each followed by its action (HSDP: the group the next
+        # forward needs first is committed and published first, under the rest of the step).
         for part, part_halves in zip(plan.parts, halves):
             for half in part_halves:
                 self._commit(half, commit_if)
             if part.after is not None:
                 part.after()
-        if commit_if is not None and not self._settle(verdict):
+        if commit_if is not None and not self._agreement.settle(verdict):
             return loss  # skipped: the commit kept every old value
-        for group, params, grads, exp_avgs, exp_avg_sqs, steps in adamw:
+        for job in adamw:
+            hypers = {key: job.group[key] for key in ("lr", "betas", "eps", "weight_decay")}
             F.adamw_update(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                steps,
-                lr=group["lr"],
-                betas=group["betas"],
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
+                job.params, job.grads, job.exp_avgs, job.exp_avg_sqs, job.steps, **hypers
             )
         return loss
 
+    def _directions(self, plan: StepPlan, jobs: list, failure: list) -> list[list[_StepHalf]]:
+        """The first half of the step, per part of ``plan``: the matrices whose NS a group of
+        ranks shares first, on every member (committed with the first part, before its
+        ``after``), then every job's halves."""
+        split_halves: list[_StepHalf] = []
+        if plan.split:
+            jobs, split_halves = self._split_directions(plan.split, jobs, failure)
+        halves = [
+            [h for job in part_jobs for h in self._muon_directions(job, failure, plan.tp)]
+            for part_jobs in jobs
+        ]
+        halves[0][:0] = split_halves
+        return halves
+
     @torch.compiler.disable  # DTensor bookkeeping and state creation stay eager
-    def _prepare(self, plan: StepPlan, local: bool, failure: list):
+    def _prepare(
+        self, plan: StepPlan, local: bool, failure: list
+    ) -> tuple[list[list[MuonJob]], list[AdamWJob]]:
         """Create state and split the Muon groups into the plan's parts.
 
-        Returns ``(jobs, adamw)``: per part of ``plan``, its ``(part name, group, params, grads,
-        momentum buffers)`` of each Muon group; and keeps what ``_agree`` reads in
-        ``self._step_check`` (the parameters with gradients, those whose state this step
+        Returns ``(jobs, adamw)``: per part of ``plan``, a :class:`MuonJob` of each Muon group;
+        and an :class:`AdamWJob` per AdamW group. Hands the agreement what it reads
+        (``StepAgreement.begin``: the parameters with gradients, those whose state this step
         created: dropped again if the step does not commit; their finite flags are added after
-        the directions, by ``_check_finite``).
+        the directions, by ``StepAgreement.check_finite``).
         ``local=True`` gives the Muon jobs local tensors (the owners' whole matrices) instead
         of DTensors; the AdamW lists are always local (FSDP2's shards: AdamW is elementwise).
         A failure here is appended to ``failure``; the lists then hold placeholders (the
@@ -394,8 +460,8 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         fresh = [p for p in with_grad if not self.state.get(p)]  # state created by this step
         if fresh:
             self._check_whole_matrices({id(p) for p in fresh})
-        jobs: list[list] = [[] for _ in plan.parts]
-        adamw = []
+        jobs: list[list[MuonJob]] = [[] for _ in plan.parts]
+        adamw: list[AdamWJob] = []
         for group in self.param_groups:
             params, grads, state_a, state_b = [], [], [], []
             if not failure:
@@ -417,10 +483,10 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                 # through DTensor dispatch (~0.1 ms of host time per op and parameter).
                 lists = (params, grads, state_a, [b[0] for b in state_b])
                 lists = tuple([local_of(t) for t in xs] for xs in lists)
-                adamw.append((group, *lists, [b[1] for b in state_b]))
+                adamw.append(AdamWJob(group, *lists, [b[1] for b in state_b]))
                 continue
             if len(plan.parts) == 1 and plan.parts[0].params is None:  # the lists as they are
-                jobs[0].append((plan.parts[0].name, group, params, grads, state_a, lays))
+                jobs[0].append(MuonJob(plan.parts[0].name, group, params, grads, state_a, lays))
                 continue
             taken: set[int] = set()
             for part, part_jobs in zip(plan.parts, jobs):
@@ -433,30 +499,22 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                 if idx:
                     picked = ([params[i] for i in idx], [grads[i] for i in idx])
                     rest = ([state_a[i] for i in idx], [lays[i] for i in idx])
-                    part_jobs.append((part.name, group, *picked, *rest))
+                    part_jobs.append(MuonJob(part.name, group, *picked, *rest))
         if local:
             jobs = [
-                [(part, g, *_owned_locals(ps, gs, bs, ls)) for part, g, ps, gs, bs, ls in part_jobs]
+                [MuonJob(j.part, j.group, *_owned_locals(*j[2:])) for j in part_jobs]
                 for part_jobs in jobs
             ]
-        # The finite flags are taken after the directions (``_check_finite``): the compiled
+        # The finite flags are taken after the directions (``check_finite``): the compiled
         # ones bring their matrices' flags from the norms NS takes anyway.
-        self._step_check = _StepCheck(with_grad, None, fresh, plan.tp)
+        self._agreement.begin(_StepCheck(with_grad, None, fresh, plan.tp))
         return jobs, adamw
 
     def _muon_directions(
-        self,
-        part: str,
-        group: dict,
-        params: list,
-        grads: list,
-        bufs: list,
-        layouts: list,
-        failure: list,
-        tp=None,
+        self, job: MuonJob, failure: list, tp: TPStage | None = None
     ) -> list[_StepHalf]:
-        """The first half of Muon for some of a group's matrices (``part`` names the subset:
-        one compiled graph each): the compiled step if enabled, else the eager reference.
+        """The first half of Muon for some of a group's matrices (``job.part`` names the
+        subset: one compiled graph each): the compiled step if enabled, else the eager reference.
         Expert stacks sharded inside their experts get a half of their own
         (:meth:`_resharded_directions`).
 
@@ -467,6 +525,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         """
         from dmuon_compile.compiled_step import compile_enabled, compiled_step_for
 
+        part, group, params, grads, bufs, layouts = job
         tp_half = None
         if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (_tp/stage.py)
             lay_of = {id(p): lay for p, lay in zip(params, layouts)}
@@ -507,7 +566,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
                     return ortho
                 ortho = F.muon_directions(grads, bufs, ns=self.ns, **hypers)
                 # NS's output is NaN wherever g or the momentum held a NaN/Inf: one norm of it
-                # checks both, in place of the gradients' read in ``_check_finite``.
+                # checks both, in place of the gradients' read in ``check_finite``.
                 half.finite = directions_finite(ortho)
                 return ortho
 
@@ -523,7 +582,9 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         return halves
 
     @torch.compiler.disable  # process groups and host-side piece checks stay eager
-    def _split_directions(self, split: tuple, jobs: list, failure: list):
+    def _split_directions(
+        self, split: tuple[SplitGroup, ...], jobs: list[list[MuonJob]], failure: list
+    ) -> tuple[list[list[MuonJob]], list[_StepHalf]]:
         """The first half of Muon for the split matrices (``distributed/_split_step.py``):
         taken out of ``jobs``; every rank walks them in the plan's order and joins the
         collectives of its groups; the owner gets NS(u) and a half of its own to commit.
@@ -532,16 +593,18 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         from dmuon_compile.distributed._split_step import orthogonalize_split
 
         wanted = {s.param_id for s in split}
-        found: dict[int, tuple] = {}
+        found: dict[int, _SplitMatrix] = {}
         kept_jobs = []
         for part_jobs in jobs:
             kept = []
-            for part, group, ps, gs, bs, ls in part_jobs:
+            for job in part_jobs:
+                part, group, ps, gs, bs, ls = job
                 keep = [i for i, p in enumerate(ps) if id(p) not in wanted]
                 for i, p in enumerate(ps):
                     if id(p) in wanted:
-                        found[id(p)] = (group, p, gs[i], bs[i], ls[i])
-                kept.append((part, group, *([xs[i] for i in keep] for xs in (ps, gs, bs, ls))))
+                        found[id(p)] = _SplitMatrix(group, p, gs[i], bs[i], ls[i])
+                lists = ([xs[i] for i in keep] for xs in (ps, gs, bs, ls))
+                kept.append(MuonJob(part, group, *lists))
             kept_jobs.append(kept)
         by_group: dict[int, _StepHalf] = {}
         for sg in split:
@@ -604,7 +667,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
             ortho = orthogonalize_resharded(params, updates, layouts, orthogonalize)
         return _StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
 
-    def _tp_directions(self, tp, group: dict, mine: list, failure: list) -> TPStepHalf:
+    def _tp_directions(self, tp: TPStage, group: dict, mine: list, failure: list) -> TPStepHalf:
         """The first half of Muon on a part's TP matrices (``mine``: ``tp.split``'s rows), one
         shape bucket at a time: nothing written, the scatters issued and left for
         :meth:`_commit` (``tp.commit``) or the abort."""
@@ -616,7 +679,7 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         grads, bufs = [g for *_, g, _b in mine], [b for *_, b in mine]
         return TPStepHalf(grads, bufs, group["momentum"], entries)
 
-    def _tp_bucket(self, tp, group: dict, bucket: list, failure: list) -> list:
+    def _tp_bucket(self, tp: TPStage, group: dict, bucket: list, failure: list) -> list:
         """One shape bucket's Nesterov inputs, gather to the TP owners, their Newton–Schulz on
         the whole matrices and the scatter of the updates; returns the pending apply entries.
         The bucket's inputs, gathered pieces and whole matrices are freed when it returns,
@@ -686,6 +749,66 @@ class Muon(MuonGroups, StepAgreement, BetweenSteps, torch.optim.Optimizer):
         if half.tp is not None:  # TP rank 0's new plain masters and momentum to its column
             half.tp.broadcast_plain(half.params, half.bufs)
 
+    # ------------------------------------------------------------------ between steps
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
+        flight are dropped (after an exception in forward or backward, reduces already issued
+        would otherwise land on the owners' gradients after this call). Cheap after a step.
+
+        After a forward or backward that raised, it first agrees with every rank, through the
+        rendezvous store (no process group), that all of them left that pass at the same point
+        (the same number of collectives issued on every group); only then does it finish
+        FSDP2's aborted backward and drop the collectives in flight (waited for until finished,
+        also on CUDA), which is collective. An exception on some ranks only cannot be skipped:
+        the other ranks wait inside one of the pass's collectives until the process-group
+        timeout, and this raises a ``RuntimeError`` by that timeout, having issued nothing
+        (restart from a checkpoint). One inside ``step()`` reaches every rank
+        (``MuonStepError``) and is skipped.
+
+        Example::
+
+            try:
+                loss = model(x).loss; loss.backward(); opt.step()
+            except (torch.OutOfMemoryError, dmuon.MuonStepError):
+                opt.zero_grad()  # drop this batch on every rank, then go on
+        """
+        self._between.zero_grad(functools.partial(super().zero_grad, set_to_none=set_to_none))
+
+    @torch.compiler.disable  # bookkeeping on the parameter lists: eager
+    def restore_dedicated(self) -> None:
+        """Put the dedicated weights back where they were in each group's parameter list, after
+        a wrapper replaced the lists; ``dmuon_compile.integrations.accelerate`` calls it once,
+        right after accelerate's FSDP2 prepare swapped the optimizer's parameters.
+
+        That swap replaces every parameter by the one ``fully_shard`` registered under its
+        name, found by data address. It maps FSDP2's parameters to their shards, but no address
+        tells a dedicated weight apart (a wrapper's ``data_ptr()`` is 0; accelerate versions key
+        the two sides differently): those slots come back with any weight or none. Dedicated
+        weights never change (``fully_shard`` leaves them alone), so each goes back to its
+        position by identity; any other change of a dedicated weight's place raises.
+        """
+        layouts = self._between.restore_dedicated(self.param_groups, self.param_name)
+        if self.model is not None:  # the names of the parameters the lists now hold
+            self._routing.names.update({id(p): n for n, p in self.model.named_parameters()})
+        self._routing.layouts = layouts
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict`` after checking that the state fits.
+
+        State of a dedicated parameter must have been saved with the same owner, state of an
+        FSDP2 shard on the same mesh and placements (an ``opt.state_dict()`` holds each rank's
+        own view). Anything else — another model, another routing, another cluster shape —
+        raises a ``ValueError`` naming the parameter before anything is loaded. To resume on
+        another mesh or world size, checkpoint through ``torch.distributed.checkpoint``
+        (``get_state_dict`` / ``set_state_dict``), which reshards.
+
+        Example::
+
+            opt.load_state_dict(opt.state_dict())  # same run, same ranks
+        """
+        self._between.check_loadable(state_dict, self.param_groups, self.param_name)
+        super().load_state_dict(state_dict)
+
 
 @dataclass
 class _StepHalf:
@@ -696,13 +819,24 @@ class _StepHalf:
     grads: list
     bufs: list
     ortho: list | None
-    tp: object = None  # the TP stage, when the model has one
-    tp_half: object = None  # its half of this part (``distributed._tp.TPStepHalf``)
+    tp: TPStage | None = None  # the TP stage, when the model has one
+    tp_half: TPStepHalf | None = None  # its half of this part
     receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
-    compiled: object = None  # the CompiledMuonStep of the directions: it commits too
+    compiled: CompiledMuonStep | None = None  # the directions' compiled step: it commits too
     finite: Tensor | None = None  # per matrix of ``grads``: finite? (gradient and momentum)
     layouts: list | None = None  # each matrix's Layout (what NS and the lr rule see)
     matrix_shapes: list | None = None  # whole matrices' shapes when the tensors are shards
+
+
+def _finite_flags(halves: list[list[_StepHalf]]) -> list[FiniteFlags]:
+    """The Muon halves' finite flags (compiled: NS's norms; eager: a norm of NS's output),
+    covering gradient and momentum; the agreement reads the other gradients itself."""
+    return [
+        FiniteFlags(h.grads, h.finite, EAGER if h.compiled is None else COMPILED)
+        for part_halves in halves
+        for h in part_halves
+        if h.finite is not None
+    ]
 
 
 def _deferrable(plan: StepPlan, halves: list, failure: list) -> bool:

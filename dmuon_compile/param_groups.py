@@ -4,36 +4,66 @@ A module, parameters, ``(name, parameter)`` pairs or group dicts of those; each 
 ``use_muon`` (given, or chosen by the routing rule of ``routing.py``), that kind's defaults and,
 for named parameters, ``param_names`` (as ``torch.optim`` keeps them). Hyper-parameters live as
 0-d tensors (:func:`_tensor_hypers`, :func:`_hold_hypers`), so a scheduler never makes a
-user-compiled step recompile. ``Muon`` inherits :class:`MuonGroups`; it reads the optimizer's
-``model``, ``_predicate``, ``_group_defaults`` and ``_param_names``.
+user-compiled step recompile. ``Muon`` holds a :class:`GroupRouting` (it never reads the
+optimizer) and registers :func:`_hold_hypers` as its step pre-hook.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from dmuon_compile.distributed._owned import OwnerTensor
+from dmuon_compile.functional import MATRIX
+from dmuon_compile.layouts import get_layout, resolve_layout
 from dmuon_compile.routing import default_muon_predicate
 from dmuon_compile.routing import route_model as _route_model
 
 if TYPE_CHECKING:
-    from dmuon_compile.optimizer import Muon
+    from collections.abc import Callable
+
+    from dmuon_compile.layouts import Layout
 
 
-def _group_layouts(opt: Muon, group: dict) -> list:
-    """Each parameter's layout in a group (``None`` in an AdamW group)."""
-    return [opt._layout(p) if group["use_muon"] else None for p in group["params"]]
+class HookedOptimizer(Protocol):
+    """What the step pre-hook :func:`_hold_hypers` reads of the optimizer it is registered on."""
+
+    param_groups: list[dict]
+    _held_hypers: dict[tuple[int, str], Tensor]
+
+    def param_name(self, p: Tensor) -> str: ...
 
 
-class MuonGroups:
-    """``Muon``'s group building, routing and naming (see the module docstring)."""
+class GroupRouting:
+    """How what the user passes becomes complete groups, and each parameter's name and layout.
 
-    def _build_groups(self, params, predicate) -> list[dict]:
+    ``Muon`` holds one (``opt._routing``) and calls it from ``__init__``, ``add_param_group``,
+    ``param_name`` and ``_layout``; it never reads the optimizer.
+
+    Args:
+        model: the module of a ``Muon(model)`` (its routing and names), else ``None``.
+        predicate: the user's routing predicate (module input only).
+        defaults: a new group's defaults by kind: ``{True: Muon's, False: AdamW's}``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        predicate: Callable | None,
+        defaults: dict[bool, dict],
+    ) -> None:
+        self.model = model
+        self.predicate = predicate
+        self.defaults = defaults
+        self.names: dict[int, str] = {}  # each parameter's name, by id
+        # Each Muon parameter's Layout (what its matrices are), by id: routing fills it for a
+        # Muon(model); ``layout`` resolves the rest (declared, or 2-D).
+        self.layouts: dict[int, Layout] = {}
+
+    def build(self, params) -> list[dict]:
         """Complete param groups from what the user passed: a module, parameters, ``(name,
         parameter)`` pairs (``model.named_parameters()``) or group dicts of either. Each group
         carries ``use_muon`` and that optimizer's defaults; named parameters also ``param_names``
@@ -45,8 +75,8 @@ class MuonGroups:
             if runtime is not None:
                 runtime.check_registered()
                 runtime.check_compute_dtypes()
-            muon, adamw = _route_model(params, predicate, layouts=self._layouts)
-            if not muon and not self._has_dedicated(params):
+            muon, adamw = _route_model(params, self.predicate, layouts=self.layouts)
+            if not muon and not _has_dedicated(params):
                 warnings.warn(
                     "Muon: no parameter was routed to Muon (all get AdamW). Check predicate= or "
                     "call dmuon.dedicate_params(model, mesh, predicate=...) first.",
@@ -55,16 +85,16 @@ class MuonGroups:
             groups = []
             for use_muon, named in ((True, muon), (False, adamw)):
                 if named:
-                    self._param_names.update({id(p): n for n, p in named})
+                    self.names.update({id(p): n for n, p in named})
                     groups.append(
                         dict(
-                            self._group_defaults[use_muon],
+                            self.defaults[use_muon],
                             params=[p for _, p in named],
                             param_names=[n for n, _ in named],
                         )
                     )
             return groups
-        if predicate is not None:
+        if self.predicate is not None:
             raise ValueError(
                 "predicate= needs a model (names); with parameter lists set use_muon per group"
             )
@@ -73,12 +103,12 @@ class MuonGroups:
             params = [{"params": params}]
         groups = []
         for g_index, group in enumerate(params):
-            groups.extend(self._complete_group(group, f"param_groups[{g_index}]"))
+            groups.extend(self.complete(group, f"param_groups[{g_index}]"))
         return groups
 
-    def _complete_group(self, group: dict, where: str) -> list[dict]:
+    def complete(self, group: dict, where: str) -> list[dict]:
         """One user group as complete Muon/AdamW groups: ``use_muon`` given, or chosen by the
-        constructor's rule (``_route``; it may split the group in two), the rest filled from
+        constructor's rule (``route``; it may split the group in two), the rest filled from
         that kind's defaults."""
         if not isinstance(group, dict):
             raise TypeError(f"Muon: {where} must be a dict with 'params', got {type(group)}")
@@ -87,30 +117,30 @@ class MuonGroups:
         tensors, names = _split_names(group, where)
         for p_index, p in enumerate(tensors):
             default = names[p_index] if names else f"{where}[{p_index}]"
-            self._param_names.setdefault(id(p), default)
+            self.names.setdefault(id(p), default)
         extra = {k: v for k, v in group.items() if k not in ("params", "param_names", "use_muon")}
         if "use_muon" in group:
             chosen = [bool(group["use_muon"])] * len(tensors)
         else:
-            chosen = self._route(tensors, names)
+            chosen = self.route(tensors, names)
         groups = []
         for use_muon in (True, False):
             idx = [i for i, c in enumerate(chosen) if c is use_muon]
             if not idx:
                 continue
             if use_muon and any(tensors[i].ndim < 2 for i in idx):
-                bad = next(self.param_name(tensors[i]) for i in idx if tensors[i].ndim < 2)
+                bad = next(self.name(tensors[i]) for i in idx if tensors[i].ndim < 2)
                 raise ValueError(
                     f"Muon: {where} has use_muon=True but {bad} has fewer than 2 dims: Muon "
                     "needs matrices. Put it in a group with use_muon=False (AdamW)."
                 )
-            new = dict(self._group_defaults[use_muon], **extra, params=[tensors[i] for i in idx])
+            new = dict(self.defaults[use_muon], **extra, params=[tensors[i] for i in idx])
             if names is not None:
                 new["param_names"] = [names[i] for i in idx]
             groups.append(new)
         return groups
 
-    def _route(self, tensors: list[Tensor], names: list[str] | None) -> list[bool]:
+    def route(self, tensors: list[Tensor], names: list[str] | None) -> list[bool]:
         """Muon or not for each tensor of a group without ``use_muon``: a ``Muon(model)``
         routes its model's parameters as the constructor did; named parameters go by the
         default rule's names (≥2-D, not an output head, not an ``embed*`` module); unnamed
@@ -121,66 +151,47 @@ class MuonGroups:
             chosen = {id(p): default_muon_predicate(n, p) for n, p in zip(names, tensors)}
         if self.model is not None:
             muon, adamw = _route_model(
-                self.model, self._predicate, only=set(chosen), layouts=self._layouts
+                self.model, self.predicate, only=set(chosen), layouts=self.layouts
             )
             chosen.update({id(p): True for _, p in muon})
             chosen.update({id(p): False for _, p in adamw})
         return [chosen[id(p)] for p in tensors]
 
-    def add_param_group(self, param_group: dict) -> None:
-        """``torch.optim.Optimizer.add_param_group`` with Muon's defaults: a group without
-        ``use_muon`` is routed by the rule the constructor used (a ``Muon(model)``: the model's
-        routing; parameters: ≥2-D → Muon), so one call may add two groups (Muon and AdamW).
-        Missing hyper-parameters come from this optimizer's Muon or AdamW defaults. ``(name,
-        parameter)`` pairs or ``param_names`` name the parameters; on a ``Muon(model)`` the
-        model's names are filled in. Errors (a parameter already in a group, a 1-D tensor with
-        ``use_muon=True``) raise here, before any group is added.
-
-        Example::
-
-            opt.add_param_group({"params": model.head.parameters(), "use_muon": False})
-        """
-        if getattr(self, "_building", False):
-            super().add_param_group(param_group)
-            return
-        groups = self._complete_group(param_group, "add_param_group's group")
-        self._name_from_model(groups)
-        held = {id(p) for g in self.param_groups for p in g["params"]}
-        for group in groups:
-            for p in group["params"]:
-                if id(p) in held:
-                    raise ValueError(
-                        f"Muon.add_param_group: {self.param_name(p)} is already in a param group"
-                    )
-        if not groups:
-            raise ValueError("Muon.add_param_group: the group has no parameters")
-        for group in groups:  # an unknown ≥3-D layout raises before any group is added
-            _group_layouts(self, group)
-        for group in groups:
-            super().add_param_group(group)  # fills "momentum" into AdamW groups too
-            _tensor_hypers([self.param_groups[-1]], taken=self.param_groups[:-1])
-            self._dedicated_slots.append(_dedicated_slots(self.param_groups[-1]["params"]))
-            self._slot_layouts.append(_group_layouts(self, self.param_groups[-1]))
-
-    def _name_from_model(self, groups: list[dict]) -> None:
-        """Unnamed new groups of a ``Muon(model)`` (whose groups are named) get the model's
-        names: torch.optim requires all groups named or none."""
-        if self.model is None or not all("param_names" in g for g in self.param_groups):
+    def name_from_model(self, groups: list[dict], param_groups: list[dict]) -> None:
+        """Unnamed new groups of a ``Muon(model)`` (whose groups, ``param_groups``, are named)
+        get the model's names: torch.optim requires all groups named or none."""
+        if self.model is None or not all("param_names" in g for g in param_groups):
             return
         names = {id(p): n for n, p in self.model.named_parameters()}
         for group in groups:
             if "param_names" not in group and all(id(p) in names for p in group["params"]):
                 group["param_names"] = [names[id(p)] for p in group["params"]]
-                self._param_names.update({id(p): names[id(p)] for p in group["params"]})
+                self.names.update({id(p): names[id(p)] for p in group["params"]})
 
-    @staticmethod
-    def _has_dedicated(model: nn.Module) -> bool:
-        from dmuon_compile.dedicated_registry import dedicated_names
+    def name(self, p: Tensor) -> str:
+        return self.names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
 
-        return bool(dedicated_names(model))  # a rank may own no dedicated matrix: no warning
+    def layout(self, p: Tensor) -> Layout:
+        """``p``'s :class:`~dmuon_compile.layouts.Layout`: from routing, declared on it
+        (``dmuon.set_layout``), or one matrix for a 2-D tensor; otherwise an error naming it."""
+        layout = self.layouts.get(id(p))
+        if layout is None:
+            if get_layout(p) is None and p.ndim == 2:
+                layout = MATRIX
+            else:
+                layout = resolve_layout(self.name(p), p)
+            self.layouts[id(p)] = layout
+        return layout
 
-    def param_name(self, p: Tensor) -> str:
-        return self._param_names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+    def group_layouts(self, group: dict) -> list:
+        """Each parameter's layout in a group (``None`` in an AdamW group)."""
+        return [self.layout(p) if group["use_muon"] else None for p in group["params"]]
+
+
+def _has_dedicated(model: nn.Module) -> bool:
+    from dmuon_compile.dedicated_registry import dedicated_names
+
+    return bool(dedicated_names(model))  # a rank may own no dedicated matrix: no warning
 
 
 # The hyper-parameters a group holds as 0-d tensors: lr (LR schedulers), momentum (OneCycleLR and
@@ -212,7 +223,7 @@ def _tensor_hypers(groups: list[dict], taken: list[dict] = ()) -> None:
 
 
 @torch.compiler.disable  # eager: what the traced step then reads is the same tensor every step
-def _hold_hypers(opt: Muon, args, kwargs) -> None:
+def _hold_hypers(opt: HookedOptimizer, args, kwargs) -> None:
     """Step pre-hook: a float written into a group's ``lr``/``weight_decay``/``momentum``
     (OneCycleLR and CyclicLR assign ``group["momentum"] = m`` every step) goes back into that
     group's own 0-d tensor, so a user-compiled ``opt.step`` sees one tensor input whose value
@@ -234,7 +245,7 @@ def _hold_hypers(opt: Muon, args, kwargs) -> None:
             group[key] = held
 
 
-def _check_group_hypers(opt: Muon, index: int, group: dict) -> None:
+def _check_group_hypers(opt: HookedOptimizer, index: int, group: dict) -> None:
     """A group's hyper-parameters as the step will use them, checked at every ``step()``: a
     scheduler, ``load_state_dict`` or ``group["lr"] = ...`` may write any value after the
     constructor checked its own. Muon groups: lr, weight_decay ≥ 0, momentum in [0, 1); AdamW
@@ -270,11 +281,6 @@ def _check_group_hypers(opt: Muon, index: int, group: dict) -> None:
             f"number {rule}. Fix what wrote it (an LR scheduler, load_state_dict, "
             f"group[{key!r}] = ...). The step changed nothing."
         )
-
-
-def _dedicated_slots(params: list) -> tuple[int, dict[int, Tensor]]:
-    """A group's parameter count and where its dedicated weights (owner tensors) sit."""
-    return len(params), {i: p for i, p in enumerate(params) if isinstance(p, OwnerTensor)}
 
 
 def _split_names(group: dict, where: str) -> tuple[list[Tensor], list[str] | None]:

@@ -2,19 +2,23 @@
 together.
 
 ``Muon.step`` computes every matrix's update first (writing nothing), then calls
-:meth:`StepAgreement._agree`: each rank's finite flags of its gradients (and Muon momentum
-buffers) and the phase in which its local work failed, if it did, go into one all-reduce (no
-collective at all where every rank sees the same gradients), and only then is anything
-written. A step that fails on one rank therefore raises :class:`MuonStepError` on every rank
-and changes nothing anywhere; a non-finite gradient or momentum buffer raises
-``FloatingPointError`` or skips the step (``nonfinite_grads``). ``Muon`` inherits these
-methods; they read its ``param_groups``, ``state``, ``model`` and ``nonfinite_grads``.
+:meth:`StepAgreement.agree` (``opt._agreement``, the agreement it holds): each rank's finite
+flags of its gradients (and Muon momentum buffers) and the phase in which its local work
+failed, if it did, go into one all-reduce (no collective at all where every rank sees the same
+gradients), and only then is anything written. A step that fails on one rank therefore raises
+:class:`MuonStepError` on every rank and changes nothing anywhere; a non-finite gradient or
+momentum buffer raises ``FloatingPointError`` or skips the step (``nonfinite_grads``). The
+agreement reads its optimizer's ``param_groups``, ``state``, ``model``, ``nonfinite_grads`` and
+``param_name`` (:class:`AgreeingOptimizer`), and writes nothing of it but for dropping the
+state a step that does not commit created.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,7 +43,7 @@ FOUND_BY = {
     EAGER: "the eager Muon step",
     READ: "a direct read of the values",
 }
-# The skip warning names the user's ``opt.step()`` line: _read_verdict ← _agree or _settle ←
+# The skip warning names the user's ``opt.step()`` line: _read_verdict ← agree or settle ←
 # torch.compiler.disable's wrapper ← Muon._step ← Muon.step ← torch.no_grad ← torch.optim's
 # step hooks ← the caller (tests/test_deferred_verdict.py holds it, both ways).
 _USER_FRAME = 8
@@ -57,16 +61,41 @@ class MuonStepError(RuntimeError):
         self.failed = failed
 
 
+if TYPE_CHECKING:
+    from torch import nn
+
+    from dmuon_compile.distributed._tp.stage import TPStage, TPStepHalf
+
+
+class AgreeingOptimizer(Protocol):
+    """What :class:`StepAgreement` reads of the optimizer that holds it (``Muon``)."""
+
+    param_groups: list[dict]
+    state: dict
+    model: nn.Module | None
+    nonfinite_grads: str
+
+    def param_name(self, p: Tensor) -> str: ...
+
+
+class FiniteFlags(NamedTuple):
+    """A Muon half's finite flags, brought to :meth:`StepAgreement.check_finite`."""
+
+    grads: list  # the half's local gradients (they name its parameters)
+    finite: Tensor  # per gradient: finite? (gradient and momentum)
+    path: str  # COMPILED or EAGER: which step took them
+
+
 @dataclass
 class _StepCheck:
-    """What ``Muon._prepare`` leaves for ``Muon._agree``, kept on the optimizer: never passed
-    through a user-compiled step (the parameters are DTensors, the list lengths change after
-    the first step: Dynamo would have to rebuild or guard them)."""
+    """What ``Muon._prepare`` leaves for the agreement (:meth:`StepAgreement.begin`), kept on
+    the agreement: never passed through a user-compiled step (the parameters are DTensors, the
+    list lengths change after the first step: Dynamo would have to rebuild or guard them)."""
 
     params: list  # the parameters with gradients
     finite: Tensor | None  # their finite flags, on the device
     fresh: list  # those whose state this step created: dropped if the step does not commit
-    tp: object = None  # the plan's TP stage: drops the scatters of a step that does not commit
+    tp: TPStage | None = None  # the plan's TP stage: drops a non-committed step's scatters
     # Per parameter, which check set its flag (COMPILED, EAGER or READ): only read to word the
     # error (a NaN with finite gradient and momentum means different things on each path).
     paths: list | None = None
@@ -74,8 +103,8 @@ class _StepCheck:
 
 @dataclass
 class PendingVerdict:
-    """A verdict left on the device by ``StepAgreement._agree(defer=True)``: ``ok`` (0-d bool)
-    is what the commit selects on, ``StepAgreement._settle`` reads it after."""
+    """A verdict left on the device by ``StepAgreement.agree(defer=True)``: ``ok`` (0-d bool)
+    is what the commit selects on, ``StepAgreement.settle`` reads it after."""
 
     check: _StepCheck
     ok: Tensor  # commit or keep every old value
@@ -142,14 +171,30 @@ def _nonfinite_message(bad: list[tuple]) -> str:
 
 
 class StepAgreement:
-    """``Muon``'s agreement methods (see the module docstring)."""
+    """The agreement of one optimizer's steps (see the module docstring): ``Muon`` holds one
+    and calls :meth:`begin` (from ``_prepare``), :meth:`check_finite`, :meth:`agree` and, for a
+    deferred verdict, :meth:`settle`; in that order, once per step.
+
+    Args:
+        opt: the optimizer (what it reads: :class:`AgreeingOptimizer`), held by a weak proxy:
+            no reference cycle keeps a dropped optimizer's state alive until a GC pass.
+    """
+
+    def __init__(self, opt: AgreeingOptimizer) -> None:
+        self.opt = weakref.proxy(opt)
+        self.check: _StepCheck | None = None  # from begin to agree, within a step
+
+    def begin(self, check: _StepCheck) -> None:
+        """The step's parameters with gradients (and those whose state it created), before
+        the directions; their flags are added by :meth:`check_finite`."""
+        self.check = check
 
     @torch.compiler.disable  # host bookkeeping and a foreach norm: eager
-    def _check_finite(self, checked: list, failure: list) -> None:
+    def check_finite(self, checked: list[FiniteFlags], failure: list) -> None:
         """The step's finite flags, one per parameter with a gradient, kept in
-        ``self._step_check`` in the order the verdict names them.
+        ``self.check`` in the order the verdict names them.
 
-        ``checked``: ``(local gradients, flags, path)`` of the Muon halves that brought flags
+        ``checked``: the :class:`FiniteFlags` of the Muon halves that brought flags
         covering both the gradient and the momentum buffer with no extra read: compiled halves
         from the norms Newton–Schulz takes of their Nesterov inputs, eager ones from a norm of
         the directions (:func:`directions_finite`). Every other gradient (AdamW, TP, expert
@@ -158,7 +203,7 @@ class StepAgreement:
         would otherwise be written into the weights). A failure of that read is this rank's
         failure in ``PHASE_CHECK``.
         """
-        check = self._step_check
+        check = self.check
         by_grad = {id(local_of(p.grad)): p for p in check.params}
         covered: list = []
         paths: list[str] = []
@@ -190,7 +235,8 @@ class StepAgreement:
         """The flags of ``params`` read directly: the gradient, and the momentum buffer of a
         Muon matrix whose state existed before this step (a new one is zeros)."""
         fresh = {id(p) for p in check.fresh}
-        bufs = [None if id(p) in fresh else self.state.get(p, {}).get(MOMENTUM) for p in params]
+        state = self.opt.state
+        bufs = [None if id(p) in fresh else state.get(p, {}).get(MOMENTUM) for p in params]
         grads = [p.grad for p in params]
         if all(b is None for b in bufs):
             return self._finite_flags(grads)
@@ -213,7 +259,9 @@ class StepAgreement:
         return torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
 
     @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
-    def _agree(self, failure: list, tp_halves: list, defer: bool = False) -> bool | PendingVerdict:
+    def agree(
+        self, failure: list, tp_halves: list[TPStepHalf | None], defer: bool = False
+    ) -> bool | PendingVerdict:
         """Between the two halves of the step: whether to commit (``False``: skip), or raise.
 
         Every rank's verdict on its gradients (finite?) and on its local work (did it raise,
@@ -224,12 +272,12 @@ class StepAgreement:
         ``defer=True`` (``Muon._step`` decides: every commit is a compiled, collective-free
         select) and no local failure: the verdict stays on the device as a
         :class:`PendingVerdict` instead of being read here. The commit then writes
-        ``where(ok, new, old)`` and :meth:`_settle` reads the verdict after the commit is
+        ``where(ok, new, old)`` and :meth:`settle` reads the verdict after the commit is
         enqueued, so the GPU is not left idle while the host launches the commit. The
         all-reduce (where ranks' gradients differ) is issued here either way: the collectives
         are the same whichever way a rank decides.
         """
-        check, self._step_check = self._step_check, None
+        check, self.check = self.check, None
         try:
             differ = self._grads_differ_across_ranks(check.params)
             if not differ and failure:  # nothing to agree on (one process, replicated data)
@@ -247,10 +295,10 @@ class StepAgreement:
         return commit
 
     @torch.compiler.disable  # the step's one host read, Python exceptions: eager
-    def _settle(self, pending: PendingVerdict) -> bool:
+    def settle(self, pending: PendingVerdict) -> bool:
         """The host read of a deferred verdict, after the commit that selected on it was
         enqueued: ``True`` (committed), ``False`` (skipped: the commit kept every old value),
-        or the error ``_agree`` would have raised, with no weight or state changed."""
+        or the error :meth:`agree` would have raised, with no weight or state changed."""
         try:
             commit = self._read_verdict(pending.check, pending.votes, [])
         except BaseException:
@@ -303,7 +351,7 @@ class StepAgreement:
                 ) or [("a matrix held by another rank", "see that rank's error", (GRADIENT,), None)]
         if bad:
             message = _nonfinite_message(bad)
-            if self.nonfinite_grads == "raise":
+            if self.opt.nonfinite_grads == "raise":
                 raise FloatingPointError("Muon.step: " + message)
             warnings.warn("Muon.step skipped: " + message, stacklevel=_USER_FRAME)
             return False
@@ -316,13 +364,13 @@ class StepAgreement:
         a non-finite step: its gradient and momentum buffer are read again to say which."""
         paths = paths or [READ] * len(params)
         return [
-            (self.param_name(p), *self._nonfinite_part(p, path), path)
+            (self.opt.param_name(p), *self._nonfinite_part(p, path), path)
             for p, ok, path in zip(params, finite.tolist(), paths)
             if not ok
         ]
 
     def _nonfinite_part(self, p: Tensor, path: str) -> tuple[str, tuple]:
-        buf = self.state.get(p, {}).get(MOMENTUM)
+        buf = self.opt.state.get(p, {}).get(MOMENTUM)
         found = tuple(
             kind
             for kind, t in ((GRADIENT, p.grad), (MOMENTUM_BUFFER, buf))
@@ -341,8 +389,9 @@ class StepAgreement:
 
     def _abort(self, tp_halves: list, check: _StepCheck) -> None:
         """A step that does not commit: no state of its own left behind, TP scatters drained."""
+        state = self.opt.state
         for p in check.fresh:
-            self.state.pop(p, None)
+            state.pop(p, None)
         for half in tp_halves:
             if half is not None:
                 check.tp.abort(half)
@@ -352,6 +401,8 @@ class StepAgreement:
             return False
         from dmuon_compile.dedicated_registry import dedicated_names
 
-        if self.model is not None and dedicated_names(self.model):
+        model = self.opt.model
+        if model is not None and dedicated_names(model):
             return True
-        return any(hasattr(p, "to_local") for group in self.param_groups for p in group["params"])
+        groups = self.opt.param_groups
+        return any(hasattr(p, "to_local") for group in groups for p in group["params"])

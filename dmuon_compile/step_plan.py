@@ -12,6 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dmuon_compile.distributed._split_step import SplitGroup
+    from dmuon_compile.distributed._tp.stage import TPStage
 
 
 def _nothing() -> None:
@@ -55,10 +60,10 @@ class StepPlan:
     # The TP stage (``distributed/_tp/stage.py``), or ``None``: its matrices' Nesterov inputs are
     # gathered to their TP owners around Newton–Schulz and the updates scattered back; a TP
     # model's plain weights are stepped on TP rank 0 and broadcast over the TP group.
-    tp: object = None
+    tp: TPStage | None = None
     # Matrices whose Newton–Schulz a group of ranks shares (``distributed/_split_step.py``
     # ``SplitGroup``s, in the owner plan's order): stepped before the parts, on every member.
-    split: tuple = ()
+    split: tuple[SplitGroup, ...] = ()
 
 
 PLAIN_STEP = StepPlan()

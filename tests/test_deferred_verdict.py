@@ -1,9 +1,9 @@
 """The step's verdict read after the commit: the compiled commit selects on the device-side
-verdict (``where(ok, new, old)``), the host reads it afterwards (``Muon._settle``).
+verdict (``where(ok, new, old)``), the host reads it afterwards (``StepAgreement.settle``).
 
 - the select itself (``functional.commit_muon_step(commit_if=...)``) against the plain commit:
   a true verdict writes the same bits, a false one writes nothing, NaN/Inf gradients included;
-- ``Muon`` with the compiled step defers (it calls ``_settle``), an eager ``Muon`` does not
+- ``Muon`` with the compiled step defers (it calls ``settle``), an eager ``Muon`` does not
   (the control), and a deferred non-finite step raises or skips exactly as an undeferred one:
   every weight and every state unchanged, no state left by a first step;
 - the finite flags of the compiled matrices come from the directions (the norm NS takes):
@@ -85,7 +85,7 @@ def _backward(model, seed: int, poison: bool = False) -> None:
 @pytest.fixture
 def settles(monkeypatch):
     """The verdicts a step left on the device (recorded as they are made: a spy around
-    ``_settle`` would move the skip warning's frame)."""
+    ``settle`` would move the skip warning's frame)."""
     calls = []
 
     class Recorded(step_agreement.PendingVerdict):

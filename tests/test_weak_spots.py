@@ -97,13 +97,13 @@ def test_read_flags_cover_an_old_momentum_buffer():
     w = model.up.weight
     opt.state[w]["momentum_buffer"][0, 0] = float("nan")
     _backward(model, 1)
-    opt._step_check = _StepCheck([w, model.down.weight], None, [])
-    opt._check_finite([], [])
-    assert opt._step_check.finite.tolist() == [False, True]
+    opt._agreement.begin(_StepCheck([w, model.down.weight], None, []))
+    opt._agreement.check_finite([], [])
+    assert opt._agreement.check.finite.tolist() == [False, True]
     # A matrix whose state this step created has a zero buffer: not read.
-    opt._step_check = _StepCheck([w], None, [w])
-    opt._check_finite([], [])
-    assert opt._step_check.finite.tolist() == [True]
+    opt._agreement.begin(_StepCheck([w], None, [w]))
+    opt._agreement.check_finite([], [])
+    assert opt._agreement.check.finite.tolist() == [True]
 
 
 # ------------------------------------------------------------------ 2. hyper-parameters at step()
