@@ -150,8 +150,8 @@ def default_compile_options(mode: str | None = None, rewrite: bool = True) -> di
     from dmuon_compile.passes import NSChainPass, compile_options
 
     # One launch config per 1-D elementwise kernel instead of timing several at the first run:
-    # the step's elementwise work is ~1% of its GPU time, and timing its ~200 kernels was
-    # seconds of a cold first step (benchmarks/RESULTS.md §8). Max-autotune modes still tune.
+    # the step's elementwise work is a small share of its GPU time, and timing its hundreds of
+    # kernels costs seconds of a cold first step. Max-autotune modes still tune.
     options: dict = {"triton.autotune_pointwise": False}
     if mode not in (None, "default"):
         options.update(inductor_mode_options(mode))

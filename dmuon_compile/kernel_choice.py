@@ -25,8 +25,8 @@ from dmuon_compile.kernels.autotune import (  # noqa: F401  (UNTIMED_MIN_ROWS: r
 )
 from dmuon_compile.kernels.consistency import agree_across_ranks
 
-# Size gate of the Newton–Schulz products (m×m outputs, a stack of ``batch``): on H200 the
-# Triton kernels lost to cuBLAS below it (benchmarks/RESULTS.md §1).
+# Size gate of the Newton–Schulz products (m×m outputs, a stack of ``batch``): below it the
+# Triton kernels lose to cuBLAS.
 TRITON_MIN_ROWS = 4096
 TRITON_MIN_ROWS_BATCHED = 2048
 TRITON_MIN_BATCH = 8
@@ -114,7 +114,7 @@ def choose_kernel(
        product not on CUDA is always rewritten (the reference).
     4. **Size gate** (eager NS and CUDA products of compiled graphs): Triton for m ≥
        ``TRITON_MIN_ROWS``, or m ≥ ``TRITON_MIN_ROWS_BATCHED`` in stacks of ≥
-       ``TRITON_MIN_BATCH``; smaller products run cuBLAS (the kernels lost there, and the op's
+       ``TRITON_MIN_BATCH``; smaller products run cuBLAS (the kernels lose there, and the op's
        exact-symmetry mirror and host dispatch cost as much as the product).
 
     >>> choose_kernel("eager", m=4096, resolved="triton").kernel

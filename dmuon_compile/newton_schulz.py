@@ -32,7 +32,6 @@ from dmuon_compile.kernel_choice import (  # noqa: F401  (the size gate's consta
     TRITON_MIN_ROWS,
     TRITON_MIN_ROWS_BATCHED,
     choose_kernel,
-    size_gate,
 )
 from dmuon_compile.kernels.availability import device_tag, triton_status
 
@@ -90,17 +89,6 @@ def _traced(t: Tensor) -> bool:
     return torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter)
 
 
-def triton_worthwhile(m: int, batch: int = 1) -> bool:
-    """Whether an ``m×m`` symmetric product (a stack of ``batch``) is large enough for the Triton
-    kernels: the size gate of :func:`dmuon_compile.kernel_choice.choose_kernel`, which decides
-    for eager NS and the compiled step alike.
-
-    >>> triton_worthwhile(4096), triton_worthwhile(2048, batch=8), triton_worthwhile(2048)
-    (True, True, False)
-    """
-    return size_gate(m, batch)
-
-
 # ----------------------------------------------------------------------------- primitives
 class TorchPrimitives:
     """Matrix products as plain aten ops (cuBLAS on GPU, the CPU BLAS elsewhere)."""
@@ -132,7 +120,7 @@ class TorchPrimitives:
             # Eager: a copy plus a strided add on the diagonal, with gamma kept in fp32 until the
             # one rounding (as Inductor's fused kernel does). The eye expression below costs a
             # fill, a multiply (gamma rounded to the work dtype) and an add that broadcasts over
-            # a stack in a non-vectorised loop (its cost: benchmarks/RESULTS.md §1).
+            # a stack in a non-vectorised loop.
             out = a.clone(memory_format=torch.contiguous_format)
             diagonal = out.diagonal(dim1=-2, dim2=-1)
             wide = torch.promote_types(a.dtype, torch.float32)  # CPU's half add_ would round gamma
@@ -275,8 +263,8 @@ def normalize(
     norm stay two reductions (Inductor does not merge them), a full read of ``g`` each.
 
     The norm is taken over ``g`` in its own layout, before any transpose: in the compiled step a
-    reduction over a transposed view of a tall stack reads memory with a stride, several times
-    its bandwidth time (benchmarks/RESULTS.md §2).
+    reduction over a transposed view of a tall stack reads memory with a stride, far slower
+    than a contiguous read.
     A zero or tiny-norm input stays (near) zero instead of becoming NaN: the eps is added to
     the norm, never divided by alone.
     """
@@ -313,7 +301,7 @@ def direct_ns(x: Tensor, table: coeffs.Coefficients, ops=TorchPrimitives) -> Ten
         # B + a·I = c·A² + b·A + a·I, the identity term in the symmetric product's epilogue
         # (fp32, one rounding), so that X ← a·X + B·X is the product (B + a·I)·X with no C
         # term: a C term would make cuBLAS copy X into the output before every product
-        # (out ≠ C), a full read and write of X per step (benchmarks/RESULTS.md §14).
+        # (out ≠ C), a full read and write of X per step.
         poly = ops.sym_addmm(gram, gram, gram, beta=b, alpha=c, gamma=a)
         del gram  # eager: A is X-sized for a square X; free it before X's next value
         x = ops.apply_left(x, poly, x, beta=0.0)  # X ← (B + a·I)·X
@@ -335,8 +323,8 @@ def gram_ns(
             q = None
         z = ops.sym_addmm(r, r, r, beta=b, alpha=c)  # Z = b·R + c·R²
         # Q·(Z + aI) as Q·Z + a·Q keeps the a·I term out of the half-precision products: the
-        # form W = Z + aI (no C terms, ~0.4 ms faster on model S) had ~1.9× the error on the
-        # top singular directions of a decaying spectrum (benchmarks/RESULTS.md §15).
+        # faster form W = Z + aI (no C terms) loses accuracy on the top singular directions of
+        # a decaying spectrum.
         q = ops.add_identity(z, a) if q is None else ops.sym_addmm(q, q, z, beta=a, alpha=1.0)
         last_of_segment = i + 1 == steps or (i + 1) in restarts
         if not last_of_segment:
@@ -449,7 +437,7 @@ class NewtonSchulz:
             raise ValueError(f"work_dtype={work_dtype} is not a floating dtype NS can run in")
         self.requested_work_dtype = work_dtype
         # The accelerator default; CPU inputs run in fp32 unless work_dtype is given (CPUs have
-        # no fast half-precision matmul: fp16 NS was ~40x slower than fp32 on a 2-core CPU).
+        # no fast half-precision matmul).
         self.work_dtype = work_dtype or (torch.float16 if backend == "gram" else torch.bfloat16)
         if gram_min_aspect < 1.0:
             raise ValueError(f"gram_min_aspect must be >= 1 (got {gram_min_aspect})")

@@ -2,8 +2,7 @@
 
 An eager NS call issues a few dozen kernel launches from Python (normalise, the symmetric
 products, the restarts, the rectangular products). On small matrices the host takes longer
-than the GPU: at 1024×4096 on an H200 the call was host-bound by about 3×
-(``benchmarks/ns_graph_probe.py``, numbers in ``benchmarks/RESULTS.md`` §8).
+than the GPU (``benchmarks/ns_graph_probe.py`` measures it).
 :class:`GraphedCalls` captures one CUDA graph per input layout after an ordinary first call
 (which autotunes and compiles the kernels), then replays it: the input is copied into the
 graph's static buffer, the graph replays, and the static output is cloned (a caller may keep
@@ -34,8 +33,8 @@ from torch import Tensor
 from dmuon_compile import env
 
 SWITCH = env.NS_GRAPHS
-# 16M: 1024×4096 gained ~3.5× on an H200, 2048×5632 ~1.2×, 4096² nothing (GPU-bound); larger
-# calls would only keep their intermediates' memory in the graph's pool.
+# 16M elements: past this size the call is GPU-bound, so a graph saves nothing and would only
+# keep its intermediates' memory in the graph's pool.
 MAX_ELEMENTS = 1 << 24
 _EAGER = "eager"  # a layout whose capture failed
 

@@ -32,9 +32,8 @@ from torch import nn
 from dmuon_compile.ns_rates import H200, NSRates, TargetFlops, default_stack_bytes, useful_flops
 
 GiB = 1 << 30
-# The compiled step holds one stack's fp32 working set above the directions; eager about two
-# (benchmarks/RESULTS.md §11: (peak − directions) / largest bucket 0.82–0.98 compiled,
-# 1.82–1.98 eager).
+# The compiled step holds about one stack's fp32 working set above the directions, eager about
+# two (an upper bound of benchmarks/step_memory.py's ratio, for the peak estimate).
 WORKING_SET_FACTOR = {"compiled": 1.0, "eager": 2.0}
 NS_WORK_ITEMSIZE = 2  # the directions live in NS's fp16/bf16 work dtype until the commit
 

@@ -3,8 +3,7 @@
 ``NewtonSchulz`` starts every orthogonalisation with ``X = g / (‖g‖_F + eps)`` in fp32, cast to
 fp16. Written in torch ops on a half-precision gradient that is either two fp32 temporaries
 the size of ``g`` or, with ``torch.div(..., out=half)``, PyTorch's dynamically casting
-elementwise loop, which is not vectorised (a sizeable share of a batched Gram NS on H200:
-benchmarks/RESULTS.md §1).
+elementwise loop, which is not vectorised (a sizeable share of a batched Gram NS).
 This kernel reads ``g`` once in its own dtype and writes the work dtype once: the bandwidth
 floor.
 

@@ -32,9 +32,8 @@ from torch import Tensor
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# The autotune list, chosen with benchmarks/sweep_tiles.py on an H200 in fp16: every entry won
-# at least one NS product class there (the timings are in benchmarks/RESULTS.md §1, "Tile
-# sweep" and the SYRK tables).
+# The autotune list, chosen with benchmarks/sweep_tiles.py in fp16: every entry wins at least
+# one NS product class.
 # - TMA loads with off-diagonal tiles stored through output descriptors ("_st"): the epilogue
 #   was the bottleneck of the Gram-space products (k = m), square and stacked.
 # - 128×256 strips through TMA with the balanced two-strip schedule: the largest matrices.
@@ -56,14 +55,11 @@ CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
 )
 DEFAULT_CONFIG = CANDIDATES[0]
-# The untimed choice where TMA can read the operands: the most frequent autotune winner on
-# H200 (benchmarks/RESULTS.md §1).
+# The untimed choice where TMA can read the operands: the most frequent autotune winner.
 DEFAULT_TMA_CONFIG = TileConfig(128, 64, 8, 4, 1, tma=True, tma_store=True)
-# What autotune times by default where TMA can read the operands: on H200 every one of the 17
-# verdicts of the S and M matrix sets went to one of these two, and the best of the other seven
-# candidates was 3-28% slower than the winner (benchmarks/RESULTS.md §8). Timing the full list
-# costs a Triton compile per candidate and layout, most of a cold first step;
-# ``DMUON_SYRK_AUTOTUNE=all`` times every candidate.
+# What autotune times by default where TMA can read the operands: the benchmark models' verdicts
+# all go to one of these two, and timing the full list costs a Triton compile per candidate and
+# layout, most of a cold first step; ``DMUON_SYRK_AUTOTUNE=all`` times every candidate.
 SHORTLIST: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 8, 3, 1, block_n=256, tma=True, tma_store=True),
     DEFAULT_TMA_CONFIG,
@@ -71,11 +67,9 @@ SHORTLIST: tuple[TileConfig, ...] = (
 
 
 # The Gluon kernel's configuration the autotune times beside the Triton candidates, for the
-# Gram-space products (sym_mm, with or without C) and products with a beta·C term: on H200 the
-# warp-specialised kernel was 1.08-1.19× faster than the best Triton candidate with C
-# (benchmarks/RESULTS.md §13), and 5-19% faster than the best Triton TMA tile on sym_mm without C
-# at 8-32 × 2048² and 4-8 × 4096² (§15). Plain SYRKs (X·Xᵀ, k ≠ m) leave it out: there the
-# Triton strips were 5% faster (§13), and each candidate is a compile of a cold first step.
+# Gram-space products (sym_mm, with or without C) and products with a beta·C term, where the
+# warp-specialised kernel beats the best Triton candidate. Plain SYRKs (X·Xᵀ, k ≠ m) leave it
+# out: there the Triton strips win, and each candidate is a compile of a cold first step.
 GLUON_SHORTLIST_FIELDS: tuple[dict, ...] = ({"split": 1, "stages": 4},)
 
 
@@ -134,7 +128,7 @@ def candidates_for(
     :data:`SHORTLIST` is timed (every candidate with ``DMUON_SYRK_AUTOTUNE=all``). With a
     ``beta·C`` term (``has_c``), each TMA candidate is also timed with C read by TMA
     (``c_load="prologue"``, and ``"tma"`` for the configs with TMA stores): no way of reading C
-    wins everywhere on H200 (benchmarks/RESULTS.md §13).
+    wins everywhere.
     """
     fitting = tuple(c for c in CANDIDATES if c.cols <= max(64, 2 * m))
     if a is not None:

@@ -6,9 +6,8 @@ pointer loads, for row- or column-major operands with 16-byte aligned rows
 Square tiles walk the lower triangle as the pointer kernel does (``lower_tiles.py``);
 128×256-style two-strip tiles use the balanced schedule described in the kernel. With
 ``tma_store=True``, tiles strictly below the diagonal are stored through output descriptors
-(:func:`output_descriptors`), which was the largest single gain measured on H200
-(benchmarks/RESULTS.md §1). The epilogue of tiles that touch the diagonal is
-``lower_tiles.py``'s.
+(:func:`output_descriptors`): the epilogue is the bottleneck of the Gram-space products. The
+epilogue of tiles that touch the diagonal is ``lower_tiles.py``'s.
 """
 
 from __future__ import annotations

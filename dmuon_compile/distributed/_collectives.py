@@ -240,8 +240,8 @@ def private_group(mesh, timeout: datetime.timedelta | None = None):
 
     FSDP2 issues its own collectives on the mesh's group from its own streams. Sharing one
     NCCL communicator serialises the two runtimes' collectives against each other (FSDP2's small
-    all-gathers waited behind ours: benchmarks/RESULTS.md), so the dedicated
-    parameters get a communicator of their own over the same ranks. Collective over the
+    all-gathers wait behind ours), so the dedicated parameters get a communicator of their own
+    over the same ranks. Collective over the
     default group: every rank calls it, in the same order (``dedicate_params`` does). A mesh
     whose peer groups do not partition the world keeps the mesh's group.
     """

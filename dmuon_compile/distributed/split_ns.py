@@ -22,8 +22,7 @@ contiguous slice of its memory.
 Per rank: the X-sized work (a Gram and an apply per segment) drops by p, and so does the m×m
 chain (~60% of Gram NS at n/m ≈ 3), though its row blocks are plain products where one rank
 uses symmetric (one-triangle) kernels. The price is O(steps) m×m collectives: see
-:func:`split_flops`. Every rank issues the same collectives in the same order (measured
-per-rank times: benchmarks/RESULTS.md).
+:func:`split_flops`. Every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations

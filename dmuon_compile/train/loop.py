@@ -33,8 +33,8 @@ class TrainConfig:
     """Everything a run needs besides the corpus and the process environment.
 
     The defaults are sized for a few minutes on 2 CPU cores. The learning rates come from a
-    600-step sweep on this model (benchmarks/RESULTS.md §4): at this size Muon does best at
-    0.005, below the package's general starting point of 0.02.
+    sweep on this model: at this size Muon does best at 0.005, below the package's general
+    starting point of 0.02.
     """
 
     steps: int = 600
@@ -133,9 +133,8 @@ def build_optimizer(
     """``dmuon``: Muon on every ``*_proj`` matrix and AdamW (``adamw_lr``) on the rest;
     ``adamw``: AdamW on everything.
 
-    On CPU Newton–Schulz iterates in fp32: CPUs have no fast half-precision matmul (fp16 NS is
-    tens of times slower there, benchmarks/RESULTS.md §4). On GPU the package default (fp16
-    Gram NS) is used.
+    On CPU Newton–Schulz iterates in fp32: CPUs have no fast half-precision matmul. On GPU the
+    package default (fp16 Gram NS) is used.
     """
     if name == "dmuon":
         ns = dmuon.NewtonSchulz(work_dtype=torch.float32) if device.type == "cpu" else "gram"

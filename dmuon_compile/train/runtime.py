@@ -140,8 +140,8 @@ def _cgroup_cpus() -> float | None:
 def choose_threads(environ=None, cores: int | None = None, current: int | None = None):
     """``(threads, why)``: the intra-op thread count the demo sets, or ``(None, "")`` to keep
     torch's. Only when ``OMP_NUM_THREADS`` is unset and torch would run more threads than the
-    cores each local process has (``cores // LOCAL_WORLD_SIZE``): oversubscribed cores made
-    one process ~6x slower per step."""
+    cores each local process has (``cores // LOCAL_WORLD_SIZE``): oversubscribed cores slow
+    every process down."""
     environ = os.environ if environ is None else environ
     if environ.get("OMP_NUM_THREADS", "").strip():
         return None, ""
