@@ -59,14 +59,13 @@ from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where
     STEP_PHASES,
     guarded,
 )
-from dmuon_compile.step_plan import PLAIN_STEP, StepPlan
+from dmuon_compile.step_plan import PLAIN_STEP, StepPlan, TPStep
 from dmuon_compile.trace_labels import NS, STEP, label
 
 if TYPE_CHECKING:
     from dmuon_compile.compiled_step import CompiledMuonStep, StepKey
     from dmuon_compile.distributed._split_step import SplitGroup
     from dmuon_compile.distributed._tp import TPStepHalf
-    from dmuon_compile.distributed._tp.stage import TPStage
 
 
 class MuonJob(NamedTuple):
@@ -511,7 +510,7 @@ class Muon(torch.optim.Optimizer):
         return jobs, adamw
 
     def _muon_directions(
-        self, job: MuonJob, failure: list, tp: TPStage | None = None
+        self, job: MuonJob, failure: list, tp: TPStep | None = None
     ) -> list[_StepHalf]:
         """The first half of Muon for some of a group's matrices (``job.part`` names the
         subset: one compiled graph each): the compiled step if enabled, else the eager reference.
@@ -520,7 +519,8 @@ class Muon(torch.optim.Optimizer):
 
         Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local
         tensors (the whole matrix on its owner); ranks that hold no rows of a matrix skip it.
-        ``tp``: the plan's TP stage; its matrices go through :meth:`_tp_directions`.
+        ``tp``: the plan's TP stage; its matrices go through ``tp.directions`` (their NS:
+        :meth:`_tp_orthogonalize`).
         After a failure on this rank (``failure`` non-empty) only the collectives go out.
         """
         from dmuon_compile.compiled_step import compile_enabled, compiled_step_for
@@ -529,10 +529,11 @@ class Muon(torch.optim.Optimizer):
         tp_half = None
         if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (_tp/stage.py)
             lay_of = {id(p): lay for p, lay in zip(params, layouts)}
-            mine, (params, grads, bufs) = tp.split(params, grads, bufs)
+            orthogonalize = self._tp_orthogonalize(tp, group, failure)
+            tp_half, params, grads, bufs = tp.directions(
+                group, params, grads, bufs, orthogonalize, failure
+            )
             layouts = [lay_of[id(p)] for p in params]
-            if mine:
-                tp_half = self._tp_directions(tp, group, mine, failure)
         halves = []
         inside = [i for i, (p, lay) in enumerate(zip(params, layouts)) if needs_reshard(p, lay)]
         if inside:  # expert stacks sharded inside their experts: NS on whole experts
@@ -667,60 +668,28 @@ class Muon(torch.optim.Optimizer):
             ortho = orthogonalize_resharded(params, updates, layouts, orthogonalize)
         return _StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
 
-    def _tp_directions(self, tp: TPStage, group: dict, mine: list, failure: list) -> TPStepHalf:
-        """The first half of Muon on a part's TP matrices (``mine``: ``tp.split``'s rows), one
-        shape bucket at a time: nothing written, the scatters issued and left for
-        :meth:`_commit` (``tp.commit``) or the abort."""
-        from dmuon_compile.distributed._tp import TPStepHalf
-
-        entries = []
-        for bucket in tp.buckets(mine):
-            entries += self._tp_bucket(tp, group, bucket, failure)
-        grads, bufs = [g for *_, g, _b in mine], [b for *_, b in mine]
-        return TPStepHalf(grads, bufs, group["momentum"], entries)
-
-    def _tp_bucket(self, tp: TPStage, group: dict, bucket: list, failure: list) -> list:
-        """One shape bucket's Nesterov inputs, gather to the TP owners, their Newton–Schulz on
-        the whole matrices and the scatter of the updates; returns the pending apply entries.
-        The bucket's inputs, gathered pieces and whole matrices are freed when it returns,
-        before the next bucket's are made: a TP owner holds one bucket's whole matrices.
-
-        The gather and the scatter go out on every member whatever happens locally: a member
-        whose momentum or Newton–Schulz raised (or whose step failed earlier) sends
-        placeholders, so the TP group's collectives stay paired and every rank learns of the
-        failure in the agreement."""
+    def _tp_orthogonalize(
+        self, tp: TPStep, group: dict, failure: list
+    ) -> Callable[[list[Tensor]], list[Tensor]]:
+        """The Newton–Schulz that ``tp.directions`` runs on a TP owner's whole matrices (one
+        shape bucket at a time; none on a non-owner): compiled like the rest of the step with
+        ``compile=True`` (default on CUDA), else the stage's eager one. A failure is recorded in
+        ``failure`` and the input returned (placeholders: the scatter still goes out)."""
         from dmuon_compile.compiled_step import compiled_step_for
 
-        grads, bufs = [g for *_, g, _b in bucket], [b for *_, b in bucket]
-        updates = grads  # placeholders (never committed) when this rank has failed
-        if not failure:
-            updates = guarded(
-                failure,
-                PHASE_TP_MOMENTUM,
-                lambda: F.nesterov_input(
-                    grads, bufs, F.hyper(group["momentum"]), group["nesterov"]
-                ),
-                grads,
+        def orthogonalize(mats: list[Tensor]) -> list[Tensor]:
+            if not mats or failure:
+                return mats
+            compiled = compiled_step_for(self, group, mats, part="tp")
+            if compiled is not None:
+                return guarded(
+                    failure, PHASE_TP_NS_COMPILED, lambda: compiled.orthogonalize(mats), mats
+                )
+            return guarded(
+                failure, PHASE_TP_NS_EAGER, lambda: tp.orthogonalize(mats, self.ns), mats
             )
-        whole = tp.gather(bucket, updates)  # [(row, whole matrix)] on the TP owner
-        mats = [m for _, m in whole]
-        out = mats  # placeholders
-        with label(NS):
-            if mats and not failure:
-                # compile=True (default on CUDA) compiles the owners' NS like the rest of the step.
-                compiled = compiled_step_for(self, group, mats, part="tp")
-                if compiled is not None:
-                    out = guarded(
-                        failure, PHASE_TP_NS_COMPILED, lambda: compiled.orthogonalize(mats), mats
-                    )
-                else:
-                    out = guarded(
-                        failure, PHASE_TP_NS_EAGER, lambda: tp.orthogonalize(mats, self.ns), mats
-                    )
-        ortho = dict(zip((i for i, _ in whole), out))
-        whole = mats = out = None  # the whole matrices: freed once orthogonalised
-        lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
-        return tp.scatter(bucket, updates, ortho, lr, wd, group["adjust_lr_fn"])
+
+        return orthogonalize
 
     def _commit(self, half: _StepHalf, commit_if: Tensor | None = None) -> None:
         """The second half: momentum and weights written (elementwise, after the agreement).
@@ -819,7 +788,7 @@ class _StepHalf:
     grads: list
     bufs: list
     ortho: list | None
-    tp: TPStage | None = None  # the TP stage, when the model has one
+    tp: TPStep | None = None  # the TP stage, when the model has one
     tp_half: TPStepHalf | None = None  # its half of this part
     receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
     compiled: CompiledMuonStep | None = None  # the directions' compiled step: it commits too

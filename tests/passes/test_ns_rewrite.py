@@ -279,9 +279,9 @@ def test_nschainpass_runs_user_pass_first_and_hashes_it(trace):
     ],
 )
 def test_cuda_products_below_the_size_gate_stay_on_cublas(shape, rewritten):
-    """On CUDA the pass applies eager NS's size gate (``kernel_choice.size_gate``): small products keep
-    the plain cuBLAS ``mm`` (no mirror pass, no op dispatch), and say why. Fake CUDA tensors:
-    shapes and devices only, so this runs on CPU."""
+    """On CUDA the pass applies eager NS's size gate (``kernel_choice.size_gate``): small
+    products keep the plain cuBLAS ``mm`` (no mirror pass, no op dispatch), and say why. Fake
+    CUDA tensors: shapes and devices only, so this runs on CPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

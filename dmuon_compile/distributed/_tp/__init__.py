@@ -45,9 +45,10 @@ group's unsharded buffer, so ``parallelize_module``'s input/output redistributio
 
 Modules: ``detect.py`` (the TP axis: :class:`TPInfo`, the TP groups' ranks), ``plan.py`` (the
 owners over the DP × TP slots), ``param.py`` (:class:`TPDedicatedParam`, the owner groups'
-meshes), ``stage.py`` (:class:`TPStage`: the step's gather, scatter and plain-weight broadcast,
-the pending scatters, the norm and ``full_tensor`` meshes given to ``_owned``). What the rest of
-the package uses is imported here.
+meshes), ``stage.py`` (:class:`TPStage`: the step's TP half — :meth:`TPStage.directions` runs
+momentum, gather, the optimizer's Newton–Schulz and scatter — its commit or abort, the
+plain-weight broadcast, the pending scatters, the norm and ``full_tensor`` meshes given to
+``_owned``). What the rest of the package uses is imported here.
 """
 
 from dmuon_compile.distributed._tp.detect import (
@@ -62,8 +63,11 @@ from dmuon_compile.distributed._tp.param import TPDedicatedParam, make_tp_param,
 from dmuon_compile.distributed._tp.plan import TPPlan, plan_tp_owners
 from dmuon_compile.distributed._tp.stage import (
     PLAIN_SOURCE,
+    ScatterShard,
     ScatterUpdates,
+    TPDirections,
     TPProfile,
+    TPRow,
     TPStage,
     TPStepHalf,
     build_stage,
@@ -71,11 +75,14 @@ from dmuon_compile.distributed._tp.stage import (
 
 __all__ = [
     "PLAIN_SOURCE",
+    "ScatterShard",
     "ScatterUpdates",
     "TPDedicatedParam",
+    "TPDirections",
     "TPInfo",
     "TPPlan",
     "TPProfile",
+    "TPRow",
     "TPStage",
     "TPStepHalf",
     "build_stage",

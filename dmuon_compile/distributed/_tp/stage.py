@@ -5,7 +5,9 @@ one-master broadcast of a TP model's plain dedicated weights (see the package do
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,18 +20,53 @@ from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._tp.detect import TPInfo, tp_row
 from dmuon_compile.distributed._tp.param import TPDedicatedParam
 from dmuon_compile.distributed._tp.plan import TPPlan
-from dmuon_compile.trace_labels import TP_GATHER, TP_SCATTER, label
+from dmuon_compile.step_phases import PHASE_TP_MOMENTUM, guarded
+from dmuon_compile.trace_labels import NS, TP_GATHER, TP_SCATTER, label
+
+
+class TPRow(NamedTuple):
+    """A TP matrix of a Muon group's lists that this rank's owner TP group steps: its local
+    tensors (this member's shard of master, gradient and momentum)."""
+
+    param: TPDedicatedParam
+    master: Tensor
+    grad: Tensor
+    buf: Tensor
+
+
+class ScatterShard(NamedTuple):
+    """One matrix's update shard in flight from its TP owner, and how to apply it."""
+
+    hook_group: int  # id of the hook group whose unshard applies it (deferred scatters)
+    master: Tensor
+    out: Tensor  # the received update shard
+    work: object  # the async scatter's work handle
+    lr: float
+    wd: float
+    adjust_lr_fn: str
+    global_shape: tuple  # the whole matrix's shape: the lr scale
 
 
 @dataclass
 class TPStepHalf:
-    """What ``Muon.step``'s directions of a part's TP matrices leave for :meth:`TPStage.commit`
-    / :meth:`TPStage.abort`: their gradients and momentum buffers, the pending scatters."""
+    """What the directions of a part's TP matrices (:meth:`TPStage.directions`) leave for
+    :meth:`TPStage.commit` / :meth:`TPStage.abort`: their gradients and momentum buffers, the
+    pending scatters."""
 
+    grads: list[Tensor]
+    bufs: list[Tensor]
+    momentum: float | Tensor  # the group's momentum (a 0-d tensor in Muon groups)
+    shards: list[ScatterShard]
+
+
+class TPDirections(NamedTuple):
+    """:meth:`TPStage.directions` of a Muon group's lists: the TP half (``None`` where this rank
+    steps no TP matrix of them) and the lists' other matrices, in order, for the optimizer."""
+
+    half: TPStepHalf | None
+    params: list
     grads: list
     bufs: list
-    momentum: object
-    entries: list  # (id of the hook group, pending apply entry)
 
 
 @dataclass
@@ -44,15 +81,14 @@ class TPProfile:
     plain_broadcasts: int = 0  # plain dedicated weights and momenta from the TP source
 
 
-def _tp_buckets(mine: list) -> list[list]:
-    """``mine`` (``(dp, master, grad, buf)`` rows) grouped by whole-matrix shape and dtype, in
-    first-seen order: the same buckets in the same order on every member of the owner TP group
-    (keyed by global shape: the collectives stay SPMD), one batched NS stack per owner and
-    bucket."""
-    buckets: dict[tuple, list] = {}
-    for row in mine:
-        dp, master = row[0], row[1]
-        buckets.setdefault((tuple(dp.global_shape), master.dtype), []).append(row)
+def _tp_buckets(rows: list[TPRow]) -> list[list[TPRow]]:
+    """``rows`` grouped by whole-matrix shape and dtype, in first-seen order: the same buckets
+    in the same order on every member of the owner TP group (keyed by global shape: the
+    collectives stay SPMD), one batched NS stack per owner and bucket."""
+    buckets: dict[tuple, list[TPRow]] = {}
+    for row in rows:
+        key = (tuple(row.param.global_shape), row.master.dtype)
+        buckets.setdefault(key, []).append(row)
     return list(buckets.values())
 
 
@@ -61,7 +97,8 @@ PLAIN_SOURCE = 0  # the TP rank that updates a column's plain dedicated weights
 
 @dataclass(eq=False)
 class TPStage:
-    """The TP stage of one model: gather → NS on the TP owner → scatter (see the package doc)."""
+    """The TP stage of one model: gather → NS on the TP owner → scatter (see the package doc).
+    ``Muon.step`` drives it through :class:`~dmuon_compile.step_plan.TPStep`."""
 
     info: TPInfo
     pg: object
@@ -76,77 +113,98 @@ class TPStage:
     def __post_init__(self) -> None:
         self.by_param = {id(p.param): p for p in self.params}
 
-    def split(self, params, grads, bufs):
-        """``(TP [(dp, p, g, b)], rest)`` of a Muon group's lists."""
-        mine, rest = [], ([], [], [])
+    def directions(
+        self,
+        group: dict,
+        params: list,
+        grads: list,
+        bufs: list,
+        orthogonalize: Callable[[list[Tensor]], list[Tensor]],
+        failure: list,
+    ) -> TPDirections:
+        """The first half of Muon on the TP matrices among a Muon group's lists, one shape
+        bucket at a time: each member's Nesterov inputs, gathered to their TP owners,
+        ``orthogonalize`` (the optimizer's Newton–Schulz on the owner's whole matrices) and the
+        updates' shards scattered back, left in flight for :meth:`commit` or :meth:`abort`.
+        Nothing is written. Returns the TP half and the lists' other matrices.
+
+        The gather and the scatter go out on every member whatever happens locally: a member
+        whose momentum or ``orthogonalize`` raised (or whose step failed earlier: ``failure``
+        non-empty) sends placeholders, so the TP group's collectives stay paired and every rank
+        learns of the failure in the agreement. ``orthogonalize`` is called on every member
+        (with no matrices on a non-owner) and returns its input after a failure."""
+        rows, rest = self._split(params, grads, bufs)
+        if not rows:
+            return TPDirections(None, *rest)
+        shards: list[ScatterShard] = []
+        for bucket in _tp_buckets(rows):
+            shards += self._bucket_directions(group, bucket, orthogonalize, failure)
+        half = TPStepHalf([r.grad for r in rows], [r.buf for r in rows], group["momentum"], shards)
+        return TPDirections(half, *rest)
+
+    def _split(self, params, grads, bufs) -> tuple[list[TPRow], tuple[list, list, list]]:
+        """``(TP rows, (params, grads, bufs) of the rest)`` of a Muon group's lists."""
+        rows: list[TPRow] = []
+        rest: tuple[list, list, list] = ([], [], [])
         for p, g, b in zip(params, grads, bufs):
             dp = self.by_param.get(id(p))
             if dp is None:
                 for xs, x in zip(rest, (p, g, b)):
                     xs.append(x)
             elif dp.owns:  # the whole owner TP group owns it: SPMD inside that group
-                mine.append((dp, local_of(p), local_of(g), local_of(b)))
-        return mine, rest
+                rows.append(TPRow(dp, local_of(p), local_of(g), local_of(b)))
+        return rows, rest
+
+    def _bucket_directions(
+        self, group: dict, bucket: list[TPRow], orthogonalize: Callable, failure: list
+    ) -> list[ScatterShard]:
+        """One shape bucket's Nesterov inputs, gather to the TP owners, ``orthogonalize`` on
+        the whole matrices and the scatter of the updates. The bucket's inputs, gathered pieces
+        and whole matrices are freed when it returns, before the next bucket's are made: a TP
+        owner holds one bucket's whole matrices."""
+        grads, bufs = [r.grad for r in bucket], [r.buf for r in bucket]
+        updates = grads  # placeholders (never committed) when this rank has failed
+        if not failure:
+            updates = guarded(
+                failure,
+                PHASE_TP_MOMENTUM,
+                lambda: F.nesterov_input(
+                    grads, bufs, F.hyper(group["momentum"]), group["nesterov"]
+                ),
+                grads,
+            )
+        whole = self._gather(bucket, updates)  # {row index: whole matrix} on the TP owner
+        with label(NS):
+            out = orthogonalize(list(whole.values()))
+        ortho = dict(zip(whole, out))
+        whole = out = None  # the whole matrices: freed once orthogonalised
+        lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
+        return self._scatter(bucket, updates, ortho, lr, wd, group["adjust_lr_fn"])
 
     def _global(self, tp_rank: int) -> int:
         return dist.get_global_rank(self.pg, tp_rank)
 
-    @staticmethod
-    def buckets(mine: list) -> list[list]:
-        """The TP rows of :meth:`split` by shape bucket (:func:`_tp_buckets`): the step gathers,
-        orthogonalises and scatters one bucket at a time."""
-        return _tp_buckets(mine)
-
     @torch.no_grad()
-    def gather(self, bucket: list, updates: list) -> list[tuple[int, Tensor]]:
+    def _gather(self, bucket: list[TPRow], updates: list[Tensor]) -> dict[int, Tensor]:
         """The Nesterov inputs ``updates`` of a bucket's rows gathered to their TP owners:
-        ``[(row index, whole matrix)]`` for the matrices this rank orthogonalises (none
+        ``{row index: whole matrix}`` for the matrices this rank orthogonalises (none
         elsewhere). Issued on every member whatever happened locally (a failed member sends
         placeholders): the TP group's collectives stay paired."""
         with label(TP_GATHER):
-            gathered = self._gather(bucket, updates)
-        return [
-            (i, torch.cat(parts, dim=dp.shard_dim))
-            for i, ((dp, *_), parts) in enumerate(zip(bucket, gathered))
+            gathered = self._gather_parts(bucket, updates)
+        return {
+            i: torch.cat(parts, dim=row.param.shard_dim)
+            for i, (row, parts) in enumerate(zip(bucket, gathered))
             if parts is not None
-        ]
+        }
 
-    @torch.no_grad()
-    def scatter(
-        self, bucket: list, updates: list, ortho: dict, lr: float, wd: float, adjust_lr_fn: str
-    ) -> list:
-        """The TP owners' orthogonalised matrices (``ortho``: row index → whole matrix, on the
-        owner) scattered back in shards, async; returns the pending apply entries ``[(id of the
-        hook group, entry)]`` for :class:`TPStepHalf`. ``updates`` give the shards' shape and
-        dtype (and stand in for the owner's matrix after a failure)."""
-        size, me = self.info.size, self.info.rank
-        entries = []
-        with label(TP_SCATTER):
-            for i, ((dp, master, _g, _b), u) in enumerate(zip(bucket, updates)):
-                out = torch.empty_like(u)
-                chunks = None
-                if i in ortho:
-                    chunks = [
-                        c.contiguous() for c in ortho[i].to(u.dtype).chunk(size, dim=dp.shard_dim)
-                    ]
-                work = dist.scatter(
-                    out, chunks, src=self._global(dp.tp_owner), group=self.pg, async_op=True
-                )
-                entry = (master, out, work, lr, wd, adjust_lr_fn, dp.global_shape)
-                entries.append((self.group_of.get(id(dp.param), 0), entry))
-                if self.record_profile:
-                    self.profile.scatters += 1
-                    self.profile.scatter_bytes += (
-                        out.numel() * out.element_size() * int(me != dp.tp_owner)
-                    )
-        return entries
-
-    def _gather(self, mine: list, updates: list) -> list:
+    def _gather_parts(self, bucket: list[TPRow], updates: list[Tensor]) -> list:
         """Each matrix's Nesterov input shards to its TP owner: the owner's pieces (``None``
         elsewhere), per matrix."""
         size, me = self.info.size, self.info.rank
         gathered, works = [], []
-        for (dp, *_), u in zip(mine, updates):
+        for row, u in zip(bucket, updates):
+            dp = row.param
             u = u.contiguous()
             parts = [torch.empty_like(u) for _ in range(size)] if me == dp.tp_owner else None
             works.append(
@@ -161,49 +219,90 @@ class TPStage:
         return gathered
 
     @torch.no_grad()
+    def _scatter(
+        self,
+        bucket: list[TPRow],
+        updates: list[Tensor],
+        ortho: dict[int, Tensor],
+        lr: float,
+        wd: float,
+        adjust_lr_fn: str,
+    ) -> list[ScatterShard]:
+        """The TP owners' orthogonalised matrices (``ortho``: row index → whole matrix, on the
+        owner) scattered back in shards, async. ``updates`` give the shards' shape and dtype
+        (and stand in for the owner's matrix after a failure)."""
+        size, me = self.info.size, self.info.rank
+        shards = []
+        with label(TP_SCATTER):
+            for i, (row, u) in enumerate(zip(bucket, updates)):
+                dp = row.param
+                out = torch.empty_like(u)
+                chunks = None
+                if i in ortho:
+                    chunks = [
+                        c.contiguous() for c in ortho[i].to(u.dtype).chunk(size, dim=dp.shard_dim)
+                    ]
+                work = dist.scatter(
+                    out, chunks, src=self._global(dp.tp_owner), group=self.pg, async_op=True
+                )
+                hook_group = self.group_of.get(id(dp.param), 0)
+                shards.append(
+                    ScatterShard(
+                        hook_group, row.master, out, work, lr, wd, adjust_lr_fn, dp.global_shape
+                    )
+                )
+                if self.record_profile:
+                    self.profile.scatters += 1
+                    self.profile.scatter_bytes += (
+                        out.numel() * out.element_size() * int(me != dp.tp_owner)
+                    )
+        return shards
+
+    @torch.no_grad()
     def commit(self, half: TPStepHalf, defer: bool) -> None:
         """Store the momentum and apply the scattered update shards now, or with ``defer`` (and
         no HSDP) queue them in the runtime's pending updates: applied before the group's next
         unshard or any read of the weight."""
         torch._foreach_mul_(half.bufs, F.hyper(half.momentum))
         torch._foreach_add_(half.bufs, half.grads)
-        by_group: dict[int, list] = {}
-        for key, entry in half.entries:
-            by_group.setdefault(key, []).append(entry)
-        for key, entries in by_group.items():
+        by_group: dict[int, list[ScatterShard]] = {}
+        for shard in half.shards:
+            by_group.setdefault(shard.hook_group, []).append(shard)
+        for key, shards in by_group.items():
             if defer and self.deferrable:
-                self.queue.add(key, ScatterUpdates(self, entries))
+                self.queue.add(key, ScatterUpdates(self, shards))
             else:
-                self._apply(entries, forward=False)
+                self._apply(shards, forward=False)
 
     def abort(self, half: TPStepHalf) -> None:
         """A step that failed on some rank: wait for the scatters (every member issued them)
         and drop their results."""
-        for _key, entry in half.entries:
-            C.wait(entry[2], "the TP scatter of Newton–Schulz updates", self.pg)
+        for shard in half.shards:
+            C.wait(shard.work, "the TP scatter of Newton–Schulz updates", self.pg)
 
     def orthogonalize(self, mats: list[Tensor], ns) -> list[Tensor]:
-        """Newton–Schulz on whole matrices, eager (the reference's ``functional.orthogonalize``;
-        the compiled step's ``orthogonalize`` where ``compile`` is on)."""
+        """Newton–Schulz on whole matrices, eager (the reference's ``functional.orthogonalize``):
+        what the optimizer's ``orthogonalize`` for :meth:`directions` runs where ``compile`` is
+        off (tests replace it)."""
         return F.orthogonalize(mats, ns)
 
-    def _apply(self, entries, forward: bool) -> None:
+    def _apply(self, shards: list[ScatterShard], forward: bool) -> None:
         with label(TP_SCATTER):
-            self._apply_shards(entries, forward)
+            self._apply_shards(shards, forward)
 
     @torch.no_grad()
-    def _apply_shards(self, entries, forward: bool) -> None:
+    def _apply_shards(self, shards: list[ScatterShard], forward: bool) -> None:
         """Wait for the scattered update shards and apply them to this member's masters."""
         if forward and self.record_profile:
             self.profile.waits += 1
-            self.profile.not_ready += int(not all(C.is_done(e[2]) for e in entries))
+            self.profile.not_ready += int(not all(C.is_done(s.work) for s in shards))
             t0 = time.perf_counter()
-        for master, out, work, lr, wd, adjust_lr_fn, global_shape in entries:
-            C.wait(work, "the TP scatter of Newton–Schulz updates", self.pg)
-            if out.is_cuda:  # applied on the unshard side stream: keep the block until then
-                out.record_stream(torch.cuda.current_stream(out.device))
+        for s in shards:
+            C.wait(s.work, "the TP scatter of Newton–Schulz updates", self.pg)
+            if s.out.is_cuda:  # applied on the unshard side stream: keep the block until then
+                s.out.record_stream(torch.cuda.current_stream(s.out.device))
             # The reference's update on this rank's shard, scaled as the whole matrix.
-            F.apply_muon_update([master], [out], lr, wd, adjust_lr_fn, [global_shape])
+            F.apply_muon_update([s.master], [s.out], s.lr, s.wd, s.adjust_lr_fn, [s.global_shape])
         if forward and self.record_profile:
             self.profile.wait_s += time.perf_counter() - t0
 
@@ -268,26 +367,27 @@ class ScatterUpdates:
     """A pending update (``_pending.py``): one hook group's TP update shards in flight."""
 
     stage: TPStage
-    entries: list  # (master, out, work, lr, wd, adjust_lr_fn, global_shape)
+    shards: list[ScatterShard]
 
     @property
     def collectives(self) -> int:
-        return len(self.entries)
+        return len(self.shards)
 
     def apply(self, forward: bool) -> None:
-        entries, self.entries = self.entries, []
-        if entries:
-            self.stage._apply(entries, forward)
+        shards, self.shards = self.shards, []
+        if shards:
+            self.stage._apply(shards, forward)
 
 
-def build_stage(info, pg, tp_plan, params, groups, replicated: bool) -> TPStage:
-    """The model's TP stage (its deferred scatters go to the runtime's queue, ``attach_tp``)."""
+def build_stage(info, pg, owners: TPPlan, params, groups, replicated: bool) -> TPStage:
+    """The model's TP stage (its deferred scatters go to the runtime's queue, ``attach_tp``);
+    ``owners``: the TP owners over the DP × TP slots (:func:`plan_tp_owners`)."""
     tp_params = [p for p in params if isinstance(p, TPDedicatedParam)]
     stage = TPStage(info, pg, tp_params, deferrable=not replicated)
     for g in groups:
         for p in g.params:
             stage.group_of[id(p.param)] = id(g)
-    stage.plan = tp_plan
+    stage.plan = owners  # ``plan``: the name diagnostics.py reads
     _register_owner_meshes(info, params)
     return stage
 
