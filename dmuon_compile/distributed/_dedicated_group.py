@@ -38,6 +38,7 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._owned import local_of
+from dmuon_compile.distributed._pending import CommContext
 from dmuon_compile.distributed._replicate import ReplicateStage
 from dmuon_compile.trace_labels import REDUCE, UNSHARD, label
 
@@ -104,7 +105,7 @@ class DedicatedGroup:
     replicate: ReplicateStage | None = None  # HSDP replicate stage (None in 1-D)
     reduced: bool = False  # a reduce was issued in the current backward
     ran_forward: bool = False  # its forward ran since the last synchronising backward
-    pending: object | None = None  # the runtime's queue of pending updates (``_pending.py``)
+    comm: CommContext | None = None  # the runtime's (``_pending.py``): its pending updates
     # FSDP2's gradient scaling (``follow_fsdp``): the reduced gradient is the sum over the
     # data-parallel ranks divided by ``divide_factor``; None: their mean (FSDP2's default).
     divide_factor: float | None = None
@@ -166,21 +167,21 @@ class DedicatedGroup:
         # The buffer is allocated on the compute stream, which reads and frees it.
         self._alloc()
         side = None
-        queued = self.pending is not None and self.pending.has(id(self))
+        queued = self.comm is not None and self.comm.pending.has(id(self))
         if queued and self.device.type == "cuda":
             # The weights this rank sends must be current: the last step's pending updates
             # (HSDP publish, TP update shards) land first. Wait for and apply them on a side
             # stream, not the compute stream: a prefetch issued from the previous group's
             # pre-hook must not hold that group's forward back until *this* group's updates
             # land. The compute stream waits only for the unshard itself.
-            side = _unshard_stream(self.device)
+            side = self.comm.unshard_stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
         with (
             label(UNSHARD, self.name),
             torch.cuda.stream(side) if side is not None else contextlib.nullcontext(),
         ):
             if queued:
-                self.pending.wait_group(id(self))
+                self.comm.pending.wait_group(id(self))
             self._issue_unshard(prefetch)
 
     def _issue_unshard(self, prefetch: bool) -> None:
@@ -359,9 +360,6 @@ class DedicatedGroup:
             self.replicate.drain()
 
 
-_UNSHARD_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
 def _as_placed(grad: Tensor, param: Tensor) -> Tensor:
     """A TP gradient in its weight's placements, as FSDP2 redistributes its gradients: a
     module may leave it in others (torchtitan's row-wise linears without sequence parallel:
@@ -370,12 +368,3 @@ def _as_placed(grad: Tensor, param: Tensor) -> Tensor:
         if grad.placements != param.placements:
             return grad.redistribute(placements=param.placements)
     return grad
-
-
-def _unshard_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per CUDA device for unshards that must first wait for a publish."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _UNSHARD_STREAMS.get(index)
-    if stream is None:
-        stream = _UNSHARD_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream

@@ -70,10 +70,6 @@ class DedicatedParam:
     def numel(self) -> int:
         return self.shape.numel()
 
-    @property
-    def is_owner(self) -> bool:
-        return self.owns
-
     def bind(self, flat: Tensor) -> None:
         """Create the compute copy over ``flat[offset : offset + numel]`` (not installed yet)."""
         leaf = nn.Parameter(torch.empty(0, dtype=flat.dtype, device=flat.device))

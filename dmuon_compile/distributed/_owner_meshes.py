@@ -42,6 +42,8 @@ class MeshRegistry:
         self.keep: list[DeviceMesh] = []
 
 
+# The one process-wide mesh registry: DTensor dispatch forces it (an owner tensor's ops see only
+# its mesh, never a runtime); per-runtime state lives in each runtime's ``CommContext``.
 MESHES = MeshRegistry()
 
 

@@ -1,9 +1,13 @@
-"""The runtime's one queue of pending weight updates, and the writes that make a publish due.
+"""A runtime's comm context, its one queue of pending weight updates, and the writes that make
+a publish due.
 
-A step can leave a dedicated weight's new value *in flight*: the HSDP publish (the global owner's
-broadcast to its replicate peers, ``_replicate.py``) and the deferred TP scatter (the TP owner's
-update shards, applied to each member's master, ``_tp/stage.py``). Both are entries of one
-:class:`PendingUpdates` per runtime, keyed by hook group, applied in the order they were queued:
+Each runtime owns one :class:`CommContext` (FSDP2 keeps one ``FSDPCommContext`` per state): the
+unshard side streams, the pending-update queue and the groups' forward order; its groups get it
+from the runtime. A step can leave a dedicated weight's new value *in flight*: the HSDP publish
+(the global owner's broadcast to its replicate peers, ``_replicate.py``) and the deferred TP
+scatter (the TP owner's update shards, applied to each member's master, ``_tp/stage.py``). Both
+are entries of the context's :class:`PendingUpdates` (``pending``), keyed by hook group, applied
+in the order they were queued:
 
 - before the group's next unshard reads its masters (``DedicatedGroup.unshard``; on CUDA on the
   unshard side stream, so the compute stream and the previous group's forward do not wait);
@@ -25,12 +29,19 @@ in-place op on an owner tensor outside a step counts; the step's own publish cle
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 
-# The watched queues of live runtimes (HSDP or TP: :meth:`PendingUpdates.watch`). Empty for a
-# 1-D model, whose steps leave nothing in flight and whose writes need no publish.
-_QUEUES: weakref.WeakSet = weakref.WeakSet()
-# Whether ``_QUEUES`` may hold a queue: owner-tensor ops read this one flag (every op, so a
+import torch
+
+# The comm contexts of live runtimes whose queues owner-tensor ops must consult (HSDP or TP:
+# :meth:`CommContext.watch`); empty for a 1-D model, whose steps leave nothing in flight and whose
+# writes need no publish. Process-wide only because DTensor dispatch forces it: an op on an
+# owner tensor (``OwnerTensor.__torch_function__``, ``to_local``, ``dmuon.full_tensor``, an
+# ``nn.init`` write) runs with no reference to the runtime that owns the weight, so it finds the
+# queues here. Everything else reaches a runtime's queue through its context.
+_WATCHED: weakref.WeakSet = weakref.WeakSet()
+# Whether ``_WATCHED`` may hold a context: owner-tensor ops read this one flag (every op, so a
 # module attribute, not the set's length) before calling :func:`before_access`.
 watched = False
 _GRADIENT_WRITES = [False]  # inside gradient_writes(): in-place ops write no weight
@@ -46,14 +57,6 @@ class PendingUpdates:
     def __init__(self) -> None:
         self._entries: dict[int, list] = {}  # id(hook group) -> entries, oldest first
         self.publish_due = False  # a write outside a step: the next forward publishes first
-
-    def watch(self) -> None:
-        """Reads and writes of dedicated weights consult this queue (:func:`before_access`): a
-        runtime whose steps leave updates in flight (HSDP publish, deferred TP scatter) or whose
-        replicas must learn of a write (HSDP) calls it."""
-        global watched
-        _QUEUES.add(self)
-        watched = True
 
     def add(self, group_key: int, entry) -> None:
         self._entries.setdefault(group_key, []).append(entry)
@@ -85,18 +88,45 @@ class PendingUpdates:
         return sum(len(es) for es in self._entries.values())
 
 
+@dataclasses.dataclass(eq=False)
+class CommContext:
+    """One runtime's communication state, as FSDP2 keeps one ``FSDPCommContext`` per state: the
+    one queue of pending updates, the groups' forward order and the unshard side streams. The
+    runtime owns it and hands it to its groups (``DedicatedGroup.comm``)."""
+
+    pending: PendingUpdates = dataclasses.field(default_factory=PendingUpdates)
+    forward_order: list = dataclasses.field(default_factory=list)  # groups by forward start
+    # One side stream per CUDA device for unshards that must first wait for a pending update.
+    unshard_streams: dict = dataclasses.field(default_factory=dict)
+
+    def unshard_stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self.unshard_streams.get(index)
+        if stream is None:
+            stream = self.unshard_streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def watch(self) -> None:
+        """Reads and writes of dedicated weights consult this context's queue
+        (:func:`before_access`): a runtime whose steps leave updates in flight (HSDP publish,
+        deferred TP scatter) or whose replicas must learn of a write (HSDP) calls it."""
+        global watched
+        _WATCHED.add(self)
+        watched = True
+
+
 def before_access(write: bool) -> None:
     """An op on an owner tensor is about to run: every pending update lands first; a write
     (in place) makes a publish due."""
     global watched
     write = write and not _GRADIENT_WRITES[0]
-    queues = list(_QUEUES)
-    watched = bool(queues)  # their runtimes may have gone since
-    for queue in queues:
-        if queue._entries:
-            queue.drain()
+    comms = list(_WATCHED)
+    watched = bool(comms)  # their runtimes may have gone since
+    for comm in comms:
+        if comm.pending._entries:
+            comm.pending.drain()
         if write:
-            queue.note_write()
+            comm.pending.note_write()
 
 
 @contextlib.contextmanager

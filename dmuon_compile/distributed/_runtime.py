@@ -71,7 +71,7 @@ from dmuon_compile.distributed import _fsdp_compat
 from dmuon_compile.distributed._autograd_compat import in_backward, queue_callback
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupState
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
-from dmuon_compile.distributed._pending import PendingUpdates
+from dmuon_compile.distributed._pending import CommContext, PendingUpdates
 from dmuon_compile.distributed._runtime_step import RuntimeStepSide
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 
@@ -140,7 +140,12 @@ class DedicatedRuntime(RuntimeStepSide):
         self.rank = rank
         self.world = world
         self.record_profile = record_profile
-        self.forward_order: list[DedicatedGroup] = []  # by forward start (first forward)
+        # This runtime's comm context (``_pending.py``), as FSDP2 keeps one per state: the one
+        # queue of updates in flight (HSDP publishes, deferred TP scatters) and whether a publish
+        # is due (a synchronising backward ran, or a weight was written outside a step, and
+        # nothing published since); the forward order; the unshard side streams. Its groups and
+        # the TP stage get it (or its queue) from here.
+        self.comm = CommContext()
         self._index: dict[int, int] = {}
         # By forward *end*: an enclosing group (a root holding a dedicated weight) ends after
         # the groups its forward runs, so its backward comes first; the order of backward
@@ -166,10 +171,6 @@ class DedicatedRuntime(RuntimeStepSide):
         self._order_frozen = False  # forward_order is complete once a backward has run
         self.handles: list = []
         self.replicated = any(g.replicate is not None for g in groups)
-        # The one queue of updates in flight (HSDP publishes, deferred TP scatters), and
-        # whether a publish is due (a synchronising backward ran, or a weight was written
-        # outside a step, and nothing published since): ``_pending.py``.
-        self.pending = PendingUpdates()
         self._published_early: set[int] = set()  # the step plan's early group: after_step skips it
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
@@ -183,7 +184,7 @@ class DedicatedRuntime(RuntimeStepSide):
         self._end_of_backward = _eager_hook(self._post_backward)
         for group in groups:
             group.record_profile = record_profile
-            group.pending = self.pending
+            group.comm = self.comm
             self._install(group)
         # model.state_dict() (and so DCP's get_state_dict) reads every weight current.
         self.handles.append(model.register_state_dict_pre_hook(self._before_state_dict))
@@ -191,7 +192,17 @@ class DedicatedRuntime(RuntimeStepSide):
             # A state-dict load (DCP's set_state_dict, model.load_state_dict) writes the global
             # owners' masters on every rank at once: the next forward publishes them first.
             self.handles.append(model.register_load_state_dict_post_hook(self._after_load))
-            self.pending.watch()
+            self.comm.watch()
+
+    @property
+    def pending(self) -> PendingUpdates:
+        """The one queue of pending updates (``self.comm.pending``)."""
+        return self.comm.pending
+
+    @property
+    def forward_order(self) -> list[DedicatedGroup]:
+        """The groups by forward start (first forward): ``self.comm.forward_order``."""
+        return self.comm.forward_order
 
     # ------------------------------------------------------------------ registry API
     def param_names(self) -> list[str]:
@@ -207,8 +218,8 @@ class DedicatedRuntime(RuntimeStepSide):
     def attach_tp(self, stage) -> None:
         self.tp = stage
         stage.record_profile = self.record_profile
-        stage.queue = self.pending
-        self.pending.watch()  # its deferred scatters are pending updates
+        stage.pending = self.pending
+        self.comm.watch()  # its deferred scatters are pending updates
 
     def _before_state_dict(self, *_args, **_kwargs) -> None:
         self.pending.drain()

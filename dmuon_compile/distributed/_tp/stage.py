@@ -105,7 +105,7 @@ class TPStage:
     params: list[TPDedicatedParam]
     deferrable: bool  # False with HSDP: the replicate publish needs the applied weights
     group_of: dict[int, int] = field(default_factory=dict)  # id(param) -> id(hook group)
-    queue: object = None  # the runtime's pending updates (``_pending.py``): deferred scatters
+    pending: object = None  # the runtime's pending updates (``_pending.py``): deferred scatters
     profile: TPProfile = field(default_factory=TPProfile)
     record_profile: bool = False
     plan: TPPlan | None = None
@@ -270,7 +270,7 @@ class TPStage:
             by_group.setdefault(shard.hook_group, []).append(shard)
         for key, shards in by_group.items():
             if defer and self.deferrable:
-                self.queue.add(key, ScatterUpdates(self, shards))
+                self.pending.add(key, ScatterUpdates(self, shards))
             else:
                 self._apply(shards, forward=False)
 
