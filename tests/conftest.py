@@ -1,10 +1,11 @@
-"""Shared test settings: hypothesis profiles, the GPU marker and the CUDA tier's device."""
+"""Shared test settings: hypothesis profiles, the GPU and slow markers, the CUDA tier's device."""
 
 import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from tiers import NOT_DISTRIBUTED_ENV, is_slow
 
 settings.register_profile(
     "ci",
@@ -28,7 +29,23 @@ def _tier_device() -> str:
     return device
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    unmarked = item.get_closest_marker("distributed") is None
+    if unmarked:
+        os.environ[NOT_DISTRIBUTED_ENV] = item.nodeid
+    try:
+        yield
+    finally:
+        if unmarked:
+            os.environ.pop(NOT_DISTRIBUTED_ENV, None)
+
+
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if is_slow(item.nodeid):
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     tier_on_cpu = _tier_device() == "cpu"

@@ -11,6 +11,10 @@ share one GPU, which exercises CUDA streams, events and the allocator with sever
 one-GPU machine. ``backend="nccl"`` puts rank r on ``cuda:r`` instead (one GPU per rank).
 Inside a worker, :func:`local_device` is the device this rank computes on.
 
+:func:`train_steps` is the training loop the distributed tests share (and their one-process
+references): each global batch's slice for this rank, forward, backward, step, zero_grad, the
+loss averaged over the ranks.
+
 Rendezvous: the launcher (this process) binds a ``TCPStore`` on port 0 and keeps it for the
 whole run; the workers connect to it as clients. No port is ever chosen, released and bound
 again, so two runs (or another program) cannot take each other's port.
@@ -28,6 +32,8 @@ import torch
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 90.0
+# Set by tests/conftest.py while a test without the ``distributed`` marker runs (tests/tiers.py).
+NOT_DISTRIBUTED_ENV = "DMUON_TEST_NOT_DISTRIBUTED"
 DEVICES = ("cpu", "cuda")
 
 
@@ -116,6 +122,12 @@ class _Launch:
 
         if device not in DEVICES:
             raise ValueError(f"device={device!r}: the harness runs ranks on one of {DEVICES}")
+        unmarked = os.environ.get(NOT_DISTRIBUTED_ENV)
+        if unmarked:
+            raise RuntimeError(
+                f"{unmarked} spawns ranks but is not marked @pytest.mark.distributed "
+                '(the fast tier, -m "not distributed and not slow", would run it)'
+            )
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device='cuda' needs a CUDA GPU (DMUON_TIER_DEVICE=cpu runs on CPU)")
         if backend == "nccl" and torch.cuda.device_count() < world_size:
@@ -322,3 +334,62 @@ def full_state(model) -> dict:
         )
         state[dp.fqn] = buf
     return state
+
+
+def _square_mean(model, x):
+    return model(x).square().mean()
+
+
+def train_steps(
+    model,
+    opt,
+    batches,
+    rank: int = 0,
+    world: int = 1,
+    *,
+    device=None,
+    loss_fn=None,
+    on_first_grads=None,
+    after_step=None,
+    between=None,
+    mean: bool = True,
+) -> list[float]:
+    """The distributed tests' training loop: per global batch ``x`` (step ``i``),
+
+    1. this rank's slice ``x[rank * per : (rank + 1) * per]``, ``per = len(x) // world``
+       (``world == 1``: the whole batch; ``rank``/``world`` are the data-parallel rank and size,
+       so TP ranks of one DP rank get the same slice), moved to ``device`` if given;
+    2. ``loss = loss_fn(model, slice)`` (default ``model(slice).square().mean()``), then
+       ``loss.backward()``; after the first backward ``on_first_grads()``;
+    3. ``opt.step()``, ``after_step(i)`` (e.g. a second ``opt.step()``), ``opt.zero_grad()``;
+    4. the step's loss: with ``mean`` the mean over all ranks of the default group (all-reduced
+       sum / group size; the local loss when no process group is up: a one-process reference),
+       without it this rank's own loss; then ``between(i)`` (edits or checks between steps).
+
+    Returns the losses as Python floats."""
+    import torch.distributed as dist
+
+    losses = []
+    for i, x in enumerate(batches):
+        if world > 1:
+            per = x.shape[0] // world
+            x = x[rank * per : (rank + 1) * per]
+        if device is not None:
+            x = x.to(device)
+        loss = (loss_fn or _square_mean)(model, x)
+        loss.backward()
+        if i == 0 and on_first_grads is not None:
+            on_first_grads()
+        opt.step()
+        if after_step is not None:
+            after_step(i)
+        opt.zero_grad()
+        if mean and dist.is_available() and dist.is_initialized():
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / dist.get_world_size())
+        else:
+            losses.append(loss.item())
+        if between is not None:
+            between(i)
+    return losses

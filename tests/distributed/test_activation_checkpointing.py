@@ -25,7 +25,7 @@ import torch
 from dmuon_compile.distributed._dedicated_group import GroupState
 
 from . import models
-from .harness import local_device, run_ranks
+from .harness import local_device, run_ranks, train_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -62,7 +62,6 @@ def _wrap(model) -> None:
 
 
 def _train(rank: int, world: int, config: str, device: str = "cpu"):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -112,17 +111,14 @@ def _train(rank: int, world: int, config: str, device: str = "cpu"):
 
     runtime._end_of_backward = probe
     DedicatedGroup._issue_unshard = counting
-    losses = []
+
+    def counted_loss(model, x):
+        unshards.append(0)  # this step's count
+        return model(x).square().mean()
+
     try:
-        for x in models.batches(STEPS, world):
-            unshards.append(0)
-            per = x.shape[0] // world
-            loss = model(x[rank * per : (rank + 1) * per].to(dev)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            dist.all_reduce(loss.detach())
-            losses.append(loss.item() / world)
+        batches = models.batches(STEPS, world)
+        losses = train_steps(model, opt, batches, rank, world, device=dev, loss_fn=counted_loss)
     finally:
         DedicatedGroup._issue_unshard = issue
     state = {

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, run_ranks
+from .harness import full_state, run_ranks, train_steps
 from .test_dedicated_training import HYPER, _ns
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
@@ -57,16 +57,14 @@ def reference(dp: int, steps: int = STEPS):
     opt = _muon(model, predicate=models.proj_predicate)
     names = [n for n, p in model.named_parameters() if models.proj_predicate(n, p)]
     params = dict(model.named_parameters())
-    after, losses = [], []
-    for i, x in enumerate(models.batches(steps, dp)):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    after = []
+
+    def keep_then_edit(i):
         after.append({n: params[n].detach().clone() for n in names})
         for n in names:
             _edit(i, params[n])
+
+    losses = train_steps(model, opt, models.batches(steps, dp), between=keep_then_edit)
     return losses, after, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -112,7 +110,6 @@ def train(rank, world, layout, replicate_async, ref_after, skip=None, steps=STEP
     """The distributed run: per step the read errors against ``ref_after``; losses, final state.
 
     ``skip``: a control that removes one part of the mechanism under test (see the tests)."""
-    import torch.distributed as dist
 
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
@@ -127,16 +124,8 @@ def train(rank, world, layout, replicate_async, ref_after, skip=None, steps=STEP
     names = runtime.param_names()
     params = dict(model.named_parameters())
     errors = {"full_tensor": 0.0, "dmuon.full_tensor": 0.0, "to_local": 0.0}
-    losses = []
-    for i, x in enumerate(models.batches(steps, dp)):
-        per = x.shape[0] // dp
-        loss = model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+
+    def read_then_edit(i):
         for n in names:  # the same collectives in the same order on every rank
             ref, p = ref_after[i][n], params[n]
             errors["to_local"] = max(errors["to_local"], _local_error(p, ref))
@@ -145,8 +134,12 @@ def train(rank, world, layout, replicate_async, ref_after, skip=None, steps=STEP
                 errors[how] = max(errors[how], (got.detach() - ref).abs().max().item())
         for n in names:
             _edit(i, params[n])
+
+    batches = models.batches(steps, dp)
+    losses = train_steps(model, opt, batches, dp_rank, dp, between=read_then_edit)
     # The last edit reaches the replicas with the next forward (its backward reshards FSDP2).
-    model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
+    per = batches[-1].shape[0] // dp
+    model(batches[-1][dp_rank * per : (dp_rank + 1) * per]).square().mean().backward()
     opt.zero_grad()
     if layout.startswith("tp"):
         from .test_tp import _whole_state

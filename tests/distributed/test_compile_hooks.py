@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, run_ranks
+from .harness import full_state, run_ranks, train_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -41,15 +41,8 @@ def _train(model, rank: int, world: int, steps: int = STEPS):
         predicate=models.proj_predicate,
         ns_backend=dmuon.NewtonSchulz(kernel="cublas", work_dtype=torch.float32),
     )
-    losses = []
-    for x in models.batches(steps, world):
-        per = x.shape[0] // world
-        loss = model(x[rank * per : (rank + 1) * per]).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach().clone())
-    return torch.stack(losses), full_state(model)
+    losses = train_steps(model, opt, models.batches(steps, world), rank, world, mean=False)
+    return torch.tensor(losses), full_state(model)
 
 
 def _block_compile(rank, world, control: bool):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import run_ranks
+from .harness import run_ranks, train_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -43,15 +43,7 @@ def _changed(before: dict, model) -> list[str]:
 
 
 def _train(model, opt, rank: int, world: int, steps: int = 2) -> list[float]:
-    losses = []
-    for x in models.batches(steps, world):
-        per = x.shape[0] // world
-        loss = model(x[rank * per : (rank + 1) * per]).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses
+    return train_steps(model, opt, models.batches(steps, world), rank, world, mean=False)
 
 
 def _refused_then_trains(rank, world):

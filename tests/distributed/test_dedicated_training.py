@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, local_device, run_ranks
+from .harness import full_state, local_device, run_ranks, train_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -52,22 +52,19 @@ def reference(world: int, steps: int = STEPS, device: str = "cpu"):
     opt = dmuon.Muon(
         model, predicate=models.proj_predicate, ns_backend=_ns(), **_muon_kwargs(device)
     )
-    losses, first_grads = [], {}
-    for x in models.batches(steps, world):
-        x = x.to(device)
-        loss = model(x).square().mean()
-        loss.backward()
-        if not first_grads:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    first_grads = {}
+
+    def keep_first_grads():
+        first_grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    losses = train_steps(
+        model, opt, models.batches(steps, world), device=device, on_first_grads=keep_first_grads
+    )
     state = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return losses, state, {n: g.cpu() for n, g in first_grads.items()}
 
 
 def train_distributed(rank: int, world: int, steps: int, profile: bool, device: str = "cpu"):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -89,19 +86,20 @@ def train_distributed(rank: int, world: int, steps: int, profile: bool, device: 
                 "muon" if group["use_muon"] else "adamw",
                 hasattr(p, "to_local"),
             )
-    losses, first_grads = [], None
-    for x in models.batches(steps, world):
-        x = x.to(dev)
-        per = x.shape[0] // world
-        loss = model(x[rank * per : (rank + 1) * per]).square().mean()
-        loss.backward()
-        if first_grads is None:  # the owner holds the full gradient averaged over ranks
-            first_grads = {n: g.clone() for n, g in models.owned_grads(model).items()}
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    first_grads = {}
+
+    def keep_first_grads():  # the owner holds the full gradient averaged over ranks
+        first_grads.update({n: g.clone() for n, g in models.owned_grads(model).items()})
+
+    losses = train_steps(
+        model,
+        opt,
+        models.batches(steps, world),
+        rank,
+        world,
+        device=dev,
+        on_first_grads=keep_first_grads,
+    )
     out = {
         "owners": owners,
         "losses": losses,

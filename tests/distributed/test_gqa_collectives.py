@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import full_state, local_device, run_ranks
+from .harness import full_state, local_device, run_ranks, train_steps
 from .test_dedicated_training import _muon_kwargs, _ns
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
@@ -126,18 +126,11 @@ def reference(world: int, steps: int = STEPS, device: str = "cpu"):
     opt = dmuon.Muon(
         model, predicate=models.proj_predicate, ns_backend=_ns(), **_muon_kwargs(device)
     )
-    losses = []
-    for x in models.batches(steps, world, dim=models.GQA_D):
-        loss = model(x.to(device)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, opt, models.batches(steps, world, dim=models.GQA_D), device=device)
     return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def train(rank: int, world: int, steps: int, calls: list, device: str = "cpu") -> dict:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -152,16 +145,8 @@ def train(rank: int, world: int, steps: int, calls: list, device: str = "cpu") -
     fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, ns_backend=_ns(), **_muon_kwargs(device))
     calls.clear()  # count from the first forward on
-    losses = []
-    for x in models.batches(steps, world, dim=models.GQA_D):
-        per = x.shape[0] // world
-        loss = model(x[rank * per : (rank + 1) * per].to(dev)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    batches = models.batches(steps, world, dim=models.GQA_D)
+    losses = train_steps(model, opt, batches, rank, world, device=dev)
     return {
         "calls": [dict(c) for c in calls],
         "losses": losses,

@@ -18,7 +18,7 @@ import torch
 from dmuon_compile.distributed._dedicated_group import GroupState
 
 from . import models
-from .harness import full_state, local_device, run_ranks, run_ranks_expect_errors
+from .harness import full_state, local_device, run_ranks, run_ranks_expect_errors, train_steps
 from .test_dedicated_training import HYPER, _ns, train_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
@@ -43,17 +43,17 @@ def reference(
     """One process, the whole global batch (the same sequence of steps)."""
     model = models.build_llama(layers=layers).to(device)
     opt = _muon(model, predicate=models.proj_predicate)
-    losses, first = [], None
-    for i, x in enumerate(models.batches(steps, world)):
-        loss = model(x.to(device)).square().mean()
-        loss.backward()
-        if first is None:
-            first = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        if i == double_at:
-            opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    first = {}
+    losses = train_steps(
+        model,
+        opt,
+        models.batches(steps, world),
+        device=device,
+        on_first_grads=lambda: first.update(
+            {n: p.grad.clone() for n, p in model.named_parameters()}
+        ),
+        after_step=lambda i: opt.step() if i == double_at else None,
+    )
     state = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return losses, state, {n: g.cpu() for n, g in first.items()}
 
@@ -72,7 +72,6 @@ def train_hsdp(
     """``compile_cache``: a directory for this rank's Inductor cache, and ``compile=True``."""
     import os
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -94,21 +93,25 @@ def train_hsdp(
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(compile_cache, f"inductor-{rank}")
     opt = _muon(model, compile=compile_cache is not None, replicate_async=replicate_async)
     runtime = dedicated_runtime(model)
-    losses, first, in_flight = [], None, []
-    for i, x in enumerate(models.batches(steps, world)):
-        per = x.shape[0] // world
-        loss = model(x[rank * per : (rank + 1) * per].to(dev)).square().mean()
-        loss.backward()
-        if first is None:
-            first = {n: g.clone() for n, g in models.owned_grads(model).items()}
-        opt.step()
+    first, in_flight = {}, []
+
+    def after_step(i):
         in_flight.append(runtime.pending_collectives())
         if i == double_at:
             opt.step()  # no forward in between: the second step drains the first one's publish
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+
+    losses = train_steps(
+        model,
+        opt,
+        models.batches(steps, world),
+        rank,
+        world,
+        device=dev,
+        on_first_grads=lambda: first.update(
+            {n: g.clone() for n, g in models.owned_grads(model).items()}
+        ),
+        after_step=after_step,
+    )
     # the Muon matrices this rank holds whole: the ones its step runs Newton–Schulz on
     muon_params = [
         opt.param_name(p)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import local_device, run_ranks
+from .harness import local_device, run_ranks, train_steps
 from .test_dedicated_training import HYPER, _ns
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(200)]
@@ -49,16 +49,16 @@ def _reference(dp: int):
     """One process, the global batch of ``dp`` ranks: losses, final weights, first grad norm."""
     model = models.build_llama()
     opt = _muon_reference(model)
-    losses, norm = [], None
-    for x in models.batches(STEPS, dp):
-        loss = model(x).square().mean()
-        loss.backward()
-        if norm is None:
-            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), BIG))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norm
+    norm = []
+    losses = train_steps(
+        model,
+        opt,
+        models.batches(STEPS, dp),
+        on_first_grads=lambda: norm.append(
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), BIG))
+        ),
+    )
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norm[0]
 
 
 def _muon_reference(model):
@@ -68,23 +68,18 @@ def _muon_reference(model):
 
 
 def _train(model, dp_rank: int, dp: int, world: int):
-    import torch.distributed as dist
-
+    """Losses (the mean over all ``world`` ranks) and the first step's gradient norm."""
     opt = _muon(model)
-    losses, norm = [], None
-    for x in models.batches(STEPS, dp):
-        per = x.shape[0] // dp
-        loss = model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean()
-        loss.backward()
-        if norm is None:  # torch's own clip over FSDP2 and dedicated parameters together
-            total = torch.nn.utils.clip_grad_norm_(model.parameters(), BIG)
-            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-    return losses, norm
+    norm = []
+
+    def first_norm():  # torch's own clip over FSDP2 and dedicated parameters together
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), BIG)
+        norm.append(float(total.full_tensor() if hasattr(total, "full_tensor") else total))
+
+    losses = train_steps(
+        model, opt, models.batches(STEPS, dp), dp_rank, dp, on_first_grads=first_norm
+    )
+    return losses, norm[0]
 
 
 def _hsdp_titan(rank, world):

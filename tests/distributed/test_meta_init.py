@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import run_ranks
+from .harness import run_ranks, train_steps
 from .test_dedicated_training import HYPER, _ns
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
@@ -211,7 +211,6 @@ def build(rank, world, layout: str, stages: list):
 
 
 def meta_run(rank, world, layout: str):
-    import torch.distributed as dist
 
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
@@ -255,17 +254,8 @@ def meta_run(rank, world, layout: str):
     opt = dmuon.Muon(model, ns_backend=_ns(), compile=False, **HYPER)
     dp_rank = rank // 2 if layout == "tp" else rank
     dp_size = 2 if layout == "tp" else world
-    losses = []
-    for x in batches:
-        per = x.shape[0] // dp_size
-        loss = model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # TP ranks hold the same loss: the mean over all is the DP mean
-        losses.append(mean.item() / world)
-    out["losses"] = losses
+    # TP ranks hold the same loss: the mean over all ranks is the DP mean
+    out["losses"] = train_steps(model, opt, batches, dp_rank, dp_size)
     state = dmuon.get_model_state_dict(model)  # collective; rank 0 gets it
     out["state"] = state if rank == 0 else {}
 
@@ -300,13 +290,7 @@ def reference(global_batch_ranks: int):
     opt = dmuon.Muon(
         model, predicate=models.proj_predicate, ns_backend=_ns(), compile=False, **HYPER
     )
-    losses = []
-    for x in models.batches(STEPS, global_batch_ranks, dim=DIMS["dim"]):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, opt, models.batches(STEPS, global_batch_ranks, dim=DIMS["dim"]))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from . import moe_models
-from .harness import full_state, run_ranks
+from .harness import full_state, run_ranks, train_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -46,13 +46,8 @@ def reference(world: int, flattened: bool = False, device: str = "cpu"):
             return dmuon.default_muon_predicate(name, p)
 
     opt = dmuon.Muon(model, ns_backend=_ns(), predicate=predicate, **HYPER)
-    losses = []
-    for x in moe_models.expert_batches(moe_models.build_moe(), STEPS, world):
-        loss = _loss(model, x.to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    batches = moe_models.expert_batches(moe_models.build_moe(), STEPS, world)
+    losses = train_steps(model, opt, batches, device=device, loss_fn=_loss)
     return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
@@ -239,13 +234,9 @@ def _build_ep(world: int, ep: int):
 
 
 def _step(model, opt, x, rank, world):
-    loss = _loss(model, x.chunk(world)[rank])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    summed = loss.detach().clone()
-    torch.distributed.all_reduce(summed)
-    return summed.item() / world
+    """One step on this rank's slice of the global batch ``x``; the loss averaged over ranks."""
+    (loss,) = train_steps(model, opt, [x], rank, world, loss_fn=_loss)
+    return loss
 
 
 def save_then_step(rank: int, world: int, ep: int, folder: str):

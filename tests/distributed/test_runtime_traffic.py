@@ -129,6 +129,7 @@ def _one_backward(rank: int, world: int, hsdp: bool = False) -> dict:
     }
 
 
+@pytest.mark.distributed  # spawns 1 and 2 gloo ranks
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_runtime_writes_each_weight_once_per_unshard_and_per_reduce(world):
     for got in run_ranks(_one_backward, world, timeout=120):
@@ -154,6 +155,7 @@ def test_the_runtime_writes_each_weight_once_per_unshard_and_per_reduce(world):
             assert finish == ({"aten.div.Tensor": got["owned"]} if got["owned"] else {}), finish
 
 
+@pytest.mark.distributed  # spawns 2 gloo ranks
 def test_hsdp_global_owners_divide_once_and_one_rank_shards_gather_nothing():
     """HSDP 2×1: the shard groups have one rank (no shard collective); the replicate reduce's
     global owner divides its sum once, into the gradient (no copy of it first)."""

@@ -3,6 +3,8 @@ whose dispatch costs host time per op and parameter while the GPU waits."""
 
 from __future__ import annotations
 
+import pytest
+
 from . import models
 from .harness import run_ranks
 
@@ -35,6 +37,7 @@ def _adamw_inputs(rank: int, world: int) -> dict:
     return {"dtensor": [flag for flags in seen for flag in flags], "registered": registered}
 
 
+@pytest.mark.distributed  # spawns 2 gloo ranks
 def test_the_adamw_part_runs_on_local_tensors():
     for got in run_ranks(_adamw_inputs, 2, timeout=90):
         assert got["registered"] and all(got["registered"])  # FSDP2 holds them as DTensors

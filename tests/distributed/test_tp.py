@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import local_device, run_ranks, run_ranks_expect_errors, whole_tensor
+from .harness import local_device, run_ranks, run_ranks_expect_errors, train_steps, whole_tensor
 from .test_dedicated_training import HYPER, _ns
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
@@ -51,15 +51,13 @@ def reference(dp: int, steps: int = STEPS, double_at: int | None = None, device:
     """One process: the same model, the whole global batch (dp × 2 samples), reference Muon."""
     model = models.build_llama().to(device)
     opt = _muon(model, predicate=models.proj_predicate)
-    losses = []
-    for i, x in enumerate(models.batches(steps, dp)):
-        loss = model(x.to(device)).square().mean()
-        loss.backward()
-        opt.step()
-        if i == double_at:
-            opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(
+        model,
+        opt,
+        models.batches(steps, dp),
+        device=device,
+        after_step=lambda i: opt.step() if i == double_at else None,
+    )
     return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
@@ -157,7 +155,6 @@ def train_tp(
     device="cpu",
 ):
     """``compile_cache``: a directory for this rank's Inductor cache, and ``compile=True``."""
-    import torch.distributed as dist
 
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
@@ -180,19 +177,16 @@ def train_tp(
     if compile_cache is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(compile_cache, f"inductor-{rank}")
     opt = _muon(model, compile=compile_cache is not None, replicate_async=replicate_async)
-    losses = []
-    for i, x in enumerate(models.batches(steps, dp)):
-        per = x.shape[0] // dp
-        loss = model(x[dp_rank * per : (dp_rank + 1) * per].to(local_device(device)))
-        loss = loss.square().mean()
-        loss.backward()
-        opt.step()
-        if i == double_at:
-            opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # TP ranks hold the same loss: the mean over all is the DP mean
-        losses.append(mean.item() / world)
+    # TP ranks hold the same loss: the mean over all ranks is the DP mean
+    losses = train_steps(
+        model,
+        opt,
+        models.batches(steps, dp),
+        dp_rank,
+        dp,
+        device=local_device(device),
+        after_step=lambda i: opt.step() if i == double_at else None,
+    )
     out = {
         "losses": losses,
         "state": _whole_state(model),

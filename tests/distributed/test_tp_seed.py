@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from . import models
-from .harness import run_ranks
+from .harness import run_ranks, train_steps
 from .test_tp import tp_plan
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -23,7 +23,6 @@ REPLICATE, SHARD, TP = 2, 1, 2
 
 
 def _seed_run(rank, world, replicate_async=False):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -44,16 +43,7 @@ def _seed_run(rank, world, replicate_async=False):
     optimizer.replicate_async = replicate_async  # the same run with the async publish
     dp_rank = mesh["replicate"].get_local_rank() * SHARD + mesh["shard"].get_local_rank()
     dp = REPLICATE * SHARD
-    losses = []
-    for x in models.batches(STEPS, dp):
-        per = x.shape[0] // dp
-        loss = model(x[dp_rank * per : (dp_rank + 1) * per]).square().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    losses = train_steps(model, optimizer, models.batches(STEPS, dp), dp_rank, dp)
     routes = dmuon.summarize_param_groups(model, optimizer)["counts_by_route"]
     return {"losses": losses, "routes": routes}
 
@@ -64,13 +54,7 @@ def test_seed_hsdp_tp_lines_run_and_match_one_process():
     results = run_ranks(_seed_run, REPLICATE * SHARD * TP)
     model = models.build_llama()
     opt = dmuon.Muon(model, lr=0.02)
-    ref = []
-    for x in models.batches(STEPS, REPLICATE * SHARD):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    ref = train_steps(model, opt, models.batches(STEPS, REPLICATE * SHARD))
     for res in results:
         assert res["routes"]["dedicated/muon"] == 7 * models.LAYERS
         for got, want in zip(res["losses"], ref):

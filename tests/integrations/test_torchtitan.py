@@ -184,6 +184,7 @@ def _check_against_one_process(results, dp):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref), rtol=1e-4, atol=0)
 
 
+@pytest.mark.distributed  # spawns 2 gloo ranks
 def test_torchtitan_llama_fsdp_and_tp_train_like_one_process_and_resume(tmp_path):
     """2 ranks: 1-D FSDP with a checkpoint resume, and TP 2 through torchtitan's own
     ``parallelize_llama`` (its sharding config, vocab-sharded logits) without sequence
@@ -208,6 +209,7 @@ def test_torchtitan_llama_fsdp_and_tp_train_like_one_process_and_resume(tmp_path
     _check_against_one_process([r["tp"] for r in results], 1)
 
 
+@pytest.mark.distributed  # spawns 4 gloo ranks
 def test_torchtitan_llama_hsdp_and_dp_tp_train_like_one_process(tmp_path):
     """4 ranks: HSDP (dp_replicate 2 × fsdp 2) and fsdp 2 × TP 2 (sequence parallel, as
     torchtitan's default) on torchtitan's meshes."""
