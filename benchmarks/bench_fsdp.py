@@ -346,7 +346,7 @@ def iteration_flops(model, batch, seq):
     return 3 * per_token * layers * batch * seq
 
 
-def tp_plan(layers):
+def tp_owners(layers):
     """Megatron/torchtitan's Llama plan: q/k/v and gate/up column-parallel, o/down row-parallel
     (one all-reduce after attention and one after the MLP); norms stay replicated over TP."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -469,7 +469,7 @@ def build(config, args, meshes, device):
     if tp_mesh is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(model, tp_mesh, tp_plan(layers))
+        parallelize_module(model, tp_mesh, tp_owners(layers))
     cuda = device.type == "cuda"
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -787,7 +787,7 @@ def main(argv=None):
             keep = {k: v for k, v in plan.items() if k not in ("matrices", "scatter_async")}
             # the configuration's choice: the scatter left in flight for the next forward or not
             keep["replicate_async"] = bool(built[c][1].replicate_async)
-            replicate_info[c] = {"tp_plan": keep}
+            replicate_info[c] = {"tp_owners": keep}
             prof = dmuon.collect_forward_unshard_profile(built[c][0], synchronize=True)
             if prof.get("enabled") and "tp" in prof:
                 # forward waits that applied a pending update scatter, and how many of them
@@ -986,8 +986,8 @@ def main(argv=None):
             )
             if "replicate_profile" in r:
                 print(f"  {c} replicate stage: {json.dumps(r['replicate_profile'])}")
-            if "tp_plan" in r:
-                print(f"  {c} TP stage: {json.dumps(r['tp_plan'])}")
+            if "tp_owners" in r:
+                print(f"  {c} TP stage: {json.dumps(r['tp_owners'])}")
             if "tp_profile" in r:
                 print(f"  {c} TP scatter waits at forward: {json.dumps(r['tp_profile'])}")
         print(

@@ -618,7 +618,7 @@ def dry_run(
     split_rows = []
     plan = planned.plan
     entries = plan.entries if plan is not None else []
-    tp_owner = planned.tp_plan.tp_owner if planned.tp_plan is not None else {}
+    tp_owner = planned.tp_owners.tp_owner if planned.tp_owners is not None else {}
     groups: dict[tuple, list[tuple[str, int, int]]] = {}  # key -> [(fqn, shard owner, numel)]
     column_numel: dict[tuple, dict[tuple[int, int], int]] = {}  # per group: (shard, rep) -> n
     for e in entries:

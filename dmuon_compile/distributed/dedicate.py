@@ -249,7 +249,7 @@ class DedicatedPlan:
     # owners over replicate_size × world_size ranks (replicate_size set); ``None``: nothing
     # was selected
     plan: OwnerPlan | None
-    tp_plan: _tp.TPPlan | None = None
+    tp_owners: _tp.TPOwners | None = None
     tp_fqns: set[str] = field(default_factory=set)
 
     def owners(self) -> dict[str, int]:
@@ -298,7 +298,7 @@ def _plan_selected(
     if tp_size is None:
         kwargs = {} if ns is None else {"ns": ns}
         plan = plan_owners(specs, ranks, layer_id_fn=layer_id_fn, split_size=split_size, **kwargs)
-        tp_plan = None
+        tp_owners = None
     else:  # owners over DP × TP slots: shard t of a matrix has the same DP owner on every t
         if split_size != 1:
             raise NotImplementedError(
@@ -306,12 +306,12 @@ def _plan_selected(
                 "data-parallel owners only; plan with split_size=1"
             )
         kwargs = {} if ns is None else {"ns": ns}
-        plan, tp_plan = _tp.plan_tp_owners(
+        plan, tp_owners = _tp.plan_tp_owners(
             specs, ranks, tp_size, tp_fqns, layer_id_fn=layer_id_fn, **kwargs
         )
     plan.replicate_size = replicate_size
     return DedicatedPlan(
-        selected, module_of, layouts, boundaries, specs, plan, tp_plan, set(tp_fqns)
+        selected, module_of, layouts, boundaries, specs, plan, tp_owners, set(tp_fqns)
     )
 
 
@@ -499,7 +499,7 @@ def dedicate_params(
         split_size=split_size,
     )
     module_of, layouts = planned.module_of, planned.layouts
-    plan, tp_plan = planned.plan, planned.tp_plan
+    plan, tp_owners = planned.plan, planned.tp_owners
 
     # A model built on the meta device: each owner allocates its masters here (uninitialised,
     # like model.to_empty); nothing else of a dedicated weight is ever allocated whole.
@@ -538,10 +538,11 @@ def dedicate_params(
         attr = name.rsplit(".", 1)[-1]
         param_dtype, reduce_dtype = resolve_dtypes(p.dtype, param_policy, compute_dtype)
         rep_owner, owner = divmod(owners[name], world)
-        if tp is not None and name in tp_plan.tp_owner:
+        if tp is not None and name in tp_owners.tp_owner:
+            group_ranks = _tp.owner_group_ranks(tp, rank_grid, rep_owner, owner)
             dp = _tp.make_tp_param(
                 name, module, attr, owner, p, p.dtype, param_dtype, rep_owner,
-                tp_plan.tp_owner[name], tp, _tp.owner_group_ranks(tp, rank_grid, rep_owner, owner),
+                tp_owners.tp_owner[name], tp, group_ranks,
             )  # fmt: skip
             if owner == rank:
                 initial[name] = _whole_on(p.to_local(), device)
@@ -613,7 +614,7 @@ def dedicate_params(
         model, plan, params, groups, mesh, rank, world, record, replicate_mesh
     )
     if tp is not None:
-        runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_plan, params, groups, replicas > 1))
+        runtime.attach_tp(_tp.build_stage(tp, tp_pg, tp_owners, params, groups, replicas > 1))
     # Every rank creates every split group, in the plan's order (new_group is collective).
     runtime.split = build_split_groups(
         plan, {dp.fqn: dp.param for dp in params}, rank_grid, timeout

@@ -209,9 +209,9 @@ def _tp_summary(runtime) -> dict | None:
     if stage is None:
         return None
     out = stage.summary(runtime)
-    if stage.plan is not None:
-        out["balance"] = stage.plan.balance()
-        out["ns_flops_per_slot"] = {str(k): v for k, v in enumerate(stage.plan.slot_flops)}
+    if stage.owners is not None:
+        out["balance"] = stage.owners.balance()
+        out["ns_flops_per_slot"] = {str(k): v for k, v in enumerate(stage.owners.slot_flops)}
     return out
 
 

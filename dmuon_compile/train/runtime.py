@@ -18,7 +18,7 @@ the process group when there is more than one process.
 
 With ``--tp T`` the processes form the mesh ``(world / T, T)`` named ``("dp", "tp")``; every
 block's attention and MLP projections are made column-parallel in (q/k/v, gate/up) and
-row-parallel out (o, down) by ``parallelize_module`` on ``mesh["tp"]`` (:func:`tp_plan`) before
+row-parallel out (o, down) by ``parallelize_module`` on ``mesh["tp"]`` (:func:`tp_owners`) before
 anything else, then ``dedicate_params`` and ``fully_shard`` run over ``mesh["dp"]``. The ranks
 of one TP group read the same rows of the global batch (:attr:`DistEnv.dp_rank`).
 
@@ -309,7 +309,7 @@ def _fully_shard(
     fully_shard(model, **kwargs)
 
 
-def tp_plan(model: nn.Module) -> dict:
+def tp_owners(model: nn.Module) -> dict:
     """The demo's TP plan (torchtitan's for Llama): q/k/v and gate/up column-parallel, o/down
     row-parallel; embeddings, norms and the head stay replicated over TP."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -363,7 +363,7 @@ def parallelize(
 
         if not dedicate and optimizer != "adamw":
             raise ValueError("--no-dedicate has no TP version: drop --tp or --no-dedicate")
-        parallelize_module(model, env.tp_mesh, tp_plan(model))
+        parallelize_module(model, env.tp_mesh, tp_owners(model))
         tp = f"TP {env.tp} + "
     if optimizer == "adamw":
         _fully_shard(model, env.mesh, precision=precision)

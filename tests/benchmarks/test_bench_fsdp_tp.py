@@ -44,7 +44,7 @@ def test_check_tp_accepts(tp, world, model):
 
 
 def test_tp_plan_covers_every_projection():
-    plan = bench.tp_plan(2)
+    plan = bench.tp_owners(2)
     names = {n.split(".")[-1] for n in plan}
     assert len(plan) == 14 and names == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
@@ -96,11 +96,11 @@ def test_bench_tp2_on_two_processes(tmp_path):
     assert res["1d_adamw"]["tax_against"] == "1d_adamw" and res["1d_adamw"]["muon_tax"] == 0
     assert res["ours_eager"]["tax_against"] == "adamw"
     # NS once per matrix across the TP group: rank 0 runs half of the 2 layers' 14 matrices.
-    assert res["ours_eager"]["tp_plan"]["ns_matrices_here"] == 7
-    assert res["ours_eager"]["tp_plan"]["gather_bytes_per_step"] > 0
+    assert res["ours_eager"]["tp_owners"]["ns_matrices_here"] == 7
+    assert res["ours_eager"]["tp_owners"]["gather_bytes_per_step"] > 0
     # Async: forwards applied pending scatters; the sync control applied them inside step().
-    assert res["ours_eager"]["tp_plan"]["replicate_async"] is True
-    assert res["ours_eager_sync"]["tp_plan"]["replicate_async"] is False
+    assert res["ours_eager"]["tp_owners"]["replicate_async"] is True
+    assert res["ours_eager_sync"]["tp_owners"]["replicate_async"] is False
     assert res["ours_eager"]["tp_profile"]["waits"] > 0
     assert res["ours_eager_sync"]["tp_profile"]["waits"] == 0
     assert res["ours_eager"]["tp_profile"]["scatters"] > 0

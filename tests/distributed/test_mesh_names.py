@@ -111,11 +111,11 @@ def _tp_titan(rank, world):
 
     import dmuon_compile as dmuon
 
-    from .test_tp import _whole_state, tp_plan
+    from .test_tp import _whole_state, tp_owners
 
     dense, loading = _titan_meshes(world, 1, 2)
     model = models.build_llama().to(local_device("cpu"))
-    parallelize_module(model, loading["tp"], tp_plan())  # ParallelDims.get_mesh("tp")
+    parallelize_module(model, loading["tp"], tp_owners())  # ParallelDims.get_mesh("tp")
     fsdp = dense["fsdp"]
     dmuon.dedicate_params(model, fsdp, predicate=models.proj_predicate)
     for block in model.layers:

@@ -84,9 +84,9 @@ def _share(shapes: dict, owners: dict, layout: str, coords: dict) -> tuple[int, 
 
 
 def _tp_plan():
-    from .test_tp import tp_plan
+    from .test_tp import tp_owners
 
-    return tp_plan(layers=DIMS["layers"])
+    return tp_owners(layers=DIMS["layers"])
 
 
 def init_weights(model, whole_matrices: bool = True) -> list[str]:

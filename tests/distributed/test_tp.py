@@ -26,7 +26,7 @@ REL = 1e-5  # per-step loss, relative
 WEIGHT_ATOL = 2e-4
 
 
-def tp_plan(layers: int = models.LAYERS, attention: bool = True) -> dict:
+def tp_owners(layers: int = models.LAYERS, attention: bool = True) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
@@ -113,14 +113,14 @@ def build_tp(
     model = models.build_llama().to(local_device(device))
     if replicas == 1:
         mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
-        parallelize_module(model, mesh["tp"], tp_plan(attention=attention))
+        parallelize_module(model, mesh["tp"], tp_owners(attention=attention))
         dmuon.dedicate_params(model, mesh["dp"], predicate=predicate)
         fsdp_mesh, dp_rank = mesh["dp"], mesh["dp"].get_local_rank()
     else:
         mesh = init_device_mesh(
             device, (replicas, dp // replicas, tp), mesh_dim_names=("replicate", "shard", "tp")
         )
-        parallelize_module(model, mesh["tp"], tp_plan(attention=attention))
+        parallelize_module(model, mesh["tp"], tp_owners(attention=attention))
         dmuon.dedicate_params(
             model,
             mesh["shard"],
@@ -279,7 +279,7 @@ def _unnamed_mesh(rank, world):
 
     model = models.build_llama()
     mesh = init_device_mesh("cpu", (world,))  # no mesh_dim_names
-    parallelize_module(model, mesh, tp_plan())
+    parallelize_module(model, mesh, tp_owners())
     dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate)
 
 

@@ -25,7 +25,7 @@ import torch
 from . import models
 from .harness import run_ranks
 from .test_registered_params import CONTINUE, SAVE_AT, _batches, _build, _global_loss, _opt
-from .test_tp import WEIGHT_ATOL, _muon, build_tp, reference, tp_plan
+from .test_tp import WEIGHT_ATOL, _muon, build_tp, reference, tp_owners
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -39,7 +39,7 @@ def _build_tp(seed: int):
 
     model = models.build_llama(seed=seed)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], tp_plan())
+    parallelize_module(model, mesh["tp"], tp_owners())
     dmuon.dedicate_params(model, mesh["dp"], predicate=models.proj_predicate)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])

@@ -2,7 +2,7 @@
 
 Llama-8B and 70B matrix shapes with TP 8 on 64–512 ranks: the NS load of the most loaded slot
 is within 5% of the mean where whole matrices allow it (64 and 128 ranks: max/mean 1.009–1.044),
-and within 5% of the best possible (``TPPlan.lower_bound``) where they do not: 8B on 256/512
+and within 5% of the best possible (``TPOwners.lower_bound``) where they do not: 8B on 256/512
 ranks (224 matrices: best max/mean 1.95/3.90), 70B on 256 (240 MLP matrices fill 240 slots, so
 a q/o matrix must sit beside one: 1.205) and 512 (1.57); the plan reaches those bounds.
 Shard ``t`` of a matrix has one DP owner for every ``t`` by construction (one slot per matrix).
@@ -26,23 +26,23 @@ TP = 8
 @pytest.mark.parametrize("ranks", [64, 128, 256, 512])
 def test_llama_tp8_balance(model, ranks):
     specs = llama_matrix_specs(**LLAMA[model])
-    dp_plan, tp_plan = plan_tp_owners(specs, ranks // TP, TP, {s.fqn for s in specs})
-    bal = tp_plan.balance()
-    assert len(tp_plan.slot_flops) == ranks
+    dp_plan, tp_owners = plan_tp_owners(specs, ranks // TP, TP, {s.fqn for s in specs})
+    bal = tp_owners.balance()
+    assert len(tp_owners.slot_flops) == ranks
     assert bal["ns_max_over_lower_bound"] <= 1.05, bal
     if bal["best_possible_max_over_mean"] <= 1.0 + 1e-9:  # whole matrices can balance
         assert bal["ns_max_over_mean"] <= 1.05, bal
     # Every matrix has one DP owner and one TP owner; NS cost is counted exactly once.
-    assert set(tp_plan.tp_owner) == {s.fqn for s in specs}
+    assert set(tp_owners.tp_owner) == {s.fqn for s in specs}
     assert all(0 <= e.owner < ranks // TP for e in dp_plan.entries)
     total = sum(e.ns_flops for e in dp_plan.entries)
-    assert abs(sum(tp_plan.slot_flops) - total) <= 1e-6 * total
+    assert abs(sum(tp_owners.slot_flops) - total) <= 1e-6 * total
 
 
 def test_best_possible_is_stated_when_matrices_are_too_few():
     specs = llama_matrix_specs(**LLAMA["8b"])
-    _, tp_plan = plan_tp_owners(specs, 512 // TP, TP, {s.fqn for s in specs})
-    bal = tp_plan.balance()
+    _, tp_owners = plan_tp_owners(specs, 512 // TP, TP, {s.fqn for s in specs})
+    bal = tp_owners.balance()
     # 224 matrices on 512 slots: some slots idle, the best max/mean is largest / mean > 1.
     assert bal["best_possible_max_over_mean"] > 1.5
     assert bal["ns_max_over_lower_bound"] <= 1.0 + 1e-9
@@ -50,9 +50,9 @@ def test_best_possible_is_stated_when_matrices_are_too_few():
 
 def test_plain_matrices_cost_every_tp_slot_of_their_column():
     specs = [MatrixSpec(f"layers.{i}.w", (64, 64)) for i in range(4)]
-    dp_plan, tp_plan = plan_tp_owners(specs, 2, 2, set())
-    assert tp_plan.tp_owner == {}
-    loads = tp_plan.slot_flops
+    dp_plan, tp_owners = plan_tp_owners(specs, 2, 2, set())
+    assert tp_owners.tp_owner == {}
+    loads = tp_owners.slot_flops
     assert loads[0] == loads[1] and loads[2] == loads[3] and loads[0] == loads[2]
     assert sorted(e.owner for e in dp_plan.entries) == [0, 0, 1, 1]
 

@@ -14,7 +14,7 @@ import torch
 
 from . import models
 from .harness import run_ranks, train_steps
-from .test_tp import tp_plan
+from .test_tp import tp_owners
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -30,7 +30,7 @@ def _seed_run(rank, world, replicate_async=False):
     import dmuon_compile as dmuon
 
     model = models.build_llama()
-    plan = tp_plan()
+    plan = tp_owners()
     mesh = init_device_mesh(
         "cpu", (REPLICATE, SHARD, TP), mesh_dim_names=("replicate", "shard", "tp")
     )

@@ -60,7 +60,7 @@ from dmuon_compile.distributed._tp.detect import (
     owner_group_ranks,
 )
 from dmuon_compile.distributed._tp.param import TPDedicatedParam, make_tp_param, owner_tp_mesh
-from dmuon_compile.distributed._tp.plan import TPPlan, plan_tp_owners
+from dmuon_compile.distributed._tp.plan import TPOwners, plan_tp_owners
 from dmuon_compile.distributed._tp.stage import (
     PLAIN_SOURCE,
     ScatterShard,
@@ -80,7 +80,7 @@ __all__ = [
     "TPDedicatedParam",
     "TPDirections",
     "TPInfo",
-    "TPPlan",
+    "TPOwners",
     "TPProfile",
     "TPRow",
     "TPStage",

@@ -1,5 +1,5 @@
 """Owners of a TP model's dedicated weights over the DP × TP slots: LPT on whole-matrix
-Newton–Schulz costs (:func:`plan_tp_owners`), and the balance of the result (:class:`TPPlan`)."""
+Newton–Schulz costs (:func:`plan_tp_owners`), and the balance of the result (:class:`TPOwners`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dmuon_compile.distributed.owner_plan import (
 
 
 @dataclass
-class TPPlan:
+class TPOwners:
     """Owners over the DP × TP slots: ``slot = dp_index * tp_size + tp_rank``."""
 
     dp_size: int
@@ -74,7 +74,7 @@ def plan_tp_owners(
     ns=None,
     layer_id_fn=None,
     improve_rounds: int = 2000,
-) -> tuple[OwnerPlan, TPPlan]:
+) -> tuple[OwnerPlan, TPOwners]:
     """LPT over the ``dp_size × tp_size`` slots; deterministic (a function of the specs).
 
     ``specs`` carry *global* shapes (the NS cost is that of the whole matrix). A matrix in
@@ -148,11 +148,11 @@ def plan_tp_owners(
         )
         for i, s in enumerate(specs)
     ]
-    tp_plan = TPPlan(
+    tp_owners = TPOwners(
         dp_size,
         tp_size,
         {s.fqn: slot_of[i] % tp_size for i, s in enumerate(specs) if s.fqn in tp_fqns},
         [x * total for x in loads],
         [f for f, s in zip(flops, specs) if s.fqn in tp_fqns],
     )
-    return OwnerPlan(world_size=dp_size, entries=entries), tp_plan
+    return OwnerPlan(world_size=dp_size, entries=entries), tp_owners

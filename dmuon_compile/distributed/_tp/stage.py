@@ -19,7 +19,7 @@ from dmuon_compile.distributed import _owner_meshes
 from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._tp.detect import TPInfo, tp_row
 from dmuon_compile.distributed._tp.param import TPDedicatedParam
-from dmuon_compile.distributed._tp.plan import TPPlan
+from dmuon_compile.distributed._tp.plan import TPOwners
 from dmuon_compile.step_phases import PHASE_TP_MOMENTUM, guarded
 from dmuon_compile.trace_labels import NS, TP_GATHER, TP_SCATTER, label
 
@@ -108,7 +108,7 @@ class TPStage:
     pending: object = None  # the runtime's pending updates (``_pending.py``): deferred scatters
     profile: TPProfile = field(default_factory=TPProfile)
     record_profile: bool = False
-    plan: TPPlan | None = None
+    owners: TPOwners | None = None
 
     def __post_init__(self) -> None:
         self.by_param = {id(p.param): p for p in self.params}
@@ -379,7 +379,7 @@ class ScatterUpdates:
             self.stage._apply(shards, forward)
 
 
-def build_stage(info, pg, owners: TPPlan, params, groups, replicated: bool) -> TPStage:
+def build_stage(info, pg, owners: TPOwners, params, groups, replicated: bool) -> TPStage:
     """The model's TP stage (its deferred scatters go to the runtime's queue, ``attach_tp``);
     ``owners``: the TP owners over the DP × TP slots (:func:`plan_tp_owners`)."""
     tp_params = [p for p in params if isinstance(p, TPDedicatedParam)]
@@ -387,7 +387,7 @@ def build_stage(info, pg, owners: TPPlan, params, groups, replicated: bool) -> T
     for g in groups:
         for p in g.params:
             stage.group_of[id(p.param)] = id(g)
-    stage.plan = owners  # ``plan``: the name diagnostics.py reads
+    stage.owners = owners
     _register_owner_meshes(info, params)
     return stage
 
