@@ -382,14 +382,9 @@ def _plan(
 
     order = sorted(range(len(specs)), key=lambda i: (-cost[i], layers[i], specs[i].fqn))
     owner, loads = assign(order, cost, sizes, layers, split, world_size, split_size)
+    # split matrices stay on their group; the others move around them
     movable = [i for i in range(len(specs)) if split[i] is None]
-    if len(movable) == len(specs):
-        improve(owner, cost, loads, improve_rounds)
-    else:  # split matrices stay on their group; the others move around them
-        sub_owner = [owner[i] for i in movable]
-        improve(sub_owner, [cost[i] for i in movable], loads, improve_rounds)
-        for i, r in zip(movable, sub_owner):
-            owner[i] = r
+    improve_some(owner, cost, loads, improve_rounds, movable, improve)
 
     entries = [
         PlanEntry(
@@ -588,6 +583,21 @@ def _apply(members, owner, cost, loads, hi, i, dst, j) -> None:
         owner[j] = hi
         loads[dst] -= cost[j]
         loads[hi] += cost[j]
+
+
+def improve_some(owner, cost, loads, rounds: int, movable: list[int], improve=None) -> None:
+    """``improve`` (default :func:`improve_balance`) moving only the matrices ``movable``; the
+    others keep their owners (their costs stay in ``loads``)."""
+    improve = improve or improve_balance
+    if not movable:
+        return
+    if len(movable) == len(owner):
+        improve(owner, cost, loads, rounds)
+        return
+    sub_owner = [owner[i] for i in movable]
+    improve(sub_owner, [cost[i] for i in movable], loads, rounds)
+    for i, r in zip(movable, sub_owner):
+        owner[i] = r
 
 
 def improve_balance(owner: list[int], cost: list[float], loads: list[float], rounds: int) -> None:

@@ -11,7 +11,7 @@ from dmuon_compile.distributed.owner_plan import (
     OwnerPlan,
     PlanEntry,
     default_layer_key,
-    improve_balance,
+    improve_some,
     ns_cost_fn,
 )
 
@@ -129,14 +129,9 @@ def plan_tp_owners(
         slot_of[i] = k
         lb[k // tp_size] += sizes[i]
         column_bytes[k // tp_size] += sizes[i]
+    # keep the plain matrices' columns fixed; move the TP ones only
     movable = [i for i, s in enumerate(specs) if s.fqn in tp_fqns]
-    if movable and len(movable) == len(specs):
-        improve_balance(slot_of, cost, loads, improve_rounds)
-    elif movable:  # keep the plain matrices' columns fixed; move the TP ones only
-        sub_owner = [slot_of[i] for i in movable]
-        improve_balance(sub_owner, [cost[i] for i in movable], loads, improve_rounds)
-        for i, k in zip(movable, sub_owner):
-            slot_of[i] = k
+    improve_some(slot_of, cost, loads, improve_rounds, movable)
     entries = [
         PlanEntry(
             s.fqn,
