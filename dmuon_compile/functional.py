@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.optim.adamw import adamw as torch_adamw
 
 from dmuon_compile.layouts import Layout
 from dmuon_compile.newton_schulz import DEFAULT_STACK_BYTES, NewtonSchulz, frobenius_norm  # noqa: F401
@@ -442,34 +443,46 @@ def adamw_update(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    commit_if: Tensor | None = None,
 ) -> None:
-    """Decoupled-weight-decay Adam (torch.optim.AdamW's math), in place.
+    """Decoupled-weight-decay Adam (torch.optim.AdamW's math), in place, by torch's fused
+    AdamW kernel.
 
-    ``steps`` are 0-d CPU tensors.
+    ``steps``: 0-d float32 tensors on the parameters' device (the kernel reads them there).
+    ``commit_if`` (a 0-d bool tensor: the step's verdict, still on the device): false leaves
+    every parameter, moment and step count as it was, NaN gradients included, with no host
+    read (the kernel skips its work; the counts take their increment back, as torch's own
+    ``found_inf`` path does).
     """
     if not params:
         return
     lr, weight_decay = hyper(lr), hyper(weight_decay)
     beta1, beta2 = betas
     if torch.compiler.is_compiling():
+        if commit_if is not None:
+            raise ValueError("adamw_update: commit_if is not supported while torch.compile traces")
         _adamw_traced(
             params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay
         )
         return
-    torch._foreach_add_(steps, 1.0)
-    if weight_decay != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
-    # Step counters live on the CPU (as torch.optim.AdamW keeps them by default): no device sync.
-    # The per-parameter bias corrections go in as scalar lists: four foreach calls, not four
-    # launches per parameter (torch.optim.AdamW's foreach body does the same).
-    counts = [float(step.item()) for step in steps]
-    denoms = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**t) for t in counts])
-    torch._foreach_add_(denoms, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1.0 - beta1**t) for t in counts])
+    skipped = None if commit_if is None else (~commit_if).to(torch.float32)
+    torch_adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        fused=True,
+        found_inf=skipped,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=False,
+    )
 
 
 def _adamw_traced(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, wd) -> None:

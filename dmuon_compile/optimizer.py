@@ -199,6 +199,8 @@ class Muon(torch.optim.Optimizer):
         # The compiled Muon steps, one graph each, by StepKey(group position, part): positions
         # survive load_state_dict (it replaces the group dicts, not this attribute).
         self.compiled_steps: dict[StepKey, CompiledMuonStep] = {}
+        # Whether every Muon matrix is compiled (``_defers``), by the groups' sizes.
+        self._compiles_all: tuple[tuple, bool] = ((), False)
 
         muon_defaults = dict(
             use_muon=True,
@@ -316,10 +318,15 @@ class Muon(torch.optim.Optimizer):
                     )
                 state_a.append(state["momentum_buffer"])
             else:
+                # The step count lives on the parameter's device: the fused AdamW kernel reads
+                # it there, and a skipped step takes its increment back there (no host read).
+                device = local_of(grad).device
                 if "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device != device:  # a state saved with host step counts
+                    state["step"] = state["step"].to(device, torch.float32)
                 state_a.append(state["exp_avg"])
                 state_b.append((state["exp_avg_sq"], state["step"]))
 
@@ -373,6 +380,10 @@ class Muon(torch.optim.Optimizer):
 
             opt.step(); opt.step()  # safe: the second step drains the first one's publish
         """
+        # The previous step's verdict, if the compiled step left it on the device: its error
+        # (or skip warning) comes out here, before this step issues anything.
+        if self._agreement.pending is not None:
+            self._agreement.settle()
         with label(STEP):
             plan = _step_plan(self.model)  # the runtime's actions around the step (step_plan.py)
             if plan is PLAIN_STEP:
@@ -401,12 +412,18 @@ class Muon(torch.optim.Optimizer):
         # (eager): the other halves' groups hold DTensors, whose meshes Dynamo cannot pass out.
         tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
         self._agreement.check_finite(_finite_flags(halves), failure)
-        verdict = self._agreement.agree(failure, tp_halves, _deferrable(plan, halves, failure))
+        verdict = self._agreement.agree(failure, tp_halves, self._defers(plan))
         if verdict is False:
             return loss  # skipped (nonfinite_grads="skip")
-        # A deferred verdict stays on the device: the commit selects on it, and it is read
-        # after the commit is enqueued (``settle``), so the GPU is not idle meanwhile.
-        commit_if = verdict.ok if isinstance(verdict, PendingVerdict) else None
+        # A deferred verdict stays on the device: the commit and AdamW select on it and the
+        # host reads it at the next step() (``settle``), never waiting for this step's kernels.
+        pending = verdict if isinstance(verdict, PendingVerdict) else None
+        if pending is not None and pending.failure:
+            # This rank's own work failed: its halves hold placeholders, and the verdict is
+            # known to be false. The commit issues no collective: writing nothing is the same.
+            self._agreement.hold(pending)
+            return loss
+        commit_if = None if pending is None else pending.ok
         # The plan's parts in order, each followed by its action (HSDP: the group the next
         # forward needs first is committed and published first, under the rest of the step).
         for part, part_halves in zip(plan.parts, halves):
@@ -414,14 +431,38 @@ class Muon(torch.optim.Optimizer):
                 self._commit(half, commit_if)
             if part.after is not None:
                 part.after()
-        if commit_if is not None and not self._agreement.settle(verdict):
-            return loss  # skipped: the commit kept every old value
         for job in adamw:
             hypers = {key: job.group[key] for key in ("lr", "betas", "eps", "weight_decay")}
             F.adamw_update(
-                job.params, job.grads, job.exp_avgs, job.exp_avg_sqs, job.steps, **hypers
+                job.params,
+                job.grads,
+                job.exp_avgs,
+                job.exp_avg_sqs,
+                job.steps,
+                **hypers,
+                commit_if=commit_if,
             )
+        if pending is not None:
+            self._agreement.hold(pending)
         return loss
+
+    def _defers(self, plan: StepPlan) -> bool:
+        """Whether this step leaves its verdict on the device (read at the next ``step()``):
+        every Muon matrix is compiled (its commit's select fuses into the commit's kernel; the
+        eager reference reads first), the commit issues no collective (no TP stage, no action
+        after a part), and not under the user's ``torch.compile`` (the commit is traced into
+        their graph). Decided from the configuration alone, so the same on every rank."""
+        if plan.tp is not None or torch.compiler.is_compiling():
+            return False
+        if any(part.after is not None for part in plan.parts):
+            return False
+        key = tuple(len(g["params"]) for g in self.param_groups)
+        if self._compiles_all[0] != key:  # the groups changed (add_param_group): look again
+            from dmuon_compile.compiled_step import compile_enabled
+
+            mats = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
+            self._compiles_all = (key, compile_enabled(self.compile, mats))
+        return self._compiles_all[1]
 
     def _directions(self, plan: StepPlan, jobs: list, failure: list) -> list[list[_StepHalf]]:
         """The first half of the step, per part of ``plan``: the matrices whose NS a group of
@@ -761,6 +802,32 @@ class Muon(torch.optim.Optimizer):
             self._routing.names.update({id(p): n for n, p in self.model.named_parameters()})
         self._routing.layouts = layouts
 
+    def last_step_committed(self) -> bool:
+        """Read the last step's verdict now: ``True`` if it committed, ``False`` if it was
+        skipped (``nonfinite_grads="skip"``, with its warning), or its error
+        (``FloatingPointError``, :class:`MuonStepError`) — on every rank alike.
+
+        The compiled step leaves its verdict on the device and the host reads it at the next
+        ``step()`` (or ``state_dict()``), so the host never waits for the step's kernels; a
+        step that turns out bad has changed nothing anywhere. Call this after the last step
+        of a run, or wherever the answer is wanted at once. ``zero_grad()`` does not read it:
+        it usually follows ``step()`` at once, and reading there would make the host wait.
+
+        Example::
+
+            opt.step()
+            if not opt.last_step_committed():
+                print("skipped: non-finite gradients")
+        """
+        return self._agreement.settle()
+
+    def state_dict(self) -> dict:
+        """``torch.optim.Optimizer.state_dict``, after reading the last step's verdict (a step
+        that did not commit must not leave the state it created in a checkpoint; its error
+        raises here)."""
+        self._agreement.settle()
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict`` after checking that the state fits.
 
@@ -776,6 +843,7 @@ class Muon(torch.optim.Optimizer):
             opt.load_state_dict(opt.state_dict())  # same run, same ranks
         """
         self._between.check_loadable(state_dict, self.param_groups, self.param_name)
+        self._agreement.drop()  # a last step's verdict not read yet: the loaded state replaces it
         super().load_state_dict(state_dict)
 
 
@@ -806,23 +874,6 @@ def _finite_flags(halves: list[list[_StepHalf]]) -> list[FiniteFlags]:
         for h in part_halves
         if h.finite is not None
     ]
-
-
-def _deferrable(plan: StepPlan, halves: list, failure: list) -> bool:
-    """Whether the verdict may be read after the commit: every Muon half commits through its
-    compiled step (a select costs no extra memory traffic there; the eager reference reads
-    first), the commit issues no collective (no TP stage, no action after a part), no local
-    failure, and not under the user's ``torch.compile`` (the commit is traced into their
-    graph)."""
-    if failure or plan.tp is not None or torch.compiler.is_compiling():
-        return False
-    if any(part.after is not None for part in plan.parts):
-        return False
-    return all(
-        half.compiled is not None or not half.params
-        for part_halves in halves
-        for half in part_halves
-    )
 
 
 def _owned_locals(params: list, grads: list, bufs: list, layouts: list) -> tuple[list, ...]:

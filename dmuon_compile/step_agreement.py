@@ -7,17 +7,25 @@ flags of its gradients (and Muon momentum buffers) and the phase in which its lo
 failed, if it did, go into one all-reduce (no collective at all where every rank sees the same
 gradients), and only then is anything written. A step that fails on one rank therefore raises
 :class:`MuonStepError` on every rank and changes nothing anywhere; a non-finite gradient or
-momentum buffer raises ``FloatingPointError`` or skips the step (``nonfinite_grads``). The
-agreement reads its optimizer's ``param_groups``, ``state``, ``model``, ``nonfinite_grads`` and
-``param_name`` (:class:`AgreeingOptimizer`), and writes nothing of it but for dropping the
+momentum buffer raises ``FloatingPointError`` or skips the step (``nonfinite_grads``).
+
+The eager step reads the verdict in the step. The compiled step leaves it on the device (a
+:class:`PendingVerdict`: the commit and AdamW select on it), :meth:`StepAgreement.hold` keeps
+it and :meth:`StepAgreement.settle` reads it one call later (the next ``step()``,
+``state_dict()``, ``last_step_committed()``), so the host never waits for the step's kernels.
+
+The agreement reads its optimizer's ``param_groups``, ``state``, ``model``, ``nonfinite_grads``
+and ``param_name`` (:class:`AgreeingOptimizer`), and writes nothing of it but for dropping the
 state a step that does not commit created.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
@@ -43,10 +51,21 @@ FOUND_BY = {
     EAGER: "the eager Muon step",
     READ: "a direct read of the values",
 }
-# The skip warning names the user's ``opt.step()`` line: _read_verdict ← agree or settle ←
-# torch.compiler.disable's wrapper ← Muon._step ← Muon.step ← torch.no_grad ← torch.optim's
-# step hooks ← the caller (tests/test_deferred_verdict.py holds it, both ways).
-_USER_FRAME = 8
+# Frames the skip warning looks past to name the user's line: this package's and torch's
+# (``torch.no_grad``, torch.optim's step hooks, ``torch.compiler.disable``'s wrapper).
+_INTERNAL_DIRS = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__)
+)
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` (counted from this function's caller) of the first
+    frame outside this package and torch: the user's ``opt.step()`` (or whichever call read
+    the verdict), however deep the package's own call path is."""
+    level, frame = 1, inspect.currentframe().f_back
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class MuonStepError(RuntimeError):
@@ -104,11 +123,38 @@ class _StepCheck:
 @dataclass
 class PendingVerdict:
     """A verdict left on the device by ``StepAgreement.agree(defer=True)``: ``ok`` (0-d bool)
-    is what the commit selects on, ``StepAgreement.settle`` reads it after."""
+    is what the commit and AdamW select on; :meth:`StepAgreement.hold` starts its copy to the
+    host and :meth:`StepAgreement.settle` reads it, one call later."""
 
     check: _StepCheck
     ok: Tensor  # commit or keep every old value
     votes: Tensor | None  # the all-reduced votes where ranks' gradients differ, else None
+    failure: list = field(default_factory=list)  # this rank's [(phase, exception)]
+    host: _OnHost | None = None  # the votes and flags on their way to the host
+
+
+class _OnHost:
+    """Tensors copied to the host without making the host wait: on CUDA into pinned memory
+    behind an event, which :meth:`wait` waits for (by then the GPU is usually past it)."""
+
+    def __init__(self, tensors: list[Tensor | None]) -> None:
+        self.event = None
+        self.copies: list[Tensor | None] = []
+        for t in tensors:
+            if t is not None and t.device.type == "cuda":
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t = host
+                if self.event is None:
+                    self.event = torch.cuda.Event()
+            self.copies.append(t)
+        if self.event is not None:
+            self.event.record()
+
+    def wait(self) -> list[Tensor | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.copies
 
 
 def directions_finite(ortho: list[Tensor]) -> Tensor | None:
@@ -129,12 +175,13 @@ def _all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(local_of(t)).all())
 
 
-def _step_error(failed: dict[int, str], failure: list) -> MuonStepError:
+def _step_error(failed: dict[int, str], failure: list, deferred: bool = False) -> MuonStepError:
     where = "; ".join(f"rank {r} in {phase}" for r, phase in sorted(failed.items()))
     own = failure[0][1] if failure else None
     cause = f": {type(own).__name__}: {own}" if own is not None else " (see that rank's error)"
     err = MuonStepError(
-        f"Muon.step failed on {where}{cause}. Every rank raises this error at the same point; "
+        f"{_which_step(deferred)} failed on {where}{cause}. Every rank raises this error at "
+        "the same point; "
         "the step changed no weight and no optimizer state on any rank, and every rank issued "
         "the same collectives: call opt.zero_grad() on every rank and go on (the batch is "
         "skipped), or fix the cause on the failing rank.",
@@ -142,6 +189,16 @@ def _step_error(failed: dict[int, str], failure: list) -> MuonStepError:
     )
     err.__cause__ = own
     return err
+
+
+def _which_step(deferred: bool) -> str:
+    """How an error names its step: a deferred verdict is read by the call after the step."""
+    if deferred:
+        return (
+            "Muon.step (the previous step, whose verdict this call read: the compiled step "
+            "leaves it on the device)"
+        )
+    return "Muon.step"
 
 
 def _nonfinite_message(bad: list[tuple]) -> str:
@@ -183,6 +240,7 @@ class StepAgreement:
     def __init__(self, opt: AgreeingOptimizer) -> None:
         self.opt = weakref.proxy(opt)
         self.check: _StepCheck | None = None  # from begin to agree, within a step
+        self.pending: PendingVerdict | None = None  # a held verdict, until settle reads it
 
     def begin(self, check: _StepCheck) -> None:
         """The step's parameters with gradients (and those whose state it created), before
@@ -269,13 +327,13 @@ class StepAgreement:
         or raises together; before raising or skipping, the TP scatters the step issued are
         waited for and dropped (every member issued them): the ranks' collectives stay paired.
 
-        ``defer=True`` (``Muon._step`` decides: every commit is a compiled, collective-free
-        select) and no local failure: the verdict stays on the device as a
-        :class:`PendingVerdict` instead of being read here. The commit then writes
-        ``where(ok, new, old)`` and :meth:`settle` reads the verdict after the commit is
-        enqueued, so the GPU is not left idle while the host launches the commit. The
-        all-reduce (where ranks' gradients differ) is issued here either way: the collectives
-        are the same whichever way a rank decides.
+        ``defer=True`` (``Muon._step`` decides it the same way on every rank: every commit is a
+        collective-free select): the verdict stays on the device as a :class:`PendingVerdict`
+        instead of being read here, also after a failure of this rank's own work (the others
+        learn of it only from the votes, so this rank reports it when they do). The commit and
+        AdamW select on it, :meth:`hold` keeps it and :meth:`settle` reads it at the next call
+        that needs it: the host never waits for the step's kernels. Without collectives (one
+        process, replicated data) a local failure has nobody to wait for and raises here.
         """
         check, self.check = self.check, None
         try:
@@ -283,9 +341,9 @@ class StepAgreement:
             if not differ and failure:  # nothing to agree on (one process, replicated data)
                 raise failure[0][1]
             votes = self._send_votes(check.finite, failure) if differ else None
-            if defer and not failure and (votes is not None or check.finite is not None):
+            if defer and (votes is not None or check.finite is not None):
                 ok = (votes.sum() == 0) if votes is not None else check.finite.all()
-                return PendingVerdict(check, ok, votes)
+                return PendingVerdict(check, ok, votes, list(failure))
             commit = self._read_verdict(check, votes, failure)
         except BaseException:
             self._abort(tp_halves, check)
@@ -294,19 +352,36 @@ class StepAgreement:
             self._abort(tp_halves, check)
         return commit
 
+    def hold(self, pending: PendingVerdict) -> None:
+        """Keep a deferred verdict until :meth:`settle`, its votes and flags already on their
+        way to the host (queued after the commit and AdamW that selected on it)."""
+        pending.host = _OnHost([pending.votes, pending.check.finite])
+        self.pending = pending
+
     @torch.compiler.disable  # the step's one host read, Python exceptions: eager
-    def settle(self, pending: PendingVerdict) -> bool:
-        """The host read of a deferred verdict, after the commit that selected on it was
-        enqueued: ``True`` (committed), ``False`` (skipped: the commit kept every old value),
-        or the error :meth:`agree` would have raised, with no weight or state changed."""
+    def settle(self) -> bool:
+        """Read the held verdict, if any: ``True`` (committed, or nothing held), ``False``
+        (skipped: the commit and AdamW kept every old value; the skip warning goes out now), or
+        the error that step would have raised (``FloatingPointError``, ``MuonStepError``),
+        naming that step; its state is dropped either way. ``Muon`` calls it at the start of
+        ``step()``, in ``state_dict()`` and in ``last_step_committed()``."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return True
+        votes, finite = pending.host.wait() if pending.host else (pending.votes, None)
+        pending.check.finite = finite
         try:
-            commit = self._read_verdict(pending.check, pending.votes, [])
+            commit = self._read_verdict(pending.check, votes, pending.failure, deferred=True)
         except BaseException:
             self._abort([], pending.check)
             raise
         if not commit:
             self._abort([], pending.check)
         return commit
+
+    def drop(self) -> None:
+        """Forget a held verdict unread (``load_state_dict`` replaces what it would change)."""
+        self.pending = None
 
     def _send_votes(self, finite: Tensor | None, failure: list) -> Tensor:
         """Shards and owners see different gradients and run different local work: every
@@ -327,13 +402,16 @@ class StepAgreement:
         )
         return votes
 
-    def _read_verdict(self, check: _StepCheck, votes: Tensor | None, failure: list) -> bool:
-        """The step's one host read: the local finite flags, or the all-reduced votes."""
+    def _read_verdict(
+        self, check: _StepCheck, votes: Tensor | None, failure: list, deferred: bool = False
+    ) -> bool:
+        """The step's one host read: the local finite flags, or the all-reduced votes.
+        ``deferred``: read one call after the step (:meth:`settle`), its gradients gone."""
         params, finite = check.params, check.finite
         bad: list[tuple] = []
         if votes is None:
             if finite is not None and not bool(finite.all()):  # one host sync per step
-                bad = self._nonfinite_names(params, finite, check.paths)
+                bad = self._nonfinite_names(params, finite, check.paths, deferred)
         else:
             values = votes.tolist()  # one host sync per step
             failed = {
@@ -342,32 +420,46 @@ class StepAgreement:
                 if c != 0
             }
             if failed:
-                raise _step_error(failed, failure)
+                raise _step_error(failed, failure, deferred)
             if values[0] > 0:
                 bad = (
-                    self._nonfinite_names(params, finite, check.paths)
+                    self._nonfinite_names(params, finite, check.paths, deferred)
                     if finite is not None and not bool(finite.all())
                     else []
                 ) or [("a matrix held by another rank", "see that rank's error", (GRADIENT,), None)]
         if bad:
             message = _nonfinite_message(bad)
             if self.opt.nonfinite_grads == "raise":
-                raise FloatingPointError("Muon.step: " + message)
-            warnings.warn("Muon.step skipped: " + message, stacklevel=_USER_FRAME)
+                raise FloatingPointError(f"{_which_step(deferred)}: {message}")
+            warnings.warn(
+                f"{_which_step(deferred)} skipped: {message}", stacklevel=_user_stacklevel()
+            )
             return False
         return True
 
     def _nonfinite_names(
-        self, params: list[Tensor], finite: Tensor, paths: list | None = None
+        self, params: list[Tensor], finite: Tensor, paths: list | None = None, deferred=False
     ) -> list[tuple]:
         """``(name, what is not finite, kinds found, path)`` of each flagged parameter. Only on
-        a non-finite step: its gradient and momentum buffer are read again to say which."""
+        a non-finite step: its gradient and momentum buffer are read again to say which (read
+        one call later, only the momentum buffer: the step left it unchanged)."""
         paths = paths or [READ] * len(params)
+        part = self._nonfinite_part_later if deferred else self._nonfinite_part
         return [
-            (self.opt.param_name(p), *self._nonfinite_part(p, path), path)
+            (self.opt.param_name(p), *part(p, path), path)
             for p, ok, path in zip(params, finite.tolist(), paths)
             if not ok
         ]
+
+    def _nonfinite_part_later(self, p: Tensor, path: str) -> tuple[str, tuple]:
+        """What was not finite, read one call after the step: the momentum buffer it left
+        unchanged can be read again; the gradient is gone (a new backward, or ``zero_grad``)."""
+        buf = self.opt.state.get(p, {}).get(MOMENTUM)
+        if buf is not None and not _all_finite(buf):
+            return MOMENTUM_BUFFER, (MOMENTUM_BUFFER,)
+        if path == COMPILED:  # the flag is isfinite(‖g + μ·buf‖) and buf is finite
+            return "gradient (or the norm of g + μ·buf past float32)", (GRADIENT,)
+        return GRADIENT, (GRADIENT,)
 
     def _nonfinite_part(self, p: Tensor, path: str) -> tuple[str, tuple]:
         buf = self.opt.state.get(p, {}).get(MOMENTUM)
