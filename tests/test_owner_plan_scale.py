@@ -17,6 +17,7 @@ from dmuon_compile.distributed.owner_plan import (
     _plan_owners_reference,
     improve_balance,
     llama_matrix_specs,
+    ns_cost_fn,
     plan_owners,
 )
 from dmuon_compile.layouts import Layout
@@ -97,6 +98,133 @@ def test_fast_planner_equals_reference(case):
     assert fast.owners() == reference.owners()
     assert [e.split_ranks for e in fast.entries] == [e.split_ranks for e in reference.entries]
     assert fast.digest() == reference.digest()
+
+
+@st.composite
+def carried_cases(draw):
+    """A planning case with ``base_loads``: values that tie with each other, with matrices'
+    costs and with their sums, zeros, and one far above everything (an already full rank)."""
+    case = draw(planning_cases())
+    flops = ns_cost_fn()
+    pool = [0.0, 0.0, flops(8, 8), flops(16, 64), flops(64, 128), 2 * flops(128, 128)]
+    pool.append(flops(8192, 32768) * 4)
+    world = case["world_size"]
+    case["base_loads"] = draw(st.lists(st.sampled_from(pool), min_size=world, max_size=world))
+    return case
+
+
+@settings(max_examples=150, deadline=None)
+@given(carried_cases())
+def test_fast_planner_with_carried_loads_equals_reference(case):
+    fast, reference = plan_owners(**case), _plan_owners_reference(**case)
+    assert fast.owners() == reference.owners()
+    assert [e.split_ranks for e in fast.entries] == [e.split_ranks for e in reference.entries]
+    assert fast.digest() == reference.digest()
+    # Zero carried loads are no carried loads: the plan of the part alone, digest and all.
+    zeros = {**case, "base_loads": [0.0] * case["world_size"]}
+    alone = {**case, "base_loads": None}
+    assert plan_owners(**zeros).digest() == plan_owners(**alone).digest()
+    assert _plan_owners_reference(**zeros).digest() == plan_owners(**alone).digest()
+
+
+def _max_over_mean(loads) -> float:
+    return max(loads) / (sum(loads) / len(loads))
+
+
+def _summed(plans) -> list[float]:
+    return [sum(loads) for loads in zip(*(p.ns_loads() for p in plans))]
+
+
+def _plan_parts(parts, world, carry: bool) -> list:
+    plans = []
+    for specs in parts:
+        base = _summed(plans) if carry and plans else None
+        plans.append(plan_owners(specs, world, base_loads=base))
+    return plans
+
+
+def _tt_block(i: int) -> list[MatrixSpec]:
+    """One block of torchtitan's Llama-3 debug model (dim 256, ffn 768; wqkv fused)."""
+    shapes = {
+        "attention.qkv_linear.wqkv": (768, 256),
+        "attention.wo": (256, 256),
+        "feed_forward.w1": (768, 256),
+        "feed_forward.w2": (256, 768),
+        "feed_forward.w3": (768, 256),
+    }
+    return [MatrixSpec(f"layers.{i}.{k}.weight", v) for k, v in shapes.items()]
+
+
+@pytest.mark.parametrize(
+    "label,parts,world",
+    [
+        # Interleaved1F1B, pp 2 × dp 2: a rank's stages 0 and 2, one equal block each.
+        ("debug model, 2 stages on 2 ranks", [_tt_block(0), _tt_block(2)], 2),
+        # Four equal stages of 3 small Llama blocks on 8 ranks.
+        (
+            "3-block stages, 4 on 8 ranks",
+            [llama_matrix_specs(3, 512, 1536, 128, prefix=f"s{p}.layers") for p in range(4)],
+            8,
+        ),
+        # Two stages of one 8B block each: 7 matrices on 8 ranks.
+        (
+            "8B blocks, 2 on 8 ranks",
+            [llama_matrix_specs(1, 4096, 14336, 1024, prefix=f"s{p}.layers") for p in range(2)],
+            8,
+        ),
+    ],
+)
+def test_carried_loads_balance_equal_parts_together(label, parts, world):
+    alone = _plan_parts(parts, world, carry=False)
+    carried = _plan_parts(parts, world, carry=True)
+    before, after = _max_over_mean(_summed(alone)), _max_over_mean(_summed(carried))
+    print(f"\n{label}: summed NS max/mean alone {before:.4f}, carried {after:.4f}")
+    # Control: planned alone, equal parts repeat one uneven split and its excess adds up.
+    assert all(p.ns_loads() == alone[0].ns_loads() for p in alone)
+    assert before > 1.1
+    assert after <= 1.05
+    # The first part has nothing to carry: its plan is the one planned alone.
+    assert carried[0].digest() == alone[0].digest()
+    # Nothing lost: the same FLOPs, placed differently.
+    assert sum(_summed(carried)) == pytest.approx(sum(_summed(alone)))
+    # What the fast planner placed over the carried loads, the reference places too.
+    for k, p in enumerate(carried[1:], 1):
+        base = _summed(carried[:k])
+        assert p.digest() == _plan_owners_reference(parts[k], world, base_loads=base).digest()
+
+
+def test_carried_loads_in_an_empty_plan_and_bad_values():
+    # Nothing to place: the plan is empty whatever is carried.
+    assert plan_owners([], 4, base_loads=[1.0, 2.0, 3.0, 4.0]).entries == []
+    specs = llama_matrix_specs(1, 256, 768, 64)
+    with pytest.raises(ValueError, match="3 values for world_size=4"):
+        plan_owners(specs, 4, base_loads=[0.0, 0.0, 0.0])
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite and >= 0"):
+            plan_owners(specs, 4, base_loads=[0.0, bad, 0.0, 0.0])
+
+
+def test_carried_loads_fill_the_least_loaded_ranks_first():
+    # 4 equal matrices on 4 ranks, ranks 0 and 1 already full: both empty ranks take two.
+    specs = [MatrixSpec(f"layers.{i}.w", (64, 64)) for i in range(4)]
+    full = 10 * ns_cost_fn()(64, 64)
+    plan = plan_owners(specs, 4, base_loads=[full, full, 0.0, 0.0])
+    assert sorted(plan.owners().values()) == [2, 2, 3, 3]
+    assert sorted(plan_owners(specs, 4).owners().values()) == [0, 1, 2, 3]  # control
+
+
+def test_split_threshold_is_the_fair_share_of_the_sum():
+    # The large matrix exceeds a rank's share of this part alone, not of part + carried work.
+    specs = [MatrixSpec(f"layers.{i}.w", (256, 256)) for i in range(3)]
+    specs.append(MatrixSpec("lm_head.weight", (4096, 1024)))
+    assert len(plan_owners(specs, 8, split_size=4).split_entries()) == 1  # control
+    heavy = [10 * ns_cost_fn()(4096, 1024)] * 8
+    carried = plan_owners(specs, 8, split_size=4, base_loads=heavy)
+    assert carried.split_entries() == []
+    assert (
+        carried.digest()
+        == _plan_owners_reference(specs, 8, split_size=4, base_loads=heavy).digest()
+    )
 
 
 @settings(max_examples=400, deadline=None)

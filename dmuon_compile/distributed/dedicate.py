@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -268,6 +268,7 @@ def _plan_selected(
     tp_fqns: set[str],
     split_size: int = 1,
     ns=None,
+    base_loads: Sequence[float] | None = None,
 ) -> DedicatedPlan:
     """Check the selected weights, resolve their layouts and hook groups, plan the owners."""
     selected, module_of, verdicts = selection.selected, selection.module_of, selection.verdicts
@@ -297,13 +298,25 @@ def _plan_selected(
     ranks = replicate_size * world_size
     if tp_size is None:
         kwargs = {} if ns is None else {"ns": ns}
-        plan = plan_owners(specs, ranks, layer_id_fn=layer_id_fn, split_size=split_size, **kwargs)
+        plan = plan_owners(
+            specs,
+            ranks,
+            layer_id_fn=layer_id_fn,
+            split_size=split_size,
+            base_loads=base_loads,
+            **kwargs,
+        )
         tp_owners = None
     else:  # owners over DP × TP slots: shard t of a matrix has the same DP owner on every t
         if split_size != 1:
             raise NotImplementedError(
                 f"split_size={split_size} with TP (tp_size={tp_size}): split planning covers "
                 "data-parallel owners only; plan with split_size=1"
+            )
+        if base_loads is not None:
+            raise NotImplementedError(
+                f"base_loads with TP (tp_size={tp_size}): the DP × TP planner starts from "
+                "empty slots; plan without base_loads"
             )
         kwargs = {} if ns is None else {"ns": ns}
         plan, tp_owners = _tp.plan_tp_owners(
@@ -327,6 +340,7 @@ def plan_dedicated(
     tp_fqns: set[str] | None = None,
     split_size: int = 1,
     ns=None,
+    base_loads: Sequence[float] | None = None,
 ) -> DedicatedPlan:
     """The planning of :func:`dedicate_params`, without a mesh or a process group: which
     weights are dedicated (same predicate, checks and layouts), their hook groups, and the
@@ -337,7 +351,8 @@ def plan_dedicated(
     DP × TP slots as ``dedicate_params`` does for a TP model, with ``tp_fqns`` the TP-sharded
     weights (default: every selected 2-D weight). ``split_size``: passed to ``plan_owners``
     (split planning). ``ns``: the object whose ``flops(m, n)`` prices Newton–Schulz (default
-    ``NewtonSchulz()`` on this machine, as ``dedicate_params``).
+    ``NewtonSchulz()`` on this machine, as ``dedicate_params``). ``base_loads``: as in
+    ``dedicate_params``.
 
     Example::
 
@@ -372,6 +387,7 @@ def plan_dedicated(
         tp_fqns=set(tp_fqns),
         split_size=split_size,
         ns=ns,
+        base_loads=base_loads,
     )
 
 
@@ -388,6 +404,7 @@ def dedicate_params(
     reshard_after_forward: bool = True,
     timeout: datetime.timedelta | None = None,
     split_size: int = 1,
+    base_loads: Sequence[float] | None = None,
 ) -> dict[str, int]:
     """Give each selected matrix one owner rank; keep it out of FSDP2; install the hooks.
 
@@ -437,6 +454,13 @@ def dedicate_params(
             keeps the weight and gradient, and in ``Muon.step`` the block orthogonalises it
             together (``distributed/split_ns.py``); ``summarize_comm_plan(model)["split"]``
             lists them. The data-parallel world (× replicas) must divide by it; not with TP.
+        base_loads: Newton–Schulz FLOPs that each of the plan's ranks already runs for other
+            models' dedicated weights, one per owner slot (``replicate × shard`` with HSDP,
+            indexed as the returned owners), e.g. the summed ``ns_loads()`` of the other
+            pipeline stages this data-parallel group holds. The owners then balance those loads
+            and this model's together (``plan_owners(base_loads=...)``). Every rank must pass
+            the same values (owners that differ fail the plan check). ``None`` (default): this
+            model is planned alone. Not with TP.
 
     Returns:
         ``{fqn: owner rank}`` for every dedicated parameter: ranks of ``mesh``; with HSDP the
@@ -497,6 +521,7 @@ def dedicate_params(
         tp_size=tp.size if tp is not None else None,
         tp_fqns={n for n, p in selected if isinstance(p, DTensor)},
         split_size=split_size,
+        base_loads=base_loads,
     )
     module_of, layouts = planned.module_of, planned.layouts
     plan, tp_owners = planned.plan, planned.tp_owners

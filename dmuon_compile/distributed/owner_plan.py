@@ -23,6 +23,10 @@ algorithm, and a property test holds the two equal owner for owner.
 
 A matrix too large for one rank's share can optionally run its Newton–Schulz across an aligned
 group of ranks (``plan_owners(..., split_size=8)``; :attr:`PlanEntry.split_ranks`).
+
+Several models planned over the same ranks (the pipeline stages one rank holds) are balanced
+together by passing the NS loads of the plans made before as ``base_loads``: LPT and the
+improvement start from them, so equal parts do not all put their larger share on the same ranks.
 """
 
 from __future__ import annotations
@@ -264,6 +268,7 @@ def plan_owners(
     bytes_weight: float = 0.0,
     improve_rounds: int = 2000,
     split_size: int = 1,
+    base_loads: Sequence[float] | None = None,
 ) -> OwnerPlan:
     """Assign every matrix to one of ``world_size`` owners (LPT + improvement); deterministic.
 
@@ -289,6 +294,14 @@ def plan_owners(
             the block carries its NS cost ``/ split_size · (1 + SPLIT_NS_OVERHEAD)`` (its
             bytes stay on the owner). Split matrices stay in place in the improvement pass.
             ``world_size`` must be divisible by it.
+        base_loads: NS FLOPs each rank already runs for matrices planned before over the
+            same ranks (e.g. the sum of other parts' :meth:`OwnerPlan.ns_loads`), one finite
+            value >= 0 per rank. The ranks start LPT and the improvement pass with these loads,
+            so the plan balances the carried and the new work together (the maximum of their
+            sum). Only FLOPs are carried: a ``bytes_weight`` term weighs this plan's bytes
+            alone. The split threshold is the fair share of the sum. The plan holds ``specs``
+            only (its ``ns_loads()`` and ``balance()`` leave the carried loads out). ``None``
+            or all zeros: planned alone, the same plan as without it.
 
     Example::
 
@@ -305,6 +318,7 @@ def plan_owners(
         bytes_weight,
         improve_rounds,
         split_size,
+        base_loads,
         _assign_fast,
         improve_balance,
     )
@@ -319,6 +333,7 @@ def _plan_owners_reference(
     bytes_weight: float = 0.0,
     improve_rounds: int = 2000,
     split_size: int = 1,
+    base_loads: Sequence[float] | None = None,
 ) -> OwnerPlan:
     """The eager reference of :func:`plan_owners` (same arguments, same plan): every LPT step
     scans all ranks, every improvement round all (matrix, rank) pairs. O(matrices × ranks):
@@ -332,13 +347,23 @@ def _plan_owners_reference(
         bytes_weight,
         improve_rounds,
         split_size,
+        base_loads,
         _assign_reference,
         _improve_balance_reference,
     )
 
 
 def _plan(
-    specs, world_size, ns, layer_id_fn, bytes_weight, improve_rounds, split_size, assign, improve
+    specs,
+    world_size,
+    ns,
+    layer_id_fn,
+    bytes_weight,
+    improve_rounds,
+    split_size,
+    base_loads,
+    assign,
+    improve,
 ) -> OwnerPlan:
     """Costs, LPT order and entries (shared); ``assign`` (LPT) and ``improve`` do the placing."""
     if world_size < 1:
@@ -349,6 +374,7 @@ def _plan(
             f"{world_size} (a split group is an aligned block of ranks): pass a divisor of "
             "the world size (the ranks of a node or TP group), or split_size=1 to never split"
         )
+    base = _check_base_loads(base_loads, world_size)
     flops_of = ns_cost_fn(ns)
     names = [s.fqn for s in specs]
     if len(set(names)) != len(names):
@@ -370,18 +396,19 @@ def _plan(
     total_f = sum(flops) or 1.0
     total_b = sum(sizes) or 1
     cost = [f / total_f + bytes_weight * b / total_b for f, b in zip(flops, sizes)]
+    start = [b / total_f for b in base]  # the carried FLOPs in the units of ``cost``
 
     # Split matrices: (per-rank NS share on each rank of the group, bytes share on the owner).
     split: list[tuple[float, float] | None] = [None] * len(specs)
     if split_size > 1:
-        fair = total_f / world_size
+        fair = (total_f + sum(base)) / world_size
         for i, s in enumerate(specs):
             if s.layout is None and flops[i] > fair:
                 ns_share = flops[i] / total_f * (1 + SPLIT_NS_OVERHEAD) / split_size
                 split[i] = (ns_share, bytes_weight * sizes[i] / total_b)
 
     order = sorted(range(len(specs)), key=lambda i: (-cost[i], layers[i], specs[i].fqn))
-    owner, loads = assign(order, cost, sizes, layers, split, world_size, split_size)
+    owner, loads = assign(order, cost, sizes, layers, split, start, split_size)
     # split matrices stay on their group; the others move around them
     movable = [i for i in range(len(specs)) if split[i] is None]
     improve_some(owner, cost, loads, improve_rounds, movable, improve)
@@ -399,6 +426,22 @@ def _plan(
         for i, s in enumerate(specs)
     ]
     return OwnerPlan(world_size=world_size, entries=entries)
+
+
+def _check_base_loads(base_loads, world_size: int) -> list[float]:
+    """``base_loads`` as floats, one per rank (zeros for ``None``); bad values raise."""
+    if base_loads is None:
+        return [0.0] * world_size
+    base = [float(b) for b in base_loads]
+    if len(base) != world_size:
+        raise ValueError(
+            f"plan_owners: base_loads has {len(base)} values for world_size={world_size}: pass "
+            "one NS load per rank of this plan (e.g. another plan's ns_loads() over the same "
+            "ranks), or None"
+        )
+    if not all(math.isfinite(b) and b >= 0 for b in base):
+        raise ValueError(f"plan_owners: base_loads must be finite and >= 0, got {base}")
+    return base
 
 
 def _place_split(loads, layer_bytes_of, byte_loads, split_size, share) -> int:
@@ -427,11 +470,13 @@ def _place_split(loads, layer_bytes_of, byte_loads, split_size, share) -> int:
     return r
 
 
-def _assign_reference(order, cost, sizes, layers, split, world_size, split_size):
+def _assign_reference(order, cost, sizes, layers, split, start, split_size):
     """LPT, eager: each matrix to the rank with the least ``(tie, layer bytes, bytes, load,
-    index)``, where ``tie`` is False for every rank within float noise of the lowest load."""
+    index)``, where ``tie`` is False for every rank within float noise of the lowest load.
+    The ranks' loads start at ``start`` (carried loads; zeros when planned alone)."""
+    world_size = len(start)
     owner = [0] * len(cost)
-    loads = [0.0] * world_size
+    loads = list(start)
     byte_loads = [0] * world_size
     layer_bytes: dict[str, list[int]] = defaultdict(lambda: [0] * world_size)
     for i in order:
@@ -458,7 +503,7 @@ def _assign_reference(order, cost, sizes, layers, split, world_size, split_size)
     return owner, loads
 
 
-def _assign_fast(order, cost, sizes, layers, split, world_size, split_size):
+def _assign_fast(order, cost, sizes, layers, split, start, split_size):
     """:func:`_assign_reference` with heaps: O(log ranks) per matrix instead of O(ranks).
 
     The tie set ``T`` (ranks with ``load <= low·(1+1e-9) + 1e-15``) only grows as ``low``
@@ -473,12 +518,14 @@ def _assign_fast(order, cost, sizes, layers, split, world_size, split_size):
     """
     if not all(math.isfinite(c) and c >= 0 for c in cost) or any(b < 0 for b in sizes):
         # The incremental tie set needs loads that only grow.
-        return _assign_reference(order, cost, sizes, layers, split, world_size, split_size)
+        return _assign_reference(order, cost, sizes, layers, split, start, split_size)
+    world_size = len(start)
     owner = [0] * len(cost)
-    loads = [0.0] * world_size
+    loads = list(start)
     byte_loads = [0] * world_size
     layer_bytes: dict[str, dict[int, int]] = {}  # sparse: 7k layers × 4096 ranks otherwise
-    lowest = [(0.0, k) for k in range(world_size)]  # every rank's load, stale entries lazily
+    lowest = [(load, k) for k, load in enumerate(loads)]  # every rank's load, stale lazily
+    heapify(lowest)
     outside = list(lowest)  # ranks not in T, by load
     free: list[tuple] = []  # T without the current layer: (bytes, load, rank)
     parked: list[tuple] = []  # T holding the current layer: (layer bytes, bytes, load, rank)

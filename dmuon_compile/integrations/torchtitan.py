@@ -26,8 +26,10 @@ Two changes to a torchtitan trainer config (README: torchtitan)::
 - Pipeline parallelism (``pipeline_llm``) needs no other line: ``parallelize_fn`` runs once per
   stage's model part, each gets its own owners over its data-parallel ranks, and the stages'
   once-per-step gradient reduce (``PipelineStage.perform_reduce_grad``) reduces the dedicated
-  gradients its micro-batches accumulated too. :func:`summarize_stages` shows each stage's plan
-  (docs/pipeline.md).
+  gradients its micro-batches accumulated too. The stages a rank holds (looped schedules) are
+  planned over the Newton–Schulz loads of the ones planned before them on the same
+  data-parallel mesh, so their sum is balanced. :func:`summarize_stages` shows each stage's plan
+  and the sum (docs/pipeline.md).
 
 torchtitan is an optional dependency: importing this module without it raises an
 ``ImportError`` naming the extra.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,6 +104,8 @@ def _dp_dims(dp_mesh):
 def dedicating(
     parallelize_fn: Callable,
     predicate: Callable[[str, torch.Tensor], bool] = default_predicate,
+    *,
+    balance_stages: bool = True,
     **dedicate_kwargs,
 ) -> Callable:
     """``parallelize_fn`` (e.g. torchtitan's ``parallelize_llama``) with ``dedicate_params``
@@ -114,9 +119,22 @@ def dedicating(
     per model part (stage): each stage's weights get owners among its data-parallel ranks, and
     the stage's once-per-step gradient reduce (``PipelineStage.perform_reduce_grad``) reduces
     the dedicated gradients its micro-batches accumulated (docs/pipeline.md).
+
+    ``balance_stages`` (default True; pipeline parallelism without TP): a looped schedule puts
+    several stages on one rank, all planned over the same data-parallel mesh, so each stage
+    after the first is planned with ``base_loads=`` the Newton–Schulz loads of the stages this
+    wrapped function planned before it on that mesh object (one record per mesh, dropped with
+    the mesh): the ranks' summed work is balanced instead of each stage's alone. Every rank of
+    the mesh holds the same stages and plans them in the same order, so the records agree.
+    ``False``: each stage planned alone.
     """
     if getattr(parallelize_fn, "_dmuon_dedicating", False):
         raise TypeError("dmuon: this parallelize_fn is already wrapped by dedicating(...)")
+    if "base_loads" in dedicate_kwargs:
+        raise TypeError(
+            "dmuon: dedicating(...) sets base_loads itself (the loads of the stages planned "
+            "before on the same mesh); pass balance_stages=False to plan each stage alone"
+        )
     # Through other wrappers (functools.wraps): the function whose module calls FSDP2.
     inner = inspect.unwrap(parallelize_fn)
     namespace = getattr(inner, "__globals__", {})
@@ -128,6 +146,9 @@ def dedicating(
             "and fully_shard."
         )
 
+    # id(dp mesh) -> (weak reference to it, NS FLOPs per owner slot of the stages planned on it)
+    planned: dict[int, tuple[weakref.ref, list[float]]] = {}
+
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *, parallel_dims, parallelism, **kwargs):
         if parallelism.spmd_backend != "partial_dtensor":
@@ -138,6 +159,8 @@ def dedicating(
             )
         if parallel_dims.pp_enabled:
             _reduce_at_stage_end()
+        # Without PP one part is planned per job; the TP planner takes no carried loads.
+        carry = balance_stages and parallel_dims.pp_enabled and not parallel_dims.tp_enabled
         calls = []
 
         def dedicate_then_fsdp(module, dp_mesh, *args, **kw):
@@ -145,9 +168,13 @@ def dedicating(
             options = dict(dedicate_kwargs)
             if "param_policy" not in options and "compute_dtype" not in options:
                 options["compute_dtype"] = kw.get("param_dtype")
+            if carry:
+                options["base_loads"] = _carried_loads(planned, dp_mesh)
             dmuon.dedicate_params(
                 module, shard, predicate=predicate, replicate_mesh=replicate, **options
             )
+            if carry:
+                _record_loads(planned, dp_mesh, runtime_of(module))
             calls.append(module)
             return fsdp_step(module, dp_mesh, *args, **kw)
 
@@ -169,6 +196,28 @@ def dedicating(
 
     parallelize._dmuon_dedicating = True
     return parallelize
+
+
+def _carried_loads(planned: dict, dp_mesh) -> list[float] | None:
+    """The summed NS loads of the stages planned before on ``dp_mesh`` (this object), or None."""
+    entry = planned.get(id(dp_mesh))
+    if entry is None or entry[0]() is not dp_mesh:  # a new mesh that reuses a dead one's id
+        return None
+    return list(entry[1])
+
+
+def _record_loads(planned: dict, dp_mesh, runtime) -> None:
+    """Add a freshly planned stage's NS loads to ``dp_mesh``'s record (nothing for a stage
+    without dedicated weights)."""
+    if runtime is None:
+        return
+    loads = runtime.plan.ns_loads()
+    carried = _carried_loads(planned, dp_mesh)
+    if carried is not None:
+        loads = [a + b for a, b in zip(carried, loads)]
+    for key in [k for k, (ref, _) in planned.items() if ref() is None]:
+        del planned[key]  # records of meshes gone with their jobs
+    planned[id(dp_mesh)] = (weakref.ref(dp_mesh), loads)
 
 
 def _reduce_at_stage_end() -> None:
@@ -213,9 +262,10 @@ def summarize_stages(model_parts: list[nn.Module]) -> dict:
     ``"dedicated"`` (its dedicated weights) and ``"ns_flops_per_rank"`` (each of those ranks'
     Newton–Schulz FLOPs of one step for this stage). ``"ns_flops_per_rank"`` and
     ``"ns_max_over_mean"``: summed over the stages, what each rank runs in one step (a looped
-    schedule puts several stages on a rank; each stage is balanced on its own). A part without
-    dedicated weights has ``"plan": {"dedicated": False, ...}`` and empty fields; with HSDP the
-    owners span replicate × shard slots and only ``"plan"`` is filled.
+    schedule puts several stages on a rank; ``dedicating`` balances their sum, so a stage's own
+    ``"balance"`` can be uneven). A part without dedicated weights has ``"plan": {"dedicated":
+    False, ...}`` and empty fields; with HSDP the owners span replicate × shard slots and only
+    ``"plan"`` is filled.
     """
     stages, totals = [], {}
     for part in model_parts:

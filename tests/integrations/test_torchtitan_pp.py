@@ -301,7 +301,7 @@ def test_torchtitan_pipeline_1f1b_and_interleaved_train_like_one_process(tmp_pat
     _check_all(results, SCHEDULES)
     # The planner's view: each stage's owners among its data-parallel ranks (pp rank 0: global
     # ranks 0 and 1; pp rank 1: 2 and 3) and their Newton–Schulz FLOPs, summed over the stages
-    # a rank runs (two with the interleaved schedule).
+    # a rank runs (two with the interleaved schedule), planned together: balanced summed.
     for rank, r in enumerate(results):
         for label in SCHEDULES:
             summary = r[label]["plans"]
@@ -317,6 +317,32 @@ def test_torchtitan_pipeline_1f1b_and_interleaved_train_like_one_process(tmp_pat
                     totals[owner] += flops
             assert summary["ns_flops_per_rank"] == pytest.approx(totals)
             assert summary["ns_max_over_mean"] >= 1.0
+            _check_stages_balanced_together(r[label], rank)
+
+
+def _check_stages_balanced_together(result, rank) -> None:
+    """A rank's stages were planned together: each stage's plan is the planner's over the loads
+    of the stages before it on the same data-parallel ranks, and their sum is balanced where
+    the stages planned alone (control) repeat one uneven split."""
+    from dmuon_compile.distributed.owner_plan import MatrixSpec, plan_owners
+
+    summary, initial = result["plans"], result["initial"]
+    stages = summary["stages"]
+    world = len(stages[0]["ranks"])
+    carried, alone = [0.0] * world, [0.0] * world
+    for stage in stages:
+        specs = [MatrixSpec(n, tuple(initial[n].shape)) for n in stage["dedicated"]]
+        together = plan_owners(specs, world, base_loads=carried)
+        assert together.digest() == stage["plan"]["plan_digest"]
+        carried = [a + b for a, b in zip(carried, together.ns_loads())]
+        alone = [a + b for a, b in zip(alone, plan_owners(specs, world).ns_loads())]
+    assert [summary["ns_flops_per_rank"][r] for r in stages[0]["ranks"]] == pytest.approx(carried)
+    ratio = summary["ns_max_over_mean"]
+    before = max(alone) / (sum(alone) / world)
+    print(f"\nrank {rank}, {len(stages)} stage(s): NS max/mean {ratio:.4f} (alone {before:.4f})")
+    assert ratio <= 1.05
+    if len(stages) > 1:  # interleaved: two equal blocks, each split unevenly on its own
+        assert before > 1.1
 
 
 def test_torchtitan_pipeline_without_data_parallelism_trains_like_one_process(tmp_path):
