@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -86,7 +87,7 @@ class DedicatedGroup:
     params: list[DedicatedParam]
     rank: int
     world: int
-    pg: object
+    pg: dist.ProcessGroup
     device: torch.device
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype

@@ -35,13 +35,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.trace_labels import PUBLISH, REDUCE, label
+
+if TYPE_CHECKING:
+    from dmuon_compile.distributed._dedicated_group import GroupProfile
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class ReplicateStage:
     replicate_rank: int
     replicate_size: int
     shard_size: int
-    pg: object
+    pg: dist.ProcessGroup
     device: torch.device
     dtype: torch.dtype
     flat: Tensor | None = None
@@ -215,7 +220,7 @@ class Publish:
 
     stage: ReplicateStage
     works: list
-    profile: object = None  # the group's profile when recorded
+    profile: GroupProfile | None = None  # the group's profile when recorded
 
     @property
     def collectives(self) -> int:

@@ -33,7 +33,7 @@ class SplitGroup:
     shape: tuple[int, int]  # (out, in)
     ranks: tuple[int, ...]  # global ranks, ascending: the group's rank order
     owner: int  # global rank of the owner
-    pg: object = None  # the group's process group; None on ranks outside it
+    pg: dist.ProcessGroup | None = None  # the group's process group; None on ranks outside it
 
     @property
     def owner_index(self) -> int:

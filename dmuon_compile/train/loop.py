@@ -73,7 +73,7 @@ class RunResult:
     timed_wall_ms: float = 0.0
     comm_kind: str = "n/a"
     comm_note: str = ""
-    comm_profile: object = None
+    comm_profile: dict | None = None  # runtime.runtime_comm_profile's
     train_time_s: float = 0.0  # training steps only (no validation, no checkpoints), whole run
     tokens_per_step: int = 0
     mfu: float | None = None  # set by the driver, which knows the peak

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import dmuon_compile as dmuon
 from dmuon_compile.train.model import is_matrix_param
@@ -65,9 +66,9 @@ class DistEnv:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
-    mesh: object = None  # the data-parallel mesh (FSDP2 and dedicate_params)
+    mesh: DeviceMesh | None = None  # the data-parallel mesh (FSDP2 and dedicate_params)
     tp: int = 1
-    tp_mesh: object = None
+    tp_mesh: DeviceMesh | None = None
 
     @property
     def distributed(self) -> bool:

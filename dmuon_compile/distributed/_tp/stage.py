@@ -17,6 +17,7 @@ from dmuon_compile import functional as F
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _owner_meshes
 from dmuon_compile.distributed._owned import local_of
+from dmuon_compile.distributed._pending import PendingUpdates
 from dmuon_compile.distributed._tp.detect import TPInfo, tp_row
 from dmuon_compile.distributed._tp.param import TPDedicatedParam
 from dmuon_compile.distributed._tp.plan import TPOwners
@@ -40,7 +41,7 @@ class ScatterShard(NamedTuple):
     hook_group: int  # id of the hook group whose unshard applies it (deferred scatters)
     master: Tensor
     out: Tensor  # the received update shard
-    work: object  # the async scatter's work handle
+    work: dist.Work  # the async scatter's work handle
     lr: float
     wd: float
     adjust_lr_fn: str
@@ -101,11 +102,11 @@ class TPStage:
     ``Muon.step`` drives it through :class:`~dmuon_compile.step_plan.TPStep`."""
 
     info: TPInfo
-    pg: object
+    pg: dist.ProcessGroup
     params: list[TPDedicatedParam]
     deferrable: bool  # False with HSDP: the replicate publish needs the applied weights
     group_of: dict[int, int] = field(default_factory=dict)  # id(param) -> id(hook group)
-    pending: object = None  # the runtime's pending updates (``_pending.py``): deferred scatters
+    pending: PendingUpdates | None = None  # the runtime's (``_pending.py``): deferred scatters
     profile: TPProfile = field(default_factory=TPProfile)
     record_profile: bool = False
     owners: TPOwners | None = None
