@@ -3,15 +3,17 @@
     python -m dmuon_compile.plan --model llama3-70b --gpus 8 64 512 4096
     python -m dmuon_compile.plan --model llama3-405b --gpus 1024 --hsdp 4 --split-size 8
     python -m dmuon_compile.plan --model mypkg.models:build --gpus 64 --per-rank --json
+    python -m dmuon_compile.plan --model deepseek-v3 --gpus 64 2048 --ep 8
 
 The model is built on the meta device (a preset, a JSON config or your own factory) and goes
 through the planning ``dedicate_params`` itself runs
 (:func:`~dmuon_compile.distributed.dedicate.plan_dedicated`: the same predicate, checks,
 layouts, hook groups and owner plan), for ``replicate × shard × tp`` ranks, with no process
-group. Per rank it reports the dedicated Muon state it owns, the FSDP2-sharded state, the
-step's peak memory, the Newton–Schulz milliseconds (from the measured kernel rates of
-:mod:`dmuon_compile.ns_rates`), the communication volume per step, idle ranks and split
-matrices. docs/dry_run.md states the model behind every column.
+group; ``ep`` lays the expert stacks out as torchtitan's expert parallelism does. Per rank it
+reports the dedicated Muon state it owns, the FSDP2-sharded state, the step's peak memory, the
+Newton–Schulz milliseconds (from the measured kernel rates of :mod:`dmuon_compile.ns_rates`),
+the communication volume per step, idle ranks and split matrices. docs/dry_run.md states the
+model behind every column.
 """
 
 from __future__ import annotations
@@ -303,8 +305,16 @@ class RankRow:
     dedicated_comm_bytes: int = 0
     replicate_comm_bytes: int = 0
     tp_comm_bytes: int = 0
+    # Expert stacks left to FSDP2 / EP (part of the columns above): the per-expert matrices this
+    # rank orthogonalises (whole experts, after the reshard of a stack sharded inside its
+    # experts), their NS ms alone, and that reshard's traffic (also in ``comm_bytes``).
+    expert_matrices: int = 0
+    expert_ns_ms: float = 0.0
+    expert_reshard_comm_bytes: int = 0
     _elements: int = field(default=0, repr=False)
     _buckets: dict = field(default_factory=dict, repr=False)
+    _expert_buckets: dict = field(default_factory=dict, repr=False)
+    _reshard_peak: int = field(default=0, repr=False)  # largest reshard transient (bytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -324,6 +334,7 @@ class RankRow:
             + self.dedicated_comm_bytes
             + self.replicate_comm_bytes
             + self.tp_comm_bytes
+            + self.expert_reshard_comm_bytes
         )
 
     def to_dict(self) -> dict:
@@ -333,7 +344,7 @@ class RankRow:
         return out
 
 
-COLUMNS = (  # (title, value of a RankRow, bytes or ms); "{unit}": the report's byte unit
+COLUMNS = (  # (title, value of a RankRow, bytes, ms or count); "{unit}": the report's byte unit
     ("dedicated {unit}", lambda r: r.dedicated_bytes, "bytes"),
     ("replica {unit}", lambda r: r.replica_bytes, "bytes"),
     ("FSDP2 Muon {unit}", lambda r: r.sharded_muon_bytes, "bytes"),
@@ -344,6 +355,12 @@ COLUMNS = (  # (title, value of a RankRow, bytes or ms); "{unit}": the report's 
     ("NS ms", lambda r: r.ns_ms, "ms"),
     ("step ms", lambda r: r.step_ms, "ms"),
     ("comm {unit}/step", lambda r: r.comm_bytes, "bytes"),
+)
+# Shown with expert parallelism (dry_run(ep=...)) only, so the other reports stay as they were.
+EP_COLUMNS = (
+    ("expert matrices", lambda r: r.expert_matrices, "count"),
+    ("expert NS ms", lambda r: r.expert_ns_ms, "ms"),
+    ("reshard {unit}/step", lambda r: r.expert_reshard_comm_bytes, "bytes"),
 )
 UNITS = (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -377,6 +394,8 @@ class DryRunReport:
     plan_s: float = 0.0
     total_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    ep: int | None = None  # expert parallelism modelled (dry_run(ep=...)); None: plain FSDP2
+    expert_layout: dict | None = None  # with ep: the expert mesh and placements (see table())
 
     @property
     def idle_ranks(self) -> list[int]:
@@ -421,6 +440,8 @@ class DryRunReport:
             f"reported in {self.total_s:.2f} s",
             f"rates: {self.rates}; " + ", ".join(f"{k}={v}" for k, v in self.settings.items()),
         ]
+        if self.expert_layout is not None:
+            lines.append(_expert_layout_line(self.expert_layout, self.world_size))
         columns = self._columns()
         width = max(len(c[0]) for c in columns)
         lines.append(f"{'per rank':<{width}}  {'min':>10} {'median':>10} {'max':>10}")
@@ -466,13 +487,13 @@ class DryRunReport:
         biggest = max(biggest, max((r.comm_bytes for r in self.rows), default=0))
         unit, scale = next(((u, s) for u, s in UNITS if biggest >= s), UNITS[-1])
         out = []
-        for title, get, kind in COLUMNS:
+        for title, get, kind in COLUMNS + (EP_COLUMNS if self.ep is not None else ()):
             if not any(get(r) for r in self.rows) and title not in ("NS ms", "step ms"):
                 continue
             if kind == "bytes":
                 out.append((title.format(unit=unit), lambda r, g=get: g(r) / scale, "{:.2f}"))
             else:
-                out.append((title, get, "{:.2f}"))
+                out.append((title, get, "{:.0f}" if kind == "count" else "{:.2f}"))
         return out
 
     def _rows_text(self, rows) -> list[str]:
@@ -485,6 +506,27 @@ class DryRunReport:
         out = ["  " + "  ".join(t.rjust(w) for t, w in zip(titles, widths))]
         out += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
         return out
+
+
+def _expert_layout_line(info: dict, world: int) -> str:
+    """The report's line on the expert mesh (``dry_run(ep=...)``)."""
+    experts = "/".join(map(str, info["experts"]))
+    local = "/".join(map(str, info["local_experts"]))
+    line = (
+        f"experts (torchtitan EP): ep × efsdp = {info['ep']} × {info['efsdp']} per replica, "
+        f"{local} of {experts} experts per EP rank, {info['stacks']} stacks; expert FSDP "
+    )
+    dims = info["shard_dims"]
+    if dims == [0]:
+        line += "Shard(0): whole experts on each rank, NS where they live"
+    else:
+        line += (
+            f"{' and '.join(f'Shard({d})' for d in dims)} "
+            f"({info['resharded_stacks']} stacks sharded inside the experts: NS on whole "
+            "experts after a reshard, all-gather over ep + all-to-all over efsdp, and back)"
+        )
+    line += f"; {info['ranks_with_experts']} of {world} ranks orthogonalise experts"
+    return line
 
 
 def _ranges(ranks: list[int], limit: int = 12) -> str:
@@ -555,6 +597,8 @@ def dry_run(
     rates: NSRates = H200,
     stack_bytes: int | None = None,
     ns=None,
+    ep: int | None = None,
+    expert_shard_dim: int | None = None,
 ) -> DryRunReport:
     """Predict a job of ``world_size`` GPUs (``replicate_size × shard × tp_size``) per rank.
 
@@ -568,6 +612,12 @@ def dry_run(
     ``stack_bytes``: ``NewtonSchulz(stack_bytes=...)`` (default 4 GiB).
     ``ns``: what prices NS for the owner plan (default: as ``dedicate_params`` on a GPU with
     Triton kernels; pass ``NewtonSchulz()`` to plan exactly as on this machine).
+    ``ep``: expert parallelism as torchtitan lays it out (``None``: expert stacks on plain
+    FSDP2 ``Shard(0)`` over the shard dim): each stack ``Shard(0)`` over groups of ``ep``
+    consecutive shard ranks (``E/ep`` experts each), then expert FSDP over the other
+    ``shard/ep`` ranks, ``Shard(0)`` unless ``efsdp · ep > E`` (then ``Shard(1)``, inside the
+    experts: the step reshards to whole experts for NS). ``expert_shard_dim`` (0 or 1)
+    overrides that choice. ``ep=1`` is torchtitan without EP (``Shard(1)`` when ``shard > E``).
 
     Example::
 
@@ -576,11 +626,12 @@ def dry_run(
     """
     from dmuon_compile.distributed.dedicate import plan_dedicated
     from dmuon_compile.distributed.policy import MixedPrecision, ParamPolicy, resolve_dtypes
-    from dmuon_compile.layouts import infer_layout
+    from dmuon_compile.layouts import get_layout, infer_layout
     from dmuon_compile.routing import default_muon_predicate, routing_module
 
     t_start = time.perf_counter()
     shard = _check_sizes(world_size, replicate_size, tp_size, split_size)
+    _check_ep(ep, expert_shard_dim, shard, replicate_size, tp_size)
     name, model = build_model(model_or_config)
     stack_cap = default_stack_bytes() if stack_bytes is None else int(stack_bytes)
     plan_ns = TargetFlops() if ns is None else ns
@@ -598,6 +649,17 @@ def dry_run(
         ns=plan_ns,
     )
     plan_s = time.perf_counter() - t_plan
+    if ep is not None and ep > 1:
+        stacks = [
+            x.fqn for x in planned.specs if x.layout is not None and x.layout.kind == "experts"
+        ]
+        if stacks:  # dedicate_params refuses an expert-parallel (DTensor) stack the same way
+            raise ValueError(
+                f"dry_run: ep={ep}: the predicate dedicates expert stacks ({stacks[0]}"
+                + (f" and {len(stacks) - 1} more" if len(stacks) > 1 else "")
+                + "), but an expert-parallel stack cannot be dedicated: leave expert stacks out "
+                "of the predicate (the default does) or drop ep"
+            )
     R, S, T = replicate_size, shard, tp_size
     rows = [RankRow(g) for g in range(world_size)]
     policy = ParamPolicy(MixedPrecision(param_dtype, reduce_dtype))
@@ -608,9 +670,13 @@ def dry_run(
     def gpu(d: int, t: int) -> int:  # data-parallel index d = r · S + s, TP rank t
         return d * T + t
 
-    def add_ns(g: int, shape, count: int) -> None:
+    def add_ns(g: int, shape, count: int, expert: bool = False) -> None:
         b = rows[g]._buckets
         b[shape] = b.get(shape, 0) + count
+        if expert:
+            rows[g].expert_matrices += count
+            b = rows[g]._expert_buckets
+            b[shape] = b.get(shape, 0) + count
 
     # -- dedicated weights: owned state, NS and the hook groups' collectives
     specs = {s.fqn: s for s in planned.specs}
@@ -692,12 +758,14 @@ def dry_run(
             module_of.setdefault(id(p), []).append(mod)
     adamw_params = sharded_muon_params = 0
     padding: list[str] = []
+    ep_stacks: list[tuple[str, int, int]] = []  # (fqn, experts, expert FSDP shard dim)
+    ctx = _EPContext(ep, S, R, rows, per_shard, gpu, add_ns, rates, stack_cap, rate_ns)
     citem_default = _itemsize(param_dtype) if param_dtype is not None else None
     for pname, p in model.named_parameters():
         if pname in dedicated or not p.requires_grad:
             continue
         module = routing_module(module_of.get(id(p), []))
-        layout = infer_layout(pname, p, module) if p.ndim >= 2 else None
+        layout = (get_layout(p) or infer_layout(pname, p, module)) if p.ndim >= 2 else None
         muon = (
             layout is not None
             and layout.kind == "experts"
@@ -713,6 +781,10 @@ def dry_run(
             sharded_muon_params += p.numel()
         else:
             adamw_params += p.numel()
+        if muon and ep is not None:
+            dim = _ep_stack(ctx, pname, p, layout, expert_shard_dim, unshards, citem, ritem)
+            ep_stacks.append((pname, int(p.shape[0]), dim))
+            continue
         # Per shard coordinate: ranks [0, full) hold ``chunk`` rows, rank ``full`` the rest.
         full, last = divmod(dim0, chunk) if chunk else (0, 0)
         padded = chunk * rest
@@ -731,10 +803,43 @@ def dry_run(
                 for s in range(lo, min(hi, S)):
                     for r in range(R):
                         for t in range(T):
-                            add_ns(gpu(r * S + s, t), layout.stacked_shape(p.shape), matrices)
+                            add_ns(gpu(r * S + s, t), layout.stacked_shape(p.shape), matrices, True)
         if muon and padded * S > 1.25 * p.numel():
             padding.append(pname)
     per_shard.apply(rows, S, T)
+    expert_layout = None
+    if ep is not None:
+        if not ep_stacks:
+            raise ValueError(
+                f"dry_run: ep={ep}, but the model has no expert stacks left to FSDP2/EP (3-D "
+                "parameters of an *Experts module such as torchtitan's GroupedExperts, or "
+                "declared with dmuon.set_layout(p, dmuon.Layout.experts())): drop ep/--ep for a "
+                "dense model"
+            )
+        resharded = sum(1 for _, _, d in ep_stacks if d)
+        expert_layout = {
+            "ep": ep,
+            "efsdp": S // ep,
+            "experts": sorted({e for _, e, _ in ep_stacks}),
+            "local_experts": sorted({e // ep for _, e, _ in ep_stacks}),
+            "shard_dims": sorted({d for _, _, d in ep_stacks}),
+            "stacks": len(ep_stacks),
+            "resharded_stacks": resharded,
+            "ranks_with_experts": sum(1 for r in rows if r.expert_matrices),
+        }
+        if ctx.padding:
+            notes.append(
+                f"{len(ctx.padding)} expert stacks are cut unevenly over the {S // ep} expert-"
+                f"FSDP ranks (e.g. {ctx.padding[0]}): FSDP2 pads each rank's chunk, so its "
+                "collectives move padding too"
+            )
+        if resharded:
+            notes.append(
+                f"{resharded} expert stacks are sharded inside their experts (efsdp · ep > "
+                "experts, as torchtitan picks): each step all-gathers a stack over ep and "
+                "all-to-alls it over efsdp to whole experts, runs their NS (eagerly, one call "
+                "per stack) and sends the result back the same way ('reshard' column)"
+            )
     if padding:
         notes.append(
             f"{len(padding)} FSDP2 weights have fewer dim-0 rows than is even over {S} shard "
@@ -763,7 +868,9 @@ def dry_run(
             per_stack = max(one, stack_cap // one * one)
             widest = max(widest, min(count * one, per_stack))
             row.step_extra_bytes += count * shape[0] * shape[1] * NS_WORK_ITEMSIZE
-        row.step_extra_bytes += int(factor * widest)
+        row.step_extra_bytes += max(int(factor * widest), row._reshard_peak)
+        for shape, count in row._expert_buckets.items():  # the experts' NS alone
+            row.expert_ns_ms += rates.bucket_ms(shape, count, stack_cap, rate_ns)
         if row.ns_ms:
             row.step_ms = row.ns_ms + rates.elementwise_ms(row._elements) + rates.start_ms
     if plan is None:
@@ -792,9 +899,136 @@ def dry_run(
         },
         plan_s=plan_s,
         notes=notes,
+        ep=ep,
+        expert_layout=expert_layout,
     )
     report.total_s = time.perf_counter() - t_start
     return report
+
+
+def _check_ep(ep, shard_dim, shard: int, replicate: int, tp: int) -> None:
+    if ep is None:
+        if shard_dim is not None:
+            raise ValueError("dry_run: expert_shard_dim needs ep (pass ep=1 for no EP)")
+        return
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"dry_run: ep must be an integer >= 1, got {ep!r}")
+    if shard_dim not in (None, 0, 1):
+        raise ValueError(
+            f"dry_run: expert_shard_dim must be 0, 1 or None (torchtitan's rule), got {shard_dim!r}"
+        )
+    if tp > 1:
+        raise ValueError(
+            f"dry_run: ep={ep} with tp_size={tp} is not modelled (torchtitan's EP borrows TP "
+            "ranks and shards experts over them too): plan expert parallelism with tp_size=1 "
+            "(--tp 1)"
+        )
+    if shard % ep:
+        below = max(d for d in range(1, ep) if shard % d == 0)
+        above = [d for d in range(ep + 1, shard + 1) if shard % d == 0][:1]
+        fits = [below, *above]
+        raise ValueError(
+            f"dry_run: ep={ep} must divide the data-parallel shard size {shard} (world_size / "
+            f"replicate_size {replicate}; EP groups are ep consecutive shard ranks, expert FSDP "
+            f"the other shard/ep): pass an ep that divides {shard} (e.g. "
+            f"{' or '.join(map(str, fits))}) or change the GPU count / --hsdp"
+        )
+
+
+class _EPContext:
+    """What :func:`_ep_stack` reads and writes of the dry run in progress."""
+
+    def __init__(self, ep, shards, replicas, rows, per_shard, gpu, add_ns, rates, cap, ns):
+        self.ep, self.shards, self.replicas = ep, shards, replicas
+        self.rows, self.per_shard, self.gpu, self.add_ns = rows, per_shard, gpu, add_ns
+        self.rates, self.stack_cap, self.ns = rates, cap, ns
+        self.padding: list[str] = []  # stacks whose expert-FSDP chunks are mostly padding
+
+
+def _chunk(n: int, k: int, i: int) -> int:
+    """Size of piece ``i`` of ``n`` cut in ``k`` as ``torch.chunk`` / DTensor ``Shard`` cut:
+    ``ceil(n / k)`` each, the last ones fewer or none."""
+    size = -(-n // k)
+    return max(0, min(size, n - i * size))
+
+
+def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem) -> int:
+    """One expert stack ``(E, a, b)`` under torchtitan's EP: ``Shard(0)`` over the ``ep``
+    consecutive shard ranks ``s = f · ep + e`` (``E/ep`` experts on EP rank ``e``), expert FSDP
+    over ``f`` (``efsdp = shard/ep`` ranks): ``Shard(0)`` of the local experts, or ``Shard(1)``
+    of every local expert's rows when ``efsdp · ep > E``. Returns the expert FSDP shard dim."""
+    ep, S, R = ctx.ep, ctx.shards, ctx.replicas
+    E, a = int(p.shape[0]), int(p.shape[1])
+    b = p.numel() // (E * a) if E * a else 0
+    if E % ep:
+        fits = ", ".join(str(d) for d in range(1, E + 1) if E % d == 0 and S % d == 0)
+        raise ValueError(
+            f"dry_run: ep={ep} must divide the number of experts of {fqn} (shape "
+            f"{tuple(p.shape)}: {E} experts): EP gives each EP rank E/ep whole experts; pass "
+            f"an ep dividing both {E} and the shard size {S} (one of {fits})"
+        )
+    local, F = E // ep, S // ep
+    dim = shard_dim if shard_dim is not None else (1 if F * ep > E else 0)
+    if dim == 1 and a % F:  # FSDP2 raises NotImplementedError on an uneven Shard(1) too
+        raise ValueError(
+            f"dry_run: ep={ep}: {fqn} {tuple(p.shape)} would be sharded inside its experts "
+            f"(Shard(1), efsdp · ep = {F * ep} > {E} experts) over efsdp = {F} ranks, but its "
+            f"{a} rows are not divisible by {F}: FSDP2 refuses uneven sharding on dim 1. Pick "
+            "an ep (or GPU count) whose efsdp = shard/ep divides the rows, or one with "
+            "efsdp · ep <= experts (Shard(0))"
+        )
+    item = p.element_size()
+    shape = layout.stacked_shape(p.shape)
+    ps = ctx.per_shard
+    # FSDP2's collectives over efsdp, padded to ceil-sized chunks; HSDP all-reduces the chunk
+    padded = (-(-local // F)) * a * b if dim == 0 else local * (-(-a // F)) * b
+    ps.add_all(
+        "fsdp_comm_bytes",
+        (F - 1) * padded * (unshards * citem + ritem) + 2 * (R - 1) * padded * ritem // R,
+    )
+    for f in range(F):
+        lo, hi = f * ep, (f + 1) * ep  # the EP group of expert-FSDP rank f
+        if dim == 0:
+            n = _chunk(local, F, f)  # whole local experts
+            ps.add_range("grad_bytes", lo, hi, n * a * b * item)
+            ps.add_range("sharded_muon_bytes", lo, hi, 2 * n * a * b * item)
+            if n:
+                count = layout.count((n, *p.shape[1:]))
+                for s in range(lo, hi):
+                    for r in range(R):
+                        ctx.add_ns(ctx.gpu(r * S + s, 0), shape, count, True)
+            continue
+        rows_f = _chunk(a, F, f)  # this rank's rows of each of its local experts
+        own = local * rows_f * b
+        ps.add_range("grad_bytes", lo, hi, own * item)
+        ps.add_range("sharded_muon_bytes", lo, hi, 2 * own * item)
+        # The reshard to whole experts, as DTensor's planner redistributes (Shard(1), Shard(0))
+        # to (Shard(0), Shard(0)) on (efsdp, ep): all-gather over ep (the group shares f: no
+        # padding), all-to-all over efsdp to efsdp chunk f of the E whole experts (cf), whose ep
+        # sub-chunk this rank orthogonalises; back: all-gather of the sub-chunks over ep (padded
+        # to the largest), all-to-all to the rows again. All-to-alls counted unpadded.
+        cf = _chunk(E, F, f)
+        there = (ep - 1) * own + cf * (a - rows_f) * b
+        back = (ep - 1) * (-(-cf // ep)) * a * b + (E - cf) * rows_f * b
+        ps.add_range("expert_reshard_comm_bytes", lo, hi, (there + back) * item)
+        transient = max(E * rows_f * b, cf * a * b) * item
+        for e in range(ep):
+            n = _chunk(cf, ep, e)
+            count = layout.count((n, a, b)) if n else 0
+            ms = ctx.rates.bucket_ms(shape, count, ctx.stack_cap, ctx.ns) if count else 0.0
+            one = 4 * shape[0] * shape[1]
+            work = WORKING_SET_FACTOR["eager"] * min(count * one, max(one, ctx.stack_cap))
+            for r in range(R):
+                row = ctx.rows[ctx.gpu(r * S + lo + e, 0)]
+                row.ns_ms += ms
+                row.expert_ns_ms += ms
+                row.expert_matrices += count
+                row._elements += own  # momentum, Nesterov input and commit on the local rows
+                row.step_extra_bytes += own * item  # the result back on the rows, until commit
+                row._reshard_peak = max(row._reshard_peak, transient + int(work))
+    if padded * F > 1.25 * local * a * b:
+        ctx.padding.append(fqn)
+    return dim
 
 
 def _dtype_name(dt) -> str:
@@ -901,6 +1135,20 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hsdp", type=int, default=1, metavar="R", help="replicate size (HSDP)")
     ap.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size")
     ap.add_argument(
+        "--ep",
+        type=int,
+        metavar="N",
+        help="expert parallelism as torchtitan lays it out: expert stacks over groups of N "
+        "shard ranks (E/N experts each), expert FSDP over the other shard/N (Shard(0), or "
+        "Shard(1) inside the experts when efsdp·N > E); default: plain FSDP2 Shard(0)",
+    )
+    ap.add_argument(
+        "--expert-shard-dim",
+        type=int,
+        choices=(0, 1),
+        help="with --ep: force the expert FSDP shard dim (default: torchtitan's rule)",
+    )
+    ap.add_argument(
         "--split-size",
         type=int,
         default=1,
@@ -958,6 +1206,8 @@ def main(argv=None) -> int:
                 compiled=not args.eager,
                 rates=rates,
                 stack_bytes=None if args.stack_gib is None else int(args.stack_gib * GiB),
+                ep=args.ep,
+                expert_shard_dim=args.expert_shard_dim,
             )
         except (ValueError, NotImplementedError) as e:
             ap.error(str(e))

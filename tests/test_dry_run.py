@@ -1,6 +1,7 @@
 """The dry run (``python -m dmuon_compile.plan``): runs on presets at thousands of ranks in
-seconds, runs ``dedicate_params``' own planning, its bytes add up, HSDP/TP/split variants, its
-errors name the fix, and the NS rates reproduce the measurements they come from. No processes
+seconds, runs ``dedicate_params``' own planning, its bytes add up, HSDP/TP/split and expert-
+parallel variants, its errors name the fix, and the NS rates reproduce the measurements they
+come from. No processes
 (tests/distributed/test_dry_run_dist.py compares it with a real multi-rank run)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dmuon_compile import ns_rates
 from dmuon_compile.distributed.dedicate import plan_dedicated
 from dmuon_compile.distributed.owner_plan import MatrixSpec, plan_owners
 from dmuon_compile.layouts import Layout
-from dmuon_compile.plan import PRESETS, build_model, dry_run, main
+from dmuon_compile.plan import PRESETS, ModelConfig, build_model, dry_run, main
 
 GPUS = (8, 64, 512, 4096)
 
@@ -248,3 +249,147 @@ def test_dry_run_check_quick_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "| S | 56 |" in out and "| G | 56 |" in out and "| tiny |" in out
     assert "predicted / measured" in out and "warning" not in out
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+# 2 MoE layers of 8 experts, stacks w1/w3 (8, 32, 64) and w2 (8, 64, 32); a shared expert.
+SMALL_MOE = ModelConfig(64, 2, 4, 128, vocab=100, experts=8, expert_ffn=32, shared_ffn=32)
+SMALL_EXPERT_MATRICES = 2 * 3 * 8
+
+
+def _expert_bytes(model) -> int:
+    return sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n
+    )
+
+
+def test_the_cli_models_expert_parallelism_for_deepseek_v3(capsys):
+    assert main(["--model", "deepseek-v3", "--gpus", "64", "--ep", "8", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ep × efsdp = 8 × 8 per replica, 32 of 256 experts per EP rank, 174 stacks" in out
+    assert "expert FSDP Shard(0)" in out and "64 of 64 ranks orthogonalise experts" in out
+    assert "expert matrices" in out and "expert NS ms" in out
+    assert "reshard" not in out  # whole experts everywhere: nothing to reshard
+    assert main(["--model", "deepseek-v3", "--gpus", "64", "--ep", "8", "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["ep"] == 8 and report["expert_layout"]["shard_dims"] == [0]
+    # 58 MoE layers × 3 stacks × (256 / 8 / 8) experts on every rank
+    assert {r["expert_matrices"] for r in report["rows"]} == {58 * 3 * 4}
+    assert main(["--model", "deepseek-v3", "--gpus", "64", "--json"]) == 0
+    (plain,) = json.loads(capsys.readouterr().out)
+    assert set(plain) <= set(report) and set(plain["rows"][0]) <= set(report["rows"][0])
+    assert plain["ep"] is None and plain["expert_layout"] is None
+    # EP 8 × efsdp 8 gathers each expert stack over 8 ranks, not 64: less FSDP traffic
+    fsdp = [sum(r["fsdp_comm_bytes"] for r in x["rows"]) for x in (report, plain)]
+    assert fsdp[0] < fsdp[1] / 4
+
+
+def test_without_ep_the_report_is_as_before():
+    report = dry_run("E", 8)
+    text = report.table()
+    assert "expert matrices" not in text and "torchtitan EP" not in text
+    assert report.ep is None and report.to_dict()["expert_layout"] is None
+    # the expert fields are there (JSON) and count the FSDP2 Shard(0) experts: 64 / 8 per stack
+    assert {r.expert_matrices for r in report.rows} == {4 * 3 * 8}
+
+
+@pytest.mark.parametrize(
+    "world, hsdp, ep, dim",
+    [
+        (8, 1, 2, 0),  # efsdp 4 × ep 2 = 8 experts: Shard(0), one whole expert per rank
+        (12, 2, 2, 0),  # HSDP 2 × 6: efsdp 3 over 4 local experts: Shard(0), chunks 2, 2, 0
+        (16, 1, 2, 1),  # efsdp 8 × ep 2 > 8 experts: Shard(1) inside the experts
+        (16, 1, 8, 1),
+        (32, 2, 4, 1),
+        (4, 1, 1, 0),  # torchtitan without EP: Shard(0) while shard <= experts
+        (16, 1, 1, 1),  # ... Shard(1) above
+    ],
+)
+def test_ep_bytes_add_up(world, hsdp, ep, dim):
+    model = build_model(SMALL_MOE)[1]
+    report = dry_run(model, world, replicate_size=hsdp, ep=ep)
+    assert report.expert_layout["shard_dims"] == [dim]
+    assert report.expert_layout["efsdp"] == world // hsdp // ep
+    experts = _expert_bytes(model)
+    # every replica holds the expert stacks once, weight + momentum, over its ranks
+    assert sum(r.sharded_muon_bytes for r in report.rows) == hsdp * 2 * experts
+    # and orthogonalises every expert once (on whole experts, after a reshard for Shard(1))
+    assert sum(r.expert_matrices for r in report.rows) == hsdp * SMALL_EXPERT_MATRICES
+    assert all(r.ns_ms >= r.expert_ns_ms for r in report.rows)
+    assert all((r.expert_ns_ms > 0) == (r.expert_matrices > 0) for r in report.rows)
+    assert (report.expert_layout["resharded_stacks"] > 0) == (dim == 1)
+    assert any(r.expert_reshard_comm_bytes for r in report.rows) == (dim == 1)
+    if hsdp == 1:  # every gradient once: the dedicated owners' and every FSDP2 chunk
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert sum(r.grad_bytes for r in report.rows) == total
+    plain = dry_run(model, world, replicate_size=hsdp)  # the AdamW side is untouched by EP
+    assert [r.adamw_bytes for r in report.rows] == [r.adamw_bytes for r in plain.rows]
+    assert report.owners == plain.owners
+
+
+def test_ep_1_without_resharding_is_the_plain_fsdp2_model():
+    """Two code paths, one layout: torchtitan without EP at 8 shard ranks of 8 experts is FSDP2's
+    Shard(0), which the default (no ep) dry run models on its own."""
+    ep1, plain = dry_run(SMALL_MOE, 8, ep=1), dry_run(SMALL_MOE, 8)
+    assert [r.to_dict() for r in ep1.rows] == [r.to_dict() for r in plain.rows]
+    assert ep1.totals() == plain.totals()
+
+
+def test_ep_inside_the_experts_reshards_to_whole_experts():
+    """16 ranks, ep 2: efsdp 8 × 2 > 8 experts, so torchtitan shards the stacks Shard(1) (4 of
+    each local expert's rows per rank); the step reshards each stack to whole experts, which
+    DTensor's (Shard(0), Shard(0)) on (efsdp, ep) gives to EP rank 0 of each pair: one expert
+    per stack on the even ranks, none on the odd ones."""
+    report = dry_run(SMALL_MOE, 16, ep=2)
+    rows = report.rows
+    assert [r.expert_matrices for r in rows] == [6, 0] * 8
+    # 1/16 of the stacks' weight and momentum on every rank
+    assert {r.sharded_muon_bytes for r in rows} == {
+        2 * _expert_bytes(build_model(SMALL_MOE)[1]) // 16
+    }
+    # w1 (8, 32, 64) per rank: own rows 4 × 4 local experts × 64 = 1024 elements; there:
+    # all-gather over ep 1 · 1024 + all-to-all of expert f's other 28 rows 28 · 64 = 2816;
+    # back: all-gather of the padded sub-chunk (1 expert, 32 · 64) + the other 7 experts' own
+    # rows 7 · 4 · 64 = 3840. w2 (8, 64, 32) and w3: the same 6656. fp32, 2 layers × 3 stacks.
+    assert {r.expert_reshard_comm_bytes for r in rows} == {2 * 3 * 6656 * 4}
+    assert all(r.comm_bytes >= r.expert_reshard_comm_bytes for r in rows)
+    # one eager NS call per stack on a rank's whole expert
+    one = 4 * ns_rates.H200.call_ms_of((32, 64)) + 2 * ns_rates.H200.call_ms_of((64, 32))
+    assert rows[0].expert_ns_ms == pytest.approx(one, rel=1e-9) and rows[1].expert_ns_ms == 0
+    assert any("inside their experts" in n for n in report.notes)
+    text = report.table()
+    assert "reshard KiB/step" in text or "reshard MiB/step" in text
+    assert "expert FSDP Shard(1) (6 stacks sharded inside the experts" in text
+    # expert_shard_dim forces the placement where torchtitan's rule would pick Shard(0)
+    forced = dry_run(SMALL_MOE, 8, ep=2, expert_shard_dim=1)
+    assert forced.expert_layout["shard_dims"] == [1]
+    assert sum(r.expert_matrices for r in forced.rows) == SMALL_EXPERT_MATRICES
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "64", "--ep", "3"], "must divide the data-parallel shard size 64"),
+        (["--gpus", "96", "--ep", "3"], "must divide the number of experts"),
+        (["--gpus", "64", "--ep", "8", "--tp", "2"], "with tp_size=1 (--tp 1)"),
+        (["--gpus", "64", "--ep", "0"], "integer >= 1"),
+        (["--gpus", "64", "--expert-shard-dim", "1"], "needs ep"),
+    ],
+)
+def test_bad_ep_names_the_fix(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "deepseek-v3", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ep_errors_from_the_function():
+    with pytest.raises(ValueError, match="no expert stacks"):
+        dry_run("llama3-8b", 64, ep=8)
+    with pytest.raises(ValueError, match="cannot be dedicated"):  # as dedicate_params refuses
+        dry_run(SMALL_MOE, 8, ep=2, predicate=lambda n, p: p.ndim == 3)
+    # Shard(1) over efsdp 8 of 36 rows: FSDP2 refuses an uneven Shard(1)
+    uneven = ModelConfig(64, 1, 4, 128, experts=8, expert_ffn=36)
+    with pytest.raises(ValueError, match="not divisible by 8"):
+        dry_run(uneven, 16, ep=2)
+    assert dry_run(uneven, 8, ep=2).expert_layout["shard_dims"] == [0]  # whole experts: fine
