@@ -418,20 +418,19 @@ class Muon(torch.optim.Optimizer):
         # A deferred verdict stays on the device: the commit and AdamW select on it and the
         # host reads it at the next step() (``settle``), never waiting for this step's kernels.
         pending = verdict if isinstance(verdict, PendingVerdict) else None
-        if pending is not None and pending.failure:
-            # This rank's own work failed: its halves hold placeholders, and the verdict is
-            # known to be false. The commit issues no collective: writing nothing is the same.
-            self._agreement.hold(pending)
-            return loss
+        # This rank's own work failed (deferred): its halves hold placeholders and the verdict
+        # is known to be false, so it writes nothing; its actions' collectives still go out.
+        failed_here = pending is not None and bool(pending.failure)
         commit_if = None if pending is None else pending.ok
         # The plan's parts in order, each followed by its action (HSDP: the group the next
-        # forward needs first is committed and published first, under the rest of the step).
+        # forward needs first is committed and published first, under the rest of the step;
+        # deferred, it publishes what the select wrote).
         for part, part_halves in zip(plan.parts, halves):
-            for half in part_halves:
+            for half in part_halves if not failed_here else ():
                 self._commit(half, commit_if)
             if part.after is not None:
                 part.after()
-        for job in adamw:
+        for job in adamw if not failed_here else ():
             hypers = {key: job.group[key] for key in ("lr", "betas", "eps", "weight_decay")}
             F.adamw_update(
                 job.params,
@@ -449,12 +448,11 @@ class Muon(torch.optim.Optimizer):
     def _defers(self, plan: StepPlan) -> bool:
         """Whether this step leaves its verdict on the device (read at the next ``step()``):
         every Muon matrix is compiled (its commit's select fuses into the commit's kernel; the
-        eager reference reads first), the commit issues no collective (no TP stage, no action
-        after a part), and not under the user's ``torch.compile`` (the commit is traced into
-        their graph). Decided from the configuration alone, so the same on every rank."""
+        eager reference reads first), no TP stage (its commit scatters updates that the TP
+        ranks apply), and not under the user's ``torch.compile`` (the commit is traced into
+        their graph). HSDP's publishes broadcast whatever the select wrote: the same
+        collectives either way. Decided from the configuration alone: the same on every rank."""
         if plan.tp is not None or torch.compiler.is_compiling():
-            return False
-        if any(part.after is not None for part in plan.parts):
             return False
         key = tuple(len(g["params"]) for g in self.param_groups)
         if self._compiles_all[0] != key:  # the groups changed (add_param_group): look again

@@ -500,6 +500,9 @@ FAULT_CASES = [  # (kind, layout, phase, the failing rank's own exception)
     ("oom", "1d", "the eager Muon step (momentum, Newton–Schulz)", "OutOfMemoryError"),
     ("oom", "hsdp", "the eager Muon step (momentum, Newton–Schulz)", "OutOfMemoryError"),
     ("eager", "tp", "the TP owners' Newton–Schulz (eager)", "InjectedError"),
+    # The compiled step holds its verdict on the device (pinned copy, event): read next call.
+    ("compiled", "1d", "the compiled Muon step", "BackendCompilerFailed"),
+    ("compiled", "hsdp", "the compiled Muon step", "BackendCompilerFailed"),
 ]
 
 
@@ -528,7 +531,8 @@ def test_one_rank_failure_in_step_raises_everywhere_then_trains_exactly(
         timeout=300,
     )
     ref = faults.reference(1 if layout == "tp" else faults.WORLD, tier_device)
-    assert faults._problems(results, phase, cause, ref) == []
+    at = faults.FAIL_AT + 1 if kind == "compiled" else faults.FAIL_AT
+    assert faults._problems(results, phase, cause, ref, at) == []
 
 
 # ---------------------------------------------------------------------------------- GQA

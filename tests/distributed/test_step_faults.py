@@ -209,11 +209,12 @@ CASES = [
     ("eager", "1d", "the eager Muon step (momentum, Newton–Schulz)", "InjectedError"),
     ("oom", "hsdp", "the eager Muon step (momentum, Newton–Schulz)", "OutOfMemoryError"),
     ("compiled", "1d", "the compiled Muon step", "BackendCompilerFailed"),
+    ("compiled", "hsdp", "the compiled Muon step", "BackendCompilerFailed"),
     ("tp", "tp", "the TP owners' Newton–Schulz (eager)", "InjectedError"),
 ]
 
 
-@pytest.mark.parametrize("kind, layout, phase, cause", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("kind, layout, phase, cause", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_one_rank_failure_in_step_raises_everywhere_then_trains_exactly(kind, layout, phase, cause):
     from dmuon_compile import optimizer
 
