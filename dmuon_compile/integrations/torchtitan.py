@@ -9,7 +9,7 @@ Two changes to a torchtitan trainer config (README: torchtitan)::
     config = Trainer.Config(
         model_spec=spec,
         optimizer=dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-4),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor", ...),
+        parallelism=ParallelismConfig(spmd_backend="full_dtensor", ...),  # or "partial_dtensor"
         ...
     )
 
@@ -20,6 +20,9 @@ Two changes to a torchtitan trainer config (README: torchtitan)::
   for HSDP, the TP mesh derived from the same flattened root) for the duration of the call.
   torchtitan builds the model on the meta device and calls ``init_weights`` after
   ``to_empty``; both work on dedicated weights (README: Building a large model).
+  ``spmd_backend="full_dtensor"`` hands that step the dense storage mesh with
+  ``dp_mesh_dims`` instead: the data-parallel axes it names are the meshes dedicated over.
+  ``"spmd_types"`` (torchtitan's default) is refused, naming why (:data:`SPMD_TYPES_ERROR`).
 - :class:`MuonOptimizers` is torchtitan's ``OptimizersContainer`` holding one ``dmuon.Muon``
   per model part, its groups carrying ``param_names`` (canonical FQNs), so torchtitan's
   checkpointer saves and loads its FQN-keyed state.
@@ -101,6 +104,125 @@ def _dp_dims(dp_mesh):
     return dp_mesh[names[1]], dp_mesh[names[0]]
 
 
+SPMD_TYPES_ERROR = (
+    'dmuon: parallelism.spmd_backend="spmd_types" is not supported: that backend leaves the '
+    "parameters plain tensors carrying spmd_types annotations and hands fully_shard the dense "
+    "storage mesh with dp_mesh_dims, which this torch's FSDP2 accepts only for DTensor "
+    'parameters (it raises "all parameters must be DTensors on the full SPMD mesh" with or '
+    'without dmuon). Set parallelism.spmd_backend="full_dtensor" (the same meshes, DTensor '
+    'parameters) or "partial_dtensor".'
+)
+
+
+def _check_backend(backend: str, parallel_dims) -> None:
+    if backend == "spmd_types":
+        raise ValueError(SPMD_TYPES_ERROR)
+    if backend not in ("partial_dtensor", "full_dtensor"):
+        raise ValueError(
+            f"dmuon: parallelism.spmd_backend={backend!r}; dedicated weights need "
+            '"partial_dtensor" or "full_dtensor".'
+        )
+    if backend == "full_dtensor" and parallel_dims.cp_enabled:
+        raise ValueError(
+            'dmuon: spmd_backend="full_dtensor" with context parallelism is not supported '
+            '(FSDP2 shards over (dp_shard, cp) there); use spmd_backend="partial_dtensor".'
+        )
+
+
+def _storage_dp_dims(storage, dims):
+    """``(shard mesh, replicate mesh or None)``: the data-parallel axes ``dp_mesh_dims`` names
+    on full_dtensor's dense storage mesh."""
+    shard_names, replicate_names = tuple(dims.shard_names), tuple(dims.replicate_names)
+    if len(shard_names) != 1 or len(replicate_names) > 1:
+        raise ValueError(
+            f"dmuon: FSDP2's data-parallel axes are shard={shard_names}, "
+            f"replicate={replicate_names}; dedicated weights need one shard axis and at most "
+            "one replicate axis."
+        )
+    replicate = storage[replicate_names[0]] if replicate_names else None
+    return storage[shard_names[0]], replicate
+
+
+def _take_tp_views(module: nn.Module, storage, dims, predicate) -> dict:
+    """Replace each weight ``predicate`` selects, a DTensor on full_dtensor's storage mesh
+    (replicated over the data-parallel axes), by its view on the axes left (TP): a DTensor on
+    the TP submesh, or the local tensor without TP: the parameters ``dedicate_params`` takes.
+    Returns ``{fqn: (placements, gradient placements, global shape, stride)}`` on the storage
+    mesh, for the forward."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    names = storage.mesh_dim_names
+    dp = set(dims.shard_names) | set(dims.replicate_names)
+    keep = [i for i, n in enumerate(names) if n not in dp]
+    views = {}
+    for fqn, param in list(module.named_parameters()):
+        if not isinstance(param, DTensor) or not predicate(fqn, param):
+            continue
+        if param.device_mesh != storage or any(
+            not param.placements[i].is_replicate() for i, n in enumerate(names) if n in dp
+        ):
+            raise ValueError(
+                f"dmuon: {fqn} is a DTensor on {param.device_mesh} with {param.placements}; "
+                f"dedicated weights need {storage}, replicated over its data-parallel axes."
+            )
+        local = param.to_local()
+        if keep:
+            tp_mesh = storage[tuple(names[i] for i in keep)]
+            local = DTensor.from_local(
+                local, tp_mesh, [param.placements[i] for i in keep], run_check=False
+            )
+        owner, _, attr = fqn.rpartition(".")
+        module.get_submodule(owner).register_parameter(
+            attr, nn.Parameter(local, requires_grad=param.requires_grad)
+        )
+        # Their gradient leaves the forward Partial over the DP axes: its local part is this
+        # rank's contribution, which the dedicated reduce sums (no all-reduce on the way).
+        grad = [Partial() if n in dp else p for n, p in zip(names, param.placements)]
+        views[fqn] = (tuple(param.placements), tuple(grad), param.shape, param.stride())
+    return views
+
+
+def _compute_on_storage_mesh(module: nn.Module, storage, views: dict) -> None:
+    """full_dtensor computes on DTensors of the storage mesh: during the forward of each module
+    holding a dedicated weight, the compute copy stands in as one (the same memory). Its
+    gradient comes back to the compute copy as this rank's part, as with partial_dtensor."""
+    from torch.distributed.tensor import DTensor
+
+    runtime = runtime_of(module)
+    if runtime is None:
+        return
+    by_module: dict[int, list] = {}
+    for p in runtime.params:
+        if p.fqn in views:
+            by_module.setdefault(id(p.module), []).append(p)
+    for params in by_module.values():
+        standing_in: dict[str, torch.Tensor] = {}
+
+        def pre(_m, _args, params=params, standing_in=standing_in):
+            for p in params:
+                copy = p.module._parameters[p.attr]
+                if copy is not p.unsharded:
+                    continue  # not unsharded: the forward fails naming the mixed tensors
+                placements, grad, shape, stride = views[p.fqn]
+                local = copy.to_local() if isinstance(copy, DTensor) else copy
+                standing_in[p.fqn] = p.module._parameters[p.attr] = DTensor.from_local(
+                    local,
+                    storage,
+                    placements,
+                    shape=shape,
+                    stride=stride,
+                    grad_placements=grad,
+                )
+
+        def post(_m, _args, _out, params=params, standing_in=standing_in):
+            for p in params:
+                if p.module._parameters[p.attr] is standing_in.pop(p.fqn, None):
+                    p.module._parameters[p.attr] = p.unsharded
+
+        params[0].module.register_forward_pre_hook(pre)
+        params[0].module.register_forward_hook(post, always_call=True)
+
+
 def dedicating(
     parallelize_fn: Callable,
     predicate: Callable[[str, torch.Tensor], bool] = default_predicate,
@@ -114,8 +236,13 @@ def dedicating(
     The dedicated weights compute in FSDP2's ``param_dtype`` (torchtitan's
     ``training.mixed_precision_param``) unless ``param_policy=``/``compute_dtype=`` is given;
     other keyword arguments go to ``dmuon.dedicate_params``. Needs
-    ``parallelism.spmd_backend="partial_dtensor"`` (the other backends hand FSDP2 a
-    multi-dimensional storage mesh). With pipeline parallelism ``pipeline_llm`` calls it once
+    ``parallelism.spmd_backend="partial_dtensor"`` or ``"full_dtensor"``. Under full_dtensor
+    FSDP2 gets the dense storage mesh and ``dp_mesh_dims``: the weights are dedicated over its
+    ``dp_shard`` axis (``dp_replicate``: HSDP) from their view on the remaining TP axis, and
+    during each forward the compute copy stands in as a DTensor of the storage mesh
+    (:func:`_compute_on_storage_mesh`). torchtitan's default, ``"spmd_types"``, raises: this
+    torch's FSDP2 cannot shard that backend's parameters, with or without dmuon
+    (:data:`SPMD_TYPES_ERROR`). With pipeline parallelism ``pipeline_llm`` calls it once
     per model part (stage): each stage's weights get owners among its data-parallel ranks, and
     the stage's once-per-step gradient reduce (``PipelineStage.perform_reduce_grad``) reduces
     the dedicated gradients its micro-batches accumulated (docs/pipeline.md).
@@ -151,12 +278,7 @@ def dedicating(
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *, parallel_dims, parallelism, **kwargs):
-        if parallelism.spmd_backend != "partial_dtensor":
-            raise ValueError(
-                f"dmuon: parallelism.spmd_backend={parallelism.spmd_backend!r}; dedicated weights "
-                'need spmd_backend="partial_dtensor" (FSDP2 on the fsdp or (dp_replicate, fsdp) '
-                "mesh)."
-            )
+        _check_backend(parallelism.spmd_backend, parallel_dims)
         if parallel_dims.pp_enabled:
             _reduce_at_stage_end()
         # Without PP one part is planned per job; the TP planner takes no carried loads.
@@ -164,7 +286,13 @@ def dedicating(
         calls = []
 
         def dedicate_then_fsdp(module, dp_mesh, *args, **kw):
-            shard, replicate = _dp_dims(dp_mesh)
+            # full_dtensor: dp_mesh is the dense storage mesh, dp_mesh_dims names its DP axes.
+            dims, views = kw.get("dp_mesh_dims"), None
+            if dims is None:
+                shard, replicate = _dp_dims(dp_mesh)
+            else:
+                shard, replicate = _storage_dp_dims(dp_mesh, dims)
+                views = _take_tp_views(module, dp_mesh, dims, predicate)
             options = dict(dedicate_kwargs)
             if "param_policy" not in options and "compute_dtype" not in options:
                 options["compute_dtype"] = kw.get("param_dtype")
@@ -175,6 +303,8 @@ def dedicating(
             )
             if carry:
                 _record_loads(planned, dp_mesh, runtime_of(module))
+            if views is not None:
+                _compute_on_storage_mesh(module, dp_mesh, views)
             calls.append(module)
             return fsdp_step(module, dp_mesh, *args, **kw)
 
