@@ -376,6 +376,11 @@ class Muon(torch.optim.Optimizer):
         raises :class:`MuonStepError` on every rank of a sharded or dedicated model, before
         any weight or state changed anywhere: ``opt.zero_grad()`` on every rank and go on.
 
+        The compiled step leaves its verdict on the device (the host never waits for the
+        step): that error, a non-finite step's ``FloatingPointError`` or skip warning, comes
+        out of the next ``step()`` (before it does anything: call it again to step on its
+        batch), ``state_dict()`` or :meth:`last_step_committed`, naming the previous step.
+
         Example::
 
             opt.step(); opt.step()  # safe: the second step drains the first one's publish
