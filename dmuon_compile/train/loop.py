@@ -358,5 +358,7 @@ def _train_steps(
         interval_start, interval_steps = time.perf_counter(), 0
         if wait_start is not None:  # evaluation's unshard waits are not training-step time
             wait_start = runtime.profile_wait_ms(wrapped) or 0.0
+    if isinstance(opt, dmuon.Muon):  # the compiled step's verdict is read one call later
+        opt.last_step_committed()
     progress.close()
     result.wall_s = time.perf_counter() - run_start
