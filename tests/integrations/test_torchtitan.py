@@ -64,6 +64,40 @@ def loss_of(model, batch, global_tokens: int):
     )
 
 
+def materialize_on_cpu(part) -> None:
+    """A parallelized torchtitan model part made real on the CPU as its trainer does: FSDP2's
+    reduce forced to a sum (gloo has no PREMUL_SUM, FSDP2's reduce op), weights allocated and
+    ``init_weights`` under one seed (as torchtitan's set_determinism: all ranks agree)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in part.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    part.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        part.init_weights(buffer_device=None)
+
+
+def parallelize_on_cpu(parallelize, model, dims, parallelism, folder, **configs):
+    """``parallelize`` (torchtitan's ``parallelize_fn``, wrapped by ``dedicating`` or not) with
+    fp32 training and, unless ``configs`` give them, compile and AC off; then
+    :func:`materialize_on_cpu`."""
+    from torchtitan.config import CompileConfig, TrainingConfig
+
+    model = parallelize(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=parallelism,
+        compile_config=configs.get("compile_config", CompileConfig()),
+        ac_config=configs.get("ac_config"),
+        dump_folder=folder,
+    )
+    materialize_on_cpu(model)
+    return model
+
+
 def _train_torchtitan(
     rank, world, folder, replicate=1, tp=1, sequence_parallel=True, checkpoint=False
 ):
@@ -71,9 +105,8 @@ def _train_torchtitan(
     fsdp × ``tp``); with ``checkpoint``, a save, one more step, a resume and that step again."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     from dmuon_compile.distributed import dedicated_runtime
@@ -91,22 +124,7 @@ def _train_torchtitan(
     dp, dp_rank = (1, 0) if batch_mesh is None else (batch_mesh.size(), batch_mesh.get_local_rank())
     spec, model = build_debug_model(sequence_parallel)
     parallelize = dmuon_tt.dedicating(spec.parallelize_fn)
-    model = parallelize(
-        model,
-        parallel_dims=dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism,
-        compile_config=CompileConfig(),
-        ac_config=None,
-        dump_folder=folder,
-    )
-    for m in model.modules():  # Workaround for gloo: it has no PREMUL_SUM (FSDP2's reduce op)
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)  # as torchtitan's set_determinism: all ranks agree on one seed
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    model = parallelize_on_cpu(parallelize, model, dims, parallelism, folder)
     # HSDP: the other replicas get the global owners' initial values at the first forward;
     # publish now to read them from any rank.
     dedicated_runtime(model).publish(wait=True)

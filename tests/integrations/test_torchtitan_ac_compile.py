@@ -26,6 +26,7 @@ from integrations.test_torchtitan import (
     _check_against_one_process,
     build_debug_model,
     loss_of,
+    parallelize_on_cpu,
     tokens,
 )
 from integrations.test_torchtitan_spmd import _same_grads, _whole_grads
@@ -70,8 +71,7 @@ def _train(
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torch._dynamo.utils import counters
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     from dmuon_compile.distributed import dedicated_runtime
@@ -91,25 +91,18 @@ def _train(
     parallelize = (
         spec.parallelize_fn if plain is not None else dmuon_tt.dedicating(spec.parallelize_fn)
     )
-    model = parallelize(
+    model = parallelize_on_cpu(
+        parallelize,
         model,
-        parallel_dims=dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        dims,
+        ParallelismConfig(spmd_backend="partial_dtensor"),
+        folder,
         compile_config=CompileConfig(enable=compile, components=["model"], backend=backend),
         ac_config=_ac_config(ac),
-        dump_folder=folder,
     )
-    for m in model.modules():  # Workaround for gloo: it has no PREMUL_SUM (FSDP2's reduce op)
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
     blocks = list(model.layers.values())
     wrapped = [isinstance(b, CheckpointWrapper) for b in blocks]
     compiled = [b._compiled_call_impl is not None for b in blocks]
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
     global_tokens = dp * PER_RANK * SEQ
 
     def batch_of(i):

@@ -19,7 +19,7 @@ import torch
 from distributed.harness import full_state, run_ranks
 from torch.distributed.tensor import DTensor
 
-from integrations.test_torchtitan import loss_of, tokens
+from integrations.test_torchtitan import loss_of, parallelize_on_cpu, tokens
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.distributed]
 
@@ -58,9 +58,8 @@ def _train(rank, world, folder, ep, load_from=None, save=False, plain=None, repl
     weights: only the first step's gradients."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
@@ -80,22 +79,7 @@ def _train(rank, world, folder, ep, load_from=None, save=False, plain=None, repl
     parallelize = (
         spec.parallelize_fn if plain is not None else dmuon_tt.dedicating(spec.parallelize_fn)
     )
-    model = parallelize(
-        model,
-        parallel_dims=dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism,
-        compile_config=CompileConfig(),
-        ac_config=None,
-        dump_folder=folder,
-    )
-    for m in model.modules():  # gloo has no PREMUL_SUM (FSDP2's reduce op)
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    model = parallelize_on_cpu(parallelize, model, dims, parallelism, folder)
     if plain is not None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

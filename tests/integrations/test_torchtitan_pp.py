@@ -21,6 +21,8 @@ import pytest
 import torch
 from distributed.harness import run_ranks
 
+from integrations.test_torchtitan import materialize_on_cpu
+
 pytestmark = [pytest.mark.timeout(200), pytest.mark.distributed]
 
 SEQ, LOCAL_BATCH, LAYERS, STEPS, PP = 16, 4, 4, 3, 2  # LOCAL_BATCH: 4 micro-batches of 1
@@ -80,7 +82,6 @@ def _stage_state(parts, grads: bool = False) -> dict:
 def _train(rank, world, folder, schedule_name):
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -125,13 +126,7 @@ def _train(rank, world, folder, schedule_name):
         loss_fn=CrossEntropyLoss.Config().build(compile_config=compile_config),
     )
     for part in parts:
-        for m in part.modules():  # gloo has no PREMUL_SUM (FSDP2's reduce op)
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)
-        part.to_empty(device="cpu")
-        torch.manual_seed(0)
-        with torch.no_grad():
-            part.init_weights(buffer_device=None)
+        materialize_on_cpu(part)
         dedicated_runtime(part)  # every stage has dedicated weights
     initial = _stage_state(parts)
     optimizers = dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=parts)

@@ -25,6 +25,7 @@ from integrations.test_torchtitan import (
     STEPS,
     _check_against_one_process,
     build_debug_model,
+    parallelize_on_cpu,
     tokens,
 )
 
@@ -73,8 +74,7 @@ def _train(
     (the reduction ``_compute_on_storage_mesh`` avoids)."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
@@ -111,22 +111,9 @@ def _train(
                     for k, (pl, grad, *rest) in views.items()}  # fmt: skip
 
         dmuon_tt._take_tp_views = replicated_grads
-    model = parallelize(
-        model,
-        parallel_dims=dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=ParallelismConfig(spmd_backend=BACKEND),
-        compile_config=CompileConfig(),
-        ac_config=None,
-        dump_folder=folder,
+    model = parallelize_on_cpu(
+        parallelize, model, dims, ParallelismConfig(spmd_backend=BACKEND), folder
     )
-    for m in model.modules():  # Workaround for gloo: it has no PREMUL_SUM (FSDP2's reduce op)
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
     global_tokens = dp * PER_RANK * SEQ
 
     def batch_of(i):
@@ -241,7 +228,7 @@ def _spmd_types(rank, world):
     """torchtitan's ``parallelize_llama`` on spmd_types (2 ranks, FSDP), through ``dedicating``
     and alone: each one's error."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
@@ -260,14 +247,8 @@ def _spmd_types(rank, world):
         fn = spec.parallelize_fn
         parallelize = dmuon_tt.dedicating(fn) if label == "dmuon" else fn
         try:
-            parallelize(
-                model,
-                parallel_dims=dims,
-                training=TrainingConfig(mixed_precision_param="float32"),
-                parallelism=ParallelismConfig(spmd_backend="spmd_types"),
-                compile_config=CompileConfig(),
-                ac_config=None,
-                dump_folder="unused",
+            parallelize_on_cpu(
+                parallelize, model, dims, ParallelismConfig(spmd_backend="spmd_types"), "unused"
             )
             errors[label] = None
         except ValueError as exc:
