@@ -685,9 +685,10 @@ class Muon(torch.optim.Optimizer):
     ) -> _StepHalf:
         """The first half of Muon for expert stacks sharded inside their experts
         (``distributed/_expert_shards.py``): the Nesterov inputs of the local shards,
-        redistributed to whole experts, orthogonalised, redistributed back. The
-        redistributions go out on every rank whatever happened here (placeholders after a
-        failure); the commit applies the local shards with each expert's whole shape."""
+        gathered to whole experts by an all-to-all over each in-expert mesh dim,
+        orthogonalised, sent back by the inverse all-to-all. The all-to-alls go out on every
+        rank whatever happened here (placeholders after a failure); the commit applies the
+        local shards with each expert's whole shape."""
         from dmuon_compile.distributed._expert_shards import orthogonalize_resharded
 
         shapes = [lay.matrix_shape(p.shape) for p, lay in zip(params, layouts)]

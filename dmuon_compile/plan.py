@@ -523,7 +523,7 @@ def _expert_layout_line(info: dict, world: int) -> str:
         line += (
             f"{' and '.join(f'Shard({d})' for d in dims)} "
             f"({info['resharded_stacks']} stacks sharded inside the experts: NS on whole "
-            "experts after a reshard, all-gather over ep + all-to-all over efsdp, and back)"
+            "experts after a reshard, an all-to-all over efsdp and back)"
         )
     line += f"; {info['ranks_with_experts']} of {world} ranks orthogonalise experts"
     return line
@@ -836,9 +836,10 @@ def dry_run(
         if resharded:
             notes.append(
                 f"{resharded} expert stacks are sharded inside their experts (efsdp · ep > "
-                "experts, as torchtitan picks): each step all-gathers a stack over ep and "
-                "all-to-alls it over efsdp to whole experts, runs their NS (eagerly, one call "
-                "per stack) and sends the result back the same way ('reshard' column)"
+                "experts, as torchtitan picks): each step all-to-alls a stack over efsdp to "
+                "whole experts (each rank a share of its EP rank's experts), runs their NS "
+                "(eagerly, one call per stack) and all-to-alls the result back ('reshard' "
+                "column)"
             )
     if padding:
         notes.append(
@@ -1002,24 +1003,24 @@ def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem
         own = local * rows_f * b
         ps.add_range("grad_bytes", lo, hi, own * item)
         ps.add_range("sharded_muon_bytes", lo, hi, 2 * own * item)
-        # The reshard to whole experts, as DTensor's planner redistributes (Shard(1), Shard(0))
-        # to (Shard(0), Shard(0)) on (efsdp, ep): all-gather over ep (the group shares f: no
-        # padding), all-to-all over efsdp to efsdp chunk f of the E whole experts (cf), whose ep
-        # sub-chunk this rank orthogonalises; back: all-gather of the sub-chunks over ep (padded
-        # to the largest), all-to-all to the rows again. All-to-alls counted unpadded.
-        cf = _chunk(E, F, f)
-        there = (ep - 1) * own + cf * (a - rows_f) * b
-        back = (ep - 1) * (-(-cf // ep)) * a * b + (E - cf) * rows_f * b
+        # The reshard to whole experts (distributed/_expert_shards.py): one all-to-all over
+        # efsdp, among the ranks that hold rows of the same E/ep local experts, gives rank f
+        # chunk f of those experts whole (m of them; none once f · ceil(local/F) >= local);
+        # the inverse all-to-all brings NS's result back to the rows. Received (= sent):
+        # there the other rows of its m experts, back its rows of the other local experts.
+        m = _chunk(local, F, f)
+        there = m * (a - rows_f) * b
+        back = (local - m) * rows_f * b
         ps.add_range("expert_reshard_comm_bytes", lo, hi, (there + back) * item)
-        transient = max(E * rows_f * b, cf * a * b) * item
-        for e in range(ep):
-            n = _chunk(cf, ep, e)
-            count = layout.count((n, a, b)) if n else 0
-            ms = ctx.rates.bucket_ms(shape, count, ctx.stack_cap, ctx.ns) if count else 0.0
-            one = 4 * shape[0] * shape[1]
-            work = WORKING_SET_FACTOR["eager"] * min(count * one, max(one, ctx.stack_cap))
+        # the pieces received and the whole experts they form (then the result's send buffer)
+        transient = 2 * m * a * b * item
+        count = layout.count((m, a, b)) if m else 0
+        ms = ctx.rates.bucket_ms(shape, count, ctx.stack_cap, ctx.ns) if count else 0.0
+        one = 4 * shape[0] * shape[1]
+        work = WORKING_SET_FACTOR["eager"] * min(count * one, max(one, ctx.stack_cap))
+        for s in range(lo, hi):
             for r in range(R):
-                row = ctx.rows[ctx.gpu(r * S + lo + e, 0)]
+                row = ctx.rows[ctx.gpu(r * S + s, 0)]
                 row.ns_ms += ms
                 row.expert_ns_ms += ms
                 row.expert_matrices += count

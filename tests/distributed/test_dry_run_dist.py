@@ -181,7 +181,7 @@ def _real_ep(rank: int, world: int) -> dict:
     from torch.distributed.tensor import Shard
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed._expert_shards import needs_reshard, orthogonalize_resharded
+    from dmuon_compile.distributed import _expert_shards as es
 
     from . import moe_models
     from .harness import train_steps
@@ -209,12 +209,13 @@ def _real_ep(rank: int, world: int) -> dict:
         stacks = [p for n, p in model.named_parameters() if ".experts." in n]
         lay = dmuon.Layout.experts()
         got = {"weights": 0, "momentum": 0, "whole": 0, "reshards": [], "dims": set()}
+        got["sent"] = got["received"] = 0
         for p in stacks:
             got["weights"] += p.to_local().numel() * p.element_size()
             m = opt.state[p]["momentum_buffer"]
             got["momentum"] += m.to_local().numel() * m.element_size()
             got["dims"].add(str(p.placements))
-            if not needs_reshard(p, lay):
+            if not es.needs_reshard(p, lay):
                 got["whole"] += p.to_local().shape[0]
                 continue
             seen = []  # the experts the step's own reshard hands this rank's Newton–Schulz
@@ -223,9 +224,19 @@ def _real_ep(rank: int, world: int) -> dict:
                 seen.append(mats[0].shape[0])
                 return mats
 
-            orthogonalize_resharded([p], [p.to_local().detach()], [lay], record)
+            def all_to_all(out, inp, out_splits, in_splits, group, got=got):
+                me, item = torch.distributed.get_rank(group), inp.element_size()
+                got["sent"] += (sum(in_splits) - in_splits[me]) * item
+                got["received"] += (sum(out_splits) - out_splits[me]) * item
+                original(out, inp, out_splits, in_splits, group)
+
+            original, es._all_to_all = es._all_to_all, all_to_all
+            try:  # what the step's own reshard sends
+                es.orthogonalize_resharded([p], [p.to_local().detach()], [lay], record)
+            finally:
+                es._all_to_all = original
             got["whole"] += sum(seen)
-            got["reshards"].append(_transforms(p))
+            got["reshards"].append(_transforms(p))  # the control: DTensor's own plan
         got["dims"] = sorted(got["dims"])
         out[(experts, ep)] = got
     return out
@@ -256,8 +267,9 @@ def _redistributed(steps: list, mesh: list, coord: list) -> int:
 
 def test_dry_run_ep_equals_the_real_expert_parallel_run():
     """Per rank: the expert stacks' local weights and momentum, the whole experts the step's
-    reshard gives Newton–Schulz, and the reshard's bytes (from DTensor's own plan) equal
-    ``dry_run(ep=...)``'s; the plain-FSDP2 dry run (no ep) misses them (the control)."""
+    reshard gives Newton–Schulz, and the bytes its all-to-alls send equal ``dry_run(ep=...)``'s;
+    the plain-FSDP2 dry run (no ep) misses them, and DTensor's redistribution (the reference
+    path) would move more on the EP layout (the controls)."""
     from dmuon_compile.newton_schulz import NewtonSchulz
     from dmuon_compile.plan import dry_run
 
@@ -274,7 +286,9 @@ def test_dry_run_ep_equals_the_real_expert_parallel_run():
             assert row.sharded_muon_bytes == real["weights"] + real["momentum"], (case, rank)
             assert row.expert_matrices == real["whole"], (case, rank, real["dims"])
             assert (row.expert_ns_ms > 0) == (real["whole"] > 0), (case, rank)
-            reshard = sum(
+            assert real["sent"] == real["received"], (case, rank)  # a round trip
+            assert row.expert_reshard_comm_bytes == real["received"], (case, rank)
+            redistribute = sum(  # the reference path's bytes: DTensor's plan
                 (
                     _redistributed(r["there"], r["mesh"], r["coord"])
                     + _redistributed(r["back"], r["mesh"], r["coord"])
@@ -282,7 +296,12 @@ def test_dry_run_ep_equals_the_real_expert_parallel_run():
                 * r["item"]
                 for r in real["reshards"]
             )
-            assert row.expert_reshard_comm_bytes == reshard, (case, rank, real["reshards"][:1])
+            if not real["reshards"]:  # Shard(0): nothing to reshard either way
+                assert redistribute == real["received"] == 0, (case, rank)
+            elif ep > 1:  # the control: DTensor's plan all-gathers over ep first
+                assert redistribute > real["received"], (case, rank, real["reshards"][:1])
+            else:  # without EP its all-to-alls are the same exchange
+                assert redistribute == real["received"], (case, rank, real["reshards"][:1])
             missed += plain.rows[rank].sharded_muon_bytes != row.sharded_muon_bytes
             missed += plain.rows[rank].expert_matrices != row.expert_matrices
         assert missed, f"{case}: the plain-FSDP2 dry run should not match an EP run"

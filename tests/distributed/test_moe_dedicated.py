@@ -158,9 +158,13 @@ def train_ep(rank: int, world: int, ep: int, expert_shard_dim: int = 0, device: 
     from torch.distributed.tensor import Shard
 
     import dmuon_compile as dmuon
+    from dmuon_compile.distributed import _expert_shards as es
 
     from .harness import local_device, whole_tensor
 
+    all_to_alls = []  # the direct reshard's collectives (Shard(1)); none for whole experts
+    original = es._all_to_all
+    es._all_to_all = lambda *a: (all_to_alls.append(1), original(*a))
     dev = local_device(device)
     model = moe_models.build_moe().to(dev)
     dp = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
@@ -184,7 +188,7 @@ def train_ep(rank: int, world: int, ep: int, expert_shard_dim: int = 0, device: 
     for name, p in model.named_parameters():
         state[name] = whole_tensor(p).cpu() if "experts" in name else None
     state.update({k: v.cpu() for k, v in full_state(model).items() if "experts" not in k})
-    return losses, state, owners, layouts, local_experts, str(w1.placements)
+    return losses, state, owners, layouts, local_experts, str(w1.placements), len(all_to_alls)
 
 
 @pytest.mark.parametrize(
@@ -199,7 +203,9 @@ def test_expert_parallel_trains_equal_to_one_process(world, ep, shard_dim):
 def check_expert_parallel(world, ep, shard_dim, device="cpu"):
     ref_losses, ref_state = reference(world, device=device)
     results = run_ranks(train_ep, world, ep, shard_dim, device, device=device, timeout=200)
-    losses, state, owners, layouts, local_experts, placements = results[0]
+    losses, state, owners, layouts, local_experts, placements, all_to_alls = results[0]
+    # Shard(1): 3 stacks × 2 layers × 2 all-to-alls per step, over the in-expert mesh dim
+    assert all_to_alls == (0 if shard_dim == 0 else 2 * 3 * 2 * STEPS), placements
     # Whole experts split over all ranks, or (Shard(1)) every local expert's slice.
     expected = moe_models.EXPERTS // world if shard_dim == 0 else moe_models.EXPERTS // ep
     assert local_experts == expected, placements
