@@ -4,12 +4,15 @@
     python -m dmuon_compile.plan --model llama3-405b --gpus 1024 --hsdp 4 --split-size 8
     python -m dmuon_compile.plan --model mypkg.models:build --gpus 64 --per-rank --json
     python -m dmuon_compile.plan --model deepseek-v3 --gpus 64 2048 --ep 8
+    python -m dmuon_compile.plan --model llama3-405b --gpus 512 --pp 8 --stages-per-rank 2
 
 The model is built on the meta device (a preset, a JSON config or your own factory) and goes
 through the planning ``dedicate_params`` itself runs
 (:func:`~dmuon_compile.distributed.dedicate.plan_dedicated`: the same predicate, checks,
 layouts, hook groups and owner plan), for ``replicate × shard × tp`` ranks, with no process
-group; ``ep`` lays the expert stacks out as torchtitan's expert parallelism does. Per rank it
+group; ``ep`` lays the expert stacks out as torchtitan's expert parallelism does, ``pp`` splits
+the decoder into pipeline stages as torchtitan does (each PP rank's ranks own its stages'
+weights). Per rank it
 reports the dedicated Muon state it owns, the FSDP2-sharded state, the step's peak memory, the
 Newton–Schulz milliseconds (from the measured kernel rates of :mod:`dmuon_compile.ns_rates`),
 the communication volume per step, idle ranks and split matrices. docs/dry_run.md states the
@@ -396,6 +399,12 @@ class DryRunReport:
     notes: list[str] = field(default_factory=list)
     ep: int | None = None  # expert parallelism modelled (dry_run(ep=...)); None: plain FSDP2
     expert_layout: dict | None = None  # with ep: the expert mesh and placements (see table())
+    # Pipeline parallelism (dry_run(pp=...)); None without it, and left out of to_dict().
+    pp: int | None = None
+    stages_per_rank: int | None = None
+    stage_less_layers: list[int] | None = None  # torchtitan's first/last_stage_less_layers
+    stages: list[dict] | None = None  # per stage: layers, PP rank, owners (its DP ranks), loads
+    pp_ranks: list[dict] | None = None  # per PP rank: its ranks, stages, layers, NS balance
 
     @property
     def idle_ranks(self) -> list[int]:
@@ -420,6 +429,12 @@ class DryRunReport:
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "rows"}
         out["rows"] = [r.to_dict() for r in self.rows]
+        if self.pp is None:  # the report without PP keeps its keys
+            for key in ("pp", "stages_per_rank", "stage_less_layers", "stages", "pp_ranks"):
+                del out[key]
+        else:
+            for row in out["rows"]:
+                row["pp_rank"] = self.pp_rank(row["rank"])
         out["idle_ranks"] = self.idle_ranks
         out["totals"] = self.totals()
         return out
@@ -431,6 +446,8 @@ class DryRunReport:
         sizes = [self.replicate_size, self.shard_size] + (
             [self.tp_size] if self.tp_size > 1 else []
         )
+        if self.pp is not None:
+            dims, sizes = ["pp", *dims], [self.pp, *sizes]
         mesh = f"{' × '.join(dims)} = {' × '.join(map(str, sizes))}"
         lines = [
             f"{self.model} on {self.world_size} GPUs ({mesh}) — "
@@ -442,6 +459,8 @@ class DryRunReport:
         ]
         if self.expert_layout is not None:
             lines.append(_expert_layout_line(self.expert_layout, self.world_size))
+        if self.pp is not None:
+            lines += self._pipeline_lines()
         columns = self._columns()
         width = max(len(c[0]) for c in columns)
         lines.append(f"{'per rank':<{width}}  {'min':>10} {'median':>10} {'max':>10}")
@@ -496,11 +515,48 @@ class DryRunReport:
                 out.append((title, get, "{:.0f}" if kind == "count" else "{:.2f}"))
         return out
 
+    def pp_rank(self, rank: int) -> int:
+        """The PP rank of global ``rank`` (0 without pipeline parallelism)."""
+        return rank // (self.world_size // self.pp) if self.pp else 0
+
+    def _pipeline_lines(self) -> list[str]:
+        stages = len(self.stages)
+        layers = sum(len(s["layers"]) for s in self.stages)
+        first, last = self.stage_less_layers
+        lines = [
+            f"pipeline (torchtitan's split, looped): {stages} stage{'s' * (stages > 1)} of "
+            f"{layers} layers, "
+            f"{self.stages_per_rank} per PP rank (stage k on PP rank k mod {self.pp}; first/"
+            f"last stage less layers {first}/{last}); each PP rank's {self.world_size // self.pp}"
+            " data-parallel ranks own its stages' weights; activations and sends between stages"
+            " are not modelled"
+        ]
+        for info in self.pp_ranks:
+            parts = []
+            for k in info["stages"]:
+                s = self.stages[k]
+                span = _span(s["layers"])
+                ends = (("embeddings", s["embeddings"]), ("output", s["output"]))
+                extra = [w for w, on in ends if on]
+                parts.append(f"{k} ({' + '.join([span, *extra])})")
+            lo, hi = info["ranks"]
+            mean = info["ns_ms_mean"]
+            word = "stages" if len(parts) > 1 else "stage"
+            lines.append(
+                f"  PP rank {info['pp_rank']} (ranks {lo}-{hi}): {word} {', '.join(parts)}; "
+                f"{info['layers']} layers; NS ms max/mean {info['ns_ms_max']:.2f}/{mean:.2f}"
+                + (f" ({info['ns_ms_max'] / mean:.3f})" if mean else "")
+            )
+        return lines
+
     def _rows_text(self, rows) -> list[str]:
         columns = self._columns()
-        titles = ["rank", "matrices"] + [c[0] for c in columns]
+        pp = self.pp is not None
+        titles = ["rank", *(["pp"] if pp else []), "matrices"] + [c[0] for c in columns]
         cells = [
-            [str(r.rank), str(r.matrices)] + [f.format(g(r)) for _, g, f in columns] for r in rows
+            [str(r.rank), *([str(self.pp_rank(r.rank))] if pp else []), str(r.matrices)]
+            + [f.format(g(r)) for _, g, f in columns]
+            for r in rows
         ]
         widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
         out = ["  " + "  ".join(t.rjust(w) for t, w in zip(titles, widths))]
@@ -527,6 +583,14 @@ def _expert_layout_line(info: dict, world: int) -> str:
         )
     line += f"; {info['ranks_with_experts']} of {world} ranks orthogonalise experts"
     return line
+
+
+def _span(layers: list[int]) -> str:
+    if not layers:
+        return "no layers"
+    if len(layers) == 1:
+        return f"layer {layers[0]}"
+    return f"layers {layers[0]}-{layers[-1]}"
 
 
 def _ranges(ranks: list[int], limit: int = 12) -> str:
@@ -599,8 +663,13 @@ def dry_run(
     ns=None,
     ep: int | None = None,
     expert_shard_dim: int | None = None,
+    pp: int | None = None,
+    stages_per_rank: int = 1,
+    pp_first_stage_less_layers: int = 1,
+    pp_last_stage_less_layers: int = 1,
 ) -> DryRunReport:
-    """Predict a job of ``world_size`` GPUs (``replicate_size × shard × tp_size``) per rank.
+    """Predict a job of ``world_size`` GPUs (``[pp ×] replicate_size × shard × tp_size``) per
+    rank.
 
     ``model_or_config``: an ``nn.Module`` (meta device recommended), a preset name
     (:data:`PRESETS`), a :class:`ModelConfig`, a dict of its fields, a JSON path or a
@@ -618,12 +687,73 @@ def dry_run(
     ``shard/ep`` ranks, ``Shard(0)`` unless ``efsdp · ep > E`` (then ``Shard(1)``, inside the
     experts: the step reshards to whole experts for NS). ``expert_shard_dim`` (0 or 1)
     overrides that choice. ``ep=1`` is torchtitan without EP (``Shard(1)`` when ``shard > E``).
+    ``pp``: pipeline parallelism as torchtitan's ``pipeline_llm`` splits a decoder
+    (:func:`pipeline_stages`): the model's ``layers`` cut into ``pp · stages_per_rank``
+    contiguous stages (``pp_first_stage_less_layers``/``pp_last_stage_less_layers``: torchtitan's
+    ``pipeline_parallel_first/last_stage_less_layers``, default 1 each; the embeddings go with
+    the first stage, everything after the layers with the last), stage ``k`` on PP rank
+    ``k mod pp`` (looped), each PP rank's ``world_size / pp`` data-parallel ranks planning its
+    stages' dedicated weights, the later stages of a rank over the earlier ones' NS loads
+    (``base_loads``, as ``dedicating(..., balance_stages=True)``). Global rank
+    ``pp_rank · world_size / pp + data-parallel rank``. Not with ``tp_size > 1`` or ``ep > 1``.
 
     Example::
 
         report = dry_run("llama3-70b", 512, replicate_size=4)
         print(report.table())
     """
+    options = dict(
+        replicate_size=replicate_size,
+        tp_size=tp_size,
+        split_size=split_size,
+        predicate=predicate,
+        layer_id_fn=layer_id_fn,
+        hook_boundary_predicate=hook_boundary_predicate,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward,
+        compiled=compiled,
+        rates=rates,
+        stack_bytes=stack_bytes,
+        ns=ns,
+        ep=ep,
+        expert_shard_dim=expert_shard_dim,
+    )
+    if pp is None:
+        if (stages_per_rank, pp_first_stage_less_layers, pp_last_stage_less_layers) != (1, 1, 1):
+            raise ValueError(
+                "dry_run: stages_per_rank / pp_*_stage_less_layers need pp (pass pp=N, --pp N)"
+            )
+        return _run_group(model_or_config, world_size, **options)[0]
+    less = (pp_first_stage_less_layers, pp_last_stage_less_layers)
+    return _pipeline_run(model_or_config, world_size, pp, stages_per_rank, less, options)
+
+
+def _run_group(
+    model_or_config,
+    world_size: int,
+    *,
+    replicate_size: int,
+    tp_size: int,
+    split_size: int,
+    predicate: Callable | None,
+    layer_id_fn: Callable | None,
+    hook_boundary_predicate: Callable | None,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+    compiled: bool,
+    rates: NSRates,
+    stack_bytes: int | None,
+    ns,
+    ep: int | None,
+    expert_shard_dim: int | None,
+    keep: set[str] | None = None,
+    base_loads: list[float] | None = None,
+):
+    """:func:`dry_run` of one data-parallel group (``world_size`` ranks): ``(report, the
+    plan_dedicated result)``. ``keep``: plan only these parameters (a pipeline stage's; the
+    others are not on these ranks). ``base_loads``: as ``plan_dedicated``'s."""
     from dmuon_compile.distributed.dedicate import plan_dedicated
     from dmuon_compile.distributed.policy import MixedPrecision, ParamPolicy, resolve_dtypes
     from dmuon_compile.layouts import get_layout, infer_layout
@@ -637,6 +767,8 @@ def dry_run(
     plan_ns = TargetFlops() if ns is None else ns
     rate_ns = getattr(plan_ns, "ns", plan_ns)  # the NS configuration the rates price
     t_plan = time.perf_counter()
+    if keep is not None:
+        predicate = _only(model, keep, predicate)
     planned = plan_dedicated(
         model,
         world_size=shard,
@@ -647,6 +779,7 @@ def dry_run(
         tp_size=tp_size,
         split_size=split_size,
         ns=plan_ns,
+        base_loads=base_loads,
     )
     plan_s = time.perf_counter() - t_plan
     if ep is not None and ep > 1:
@@ -762,7 +895,7 @@ def dry_run(
     ctx = _EPContext(ep, S, R, rows, per_shard, gpu, add_ns, rates, stack_cap, rate_ns)
     citem_default = _itemsize(param_dtype) if param_dtype is not None else None
     for pname, p in model.named_parameters():
-        if pname in dedicated or not p.requires_grad:
+        if pname in dedicated or not p.requires_grad or (keep is not None and pname not in keep):
             continue
         module = routing_module(module_of.get(id(p), []))
         layout = (get_layout(p) or infer_layout(pname, p, module)) if p.ndim >= 2 else None
@@ -809,7 +942,7 @@ def dry_run(
     per_shard.apply(rows, S, T)
     expert_layout = None
     if ep is not None:
-        if not ep_stacks:
+        if not ep_stacks and keep is None:  # a pipeline stage may have none: checked whole
             raise ValueError(
                 f"dry_run: ep={ep}, but the model has no expert stacks left to FSDP2/EP (3-D "
                 "parameters of an *Experts module such as torchtitan's GroupedExperts, or "
@@ -874,7 +1007,7 @@ def dry_run(
             row.expert_ns_ms += rates.bucket_ms(shape, count, stack_cap, rate_ns)
         if row.ns_ms:
             row.step_ms = row.ns_ms + rates.elementwise_ms(row._elements) + rates.start_ms
-    if plan is None:
+    if plan is None and keep is None:
         notes.append("nothing matched the predicate: every parameter stays on FSDP2")
     report = DryRunReport(
         model=name,
@@ -904,7 +1037,292 @@ def dry_run(
         expert_layout=expert_layout,
     )
     report.total_s = time.perf_counter() - t_start
-    return report
+    return report, planned
+
+
+# ----------------------------------------------------------------------------- pipeline
+_SUMMED = (  # RankRow fields a PP rank adds up over its stages (each stage's own optimizer)
+    "matrices",
+    "dedicated_bytes",
+    "replica_bytes",
+    "sharded_muon_bytes",
+    "adamw_bytes",
+    "grad_bytes",
+    "ns_ms",
+    "step_ms",
+    "fsdp_comm_bytes",
+    "dedicated_comm_bytes",
+    "replicate_comm_bytes",
+    "tp_comm_bytes",
+    "expert_matrices",
+    "expert_ns_ms",
+    "expert_reshard_comm_bytes",
+)
+
+
+def pipeline_stage_layers(
+    num_layers: int, num_stages: int, first_less: int = 1, last_less: int = 1
+) -> list[list[int]]:
+    """The layer indices of each of ``num_stages`` pipeline stages, cut as torchtitan's
+    ``pipeline_llm`` cuts a decoder by default: the embeddings count as ``first_less`` layers of
+    the first stage and the output (norm + head) as ``last_less`` of the last
+    (``pipeline_parallel_first/last_stage_less_layers``, default 1), the ``num_layers +
+    first_less + last_less`` effective layers are dealt evenly, the first stages one more each
+    when they do not divide. One stage: every layer."""
+    for name, v, least in (
+        ("num_layers", num_layers, 1),
+        ("num_stages", num_stages, 1),
+        ("first_less", first_less, 0),
+        ("last_less", last_less, 0),
+    ):
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"pipeline_stage_layers: {name} must be an integer >= {least}")
+    if num_stages == 1:
+        return [list(range(num_layers))]
+    effective = num_layers + first_less + last_less
+    each, extra = divmod(effective, num_stages)
+    if each < max(1, first_less, last_less):
+        raise ValueError(
+            f"dry_run: {num_stages} stages over {num_layers} layers (+{first_less} for the "
+            f"embeddings, +{last_less} for the output, torchtitan's "
+            "pipeline_parallel_first/last_stage_less_layers) leave a stage fewer effective "
+            f"layers ({each}) than the embeddings or output count for: pass fewer stages "
+            "(--pp / --stages-per-rank) or smaller --pp-first-less-layers/--pp-last-less-layers"
+        )
+    stages, start = [], 0
+    for k in range(num_stages):
+        n = each + (k < extra) - (first_less if k == 0 else 0)
+        n -= last_less if k == num_stages - 1 else 0
+        n = max(0, min(n, num_layers - start))
+        stages.append(list(range(start, start + n)))
+        start += n
+    return stages
+
+
+def _layers_of(model: nn.Module) -> tuple[str, nn.Module]:
+    """The model's one ``layers`` ModuleList or ModuleDict (what torchtitan's split cuts)."""
+    found = [
+        (path, m)
+        for path, m in model.named_modules()
+        if path.rsplit(".", 1)[-1] == "layers" and isinstance(m, (nn.ModuleList, nn.ModuleDict))
+    ]
+    if len(found) != 1:
+        where = ", ".join(p for p, _ in found) or "none"
+        raise ValueError(
+            f"dry_run: pp needs a decoder with exactly one `layers` ModuleList/ModuleDict (what "
+            f"torchtitan's pipeline split cuts); this model has {len(found)} ({where}): pass a "
+            "model with one (e.g. a preset or --config) or drop pp/--pp"
+        )
+    return found[0]
+
+
+def _stage_params(model: nn.Module, stage_layers: list[list[int]]) -> list[set[str]]:
+    """Each stage's parameter names: its layers', those registered before the layers
+    (embeddings) with the first stage, those after (norm, head) with the last."""
+    path, layers = _layers_of(model)
+    stage_of = {}
+    for k, indices in enumerate(stage_layers):
+        for i in indices:
+            stage_of[i] = k
+    prefixes = {f"{path}.{key}.": i for i, (key, _) in enumerate(layers.named_children())}
+    out: list[set[str]] = [set() for _ in stage_layers]
+    seen_layer = False
+    for name, _ in model.named_parameters():
+        head = name[: name.index(".", len(path) + 1) + 1] if name.startswith(path + ".") else ""
+        if head in prefixes:
+            out[stage_of[prefixes[head]]].add(name)
+            seen_layer = True
+        else:
+            out[-1 if seen_layer else 0].add(name)
+    return out
+
+
+def _only(model: nn.Module, keep: set[str], predicate):
+    """``predicate`` (``None``: ``dedicate_params``' default) restricted to ``keep``."""
+    from dmuon_compile.distributed.dedicate import _call_predicate
+
+    module_of: dict[int, list[nn.Module]] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            module_of.setdefault(id(p), []).append(mod)
+
+    def in_stage(name, param):
+        if name not in keep:
+            return False
+        return _call_predicate(predicate, name, param, module_of.get(id(param), []))
+
+    return in_stage
+
+
+def _check_pp(pp, per_rank, less, world, options) -> None:
+    for name, v, least in (
+        ("pp", pp, 1),
+        ("stages_per_rank", per_rank, 1),
+        ("pp_first_stage_less_layers", less[0], 0),
+        ("pp_last_stage_less_layers", less[1], 0),
+    ):
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"dry_run: {name} must be an integer >= {least}, got {v!r}")
+    tp, ep, replicate = options["tp_size"], options["ep"], options["replicate_size"]
+    if tp != 1:
+        raise ValueError(
+            f"dry_run: pp={pp} with tp_size={tp} is not modelled (torchtitan's PP stages with TP: "
+            "dedicating(...) plans each stage alone on the DP × TP slots, and the package's "
+            "pipeline runs are not tested with TP): pass tp_size=1 (--tp 1) or drop pp (--pp)"
+        )
+    if ep is not None and ep > 1:
+        raise ValueError(
+            f"dry_run: pp={pp} with ep={ep} is not modelled (the package's pipeline runs are not "
+            "tested with expert parallelism, whose EP groups torchtitan carves out of each "
+            "stage's data-parallel ranks): pass ep=1 or none (--ep 1 or no --ep) or drop pp"
+        )
+    per = pp * replicate * tp
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1 or world % per:
+        lo = world // per * per if isinstance(world, int) else 0
+        near = f"{lo} or {lo + per}" if lo else f"{per}"
+        raise ValueError(
+            f"dry_run: {world} GPUs are not divisible by pp {pp} × replicate_size {replicate} "
+            f"× tp_size {tp} = {per} (each PP rank holds world / pp of them): pass a multiple "
+            f"of {per} (e.g. {near}) or change --pp/--hsdp"
+        )
+
+
+def _pipeline_run(model_or_config, world_size, pp, per_rank, less, options) -> DryRunReport:
+    """:func:`dry_run` with pipeline parallelism: each PP rank's data-parallel group plans its
+    stages in order, each over the NS loads of the ones before (``dedicating``'s
+    ``balance_stages``); its ranks' rows add its stages up."""
+    t_start = time.perf_counter()
+    _check_pp(pp, per_rank, less, world_size, options)
+    name, model = build_model(model_or_config)
+    num_stages = pp * per_rank
+    layers = len(_layers_of(model)[1])
+    if num_stages > layers:
+        fits = max(1, layers // pp)
+        raise ValueError(
+            f"dry_run: pp {pp} × stages_per_rank {per_rank} = {num_stages} stages for {layers} "
+            f"layers: each stage needs at least one layer; pass pp · stages_per_rank <= {layers} "
+            f"(e.g. --stages-per-rank {fits} with --pp {pp}, or a smaller --pp)"
+        )
+    stage_layers = pipeline_stage_layers(layers, num_stages, *less)
+    keeps = _stage_params(model, stage_layers)
+    group = world_size // pp
+    rows = [RankRow(g) for g in range(world_size)]
+    owners: dict[str, int] = {}
+    stages: list[dict] = [{} for _ in range(num_stages)]
+    pp_ranks, split_rows, notes = [], [], []
+    first = None  # one stage's report: the group's sizes, rates and settings
+    plan_s = 0.0
+    totals = {"dedicated_matrices": 0, "dedicated_params": 0, "adamw": 0, "sharded": 0}
+    expert = None
+    for p in range(pp):
+        carried = None  # NS FLOPs per data-parallel slot of this PP rank's stages so far
+        base = p * group
+        for k in range(p, num_stages, pp):
+            report, planned = _run_group(model, group, keep=keeps[k], base_loads=carried, **options)
+            first = first or report
+            plan_s += report.plan_s
+            loads = planned.plan.ns_loads() if planned.plan is not None else []
+            if loads:
+                carried = loads if carried is None else [a + b for a, b in zip(carried, loads)]
+            for d, r in enumerate(report.rows):
+                row = rows[base + d]
+                for f in _SUMMED:
+                    setattr(row, f, getattr(row, f) + getattr(r, f))
+                # each stage's optimizer steps in turn: one stage's working set at a time
+                row.step_extra_bytes = max(row.step_extra_bytes, r.step_extra_bytes)
+            owners.update({fqn: base + o for fqn, o in report.owners.items()})
+            for s in report.split:
+                split_rows.append({**s, "ranks": [base + g for g in s["ranks"]]})
+            notes += [n for n in report.notes if n not in notes]
+            totals["dedicated_matrices"] += report.dedicated_matrices
+            totals["dedicated_params"] += report.dedicated_params
+            totals["adamw"] += report.adamw_params
+            totals["sharded"] += report.sharded_muon_params
+            if report.expert_layout is not None:
+                expert = _merge_expert_layout(expert, report.expert_layout)
+            mean = sum(loads) / len(loads) if loads else 0.0
+            stages[k] = {
+                "stage": k,
+                "pp_rank": p,
+                "layers": stage_layers[k],
+                "embeddings": k == 0,
+                "output": k == num_stages - 1,
+                "dedicated": report.dedicated_matrices,
+                "owners": report.owners,  # data-parallel ranks of the PP rank's group
+                "ns_flops_per_rank": loads,
+                "ns_max_over_mean": max(loads) / mean if mean else 1.0,
+            }
+            if not report.dedicated_matrices:
+                notes.append(
+                    f"stage {k} (PP rank {p}) has no dedicated weights"
+                    + (" (only what follows the layers)" if not stage_layers[k] else "")
+                )
+        ns = [rows[base + d].ns_ms for d in range(group)]
+        mean_flops = sum(carried) / len(carried) if carried else 0.0
+        pp_ranks.append(
+            {
+                "pp_rank": p,
+                "ranks": [base, base + group - 1],
+                "stages": list(range(p, num_stages, pp)),
+                "layers": sum(len(stage_layers[k]) for k in range(p, num_stages, pp)),
+                "ns_ms_max": max(ns),
+                "ns_ms_mean": sum(ns) / group,
+                "ns_flops_max_over_mean": max(carried) / mean_flops if mean_flops else 1.0,
+            }
+        )
+    if options["ep"] is not None and expert is None:
+        raise ValueError(
+            f"dry_run: ep={options['ep']}, but the model has no expert stacks left to FSDP2/EP: "
+            "drop ep/--ep for a dense model"
+        )
+    if expert is not None:
+        expert["ranks_with_experts"] = sum(1 for r in rows if r.expert_matrices)
+    notes.append(
+        "pipeline parallelism: each PP rank counts its own stages only. Not modelled: the "
+        "activations and gradients the stages send each other, the schedule's bubbles, and "
+        "the unshards per micro-batch (comm counts one forward and backward, as without PP; "
+        "dedicated groups are gathered for every micro-batch's forward and backward, FSDP2 "
+        "under torchtitan's default policy keeps its weights unsharded after forward)"
+    )
+    out = DryRunReport(
+        model=name,
+        world_size=world_size,
+        replicate_size=first.replicate_size,
+        shard_size=first.shard_size,
+        tp_size=first.tp_size,
+        split_size=first.split_size,
+        rows=rows,
+        owners=owners,
+        dedicated_matrices=totals["dedicated_matrices"],
+        dedicated_params=totals["dedicated_params"],
+        adamw_params=totals["adamw"],
+        sharded_muon_params=totals["sharded"],
+        split=split_rows,
+        rates=first.rates,
+        settings=first.settings,
+        plan_s=plan_s,
+        notes=notes,
+        ep=options["ep"],
+        expert_layout=expert,
+        pp=pp,
+        stages_per_rank=per_rank,
+        stage_less_layers=list(less),
+        stages=stages,
+        pp_ranks=pp_ranks,
+    )
+    out.total_s = time.perf_counter() - t_start
+    return out
+
+
+def _merge_expert_layout(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return dict(b)
+    out = dict(a)
+    for key in ("experts", "local_experts", "shard_dims"):
+        out[key] = sorted(set(a[key]) | set(b[key]))
+    for key in ("stacks", "resharded_stacks"):
+        out[key] = a[key] + b[key]
+    return out
 
 
 def _check_ep(ep, shard_dim, shard: int, replicate: int, tp: int) -> None:
@@ -1150,6 +1568,36 @@ def _parser() -> argparse.ArgumentParser:
         help="with --ep: force the expert FSDP shard dim (default: torchtitan's rule)",
     )
     ap.add_argument(
+        "--pp",
+        type=int,
+        metavar="N",
+        help="pipeline parallelism as torchtitan splits a decoder: the layers in N·V contiguous "
+        "stages, stage k on PP rank k mod N, each PP rank's GPUs/N ranks planning its stages "
+        "(activations and sends between stages not modelled)",
+    )
+    ap.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=1,
+        metavar="V",
+        help="with --pp: stages per PP rank (looped schedules such as Interleaved1F1B: 2); "
+        "default 1",
+    )
+    ap.add_argument(
+        "--pp-first-less-layers",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --pp: torchtitan's pipeline_parallel_first_stage_less_layers (default 1)",
+    )
+    ap.add_argument(
+        "--pp-last-less-layers",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --pp: torchtitan's pipeline_parallel_last_stage_less_layers (default 1)",
+    )
+    ap.add_argument(
         "--split-size",
         type=int,
         default=1,
@@ -1209,6 +1657,10 @@ def main(argv=None) -> int:
                 stack_bytes=None if args.stack_gib is None else int(args.stack_gib * GiB),
                 ep=args.ep,
                 expert_shard_dim=args.expert_shard_dim,
+                pp=args.pp,
+                stages_per_rank=args.stages_per_rank,
+                pp_first_stage_less_layers=args.pp_first_less_layers,
+                pp_last_stage_less_layers=args.pp_last_less_layers,
             )
         except (ValueError, NotImplementedError) as e:
             ap.error(str(e))

@@ -166,6 +166,11 @@ def _train(rank, world, folder, schedule_name):
         optimizers.step()
     out["final"] = _stage_state(parts)
     out["plans"] = dmuon_tt.summarize_stages(parts)
+    out["owners"] = {  # global ranks, for the dry run's prediction
+        p.fqn: dist.get_global_rank(dedicated_runtime(part).mesh.get_group(), p.owner)
+        for part in parts
+        for p in dedicated_runtime(part).params
+    }
     out["muon"] = sorted(
         name
         for o in optimizers
@@ -313,6 +318,42 @@ def test_torchtitan_pipeline_1f1b_and_interleaved_train_like_one_process(tmp_pat
             assert summary["ns_flops_per_rank"] == pytest.approx(totals)
             assert summary["ns_max_over_mean"] >= 1.0
             _check_stages_balanced_together(r[label], rank)
+    _check_dry_run_predicts_the_owners(results)
+
+
+def _check_dry_run_predicts_the_owners(results) -> None:
+    """``python -m dmuon_compile.plan --pp 2`` on the same meta model (no ranks of its own):
+    the owners and each stage's per-rank NS FLOPs these runs planned."""
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+    from dmuon_compile.newton_schulz import NewtonSchulz
+    from dmuon_compile.plan import dry_run
+
+    _, model = build_model()
+    dp = len(results) // PP
+    for label, per_rank in (("1f1b", 1), ("interleaved", 2)):
+        report = dry_run(
+            model,
+            len(results),
+            pp=PP,
+            stages_per_rank=per_rank,
+            pp_last_stage_less_layers=0,  # as the runs' ParallelismConfig
+            predicate=dmuon_tt.default_predicate,
+            ns=NewtonSchulz(),  # dedicate_params' default on this machine
+        )
+        owners = {}
+        for r in results:
+            owners.update(r[label]["owners"])
+        assert report.owners == owners, label
+        predicted = {
+            frozenset(s["owners"]): {
+                s["pp_rank"] * dp + o: f for o, f in enumerate(s["ns_flops_per_rank"])
+            }
+            for s in report.stages
+        }
+        for r in results:
+            for stage in r[label]["plans"]["stages"]:
+                want = predicted[frozenset(stage["dedicated"])]
+                assert stage["ns_flops_per_rank"] == pytest.approx(want), label
 
 
 def _check_stages_balanced_together(result, rank) -> None:
