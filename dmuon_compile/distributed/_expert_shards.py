@@ -57,7 +57,7 @@ def whole_expert_placements(placements) -> tuple:
     )
 
 
-def _chunk(n: int, k: int, i: int) -> int:
+def chunk_size(n: int, k: int, i: int) -> int:
     """Size of piece ``i`` of ``n`` cut in ``k`` as ``torch.chunk`` and DTensor's ``Shard``
     cut: ``ceil(n / k)`` each, the last ones fewer or none."""
     size = -(-n // k)
@@ -109,8 +109,8 @@ def _direct_cuts(param: DTensor) -> list[_Cut] | None:
         for k in range(i):
             before = placements[k]
             if isinstance(before, Shard) and not _strided(before) and before.dim == pl.dim:
-                size = _chunk(size, mesh.size(k), coord[k])
-        pieces = tuple(_chunk(size, n, j) for j in range(n))
+                size = chunk_size(size, mesh.size(k), coord[k])
+        pieces = tuple(chunk_size(size, n, j) for j in range(n))
         cuts.append(_Cut(group, pl.dim, pieces, coord[i]))
     return cuts[::-1]
 
@@ -133,7 +133,7 @@ def _to_whole(x: Tensor, cut: _Cut) -> tuple[Tensor, tuple[int, ...]]:
     n, c, d = len(cut.pieces), cut.member, cut.dim
     assert x.shape[d] == cut.pieces[c], (tuple(x.shape), cut.pieces, c)
     local = x.shape[0]
-    shares = tuple(_chunk(local, n, j) for j in range(n))
+    shares = tuple(chunk_size(local, n, j) for j in range(n))
     mine = shares[c]
     per_expert = x[0].numel() if local else 0  # this rank's piece of one expert
     received = [

@@ -1,0 +1,158 @@
+"""``python -m dmuon_compile.plan``: the dry run's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dmuon_compile.ns_rates import H200, NSRates
+from dmuon_compile.plan.models import PRESETS, build_model
+from dmuon_compile.plan.report import GiB
+from dmuon_compile.plan.run import _DTYPES, dry_run
+
+
+# ----------------------------------------------------------------------------- command line
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m dmuon_compile.plan",
+        description=(
+            "Dry run of a dedicated-Muon job: builds the model on the meta device, runs "
+            "dedicate_params' planning for each GPU count (no GPUs, no process group) and "
+            "prints per rank the owned Muon state, FSDP2 state, peak step memory, predicted "
+            "Newton–Schulz ms, communication per step, idle ranks and split matrices."
+        ),
+        epilog=(
+            "Presets: " + ", ".join(PRESETS) + ". Your model: --model package.module:function "
+            "(returns an nn.Module; built under torch.device('meta')) or --config path.json "
+            "(ModelConfig fields). Example: python -m dmuon_compile.plan --model llama3-70b "
+            "--gpus 8 64 512 4096"
+        ),
+    )
+    ap.add_argument("--model", help="preset name or package.module:function factory")
+    ap.add_argument("--config", help="JSON file of ModelConfig fields (instead of --model)")
+    ap.add_argument(
+        "--gpus", type=int, nargs="+", required=True, help="total GPU counts to predict"
+    )
+    ap.add_argument("--hsdp", type=int, default=1, metavar="R", help="replicate size (HSDP)")
+    ap.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size")
+    ap.add_argument(
+        "--ep",
+        type=int,
+        metavar="N",
+        help="expert parallelism as torchtitan lays it out: expert stacks over groups of N "
+        "shard ranks (E/N experts each), expert FSDP over the other shard/N (Shard(0), or "
+        "Shard(1) inside the experts when efsdp·N > E); default: plain FSDP2 Shard(0)",
+    )
+    ap.add_argument(
+        "--expert-shard-dim",
+        type=int,
+        choices=(0, 1),
+        help="with --ep: force the expert FSDP shard dim (default: torchtitan's rule)",
+    )
+    ap.add_argument(
+        "--pp",
+        type=int,
+        metavar="N",
+        help="pipeline parallelism as torchtitan splits a decoder: the layers in N·V contiguous "
+        "stages, stage k on PP rank k mod N, each PP rank's GPUs/N ranks planning its stages "
+        "(activations and sends between stages not modelled)",
+    )
+    ap.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=1,
+        metavar="V",
+        help="with --pp: stages per PP rank (looped schedules such as Interleaved1F1B: 2); "
+        "default 1",
+    )
+    ap.add_argument(
+        "--pp-first-less-layers",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --pp: torchtitan's pipeline_parallel_first_stage_less_layers (default 1)",
+    )
+    ap.add_argument(
+        "--pp-last-less-layers",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --pp: torchtitan's pipeline_parallel_last_stage_less_layers (default 1)",
+    )
+    ap.add_argument(
+        "--split-size",
+        type=int,
+        default=1,
+        help="split NS: matrices above a fair share run over aligned blocks of this many ranks",
+    )
+    ap.add_argument(
+        "--param-dtype",
+        choices=[*_DTYPES, "none"],
+        default="bf16",
+        help="compute dtype of the unsharded weights (default bf16; none: as stored)",
+    )
+    ap.add_argument(
+        "--reduce-dtype",
+        choices=[*_DTYPES, "none"],
+        default="fp32",
+        help="gradient reduce dtype (default fp32; none: the compute dtype)",
+    )
+    ap.add_argument("--eager", action="store_true", help="size the eager step's working set")
+    ap.add_argument(
+        "--no-reshard", action="store_true", help="reshard_after_forward=False (one unshard)"
+    )
+    ap.add_argument("--rates", help="JSON file of your device's NS rates (ns_rates.NSRates.load)")
+    ap.add_argument("--stack-gib", type=float, help="NewtonSchulz(stack_bytes=...) in GiB")
+    ap.add_argument("--top", type=int, default=5, help="busiest ranks shown (default 5)")
+    ap.add_argument("--per-rank", action="store_true", help="print every rank's row")
+    ap.add_argument("--json", action="store_true", help="print JSON (every rank) instead")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if (args.model is None) == (args.config is None):
+        ap.error("pass one of --model (a preset or package.module:function) or --config")
+    spec = args.config if args.config is not None else args.model
+    if args.config is not None and not args.config.endswith(".json"):
+        ap.error(f"--config {args.config}: expected a .json file of ModelConfig fields")
+    try:
+        rates = NSRates.load(args.rates) if args.rates else H200
+        name, model = build_model(spec)
+    except (ValueError, OSError, KeyError) as e:
+        ap.error(str(e))
+    reports = []
+    for gpus in args.gpus:
+        try:
+            report = dry_run(
+                model,
+                gpus,
+                replicate_size=args.hsdp,
+                tp_size=args.tp,
+                split_size=args.split_size,
+                param_dtype=_DTYPES.get(args.param_dtype),
+                reduce_dtype=_DTYPES.get(args.reduce_dtype),
+                reshard_after_forward=not args.no_reshard,
+                compiled=not args.eager,
+                rates=rates,
+                stack_bytes=None if args.stack_gib is None else int(args.stack_gib * GiB),
+                ep=args.ep,
+                expert_shard_dim=args.expert_shard_dim,
+                pp=args.pp,
+                stages_per_rank=args.stages_per_rank,
+                pp_first_stage_less_layers=args.pp_first_less_layers,
+                pp_last_stage_less_layers=args.pp_last_less_layers,
+            )
+        except (ValueError, NotImplementedError) as e:
+            ap.error(str(e))
+        report.model = name
+        reports.append(report)
+        if not args.json:
+            print(report.table(per_rank=args.per_rank or None, top=args.top), flush=True)
+            print(flush=True)
+    if args.json:
+        json.dump([r.to_dict() for r in reports], sys.stdout, default=str)
+        print()
+    return 0

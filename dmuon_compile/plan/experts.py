@@ -1,0 +1,136 @@
+"""Expert parallelism in the dry run: torchtitan's EP layout of the expert stacks (``Shard(0)``
+or ``Shard(1)`` inside experts), their bytes, NS and reshard traffic per rank."""
+
+from __future__ import annotations
+
+from dmuon_compile.distributed._expert_shards import chunk_size
+from dmuon_compile.plan.report import WORKING_SET_FACTOR
+
+
+def _merge_expert_layout(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return dict(b)
+    out = dict(a)
+    for key in ("experts", "local_experts", "shard_dims"):
+        out[key] = sorted(set(a[key]) | set(b[key]))
+    for key in ("stacks", "resharded_stacks"):
+        out[key] = a[key] + b[key]
+    return out
+
+
+def _check_ep(ep, shard_dim, shard: int, replicate: int, tp: int) -> None:
+    if ep is None:
+        if shard_dim is not None:
+            raise ValueError("dry_run: expert_shard_dim needs ep (pass ep=1 for no EP)")
+        return
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"dry_run: ep must be an integer >= 1, got {ep!r}")
+    if shard_dim not in (None, 0, 1):
+        raise ValueError(
+            f"dry_run: expert_shard_dim must be 0, 1 or None (torchtitan's rule), got {shard_dim!r}"
+        )
+    if tp > 1:
+        raise ValueError(
+            f"dry_run: ep={ep} with tp_size={tp} is not modelled (torchtitan's EP borrows TP "
+            "ranks and shards experts over them too): plan expert parallelism with tp_size=1 "
+            "(--tp 1)"
+        )
+    if shard % ep:
+        below = max(d for d in range(1, ep) if shard % d == 0)
+        above = [d for d in range(ep + 1, shard + 1) if shard % d == 0][:1]
+        fits = [below, *above]
+        raise ValueError(
+            f"dry_run: ep={ep} must divide the data-parallel shard size {shard} (world_size / "
+            f"replicate_size {replicate}; EP groups are ep consecutive shard ranks, expert FSDP "
+            f"the other shard/ep): pass an ep that divides {shard} (e.g. "
+            f"{' or '.join(map(str, fits))}) or change the GPU count / --hsdp"
+        )
+
+
+class _EPContext:
+    """What :func:`_ep_stack` reads and writes of the dry run in progress."""
+
+    def __init__(self, ep, shards, replicas, rows, per_shard, gpu, add_ns, rates, cap, ns):
+        self.ep, self.shards, self.replicas = ep, shards, replicas
+        self.rows, self.per_shard, self.gpu, self.add_ns = rows, per_shard, gpu, add_ns
+        self.rates, self.stack_cap, self.ns = rates, cap, ns
+        self.padding: list[str] = []  # stacks whose expert-FSDP chunks are mostly padding
+
+
+def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem) -> int:
+    """One expert stack ``(E, a, b)`` under torchtitan's EP: ``Shard(0)`` over the ``ep``
+    consecutive shard ranks ``s = f · ep + e`` (``E/ep`` experts on EP rank ``e``), expert FSDP
+    over ``f`` (``efsdp = shard/ep`` ranks): ``Shard(0)`` of the local experts, or ``Shard(1)``
+    of every local expert's rows when ``efsdp · ep > E``. Returns the expert FSDP shard dim."""
+    ep, S, R = ctx.ep, ctx.shards, ctx.replicas
+    E, a = int(p.shape[0]), int(p.shape[1])
+    b = p.numel() // (E * a) if E * a else 0
+    if E % ep:
+        fits = ", ".join(str(d) for d in range(1, E + 1) if E % d == 0 and S % d == 0)
+        raise ValueError(
+            f"dry_run: ep={ep} must divide the number of experts of {fqn} (shape "
+            f"{tuple(p.shape)}: {E} experts): EP gives each EP rank E/ep whole experts; pass "
+            f"an ep dividing both {E} and the shard size {S} (one of {fits})"
+        )
+    local, F = E // ep, S // ep
+    dim = shard_dim if shard_dim is not None else (1 if F * ep > E else 0)
+    if dim == 1 and a % F:  # FSDP2 raises NotImplementedError on an uneven Shard(1) too
+        raise ValueError(
+            f"dry_run: ep={ep}: {fqn} {tuple(p.shape)} would be sharded inside its experts "
+            f"(Shard(1), efsdp · ep = {F * ep} > {E} experts) over efsdp = {F} ranks, but its "
+            f"{a} rows are not divisible by {F}: FSDP2 refuses uneven sharding on dim 1. Pick "
+            "an ep (or GPU count) whose efsdp = shard/ep divides the rows, or one with "
+            "efsdp · ep <= experts (Shard(0))"
+        )
+    item = p.element_size()
+    shape = layout.stacked_shape(p.shape)
+    ps = ctx.per_shard
+    # FSDP2's collectives over efsdp, padded to ceil-sized chunks; HSDP all-reduces the chunk
+    padded = (-(-local // F)) * a * b if dim == 0 else local * (-(-a // F)) * b
+    ps.add_all(
+        "fsdp_comm_bytes",
+        (F - 1) * padded * (unshards * citem + ritem) + 2 * (R - 1) * padded * ritem // R,
+    )
+    for f in range(F):
+        lo, hi = f * ep, (f + 1) * ep  # the EP group of expert-FSDP rank f
+        if dim == 0:
+            n = chunk_size(local, F, f)  # whole local experts
+            ps.add_range("grad_bytes", lo, hi, n * a * b * item)
+            ps.add_range("sharded_muon_bytes", lo, hi, 2 * n * a * b * item)
+            if n:
+                count = layout.count((n, *p.shape[1:]))
+                for s in range(lo, hi):
+                    for r in range(R):
+                        ctx.add_ns(ctx.gpu(r * S + s, 0), shape, count, True)
+            continue
+        rows_f = chunk_size(a, F, f)  # this rank's rows of each of its local experts
+        own = local * rows_f * b
+        ps.add_range("grad_bytes", lo, hi, own * item)
+        ps.add_range("sharded_muon_bytes", lo, hi, 2 * own * item)
+        # The reshard to whole experts (distributed/_expert_shards.py): one all-to-all over
+        # efsdp, among the ranks that hold rows of the same E/ep local experts, gives rank f
+        # chunk f of those experts whole (m of them; none once f · ceil(local/F) >= local);
+        # the inverse all-to-all brings NS's result back to the rows. Received (= sent):
+        # there the other rows of its m experts, back its rows of the other local experts.
+        m = chunk_size(local, F, f)
+        there = m * (a - rows_f) * b
+        back = (local - m) * rows_f * b
+        ps.add_range("expert_reshard_comm_bytes", lo, hi, (there + back) * item)
+        # the pieces received and the whole experts they form (then the result's send buffer)
+        transient = 2 * m * a * b * item
+        count = layout.count((m, a, b)) if m else 0
+        ms = ctx.rates.bucket_ms(shape, count, ctx.stack_cap, ctx.ns) if count else 0.0
+        one = 4 * shape[0] * shape[1]
+        work = WORKING_SET_FACTOR["eager"] * min(count * one, max(one, ctx.stack_cap))
+        for s in range(lo, hi):
+            for r in range(R):
+                row = ctx.rows[ctx.gpu(r * S + s, 0)]
+                row.ns_ms += ms
+                row.expert_ns_ms += ms
+                row.expert_matrices += count
+                row._elements += own  # momentum, Nesterov input and commit on the local rows
+                row.step_extra_bytes += own * item  # the result back on the rows, until commit
+                row._reshard_peak = max(row._reshard_peak, transient + int(work))
+    if padded * F > 1.25 * local * a * b:
+        ctx.padding.append(fqn)
+    return dim

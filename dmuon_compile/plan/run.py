@@ -1,0 +1,550 @@
+"""The dry run itself: :func:`dry_run` plans a job's dedicated weights over its ranks with
+``plan_dedicated`` and fills one row per rank (bytes, step memory, NS and step ms, traffic)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dmuon_compile.ns_rates import H200, NSRates, TargetFlops, default_stack_bytes, useful_flops
+from dmuon_compile.plan.experts import _check_ep, _ep_stack, _EPContext
+from dmuon_compile.plan.models import build_model
+from dmuon_compile.plan.report import (
+    NS_WORK_ITEMSIZE,
+    WORKING_SET_FACTOR,
+    DryRunReport,
+    GiB,
+    RankRow,
+)
+
+# ----------------------------------------------------------------------------- the dry run
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _check_sizes(world_size, replicate_size, tp_size, split_size) -> int:
+    for name, v in (
+        ("world_size", world_size),
+        ("replicate_size", replicate_size),
+        ("tp_size", tp_size),
+        ("split_size", split_size),
+    ):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"dry_run: {name} must be an integer >= 1, got {v!r}")
+    per = replicate_size * tp_size
+    if world_size % per:
+        lo = world_size // per * per
+        near = f"{lo} or {lo + per}" if lo else f"{per}"
+        raise ValueError(
+            f"dry_run: {world_size} GPUs are not divisible by replicate_size {replicate_size} × "
+            f"tp_size {tp_size} = {per}: pass a world size that is a multiple of {per} (e.g. "
+            f"{near}) or change --hsdp/--tp"
+        )
+    shard = world_size // per
+    if split_size > 1 and (replicate_size * shard) % split_size:
+        raise ValueError(
+            f"dry_run: split_size={split_size} must divide the {replicate_size * shard} "
+            "data-parallel ranks (split groups are aligned blocks of them): pass a divisor, "
+            "e.g. the GPUs per node"
+        )
+    return shard
+
+
+def dry_run(
+    model_or_config,
+    world_size: int,
+    *,
+    replicate_size: int = 1,
+    tp_size: int = 1,
+    split_size: int = 1,
+    predicate: Callable | None = None,
+    layer_id_fn: Callable | None = None,
+    hook_boundary_predicate: Callable | None = None,
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    compiled: bool = True,
+    rates: NSRates = H200,
+    stack_bytes: int | None = None,
+    ns=None,
+    ep: int | None = None,
+    expert_shard_dim: int | None = None,
+    pp: int | None = None,
+    stages_per_rank: int = 1,
+    pp_first_stage_less_layers: int = 1,
+    pp_last_stage_less_layers: int = 1,
+) -> DryRunReport:
+    """Predict a job of ``world_size`` GPUs (``[pp ×] replicate_size × shard × tp_size``) per
+    rank.
+
+    ``model_or_config``: an ``nn.Module`` (meta device recommended), a preset name
+    (:data:`PRESETS`), a :class:`ModelConfig`, a dict of its fields, a JSON path or a
+    ``"module:function"`` factory. ``predicate``/``layer_id_fn``/``hook_boundary_predicate``:
+    as for ``dedicate_params``. ``param_dtype``/``reduce_dtype``: the mixed-precision policy
+    (unsharded compute copies; gradient reduces); ``None`` keeps the weights' dtype.
+    ``compiled``: the step's working set (``Muon(compile=True)`` holds one stack, eager about
+    two). ``rates``: the device's NS rates (:class:`~dmuon_compile.ns_rates.NSRates`).
+    ``stack_bytes``: ``NewtonSchulz(stack_bytes=...)`` (default 4 GiB).
+    ``ns``: what prices NS for the owner plan (default: as ``dedicate_params`` on a GPU with
+    Triton kernels; pass ``NewtonSchulz()`` to plan exactly as on this machine).
+    ``ep``: expert parallelism as torchtitan lays it out (``None``: expert stacks on plain
+    FSDP2 ``Shard(0)`` over the shard dim): each stack ``Shard(0)`` over groups of ``ep``
+    consecutive shard ranks (``E/ep`` experts each), then expert FSDP over the other
+    ``shard/ep`` ranks, ``Shard(0)`` unless ``efsdp · ep > E`` (then ``Shard(1)``, inside the
+    experts: the step reshards to whole experts for NS). ``expert_shard_dim`` (0 or 1)
+    overrides that choice. ``ep=1`` is torchtitan without EP (``Shard(1)`` when ``shard > E``).
+    ``pp``: pipeline parallelism as torchtitan's ``pipeline_llm`` splits a decoder
+    (:func:`pipeline_stages`): the model's ``layers`` cut into ``pp · stages_per_rank``
+    contiguous stages (``pp_first_stage_less_layers``/``pp_last_stage_less_layers``: torchtitan's
+    ``pipeline_parallel_first/last_stage_less_layers``, default 1 each; the embeddings go with
+    the first stage, everything after the layers with the last), stage ``k`` on PP rank
+    ``k mod pp`` (looped), each PP rank's ``world_size / pp`` data-parallel ranks planning its
+    stages' dedicated weights, the later stages of a rank over the earlier ones' NS loads
+    (``base_loads``, as ``dedicating(..., balance_stages=True)``). Global rank
+    ``pp_rank · world_size / pp + data-parallel rank``. Not with ``tp_size > 1`` or ``ep > 1``.
+
+    Example::
+
+        report = dry_run("llama3-70b", 512, replicate_size=4)
+        print(report.table())
+    """
+    options = dict(
+        replicate_size=replicate_size,
+        tp_size=tp_size,
+        split_size=split_size,
+        predicate=predicate,
+        layer_id_fn=layer_id_fn,
+        hook_boundary_predicate=hook_boundary_predicate,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward,
+        compiled=compiled,
+        rates=rates,
+        stack_bytes=stack_bytes,
+        ns=ns,
+        ep=ep,
+        expert_shard_dim=expert_shard_dim,
+    )
+    if pp is None:
+        if (stages_per_rank, pp_first_stage_less_layers, pp_last_stage_less_layers) != (1, 1, 1):
+            raise ValueError(
+                "dry_run: stages_per_rank / pp_*_stage_less_layers need pp (pass pp=N, --pp N)"
+            )
+        return _run_group(model_or_config, world_size, **options)[0]
+    from dmuon_compile.plan.pipeline import _pipeline_run  # it plans each stage with _run_group
+
+    less = (pp_first_stage_less_layers, pp_last_stage_less_layers)
+    return _pipeline_run(model_or_config, world_size, pp, stages_per_rank, less, options)
+
+
+def _run_group(
+    model_or_config,
+    world_size: int,
+    *,
+    replicate_size: int,
+    tp_size: int,
+    split_size: int,
+    predicate: Callable | None,
+    layer_id_fn: Callable | None,
+    hook_boundary_predicate: Callable | None,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+    compiled: bool,
+    rates: NSRates,
+    stack_bytes: int | None,
+    ns,
+    ep: int | None,
+    expert_shard_dim: int | None,
+    keep: set[str] | None = None,
+    base_loads: list[float] | None = None,
+):
+    """:func:`dry_run` of one data-parallel group (``world_size`` ranks): ``(report, the
+    plan_dedicated result)``. ``keep``: plan only these parameters (a pipeline stage's; the
+    others are not on these ranks). ``base_loads``: as ``plan_dedicated``'s."""
+    from dmuon_compile.distributed.dedicate import plan_dedicated
+    from dmuon_compile.distributed.policy import MixedPrecision, ParamPolicy, resolve_dtypes
+    from dmuon_compile.layouts import get_layout, infer_layout
+    from dmuon_compile.routing import default_muon_predicate, routing_module
+
+    t_start = time.perf_counter()
+    shard = _check_sizes(world_size, replicate_size, tp_size, split_size)
+    _check_ep(ep, expert_shard_dim, shard, replicate_size, tp_size)
+    name, model = build_model(model_or_config)
+    stack_cap = default_stack_bytes() if stack_bytes is None else int(stack_bytes)
+    plan_ns = TargetFlops() if ns is None else ns
+    rate_ns = getattr(plan_ns, "ns", plan_ns)  # the NS configuration the rates price
+    t_plan = time.perf_counter()
+    if keep is not None:
+        predicate = _only(model, keep, predicate)
+    planned = plan_dedicated(
+        model,
+        world_size=shard,
+        replicate_size=replicate_size,
+        predicate=predicate,
+        hook_boundary_predicate=hook_boundary_predicate,
+        layer_id_fn=layer_id_fn,
+        tp_size=tp_size,
+        split_size=split_size,
+        ns=plan_ns,
+        base_loads=base_loads,
+    )
+    plan_s = time.perf_counter() - t_plan
+    if ep is not None and ep > 1:
+        stacks = [
+            x.fqn for x in planned.specs if x.layout is not None and x.layout.kind == "experts"
+        ]
+        if stacks:  # dedicate_params refuses an expert-parallel (DTensor) stack the same way
+            raise ValueError(
+                f"dry_run: ep={ep}: the predicate dedicates expert stacks ({stacks[0]}"
+                + (f" and {len(stacks) - 1} more" if len(stacks) > 1 else "")
+                + "), but an expert-parallel stack cannot be dedicated: leave expert stacks out "
+                "of the predicate (the default does) or drop ep"
+            )
+    R, S, T = replicate_size, shard, tp_size
+    rows = [RankRow(g) for g in range(world_size)]
+    policy = ParamPolicy(MixedPrecision(param_dtype, reduce_dtype))
+    unshards = 2 if reshard_after_forward else 1
+    notes: list[str] = []
+    per_shard = _PerShard(S)  # what depends on a rank's shard coordinate only
+
+    def gpu(d: int, t: int) -> int:  # data-parallel index d = r · S + s, TP rank t
+        return d * T + t
+
+    def add_ns(g: int, shape, count: int, expert: bool = False) -> None:
+        b = rows[g]._buckets
+        b[shape] = b.get(shape, 0) + count
+        if expert:
+            rows[g].expert_matrices += count
+            b = rows[g]._expert_buckets
+            b[shape] = b.get(shape, 0) + count
+
+    # -- dedicated weights: owned state, NS and the hook groups' collectives
+    specs = {s.fqn: s for s in planned.specs}
+    params = dict(planned.selected)
+    split_rows = []
+    plan = planned.plan
+    entries = plan.entries if plan is not None else []
+    tp_owner = planned.tp_owners.tp_owner if planned.tp_owners is not None else {}
+    groups: dict[tuple, list[tuple[str, int, int]]] = {}  # key -> [(fqn, shard owner, numel)]
+    column_numel: dict[tuple, dict[tuple[int, int], int]] = {}  # per group: (shard, rep) -> n
+    for e in entries:
+        spec, p = specs[e.fqn], params[e.fqn]
+        item = spec.itemsize
+        tp = e.fqn in planned.tp_fqns
+        local = spec.numel // T if tp else spec.numel
+        rep_owner, s_owner = divmod(e.owner, S)
+        cdt, rdt = resolve_dtypes(p.dtype, policy, None)
+        citem, ritem = _itemsize(cdt), _itemsize(rdt or cdt)
+        key = (planned.boundaries[e.fqn][0], cdt, rdt)
+        groups.setdefault(key, []).append((e.fqn, s_owner, local))
+        col = column_numel.setdefault((key, citem, ritem), {})
+        col[(s_owner, rep_owner)] = col.get((s_owner, rep_owner), 0) + local
+        for t in range(T):  # TP: every rank of the owner's TP group holds its shard (or copy)
+            g = gpu(e.owner, t)
+            rows[g].dedicated_bytes += 2 * local * item
+            rows[g].grad_bytes += local * item
+            if R > 1:  # the owner column's copies: one per other replica
+                for r in range(R):
+                    if r != rep_owner:
+                        rows[gpu(r * S + s_owner, t)].replica_bytes += local * citem
+                if cdt != p.dtype:  # the owner's column buffer next to its own master
+                    rows[g].replica_bytes += local * citem
+        shape, count = spec.matrix_shape, spec.matrix_count
+        split = tuple(e.split_ranks)
+        if split:  # NS over the aligned block of data-parallel ranks, owner first
+            share = (
+                rates.call_ms
+                + useful_flops(*shape, rate_ns) / len(split) / (rates.rate(min(shape)) * 1e12) * 1e3
+            )
+            for d in split:
+                g = gpu(d, 0)
+                rows[g].ns_ms += share
+                rows[g].matrices += 1
+                rows[g]._elements += spec.numel // len(split)
+                rows[g].step_extra_bytes += spec.numel // len(split) * NS_WORK_ITEMSIZE
+            split_rows.append(
+                {
+                    "fqn": e.fqn,
+                    "shape": list(spec.shape),
+                    "ranks": [gpu(d, 0) for d in split],
+                    "ns_ms_per_rank": share,
+                    "ns_ms_one_rank": rates.call_ms_of(shape, count, rate_ns),
+                }
+            )
+            _split_comm(rows, split, spec, rate_ns, gpu)
+        else:
+            # TP matrix: whole-matrix NS on its TP owner; a plain matrix of a TP model: TP rank
+            # 0 of the column runs it and broadcasts weight and momentum to the others.
+            t_ns = tp_owner.get(e.fqn, 0)
+            add_ns(gpu(e.owner, t_ns), shape, count)
+            rows[gpu(e.owner, t_ns)].matrices += 1
+            if T > 1:
+                for t in range(T):
+                    if t == t_ns:
+                        continue
+                    g = gpu(e.owner, t)
+                    if tp:  # gather u_t shard (fp32) to the TP owner, update shard back
+                        rows[g].tp_comm_bytes += local * 4 + local * item
+                        rows[gpu(e.owner, t_ns)].tp_comm_bytes += local * 4 + local * item
+                    else:
+                        rows[g].tp_comm_bytes += 2 * spec.numel * item
+    _dedicated_comm(per_shard, groups, column_numel, R, S, unshards)
+
+    # -- everything else stays on FSDP2: AdamW, and Muon on expert stacks (per expert)
+    dedicated = set(params)
+    module_of: dict[int, list[nn.Module]] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            module_of.setdefault(id(p), []).append(mod)
+    adamw_params = sharded_muon_params = 0
+    padding: list[str] = []
+    ep_stacks: list[tuple[str, int, int]] = []  # (fqn, experts, expert FSDP shard dim)
+    ctx = _EPContext(ep, S, R, rows, per_shard, gpu, add_ns, rates, stack_cap, rate_ns)
+    citem_default = _itemsize(param_dtype) if param_dtype is not None else None
+    for pname, p in model.named_parameters():
+        if pname in dedicated or not p.requires_grad or (keep is not None and pname not in keep):
+            continue
+        module = routing_module(module_of.get(id(p), []))
+        layout = (get_layout(p) or infer_layout(pname, p, module)) if p.ndim >= 2 else None
+        muon = (
+            layout is not None
+            and layout.kind == "experts"
+            and default_muon_predicate(pname, p, module)
+        )
+        item = p.element_size()
+        citem = citem_default or item
+        ritem = _itemsize(reduce_dtype) if reduce_dtype is not None else citem
+        dim0 = int(p.shape[0]) if p.ndim else 1
+        rest = p.numel() // dim0 if dim0 else 0
+        chunk = -(-dim0 // S)  # FSDP2 Shard(0): torch.chunk's rows per rank, last ones fewer
+        if muon:
+            sharded_muon_params += p.numel()
+        else:
+            adamw_params += p.numel()
+        if muon and ep is not None:
+            dim = _ep_stack(ctx, pname, p, layout, expert_shard_dim, unshards, citem, ritem)
+            ep_stacks.append((pname, int(p.shape[0]), dim))
+            continue
+        # Per shard coordinate: ranks [0, full) hold ``chunk`` rows, rank ``full`` the rest.
+        full, last = divmod(dim0, chunk) if chunk else (0, 0)
+        padded = chunk * rest
+        per_shard.add_all(
+            "fsdp_comm_bytes",
+            (S - 1) * padded * (unshards * citem + ritem)
+            + 2 * (R - 1) * padded * ritem // R,  # HSDP: all-reduce over the replicas
+        )
+        state = "sharded_muon_bytes" if muon else "adamw_bytes"
+        copies = 2 if muon else 3  # weight + momentum; weight + exp_avg + exp_avg_sq
+        for lo, hi, n_rows in ((0, full, chunk), (full, full + 1 if last else full, last)):
+            per_shard.add_range("grad_bytes", lo, hi, n_rows * rest * item)
+            per_shard.add_range(state, lo, hi, copies * n_rows * rest * item)
+            if muon and lo < hi:
+                matrices = layout.count((n_rows, *p.shape[1:]))
+                for s in range(lo, min(hi, S)):
+                    for r in range(R):
+                        for t in range(T):
+                            add_ns(gpu(r * S + s, t), layout.stacked_shape(p.shape), matrices, True)
+        if muon and padded * S > 1.25 * p.numel():
+            padding.append(pname)
+    per_shard.apply(rows, S, T)
+    expert_layout = None
+    if ep is not None:
+        if not ep_stacks and keep is None:  # a pipeline stage may have none: checked whole
+            raise ValueError(
+                f"dry_run: ep={ep}, but the model has no expert stacks left to FSDP2/EP (3-D "
+                "parameters of an *Experts module such as torchtitan's GroupedExperts, or "
+                "declared with dmuon.set_layout(p, dmuon.Layout.experts())): drop ep/--ep for a "
+                "dense model"
+            )
+        resharded = sum(1 for _, _, d in ep_stacks if d)
+        expert_layout = {
+            "ep": ep,
+            "efsdp": S // ep,
+            "experts": sorted({e for _, e, _ in ep_stacks}),
+            "local_experts": sorted({e // ep for _, e, _ in ep_stacks}),
+            "shard_dims": sorted({d for _, _, d in ep_stacks}),
+            "stacks": len(ep_stacks),
+            "resharded_stacks": resharded,
+            "ranks_with_experts": sum(1 for r in rows if r.expert_matrices),
+        }
+        if ctx.padding:
+            notes.append(
+                f"{len(ctx.padding)} expert stacks are cut unevenly over the {S // ep} expert-"
+                f"FSDP ranks (e.g. {ctx.padding[0]}): FSDP2 pads each rank's chunk, so its "
+                "collectives move padding too"
+            )
+        if resharded:
+            notes.append(
+                f"{resharded} expert stacks are sharded inside their experts (efsdp · ep > "
+                "experts, as torchtitan picks): each step all-to-alls a stack over efsdp to "
+                "whole experts (each rank a share of its EP rank's experts), runs their NS "
+                "(eagerly, one call per stack) and all-to-alls the result back ('reshard' "
+                "column)"
+            )
+    if padding:
+        notes.append(
+            f"{len(padding)} FSDP2 weights have fewer dim-0 rows than is even over {S} shard "
+            f"ranks (e.g. {padding[0]}): FSDP2 pads each rank's chunk, so its collectives move "
+            "padding too"
+        )
+    if sharded_muon_params and R > 1:
+        notes.append(
+            "FSDP2-sharded expert stacks: every replica orthogonalises its own copy (R times "
+            "the NS of one shard group)"
+        )
+    if T > 1:
+        notes.append(
+            "TP: the non-dedicated weights are counted TP-replicated (sharded over the shard "
+            "dim only); a TP-sharded embedding or head holds 1/tp of that"
+        )
+
+    # -- NS ms, step ms and the step's working set from each rank's shape buckets
+    factor = WORKING_SET_FACTOR["compiled" if compiled else "eager"]
+    for row in rows:
+        widest = 0
+        for shape, count in row._buckets.items():
+            row.ns_ms += rates.bucket_ms(shape, count, stack_cap, rate_ns)
+            row._elements += count * shape[0] * shape[1]
+            one = 4 * shape[0] * shape[1]
+            per_stack = max(one, stack_cap // one * one)
+            widest = max(widest, min(count * one, per_stack))
+            row.step_extra_bytes += count * shape[0] * shape[1] * NS_WORK_ITEMSIZE
+        row.step_extra_bytes += max(int(factor * widest), row._reshard_peak)
+        for shape, count in row._expert_buckets.items():  # the experts' NS alone
+            row.expert_ns_ms += rates.bucket_ms(shape, count, stack_cap, rate_ns)
+        if row.ns_ms:
+            row.step_ms = row.ns_ms + rates.elementwise_ms(row._elements) + rates.start_ms
+    if plan is None and keep is None:
+        notes.append("nothing matched the predicate: every parameter stays on FSDP2")
+    report = DryRunReport(
+        model=name,
+        world_size=world_size,
+        replicate_size=R,
+        shard_size=S,
+        tp_size=T,
+        split_size=split_size,
+        rows=rows,
+        owners=planned.owners(),
+        dedicated_matrices=len(entries),
+        dedicated_params=sum(s.numel for s in planned.specs),
+        adamw_params=adamw_params,
+        sharded_muon_params=sharded_muon_params,
+        split=split_rows,
+        rates=rates.device,
+        settings={
+            "param_dtype": _dtype_name(param_dtype),
+            "reduce_dtype": _dtype_name(reduce_dtype),
+            "step": "compiled" if compiled else "eager",
+            "stack cap GiB": round(stack_cap / GiB, 2),
+            "NS flops": "as a Triton GPU" if ns is None else type(ns).__name__,
+        },
+        plan_s=plan_s,
+        notes=notes,
+        ep=ep,
+        expert_layout=expert_layout,
+    )
+    report.total_s = time.perf_counter() - t_start
+    return report, planned
+
+
+def _dtype_name(dt) -> str:
+    return "as stored" if dt is None else str(dt).replace("torch.", "")
+
+
+class _PerShard:
+    """Per-rank values that depend only on the rank's shard coordinate (the same in every
+    replica and TP rank): a constant plus range additions, summed once at the end."""
+
+    def __init__(self, shards: int) -> None:
+        self.shards = shards
+        self.const: dict[str, int] = {}
+        self.diff: dict[str, list[int]] = {}
+
+    def add_all(self, name: str, value: int) -> None:
+        self.const[name] = self.const.get(name, 0) + value
+
+    def add_range(self, name: str, lo: int, hi: int, value: int) -> None:
+        hi = min(hi, self.shards)
+        if lo < hi and value:
+            d = self.diff.setdefault(name, [0] * (self.shards + 1))
+            d[lo] += value
+            d[hi] -= value
+
+    def apply(self, rows: list[RankRow], shards: int, tp: int) -> None:
+        names = set(self.const) | set(self.diff)
+        values = {}
+        for name in names:
+            acc, out = self.const.get(name, 0), []
+            for d in self.diff.get(name, [0] * (shards + 1))[:shards]:
+                acc += d
+                out.append(acc)
+            values[name] = out
+        for row in rows:
+            s = (row.rank // tp) % shards
+            for name in names:
+                setattr(row, name, getattr(row, name) + values[name][s])
+
+
+def _dedicated_comm(per_shard: _PerShard, groups, column_numel, R, S, unshards) -> None:
+    """Each hook group: one unshard all-gather (twice with ``reshard_after_forward``) and one
+    gradient reduce-scatter over the shard group, owner-packed as ``DedicatedGroup.build``
+    packs them (each rank receives the buffer less its own chunk); HSDP adds per group one
+    reduce and one broadcast of this rank's column chunk over the replicate group."""
+    from dmuon_compile.distributed._dedicated_group import MAX_GATHER_PADDING
+
+    for (key, citem, ritem), col in column_numel.items():
+        chunk: dict[int, int] = {}
+        for _fqn, s_owner, n in groups[key]:
+            chunk[s_owner] = chunk.get(s_owner, 0) + n
+        total, widest = sum(chunk.values()), max(chunk.values())
+        per_byte = unshards * citem + ritem
+        if S == 1:
+            pass
+        elif widest * S <= (1 + MAX_GATHER_PADDING) * total:  # padded all-gather
+            per_shard.add_all("dedicated_comm_bytes", (S - 1) * widest * per_byte)
+        else:  # uneven chunks: everything but its own
+            per_shard.add_all("dedicated_comm_bytes", total * per_byte)
+            for s, n in chunk.items():
+                per_shard.add_range("dedicated_comm_bytes", s, s + 1, -n * per_byte)
+        if R > 1:
+            for (s_owner, _rep), n in col.items():
+                per_shard.add_range(
+                    "replicate_comm_bytes", s_owner, s_owner + 1, n * (ritem + citem)
+                )
+
+
+def _split_comm(rows, split, spec, ns, gpu) -> None:
+    """A split matrix's collectives inside its group (``split_ns.split_flops``: the m×m
+    all-reduces and row all-gathers), and its pieces' scatter/gather from the owner (fp32)."""
+    from dmuon_compile.distributed import split_ns
+    from dmuon_compile.newton_schulz import NewtonSchulz
+
+    cost = split_ns.split_flops(spec.shape, len(split), ns or NewtonSchulz(), "cuda")
+    inside = cost.all_reduce_bytes + cost.all_gather_bytes
+    piece = spec.numel * 4 // len(split)
+    for d in split:
+        rows[gpu(d, 0)].dedicated_comm_bytes += inside + (2 * piece if d != split[0] else 0)
+
+
+def _only(model: nn.Module, keep: set[str], predicate):
+    """``predicate`` (``None``: ``dedicate_params``' default) restricted to ``keep``."""
+    from dmuon_compile.distributed.dedicate import _call_predicate
+
+    module_of: dict[int, list[nn.Module]] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            module_of.setdefault(id(p), []).append(mod)
+
+    def in_stage(name, param):
+        if name not in keep:
+            return False
+        return _call_predicate(predicate, name, param, module_of.get(id(param), []))
+
+    return in_stage
