@@ -3,6 +3,7 @@ ranks without the `distributed` marker fails instead of slipping into the fast t
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -54,7 +55,9 @@ def test_an_unmarked_test_cannot_spawn_ranks(monkeypatch):
     with pytest.raises(RuntimeError, match="not marked @pytest.mark.distributed"):
         run_ranks(_never_runs, 2, timeout=5)
     # control: without the flag the launch goes on to spawning (stopped there: no process)
-    monkeypatch.delenv(NOT_DISTRIBUTED_ENV)
+    # Not monkeypatch.delenv: its teardown would set the name back after conftest's hook has
+    # removed it, and every later test would count as unmarked.
+    os.environ.pop(NOT_DISTRIBUTED_ENV)
 
     def no_spawn(method):
         raise _Reached(method)
