@@ -9,7 +9,7 @@ Two changes to a torchtitan trainer config (README: torchtitan)::
     config = Trainer.Config(
         model_spec=spec,
         optimizer=dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-4),
-        parallelism=ParallelismConfig(spmd_backend="full_dtensor", ...),  # or "partial_dtensor"
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor", ...),  # or "full_dtensor"
         ...
     )
 
@@ -109,8 +109,8 @@ SPMD_TYPES_ERROR = (
     "parameters plain tensors carrying spmd_types annotations and hands fully_shard the dense "
     "storage mesh with dp_mesh_dims, which this torch's FSDP2 accepts only for DTensor "
     'parameters (it raises "all parameters must be DTensors on the full SPMD mesh" with or '
-    'without dmuon). Set parallelism.spmd_backend="full_dtensor" (the same meshes, DTensor '
-    'parameters) or "partial_dtensor".'
+    'without dmuon). Set parallelism.spmd_backend="partial_dtensor" (the tested and cheaper '
+    'path) or "full_dtensor" (the same meshes, DTensor parameters).'
 )
 
 
