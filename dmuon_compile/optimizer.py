@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_compile import functional as F
 from dmuon_compile.between_steps import BetweenSteps
-from dmuon_compile.distributed._expert_shards import needs_reshard
+from dmuon_compile.distributed._expert_shards import ExpertWalk, needs_reshard, ns_cost
 from dmuon_compile.distributed._owned import (
     OwnerTensor,
     is_owned,
@@ -474,12 +474,29 @@ class Muon(torch.optim.Optimizer):
         split_halves: list[_StepHalf] = []
         if plan.split:
             jobs, split_halves = self._split_directions(plan.split, jobs, failure)
+        walk = ExpertWalk(self._dedicated_ns_loads)  # who orthogonalises which experts
         halves = [
-            [h for job in part_jobs for h in self._muon_directions(job, failure, plan.tp)]
+            [h for job in part_jobs for h in self._muon_directions(job, failure, plan.tp, walk)]
             for part_jobs in jobs
         ]
         halves[0][:0] = split_halves
         return halves
+
+    def _dedicated_ns_loads(self) -> dict[int, int]:
+        """Global rank → ``ns_cost`` of the dedicated weights it orthogonalises (owner
+        DTensors: one-rank meshes), for the expert reshard's walk; the same on every rank."""
+        mats = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
+        key = tuple(map(id, mats))
+        cached = getattr(self, "_ns_loads", None)
+        if cached is None or cached[0] != key:
+            loads: dict[int, int] = {}
+            for p in mats:
+                if isinstance(p, DTensor) and p.device_mesh.size() == 1:
+                    lay, rank = self._layout(p), int(p.device_mesh.mesh.reshape(-1)[0])
+                    cost = ns_cost(lay.matrix_shape(p.shape)) * lay.count(p.shape)
+                    loads[rank] = loads.get(rank, 0) + cost
+            self._ns_loads = cached = (key, loads)
+        return cached[1]
 
     @torch.compiler.disable  # DTensor bookkeeping and state creation stay eager
     def _prepare(
@@ -554,7 +571,7 @@ class Muon(torch.optim.Optimizer):
         return jobs, adamw
 
     def _muon_directions(
-        self, job: MuonJob, failure: list, tp: TPStep | None = None
+        self, job: MuonJob, failure: list, tp: TPStep | None = None, walk: ExpertWalk | None = None
     ) -> list[_StepHalf]:
         """The first half of Muon for some of a group's matrices (``job.part`` names the
         subset: one compiled graph each): the compiled step if enabled, else the eager reference.
@@ -566,6 +583,7 @@ class Muon(torch.optim.Optimizer):
         ``tp``: the plan's TP stage; its matrices go through ``tp.directions`` (their NS:
         :meth:`_tp_orthogonalize`).
         After a failure on this rank (``failure`` non-empty) only the collectives go out.
+        ``walk``: who orthogonalises which experts, one per step (``orthogonalize_resharded``).
         """
         from dmuon_compile.compiled_step import compile_enabled, compiled_step_for
 
@@ -582,7 +600,7 @@ class Muon(torch.optim.Optimizer):
         inside = [i for i, (p, lay) in enumerate(zip(params, layouts)) if needs_reshard(p, lay)]
         if inside:  # expert stacks sharded inside their experts: NS on whole experts
             picked = ([xs[i] for i in inside] for xs in (params, grads, bufs, layouts))
-            halves.append(self._resharded_directions(group, *picked, failure))
+            halves.append(self._resharded_directions(group, *picked, failure, walk))
             kept = [i for i in range(len(params)) if i not in set(inside)]
             params, grads, bufs, layouts = (
                 [xs[i] for i in kept] for xs in (params, grads, bufs, layouts)
@@ -681,7 +699,14 @@ class Muon(torch.optim.Optimizer):
         return kept_jobs, list(by_group.values())
 
     def _resharded_directions(
-        self, group: dict, params: list, grads: list, bufs: list, layouts: list, failure: list
+        self,
+        group: dict,
+        params: list,
+        grads: list,
+        bufs: list,
+        layouts: list,
+        failure: list,
+        walk: ExpertWalk | None = None,
     ) -> _StepHalf:
         """The first half of Muon for expert stacks sharded inside their experts
         (``distributed/_expert_shards.py``): the Nesterov inputs of the local shards,
@@ -710,7 +735,7 @@ class Muon(torch.optim.Optimizer):
             )
 
         with label(NS):
-            ortho = orthogonalize_resharded(params, updates, layouts, orthogonalize)
+            ortho = orthogonalize_resharded(params, updates, layouts, orthogonalize, walk)
         return _StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
 
     def _tp_orthogonalize(

@@ -6,10 +6,19 @@ mesh times the EP degree exceeds the number of experts (so no rank holds padding
 shard then holds a slice of every local expert's rows, and Newton–Schulz of a slice is not a
 slice of Newton–Schulz. So, per step and per stack, for each mesh dim that shards inside the
 experts: one all-to-all over that dim's process group gives each member whole experts — a
-contiguous share of the local experts, cut as ``torch.chunk`` cuts (with fewer local experts
-than members some get none) — and after NS the inverse all-to-all brings the result back to
+contiguous run of the local experts (with fewer local experts than members some get none) —
+and after NS the inverse all-to-all brings the result back to
 the local shards, where the elementwise commit applies it. Only the ranks that hold slices of
 the same experts exchange data: never the EP group (its ranks hold different experts).
+
+Who orthogonalises which experts (:class:`ExpertWalk`): each member gets ``local // n`` of a
+stack's ``local`` experts and ``local % n`` members one more: the least loaded so far (the
+experts of the step's earlier stacks, and on the last cut the dedicated weights each rank
+owns), ties going round from where the previous stack's extra experts ended. With fewer local
+experts than members (DeepSeek-V3 on 2048 GPUs, EP 8: 32 local experts over 256 members) a
+fixed split gives every stack's experts to the same first members and leaves the others idle;
+the walk spreads them over all members, away from the dedicated owners (the dry run's
+numbers: benchmarks/RESULTS.md §20).
 
 ``DTensor.redistribute`` to :func:`whole_expert_placements` and back computes the same per
 expert, but its plan for an EP layout all-gathers over ``ep`` first (to cut the experts over
@@ -25,6 +34,7 @@ does, so the collectives stay paired.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +67,65 @@ def whole_expert_placements(placements) -> tuple:
     )
 
 
+def ns_cost(shape) -> int:
+    """What the walk weighs one matrix's Newton–Schulz by: ``min(m, n)² · max(m, n)``, the
+    order of its FLOPs for Gram and direct NS alike (the same on every rank, and in the dry run,
+    whatever NS configuration each has).
+
+    >>> ns_cost((2048, 7168))
+    30064771072
+    """
+    small, large = sorted(int(d) for d in shape)
+    return small * small * large
+
+
+class ExpertWalk:
+    """Which members of each in-expert process group orthogonalise which experts, over one step.
+
+    Per group: every member's load so far (``ns_cost`` of the experts it was given) and where
+    the last extra experts ended. ``base``: global rank → the load it has anyway (the dedicated
+    weights it owns), added on a stack's last cut, where Newton–Schulz runs. The members of a
+    group walk the same stacks with the same local experts in the same order, so they keep the
+    same state and agree on every split without a collective. One walk per step, given to every
+    ``orthogonalize_resharded`` call of it in order; the dry run walks the same way.
+    """
+
+    def __init__(self, base: dict[int, int] | Callable[[], dict[int, int]] | None = None) -> None:
+        self._base = base  # a callable is called at the first split (a step without one: never)
+        self._groups: dict = {}  # key -> [next start, loads per member]
+
+    @property
+    def base(self) -> dict[int, int]:
+        if callable(self._base):
+            self._base = self._base()
+        return self._base or {}
+
+    def shares(self, key, ranks, local: int, cost: int, last: bool = True) -> tuple[int, ...]:
+        """How many of ``local`` whole experts (``cost`` each) each member gets, by group rank
+        (member ``j``'s follow member ``j - 1``'s): ``local // n`` each and one more for the
+        ``local % n`` least loaded. ``key``: the group (any hashable); ``ranks``: its members'
+        global ranks.
+
+        >>> walk = ExpertWalk(base={0: 5})
+        >>> walk.shares("g", [0, 1, 2], local=2, cost=1)  # rank 0 owns a dedicated weight
+        (0, 1, 1)
+        >>> walk.shares("g", [0, 1, 2], local=2, cost=1)  # ties: round from member 0
+        (1, 1, 0)
+        """
+        n = len(ranks)
+        state = self._groups.setdefault(key, [0, [0] * n])
+        start, loads = state
+        q, r = divmod(local, n)
+        base = [self.base.get(g, 0) if last else 0 for g in ranks]
+        order = sorted(range(n), key=lambda j: (loads[j] + base[j], (j - start) % n))
+        extra = set(order[:r])
+        out = tuple(q + (j in extra) for j in range(n))
+        for j in range(n):
+            loads[j] += out[j] * cost
+        state[0] = (start + r) % n
+        return out
+
+
 def chunk_size(n: int, k: int, i: int) -> int:
     """Size of piece ``i`` of ``n`` cut in ``k`` as ``torch.chunk`` and DTensor's ``Shard``
     cut: ``ceil(n / k)`` each, the last ones fewer or none."""
@@ -73,6 +142,7 @@ class _Cut:
     dim: int
     pieces: tuple[int, ...]
     member: int
+    ranks: tuple[int, ...]  # the members' global ranks
 
 
 def _direct_cuts(param: DTensor) -> list[_Cut] | None:
@@ -103,7 +173,8 @@ def _direct_cuts(param: DTensor) -> list[_Cut] | None:
         group = mesh.get_group(i)
         n = mesh.size(i)
         along = [slice(None) if k == i else c for k, c in enumerate(coord)]
-        if mesh.mesh[tuple(along)].tolist() != [dist.get_global_rank(group, j) for j in range(n)]:
+        ranks = [dist.get_global_rank(group, j) for j in range(n)]
+        if mesh.mesh[tuple(along)].tolist() != ranks:
             return None
         size = param.shape[pl.dim]  # what mesh dim i cuts: dim d after the earlier dims' cuts
         for k in range(i):
@@ -111,7 +182,7 @@ def _direct_cuts(param: DTensor) -> list[_Cut] | None:
             if isinstance(before, Shard) and not _strided(before) and before.dim == pl.dim:
                 size = chunk_size(size, mesh.size(k), coord[k])
         pieces = tuple(chunk_size(size, n, j) for j in range(n))
-        cuts.append(_Cut(group, pl.dim, pieces, coord[i]))
+        cuts.append(_Cut(group, pl.dim, pieces, coord[i], tuple(ranks)))
     return cuts[::-1]
 
 
@@ -127,13 +198,13 @@ def _piece_shape(shape, dim: int, size: int) -> list[int]:
     return out
 
 
-def _to_whole(x: Tensor, cut: _Cut) -> tuple[Tensor, tuple[int, ...]]:
+def _to_whole(x: Tensor, cut: _Cut, shares: tuple[int, ...]) -> Tensor:
     """Members' pieces of dim ``cut.dim`` of their common local experts → whole ``cut.dim``
-    for a contiguous share of those experts. Returns the result and every member's share."""
+    for a contiguous run of those experts, ``shares[j]`` of them to member ``j``."""
     n, c, d = len(cut.pieces), cut.member, cut.dim
     assert x.shape[d] == cut.pieces[c], (tuple(x.shape), cut.pieces, c)
     local = x.shape[0]
-    shares = tuple(chunk_size(local, n, j) for j in range(n))
+    assert sum(shares) == local and len(shares) == n, (shares, local, n)
     mine = shares[c]
     per_expert = x[0].numel() if local else 0  # this rank's piece of one expert
     received = [
@@ -149,8 +220,7 @@ def _to_whole(x: Tensor, cut: _Cut) -> tuple[Tensor, tuple[int, ...]]:
         cut.group,
     )
     parts = out.split([torch.Size(s).numel() for s in received])
-    whole = torch.cat([part.view(s) for part, s in zip(parts, received)], dim=d)
-    return whole, shares
+    return torch.cat([part.view(s) for part, s in zip(parts, received)], dim=d)
 
 
 def _to_pieces(y: Tensor, cut: _Cut, shares: tuple[int, ...]) -> Tensor:
@@ -174,11 +244,18 @@ def _to_pieces(y: Tensor, cut: _Cut, shares: tuple[int, ...]) -> Tensor:
 
 @torch.no_grad()
 def orthogonalize_resharded(
-    params: list[DTensor], updates: list[Tensor], layouts: list[Layout], orthogonalize
+    params: list[DTensor],
+    updates: list[Tensor],
+    layouts: list[Layout],
+    orthogonalize,
+    walk: ExpertWalk | None = None,
 ) -> list[Tensor]:
     """``orthogonalize(mats, layouts)`` of each stack's whole experts, returned as this rank's
     local shards in the stacks' own placements. ``updates``: the local Nesterov inputs (or
-    placeholders of their shapes)."""
+    placeholders of their shapes). ``walk``: who gets which experts (:class:`ExpertWalk`, one
+    per step, given to every call of it in the same order on every rank); a new one if
+    ``None``."""
+    walk = ExpertWalk() if walk is None else walk
     out = []
     for p, u, lay in zip(params, updates, layouts):
         cuts = _direct_cuts(p)
@@ -186,8 +263,10 @@ def orthogonalize_resharded(
             out.append(_reference_one(p, u, lay, orthogonalize))
             continue
         x, undo = u.to(p.dtype), []
-        for cut in cuts:
-            x, shares = _to_whole(x, cut)
+        cost = ns_cost(lay.matrix_shape(p.shape)) * lay.count((1, *p.shape[1:]))  # per expert
+        for k, cut in enumerate(cuts):
+            shares = walk.shares(cut.group, cut.ranks, x.shape[0], cost, last=k == len(cuts) - 1)
+            x = _to_whole(x, cut, shares)
             undo.append((cut, shares))
         if x.numel():  # fewer local experts than members: some hold none
             x = orthogonalize([x], [lay])[0].to(p.dtype)

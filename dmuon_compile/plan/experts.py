@@ -3,7 +3,7 @@ or ``Shard(1)`` inside experts), their bytes, NS and reshard traffic per rank.""
 
 from __future__ import annotations
 
-from dmuon_compile.distributed._expert_shards import chunk_size
+from dmuon_compile.distributed._expert_shards import ExpertWalk, chunk_size, ns_cost
 from dmuon_compile.plan.report import WORKING_SET_FACTOR
 
 
@@ -50,11 +50,12 @@ def _check_ep(ep, shard_dim, shard: int, replicate: int, tp: int) -> None:
 class _EPContext:
     """What :func:`_ep_stack` reads and writes of the dry run in progress."""
 
-    def __init__(self, ep, shards, replicas, rows, per_shard, gpu, add_ns, rates, cap, ns):
+    def __init__(self, ep, shards, replicas, rows, per_shard, gpu, add_ns, rates, cap, ns, walk):
         self.ep, self.shards, self.replicas = ep, shards, replicas
         self.rows, self.per_shard, self.gpu, self.add_ns = rows, per_shard, gpu, add_ns
         self.rates, self.stack_cap, self.ns = rates, cap, ns
         self.padding: list[str] = []  # stacks whose expert-FSDP chunks are mostly padding
+        self.walk: ExpertWalk = walk  # who orthogonalises which experts, as the step's
 
 
 def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem) -> int:
@@ -93,44 +94,50 @@ def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem
     )
     for f in range(F):
         lo, hi = f * ep, (f + 1) * ep  # the EP group of expert-FSDP rank f
-        if dim == 0:
-            n = chunk_size(local, F, f)  # whole local experts
-            ps.add_range("grad_bytes", lo, hi, n * a * b * item)
-            ps.add_range("sharded_muon_bytes", lo, hi, 2 * n * a * b * item)
-            if n:
-                count = layout.count((n, *p.shape[1:]))
-                for s in range(lo, hi):
-                    for r in range(R):
-                        ctx.add_ns(ctx.gpu(r * S + s, 0), shape, count, True)
-            continue
-        rows_f = chunk_size(a, F, f)  # this rank's rows of each of its local experts
-        own = local * rows_f * b
-        ps.add_range("grad_bytes", lo, hi, own * item)
-        ps.add_range("sharded_muon_bytes", lo, hi, 2 * own * item)
-        # The reshard to whole experts (distributed/_expert_shards.py): one all-to-all over
-        # efsdp, among the ranks that hold rows of the same E/ep local experts, gives rank f
-        # chunk f of those experts whole (m of them; none once f · ceil(local/F) >= local);
-        # the inverse all-to-all brings NS's result back to the rows. Received (= sent):
-        # there the other rows of its m experts, back its rows of the other local experts.
-        m = chunk_size(local, F, f)
-        there = m * (a - rows_f) * b
-        back = (local - m) * rows_f * b
-        ps.add_range("expert_reshard_comm_bytes", lo, hi, (there + back) * item)
-        # the pieces received and the whole experts they form (then the result's send buffer)
-        transient = 2 * m * a * b * item
-        count = layout.count((m, a, b)) if m else 0
-        ms = ctx.rates.bucket_ms(shape, count, ctx.stack_cap, ctx.ns) if count else 0.0
-        one = 4 * shape[0] * shape[1]
-        work = WORKING_SET_FACTOR["eager"] * min(count * one, max(one, ctx.stack_cap))
-        for s in range(lo, hi):
-            for r in range(R):
-                row = ctx.rows[ctx.gpu(r * S + s, 0)]
+        n = chunk_size(local, F, f) if dim == 0 else local
+        rows_f = a if dim == 0 else chunk_size(a, F, f)  # its rows of each local expert
+        ps.add_range("grad_bytes", lo, hi, n * rows_f * b * item)
+        ps.add_range("sharded_muon_bytes", lo, hi, 2 * n * rows_f * b * item)
+        if dim == 0 and n:  # whole local experts: NS where they lie
+            count = layout.count((n, *p.shape[1:]))
+            for s in range(lo, hi):
+                for r in range(R):
+                    ctx.add_ns(ctx.gpu(r * S + s, 0), shape, count, True)
+    if dim == 1:
+        _ep_reshard(ctx, layout, shape, local, F, a, b, item)
+    if padded * F > 1.25 * local * a * b:
+        ctx.padding.append(fqn)
+    return dim
+
+
+def _ep_reshard(ctx: _EPContext, layout, shape, local: int, F: int, a: int, b: int, item) -> None:
+    """A ``Shard(1)`` stack's step (``distributed/_expert_shards.py``): per efsdp group (one
+    per EP rank ``e`` and replica ``r``), an all-to-all among the ranks that hold rows of the
+    same ``local`` experts gives member ``f`` ``m`` of them whole (``ExpertWalk``, as the step
+    walks it: none for some when ``local < F``); after NS the inverse brings the result back to
+    the rows. Received (= sent): there the other rows of its ``m`` experts, back its rows of
+    the other local experts."""
+    ep, S = ctx.ep, ctx.shards
+    cost = ns_cost(layout.matrix_shape((local, a, b))) * layout.count((1, a, b))
+    one = 4 * shape[0] * shape[1]
+    for r in range(ctx.replicas):
+        for e in range(ep):
+            members = [ctx.gpu(r * S + f * ep + e, 0) for f in range(F)]
+            shares = ctx.walk.shares((r, e), members, local, cost)
+            for f, g in enumerate(members):
+                rows_f, m = chunk_size(a, F, f), shares[f]
+                own = local * rows_f * b
+                there, back = m * (a - rows_f) * b, (local - m) * rows_f * b
+                # the pieces received and the whole experts they form (then the send buffer)
+                transient = 2 * m * a * b * item
+                count = layout.count((m, a, b)) if m else 0
+                ms = ctx.rates.bucket_ms(shape, count, ctx.stack_cap, ctx.ns) if count else 0.0
+                work = WORKING_SET_FACTOR["eager"] * min(count * one, max(one, ctx.stack_cap))
+                row = ctx.rows[g]
+                row.expert_reshard_comm_bytes += (there + back) * item
                 row.ns_ms += ms
                 row.expert_ns_ms += ms
                 row.expert_matrices += count
                 row._elements += own  # momentum, Nesterov input and commit on the local rows
                 row.step_extra_bytes += own * item  # the result back on the rows, until commit
                 row._reshard_peak = max(row._reshard_peak, transient + int(work))
-    if padded * F > 1.25 * local * a * b:
-        ctx.padding.append(fqn)
-    return dim

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dmuon_compile.distributed._expert_shards import ExpertWalk, ns_cost
 from dmuon_compile.ns_rates import H200, NSRates, TargetFlops, default_stack_bytes, useful_flops
 from dmuon_compile.plan.experts import _check_ep, _ep_stack, _EPContext
 from dmuon_compile.plan.models import build_model
@@ -234,6 +235,7 @@ def _run_group(
     tp_owner = planned.tp_owners.tp_owner if planned.tp_owners is not None else {}
     groups: dict[tuple, list[tuple[str, int, int]]] = {}  # key -> [(fqn, shard owner, numel)]
     column_numel: dict[tuple, dict[tuple[int, int], int]] = {}  # per group: (shard, rep) -> n
+    ns_loads: dict[int, int] = {}  # rank -> ns_cost of its dedicated weights (the expert walk's)
     for e in entries:
         spec, p = specs[e.fqn], params[e.fqn]
         item = spec.itemsize
@@ -257,6 +259,8 @@ def _run_group(
                 if cdt != p.dtype:  # the owner's column buffer next to its own master
                     rows[g].replica_bytes += local * citem
         shape, count = spec.matrix_shape, spec.matrix_count
+        if T == 1:  # the owner DTensor's one-rank mesh, as Muon._dedicated_ns_loads reads it
+            ns_loads[e.owner] = ns_loads.get(e.owner, 0) + ns_cost(shape) * count
         split = tuple(e.split_ranks)
         if split:  # NS over the aligned block of data-parallel ranks, owner first
             share = (
@@ -306,7 +310,8 @@ def _run_group(
     adamw_params = sharded_muon_params = 0
     padding: list[str] = []
     ep_stacks: list[tuple[str, int, int]] = []  # (fqn, experts, expert FSDP shard dim)
-    ctx = _EPContext(ep, S, R, rows, per_shard, gpu, add_ns, rates, stack_cap, rate_ns)
+    walk = ExpertWalk(ns_loads)
+    ctx = _EPContext(ep, S, R, rows, per_shard, gpu, add_ns, rates, stack_cap, rate_ns, walk)
     citem_default = _itemsize(param_dtype) if param_dtype is not None else None
     for pname, p in model.named_parameters():
         if pname in dedicated or not p.requires_grad or (keep is not None and pname not in keep):

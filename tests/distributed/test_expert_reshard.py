@@ -101,7 +101,7 @@ def _compare(rank: int, world: int, cases: list) -> list:
 
     es._all_to_all = recording
     out = []
-    for mesh_shape, codes, shape, dtype, seed in cases:
+    for mesh_shape, codes, shape, dtype, seed, loads in cases:
         if mesh_shape not in meshes:
             meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)
         mesh = meshes[mesh_shape]
@@ -111,13 +111,21 @@ def _compare(rank: int, world: int, cases: list) -> list:
         assert es.needs_reshard(p, lay)
         sent.clear()
         inputs["new"].clear(), inputs["ref"].clear()
-        new = es.orthogonalize_resharded([p], [u], [lay], _per_expert_ns(inputs["new"]))[0]
+        cuts = es._direct_cuts(p) or []
+
+        def walk(loads=loads):  # the dedicated weights' loads of global ranks 0..3
+            return es.ExpertWalk(dict(enumerate(loads)))
+
+        new = es.orthogonalize_resharded([p], [u], [lay], _per_expert_ns(inputs["new"]), walk())[0]
         traffic = (sum(s for s, _ in sent), sum(r for _, r in sent), len(sent))
         got = {
             "dtype": str(new.dtype),
             "local_shape": tuple(u.shape),
             "coord": tuple(mesh.get_coordinate()),
             "direct": es._direct_cuts(p) is not None,
+            "ranks": list(cuts[0].ranks) if len(cuts) == 1 else None,
+            "member": cuts[0].member if cuts else None,
+            "ns_count": sum(len(x) for x in inputs["new"]),
             "new": new,
             "ref": es._orthogonalize_resharded_reference(
                 [p], [u], [lay], _per_expert_ns(inputs["ref"])
@@ -126,11 +134,11 @@ def _compare(rank: int, world: int, cases: list) -> list:
             "ns_in": [
                 torch.cat(inputs[k]).float() if inputs[k] else torch.empty(0) for k in inputs
             ],
-            "new_batched": es.orthogonalize_resharded([p], [u], [lay], batched)[0],
+            "new_batched": es.orthogonalize_resharded([p], [u], [lay], batched, walk())[0],
             "ref_batched": es._orthogonalize_resharded_reference([p], [u], [lay], batched)[0],
             # no NS (a failed rank's placeholders): the round trip gives back the input
             "round_trip": torch.equal(
-                es.orthogonalize_resharded([p], [u], [lay], lambda m, _: m)[0], u
+                es.orthogonalize_resharded([p], [u], [lay], lambda m, _: m, walk())[0], u
             ),
             "sent": traffic[0],
             "received": traffic[1],
@@ -149,7 +157,26 @@ def _case(world: int):
         st.integers(1, 7),
         st.sampled_from([torch.float32, torch.bfloat16]),
         st.integers(0, 2**16),
-    ).map(lambda t: (*t[0], (t[1], t[2], t[3]), t[4], t[5]))
+        st.tuples(*[st.integers(0, 2)] * 4),  # dedicated loads of global ranks 0..3
+    ).map(lambda t: (*t[0], (t[1], t[2], t[3]), t[4], t[5], t[6]))
+
+
+def _chunked(n: int, k: int) -> tuple:
+    """``torch.chunk``'s piece sizes (what the reference's DTensor plan gives each member)."""
+    return tuple(len(c) for c in torch.arange(n).chunk(k)) + (0,) * (
+        k - len(torch.arange(n).chunk(k))
+    )
+
+
+def _one_cut_shares(case, got) -> tuple | None:
+    """With one in-expert mesh dim: how many of the ``L`` local experts each member gets whole
+    (written out here, not taken from the package): ``L // n`` each, one more for the ``L % n``
+    members with the least dedicated load, ties to the lower member."""
+    if got["ranks"] is None:
+        return None
+    L, n, loads = got["local_shape"][0], len(got["ranks"]), case[-1]
+    extra = sorted(range(n), key=lambda j: (loads[got["ranks"][j]], j))[: L % n]
+    return tuple(L // n + (j in extra) for j in range(n))
 
 
 def _one_cut_bytes(case, got) -> int | None:
@@ -157,16 +184,15 @@ def _one_cut_bytes(case, got) -> int | None:
     of ``n`` members (``c``: its coordinate there) on tensor dim ``d`` of size ``D``: its share
     ``m`` of the ``L`` local experts' other pieces ``m·(D − r)·rest``, then its piece ``r`` of
     the other experts ``(L − m)·r·rest``."""
-    mesh_shape, codes, shape, dtype, _ = case
+    mesh_shape, codes, shape, dtype, *_ = case
     inside = [(i, c[1]) for i, c in enumerate(codes) if c[0] == "S" and c[1] != 0]
     if len(inside) != 1:
         return None
     (i, d), local = inside[0], got["local_shape"]
-    n, c = mesh_shape[i], got["coord"][i]
+    c = got["coord"][i]
     L, r, D = local[0], local[d], shape[d]
     rest = math.prod(s for k, s in enumerate(local) if k not in (0, d))
-    m = -(-L // n)
-    m = max(0, min(m, L - c * m))
+    m = _one_cut_shares(case, got)[c]
     return (m * (D - r) * rest + (L - m) * r * rest) * torch.empty((), dtype=dtype).element_size()
 
 
@@ -183,8 +209,12 @@ def _check(world: int, cases: list) -> None:
             # NS call (and a strided input) may then differ by an ulp
             inside = [c for c in case[1] if c[0] == "S" and c[1] != 0]
             regrouped = len(inside) > 1 or any(c[0] != "R" and c[1] == 0 for c in case[1])
-            if not regrouped:  # the same experts: the same NS input, bit for bit
-                assert torch.equal(*got["ns_in"]), where
+            shares = _one_cut_shares(case, got)
+            if shares is not None:  # NS gets this member's share of whole experts
+                assert got["ns_count"] == shares[got["member"]], where
+                if not regrouped and shares == _chunked(sum(shares), len(shares)):
+                    # the reference's experts on this rank: its NS input, bit for bit
+                    assert torch.equal(*got["ns_in"]), where
             tol = 1e-4 if case[3] == torch.float32 else 2e-2
             torch.testing.assert_close(got["new_batched"], got["ref_batched"], atol=tol, rtol=0)
             assert got["round_trip"], where
