@@ -735,7 +735,9 @@ class Muon(torch.optim.Optimizer):
             )
 
         with label(NS):
-            ortho = orthogonalize_resharded(params, updates, layouts, orthogonalize, walk)
+            ortho = orthogonalize_resharded(
+                params, updates, layouts, orthogonalize, walk, batch_bytes=self.ns.stack_bytes
+            )
         return _StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
 
     def _tp_orthogonalize(

@@ -4,12 +4,14 @@ experts, each expert once per shard group.
 torchtitan shards expert stacks ``Shard(1)`` over the expert-data-parallel mesh when that
 mesh times the EP degree exceeds the number of experts (so no rank holds padding). A local
 shard then holds a slice of every local expert's rows, and Newton–Schulz of a slice is not a
-slice of Newton–Schulz. So, per step and per stack, for each mesh dim that shards inside the
-experts: one all-to-all over that dim's process group gives each member whole experts — a
-contiguous run of the local experts (with fewer local experts than members some get none) —
-and after NS the inverse all-to-all brings the result back to
-the local shards, where the elementwise commit applies it. Only the ranks that hold slices of
-the same experts exchange data: never the EP group (its ranks hold different experts).
+slice of Newton–Schulz. So, per step, for each mesh dim that shards inside the experts: one
+all-to-all over that dim's process group gives each member whole experts of every stack cut
+there — a contiguous run of each stack's local experts (with fewer local experts than members
+some get none) — then one NS call takes them all (batched by shape), and the inverse
+all-to-all brings the result back to the local shards, where the elementwise commit applies
+it. Only the ranks that hold slices of the same experts exchange data: never the EP group (its
+ranks hold different experts). Two all-to-alls per batch of stacks, not per stack: at 2048
+GPUs each all-to-all spans 256 ranks, and DeepSeek-V3 has 174 stacks.
 
 Who orthogonalises which experts (:class:`ExpertWalk`): each member gets ``local // n`` of a
 stack's ``local`` experts and ``local % n`` members one more: the least loaded so far (the
@@ -34,6 +36,7 @@ does, so the collectives stay paired.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -198,48 +201,71 @@ def _piece_shape(shape, dim: int, size: int) -> list[int]:
     return out
 
 
-def _to_whole(x: Tensor, cut: _Cut, shares: tuple[int, ...]) -> Tensor:
-    """Members' pieces of dim ``cut.dim`` of their common local experts → whole ``cut.dim``
-    for a contiguous run of those experts, ``shares[j]`` of them to member ``j``."""
-    n, c, d = len(cut.pieces), cut.member, cut.dim
-    assert x.shape[d] == cut.pieces[c], (tuple(x.shape), cut.pieces, c)
-    local = x.shape[0]
-    assert sum(shares) == local and len(shares) == n, (shares, local, n)
-    mine = shares[c]
-    per_expert = x[0].numel() if local else 0  # this rank's piece of one expert
-    received = [
-        (mine, *_piece_shape(x.shape[1:], d - 1, cut.pieces[j])) for j in range(n)
-    ]  # member j's piece of each of my experts
-    out = x.new_empty(sum(torch.Size(s).numel() for s in received))
-    send = x.contiguous().reshape(-1)  # the shares are consecutive runs of dim 0
+def _to_whole(xs: list[Tensor], cuts: list[_Cut], shares: list[tuple[int, ...]]) -> list[Tensor]:
+    """Members' pieces of dim ``cut.dim`` of their common local experts → whole ``cut.dim`` for
+    a contiguous run of those experts, ``shares[k][j]`` of stack ``k``'s to member ``j``: one
+    all-to-all for all the stacks (one process group; to member ``j`` go its runs of every
+    stack, one after the other)."""
+    group, c, n = cuts[0].group, cuts[0].member, len(cuts[0].pieces)
+    received: list[list[list[int]]] = []  # [stack][member j]: j's piece of each of my experts
+    runs: list[list[Tensor]] = []  # [stack][member j]: my piece of j's run of experts
+    for x, cut, share in zip(xs, cuts, shares):
+        d = cut.dim
+        assert x.shape[d] == cut.pieces[c], (tuple(x.shape), cut.pieces, c)
+        assert sum(share) == x.shape[0] and len(share) == n, (share, x.shape[0], n)
+        piece = [[share[c], *_piece_shape(x.shape[1:], d - 1, cut.pieces[j])] for j in range(n)]
+        received.append(piece)
+        runs.append(list(x.split(list(share))))
+    numel = [[torch.Size(r[j]).numel() for j in range(n)] for r in received]
+    if len(xs) == 1:  # the runs are consecutive in member order: no copy
+        send = xs[0].contiguous().reshape(-1)
+    else:
+        send = torch.cat([run[j].reshape(-1) for j in range(n) for run in runs])
+    out = xs[0].new_empty(sum(map(sum, numel)))
     _all_to_all(
         out,
         send,
-        [torch.Size(s).numel() for s in received],
-        [share * per_expert for share in shares],
-        cut.group,
+        [sum(sizes[j] for sizes in numel) for j in range(n)],
+        [sum(run[j].numel() for run in runs) for j in range(n)],
+        group,
     )
-    parts = out.split([torch.Size(s).numel() for s in received])
-    return torch.cat([part.view(s) for part, s in zip(parts, received)], dim=d)
+    parts = iter(out.split([sizes[j] for j in range(n) for sizes in numel]))
+    by_member = [[next(parts) for _ in xs] for _ in range(n)]  # [j][stack]
+    return [
+        torch.cat([by_member[j][k].view(received[k][j]) for j in range(n)], dim=cut.dim)
+        for k, cut in enumerate(cuts)
+    ]
 
 
-def _to_pieces(y: Tensor, cut: _Cut, shares: tuple[int, ...]) -> Tensor:
+def _to_pieces(ys: list[Tensor], cuts: list[_Cut], shares: list[tuple[int, ...]]) -> list[Tensor]:
     """The inverse of :func:`_to_whole`: each member's piece of dim ``cut.dim`` of my share of
-    experts goes back to it; I get my piece of every local expert, in expert order."""
-    c, d = cut.member, cut.dim
-    offsets = [sum(cut.pieces[:j]) for j in range(len(cut.pieces))]
-    sends = [y.narrow(d, o, size).reshape(-1) for o, size in zip(offsets, cut.pieces)]
-    mine = _piece_shape(y.shape, d, cut.pieces[c])
-    per_expert = torch.Size(mine[1:]).numel()
-    out = y.new_empty(sum(shares) * per_expert)
+    every stack's experts goes back to it, in one all-to-all; I get my piece of every local
+    expert, in expert order."""
+    group, c, n = cuts[0].group, cuts[0].member, len(cuts[0].pieces)
+    sends: list[list[Tensor]] = []  # [stack][member j]
+    mine: list[list[int]] = []  # [stack]: the shape of my pieces of the whole stack
+    for y, cut in zip(ys, cuts):
+        offsets = [sum(cut.pieces[:j]) for j in range(n)]
+        sends.append(
+            [y.narrow(cut.dim, o, size).reshape(-1) for o, size in zip(offsets, cut.pieces)]
+        )
+        mine.append(_piece_shape(y.shape, cut.dim, cut.pieces[c]))
+    per_expert = [torch.Size(m[1:]).numel() for m in mine]
+    sizes = [[share[j] * per for share, per in zip(shares, per_expert)] for j in range(n)]
+    out = ys[0].new_empty(sum(map(sum, sizes)))
     _all_to_all(
         out,
-        torch.cat(sends),
-        [share * per_expert for share in shares],
-        [s.numel() for s in sends],
-        cut.group,
+        torch.cat([send[j] for j in range(n) for send in sends]),
+        [sum(sz) for sz in sizes],
+        [sum(send[j].numel() for send in sends) for j in range(n)],
+        group,
     )
-    return out.view(sum(shares), *mine[1:])
+    parts = iter(out.split([size for sz in sizes for size in sz]))
+    by_member = [[next(parts) for _ in ys] for _ in range(n)]  # [j][stack]
+    return [
+        torch.cat([by_member[j][k].view(shares[k][j], *mine[k][1:]) for j in range(n)])
+        for k in range(len(ys))
+    ]
 
 
 @torch.no_grad()
@@ -249,31 +275,80 @@ def orthogonalize_resharded(
     layouts: list[Layout],
     orthogonalize,
     walk: ExpertWalk | None = None,
+    batch_bytes: int | None = None,
 ) -> list[Tensor]:
     """``orthogonalize(mats, layouts)`` of each stack's whole experts, returned as this rank's
     local shards in the stacks' own placements. ``updates``: the local Nesterov inputs (or
     placeholders of their shapes). ``walk``: who gets which experts (:class:`ExpertWalk`, one
     per step, given to every call of it in the same order on every rank); a new one if
-    ``None``."""
+    ``None``.
+
+    Stacks cut by one mesh dim (torchtitan's layout) go in batches, per process group and
+    dtype: one all-to-all there, one ``orthogonalize`` call for all their whole experts
+    (batched by shape) and one all-to-all back, instead of two all-to-alls and a call per
+    stack. ``batch_bytes`` bounds what a member can get in one batch (the most it could get of
+    each stack, from the shapes alone: the same batches on every rank); ``None``: one batch per
+    group. Then the stacks cut by several mesh dims, one by one, then the layouts the direct
+    path does not cut (the reference path)."""
     walk = ExpertWalk() if walk is None else walk
-    out = []
-    for p, u, lay in zip(params, updates, layouts):
+    batches: dict[tuple, list[list[int]]] = {}  # (group, dtype) -> batches of stack indices
+    filled: dict[tuple, int] = {}
+    alone, reference = [], []
+    for i, p in enumerate(params):
         cuts = _direct_cuts(p)
         if cuts is None:  # a layout the direct path does not cut (see _direct_cuts)
-            out.append(_reference_one(p, u, lay, orthogonalize))
-            continue
-        x, undo = u.to(p.dtype), []
-        cost = ns_cost(lay.matrix_shape(p.shape)) * lay.count((1, *p.shape[1:]))  # per expert
-        for k, cut in enumerate(cuts):
-            shares = walk.shares(cut.group, cut.ranks, x.shape[0], cost, last=k == len(cuts) - 1)
-            x = _to_whole(x, cut, shares)
-            undo.append((cut, shares))
-        if x.numel():  # fewer local experts than members: some hold none
-            x = orthogonalize([x], [lay])[0].to(p.dtype)
-        for cut, shares in reversed(undo):
-            x = _to_pieces(x, cut, shares)
-        out.append(x)
-    return out
+            reference.append(i)
+        elif len(cuts) > 1:
+            alone.append([i])
+        else:
+            key = (cuts[0].group, p.dtype)
+            most = (
+                -(-updates[i].shape[0] // len(cuts[0].pieces))
+                * math.prod(p.shape[1:])
+                * p.element_size()
+            )
+            chunks = batches.setdefault(key, [[]])
+            if chunks[-1] and batch_bytes is not None and filled[key] + most > batch_bytes:
+                chunks.append([])
+                filled[key] = 0
+            chunks[-1].append(i)
+            filled[key] = filled.get(key, 0) + most
+    out: list[Tensor | None] = [None] * len(params)
+    for idx in [b for chunks in batches.values() for b in chunks] + alone:
+        for i, y in zip(idx, _resharded(idx, params, updates, layouts, orthogonalize, walk)):
+            out[i] = y
+    for i in reference:
+        out[i] = _reference_one(params[i], updates[i], layouts[i], orthogonalize)
+    return out  # type: ignore[return-value]
+
+
+def _resharded(idx, params, updates, layouts, orthogonalize, walk) -> list[Tensor]:
+    """Stacks ``idx`` (at each cut depth, one process group for all) to whole experts, through
+    one ``orthogonalize`` call, and back."""
+    xs = [updates[i].to(params[i].dtype) for i in idx]
+    all_cuts = [_direct_cuts(params[i]) for i in idx]
+    costs = [  # per expert
+        ns_cost(layouts[i].matrix_shape(params[i].shape))
+        * layouts[i].count((1, *params[i].shape[1:]))
+        for i in idx
+    ]
+    depth, undo = len(all_cuts[0]), []
+    for k in range(depth):
+        cuts = [c[k] for c in all_cuts]
+        shares = [
+            walk.shares(cut.group, cut.ranks, x.shape[0], cost, last=k == depth - 1)
+            for cut, x, cost in zip(cuts, xs, costs)
+        ]
+        xs = _to_whole(xs, cuts, shares)
+        undo.append((cuts, shares))
+    full = [j for j, x in enumerate(xs) if x.numel()]  # fewer experts than members: some none
+    if full:
+        done = orthogonalize([xs[j] for j in full], [layouts[idx[j]] for j in full])
+        for j, y in zip(full, done):
+            xs[j] = y.to(params[idx[j]].dtype)
+    for cuts, shares in reversed(undo):
+        xs = _to_pieces(xs, cuts, shares)
+    return xs
 
 
 def _as_dtensor(local: Tensor, like: DTensor, placements=None) -> DTensor:

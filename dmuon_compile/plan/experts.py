@@ -56,6 +56,7 @@ class _EPContext:
         self.rates, self.stack_cap, self.ns = rates, cap, ns
         self.padding: list[str] = []  # stacks whose expert-FSDP chunks are mostly padding
         self.walk: ExpertWalk = walk  # who orthogonalises which experts, as the step's
+        self.batch, self.batch_fill = 0, 0  # the reshard's batches, cut as the step cuts them
 
 
 def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem) -> int:
@@ -116,10 +117,15 @@ def _ep_reshard(ctx: _EPContext, layout, shape, local: int, F: int, a: int, b: i
     same ``local`` experts gives member ``f`` ``m`` of them whole (``ExpertWalk``, as the step
     walks it: none for some when ``local < F``); after NS the inverse brings the result back to
     the rows. Received (= sent): there the other rows of its ``m`` experts, back its rows of
-    the other local experts."""
+    the other local experts. The step exchanges and orthogonalises the stacks in batches (one
+    all-to-all each way and one NS call per shape for a batch), cut where the most a member
+    could get passes the stack cap: NS is priced per batch (:func:`finish_reshard_ns`)."""
     ep, S = ctx.ep, ctx.shards
+    most = -(-local // F) * a * b * item
+    if ctx.batch_fill and ctx.batch_fill + most > ctx.stack_cap:
+        ctx.batch, ctx.batch_fill = ctx.batch + 1, 0
+    ctx.batch_fill += most
     cost = ns_cost(layout.matrix_shape((local, a, b))) * layout.count((1, a, b))
-    one = 4 * shape[0] * shape[1]
     for r in range(ctx.replicas):
         for e in range(ep):
             members = [ctx.gpu(r * S + f * ep + e, 0) for f in range(F)]
@@ -127,17 +133,33 @@ def _ep_reshard(ctx: _EPContext, layout, shape, local: int, F: int, a: int, b: i
             for f, g in enumerate(members):
                 rows_f, m = chunk_size(a, F, f), shares[f]
                 own = local * rows_f * b
-                there, back = m * (a - rows_f) * b, (local - m) * rows_f * b
-                # the pieces received and the whole experts they form (then the send buffer)
-                transient = 2 * m * a * b * item
-                count = layout.count((m, a, b)) if m else 0
-                ms = ctx.rates.bucket_ms(shape, count, ctx.stack_cap, ctx.ns) if count else 0.0
-                work = WORKING_SET_FACTOR["eager"] * min(count * one, max(one, ctx.stack_cap))
                 row = ctx.rows[g]
-                row.expert_reshard_comm_bytes += (there + back) * item
-                row.ns_ms += ms
-                row.expert_ns_ms += ms
-                row.expert_matrices += count
+                row.expert_reshard_comm_bytes += (
+                    (m * (a - rows_f) + (local - m) * rows_f) * b * item
+                )
                 row._elements += own  # momentum, Nesterov input and commit on the local rows
                 row.step_extra_bytes += own * item  # the result back on the rows, until commit
-                row._reshard_peak = max(row._reshard_peak, transient + int(work))
+                if m:  # the pieces received and the whole experts they form
+                    count = layout.count((m, a, b))
+                    key = (ctx.batch, shape)
+                    row._reshard_calls[key] = row._reshard_calls.get(key, 0) + count
+                    row.expert_matrices += count
+                    old = row._reshard_bytes.get(ctx.batch, 0)
+                    row._reshard_bytes[ctx.batch] = old + 2 * m * a * b * item
+
+
+def finish_reshard_ns(rows, rates, stack_cap: int, ns) -> None:
+    """Each rank's NS of its resharded whole experts, one call per batch and shape (cut at the
+    stack cap, as every NS call), and the largest batch's transient memory with its NS working
+    set."""
+    for row in rows:
+        work: dict[int, float] = {}
+        for (batch, shape), count in row._reshard_calls.items():
+            ms = rates.bucket_ms(shape, count, stack_cap, ns)
+            row.ns_ms += ms
+            row.expert_ns_ms += ms
+            one = 4 * shape[0] * shape[1]
+            ws = WORKING_SET_FACTOR["eager"] * min(count * one, max(one, stack_cap))
+            work[batch] = max(work.get(batch, 0.0), ws)
+        for batch, transient in row._reshard_bytes.items():
+            row._reshard_peak = max(row._reshard_peak, transient + int(work.get(batch, 0.0)))

@@ -42,6 +42,9 @@ class RankRow:
     _buckets: dict = field(default_factory=dict, repr=False)
     _expert_buckets: dict = field(default_factory=dict, repr=False)
     _reshard_peak: int = field(default=0, repr=False)  # largest reshard transient (bytes)
+    # the expert reshard's batches: (batch, shape) -> whole experts; batch -> transient bytes
+    _reshard_calls: dict = field(default_factory=dict, repr=False)
+    _reshard_bytes: dict = field(default_factory=dict, repr=False)
 
     @property
     def peak_bytes(self) -> int:

@@ -11,7 +11,7 @@ from torch import nn
 
 from dmuon_compile.distributed._expert_shards import ExpertWalk, ns_cost
 from dmuon_compile.ns_rates import H200, NSRates, TargetFlops, default_stack_bytes, useful_flops
-from dmuon_compile.plan.experts import _check_ep, _ep_stack, _EPContext
+from dmuon_compile.plan.experts import _check_ep, _ep_stack, _EPContext, finish_reshard_ns
 from dmuon_compile.plan.models import build_model
 from dmuon_compile.plan.report import (
     NS_WORK_ITEMSIZE,
@@ -388,10 +388,11 @@ def _run_group(
         if resharded:
             notes.append(
                 f"{resharded} expert stacks are sharded inside their experts (efsdp · ep > "
-                "experts, as torchtitan picks): each step all-to-alls a stack over efsdp to "
-                "whole experts (each rank a share of its EP rank's experts), runs their NS "
-                "(eagerly, one call per stack) and all-to-alls the result back ('reshard' "
-                "column)"
+                "experts, as torchtitan picks): each step all-to-alls them over efsdp to "
+                "whole experts (each rank a share of its EP rank's experts; the stacks in "
+                "batches of at most the stack cap, one all-to-all each way per batch), runs "
+                "their NS (one eager call per batch and shape) and all-to-alls the result "
+                "back ('reshard' column)"
             )
     if padding:
         notes.append(
@@ -411,6 +412,7 @@ def _run_group(
         )
 
     # -- NS ms, step ms and the step's working set from each rank's shape buckets
+    finish_reshard_ns(rows, rates, stack_cap, rate_ns)
     factor = WORKING_SET_FACTOR["compiled" if compiled else "eager"]
     for row in rows:
         widest = 0

@@ -101,6 +101,7 @@ def _compare(rank: int, world: int, cases: list) -> list:
 
     es._all_to_all = recording
     out = []
+    stacks: dict = {}  # mesh shape -> [(p, u, this case's result)]: one call for all of them
     for mesh_shape, codes, shape, dtype, seed, loads in cases:
         if mesh_shape not in meshes:
             meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)
@@ -144,9 +145,41 @@ def _compare(rank: int, world: int, cases: list) -> list:
             "received": traffic[1],
             "calls": traffic[2],
         }
+        stacks.setdefault(mesh_shape, []).append((p, u, new))
         # bfloat16 -> float32 is exact; the harness returns numpy arrays (no bfloat16)
         out.append({k: v.float() if isinstance(v, torch.Tensor) else v for k, v in got.items()})
-    return out
+    together = []
+    for items in stacks.values():
+        # The stacks of a mesh in one call, as a step makes it: those cut by one mesh dim share
+        # two all-to-alls per (group, dtype) and one NS call; per-expert NS gives each expert
+        # the same bits whoever orthogonalises it, so each stack's result is the one above.
+        ps, us, alone = zip(*items)
+        sent.clear()
+        seen: list = []
+        calls = []
+
+        def ns(mats, lays, seen=seen, calls=calls):
+            calls.append(len(mats))
+            return (
+                _per_expert_ns(seen)(mats, lays)
+                if len(mats) == 1
+                else [_per_expert_ns(seen)([m], [la])[0] for m, la in zip(mats, lays)]
+            )
+
+        got = es.orthogonalize_resharded(list(ps), list(us), [lay] * len(ps), ns)
+        cuts = [es._direct_cuts(p) for p in ps]
+        single = {(c[0].group, p.dtype) for c, p in zip(cuts, ps) if len(c) == 1}
+        several = sum(len(c) for c in cuts if len(c) > 1)
+        together.append(
+            {
+                "same": all(torch.equal(a, b) for a, b in zip(got, alone)),
+                "calls": len(sent),
+                "want_calls": 2 * (len(single) + several),
+                "ns_calls": len(calls),
+                "most_ns_calls": len(single) + sum(len(c) > 1 for c in cuts),
+            }
+        )
+    return out, together
 
 
 def _case(world: int):
@@ -197,7 +230,13 @@ def _one_cut_bytes(case, got) -> int | None:
 
 
 def _check(world: int, cases: list) -> None:
-    results = run_ranks(_compare, world, cases, timeout=200)
+    both = run_ranks(_compare, world, cases, timeout=200)
+    results = [r[0] for r in both]
+    for rank, (_, together) in enumerate(both):
+        for t in together:
+            assert t["same"], (rank, t)
+            assert t["calls"] == t["want_calls"], (rank, t)
+            assert t["ns_calls"] <= t["most_ns_calls"], (rank, t)
     for k, case in enumerate(cases):
         for rank, ranks in enumerate(results):
             got, where = ranks[k], (case, rank)
