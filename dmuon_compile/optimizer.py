@@ -411,8 +411,10 @@ class Muon(torch.optim.Optimizer):
         # every rank and changes nothing anywhere. Under the user's torch.compile(opt.step) the
         # math is traced on plain local tensors: DTensors (meshes, process groups) stay eager.
         failure: list = []  # this rank's [(phase, exception)]
-        jobs, adamw = self._prepare(plan, torch.compiler.is_compiling(), failure)
+        jobs, adamw, resharded = self._prepare(plan, torch.compiler.is_compiling(), failure)
         halves = self._directions(plan, jobs, failure)
+        for part_halves, early in zip(halves, resharded):  # traced: computed in _prepare
+            part_halves += early
         # Only the TP halves and (local gradients, flags, path) cross into the agreement
         # (eager): the other halves' groups hold DTensors, whose meshes Dynamo cannot pass out.
         tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
@@ -501,11 +503,14 @@ class Muon(torch.optim.Optimizer):
     @torch.compiler.disable  # DTensor bookkeeping and state creation stay eager
     def _prepare(
         self, plan: StepPlan, local: bool, failure: list
-    ) -> tuple[list[list[MuonJob]], list[AdamWJob]]:
+    ) -> tuple[list[list[MuonJob]], list[AdamWJob], list[list[_StepHalf]]]:
         """Create state and split the Muon groups into the plan's parts.
 
-        Returns ``(jobs, adamw)``: per part of ``plan``, a :class:`MuonJob` of each Muon group;
-        and an :class:`AdamWJob` per AdamW group. Hands the agreement what it reads
+        Returns ``(jobs, adamw, resharded)``: per part of ``plan``, a :class:`MuonJob` of each
+        Muon group; an :class:`AdamWJob` per AdamW group; and with ``local`` (the user's
+        ``torch.compile(opt.step)``), per part, the halves of the expert stacks sharded inside
+        their experts, whose directions run here (their all-to-alls and meshes stay eager: no
+        DTensor crosses into the traced step), else nothing. Hands the agreement what it reads
         (``StepAgreement.begin``: the parameters with gradients, those whose state this step
         created: dropped again if the step does not commit; their finite flags are added after
         the directions, by ``StepAgreement.check_finite``).
@@ -560,15 +565,33 @@ class Muon(torch.optim.Optimizer):
                     picked = ([params[i] for i in idx], [grads[i] for i in idx])
                     rest = ([state_a[i] for i in idx], [lays[i] for i in idx])
                     part_jobs.append(MuonJob(part.name, group, *picked, *rest))
+        resharded: list[list[_StepHalf]] = [[] for _ in plan.parts]
         if local:
-            jobs = [
-                [MuonJob(j.part, j.group, *_owned_locals(*j[2:])) for j in part_jobs]
-                for part_jobs in jobs
-            ]
+            walk = ExpertWalk(self._dedicated_ns_loads)
+            for part_jobs, part_halves in zip(jobs, resharded):
+                for k, job in enumerate(part_jobs):
+                    job, half = self._take_resharded(job, failure, walk)
+                    part_jobs[k] = MuonJob(job.part, job.group, *_owned_locals(*job[2:]))
+                    part_halves += [half] if half is not None else []
         # The finite flags are taken after the directions (``check_finite``): the compiled
         # ones bring their matrices' flags from the norms NS takes anyway.
         self._agreement.begin(_StepCheck(with_grad, None, fresh, plan.tp))
-        return jobs, adamw
+        return jobs, adamw, resharded
+
+    def _take_resharded(
+        self, job: MuonJob, failure: list, walk: ExpertWalk | None
+    ) -> tuple[MuonJob, _StepHalf | None]:
+        """``job`` without its expert stacks sharded inside their experts, and their half
+        (:meth:`_resharded_directions`; ``None`` without such stacks)."""
+        part, group, params, grads, bufs, layouts = job
+        inside = [i for i, (p, lay) in enumerate(zip(params, layouts)) if needs_reshard(p, lay)]
+        if not inside:
+            return job, None
+        picked = ([xs[i] for i in inside] for xs in (params, grads, bufs, layouts))
+        half = self._resharded_directions(group, *picked, failure, walk)
+        kept = [i for i in range(len(params)) if i not in set(inside)]
+        lists = ([xs[i] for i in kept] for xs in (params, grads, bufs, layouts))
+        return MuonJob(part, group, *lists), half
 
     def _muon_directions(
         self, job: MuonJob, failure: list, tp: TPStep | None = None, walk: ExpertWalk | None = None
@@ -596,16 +619,12 @@ class Muon(torch.optim.Optimizer):
                 group, params, grads, bufs, orthogonalize, failure
             )
             layouts = [lay_of[id(p)] for p in params]
-        halves = []
-        inside = [i for i, (p, lay) in enumerate(zip(params, layouts)) if needs_reshard(p, lay)]
-        if inside:  # expert stacks sharded inside their experts: NS on whole experts
-            picked = ([xs[i] for i in inside] for xs in (params, grads, bufs, layouts))
-            halves.append(self._resharded_directions(group, *picked, failure, walk))
-            kept = [i for i in range(len(params)) if i not in set(inside)]
-            params, grads, bufs, layouts = (
-                [xs[i] for i in kept] for xs in (params, grads, bufs, layouts)
-            )
-        params, grads, bufs, layouts = _owned_locals(params, grads, bufs, layouts)
+        # Expert stacks sharded inside their experts: NS on whole experts, a half of their own
+        job, resharded = self._take_resharded(
+            MuonJob(part, group, params, grads, bufs, layouts), failure, walk
+        )
+        halves = [resharded] if resharded is not None else []
+        params, grads, bufs, layouts = _owned_locals(*job[2:])
         half = _StepHalf(group, params, grads, bufs, None, tp, tp_half, layouts=layouts)
         halves.insert(0, half)
         if not params or failure:
@@ -698,6 +717,7 @@ class Muon(torch.optim.Optimizer):
                     xs.append(x)
         return kept_jobs, list(by_group.values())
 
+    @torch.compiler.disable  # process groups, meshes and the all-to-alls stay eager
     def _resharded_directions(
         self,
         group: dict,

@@ -147,12 +147,21 @@ def check_expert_stacks(world, replicas, dedicate_experts, device="cpu", compile
     assert gap > 1e-2, gap
 
 
-def train_ep(rank: int, world: int, ep: int, expert_shard_dim: int = 0, device: str = "cpu"):
+def train_ep(
+    rank: int,
+    world: int,
+    ep: int,
+    expert_shard_dim: int = 0,
+    device: str = "cpu",
+    user_compiled: bool = False,
+):
     """Dense matrices dedicated over all ranks, expert stacks ``Shard(0)`` over ``ep`` and
     FSDP2 ``Shard(expert_shard_dim)`` over the expert-data-parallel mesh (size
     ``world // ep``): with 0 each rank holds whole experts and orthogonalises only those; with
     1 (torchtitan's choice when efsdp · ep exceeds the experts) the step redistributes the
-    stacks' Nesterov inputs to whole experts for Newton–Schulz."""
+    stacks' Nesterov inputs to whole experts for Newton–Schulz. ``user_compiled``: the user's
+    ``opt.step = torch.compile(opt.step)`` (Dynamo's eager backend: what is traced, and what
+    stays eager, is the point, not Inductor's code)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
@@ -179,6 +188,8 @@ def train_ep(rank: int, world: int, ep: int, expert_shard_dim: int = 0, device: 
         fully_shard(block, mesh=dp)
     fully_shard(model, mesh=dp)
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
+    if user_compiled:
+        opt.step = torch.compile(opt.step, backend="eager")
     w1 = model.layers[0].experts.w1
     local_experts = w1.to_local().shape[0]
     layouts = _muon_layouts(opt)
@@ -200,9 +211,17 @@ def test_expert_parallel_trains_equal_to_one_process(world, ep, shard_dim):
     check_expert_parallel(world, ep, shard_dim)
 
 
-def check_expert_parallel(world, ep, shard_dim, device="cpu"):
+def test_expert_reshard_under_the_users_compiled_step():
+    """``opt.step = torch.compile(opt.step)`` with stacks sharded inside their experts: the
+    reshard's collectives stay eager, the training equals one process's."""
+    check_expert_parallel(2, 1, 1, user_compiled=True)
+
+
+def check_expert_parallel(world, ep, shard_dim, device="cpu", user_compiled=False):
     ref_losses, ref_state = reference(world, device=device)
-    results = run_ranks(train_ep, world, ep, shard_dim, device, device=device, timeout=200)
+    results = run_ranks(
+        train_ep, world, ep, shard_dim, device, user_compiled, device=device, timeout=200
+    )
     losses, state, owners, layouts, local_experts, placements, all_to_alls = results[0]
     # Shard(1): the 3 stacks × 2 layers in one batch over the in-expert mesh dim: 2
     # all-to-alls per step (one per stack and direction before the batching: 12)
