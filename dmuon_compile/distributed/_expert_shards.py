@@ -148,8 +148,20 @@ class _Cut:
     ranks: tuple[int, ...]  # the members' global ranks
 
 
-def _direct_cuts(param: DTensor) -> list[_Cut] | None:
-    """The in-expert mesh dims of ``param`` in the order the direct path undoes them (the
+def _direct_cuts(param: DTensor) -> tuple[_Cut, ...] | None:
+    """:func:`_cuts_of` ``param``'s mesh, placements and shape, kept on the parameter (the step
+    asks every step, and each answer asks the process group for every member's global rank)
+    while they stay the same."""
+    key = (id(param.device_mesh), tuple(param.placements), tuple(param.shape))
+    kept = getattr(param, "_dmuon_expert_cuts", None)
+    if kept is None or kept[0] != key:
+        kept = (key, _cuts_of(param.device_mesh, key[1], key[2]))
+        param._dmuon_expert_cuts = kept  # the mesh lives as long as the parameter: ids hold
+    return kept[1]
+
+
+def _cuts_of(mesh, placements: tuple, shape: tuple) -> tuple[_Cut, ...] | None:
+    """The in-expert mesh dims of a stack in the order the direct path undoes them (the
     last mesh dim first: where two mesh dims cut the same tensor dim, the later one cuts the
     earlier one's piece, so only after it is undone is a member's piece contiguous), or
     ``None`` for a layout the direct path does not cut, which takes the reference path:
@@ -161,7 +173,6 @@ def _direct_cuts(param: DTensor) -> list[_Cut] | None:
 
     Members of one in-expert group share every other coordinate, so they hold the same
     experts and the same piece sizes of every other dim: whole experts need no other rank."""
-    mesh, placements = param.device_mesh, param.placements
     coord = mesh.get_coordinate()
     if coord is None:
         return None
@@ -179,14 +190,14 @@ def _direct_cuts(param: DTensor) -> list[_Cut] | None:
         ranks = [dist.get_global_rank(group, j) for j in range(n)]
         if mesh.mesh[tuple(along)].tolist() != ranks:
             return None
-        size = param.shape[pl.dim]  # what mesh dim i cuts: dim d after the earlier dims' cuts
+        size = shape[pl.dim]  # what mesh dim i cuts: dim d after the earlier dims' cuts
         for k in range(i):
             before = placements[k]
             if isinstance(before, Shard) and not _strided(before) and before.dim == pl.dim:
                 size = chunk_size(size, mesh.size(k), coord[k])
         pieces = tuple(chunk_size(size, n, j) for j in range(n))
         cuts.append(_Cut(group, pl.dim, pieces, coord[i], tuple(ranks)))
-    return cuts[::-1]
+    return tuple(cuts[::-1])
 
 
 def _all_to_all(out: Tensor, inp: Tensor, out_splits, in_splits, group) -> None:
