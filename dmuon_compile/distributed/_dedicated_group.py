@@ -106,6 +106,9 @@ class DedicatedGroup:
     replicate: ReplicateStage | None = None  # HSDP replicate stage (None in 1-D)
     reduced: bool = False  # a reduce was issued in the current backward
     ran_forward: bool = False  # its forward ran since the last synchronising backward
+    # FSDP2's set_reshard_after_backward(False) on its managing module (``follow_fsdp``): a
+    # backward without gradient sync keeps the weights unsharded for the next micro-batch
+    keep_after_backward: bool = False
     comm: CommContext | None = None  # the runtime's (``_pending.py``): its pending updates
     # FSDP2's gradient scaling (``follow_fsdp``): the reduced gradient is the sum over the
     # data-parallel ranks divided by ``divide_factor``; None: their mean (FSDP2's default).

@@ -11,14 +11,17 @@ reduction settings of the ``fully_shard`` module that would manage them were the
 - ``set_gradient_divide_factor`` (``gradient_divide_factor``; ``set_reduce_scatter_divide_factor``
   is its deprecated alias): the reduced gradient is the sum over the data-parallel ranks divided
   by it; ``None`` means the mean over every data-parallel rank (shard × replicate with HSDP);
-- ``MixedPrecisionPolicy.reduce_dtype`` (the ``fully_shard`` call's ``_mp_policy``).
+- ``MixedPrecisionPolicy.reduce_dtype`` (the ``fully_shard`` call's ``_mp_policy``);
+- ``set_reshard_after_backward`` (``reshard_after_backward``): during gradient accumulation
+  (sync off) the groups stay unsharded after backward, so the next micro-batch's forward
+  gathers nothing (torch's pipeline schedules set it so for every micro-batch but the last).
 
-FSDP2 keeps the first two on its parameter groups: ``state._fsdp_param_groups`` (torch 2.13) or
-``state._fsdp_param_group`` (torch 2.11); a module without parameters of its own has none and
-stores no setting. ``set_all_reduce_hook`` (``_all_reduce_hook``), a user callback on FSDP2's
-own reduce output, cannot run on dedicated gradients: :func:`grad_reduction` raises. If a new
-torch moves any of these, the readers raise (never silently sync, skip or mis-scale) and the
-tests fail.
+FSDP2 keeps the first two and the last on its parameter groups: ``state._fsdp_param_groups``
+(torch 2.13) or ``state._fsdp_param_group`` (torch 2.11); a module without parameters of its
+own has none and stores no setting. ``set_all_reduce_hook`` (``_all_reduce_hook``), a user
+callback on FSDP2's own reduce output, cannot run on dedicated gradients: :func:`grad_reduction`
+raises. If a new torch moves any of these, the readers raise (never silently sync, skip or
+mis-scale) and the tests fail.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class GradReduction:
     sync: bool = True  # set_requires_gradient_sync
     divide_factor: float | None = None  # set_gradient_divide_factor; None: the mean
     reduce_dtype: torch.dtype | None = None  # MixedPrecisionPolicy.reduce_dtype; None: grad's
+    reshard_after_backward: bool = True  # set_reshard_after_backward
 
 
 def _update_hint(what: str) -> str:
@@ -120,7 +124,12 @@ def grad_reduction(module: nn.Module, path: str = "<root>") -> GradReduction:
     for group in _param_groups(module):
         if group is None:
             continue
-        for attr in ("reduce_grads", "gradient_divide_factor", "_all_reduce_hook"):
+        for attr in (
+            "reduce_grads",
+            "gradient_divide_factor",
+            "_all_reduce_hook",
+            "reshard_after_backward",
+        ):
             if not hasattr(group, attr):
                 raise TorchInternalsError(_update_hint(f"parameter-group attribute {attr!r}"))
         if group._all_reduce_hook is not None:
@@ -131,18 +140,20 @@ def grad_reduction(module: nn.Module, path: str = "<root>") -> GradReduction:
                 "weights from dmuon.dedicate_params (predicate=), or drop the hook."
             )
         factor = group.gradient_divide_factor
-        settings.add((bool(group.reduce_grads), None if factor is None else float(factor)))
+        reshard = bool(group.reshard_after_backward)
+        settings.add((bool(group.reduce_grads), None if factor is None else float(factor), reshard))
     if len(settings) > 1:  # torch 2.13 per-parameter meshes: groups set one by one
         raise RuntimeError(
             f"dmuon_compile: the parameter groups of fully_shard module {path!r} have different "
-            f"gradient settings (requires_gradient_sync, divide factor): {sorted(settings)}. "
+            "gradient settings (requires_gradient_sync, divide factor, reshard_after_backward): "
+            f"{sorted(settings)}. "
             "Fix: set them on the module (FSDPModule.set_...), which sets every group."
         )
-    sync, factor = settings.pop() if settings else (True, None)
+    sync, factor, reshard = settings.pop() if settings else (True, None, True)
     state = _state(module)
     if not hasattr(state, "_mp_policy"):
         raise TorchInternalsError(_update_hint("MixedPrecisionPolicy of a fully_shard module"))
-    return GradReduction(sync, factor, state._mp_policy.reduce_dtype)
+    return GradReduction(sync, factor, state._mp_policy.reduce_dtype, reshard)
 
 
 def split_divide_factor(factor: float, reduce_dtype: torch.dtype) -> tuple[float | None, float]:

@@ -169,6 +169,7 @@ class DedicatedRuntime(RuntimeStepSide):
         self.replicate_peak = 0
         self._reduces_issued = 0  # how many groups of this backward's reduce order reduced
         self._order_frozen = False  # forward_order is complete once a backward has run
+        self.kept = False  # a backward without sync kept groups unsharded (``drop_kept``)
         self.handles: list = []
         self.replicated = any(g.replicate is not None for g in groups)
         self._published_early: set[int] = set()  # the step plan's early group: after_step skips it
@@ -332,6 +333,7 @@ class DedicatedRuntime(RuntimeStepSide):
             for g in self.groups:
                 if g.state == GroupState.UNSHARDED:
                     g.reshard()
+            self.kept = False
         if id(group) not in self._index:
             self._index[id(group)] = len(self.forward_order)
             self.forward_order.append(group)
@@ -445,6 +447,7 @@ class DedicatedRuntime(RuntimeStepSide):
                 )
             reduction = next(iter(settings.values()), _fsdp_compat.GradReduction())
             group.follow_fsdp(reduction.divide_factor, reduction.reduce_dtype)
+            group.keep_after_backward = not reduction.reshard_after_backward
             syncs.update(dict.fromkeys(settings, reduction.sync))
         if len(set(syncs.values())) > 1:
             raise RuntimeError(
@@ -531,7 +534,12 @@ class DedicatedRuntime(RuntimeStepSide):
         self._reduces_issued = 0
         for group in self.groups:
             group.drain()
-            if group.state == GroupState.UNSHARDED or group.reshard_after_forward is False:
+            if not sync and group.keep_after_backward and group.state == GroupState.UNSHARDED:
+                # Gradient accumulation with FSDP2's set_reshard_after_backward(False): the
+                # next micro-batch's forward uses these weights again (a step before a syncing
+                # backward drops them first: ``drop_kept``).
+                self.kept = True
+            elif group.state == GroupState.UNSHARDED or group.reshard_after_forward is False:
                 group.reshard()
             if group.reduced:
                 # Ranks without rows get a zero-row gradient too: every rank's parameters()
@@ -616,6 +624,15 @@ class DedicatedRuntime(RuntimeStepSide):
         self._replicating = []
         self._reduces_issued = 0
         self._reset_clock()
+
+    @torch.compiler.disable
+    def drop_kept(self) -> None:
+        """Reshard the groups a backward without gradient sync kept unsharded (FSDP2's
+        ``set_reshard_after_backward(False)``): the step is about to change their weights."""
+        for group in self.groups:
+            if group.state == GroupState.UNSHARDED:
+                group.reshard()
+        self.kept = False
 
     # ------------------------------------------------------------------ draining
     def wait_all(self) -> None:

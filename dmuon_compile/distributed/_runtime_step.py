@@ -78,7 +78,10 @@ class RuntimeStepSide:
         The parts and actions depend only on state every rank shares (plan, forward order),
         never on what this rank owns, so every rank issues the same collectives at the same
         points: SPMD. Without HSDP and TP: :data:`PLAIN_STEP` (nothing to do around the step).
-        """
+        Weights a backward without gradient sync kept unsharded are dropped first (the step
+        changes them; a syncing backward drops them anyway)."""
+        if self.kept:
+            self.drop_kept()
         split = self.split
         if not self.replicated and self.tp is None:
             return PLAIN_STEP if not split else StepPlan(split=split)

@@ -296,6 +296,10 @@ def dedicating(
             options = dict(dedicate_kwargs)
             if "param_policy" not in options and "compute_dtype" not in options:
                 options["compute_dtype"] = kw.get("param_dtype")
+            if "reshard_after_forward" not in options:  # as torchtitan's FSDP2 modules
+                options["reshard_after_forward"] = _fsdp_reshards_after_forward(
+                    fsdp_step, module, dp_mesh, args, kw
+                )
             if carry:
                 options["base_loads"] = _carried_loads(planned, dp_mesh)
             dmuon.dedicate_params(
@@ -326,6 +330,18 @@ def dedicating(
 
     parallelize._dmuon_dedicating = True
     return parallelize
+
+
+def _fsdp_reshards_after_forward(fsdp_step, module, dp_mesh, args, kw) -> bool:
+    """Whether torchtitan's FSDP step reshards its modules after forward: its
+    ``reshard_after_forward_policy`` ("default": not with pipeline parallelism, whose
+    micro-batches would otherwise gather every weight again in each forward), so the dedicated
+    groups do the same."""
+    from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+
+    bound = inspect.signature(fsdp_step).bind(module, dp_mesh, *args, **kw).arguments
+    policy = bound.get("reshard_after_forward_policy", "default")
+    return get_fsdp_reshard_after_forward_policy(policy, bool(bound.get("pp_enabled", False)))
 
 
 def _carried_loads(planned: dict, dp_mesh) -> list[float] | None:

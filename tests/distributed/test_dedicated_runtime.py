@@ -41,48 +41,79 @@ def _accum_reference(world, device="cpu"):
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}, first
 
 
-def _accum_distributed(rank, world, device="cpu"):
-
+def _accum_distributed(rank, world, device="cpu", keep=False):
+    """``keep``: FSDP2's ``set_reshard_after_backward(False)`` on every micro-batch but the
+    last (as torch's pipeline schedules set it): the dedicated groups stay unsharded, so the
+    next micro-batch's forward gathers nothing."""
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import _fsdp_compat, dedicated_runtime
+    from dmuon_compile.distributed._autograd_compat import in_backward
+    from dmuon_compile.distributed._dedicated_group import DedicatedGroup
 
     model, _ = models.build_dedicated(world, device=device)
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
     data = models.batches(STEPS * MICRO, world)
     runtime = dedicated_runtime(model)
-    flags, first, reduces = [], None, []
+    flags, first, reduces, gathers, sharded = [], None, [], [], []
+    original = DedicatedGroup.unshard
+
+    def counting(group, prefetch=False):
+        if group.state == GroupState.SHARDED and not in_backward():  # the forward's gathers
+            gathers[-1] += 1
+        original(group, prefetch)
+
+    DedicatedGroup.unshard = counting
     for s in range(STEPS):
         for m in range(MICRO):
             sync = m == MICRO - 1
             model.set_requires_gradient_sync(sync)
+            model.set_reshard_after_backward(sync or not keep)
             flags.append(_fsdp_compat.grad_reduction(model).sync)
+            gathers.append(0)
             x = data[s * MICRO + m].to(local_device(device))
             per = x.shape[0] // world
             (model(x[rank * per : (rank + 1) * per]).square().mean() / MICRO).backward()
             # between micro-steps no owner holds a gradient yet: nothing was reduced
             reduces.append(sum(1 for dp in runtime.params if dp.owns and dp.param.grad is not None))
+            sharded.append(all(g.state == GroupState.SHARDED for g in runtime.groups))
         if first is None:
             first = {n: g.clone() for n, g in models.owned_grads(model).items()}
         opt.step()
         opt.zero_grad()
+    DedicatedGroup.unshard = original
     return {
         "flags": flags,
         "first": first,
         "reduces": reduces,
         "state": full_state(model),
         "owned": len(models.owned_masters(model)),
+        "gathers": gathers,
+        "sharded": sharded,
+        "groups": len(runtime.groups),
     }
 
 
-def test_gradient_accumulation_with_set_requires_gradient_sync():
-    check_gradient_accumulation("cpu")
+@pytest.mark.parametrize("keep", [False, True], ids=["reshard", "keep_after_backward"])
+def test_gradient_accumulation_with_set_requires_gradient_sync(keep):
+    check_gradient_accumulation("cpu", keep)
 
 
-def check_gradient_accumulation(device: str) -> None:
+def check_gradient_accumulation(device: str, keep: bool = False) -> None:
     ref_state, ref_first = _accum_reference(2, device)
-    results = run_ranks(_accum_distributed, 2, device, timeout=120, device=device)
+    results = run_ranks(_accum_distributed, 2, device, keep, timeout=120, device=device)
     r0 = results[0]
     assert r0["flags"] == [False, True] * STEPS
+    # After a syncing backward every group is resharded; after one without sync only where
+    # FSDP2's set_reshard_after_backward(False) says to keep them (the control: reshard).
+    assert r0["sharded"] == [not keep, True] * STEPS
+    groups = r0["groups"]
+    for r in results:  # forward all-gathers per micro-batch: kept groups gather nothing
+        first_micro, second_micro = r["gathers"][0::2], r["gathers"][1::2]
+        assert all(n >= groups for n in first_micro), r["gathers"]
+        if keep:
+            assert all(n == 0 for n in second_micro), r["gathers"]
+        else:  # the control: every micro-batch gathers every group again
+            assert all(n >= groups for n in second_micro), r["gathers"]
     for r in results:
         assert r["reduces"] == [0, r["owned"]] * STEPS
         for name, g in r["first"].items():
@@ -91,6 +122,31 @@ def check_gradient_accumulation(device: str) -> None:
         torch.testing.assert_close(
             r0["state"][name], ref, rtol=0, atol=2e-4, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+def _step_after_kept_backward(rank, world):
+    """A step right after a backward without sync that kept the groups unsharded (the user did
+    not sync the last micro-batch): the step drops the kept weights, which it is about to
+    change, so the next forward gathers the new ones."""
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import dedicated_runtime
+
+    model, _ = models.build_dedicated(world)
+    opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
+    runtime = dedicated_runtime(model)
+    x = models.batches(1, world)[0]
+    per = x.shape[0] // world
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    model(x[rank * per : (rank + 1) * per]).square().mean().backward()
+    kept = [g.state == GroupState.UNSHARDED for g in runtime.groups]
+    opt.step()
+    return {"kept": kept, "after_step": [g.state == GroupState.SHARDED for g in runtime.groups]}
+
+
+def test_a_step_drops_the_weights_a_backward_kept_unsharded():
+    for r in run_ranks(_step_after_kept_backward, 2, timeout=120):
+        assert any(r["kept"]) and all(r["after_step"]), r
 
 
 def _outputs_and_modes(rank, world):

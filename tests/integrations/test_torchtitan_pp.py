@@ -146,7 +146,19 @@ def _train(rank, world, folder, schedule_name):
         dist.all_reduce(total)  # the last stage's ranks hold their micro-batches' losses
         return total.item()
 
-    out = {"initial": initial, "losses": [], "norms": []}
+    out = {"initial": initial, "losses": [], "norms": [], "gathers": []}
+    from dmuon_compile.distributed._autograd_compat import in_backward
+    from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupState
+
+    unshard = DedicatedGroup.unshard
+
+    def counting(group, prefetch=False):  # the forward's all-gathers of dedicated groups
+        if group.state == GroupState.SHARDED and not in_backward() and out["gathers"]:
+            out["gathers"][-1] += 1
+        unshard(group, prefetch)
+
+    DedicatedGroup.unshard = counting
+    out["groups"] = sum(len(dedicated_runtime(part).groups) for part in parts)
     # Control 1, first (from the initial weights): the schedule's micro-batch scaling divides
     # every gradient by the 4 micro-batches, dedicated ones too (their reduce runs before it).
     schedule.scale_grads = True
@@ -156,6 +168,7 @@ def _train(rank, world, folder, schedule_name):
 
     for i in range(STEPS):
         optimizers.zero_grad()
+        out["gathers"].append(0)
         out["losses"].append(forward_backward(i))
         if i == 0:
             out["grads"] = _stage_state(parts, grads=True)
@@ -164,6 +177,7 @@ def _train(rank, world, folder, schedule_name):
         )
         out["norms"].append(norm.item())
         optimizers.step()
+    DedicatedGroup.unshard = unshard
     out["final"] = _stage_state(parts)
     out["plans"] = dmuon_tt.summarize_stages(parts)
     out["owners"] = {  # global ranks, for the dry run's prediction
@@ -272,6 +286,14 @@ def _check(results, label) -> None:
     for name, want in ref["final"].items():
         err = (final[name] - want).norm() / want.norm()
         assert err < 1e-3, (name, err.item())
+    # torchtitan's FSDP2 modules under PP keep their weights after forward (its "default"
+    # reshard policy) and the schedule keeps them after every micro-batch's backward but the
+    # last (set_reshard_after_backward(False)): so do the dedicated groups, whose forwards then
+    # gather each group fewer times per step than once per micro-batch (4 here, what they did
+    # before; a forward that follows a forward without a backward between, the schedule's
+    # warm-up, still gathers again: the runtime cannot tell it from one after a weight write).
+    for r in rs:
+        assert all(0 < n < 4 * r["groups"] for n in r["gathers"]), (r["gathers"], r["groups"])
     # Control 1: a quarter of one process's gradients, everywhere (so 4 micro-batches summed).
     scaled = _merged(rs, "scaled_grads")
     for name, want in ref["grads"].items():
