@@ -100,7 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--eager", action="store_true", help="size the eager step's working set")
     ap.add_argument(
-        "--no-reshard", action="store_true", help="reshard_after_forward=False (one unshard)"
+        "--no-reshard",
+        action="store_true",
+        help="reshard_after_forward=False (one unshard; the default with --pp, as torchtitan)",
     )
     ap.add_argument("--rates", help="JSON file of your device's NS rates (ns_rates.NSRates.load)")
     ap.add_argument("--stack-gib", type=float, help="NewtonSchulz(stack_bytes=...) in GiB")
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
                 split_size=args.split_size,
                 param_dtype=_DTYPES.get(args.param_dtype),
                 reduce_dtype=_DTYPES.get(args.reduce_dtype),
-                reshard_after_forward=not args.no_reshard,
+                reshard_after_forward=False if args.no_reshard else None,
                 compiled=not args.eager,
                 rates=rates,
                 stack_bytes=None if args.stack_gib is None else int(args.stack_gib * GiB),

@@ -69,7 +69,7 @@ def dry_run(
     hook_boundary_predicate: Callable | None = None,
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     compiled: bool = True,
     rates: NSRates = H200,
     stack_bytes: int | None = None,
@@ -89,6 +89,8 @@ def dry_run(
     ``"module:function"`` factory. ``predicate``/``layer_id_fn``/``hook_boundary_predicate``:
     as for ``dedicate_params``. ``param_dtype``/``reduce_dtype``: the mixed-precision policy
     (unsharded compute copies; gradient reduces); ``None`` keeps the weights' dtype.
+    ``reshard_after_forward``: of FSDP2 and the dedicated groups (two all-gathers per step, or
+    one); ``None``: torchtitan's "default" policy, True without ``pp`` and False with it.
     ``compiled``: the step's working set (``Muon(compile=True)`` holds one stack, eager about
     two). ``rates``: the device's NS rates (:class:`~dmuon_compile.ns_rates.NSRates`).
     ``stack_bytes``: ``NewtonSchulz(stack_bytes=...)`` (default 4 GiB).
@@ -115,6 +117,8 @@ def dry_run(
         report = dry_run("llama3-70b", 512, replicate_size=4)
         print(report.table())
     """
+    if reshard_after_forward is None:
+        reshard_after_forward = pp is None
     options = dict(
         replicate_size=replicate_size,
         tp_size=tp_size,
