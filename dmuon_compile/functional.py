@@ -191,12 +191,6 @@ def _orthogonalize_bucket(
     shapes = [u.shape for u in bucket]
     mats = [lay.matrices(u) for u, lay in zip(bucket, layouts)]
     counts = [1 if m.dim() == 2 else m.shape[0] for m in mats]
-    norms = None
-    if torch.compiler.is_compiling():
-        # Traced: each matrix's norm from its own u, before the stack. Inductor then takes it
-        # in the kernel that computes u and writes it into the stack, instead of reading the
-        # whole stack again (4 B per element less); NS normalises by these norms.
-        norms = _matrix_norms(mats, ns.work_dtype_for(mats[0].device))
     if len(mats) == 1:
         stack = mats[0]
     elif all(m.dim() == 2 for m in mats):
@@ -205,9 +199,9 @@ def _orthogonalize_bucket(
         stack = torch.cat([m.unsqueeze(0) if m.dim() == 2 else m for m in mats])
     bucket.clear()
     del mats
-    if finite is not None and norms is None:  # NS normalises by the same norms: one reduction
+    norms = None
+    if finite is not None:  # NS normalises by the same norms: one reduction, not two
         norms = frobenius_norm(stack, ns.work_dtype_for(stack.device))
-    if finite is not None:
         flags = torch.isfinite(norms).reshape(-1)
         if any(c != 1 for c in counts):  # an update is finite when all its matrices are
             flags = torch.stack([f.all() for f in flags.split(counts)])
@@ -224,21 +218,6 @@ def _orthogonalize_bucket(
         r if r.shape == shape else lay.unmatrices(r, shape)
         for r, shape, lay in zip(results, shapes, layouts)
     ]
-
-
-def _matrix_norms(mats: list[Tensor], work_dtype: torch.dtype) -> Tensor:
-    """The Frobenius norm of every matrix of ``mats`` (2-D matrices, 3-D stacks), as
-    ``frobenius_norm`` of their stack would give them: ``(1, 1)`` for one 2-D matrix, else
-    ``(count, 1, 1)``."""
-    if len(mats) == 1:
-        return frobenius_norm(mats[0], work_dtype)
-    # One reduction per matrix, one traced call each (torch._foreach_norm would be one call for
-    # the list, but Inductor then writes u a second time for it and reduces in its own kernel).
-    compute = torch.float64 if work_dtype == torch.float64 else torch.float32
-    norms = [torch.linalg.vector_norm(m, dim=(-2, -1), dtype=compute) for m in mats]
-    if all(m.dim() == 2 for m in mats):
-        return torch.stack(norms).view(-1, 1, 1)
-    return torch.cat([n.reshape(-1) for n in norms]).view(-1, 1, 1)
 
 
 def apply_muon_update(
