@@ -123,12 +123,30 @@ def trace_analysis():
     return ta
 
 
-def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list[str], dict]:
+def gram_ns_peer():
+    """Dao-AILab's gram-newton-schulz (its quack CuTe kernels, its default torch.compile with
+    CUDA graphs), the fastest NS peer, or ``None`` with the reason where it does not import.
+    Same coefficients as ours (Polar Express, safety 1.05) and the same restart (iteration 2),
+    so its error is read against the same float64 run as ours."""
+    try:
+        from gram_newton_schulz import GramNewtonSchulz
+    except Exception as exc:  # not installed (benchmarks/README.md: carried wheels)
+        print(f"peer (4) Dao-AILab gram-newton-schulz not run: {type(exc).__name__}: {exc}")
+        return None
+    return GramNewtonSchulz(gram_newton_schulz_reset_iterations=[2])
+
+
+def run_ns_section(
+    shapes, nan_inputs: int, profile: bool = False
+) -> tuple[list[str], dict, dict]:
+    peer = gram_ns_peer()
+    peer_ratios = {}
     rows = [
         "| shape | baseline ms | ours-cuBLAS ms | ours-Triton ms | speedup (1)/(3) "
         "| speedup (1)/(2) | TFLOP/s base | TFLOP/s (3) | rel.err base | rel.err (3) "
-        "| rel.err decay base | rel.err decay (3) | NaN/Inf base | NaN/Inf (3) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rel.err decay base | rel.err decay (3) | NaN/Inf base | NaN/Inf (3) "
+        "| (4) Dao ms | (4)/(3) | rel.err (4) | rel.err decay (4) | NaN/Inf (4) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ours_cublas, ours_triton = NewtonSchulz(kernel="cublas"), NewtonSchulz(kernel="triton")
     print(f"ours: {ours_triton.describe()}", flush=True)
@@ -156,13 +174,30 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
         dec = decaying_spectrum(sub.shape, gen)
         dec_base = rel_err(baseline_ns(dec), baseline_ns(dec.double(), work_dtype=torch.float64))
         dec_ours = rel_err(ours_triton(dec), ours64(dec.double()))
-        bad_base = bad_ours = 0
+        bad_base = bad_ours = bad_peer = 0
         for i in range(nan_inputs):
             gi = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16) * (
                 10.0 ** (i % 7 - 3)
             )
             bad_base += int(nonfinite(baseline_ns(gi)) > 0)
             bad_ours += int(nonfinite(ours_triton(gi)) > 0)
+        peer_cells = "| n/a | n/a | n/a | n/a | n/a |"
+        if peer is not None:
+            try:
+                peer(g)  # compile and capture before timing
+                t_peer = bench_ms(lambda: peer(g))
+                err_peer = rel_err(peer(sub), ours64(sub.double()))
+                dec_peer = rel_err(peer(dec), ours64(dec.double()))
+                for i in range(nan_inputs):
+                    gi = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+                    bad_peer += int(nonfinite(peer(gi * 10.0 ** (i % 7 - 3))) > 0)
+                peer_ratios[shape_name(shape)] = t_peer / t_triton
+                peer_cells = (
+                    f"| {t_peer:.3f} | {t_peer / t_triton:.2f}× | {err_peer:.2e} "
+                    f"| {dec_peer:.2e} | {bad_peer}/{nan_inputs} |"
+                )
+            except Exception as exc:  # report, keep the section's other columns
+                print(f"peer (4) failed on {shape}: {type(exc).__name__}: {str(exc)[:200]}")
         name = shape_name(shape)
         speedups[name] = t_base / t_triton
         rows.append(
@@ -170,7 +205,7 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
             f"| {t_base / t_triton:.2f}× | {t_base / t_cublas:.2f}× "
             f"| {flops_base / t_base / 1e9:.0f} | {flops_ours / t_triton / 1e9:.0f} | "
             f"{err_base:.2e} | {err_ours:.2e} | {dec_base:.2e} | {dec_ours:.2e} "
-            f"| {bad_base}/{nan_inputs} | {bad_ours}/{nan_inputs} |"
+            f"| {bad_base}/{nan_inputs} | {bad_ours}/{nan_inputs} {peer_cells}"
         )
         print(rows[-1] + f"  (first call incl. autotune {tune_s:.1f} s)", flush=True)
         if profile:
@@ -183,7 +218,7 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
             )
         del g
         torch.cuda.empty_cache()
-    return rows, speedups
+    return rows, speedups, peer_ratios
 
 
 def decaying_spectrum(shape, gen: torch.Generator, decades: float = 4.0) -> torch.Tensor:
@@ -423,7 +458,7 @@ def main(argv=None) -> int:
         shapes = QUICK_NS_SHAPES if args.quick else NS_SHAPES
         if args.ns_shapes:
             shapes = [tuple(int(d) for d in s.split("x")) for s in args.ns_shapes.split(",")]
-        rows, sp = run_ns_section(shapes, nan_inputs, args.profile_ns)
+        rows, sp, peer_ratios = run_ns_section(shapes, nan_inputs, args.profile_ns)
         lines += [
             "## A. Newton–Schulz per matrix",
             "",
@@ -432,7 +467,9 @@ def main(argv=None) -> int:
             "TFLOP/s count each algorithm's own FLOPs (NewtonSchulz.flops for ours). rel.err: "
             "‖out − float64 run of the same iteration‖/‖ref‖, on the Gaussian input and on one "
             "whose singular values decay from 1 to 1e-4 (`decaying_spectrum`). "
-            "NaN/Inf: inputs whose output had any, inputs scaled 1e-3..1e3.",
+            "NaN/Inf: inputs whose output had any, inputs scaled 1e-3..1e3. (4): Dao-AILab's "
+            "gram-newton-schulz (`GramNewtonSchulz`, quack kernels, its default compile with "
+            "CUDA graphs; n/a where it is not installed); (4)/(3) > 1: ours faster.",
             "",
         ]
         lines += rows + [""]
@@ -448,6 +485,13 @@ def main(argv=None) -> int:
                 headlines.append(
                     f"HEADLINE NS {name}: {sp[name]:.2f}x vs baseline (target >= {target}x)"
                 )
+        if peer_ratios:
+            slowest = min(peer_ratios, key=peer_ratios.get)
+            headlines.append(
+                f"HEADLINE NS vs Dao-AILab gram-newton-schulz: ours faster on "
+                f"{sum(r > 1 for r in peer_ratios.values())}/{len(peer_ratios)} shapes; "
+                f"least {peer_ratios[slowest]:.3f}x on {slowest} (target > 1 on every shape)"
+            )
     if "N" in args.sections:
         rows, bad = run_stress_section(args.stress_inputs)
         lines += [

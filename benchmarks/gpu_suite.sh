@@ -12,8 +12,12 @@
 #   probe       nvidia-smi topology + NCCL bandwidth (benchmarks/nccl_probe.py, >= 2 GPUs)
 #   sweep       sweep_tiles.py --extra: every tile configuration vs cuBLAS on the NS products
 #               (SWEEP_CASES: its --cases; SWEEP_ARGS: more options, e.g. "--only _st,_cp")
+#   gluon       gluon_probe.py: each Gluon configuration checked (small shapes, then the real
+#               products) and timed against the Triton kernels and cuBLAS (GLUON_CASES,
+#               GLUON_CONFIGS: its --cases and --configs; GLUON_ARGS: more options)
 #   kernels     bench_kernels.py sections C, A and N (SYRK, NS per matrix, NaN/Inf stress);
-#               KERNEL_ARGS=--profile-ns adds each NS shape's top GPU kernels
+#               KERNEL_ARGS=--profile-ns adds each NS shape's top GPU kernels; with the peer's
+#               wheels carried (.wheels, benchmarks/README.md) §A times Dao-AILab's NS beside ours
 #   gputests    pytest -m "gpu and not tier" (GPUTEST_PATHS, default tests/: kernels, NCCL runtime)
 #   tier        the multi-rank CUDA tier on one GPU: 2–8 gloo ranks share cuda:0
 #               (pytest -m gpu tests/distributed/test_gpu_tier.py, TIER_TIMEOUT s, default 540;
@@ -65,6 +69,17 @@ export DMUON_CACHE_DIR=$PWD/.gpu_cache/dmuon TRITON_CACHE_DIR=$PWD/.gpu_cache/tr
 STAGES=${STAGES:-"probe kernels step_M fsdp_S fsdp_M hsdp_S"}
 T=${STAGE_TIMEOUT:-150}
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$WORK/pip.log" 2>&1 || { cat "$WORK/pip.log"; exit 1; }
+# Peers carried as files (.wheels/, git-ignored, named in the call's carry; benchmarks/README.md
+# "Peers on the device"): wheels, and tar.xz archives of a wheel's unpacked tree where the wheel
+# itself is over the call's 64 MiB. Installed into /tmp/peers, never into the image.
+if ls .wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers .wheels/*.whl >"$WORK/peers.log" 2>&1
+  for t in .wheels/*.tar.xz; do
+    [ -e "$t" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$t" /tmp/peers
+  done
+  export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}
+  python3 -c "import gram_newton_schulz, quack; print('peers: gram_newton_schulz', gram_newton_schulz.__version__)" 2>&1 | tail -3
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton, dmuon_compile as d; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count(), 'GPUs'); print(d.get_ns_backend())"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -85,6 +100,9 @@ for stage in $STAGES; do
     sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_tiles.py --extra ${SWEEP_CASES:+--cases $SWEEP_CASES} ${SWEEP_ARGS:-} \
         --out "$WORK/sweep.md" 2>&1 | tee "$log" ;;
+    gluon)
+      timeout ${GLUON_TIMEOUT:-200} python3 benchmarks/gluon_probe.py ${GLUON_CASES:+--cases $GLUON_CASES} \
+        ${GLUON_CONFIGS:+--configs "$GLUON_CONFIGS"} ${GLUON_ARGS:-} 2>&1 | tee "$log" | tail -60 ;;
     kernels)
       timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} ${KERNEL_ARGS:-} \
         --out "$WORK/kernels.md" 2>&1 | quiet | tee "$log" | tail -40 ;;

@@ -177,6 +177,7 @@ def compile_for_target(
         CONSUMERS=config.consumers,
         SYRK=syrk,
         HAS_C=has_c,
+        STORE_SLOTS=config.store_slots,
         num_warps=config.num_warps,
     )
     for name in constexprs:

@@ -71,6 +71,10 @@ class GluonConfig:
     consumers: int = 1  # consumer partitions: 1 (cooperative) or 2 (ping-pong, 4 warps each)
     num_warps: int = 8  # warps of each consumer: 4 or 8 (8: two warpgroups share a tile)
     c_slots: int = 2  # C ring depth, in 128×128 blocks (only with a beta·C term)
+    # Staging buffers of each consumer's stores: with 2, a block's transposed store is written
+    # while its in-place store is still being read out by TMA, and each buffer waits only for
+    # the store issued two stores before it (with 1, every store waits for the previous one).
+    store_slots: int = 1
     maxnreg: int | None = None  # per-thread register cap of the launch (None: Triton's)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,8 @@ class GluonConfig:
             )
         if self.stages < 2 or self.c_slots < 1:
             raise ValueError("GluonConfig: stages >= 2 and c_slots >= 1")
+        if self.store_slots not in (1, 2):
+            raise ValueError(f"GluonConfig: store_slots={self.store_slots} must be 1 or 2")
 
     kernel = "gluon"  # how an autotune verdict names the kernel (TileConfig: "triton")
 
@@ -109,6 +115,7 @@ class GluonConfig:
         return (
             f"g{BLOCK}x{self.cols}_k{self.block_k}_s{self.stages}"
             f"_c{self.consumers}w{self.num_warps}_cs{self.c_slots}"
+            + (f"_o{self.store_slots}" if self.store_slots > 1 else "")
             + (f"_r{self.maxnreg}" if self.maxnreg else "")
         )
 
@@ -116,7 +123,7 @@ class GluonConfig:
         """Shared memory the kernel allocates (operand ring, C ring, staging, barriers)."""
         operands = self.stages * (BLOCK + self.cols) * self.block_k * operand_size
         c_ring = 0 if c_size is None else self.c_slots * BLOCK * BLOCK * c_size
-        staging = self.consumers * BLOCK * BLOCK * out_size
+        staging = self.consumers * self.store_slots * BLOCK * BLOCK * out_size
         barriers = 8 * 2 * (self.stages + self.c_slots + 1)
         return operands + c_ring + staging + barriers + 512  # + alignment padding
 
@@ -228,34 +235,53 @@ def _b_view(b_bufs, index, SYRK: gl.constexpr):
 
 
 @gluon.jit
+def _staging_slot(out_bufs, first_slot, stores, STORE_SLOTS: gl.constexpr):
+    """The consumer's next staging buffer, once the store that last read it is done.
+
+    Stores rotate over ``STORE_SLOTS`` buffers; the one issued ``STORE_SLOTS`` stores ago used
+    this buffer, and waiting until at most ``STORE_SLOTS - 1`` stores are pending waits for it
+    (TMA completes a thread's bulk stores in order).
+    """
+    tma.store_wait(STORE_SLOTS - 1)
+    return out_bufs.index(first_slot + stores % STORE_SLOTS)
+
+
+@gluon.jit
 def _store_block(
     value,
     out_desc,
-    staging,
+    out_bufs,
+    first_slot,
+    stores,
     batch_index,
     first_m,
     first_n,
     rows_exist,
     layout: gl.constexpr,
+    STORE_SLOTS: gl.constexpr,
 ):
-    """Store one 128×128 block of the lower-triangle walk with its mirror (the element rule).
+    """Store one 128×128 block of the lower-triangle walk with its mirror (the element rule);
+    returns the consumer's store count.
 
-    Strictly below the diagonal: in place and transposed (two TMA stores through one staging
-    buffer). On the diagonal: ``where(i >= j, v, vᵀ)`` in place. Above, or in a strip that
+    Strictly below the diagonal: in place and transposed (two TMA stores through the staging
+    ring). On the diagonal: ``where(i >= j, v, vᵀ)`` in place. Above, or in a strip that
     starts past the matrix's last row (``rows_exist`` False): nothing.
     """
-    tile = staging.reshape([BLOCK_C, BLOCK_C])
     if (first_n + BLOCK_C <= first_m) & rows_exist:
-        tma.store_wait(0)  # the previous block's stores have read the staging buffer
+        staging = _staging_slot(out_bufs, first_slot, stores, STORE_SLOTS)
+        tile = staging.reshape([BLOCK_C, BLOCK_C])
         tile.store(value)
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [batch_index, first_m, first_n], staging)
-        tma.store_wait(0)
+        staging = _staging_slot(out_bufs, first_slot, stores + 1, STORE_SLOTS)
+        tile = staging.reshape([BLOCK_C, BLOCK_C])
         tile.permute((1, 0)).store(value)
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [batch_index, first_n, first_m], staging)
+        stores += 2
     elif (first_n == first_m) & rows_exist:
-        tma.store_wait(0)
+        staging = _staging_slot(out_bufs, first_slot, stores, STORE_SLOTS)
+        tile = staging.reshape([BLOCK_C, BLOCK_C])
         tile.store(value)
         transposed = tile.permute((1, 0)).load(layout)
         rows = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
@@ -265,6 +291,8 @@ def _store_block(
         tile.store(symmetric)
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [batch_index, first_m, first_m], staging)
+        stores += 1
+    return stores
 
 
 @gluon.jit
@@ -275,7 +303,9 @@ def _epilogue_block(
     c_empty,
     c_pos,
     out_desc,
-    staging,
+    out_bufs,
+    first_slot,
+    stores,
     batch_index,
     first_m,
     first_n,
@@ -285,8 +315,10 @@ def _epilogue_block(
     gamma,
     HAS_C: gl.constexpr,
     layout: gl.constexpr,
+    STORE_SLOTS: gl.constexpr,
 ):
-    """fp32 ``alpha·acc + beta·C + gamma·I`` of one block, rounded once, stored by the rule."""
+    """fp32 ``alpha·acc + beta·C + gamma·I`` of one block, rounded once, stored by the rule;
+    returns the consumer's store count."""
     value = acc * alpha
     if HAS_C:
         C_SLOTS: gl.constexpr = c_bufs.shape[0]
@@ -300,15 +332,18 @@ def _epilogue_block(
     rows = first_m + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
     cols = first_n + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
     value += gl.where(rows[:, None] == cols[None, :], gamma, 0.0)
-    _store_block(
+    return _store_block(
         value.to(out_desc.dtype),
         out_desc,
-        staging,
+        out_bufs,
+        first_slot,
+        stores,
         batch_index,
         first_m,
         first_n,
         rows_exist,
         layout,
+        STORE_SLOTS,
     )
 
 
@@ -320,6 +355,7 @@ def _consumer(
     SPLIT: gl.constexpr,
     SYRK: gl.constexpr,
     HAS_C: gl.constexpr,
+    STORE_SLOTS: gl.constexpr,
 ):
     """Consumer partition: wgmma over the stages of its tiles, then the epilogue.
 
@@ -332,7 +368,8 @@ def _consumer(
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     CONSUMER_WARPS: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = _acc_layout(CONSUMER_WARPS, BLOCK_C)
-    staging = out_bufs.index(CONSUMER)
+    first_slot = CONSUMER * STORE_SLOTS
+    stores = 0
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     k_steps = gl.cdiv(k, BLOCK_K)
@@ -388,14 +425,16 @@ def _consumer(
         mbarrier.arrive(empty.index((pos - 1) % STAGES), count=1)
 
         c_pos = local * SPLIT
-        _epilogue_block(
+        stores = _epilogue_block(
             acc0,
             c_bufs,
             c_ready,
             c_empty,
             c_pos,
             out_desc,
-            staging,
+            out_bufs,
+            first_slot,
+            stores,
             batch_index,
             first_m,
             first_n,
@@ -405,16 +444,19 @@ def _consumer(
             gamma,
             HAS_C,
             layout,
+            STORE_SLOTS,
         )
         if SPLIT == 2:
-            _epilogue_block(
+            stores = _epilogue_block(
                 acc1,
                 c_bufs,
                 c_ready,
                 c_empty,
                 c_pos + 1,
                 out_desc,
-                staging,
+                out_bufs,
+                first_slot,
+                stores,
                 batch_index,
                 first_m,
                 first_n + BLOCK_C,
@@ -424,6 +466,7 @@ def _consumer(
                 gamma,
                 HAS_C,
                 layout,
+                STORE_SLOTS,
             )
         local += CONSUMERS
     tma.store_wait(0)
@@ -450,6 +493,7 @@ def _symmetric_product_gluon_kernel(
     CONSUMERS: gl.constexpr,
     SYRK: gl.constexpr,
     HAS_C: gl.constexpr,
+    STORE_SLOTS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = a_desc.dtype
@@ -458,7 +502,7 @@ def _symmetric_product_gluon_kernel(
         dtype, [STAGES * SPLIT] + b_desc.block_type.shape, b_desc.layout
     )
     out_bufs = gl.allocate_shared_memory(
-        out_desc.dtype, [CONSUMERS] + out_desc.block_type.shape, out_desc.layout
+        out_desc.dtype, [CONSUMERS * STORE_SLOTS] + out_desc.block_type.shape, out_desc.layout
     )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -497,8 +541,8 @@ def _symmetric_product_gluon_kernel(
         if HAS_C:
             gl.warp_specialize(
                 [
-                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C)),
-                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
+                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
                     (_operand_loader, (loader, SPLIT, SYRK)),
                     (_c_loader, (c_loader, SPLIT)),
                 ],
@@ -508,8 +552,8 @@ def _symmetric_product_gluon_kernel(
         else:
             gl.warp_specialize(
                 [
-                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C)),
-                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
+                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
                     (_operand_loader, (loader, SPLIT, SYRK)),
                 ],
                 [num_warps, 1],
@@ -519,7 +563,7 @@ def _symmetric_product_gluon_kernel(
         if HAS_C:
             gl.warp_specialize(
                 [
-                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
                     (_operand_loader, (loader, SPLIT, SYRK)),
                     (_c_loader, (c_loader, SPLIT)),
                 ],
@@ -529,7 +573,7 @@ def _symmetric_product_gluon_kernel(
         else:
             gl.warp_specialize(
                 [
-                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C)),
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
                     (_operand_loader, (loader, SPLIT, SYRK)),
                 ],
                 [1],
@@ -647,6 +691,7 @@ def kernel_arguments(
         CONSUMERS=config.consumers,
         SYRK=b is None,
         HAS_C=has_c,
+        STORE_SLOTS=config.store_slots,
         num_warps=config.num_warps,
     )
     if config.maxnreg:

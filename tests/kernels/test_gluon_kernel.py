@@ -28,12 +28,13 @@ _spec = importlib.util.spec_from_file_location("kernel_resources", _PATH)
 resources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(resources)
 
-# What the GPU tests run: every partition layout (one 8-warp consumer, two 4-warp consumers)
-# and both tile widths, each within the shared-memory budget with a C term.
+# What the GPU tests run: every partition layout (one 8-warp consumer, two 4-warp consumers),
+# both tile widths and both staging rings, each within the shared-memory budget with a C term.
 CONFIGS = [
     GluonConfig(split=1, stages=4),
     GluonConfig(split=2, stages=3, c_slots=1),
     GluonConfig(split=1, stages=3, consumers=2, num_warps=4),
+    GluonConfig(split=1, stages=4, c_slots=1, store_slots=2),
 ]
 
 
@@ -49,6 +50,7 @@ CONFIGS = [
         (CONFIGS[1], False, True),
         (CONFIGS[2], True, True),
         (CONFIGS[0], False, False),
+        (CONFIGS[3], False, True),
     ],
     ids=lambda v: v.name if isinstance(v, GluonConfig) else str(v),
 )
@@ -106,6 +108,11 @@ def test_configs_that_cannot_work_are_refused():
         GluonConfig(consumers=2, num_warps=8)
     with pytest.raises(ValueError, match="c_slots >= 2"):
         GluonConfig(consumers=2, num_warps=4, c_slots=1)
+    with pytest.raises(ValueError, match="store_slots"):
+        GluonConfig(store_slots=3)
+    two = GluonConfig(split=1, stages=4, store_slots=2)  # a second staging buffer: 32 KiB more
+    assert two.smem_bytes(2, 2, 2) - GluonConfig(split=1, stages=4).smem_bytes(2, 2, 2) == 32768
+    assert two.smem_bytes(2, 2, 2) > gluon_kernel.SMEM_LIMIT  # so it takes one C slot
     over = GluonConfig(split=2, stages=3, c_slots=2)  # 128×256, 3 stages and two C blocks
     assert over.smem_bytes(2, 2, 2) > gluon_kernel.SMEM_LIMIT
 
