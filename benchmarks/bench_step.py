@@ -354,7 +354,27 @@ def main(argv=None) -> int:
         help=f"after timing, profile {PROFILE_STEPS} steps per configuration: "
         "GPU time by kernel category",
     )
+    ap.add_argument(
+        "--gluon-shortlist",
+        default=None,
+        metavar="SPEC",
+        help="the Gluon configurations the SYRK autotune times, in gluon_probe.py's --configs "
+        "syntax (e.g. 'split=1,stages=4;split=2,block_k=32,stages=4,c_slots=1,wide=1'); for "
+        "A/B runs of a shortlist (give each run its own DMUON_CACHE_DIR: verdicts are cached)",
+    )
     args = ap.parse_args(argv)
+    if args.gluon_shortlist:
+        from dmuon_compile.kernels import syrk
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.path.insert(0, here)
+        from gluon_probe import parse_configs
+
+        syrk.GLUON_SHORTLIST_FIELDS = tuple(
+            {k: v for k, v in c.to_dict().items() if k != "kernel"}
+            for c in parse_configs(args.gluon_shortlist)
+        )
+        print(f"Gluon shortlist: {[c.name for c in parse_configs(args.gluon_shortlist)]}")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

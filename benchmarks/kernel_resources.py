@@ -155,12 +155,13 @@ def compile_for_target(
     dtype = dtype or torch.bfloat16
     bk = config.block_k
     c_dtype = c_dtype or dtype
-    b_block = [BLOCK, bk] if syrk else [1, bk, BLOCK]
+    cols = config.cols if config.wide else BLOCK  # as syrk_gluon.kernel_arguments
+    b_block = [cols, bk] if syrk else [1, bk, cols]
     out_sig = _gluon_descriptor_signature(dtype, [1, BLOCK, BLOCK])
     signature = {
         "a_desc": _gluon_descriptor_signature(dtype, [BLOCK, bk]),
         "b_desc": _gluon_descriptor_signature(dtype, b_block),
-        "c_desc": _gluon_descriptor_signature(c_dtype, [1, BLOCK, BLOCK]) if has_c else out_sig,
+        "c_desc": _gluon_descriptor_signature(c_dtype, [1, BLOCK, cols]) if has_c else out_sig,
         "out_desc": out_sig,
         "m": "i32",
         "k": "i32",
@@ -178,6 +179,7 @@ def compile_for_target(
         SYRK=syrk,
         HAS_C=has_c,
         STORE_SLOTS=config.store_slots,
+        WIDE=config.wide,
         num_warps=config.num_warps,
     )
     for name in constexprs:

@@ -75,6 +75,10 @@ class GluonConfig:
     # while its in-place store is still being read out by TMA, and each buffer waits only for
     # the store issued two stores before it (with 1, every store waits for the previous one).
     store_slots: int = 1
+    # Wide tiles (split=2 only): one 128×256 accumulator and one N = 256 wgmma per K-slice, so
+    # the A slice is read from shared memory once per slice (twice with two 128-column
+    # blocks); B and C arrive in one load each, the epilogue stages the whole tile.
+    wide: bool = False
     maxnreg: int | None = None  # per-thread register cap of the launch (None: Triton's)
 
     def __post_init__(self) -> None:
@@ -95,6 +99,12 @@ class GluonConfig:
             raise ValueError("GluonConfig: stages >= 2 and c_slots >= 1")
         if self.store_slots not in (1, 2):
             raise ValueError(f"GluonConfig: store_slots={self.store_slots} must be 1 or 2")
+        if self.wide and (self.split != 2 or self.consumers != 1 or self.num_warps != 8):
+            raise ValueError(
+                "GluonConfig: wide tiles are 128×256 (split=2) with one 8-warp consumer"
+            )
+        if self.wide and self.store_slots != 1:
+            raise ValueError("GluonConfig: wide tiles stage the whole tile once (store_slots=1)")
 
     kernel = "gluon"  # how an autotune verdict names the kernel (TileConfig: "triton")
 
@@ -116,14 +126,16 @@ class GluonConfig:
             f"g{BLOCK}x{self.cols}_k{self.block_k}_s{self.stages}"
             f"_c{self.consumers}w{self.num_warps}_cs{self.c_slots}"
             + (f"_o{self.store_slots}" if self.store_slots > 1 else "")
+            + ("_n256" if self.wide else "")
             + (f"_r{self.maxnreg}" if self.maxnreg else "")
         )
 
     def smem_bytes(self, operand_size: int, c_size: int | None, out_size: int) -> int:
         """Shared memory the kernel allocates (operand ring, C ring, staging, barriers)."""
         operands = self.stages * (BLOCK + self.cols) * self.block_k * operand_size
-        c_ring = 0 if c_size is None else self.c_slots * BLOCK * BLOCK * c_size
-        staging = self.consumers * self.store_slots * BLOCK * BLOCK * out_size
+        block = BLOCK * (self.cols if self.wide else BLOCK)  # elements of one C / staging block
+        c_ring = 0 if c_size is None else self.c_slots * block * c_size
+        staging = self.consumers * self.store_slots * block * out_size
         barriers = 8 * 2 * (self.stages + self.c_slots + 1)
         return operands + c_ring + staging + barriers + 512  # + alignment padding
 
@@ -168,12 +180,14 @@ BLOCK_C = gl.constexpr(BLOCK)
 
 
 @gluon.jit
-def _operand_loader(state, SPLIT: gl.constexpr, SYRK: gl.constexpr):
-    """Operand loader partition: every K-slice of every tile of this CTA, in order."""
+def _operand_loader(state, SPLIT: gl.constexpr, SYRK: gl.constexpr, B_PARTS: gl.constexpr):
+    """Operand loader partition: every K-slice of every tile of this CTA, in order; a tile's
+    B slice arrives in ``B_PARTS`` loads (``SPLIT`` blocks of 128 columns, or one of 256)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, empty, m, k, total_tiles, tiles_per_matrix = state
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + SPLIT * b_desc.block_type.nbytes
+    B_COLS: gl.constexpr = SPLIT * BLOCK_C // B_PARTS
+    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + B_PARTS * b_desc.block_type.nbytes
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     k_steps = gl.cdiv(k, BLOCK_K)
@@ -191,43 +205,46 @@ def _operand_loader(state, SPLIT: gl.constexpr, SYRK: gl.constexpr):
             tma.async_copy_global_to_shared(
                 a_desc, [batch_index * m + first_m, k0], bar, a_bufs.index(stage)
             )
-            for h in gl.static_range(SPLIT):
-                b_buf = b_bufs.index(stage * SPLIT + h)
+            for h in gl.static_range(B_PARTS):
+                b_buf = b_bufs.index(stage * B_PARTS + h)
                 if SYRK:  # B = Aᵀ: the columns' operand is A's rows
                     tma.async_copy_global_to_shared(
-                        b_desc, [batch_index * m + first_n + h * BLOCK_C, k0], bar, b_buf
+                        b_desc, [batch_index * m + first_n + h * B_COLS, k0], bar, b_buf
                     )
                 else:
                     tma.async_copy_global_to_shared(
-                        b_desc, [batch_index, k0, first_n + h * BLOCK_C], bar, b_buf
+                        b_desc, [batch_index, k0, first_n + h * B_COLS], bar, b_buf
                     )
             pos += 1
 
 
 @gluon.jit
-def _c_loader(state, SPLIT: gl.constexpr):
-    """C loader partition: each tile's ``SPLIT`` C blocks into the C ring, in tile order."""
+def _c_loader(state, SPLIT: gl.constexpr, C_PARTS: gl.constexpr):
+    """C loader partition: each tile's C in ``C_PARTS`` blocks (``SPLIT`` of 128 columns, or
+    one of 256) into the C ring, in tile order."""
     c_desc, c_bufs, c_ready, c_empty, total_tiles, tiles_per_matrix = state
     C_SLOTS: gl.constexpr = c_bufs.shape[0]
+    C_COLS: gl.constexpr = SPLIT * BLOCK_C // C_PARTS
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     pos = 0
     for tile in range(pid, total_tiles, programs):
         batch_index, first_m, first_n = _tile_origin(tile, tiles_per_matrix, SPLIT)
-        for h in gl.static_range(SPLIT):
+        for h in gl.static_range(C_PARTS):
             slot = pos % C_SLOTS
             mbarrier.wait(c_empty.index(slot), ((pos // C_SLOTS) & 1) ^ 1)
             bar = c_ready.index(slot)
             mbarrier.expect(bar, c_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
-                c_desc, [batch_index, first_m, first_n + h * BLOCK_C], bar, c_bufs.index(slot)
+                c_desc, [batch_index, first_m, first_n + h * C_COLS], bar, c_bufs.index(slot)
             )
             pos += 1
 
 
 @gluon.jit
 def _b_view(b_bufs, index, SYRK: gl.constexpr):
-    """The K×128 B operand of one block: A's rows read transposed (SYRK) or B's own tile."""
+    """The K×N B operand of one load (N = 128, or 256 for a wide tile): A's rows read
+    transposed (SYRK) or B's own tile."""
     if SYRK:
         return b_bufs.index(index).permute((1, 0))
     else:
@@ -472,6 +489,155 @@ def _consumer(
     tma.store_wait(0)
 
 
+@gluon.jit
+def _mirror_lower(block):
+    """Make a 128×128 shared-memory block on the diagonal exactly symmetric in place:
+    ``where(i >= j, v, vᵀ)``, through a plain blocked layout (any layout reads it)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    value = block.load(layout)
+    transposed = block.permute((1, 0)).load(layout)
+    rows = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
+    symmetric = gl.where(rows[:, None] >= cols[None, :], value, transposed)
+    gl.thread_barrier()  # every lane has read vᵀ before the block is overwritten
+    block.store(symmetric)
+
+
+@gluon.jit
+def _epilogue_wide(
+    acc,
+    c_bufs,
+    c_ready,
+    c_empty,
+    c_pos,
+    out_desc,
+    out_bufs,
+    batch_index,
+    first_m,
+    first_n,
+    rows_exist,
+    alpha,
+    beta,
+    gamma,
+    HAS_C: gl.constexpr,
+    layout: gl.constexpr,
+):
+    """The epilogue of one 128×256 wide tile: ``alpha·acc + beta·C + gamma·I`` in fp32, rounded
+    once, staged whole, then stored by the element rule half by half (two 128×128 blocks).
+
+    In place: the left half always (on or below the diagonal), the right half when it is not
+    above it; a half on the diagonal is mirrored in shared memory first. Transposed (the
+    staging buffer reinterpreted as 256×128): each half strictly below the diagonal.
+    """
+    value = acc * alpha
+    if HAS_C:
+        C_SLOTS: gl.constexpr = c_bufs.shape[0]
+        slot = c_pos % C_SLOTS
+        mbarrier.wait(c_ready.index(slot), (c_pos // C_SLOTS) & 1)
+        c_tile = c_bufs.index(slot).reshape([BLOCK_C, 2 * BLOCK_C]).load(layout)
+        fence_async_shared()  # generic-proxy reads before the next TMA write of the slot
+        gl.thread_barrier()  # every lane has read the slot before the C loader may refill it
+        mbarrier.arrive(c_empty.index(slot), count=1)
+        value += beta * c_tile.to(gl.float32)
+    rows = first_m + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
+    cols = first_n + gl.arange(0, 2 * BLOCK_C, layout=gl.SliceLayout(0, layout))
+    value += gl.where(rows[:, None] == cols[None, :], gamma, 0.0)
+    value = value.to(out_desc.dtype)
+    if rows_exist:
+        staging = out_bufs.index(0)  # 1 × 128 × 256
+        tile = staging.reshape([BLOCK_C, 2 * BLOCK_C])
+        tma.store_wait(0)  # the previous tile's transposed stores have read the buffer
+        tile.store(value)
+        gl.thread_barrier()  # the whole tile is staged before a diagonal half is mirrored
+        if first_n == first_m:  # first strip of a diagonal super-tile: left half on it
+            _mirror_lower(tile.slice(0, BLOCK_C, dim=1))
+        elif first_n + BLOCK_C == first_m:  # second strip: right half on it
+            _mirror_lower(tile.slice(BLOCK_C, BLOCK_C, dim=1))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(
+            out_desc, [batch_index, first_m, first_n], staging.slice(0, BLOCK_C, dim=2)
+        )
+        if first_n + BLOCK_C <= first_m:
+            tma.async_copy_shared_to_global(
+                out_desc,
+                [batch_index, first_m, first_n + BLOCK_C],
+                staging.slice(BLOCK_C, BLOCK_C, dim=2),
+            )
+            # The left half lies strictly below the diagonal: its mirror, and the right
+            # half's where that one is strictly below too.
+            transposed_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [1, 2 * BLOCK_C, BLOCK_C], out_desc.dtype
+            )
+            flipped = staging._reinterpret(
+                out_desc.dtype, [1, 2 * BLOCK_C, BLOCK_C], transposed_layout
+            )
+            tma.store_wait(0)  # the in-place stores have read the buffer
+            flipped.reshape([2 * BLOCK_C, BLOCK_C]).permute((1, 0)).store(value)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(
+                out_desc, [batch_index, first_n, first_m], flipped.slice(0, BLOCK_C, dim=1)
+            )
+            if first_n + 2 * BLOCK_C <= first_m:
+                tma.async_copy_shared_to_global(
+                    out_desc,
+                    [batch_index, first_n + BLOCK_C, first_m],
+                    flipped.slice(BLOCK_C, BLOCK_C, dim=1),
+                )
+
+
+@gluon.jit
+def _consumer_wide(state, SYRK: gl.constexpr, HAS_C: gl.constexpr):
+    """The one consumer of wide tiles: a 128×256 accumulator, one ``N = 256`` wgmma per
+    K-slice (the A slice is read from shared memory once per slice, not once per block),
+    then :func:`_epilogue_wide`."""
+    a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs, turns = state[0]
+    m, k, total_tiles, tiles_per_matrix, alpha, beta, gamma = state[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    layout: gl.constexpr = _acc_layout(gl.num_warps(), 2 * BLOCK_C)
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    k_steps = gl.cdiv(k, BLOCK_K)
+    local = 0
+    for tile in range(pid, total_tiles, programs):
+        batch_index, first_m, first_n = _tile_origin(tile, tiles_per_matrix, 2)
+        acc = gl.zeros((BLOCK_C, 2 * BLOCK_C), gl.float32, layout)
+        pos = local * k_steps
+        for ks in range(k_steps):
+            stage = pos % STAGES
+            mbarrier.wait(ready.index(stage), (pos // STAGES) & 1)
+            b = _b_view(b_bufs, stage, SYRK)
+            acc = warpgroup_mma(a_bufs.index(stage), b, acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            if ks > 0:  # the previous slice's MMA is complete: its stage goes back
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((pos - 1) % STAGES), count=1)
+            pos += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((pos - 1) % STAGES), count=1)
+        _epilogue_wide(
+            acc,
+            c_bufs,
+            c_ready,
+            c_empty,
+            local,
+            out_desc,
+            out_bufs,
+            batch_index,
+            first_m,
+            first_n,
+            first_m < m,
+            alpha,
+            beta,
+            gamma,
+            HAS_C,
+            layout,
+        )
+        local += 1
+    tma.store_wait(0)
+
+
 # Sizes only feed TMA coordinates and loop bounds: specialising on them (==1, %16) would compile
 # one binary per shape class for nothing.
 @gluon.jit(do_not_specialize=["m", "k", "total_tiles", "tiles_per_matrix"])
@@ -494,16 +660,27 @@ def _symmetric_product_gluon_kernel(
     SYRK: gl.constexpr,
     HAS_C: gl.constexpr,
     STORE_SLOTS: gl.constexpr,
+    WIDE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = a_desc.dtype
+    # A wide tile's B slice and C block arrive whole (one load of 256 columns each).
+    PARTS: gl.constexpr = 1 if WIDE else SPLIT
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(
-        dtype, [STAGES * SPLIT] + b_desc.block_type.shape, b_desc.layout
+        dtype, [STAGES * PARTS] + b_desc.block_type.shape, b_desc.layout
     )
-    out_bufs = gl.allocate_shared_memory(
-        out_desc.dtype, [CONSUMERS * STORE_SLOTS] + out_desc.block_type.shape, out_desc.layout
-    )
+    if WIDE:  # one 128×256 staging buffer, stored from in two halves
+        wide_shape: gl.constexpr = [1, BLOCK_C, 2 * BLOCK_C]
+        out_bufs = gl.allocate_shared_memory(
+            out_desc.dtype,
+            [1] + wide_shape,
+            gl.NVMMASharedLayout.get_default_for(wide_shape, out_desc.dtype),
+        )
+    else:
+        out_bufs = gl.allocate_shared_memory(
+            out_desc.dtype, [CONSUMERS * STORE_SLOTS] + out_desc.block_type.shape, out_desc.layout
+        )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -543,8 +720,8 @@ def _symmetric_product_gluon_kernel(
                 [
                     (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
                     (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
-                    (_operand_loader, (loader, SPLIT, SYRK)),
-                    (_c_loader, (c_loader, SPLIT)),
+                    (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
+                    (_c_loader, (c_loader, SPLIT, PARTS)),
                 ],
                 [num_warps, 1, 1],
                 [232, 40, 40],
@@ -554,18 +731,38 @@ def _symmetric_product_gluon_kernel(
                 [
                     (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
                     (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
-                    (_operand_loader, (loader, SPLIT, SYRK)),
+                    (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
                 ],
                 [num_warps, 1],
                 [232, 40],
+            )
+    elif WIDE:
+        if HAS_C:
+            gl.warp_specialize(
+                [
+                    (_consumer_wide, (consumer, SYRK, HAS_C)),
+                    (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
+                    (_c_loader, (c_loader, SPLIT, PARTS)),
+                ],
+                [1, 1],
+                [40, 40],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer_wide, (consumer, SYRK, HAS_C)),
+                    (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
+                ],
+                [1],
+                [40],
             )
     else:
         if HAS_C:
             gl.warp_specialize(
                 [
                     (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
-                    (_operand_loader, (loader, SPLIT, SYRK)),
-                    (_c_loader, (c_loader, SPLIT)),
+                    (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
+                    (_c_loader, (c_loader, SPLIT, PARTS)),
                 ],
                 [1, 1],
                 [40, 40],
@@ -574,7 +771,7 @@ def _symmetric_product_gluon_kernel(
             gl.warp_specialize(
                 [
                     (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
-                    (_operand_loader, (loader, SPLIT, SYRK)),
+                    (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
                 ],
                 [1],
                 [40],
@@ -673,14 +870,15 @@ def kernel_arguments(
     m, k = a.shape[-2], a.shape[-1]
     batch = a.shape[0] if a.dim() == 3 else 1
     bk = config.block_k
+    cols = config.cols if config.wide else BLOCK  # columns of one B load and one C load
     a_desc = _descriptor(a, [batch * m, k], [k, 1], [BLOCK, bk])
     if b is None:
-        b_desc = _descriptor(a, [batch * m, k], [k, 1], [BLOCK, bk])
+        b_desc = _descriptor(a, [batch * m, k], [k, 1], [cols, bk])
     else:  # 3-D: a K-slice past k is zero-filled instead of reading the next matrix
-        b_desc = _descriptor(b, [batch, k, m], [k * m, m, 1], [1, bk, BLOCK])
+        b_desc = _descriptor(b, [batch, k, m], [k * m, m, 1], [1, bk, cols])
     out_desc = _descriptor(out, [batch, m, m], [m * m, m, 1], [1, BLOCK, BLOCK])
     has_c = c is not None and beta != 0.0
-    c_desc = _descriptor(c, [batch, m, m], [m * m, m, 1], [1, BLOCK, BLOCK]) if has_c else out_desc
+    c_desc = _descriptor(c, [batch, m, m], [m * m, m, 1], [1, BLOCK, cols]) if has_c else out_desc
     per_matrix, total = lower_tile_count(m, batch, config.split)
     args = (a_desc, b_desc, c_desc, out_desc, m, k, total, per_matrix)
     args += (float(alpha), float(beta), float(gamma))
@@ -692,6 +890,7 @@ def kernel_arguments(
         SYRK=b is None,
         HAS_C=has_c,
         STORE_SLOTS=config.store_slots,
+        WIDE=config.wide,
         num_warps=config.num_warps,
     )
     if config.maxnreg:

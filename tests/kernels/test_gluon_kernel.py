@@ -35,6 +35,7 @@ CONFIGS = [
     GluonConfig(split=2, stages=3, c_slots=1),
     GluonConfig(split=1, stages=3, consumers=2, num_warps=4),
     GluonConfig(split=1, stages=4, c_slots=1, store_slots=2),
+    GluonConfig(split=2, block_k=32, stages=4, c_slots=1, wide=True),
 ]
 
 
@@ -51,6 +52,8 @@ CONFIGS = [
         (CONFIGS[2], True, True),
         (CONFIGS[0], False, False),
         (CONFIGS[3], False, True),
+        (CONFIGS[4], False, True),
+        (CONFIGS[4], True, False),
     ],
     ids=lambda v: v.name if isinstance(v, GluonConfig) else str(v),
 )
@@ -66,6 +69,8 @@ def test_kernel_compiles_for_sm90(config, syrk, has_c):
     ptx = compiled.asm["ptx"]
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx
+    # Wide tiles issue one N = 256 wgmma per K-slice, the others N = 128.
+    assert ("m64n256k16" in ptx) == config.wide and ("m64n128k16" in ptx) != config.wide
     assert "setmaxnreg" in ptx  # warp specialisation with register reallocation
     assert "cp.async.bulk.tensor" in ptx  # TMA loads and stores
     assert compiled.asm["cubin"]
@@ -101,6 +106,22 @@ def test_launch_arguments_bind_to_the_kernel(sym_mm):
     assert list(args[3].shape) == [3, 264, 264] and list(args[3].block_shape) == [1, 128, 128]
 
 
+@pytest.mark.parametrize("sym_mm", [False, True])
+def test_wide_tiles_load_256_columns_at_once(sym_mm):
+    """A wide tile's B slice and C block are one 256-column TMA box each; stores stay 128²."""
+    a = torch.randn(3, 264, 40).bfloat16()
+    b = torch.randn(3, 40, 264).bfloat16() if sym_mm else None
+    c = torch.randn(3, 264, 264).bfloat16()
+    out = torch.empty(3, 264, 264, dtype=torch.bfloat16)
+    config = GluonConfig(split=2, block_k=32, stages=4, c_slots=1, wide=True)
+    args, options = gluon_kernel.kernel_arguments(a, b, c, out, 1.0, 0.5, 2.0, config)
+    assert options["WIDE"] and options["SPLIT"] == 2
+    assert list(args[1].block_shape) == ([1, 32, 256] if sym_mm else [256, 32])
+    assert list(args[2].block_shape) == [1, 128, 256]
+    assert list(args[3].block_shape) == [1, 128, 128]
+    assert args[6:8] == (3 * 6, 6)  # the same walk as 128×256 tiles of two blocks
+
+
 def test_configs_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="split"):
         GluonConfig(split=3)
@@ -113,6 +134,12 @@ def test_configs_that_cannot_work_are_refused():
     two = GluonConfig(split=1, stages=4, store_slots=2)  # a second staging buffer: 32 KiB more
     assert two.smem_bytes(2, 2, 2) - GluonConfig(split=1, stages=4).smem_bytes(2, 2, 2) == 32768
     assert two.smem_bytes(2, 2, 2) > gluon_kernel.SMEM_LIMIT  # so it takes one C slot
+    with pytest.raises(ValueError, match="wide tiles are 128×256"):
+        GluonConfig(split=1, wide=True)
+    with pytest.raises(ValueError, match="store_slots=1"):
+        GluonConfig(split=2, wide=True, store_slots=2)
+    # A wide tile's C and staging blocks are 128×256: with BK=64 and 3 stages it cannot fit.
+    assert GluonConfig(split=2, stages=3, wide=True).smem_bytes(2, 2, 2) > gluon_kernel.SMEM_LIMIT
     over = GluonConfig(split=2, stages=3, c_slots=2)  # 128×256, 3 stages and two C blocks
     assert over.smem_bytes(2, 2, 2) > gluon_kernel.SMEM_LIMIT
 
