@@ -16,13 +16,14 @@ Run::
     python benchmarks/gluon_probe.py --isolate-smoke 90    # a deadlocking config cannot hang it
 
 ``--configs`` takes ``;``-separated ``GluonConfig`` fields (``split``, ``block_k``, ``stages``,
-``consumers``, ``num_warps``, ``c_slots``, ``maxnreg``).
+``consumers``, ``num_warps``, ``c_slots``, ``store_slots``, ``wide``, ``maxnreg``).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import asdict
 import sys
 import time
 import traceback
@@ -272,9 +273,8 @@ def smoke_in_subprocesses(configs, args) -> list:
     passed = []
     for config in configs:
         spec = ",".join(
-            f"{key}={getattr(config, key)}"
-            for key in ("split", "block_k", "stages", "consumers", "num_warps", "c_slots")
-        ) + (f",maxnreg={config.maxnreg}" if config.maxnreg else "")
+            f"{key}={int(value)}" for key, value in asdict(config).items() if value is not None
+        )
         command = [sys.executable, __file__, "--smoke-only", "--configs", spec]
         command += ["--dtype", args.dtype]
         try:
