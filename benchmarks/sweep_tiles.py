@@ -25,7 +25,7 @@ import torch
 from dmuon_compile.kernels.autotune import time_ms
 from dmuon_compile.kernels.lower_tiles import TileConfig
 from dmuon_compile.kernels.symmetric_product import launch_symmetric_product
-from dmuon_compile.kernels.syrk import CANDIDATES, _lower_matches, symmetric_product_cublas
+from dmuon_compile.kernels.syrk import CANDIDATES, candidate_matches, symmetric_product_cublas
 from dmuon_compile.kernels.syrk_tma import tma_descriptors
 
 # Configurations tried besides the candidates (--extra): the plain strip walk, descriptor
@@ -130,7 +130,7 @@ def sweep_case(case: str, configs) -> list[str]:
             continue  # the same pointer kernel as a non-TMA config
         try:
             out = launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config)
-            ok = _lower_matches(out, reference)
+            ok = candidate_matches(out, reference)
             t = time_ms(
                 lambda config=config: launch_symmetric_product(a, b, c, 1.0, beta, 0.0, config)
             )

@@ -216,11 +216,17 @@ def _tuning_inputs(
     return a_tune, b_tune, c_tune
 
 
-def _lower_matches(out: Tensor, reference: Tensor) -> bool:
-    """Lower triangles agree to half-precision accuracy (relative Frobenius error < 2e-2)."""
+def candidate_matches(out: Tensor, reference: Tensor) -> bool:
+    """A candidate's product is right: its lower triangle agrees with cuBLAS's to
+    half-precision accuracy (relative Frobenius error < 2e-2), and the whole output is exactly
+    symmetric (every kernel mirrors the triangle it computes: a wrong mirror shows here)."""
     diff = torch.tril(out.float() - reference.float())
     scale = torch.linalg.vector_norm(torch.tril(reference.float())) + 1e-6
-    return bool(torch.isfinite(out).all()) and float(torch.linalg.vector_norm(diff) / scale) < 2e-2
+    return (
+        bool(torch.isfinite(out).all())
+        and float(torch.linalg.vector_norm(diff) / scale) < 2e-2
+        and torch.equal(out, out.mT)
+    )
 
 
 @functools.cache
@@ -314,7 +320,7 @@ def _tuned_choice_slow(op: str, a: Tensor, b: Tensor | None, c: Tensor | None):
             candidates_for(m, a_t, b_t, has_c=c_t is not None) + gluon_candidates(a_t, b_t, c_t),
             lambda config: launch_config(a_t, b_t, c_t, 1.0, 0.5, 0.0, config),
             lambda: symmetric_product_cublas(a_t, b_t, c_t, 1.0, 0.5, 0.0, mirror=False),
-            _lower_matches,
+            candidate_matches,
         )
         cache.put(key, verdict)
     if verdict["choice"] == autotune.CUBLAS or not verdict.get("config"):

@@ -114,6 +114,27 @@ def test_wrong_or_failing_candidates_are_rejected(cache_dir, monkeypatch, capsys
     assert f"candidate {failing} failed" in err
 
 
+def test_a_candidate_must_agree_below_the_diagonal_and_mirror_exactly():
+    """The autotune's check of a candidate: a right lower triangle with a wrong or inexact
+    mirror is refused too (the Gluon and Triton kernels compute one triangle and mirror it)."""
+    a = torch.randn(3, 64, 96)
+    product = a @ a.mT
+    reference = torch.tril(product) + torch.tril(product, -1).mT  # exactly symmetric
+    assert syrk.candidate_matches(reference.clone(), reference)
+    wrong_mirror = reference.clone()
+    wrong_mirror[:, 0, 5] += 1.0  # above the diagonal only: the lower triangle still agrees
+    assert not syrk.candidate_matches(wrong_mirror, reference)
+    inexact = torch.tril(reference) + torch.tril(reference, -1).mT * (1 + 1e-6)
+    assert not syrk.candidate_matches(inexact, reference)
+    wrong_lower = reference.clone()
+    wrong_lower[:, 40:, :20] *= 2.0
+    wrong_lower[:, :20, 40:] *= 2.0  # symmetric, but the products differ
+    assert not syrk.candidate_matches(wrong_lower, reference)
+    nan = reference.clone()
+    nan[0, 1, 1] = float("nan")
+    assert not syrk.candidate_matches(nan, reference)
+
+
 def test_progress_lines_silenced_by_env(cache_dir, monkeypatch, capsys):
     monkeypatch.setenv("DMUON_SYRK_AUTOTUNE_LOG", "0")
     FakeGPU(monkeypatch, _all_candidates(1.0) | {"cublas": 2.0})
