@@ -129,7 +129,7 @@ for stage in $STAGES; do
           echo "== $stage round $round, $side shortlist: $spec"
           DMUON_CACHE_DIR=$WORK/verdicts_$side timeout ${STEP_TIMEOUT:-200} python3 benchmarks/bench_step.py \
             --model "$model" --configs ours_compiled --no-fresh-cache --gluon-shortlist "$spec" \
-            --out "$WORK/${stage}_${side}_$round.md" 2>&1 | quiet | grep -E "^\| |^Gluon shortlist|Error"
+            --out "$WORK/${stage}_${side}_$round.md" 2>&1 | quiet | grep -E "^\| |^Gluon shortlist|Error|autotune verdict"
         done
       done 2>&1 | tee "$log" ;;
     fsdp_*)
