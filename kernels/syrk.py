@@ -76,16 +76,19 @@ GLUON_SHORTLIST_FIELDS: tuple[dict, ...] = ({"split": 1, "stages": 4},)
 def gluon_candidates(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple:
     """The Gluon configurations worth timing for these operands: none for a plain SYRK (no
     ``b``, no ``beta·C``), on anything but SM90, on layouts the Gluon kernel cannot read, or
-    without Gluon in this Triton."""
+    without Gluon in this Triton; a configuration whose shared memory would not fit these
+    operands' dtypes is left out."""
     if (b is None and c is None) or not a.is_cuda:
         return ()
     try:
-        from dmuon_compile.kernels.syrk_gluon import GluonConfig, gluon_supported
+        from dmuon_compile.kernels.syrk_gluon import SMEM_LIMIT, GluonConfig, gluon_supported
     except ImportError:  # a Triton without triton.experimental.gluon
         return ()
     if not gluon_supported(a, b, c):
         return ()
-    return tuple(GluonConfig(**fields) for fields in GLUON_SHORTLIST_FIELDS)
+    size, c_size = a.element_size(), None if c is None else c.element_size()
+    configs = (GluonConfig(**fields) for fields in GLUON_SHORTLIST_FIELDS)
+    return tuple(cfg for cfg in configs if cfg.smem_bytes(size, c_size, size) <= SMEM_LIMIT)
 
 
 def config_from_dict(data: dict):

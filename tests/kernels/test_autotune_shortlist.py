@@ -69,7 +69,7 @@ def test_gram_products_and_products_with_c_on_sm90_also_time_the_gluon_kernel(mo
     pytest.importorskip("triton.experimental.gluon")
     from dmuon_compile.kernels import syrk_gluon
 
-    a, c = torch.empty(2, 256, 256), torch.empty(2, 256, 256)
+    a, c = (torch.empty(2, 256, 256, dtype=torch.bfloat16) for _ in range(2))
     assert syrk.gluon_candidates(a, a, c) == ()  # a CPU tensor
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: True)
@@ -84,6 +84,24 @@ def test_gram_products_and_products_with_c_on_sm90_also_time_the_gluon_kernel(mo
         assert syrk.config_from_dict(config.to_dict()) == config
         verdict = {"choice": config.name, "config": config.to_dict()}
         assert syrk._valid_verdict("key", verdict, "path")
+
+
+def test_gluon_configs_that_would_not_fit_the_operands_are_not_timed(monkeypatch):
+    """A shortlist entry whose shared memory exceeds 227 KiB for these dtypes (an fp32 C in a
+    wide tile's 128×256 C block) is left out rather than failing at launch."""
+    pytest.importorskip("triton.experimental.gluon")
+    from dmuon_compile.kernels import syrk_gluon
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: True)
+    small = {"split": 1, "stages": 3, "c_slots": 1}
+    wide = {"split": 2, "block_k": 32, "stages": 4, "c_slots": 1, "wide": True}
+    monkeypatch.setattr(syrk, "GLUON_SHORTLIST_FIELDS", (small, wide))
+    a = torch.empty(2, 256, 256, dtype=torch.bfloat16)
+    both = syrk.gluon_candidates(a, a, a.clone())
+    assert [c.wide for c in both] == [False, True]
+    fp32_c = syrk.gluon_candidates(a, a, torch.empty(2, 256, 256))
+    assert [c.wide for c in fp32_c] == [False]
 
 
 def test_a_gluon_verdict_checks_the_layout_once_per_key(monkeypatch):
