@@ -136,9 +136,7 @@ def gram_ns_peer():
     return GramNewtonSchulz(gram_newton_schulz_reset_iterations=[2])
 
 
-def run_ns_section(
-    shapes, nan_inputs: int, profile: bool = False
-) -> tuple[list[str], dict, dict]:
+def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list[str], dict, dict]:
     peer = gram_ns_peer()
     peer_ratios = {}
     rows = [

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import asdict
 import sys
 import time
 import traceback
+from dataclasses import asdict
 
 import torch
 
