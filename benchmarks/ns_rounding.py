@@ -18,6 +18,12 @@ and rank 8 plus noise. Prints the largest relative Frobenius error over ``--tria
 
     python benchmarks/ns_rounding.py            # 256×704, 512×1792, 384×1152; ~1 min
     python benchmarks/ns_rounding.py --sizes 64x176 --trials 1
+
+``--square`` asks whether square matrices could join the Gram stacks of their row size: on
+m×m inputs it compares the package's square path (direct NS, fp16, kernel rounding) with Gram
+NS (fp16, C-term form) and direct NS in bf16, each against float64:
+
+    python benchmarks/ns_rounding.py --square --sizes 256 512
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from dmuon_compile.kernels.ops import (  # noqa: E402
 )
 
 from dmuon_compile.coefficients import polar_express  # noqa: E402
-from dmuon_compile.newton_schulz import gram_ns  # noqa: E402
+from dmuon_compile.newton_schulz import direct_ns, gram_ns  # noqa: E402
 
 HALF = torch.float16
 
@@ -145,11 +151,57 @@ def error_by_band(m: int, n: int, seed: int = 0) -> list[tuple[str, float, float
     return rows
 
 
+class BF16Rounding(HalfRounding):
+    """``HalfRounding`` with the rectangular product rounded to bf16 (direct NS's GPU default
+    outside the Gram backend)."""
+
+    @staticmethod
+    def apply_left(c, q, x, beta):
+        acc = q.float() @ x.float()
+        if beta != 0.0:
+            acc = acc + beta * c.float()
+        return acc.to(torch.bfloat16)
+
+
+def square_errors(m: int, kind: str, trials: int) -> dict[str, float]:
+    """Largest relative error vs float64 on m×m inputs of each way to orthogonalise them."""
+    table = polar_express(5)
+    gen = torch.Generator().manual_seed(m)
+    worst = {"direct_fp16": 0.0, "gram_fp16": 0.0, "direct_bf16": 0.0}
+    for _ in range(trials):
+        x = make_input(kind, m, m, gen)
+        ref = reference(x, table)
+        outs = {
+            "direct_fp16": direct_ns(x.to(HALF), table, HalfRounding),
+            "gram_fp16": gram_ns(x.to(HALF), table, (2,), HalfRounding),
+            "direct_bf16": direct_ns(x.to(torch.bfloat16), table, BF16Rounding),
+        }
+        for name, out in outs.items():
+            worst[name] = max(worst[name], float((out.double() - ref).norm() / ref.norm()))
+    return worst
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["256x704", "512x1792", "384x1152"])
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--square", action="store_true", help="square inputs: direct vs Gram NS")
     args = ap.parse_args(argv)
+    if args.square:
+        print(
+            "| m×m | input | direct fp16 (package) | Gram fp16 | direct bf16 | Gram / direct fp16 |"
+            "\n|---|---|---|---|---|---|"
+        )
+        for size in args.sizes:
+            m = int(size.split("x")[0])
+            for kind in ("gaussian", "decay", "low_rank"):
+                e = square_errors(m, kind, args.trials)
+                ratio = e["gram_fp16"] / e["direct_fp16"]
+                print(
+                    f"| {m}×{m} | {kind} | {e['direct_fp16']:.3e} | {e['gram_fp16']:.3e} "
+                    f"| {e['direct_bf16']:.3e} | {ratio:.1f} |"
+                )
+        return 0
     print("| m×n | input | W form | C-term form (package) | W / C-term |\n|---|---|---|---|---|")
     for size in args.sizes:
         m, n = (int(v) for v in size.split("x"))
