@@ -313,6 +313,32 @@ def _store_block(
 
 
 @gluon.jit
+def _tile_value(
+    acc, c_bufs, c_ready, c_empty, c_pos, first_m, first_n, alpha, beta, gamma, dtype,
+    HAS_C: gl.constexpr, layout: gl.constexpr,
+):  # fmt: skip
+    """fp32 ``alpha·acc + beta·C + gamma·I`` of one accumulator (a 128×128 block or a 128×256
+    wide tile), rounded once to ``dtype``; C comes from slot ``c_pos`` of the C ring, which is
+    handed back to the C loader once every lane has read it."""
+    ROWS: gl.constexpr = acc.shape[0]
+    COLS: gl.constexpr = acc.shape[1]
+    value = acc * alpha
+    if HAS_C:
+        C_SLOTS: gl.constexpr = c_bufs.shape[0]
+        slot = c_pos % C_SLOTS
+        mbarrier.wait(c_ready.index(slot), (c_pos // C_SLOTS) & 1)
+        c_tile = c_bufs.index(slot).reshape([ROWS, COLS]).load(layout)
+        fence_async_shared()  # generic-proxy reads before the next TMA write of the slot
+        gl.thread_barrier()  # every lane has read the slot before the C loader may refill it
+        mbarrier.arrive(c_empty.index(slot), count=1)
+        value += beta * c_tile.to(gl.float32)
+    rows = first_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = first_n + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    value += gl.where(rows[:, None] == cols[None, :], gamma, 0.0)
+    return value.to(dtype)
+
+
+@gluon.jit
 def _epilogue_block(
     acc,
     c_bufs,
@@ -334,23 +360,14 @@ def _epilogue_block(
     layout: gl.constexpr,
     STORE_SLOTS: gl.constexpr,
 ):
-    """fp32 ``alpha·acc + beta·C + gamma·I`` of one block, rounded once, stored by the rule;
-    returns the consumer's store count."""
-    value = acc * alpha
-    if HAS_C:
-        C_SLOTS: gl.constexpr = c_bufs.shape[0]
-        slot = c_pos % C_SLOTS
-        mbarrier.wait(c_ready.index(slot), (c_pos // C_SLOTS) & 1)
-        c_tile = c_bufs.index(slot).reshape([BLOCK_C, BLOCK_C]).load(layout)
-        fence_async_shared()  # generic-proxy reads before the next TMA write of the slot
-        gl.thread_barrier()  # every lane has read the slot before the C loader may refill it
-        mbarrier.arrive(c_empty.index(slot), count=1)
-        value += beta * c_tile.to(gl.float32)
-    rows = first_m + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
-    cols = first_n + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
-    value += gl.where(rows[:, None] == cols[None, :], gamma, 0.0)
+    """One block's value (:func:`_tile_value`) stored by the rule; returns the consumer's
+    store count."""
+    value = _tile_value(
+        acc, c_bufs, c_ready, c_empty, c_pos, first_m, first_n, alpha, beta, gamma,
+        out_desc.dtype, HAS_C, layout,
+    )  # fmt: skip
     return _store_block(
-        value.to(out_desc.dtype),
+        value,
         out_desc,
         out_bufs,
         first_slot,
@@ -529,20 +546,10 @@ def _epilogue_wide(
     above it; a half on the diagonal is mirrored in shared memory first. Transposed (the
     staging buffer reinterpreted as 256×128): each half strictly below the diagonal.
     """
-    value = acc * alpha
-    if HAS_C:
-        C_SLOTS: gl.constexpr = c_bufs.shape[0]
-        slot = c_pos % C_SLOTS
-        mbarrier.wait(c_ready.index(slot), (c_pos // C_SLOTS) & 1)
-        c_tile = c_bufs.index(slot).reshape([BLOCK_C, 2 * BLOCK_C]).load(layout)
-        fence_async_shared()  # generic-proxy reads before the next TMA write of the slot
-        gl.thread_barrier()  # every lane has read the slot before the C loader may refill it
-        mbarrier.arrive(c_empty.index(slot), count=1)
-        value += beta * c_tile.to(gl.float32)
-    rows = first_m + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, layout))
-    cols = first_n + gl.arange(0, 2 * BLOCK_C, layout=gl.SliceLayout(0, layout))
-    value += gl.where(rows[:, None] == cols[None, :], gamma, 0.0)
-    value = value.to(out_desc.dtype)
+    value = _tile_value(
+        acc, c_bufs, c_ready, c_empty, c_pos, first_m, first_n, alpha, beta, gamma,
+        out_desc.dtype, HAS_C, layout,
+    )  # fmt: skip
     if rows_exist:
         staging = out_bufs.index(0)  # 1 × 128 × 256
         tile = staging.reshape([BLOCK_C, 2 * BLOCK_C])
