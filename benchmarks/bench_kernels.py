@@ -133,6 +133,9 @@ def gram_ns_peer():
     except Exception as exc:  # not installed (benchmarks/README.md: carried wheels)
         print(f"peer (4) Dao-AILab gram-newton-schulz not run: {type(exc).__name__}: {exc}")
         return None
+    # Its compiled closures see every shape of the section (a stack and its first matrices):
+    # past Dynamo's default 8 recompiles it would fall back to eager and time something else.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return GramNewtonSchulz(gram_newton_schulz_reset_iterations=[2])
 
 
