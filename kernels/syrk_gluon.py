@@ -14,8 +14,8 @@ Partitions (``gl.warp_specialize``), one persistent CTA per SM:
   of ``C_SLOTS`` buffers, so ``C`` arrives while the main loop runs instead of after it;
 - *consumers* (``CONSUMERS`` × warpgroups): asynchronous ``warpgroup_mma`` over the stages,
   then the epilogue. With one consumer (``num_warps`` 4 or 8) it owns every tile; with two
-  (``num_warps=4`` each, "ping-pong") they take alternate tiles, so one consumer's epilogue
-  runs while the other's MMAs keep the tensor cores busy.
+  (``num_warps`` 4 or 8 each, "ping-pong") they take alternate tiles, so one consumer's
+  epilogue runs while the other's MMAs keep the tensor cores busy.
 
 Tiles. A tile is ``128 × (128·SPLIT)``: ``SPLIT`` 128×128 *blocks* side by side, one fp32
 accumulator each. The tiles walk the lower triangle of each matrix as ``lower_tiles.py``
@@ -68,7 +68,7 @@ class GluonConfig:
     split: int = 1  # 128×128 blocks per tile: 1 (128×128 tiles) or 2 (128×256)
     block_k: int = 64
     stages: int = 4  # operand ring depth
-    consumers: int = 1  # consumer partitions: 1 (cooperative) or 2 (ping-pong, 4 warps each)
+    consumers: int = 1  # consumer partitions: 1 (cooperative) or 2 (ping-pong, 4 or 8 warps each)
     num_warps: int = 8  # warps of each consumer: 4 or 8 (8: two warpgroups share a tile)
     c_slots: int = 2  # C ring depth, in 128×128 blocks (only with a beta·C term)
     # Staging buffers of each consumer's stores: with 2, a block's transposed store is written
@@ -88,8 +88,6 @@ class GluonConfig:
             raise ValueError(f"GluonConfig: consumers={self.consumers} must be 1 or 2")
         if self.num_warps not in (4, 8):
             raise ValueError(f"GluonConfig: num_warps={self.num_warps} must be 4 or 8")
-        if self.consumers == 2 and self.num_warps != 4:
-            raise ValueError("GluonConfig: two consumers (ping-pong) run 4 warps each")
         if self.consumers == 2 and (self.split != 1 or self.c_slots < 2):
             raise ValueError(
                 "GluonConfig: two consumers take 128×128 tiles (split=1) and c_slots >= 2 "
@@ -721,6 +719,11 @@ def _symmetric_product_gluon_kernel(
     )
     loader = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, m, k, total_tiles, tiles_per_matrix)
     c_loader = (c_desc, c_bufs, c_ready, c_empty, total_tiles, tiles_per_matrix)
+    # Registers per thread of the second consumer (the first, the default partition, gets what
+    # the register file has left): 4-warp consumers take 232; two 8-warp consumers share 64 Ki
+    # registers with the loaders, and at 112 each the products with C compile without spills
+    # (sm_90 ptxas; benchmarks/gluon_probe.py --compile-only).
+    CONSUMER_REGS: gl.constexpr = 232 if num_warps == 4 else 112
     if CONSUMERS == 2:
         if HAS_C:
             gl.warp_specialize(
@@ -731,7 +734,7 @@ def _symmetric_product_gluon_kernel(
                     (_c_loader, (c_loader, SPLIT, PARTS)),
                 ],
                 [num_warps, 1, 1],
-                [232, 40, 40],
+                [CONSUMER_REGS, 40, 40],
             )
         else:
             gl.warp_specialize(
@@ -741,7 +744,7 @@ def _symmetric_product_gluon_kernel(
                     (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
                 ],
                 [num_warps, 1],
-                [232, 40],
+                [CONSUMER_REGS, 40],
             )
     elif WIDE:
         if HAS_C:

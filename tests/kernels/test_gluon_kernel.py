@@ -36,6 +36,7 @@ CONFIGS = [
     GluonConfig(split=1, stages=3, consumers=2, num_warps=4),
     GluonConfig(split=1, stages=4, c_slots=1, store_slots=2),
     GluonConfig(split=2, block_k=32, stages=4, c_slots=1, wide=True),
+    GluonConfig(split=1, stages=3, consumers=2, num_warps=8),
 ]
 
 
@@ -54,6 +55,8 @@ CONFIGS = [
         (CONFIGS[3], False, True),
         (CONFIGS[4], False, True),
         (CONFIGS[4], True, False),
+        (CONFIGS[5], False, True),
+        (CONFIGS[5], True, True),
     ],
     ids=lambda v: v.name if isinstance(v, GluonConfig) else str(v),
 )
@@ -125,8 +128,6 @@ def test_wide_tiles_load_256_columns_at_once(sym_mm):
 def test_configs_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="split"):
         GluonConfig(split=3)
-    with pytest.raises(ValueError, match="4 warps each"):
-        GluonConfig(consumers=2, num_warps=8)
     with pytest.raises(ValueError, match="c_slots >= 2"):
         GluonConfig(consumers=2, num_warps=4, c_slots=1)
     with pytest.raises(ValueError, match="store_slots"):
