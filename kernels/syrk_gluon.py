@@ -254,8 +254,10 @@ def _staging_slot(out_bufs, first_slot, stores, STORE_SLOTS: gl.constexpr):
     """The consumer's next staging buffer, once the store that last read it is done.
 
     Stores rotate over ``STORE_SLOTS`` buffers; the one issued ``STORE_SLOTS`` stores ago used
-    this buffer, and waiting until at most ``STORE_SLOTS - 1`` stores are pending waits for it
-    (TMA completes a thread's bulk stores in order).
+    this buffer. ``store_wait(n)`` (``cp.async.bulk.wait_group.read n``) returns once at most the
+    ``n`` most recent bulk groups are pending and every earlier one has read its source, and
+    every consumer thread commits one group per store, so ``n = STORE_SLOTS - 1`` waits for
+    exactly that store.
     """
     tma.store_wait(STORE_SLOTS - 1)
     return out_bufs.index(first_slot + stores % STORE_SLOTS)
@@ -812,6 +814,8 @@ def unsupported_reason(a: Tensor, b: Tensor | None, c: Tensor | None = None) -> 
     if not _is_row_major(a):
         return "a must be contiguous (row-major); pass a.contiguous()"
     m, k = a.shape[-2], a.shape[-1]
+    if k == 0:
+        return "k=0 (an empty inner dimension): the product is beta·C + gamma·I, no kernel needed"
     size = a.element_size()
     if (k * size) % 16 or (m * size) % 16:
         return f"rows must be 16-byte aligned for TMA: m={m} and k={k} must be multiples of 8"

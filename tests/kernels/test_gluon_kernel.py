@@ -150,6 +150,7 @@ def test_configs_that_cannot_work_are_refused():
     [
         (lambda: (torch.randn(64, 64), None, None), "dtype"),
         (lambda: (torch.randn(64, 100).bfloat16(), None, None), "multiples of 8"),
+        (lambda: (torch.randn(2, 64, 0).bfloat16(), None, None), "k=0"),
         (lambda: (torch.randn(64, 64).bfloat16().mT, None, None), "contiguous"),
         (
             lambda: (torch.randn(64, 32).bfloat16(), torch.randn(64, 32).bfloat16().mT, None),
