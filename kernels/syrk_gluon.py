@@ -26,7 +26,10 @@ through a permuted shared-memory view); a block on the diagonal is made symmetri
 registers (``where(i ≥ j, v, vᵀ)``, ``vᵀ`` read back through the permuted view) and stored
 once by TMA; a block above the diagonal (the right half of a diagonal strip) is neither
 multiplied nor stored. TMA clips every store at the matrix's own edge (3-D descriptors), so
-``m`` need not be a multiple of the tile.
+``m`` need not be a multiple of the tile. A *wide* tile (``GluonConfig.wide``) is one 128×256
+accumulator instead of two blocks (one N = 256 ``wgmma`` per K-slice); its epilogue stages the
+whole tile, mirrors a diagonal half in shared memory and stores by halves
+(:func:`_epilogue_wide`).
 
 Requirements (:func:`gluon_supported`): an SM90 GPU and a Triton with Gluon; fp16/bf16
 operands; ``a`` row-major ``(m, k)`` or ``(batch, m, k)`` (contiguous), ``b`` ``None`` or a
