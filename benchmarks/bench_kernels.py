@@ -399,7 +399,21 @@ def main(argv=None) -> int:
         action="store_true",
         help="section A: also print each shape's top GPU kernels (torch.profiler, 3 calls)",
     )
+    parser.add_argument(
+        "--size-gate",
+        default=None,
+        metavar="ROWS,BATCH",
+        help="section A: let stacks of >= BATCH matrices with >= ROWS rows run the symmetric "
+        "kernels (default gate: dmuon_compile.kernel_choice, 2048 rows in stacks of 8), e.g. "
+        "512,8 to time the MoE expert stacks on them",
+    )
     args = parser.parse_args(argv)
+    if args.size_gate:
+        from dmuon_compile import kernel_choice
+
+        rows, batch = (int(v) for v in args.size_gate.split(","))
+        kernel_choice.TRITON_MIN_ROWS_BATCHED, kernel_choice.TRITON_MIN_BATCH = rows, batch
+        print(f"size gate: stacks of >= {batch} with >= {rows} rows run the symmetric kernels")
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
