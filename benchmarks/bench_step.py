@@ -362,19 +362,27 @@ def main(argv=None) -> int:
         "syntax (e.g. 'split=1,stages=4;split=2,block_k=32,stages=4,c_slots=1,wide=1'); for "
         "A/B runs of a shortlist (give each run its own DMUON_CACHE_DIR: verdicts are cached)",
     )
+    ap.add_argument(
+        "--gluon-syrk-shortlist",
+        default=None,
+        metavar="SPEC",
+        help="the same for plain SYRKs (X·Xᵀ without C; none by default); 'none' for none",
+    )
     args = ap.parse_args(argv)
-    if args.gluon_shortlist:
-        from dmuon_compile.kernels import syrk
+    for spec, name in (
+        (args.gluon_shortlist, "GLUON_SHORTLIST_FIELDS"),
+        (args.gluon_syrk_shortlist, "GLUON_SYRK_SHORTLIST_FIELDS"),
+    ):
+        if spec:
+            from dmuon_compile.kernels import syrk
 
-        here = os.path.dirname(os.path.abspath(__file__))
-        sys.path.insert(0, here)
-        from gluon_probe import parse_configs
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from gluon_probe import parse_configs
 
-        syrk.GLUON_SHORTLIST_FIELDS = tuple(
-            {k: v for k, v in c.to_dict().items() if k != "kernel"}
-            for c in parse_configs(args.gluon_shortlist)
-        )
-        print(f"Gluon shortlist: {[c.name for c in parse_configs(args.gluon_shortlist)]}")
+            configs = [] if spec == "none" else parse_configs(spec)
+            fields = tuple({k: v for k, v in c.to_dict().items() if k != "kernel"} for c in configs)
+            setattr(syrk, name, fields)
+            print(f"Gluon shortlist {name}: {[c.name for c in configs]}")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -31,8 +31,9 @@
 #               STAGES=step_E STEP_CONFIGS="torch_muon_compiled ours_compiled" STEP_TIMEOUT=560
 #               (bench_step.py writes its table after each configuration: a cut-off run keeps it)
 #   shortlist_S/M/E  bench_step.py ours_compiled with the autotune's Gluon candidates set to
-#               SHORTLIST_BASE, then SHORTLIST_NEW (gluon_probe.py --configs syntax), each with
-#               its own verdict cache, SHORTLIST_ROUNDS times (default 1), alternating
+#               SHORTLIST_BASE, then SHORTLIST_NEW (gluon_probe.py --configs syntax; the new
+#               side's plain SYRKs: SHORTLIST_SYRK_NEW, default none), each with its own
+#               verdict cache, SHORTLIST_ROUNDS times (default 1), alternating
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
 #   fsdp1_S/M/E the same on one GPU (FSDP1_PROFILE=1: with profiler traces, as fsdp_S/M;
 #               FSDP1_ARGS: more bench_fsdp.py options); E: the MoE model, its experts on
@@ -126,9 +127,11 @@ for stage in $STAGES; do
       for round in $(seq ${SHORTLIST_ROUNDS:-1}); do
         for side in base new; do
           spec=$SHORTLIST_BASE; [ $side = new ] && spec=$SHORTLIST_NEW
-          echo "== $stage round $round, $side shortlist: $spec"
+          syrk_spec=none; [ $side = new ] && syrk_spec=${SHORTLIST_SYRK_NEW:-none}
+          echo "== $stage round $round, $side shortlist: $spec; plain SYRKs: $syrk_spec"
           DMUON_CACHE_DIR=$WORK/verdicts_$side timeout ${STEP_TIMEOUT:-200} python3 benchmarks/bench_step.py \
             --model "$model" --configs ours_compiled --no-fresh-cache --gluon-shortlist "$spec" \
+            --gluon-syrk-shortlist "$syrk_spec" \
             --out "$WORK/${stage}_${side}_$round.md" 2>&1 | quiet | grep -E "^\| |^Gluon shortlist|Error|autotune verdict"
         done
       done 2>&1 | tee "$log" ;;

@@ -71,14 +71,18 @@ SHORTLIST: tuple[TileConfig, ...] = (
 # warp-specialised kernel beats the best Triton candidate. Plain SYRKs (X·Xᵀ, k ≠ m) leave it
 # out: there the Triton strips win, and each candidate is a compile of a cold first step.
 GLUON_SHORTLIST_FIELDS: tuple[dict, ...] = ({"split": 1, "stages": 4},)
+# The Gluon configurations timed for plain SYRKs (X·Xᵀ, no C): none while the Triton strips win
+# there (benchmarks/RESULTS.md §13); a configuration measured faster on them goes here.
+GLUON_SYRK_SHORTLIST_FIELDS: tuple[dict, ...] = ()
 
 
 def gluon_candidates(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple:
-    """The Gluon configurations worth timing for these operands: none for a plain SYRK (no
-    ``b``, no ``beta·C``), on anything but SM90, on layouts the Gluon kernel cannot read, or
-    without Gluon in this Triton; a configuration whose shared memory would not fit these
-    operands' dtypes is left out."""
-    if (b is None and c is None) or not a.is_cuda:
+    """The Gluon configurations worth timing for these operands: ``GLUON_SHORTLIST_FIELDS``, or
+    for a plain SYRK (no ``b``, no ``beta·C``) ``GLUON_SYRK_SHORTLIST_FIELDS``; none on anything
+    but SM90, on layouts the Gluon kernel cannot read, or without Gluon in this Triton; a
+    configuration whose shared memory would not fit these operands' dtypes is left out."""
+    shortlist = GLUON_SYRK_SHORTLIST_FIELDS if b is None and c is None else GLUON_SHORTLIST_FIELDS
+    if not shortlist or not a.is_cuda:
         return ()
     try:
         from dmuon_compile.kernels.syrk_gluon import SMEM_LIMIT, GluonConfig, gluon_supported
@@ -87,7 +91,7 @@ def gluon_candidates(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple:
     if not gluon_supported(a, b, c):
         return ()
     size, c_size = a.element_size(), None if c is None else c.element_size()
-    configs = (GluonConfig(**fields) for fields in GLUON_SHORTLIST_FIELDS)
+    configs = (GluonConfig(**fields) for fields in shortlist)
     return tuple(cfg for cfg in configs if cfg.smem_bytes(size, c_size, size) <= SMEM_LIMIT)
 
 

@@ -77,7 +77,12 @@ def test_gram_products_and_products_with_c_on_sm90_also_time_the_gluon_kernel(mo
     assert got and all(isinstance(g, syrk_gluon.GluonConfig) for g in got)
     assert syrk.gluon_candidates(a, a, None) == got  # a sym_mm without C
     assert syrk.gluon_candidates(a, None, c) == got  # a SYRK with C
-    assert syrk.gluon_candidates(a, None, None) == ()  # a plain X·Xᵀ
+    assert syrk.gluon_candidates(a, None, None) == ()  # a plain X·Xᵀ (its shortlist is empty)
+    monkeypatch.setattr(syrk, "GLUON_SYRK_SHORTLIST_FIELDS", ({"split": 2, "stages": 2},))
+    plain = syrk.gluon_candidates(a, None, None)
+    assert [g.name for g in plain] == ["g128x256_k64_s2_c1w8_cs2"]
+    assert syrk.gluon_candidates(a, a, c) == got  # the other products keep theirs
+    monkeypatch.setattr(syrk, "GLUON_SYRK_SHORTLIST_FIELDS", ())
     monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: False)
     assert syrk.gluon_candidates(a, a, c) == ()
     for config in got + (syrk.DEFAULT_TMA_CONFIG,):
