@@ -47,6 +47,9 @@ CASES = {
     "rr2048": ((56, 2048, 2048), "sym_mm", True),  # Gram-space R·R with C, S stack
     "rr4096": ((28, 4096, 4096), "sym_mm", True),  # Gram-space R·R with C, M stack
     "syrk4096": ((4096, 14336), "syrk", False),  # one 4096×14336 X·Xᵀ
+    # Mixture-of-experts stacks below today's size gate (cuBLAS there): Gram-space R·R with C
+    "rr768": ((64, 768, 768), "sym_mm", True),  # model E's 64 experts of hidden 768
+    "rr1536": ((16, 1536, 1536), "sym_mm", True),  # Qwen3-MoE-like experts of hidden 1536
 }
 SMOKE = [
     ((3, 520, 776), "syrk", True),
