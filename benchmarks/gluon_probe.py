@@ -15,6 +15,10 @@ Run::
     python benchmarks/gluon_probe.py --compile-only        # no GPU: smem/registers per config
     python benchmarks/gluon_probe.py --isolate-smoke 90    # a deadlocking config cannot hang it
 
+``--pick FILE`` writes the shortlist the timings argue for (:func:`pick_shortlist`) in the
+``--configs`` syntax, for the next stage of the same device call (``gpu_suite.sh``'s
+``SHORTLIST_NEW=auto``).
+
 ``--configs`` takes ``;``-separated ``GluonConfig`` fields (``split``, ``block_k``, ``stages``,
 ``consumers``, ``num_warps``, ``c_slots``, ``store_slots``, ``wide``, ``maxnreg``).
 """
@@ -180,7 +184,7 @@ def run_variant(label, launch, ref, flops, args, results, *, timed=True, cublas=
             ms = time_ms(launch, args.warmup, args.iters)
             tflops = flops / ms / 1e9
             line += f"  {ms:8.3f} ms  {tflops:7.1f} TF/s"
-            results.append((label, ms, tflops))
+            results.append((label, ms, tflops, cublas or verdict.endswith("OK")))
         print(line, flush=True)
     except Exception as exc:  # one broken variant must not end the probe
         if isinstance(exc, ValueError) and "shared memory" in str(exc):
@@ -232,6 +236,64 @@ def run_case(name, shape, op, use_c, configs, args, timed=True):
         print(f"  best: {best[0]} {best[1]:.3f} ms {best[2]:.1f} TF/s")
     del a, b, c, ref, out
     torch.cuda.empty_cache()
+    return results
+
+
+def pick_shortlist(cases: dict[str, list], base: str, margin: float = 0.02) -> list[str]:
+    """The Gluon configurations worth the autotune's time, from one probe's timings.
+
+    ``cases``: case name -> ``[(label, ms, tflops, correct), ...]`` (``run_case``'s results;
+    Gluon labels are ``"gluon <config name>"``); ``base``: today's shortlisted configuration's
+    name. A configuration is kept if it was correct in every case it ran and at least
+    ``margin`` faster than the base in some case (the autotune then picks per product); the
+    base is kept unless another kept configuration is faster in every case. One that failed
+    a case, or never beat the base, is left out.
+
+    >>> cases = {"rr": [("gluon a", 1.0, 0, True), ("gluon b", 0.9, 0, True)],
+    ...          "rr4": [("gluon a", 2.0, 0, True), ("gluon b", 2.1, 0, True)]}
+    >>> pick_shortlist(cases, "a")
+    ['a', 'b']
+    """
+    times: dict[str, dict[str, float]] = {}
+    wrong = set()
+    for case, rows in cases.items():
+        for label, ms, _tflops, correct in rows:
+            if not label.startswith("gluon "):
+                continue
+            name = label.removeprefix("gluon ")
+            if not correct:
+                wrong.add(name)
+            times.setdefault(name, {})[case] = ms
+    base_ms = times.get(base, {})
+    kept = [
+        name
+        for name, ms in times.items()
+        if name != base
+        and name not in wrong
+        and any(case in base_ms and t < base_ms[case] * (1 - margin) for case, t in ms.items())
+    ]
+    beaten = any(
+        base_ms and all(case in times[n] and times[n][case] < t for case, t in base_ms.items())
+        for n in kept
+    )
+    if base in times and base not in wrong and not beaten:
+        kept.insert(0, base)
+    return kept
+
+
+def config_spec(configs) -> str:
+    """``configs`` in the ``--configs`` syntax (every field that differs from the default)."""
+    from dmuon_compile.kernels.syrk_gluon import GluonConfig
+
+    default = asdict(GluonConfig())
+    return ";".join(
+        ",".join(
+            f"{key}={int(value)}"
+            for key, value in asdict(c).items()
+            if value != default[key] or key == "split"
+        )
+        for c in configs
+    )
 
 
 def compile_table(configs) -> None:
@@ -320,6 +382,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--compile-only", action="store_true", help="compile for sm_90 and report (no GPU)"
     )
+    parser.add_argument(
+        "--pick",
+        default=None,
+        metavar="FILE",
+        help="write the shortlist the timings argue for (pick_shortlist; the first --configs "
+        "entry is today's) to FILE in the --configs syntax",
+    )
     args = parser.parse_args(argv)
 
     if args.compile_only:
@@ -348,15 +417,24 @@ def main(argv=None) -> int:
             run_case(f"smoke{i}", shape, op, use_c, configs, args, timed=False)
     if args.smoke_only:
         return 0
+    base = parse_configs(args.configs)[0].name  # today's shortlist comes first
+    timings = {}
     for name in filter(None, args.cases.split(",")):
         if name not in CASES:
             print(f"\n{name}: unknown case (have {', '.join(CASES)})")
             continue
         try:
-            run_case(name, *CASES[name], configs, args)
+            timings[name] = run_case(name, *CASES[name], configs, args)
         except Exception as exc:  # e.g. out of memory building the inputs
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
             torch.cuda.empty_cache()
+    if args.pick:
+        by_name = {c.name: c for c in configs}
+        picked = [by_name[n] for n in pick_shortlist(timings, base) if n in by_name]
+        spec = config_spec(picked) if picked else config_spec(parse_configs(args.configs)[:1])
+        with open(args.pick, "w") as handle:
+            handle.write(spec + "\n")
+        print(f"picked shortlist: {spec}")
     return 0
 
 

@@ -14,7 +14,9 @@
 #               (SWEEP_CASES: its --cases; SWEEP_ARGS: more options, e.g. "--only _st,_cp")
 #   gluon       gluon_probe.py: each Gluon configuration checked (small shapes, then the real
 #               products) and timed against the Triton kernels and cuBLAS (GLUON_CASES,
-#               GLUON_CONFIGS: its --cases and --configs; GLUON_ARGS: more options)
+#               GLUON_CONFIGS: its --cases and --configs, today's shortlisted one first;
+#               GLUON_ARGS: more options); the shortlist it argues for goes to
+#               $WORK/gluon_pick.txt (SHORTLIST_NEW=auto reads it)
 #   kernels     bench_kernels.py sections C, A and N (SYRK, NS per matrix, NaN/Inf stress);
 #               KERNEL_ARGS=--profile-ns adds each NS shape's top GPU kernels; with the peer's
 #               wheels carried (.wheels, benchmarks/README.md) §A times Dao-AILab's NS beside ours
@@ -31,7 +33,8 @@
 #               STAGES=step_E STEP_CONFIGS="torch_muon_compiled ours_compiled" STEP_TIMEOUT=560
 #               (bench_step.py writes its table after each configuration: a cut-off run keeps it)
 #   shortlist_S/M/E  bench_step.py ours_compiled with the autotune's Gluon candidates set to
-#               SHORTLIST_BASE, then SHORTLIST_NEW (gluon_probe.py --configs syntax; the new
+#               SHORTLIST_BASE, then SHORTLIST_NEW (gluon_probe.py --configs syntax, or auto:
+#               what the gluon stage of the same call picked, gluon_probe.py --pick; the new
 #               side's plain SYRKs: SHORTLIST_SYRK_NEW, default none), each with its own
 #               verdict cache, SHORTLIST_ROUNDS times (default 1), alternating
 #   fsdp_S/M    bench_fsdp.py on all GPUs, 1-D mesh, with profiler traces (exposed comm)
@@ -106,7 +109,8 @@ for stage in $STAGES; do
         --out "$WORK/sweep.md" 2>&1 | tee "$log" ;;
     gluon)
       timeout ${GLUON_TIMEOUT:-200} python3 benchmarks/gluon_probe.py ${GLUON_CASES:+--cases $GLUON_CASES} \
-        ${GLUON_CONFIGS:+--configs "$GLUON_CONFIGS"} ${GLUON_ARGS:-} 2>&1 | tee "$log" | tail -60 ;;
+        ${GLUON_CONFIGS:+--configs "$GLUON_CONFIGS"} --pick "$WORK/gluon_pick.txt" ${GLUON_ARGS:-} 2>&1 \
+        | tee "$log" | tail -60 ;;
     kernels)
       timeout ${KERNEL_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections ${KERNEL_SECTIONS:-CAN} ${KERNEL_ARGS:-} \
         --out "$WORK/kernels.md" 2>&1 | quiet | tee "$log" | tail -40 ;;
@@ -127,6 +131,9 @@ for stage in $STAGES; do
       for round in $(seq ${SHORTLIST_ROUNDS:-1}); do
         for side in base new; do
           spec=$SHORTLIST_BASE; [ $side = new ] && spec=$SHORTLIST_NEW
+          if [ "$spec" = auto ]; then  # what this call's gluon stage picked
+            spec=$(cat "$WORK/gluon_pick.txt" 2>/dev/null) || { echo "== no gluon pick: run the gluon stage first"; break 2; }
+          fi
           syrk_spec=none; [ $side = new ] && syrk_spec=${SHORTLIST_SYRK_NEW:-none}
           echo "== $stage round $round, $side shortlist: $spec; plain SYRKs: $syrk_spec"
           DMUON_CACHE_DIR=$WORK/verdicts_$side timeout ${STEP_TIMEOUT:-200} python3 benchmarks/bench_step.py \
