@@ -146,10 +146,16 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
         "| shape | baseline ms | ours-cuBLAS ms | ours-Triton ms | speedup (1)/(3) "
         "| speedup (1)/(2) | TFLOP/s base | TFLOP/s (3) | rel.err base | rel.err (3) "
         "| rel.err decay base | rel.err decay (3) | NaN/Inf base | NaN/Inf (3) "
-        "| (4) Dao ms | (4)/(3) | rel.err (4) | rel.err decay (4) | NaN/Inf (4) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| (4) Dao ms | (4)/(3) | rel.err (4) | rel.err decay (4) | NaN/Inf (4) "
+        "| (5) ours-quack ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ours_cublas, ours_triton = NewtonSchulz(kernel="cublas"), NewtonSchulz(kernel="triton")
+    try:  # (5): our NS with quack's symmetric kernel (kernel="quack"), where quack is carried
+        ours_quack = NewtonSchulz(kernel="quack")
+    except (ImportError, RuntimeError) as exc:
+        ours_quack = None
+        print(f"(5) ours with kernel='quack' not run: {exc}")
     print(f"ours: {ours_triton.describe()}", flush=True)
     ours64 = NewtonSchulz(kernel="cublas", work_dtype=torch.float64)
     speedups = {}
@@ -199,6 +205,13 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
                 )
             except Exception as exc:  # report, keep the section's other columns
                 print(f"peer (4) failed on {shape}: {type(exc).__name__}: {str(exc)[:200]}")
+        quack_cell = " n/a |"
+        if ours_quack is not None:
+            try:
+                ours_quack(g)
+                quack_cell = f" {bench_ms(lambda: ours_quack(g)):.3f} |"
+            except Exception as exc:
+                print(f"(5) failed on {shape}: {type(exc).__name__}: {str(exc)[:200]}")
         name = shape_name(shape)
         speedups[name] = t_base / t_triton
         rows.append(
@@ -206,7 +219,7 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
             f"| {t_base / t_triton:.2f}× | {t_base / t_cublas:.2f}× "
             f"| {flops_base / t_base / 1e9:.0f} | {flops_ours / t_triton / 1e9:.0f} | "
             f"{err_base:.2e} | {err_ours:.2e} | {dec_base:.2e} | {dec_ours:.2e} "
-            f"| {bad_base}/{nan_inputs} | {bad_ours}/{nan_inputs} {peer_cells}"
+            f"| {bad_base}/{nan_inputs} | {bad_ours}/{nan_inputs} {peer_cells}{quack_cell}"
         )
         print(rows[-1] + f"  (first call incl. autotune {tune_s:.1f} s)", flush=True)
         if profile:
@@ -484,7 +497,9 @@ def main(argv=None) -> int:
             "whose singular values decay from 1 to 1e-4 (`decaying_spectrum`). "
             "NaN/Inf: inputs whose output had any, inputs scaled 1e-3..1e3. (4): Dao-AILab's "
             "gram-newton-schulz (`GramNewtonSchulz`, quack kernels, its default compile with "
-            "CUDA graphs; n/a where it is not installed); (4)/(3) > 1: ours faster.",
+            "CUDA graphs; n/a where it is not installed); (4)/(3) > 1: ours faster. (5): ours "
+            'with `kernel="quack"` (quack\'s symmetric GEMM inside our NS), where quack is '
+            "installed.",
             "",
         ]
         lines += rows + [""]
