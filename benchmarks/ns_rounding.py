@@ -49,10 +49,10 @@ HALF = torch.float16
 
 
 class HalfRounding:
-    """NS primitives that round each product once to fp16 from an fp32 accumulate: the
-    symmetric products are the custom ops' own torch references (``kernels/ops.py``: fp32
-    product and epilogue, lower triangle mirrored, one cast), the rectangular Q·X a float32
-    matmul rounded once, as cuBLAS does."""
+    """NS primitives that round each product once to the operands' half dtype (fp16, or bf16)
+    from an fp32 accumulate: the symmetric products are the custom ops' own torch references
+    (``kernels/ops.py``: fp32 product and epilogue, lower triangle mirrored, one cast), the
+    rectangular Q·X a float32 matmul rounded once, as cuBLAS does."""
 
     @staticmethod
     def gram(x):
@@ -75,7 +75,7 @@ class HalfRounding:
         acc = q.float() @ x.float()
         if beta != 0.0:
             acc = acc + beta * c.float()
-        return acc.to(HALF)
+        return acc.to(q.dtype)
 
 
 def gram_ns_w_form(x, table, restarts=(2,), ops=HalfRounding):
@@ -151,18 +151,6 @@ def error_by_band(m: int, n: int, seed: int = 0) -> list[tuple[str, float, float
     return rows
 
 
-class BF16Rounding(HalfRounding):
-    """``HalfRounding`` with the rectangular product rounded to bf16 (direct NS's GPU default
-    outside the Gram backend)."""
-
-    @staticmethod
-    def apply_left(c, q, x, beta):
-        acc = q.float() @ x.float()
-        if beta != 0.0:
-            acc = acc + beta * c.float()
-        return acc.to(torch.bfloat16)
-
-
 def square_errors(m: int, kind: str, trials: int) -> dict[str, float]:
     """Largest relative error vs float64 on m×m inputs of each way to orthogonalise them."""
     table = polar_express(5)
@@ -174,7 +162,7 @@ def square_errors(m: int, kind: str, trials: int) -> dict[str, float]:
         outs = {
             "direct_fp16": direct_ns(x.to(HALF), table, HalfRounding),
             "gram_fp16": gram_ns(x.to(HALF), table, (2,), HalfRounding),
-            "direct_bf16": direct_ns(x.to(torch.bfloat16), table, BF16Rounding),
+            "direct_bf16": direct_ns(x.to(torch.bfloat16), table, HalfRounding),
         }
         for name, out in outs.items():
             worst[name] = max(worst[name], float((out.double() - ref).norm() / ref.norm()))
