@@ -29,7 +29,7 @@ multiplied nor stored. TMA clips every store at the matrix's own edge (3-D descr
 ``m`` need not be a multiple of the tile. A *wide* tile (``GluonConfig.wide``) is one 128×256
 accumulator instead of two blocks (one N = 256 ``wgmma`` per K-slice); its epilogue stages the
 whole tile, mirrors a diagonal half in shared memory and stores by halves
-(:func:`_epilogue_wide`).
+(:func:`_store_wide`).
 
 Requirements (:func:`gluon_supported`): an SM90 GPU and a Triton with Gluon; fp16/bf16
 operands; ``a`` row-major ``(m, k)`` or ``(batch, m, k)`` (contiguous), ``b`` ``None`` or a
@@ -316,13 +316,14 @@ def _store_block(
 
 
 @gluon.jit
-def _tile_value(
-    acc, c_bufs, c_ready, c_empty, c_pos, first_m, first_n, alpha, beta, gamma, dtype,
-    HAS_C: gl.constexpr, layout: gl.constexpr,
-):  # fmt: skip
+def _tile_value(acc, c_ring, c_pos, first_m, first_n, scale, dtype, HAS_C: gl.constexpr):
     """fp32 ``alpha·acc + beta·C + gamma·I`` of one accumulator (a 128×128 block or a 128×256
-    wide tile), rounded once to ``dtype``; C comes from slot ``c_pos`` of the C ring, which is
-    handed back to the C loader once every lane has read it."""
+    wide tile; ``scale = (alpha, beta, gamma)``), rounded once to ``dtype``; C comes from slot
+    ``c_pos`` of the C ring ``(buffers, ready, empty)``, which is handed back to the C loader
+    once every lane has read it."""
+    c_bufs, c_ready, c_empty = c_ring
+    alpha, beta, gamma = scale
+    layout: gl.constexpr = acc.type.layout
     ROWS: gl.constexpr = acc.shape[0]
     COLS: gl.constexpr = acc.shape[1]
     value = acc * alpha
@@ -342,50 +343,7 @@ def _tile_value(
 
 
 @gluon.jit
-def _epilogue_block(
-    acc,
-    c_bufs,
-    c_ready,
-    c_empty,
-    c_pos,
-    out_desc,
-    out_bufs,
-    first_slot,
-    stores,
-    batch_index,
-    first_m,
-    first_n,
-    rows_exist,
-    alpha,
-    beta,
-    gamma,
-    HAS_C: gl.constexpr,
-    layout: gl.constexpr,
-    STORE_SLOTS: gl.constexpr,
-):
-    """One block's value (:func:`_tile_value`) stored by the rule; returns the consumer's
-    store count."""
-    value = _tile_value(
-        acc, c_bufs, c_ready, c_empty, c_pos, first_m, first_n, alpha, beta, gamma,
-        out_desc.dtype, HAS_C, layout,
-    )  # fmt: skip
-    return _store_block(
-        value,
-        out_desc,
-        out_bufs,
-        first_slot,
-        stores,
-        batch_index,
-        first_m,
-        first_n,
-        rows_exist,
-        layout,
-        STORE_SLOTS,
-    )
-
-
-@gluon.jit
-def _consumer(
+def _consumer_blocks(
     state,
     CONSUMER: gl.constexpr,
     CONSUMERS: gl.constexpr,
@@ -401,6 +359,7 @@ def _consumer(
     """
     a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs, turns = state[0]
     m, k, total_tiles, tiles_per_matrix, alpha, beta, gamma = state[1]
+    scale = (alpha, beta, gamma)
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     CONSUMER_WARPS: gl.constexpr = gl.num_warps()
@@ -461,50 +420,23 @@ def _consumer(
             gl.thread_barrier()
         mbarrier.arrive(empty.index((pos - 1) % STAGES), count=1)
 
+        # The epilogue, block by block: the value (fp32, rounded once), stored by the rule.
+        rows_exist = first_m < m
         c_pos = local * SPLIT
-        stores = _epilogue_block(
-            acc0,
-            c_bufs,
-            c_ready,
-            c_empty,
-            c_pos,
-            out_desc,
-            out_bufs,
-            first_slot,
-            stores,
-            batch_index,
-            first_m,
-            first_n,
-            first_m < m,
-            alpha,
-            beta,
-            gamma,
-            HAS_C,
-            layout,
-            STORE_SLOTS,
-        )
+        c_ring = (c_bufs, c_ready, c_empty)
+        dtype = out_desc.dtype
+        value = _tile_value(acc0, c_ring, c_pos, first_m, first_n, scale, dtype, HAS_C)
+        stores = _store_block(
+            value, out_desc, out_bufs, first_slot, stores, batch_index, first_m, first_n,
+            rows_exist, layout, STORE_SLOTS,
+        )  # fmt: skip
         if SPLIT == 2:
-            stores = _epilogue_block(
-                acc1,
-                c_bufs,
-                c_ready,
-                c_empty,
-                c_pos + 1,
-                out_desc,
-                out_bufs,
-                first_slot,
-                stores,
-                batch_index,
-                first_m,
-                first_n + BLOCK_C,
-                first_m < m,
-                alpha,
-                beta,
-                gamma,
-                HAS_C,
-                layout,
-                STORE_SLOTS,
-            )
+            first_r = first_n + BLOCK_C
+            value = _tile_value(acc1, c_ring, c_pos + 1, first_m, first_r, scale, dtype, HAS_C)
+            stores = _store_block(
+                value, out_desc, out_bufs, first_slot, stores, batch_index, first_m, first_r,
+                rows_exist, layout, STORE_SLOTS,
+            )  # fmt: skip
         local += CONSUMERS
     tma.store_wait(0)
 
@@ -524,35 +456,14 @@ def _mirror_lower(block):
 
 
 @gluon.jit
-def _epilogue_wide(
-    acc,
-    c_bufs,
-    c_ready,
-    c_empty,
-    c_pos,
-    out_desc,
-    out_bufs,
-    batch_index,
-    first_m,
-    first_n,
-    rows_exist,
-    alpha,
-    beta,
-    gamma,
-    HAS_C: gl.constexpr,
-    layout: gl.constexpr,
-):
-    """The epilogue of one 128×256 wide tile: ``alpha·acc + beta·C + gamma·I`` in fp32, rounded
-    once, staged whole, then stored by the element rule half by half (two 128×128 blocks).
+def _store_wide(value, out_desc, out_bufs, batch_index, first_m, first_n, rows_exist):
+    """Store one 128×256 wide tile's rounded value (:func:`_tile_value`): staged whole, then
+    stored by the element rule half by half (two 128×128 blocks).
 
     In place: the left half always (on or below the diagonal), the right half when it is not
     above it; a half on the diagonal is mirrored in shared memory first. Transposed (the
     staging buffer reinterpreted as 256×128): each half strictly below the diagonal.
     """
-    value = _tile_value(
-        acc, c_bufs, c_ready, c_empty, c_pos, first_m, first_n, alpha, beta, gamma,
-        out_desc.dtype, HAS_C, layout,
-    )  # fmt: skip
     if rows_exist:
         staging = out_bufs.index(0)  # 1 × 128 × 256
         tile = staging.reshape([BLOCK_C, 2 * BLOCK_C])
@@ -599,9 +510,10 @@ def _epilogue_wide(
 def _consumer_wide(state, SYRK: gl.constexpr, HAS_C: gl.constexpr):
     """The one consumer of wide tiles: a 128×256 accumulator, one ``N = 256`` wgmma per
     K-slice (the A slice is read from shared memory once per slice, not once per block),
-    then :func:`_epilogue_wide`."""
+    then :func:`_store_wide`."""
     a_bufs, b_bufs, ready, empty, c_bufs, c_ready, c_empty, out_desc, out_bufs, turns = state[0]
     m, k, total_tiles, tiles_per_matrix, alpha, beta, gamma = state[1]
+    scale = (alpha, beta, gamma)
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     layout: gl.constexpr = _acc_layout(gl.num_warps(), 2 * BLOCK_C)
@@ -626,26 +538,31 @@ def _consumer_wide(state, SYRK: gl.constexpr, HAS_C: gl.constexpr):
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(empty.index((pos - 1) % STAGES), count=1)
-        _epilogue_wide(
-            acc,
-            c_bufs,
-            c_ready,
-            c_empty,
-            local,
-            out_desc,
-            out_bufs,
-            batch_index,
-            first_m,
-            first_n,
-            first_m < m,
-            alpha,
-            beta,
-            gamma,
-            HAS_C,
-            layout,
-        )
+        rows_exist = first_m < m
+        c_ring = (c_bufs, c_ready, c_empty)
+        value = _tile_value(acc, c_ring, local, first_m, first_n, scale, out_desc.dtype, HAS_C)
+        _store_wide(value, out_desc, out_bufs, batch_index, first_m, first_n, rows_exist)
         local += 1
     tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer(
+    state,
+    CONSUMER: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+    SPLIT: gl.constexpr,
+    SYRK: gl.constexpr,
+    HAS_C: gl.constexpr,
+    STORE_SLOTS: gl.constexpr,
+    WIDE: gl.constexpr,
+):
+    """A consumer partition: :func:`_consumer_wide` for wide tiles, else
+    :func:`_consumer_blocks`."""
+    if WIDE:
+        _consumer_wide(state, SYRK, HAS_C)
+    else:
+        _consumer_blocks(state, CONSUMER, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)
 
 
 # Sizes only feed TMA coordinates and loop bounds: specialising on them (==1, %16) would compile
@@ -733,8 +650,8 @@ def _symmetric_product_gluon_kernel(
         if HAS_C:
             gl.warp_specialize(
                 [
-                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
-                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS, WIDE)),
+                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS, WIDE)),
                     (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
                     (_c_loader, (c_loader, SPLIT, PARTS)),
                 ],
@@ -744,38 +661,18 @@ def _symmetric_product_gluon_kernel(
         else:
             gl.warp_specialize(
                 [
-                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
-                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS, WIDE)),
+                    (_consumer, (consumer, 1, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS, WIDE)),
                     (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
                 ],
                 [num_warps, 1],
                 [CONSUMER_REGS, 40],
             )
-    elif WIDE:
-        if HAS_C:
-            gl.warp_specialize(
-                [
-                    (_consumer_wide, (consumer, SYRK, HAS_C)),
-                    (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
-                    (_c_loader, (c_loader, SPLIT, PARTS)),
-                ],
-                [1, 1],
-                [40, 40],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_consumer_wide, (consumer, SYRK, HAS_C)),
-                    (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
-                ],
-                [1],
-                [40],
-            )
     else:
         if HAS_C:
             gl.warp_specialize(
                 [
-                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS, WIDE)),
                     (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
                     (_c_loader, (c_loader, SPLIT, PARTS)),
                 ],
@@ -785,7 +682,7 @@ def _symmetric_product_gluon_kernel(
         else:
             gl.warp_specialize(
                 [
-                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS)),
+                    (_consumer, (consumer, 0, CONSUMERS, SPLIT, SYRK, HAS_C, STORE_SLOTS, WIDE)),
                     (_operand_loader, (loader, SPLIT, SYRK, PARTS)),
                 ],
                 [1],
