@@ -385,6 +385,16 @@ def graph_ms(fn) -> float | None:
         return None
 
 
+def set_size_gate(spec: str) -> None:
+    """``ROWS,BATCH``: stacks of at least BATCH matrices with at least ROWS rows pass the
+    symmetric kernels' size gate (dmuon_compile.kernel_choice), for this process."""
+    from dmuon_compile import kernel_choice
+
+    rows, batch = (int(v) for v in spec.split(","))
+    kernel_choice.TRITON_MIN_ROWS_BATCHED, kernel_choice.TRITON_MIN_BATCH = rows, batch
+    print(f"size gate: stacks of >= {batch} with >= {rows} rows run the symmetric kernels")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -422,11 +432,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.size_gate:
-        from dmuon_compile import kernel_choice
-
-        rows, batch = (int(v) for v in args.size_gate.split(","))
-        kernel_choice.TRITON_MIN_ROWS_BATCHED, kernel_choice.TRITON_MIN_BATCH = rows, batch
-        print(f"size gate: stacks of >= {batch} with >= {rows} rows run the symmetric kernels")
+        set_size_gate(args.size_gate)
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

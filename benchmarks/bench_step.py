@@ -368,7 +368,19 @@ def main(argv=None) -> int:
         metavar="SPEC",
         help="the same for plain SYRKs (X·Xᵀ without C; none by default); 'none' for none",
     )
+    ap.add_argument(
+        "--size-gate",
+        default=None,
+        metavar="ROWS,BATCH",
+        help="let stacks of >= BATCH matrices with >= ROWS rows run the symmetric kernels "
+        "(bench_kernels.py --size-gate), e.g. 512,8 for model E's 768-row expert stacks",
+    )
     args = ap.parse_args(argv)
+    if args.size_gate:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_kernels import set_size_gate
+
+        set_size_gate(args.size_gate)
     for spec, name in (
         (args.gluon_shortlist, "GLUON_SHORTLIST_FIELDS"),
         (args.gluon_syrk_shortlist, "GLUON_SYRK_SHORTLIST_FIELDS"),

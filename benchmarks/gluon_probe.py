@@ -54,6 +54,8 @@ CASES = {
     # Mixture-of-experts stacks below today's size gate (cuBLAS there): Gram-space R·R with C
     "rr768": ((64, 768, 768), "sym_mm", True),  # model E's 64 experts of hidden 768
     "rr1536": ((16, 1536, 1536), "sym_mm", True),  # Qwen3-MoE-like experts of hidden 1536
+    "rr768x512": ((512, 768, 768), "sym_mm", True),  # model E's whole 768-row expert bucket
+    "syrk768x512": ((512, 768, 2048), "syrk", False),  # its first X·Xᵀ
 }
 SMOKE = [
     ((3, 520, 776), "syrk", True),

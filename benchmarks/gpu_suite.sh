@@ -27,7 +27,8 @@
 #               calls, TIER_K="not compiled", "compiled and not race", "race and compiled");
 #               its log and JUnit XML are archived
 #   step_S/M/E  bench_step.py (§B1) with a profile of each configuration (STEP_CONFIGS,
-#               STEP_TIMEOUT); E, the MoE model, leaves torch_muon_compiled out by default: its
+#               STEP_TIMEOUT; STEP_ARGS: more options, e.g. "--size-gate 512,8"; STEP_TAG: a
+#               suffix of its log, table and profile folder, for a second run in one call); E, the MoE model, leaves torch_muon_compiled out by default: its
 #               peer gets every expert as a 2-D matrix, 796 in one Dynamo graph, minutes of
 #               compile (CPU: 50 matrices 57 s, 200 matrices 274 s); run it in a call of its own,
 #               STAGES=step_E STEP_CONFIGS="torch_muon_compiled ours_compiled" STEP_TIMEOUT=560
@@ -124,9 +125,10 @@ for stage in $STAGES; do
     step_*)
       configs="torch_muon torch_muon_compiled ours_eager_cublas ours_eager ours_compiled"; limit=200
       [ "$model" = E ] && configs="torch_muon ours_eager_cublas ours_eager ours_compiled" && limit=300
+      log="$WORK/$stage${STEP_TAG:-}.log"
       timeout ${STEP_TIMEOUT:-$limit} python3 benchmarks/bench_step.py --model "$model" \
-        --configs ${STEP_CONFIGS:-$configs} \
-        --out "$WORK/$stage.md" --profile "$WORK/prof" 2>&1 | quiet | tee "$log" | tail -60 ;;
+        --configs ${STEP_CONFIGS:-$configs} ${STEP_ARGS:-} \
+        --out "$WORK/$stage${STEP_TAG:-}.md" --profile "$WORK/prof${STEP_TAG:-}" 2>&1 | quiet | tee "$log" | tail -60 ;;
     shortlist_*)  # the step alone, ours compiled, with two Gluon shortlists (A/B, alternating)
       for round in $(seq ${SHORTLIST_ROUNDS:-1}); do
         for side in base new; do

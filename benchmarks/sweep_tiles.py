@@ -93,6 +93,17 @@ def _inputs(case: str, gen: torch.Generator):
     if case == "gram_stack":
         r = randn(32, 2048, 2048, scale=2048**-0.5)
         return r, randn(32, 2048, 2048, scale=2048**-0.5), r, 0.5, "sym_mm 32×2048² + C"
+    # Model E's expert bucket (8 stacks of 64 experts, 768×2048 each) and a 1536-row stack
+    if case == "syrk_expert768":
+        return randn(512, 768, 2048, scale=2048**-0.25), None, None, 0.0, "syrk 512×768×2048"
+    if case == "gram_expert768":
+        r = randn(512, 768, 768, scale=768**-0.5)
+        return r, randn(512, 768, 768, scale=768**-0.5), r, 0.5, "sym_mm 512×768² + C"
+    if case == "syrk_expert1536":
+        return randn(16, 1536, 4096, scale=4096**-0.25), None, None, 0.0, "syrk 16×1536×4096"
+    if case == "gram_expert1536":
+        r = randn(16, 1536, 1536, scale=1536**-0.5)
+        return r, randn(16, 1536, 1536, scale=1536**-0.5), r, 0.5, "sym_mm 16×1536² + C"
     raise SystemExit(f"unknown case {case!r}")
 
 
@@ -105,6 +116,10 @@ CASES = (
     "gram_4096_ns",
     "syrk_stack",
     "gram_stack",
+    "syrk_expert768",
+    "gram_expert768",
+    "syrk_expert1536",
+    "gram_expert1536",
 )
 
 
