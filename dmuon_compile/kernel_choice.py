@@ -26,9 +26,12 @@ from dmuon_compile.kernels.autotune import (  # noqa: F401  (UNTIMED_MIN_ROWS: r
 from dmuon_compile.kernels.consistency import agree_across_ranks
 
 # Size gate of the Newton–Schulz products (m×m outputs, a stack of ``batch``): below it the
-# Triton kernels lose to cuBLAS.
+# symmetric kernels lose to cuBLAS. Stacks of 768-row matrices (expert stacks) pass: there the
+# Gluon and TMA kernels beat cuBLAS's full product, which also copies C into its output before
+# every product with a beta·C term (benchmarks/RESULTS.md §22); the autotune still picks cuBLAS
+# per shape where it wins.
 TRITON_MIN_ROWS = 4096
-TRITON_MIN_ROWS_BATCHED = 2048
+TRITON_MIN_ROWS_BATCHED = 768
 TRITON_MIN_BATCH = 8
 # The op's untimed fallback (UNTIMED_MIN_ROWS, HALF_DTYPES) is the kernel package's rule,
 # kernels/autotune.py, imported above under the same names.
@@ -59,8 +62,8 @@ class KernelChoice:
 def size_gate(m: int, batch: int = 1) -> bool:
     """Whether an m×m symmetric product (a stack of ``batch``) is large enough for Triton.
 
-    >>> size_gate(4096), size_gate(2048, batch=8), size_gate(2048)
-    (True, True, False)
+    >>> size_gate(4096), size_gate(768, batch=8), size_gate(2048), size_gate(512, batch=64)
+    (True, True, False, False)
     """
     return m >= TRITON_MIN_ROWS or (m >= TRITON_MIN_ROWS_BATCHED and batch >= TRITON_MIN_BATCH)
 

@@ -35,8 +35,8 @@ from dmuon_compile import env
 from dmuon_compile.log import progress
 
 # 2: mirror; 3: 128×256 strips; 4: TMA; 5-7: TMA stores; 8: C by TMA; 9: Gluon; 10: Gluon also
-# timed for sym_mm products without a C term.
-CACHE_VERSION = 10
+# timed for sym_mm products without a C term; 11: Gluon also timed for plain SYRKs.
+CACHE_VERSION = 11
 CUBLAS = "cublas"
 LOG_SWITCH = env.SYRK_AUTOTUNE_LOG
 ENABLE_SWITCH = env.SYRK_AUTOTUNE

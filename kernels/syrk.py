@@ -71,9 +71,13 @@ SHORTLIST: tuple[TileConfig, ...] = (
 # warp-specialised kernel beats the best Triton candidate. Plain SYRKs (X·Xᵀ, k ≠ m) leave it
 # out: there the Triton strips win, and each candidate is a compile of a cold first step.
 GLUON_SHORTLIST_FIELDS: tuple[dict, ...] = ({"split": 1, "stages": 4},)
-# The Gluon configurations timed for plain SYRKs (X·Xᵀ, no C): none while the Triton strips win
-# there (benchmarks/RESULTS.md §13); a configuration measured faster on them goes here.
-GLUON_SYRK_SHORTLIST_FIELDS: tuple[dict, ...] = ()
+# The Gluon configurations timed for plain SYRKs (X·Xᵀ, no C): the ping-pong of two 4-warp
+# consumers with a 4-deep operand ring (it fits shared memory only without C), which beats
+# cuBLAS and every Triton candidate on the expert stacks' X·Xᵀ (512×768×2048,
+# benchmarks/RESULTS.md §22); the autotune keeps the Triton strips where they win (§13).
+GLUON_SYRK_SHORTLIST_FIELDS: tuple[dict, ...] = (
+    {"split": 1, "stages": 4, "consumers": 2, "num_warps": 4},
+)
 
 
 def gluon_candidates(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple:

@@ -47,6 +47,14 @@ def _kernel_dir() -> Path:
     return Path(kernels.__file__).resolve().parent
 
 
+def _size_gate() -> tuple[int, int, int]:
+    """The size gate the pass applies (it lives outside the hashed sources): a graph cached
+    under another gate must not be reused."""
+    from dmuon_compile import kernel_choice as k
+
+    return (k.TRITON_MIN_ROWS, k.TRITON_MIN_ROWS_BATCHED, k.TRITON_MIN_BATCH)
+
+
 def _source_files() -> tuple[str, ...]:
     files = sorted(_PASS_DIR.glob("*.py")) + sorted(_kernel_dir().rglob("*.py"))
     return tuple(str(f) for f in files)
@@ -131,6 +139,7 @@ class NSChainPass(custom_graph_pass_base()):
                 f"prove={self.prove}",
                 f"user={user_uuid!r}",
                 f"kernel_env={env.ns_kernel_setting()}",
+                f"size_gate={_size_gate()}",
             ]
         )
         return hash_for_files(_source_files(), extra).hex()

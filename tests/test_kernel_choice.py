@@ -5,7 +5,8 @@ The old rules are copied below verbatim in meaning (eager NS's ``primitives_for`
 step's ``pass_enabled``, the pass's ``below_size_gate``, autotune's ``heuristic_choice``);
 hypothesis compares them with the new function and with the callers that now ask it, over
 random sizes, stacks, dtypes, devices and kernel settings, with the thresholds' edges sampled
-often. Control: the same comparison over a grid of those edges catches a rule set whose row
+often. The one deliberate change since: stacks of ≥ 8 pass the gate from 768 rows, not 2048
+(expert stacks; benchmarks/RESULTS.md §22). Control: the same comparison over a grid of those edges catches a rule set whose row
 threshold is off by one.
 """
 
@@ -29,7 +30,7 @@ from dmuon_compile.newton_schulz import CustomOpPrimitives, NewtonSchulz, TorchP
 
 HALF = (torch.float16, torch.bfloat16)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-EDGES_M = (1, 511, 512, 1023, 1024, 1448, 2047, 2048, 2049, 4095, 4096, 4097)
+EDGES_M = (1, 511, 512, 767, 768, 769, 1023, 1024, 1448, 2047, 2048, 2049, 4095, 4096, 4097)
 EDGES_BATCH = (1, 2, 3, 4, 7, 8, 9)
 DEVICES = ("cuda", "cpu", "meta")
 REQUESTED = ("auto", "triton", "cublas")
@@ -38,7 +39,7 @@ RESOLVED = ("triton", "cublas")
 
 # ----------------------------------------------------------------------------- the old rules
 def old_triton_worthwhile(m, batch, min_rows=4096):
-    return m >= min_rows or (m >= 2048 and batch >= 8)
+    return m >= min_rows or (m >= 768 and batch >= 8)
 
 
 def old_eager_uses_op(resolved, m, batch, min_rows=4096):

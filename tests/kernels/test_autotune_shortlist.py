@@ -64,7 +64,8 @@ def test_products_with_c_also_time_c_in_the_prologue(monkeypatch):
 def test_gram_products_and_products_with_c_on_sm90_also_time_the_gluon_kernel(monkeypatch):
     """Where the Gluon kernel can read the operands (SM90, row-major) its shortlist is timed
     beside the Triton candidates for a Gram-space product (``b`` given) with or without C and
-    for a SYRK with C; not for a plain SYRK, nor where it cannot read them; a verdict naming it
+    for a SYRK with C; a plain SYRK times its own shortlist (the 4-warp ping-pong, whose 4-deep
+    ring fits only without C); none where it cannot read them; a verdict naming it
     round-trips through the cache's dict and is accepted."""
     pytest.importorskip("triton.experimental.gluon")
     from dmuon_compile.kernels import syrk_gluon
@@ -77,15 +78,18 @@ def test_gram_products_and_products_with_c_on_sm90_also_time_the_gluon_kernel(mo
     assert got and all(isinstance(g, syrk_gluon.GluonConfig) for g in got)
     assert syrk.gluon_candidates(a, a, None) == got  # a sym_mm without C
     assert syrk.gluon_candidates(a, None, c) == got  # a SYRK with C
-    assert syrk.gluon_candidates(a, None, None) == ()  # a plain X·Xᵀ (its shortlist is empty)
+    pingpong = syrk.gluon_candidates(a, None, None)  # a plain X·Xᵀ: its own shortlist
+    assert [(g.consumers, g.num_warps, g.stages) for g in pingpong] == [(2, 4, 4)]
+    assert pingpong[0] not in got
     monkeypatch.setattr(syrk, "GLUON_SYRK_SHORTLIST_FIELDS", ({"split": 2, "stages": 2},))
     plain = syrk.gluon_candidates(a, None, None)
     assert [g.name for g in plain] == ["g128x256_k64_s2_c1w8_cs2"]
     assert syrk.gluon_candidates(a, a, c) == got  # the other products keep theirs
     monkeypatch.setattr(syrk, "GLUON_SYRK_SHORTLIST_FIELDS", ())
+    assert syrk.gluon_candidates(a, None, None) == ()
     monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: False)
     assert syrk.gluon_candidates(a, a, c) == ()
-    for config in got + (syrk.DEFAULT_TMA_CONFIG,):
+    for config in got + pingpong + (syrk.DEFAULT_TMA_CONFIG,):
         assert syrk.config_from_dict(config.to_dict()) == config
         verdict = {"choice": config.name, "config": config.to_dict()}
         assert syrk._valid_verdict("key", verdict, "path")
