@@ -6,8 +6,8 @@ step's ``pass_enabled``, the pass's ``below_size_gate``, autotune's ``heuristic_
 hypothesis compares them with the new function and with the callers that now ask it, over
 random sizes, stacks, dtypes, devices and kernel settings, with the thresholds' edges sampled
 often. The one deliberate change since: stacks of ≥ 8 pass the gate from 768 rows, not 2048
-(expert stacks; benchmarks/RESULTS.md §22). Control: the same comparison over a grid of those edges catches a rule set whose row
-threshold is off by one.
+(expert stacks; benchmarks/RESULTS.md §22). Control: the same comparison over a grid of those
+edges catches a rule set whose row threshold is off by one.
 """
 
 from __future__ import annotations
