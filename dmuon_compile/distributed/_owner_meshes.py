@@ -5,6 +5,17 @@ An owner mesh is a rank's one-rank mesh (:func:`owner_mesh`), or a TP weight's o
 given on (``_owner_norms.py``), its group's ranks and the rank ``full_tensor`` broadcasts from
 (``_owned.py``). Also the queries on a tensor's holder: :func:`is_owned`, :func:`owner_rank`,
 :func:`local_of`.
+
+Every owner mesh has a named dimension, as the meshes torchtitan builds do: a one-rank owner
+mesh's is :data:`OWNER_DIM` (a TP owner group's is its TP dim's name). Tools that read the names
+of a parameter's mesh — torchtitan's gradient clipping with expert parallelism asserts that every
+parameter's mesh has names and sorts the ``"ep"`` ones apart — treat a dedicated weight like any
+DTensor parameter, without the ``"ep"`` dim: a dense weight.
+
+An owner tensor's collectives (``full_tensor``'s broadcasts) run on its *norm mesh*'s process
+groups (:func:`collective_mesh`): the data-parallel (× TP) ranks of the model part that holds it,
+which are exactly the ranks that hold its dedicated weights. With pipeline parallelism that is
+one stage's ranks; the other stages, busy with their own weights, are never part of them.
 """
 
 from __future__ import annotations
@@ -41,6 +52,9 @@ class MeshRegistry:
         self.source_of: dict[int, int] = {}
         self.keep: list[DeviceMesh] = []
 
+
+# The name of a one-rank owner mesh's dimension (not "ep": a dedicated weight is a dense one).
+OWNER_DIM = "dmuon_owner"
 
 # The one process-wide mesh registry: DTensor dispatch forces it (an owner tensor's ops see only
 # its mesh, never a runtime); per-runtime state lives in each runtime's ``CommContext``.
@@ -92,10 +106,18 @@ def owner_mesh(device_type: str, global_rank: int) -> DeviceMesh:
     key = (device_type, int(global_rank))
     mesh = MESHES.owner_meshes.get(key)
     if mesh is None:
-        mesh = _dt.mesh_without_backend(device_type, [global_rank])
+        mesh = _dt.mesh_without_backend(device_type, [global_rank], (OWNER_DIM,))
         MESHES.owner_meshes[key] = mesh
         MESHES.owner_of[id(mesh)] = int(global_rank)
     return mesh
+
+
+def collective_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh whose process groups owner ``mesh``'s collectives run on: its norm mesh (the
+    data-parallel, or DP × TP, mesh of the model part that holds it); ``None`` if no
+    ``dedicate_params`` of this process made ``mesh``."""
+    entry = MESHES.norm_of.get(id(mesh))
+    return entry[0] if entry is not None else None
 
 
 def empty_local(dtype: torch.dtype, device: torch.device) -> Tensor:
