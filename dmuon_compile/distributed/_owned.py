@@ -31,7 +31,10 @@ on torch 2.13 and 2.11):
   ``dmuon.clip_grad_norm_`` is the same with a plain-tensor result.
 - ``DTensor.full_tensor()`` of a one-rank DTensor gives the tensor on its owner and an empty one
   elsewhere. ``OwnerTensor.full_tensor()`` broadcasts each piece from its holder (collective,
-  like ``full_tensor()`` of FSDP2's DTensors, the same broadcasts on every rank) and its ops
+  like ``full_tensor()`` of FSDP2's DTensors: the same broadcasts on every rank of the model
+  part's data-parallel mesh, on that mesh's process groups, never the default group — with
+  pipeline parallelism each stage gathers its own weights; a rank outside that mesh raises
+  instead of waiting) and its ops
   return ``OwnerTensor`` again, so ``p.full_tensor()`` and ``p.detach().full_tensor()`` give the
   weight on every rank; ``dmuon.full_tensor(t)`` does the same for any tensor. Its
   ``redistribute(Replicate)`` does the same, which is how torch's
@@ -82,6 +85,7 @@ from dmuon_compile.distributed._owner_init import (
 )
 from dmuon_compile.distributed._owner_meshes import (
     MESHES,
+    collective_mesh,
     empty_local,
     is_owned,
     is_owner_mesh,
@@ -416,9 +420,11 @@ def _sources(t: DTensor) -> tuple[int, ...] | None:
 
 def full_tensor(t: Tensor) -> Tensor:
     """The whole tensor on every rank. Collective for owner tensors (a broadcast from each rank
-    that holds a piece: the owner, or each member of a TP weight's owner group) and for other
-    DTensors (``full_tensor()``); plain tensors come back as they are. Every rank calls it in the
-    same order (the collectives are the same everywhere).
+    that holds a piece: the owner, or each member of a TP weight's owner group, over the ranks
+    of the model part that holds it: its data-parallel, or DP × TP, mesh) and for other DTensors
+    (``full_tensor()``); plain tensors come back as they are. Every rank of that mesh calls it,
+    in the same order (the collectives are the same everywhere); with pipeline parallelism,
+    the ranks of the weight's stage only — a rank outside its mesh raises ``RuntimeError``.
 
     Example::
 
@@ -428,6 +434,8 @@ def full_tensor(t: Tensor) -> Tensor:
         return t
     sources = _sources(t)
     if sources is None:
+        if isinstance(t, OwnerTensor):  # an owner mesh this process does not know
+            raise _unknown_holders()
         return t.full_tensor()
     _pending.before_access(write=False)  # the weight with every pending update applied
     local = local_of(t)
@@ -443,14 +451,15 @@ def full_tensor(t: Tensor) -> Tensor:
     dim = placement.dim if placement.is_shard() else 0
     if placement.is_shard():
         shape[dim] //= len(sources)
+    mesh = _gather_mesh(t, sources)
     me = dist.get_rank()
     pieces = []
-    for src in sources:  # the same broadcasts, in the same order, on every rank
+    for src in sources:  # the same broadcasts, in the same order, on every rank of `mesh`
         if me == src:
             buf = local.clone(memory_format=torch.contiguous_format)
         else:
             buf = torch.empty(shape, dtype=t.dtype, device=local.device)
-        dist.broadcast(buf, src=src)
+        broadcast_on_mesh(buf, src, mesh)
         pieces.append(buf)
     if len(pieces) == 1:
         return pieces[0]
@@ -458,6 +467,62 @@ def full_tensor(t: Tensor) -> Tensor:
         total = torch.stack(pieces).sum(0)
         return total / len(pieces) if placement.reduce_op == "avg" else total
     return torch.cat(pieces, dim=dim)
+
+
+def _gather_mesh(t: DTensor, sources) -> DeviceMesh:
+    """The mesh ``t``'s gather runs on (:func:`_owner_meshes.collective_mesh`: the ranks of the
+    model part that holds it), after checking that this rank and every holder are in it: a rank
+    outside it (another pipeline stage's) would wait for ranks that never join, so it raises."""
+    mesh = collective_mesh(t.device_mesh)
+    if mesh is None:
+        raise _unknown_holders()
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    me = dist.get_rank()
+    if me not in ranks:
+        raise RuntimeError(
+            f"dmuon.full_tensor on rank {me}: this dedicated tensor belongs to the model part "
+            f"on ranks {ranks} (its data-parallel group: with pipeline parallelism, one stage), "
+            f"which rank {me} is not in; gathering it here would wait for ranks that never join. "
+            f"Call dmuon.full_tensor (or p.full_tensor(), p.redistribute(Replicate)) on the "
+            f"ranks {ranks}, all of them, and on no other rank"
+        )
+    outside = [int(s) for s in sources if int(s) not in ranks]
+    if outside:  # a layout whose holders are not all in its norm mesh: no group spans them
+        raise RuntimeError(
+            f"dmuon.full_tensor: the ranks {outside} holding pieces of this tensor are outside "
+            f"its data-parallel mesh (ranks {ranks}); gather the pieces on the holders' group "
+            "yourself (dmuon.distributed.dedicated_runtime(model).mesh)"
+        )
+    return mesh
+
+
+def _unknown_holders() -> RuntimeError:
+    return RuntimeError(
+        f"dmuon.full_tensor on rank {dist.get_rank()}: no dmuon.dedicate_params of this "
+        "process made this dedicated tensor's owner mesh (a weight of another pipeline stage, "
+        "or one loaded from another process's save), so the ranks that hold it are unknown "
+        "here and gathering it would wait for ranks that never join. Call dmuon.full_tensor "
+        "on the ranks of the model part that holds it, or save that model's weights whole "
+        "there (dmuon.get_model_state_dict)"
+    )
+
+
+def broadcast_on_mesh(buf: Tensor, src: int, mesh: DeviceMesh) -> None:
+    """Broadcast ``buf`` from global rank ``src`` to every rank of ``mesh``, on the mesh's own
+    process groups (one broadcast per dim of size > 1: along dim ``d``, the ranks that agree
+    with ``src`` on the dims after ``d`` take it from their line's holder), never the default
+    group. Collective over the ranks of ``mesh``: every one of them calls it, in the same order."""
+    grid = mesh.mesh
+    at_src = (grid == src).nonzero()
+    at_me = (grid == dist.get_rank()).nonzero()
+    if len(at_src) == 0 or len(at_me) == 0:
+        raise RuntimeError(f"broadcast_on_mesh: rank {src} or this rank is not in {mesh}")
+    s, m = at_src[0].tolist(), at_me[0].tolist()
+    for d in range(mesh.ndim):
+        if mesh.size(d) == 1 or m[d + 1 :] != s[d + 1 :]:
+            continue  # nothing to send along d, or this rank's line gets it at a later dim
+        holder = int(grid[tuple(m[:d] + [s[d]] + m[d + 1 :])])
+        dist.broadcast(buf, src=holder, group=mesh.get_group(d))
 
 
 def _in_init(func, args, kwargs, init_name: str):
