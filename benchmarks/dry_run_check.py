@@ -195,7 +195,12 @@ def main(argv=None) -> int:
         table += "\nRates from this run's shapes: " + json.dumps(rates.to_dict()["anchors"]) + "\n"
         if args.rates_out:
             with open(args.rates_out, "w", encoding="utf-8") as f:
-                json.dump({"measured": measured, "call_ms": ns_rates.H200.call_ms}, f, indent=1)
+                card = {  # the card's memory: the dry run checks each rank's peak against it
+                    "device": name,
+                    "memory_gib": torch.cuda.get_device_properties(device).total_memory / 2**30,
+                }
+                out = {"measured": measured, "call_ms": ns_rates.H200.call_ms, **card}
+                json.dump(out, f, indent=1)
     print()
     print(table)
     if args.out:

@@ -114,7 +114,8 @@ class TargetFlops:
 class NSRates:
     """Newton–Schulz and step timing of one device (see the module docstring for the model).
 
-    ``anchors``: ``(m, useful TFLOP/s)`` pairs, ``m`` ascending.
+    ``anchors``: ``(m, useful TFLOP/s)`` pairs, ``m`` ascending. ``memory_gib``: the card's
+    memory (the dry run notes a predicted peak above it), ``None`` if unknown.
     """
 
     anchors: tuple[tuple[int, float], ...]
@@ -123,6 +124,7 @@ class NSRates:
     start_ms: float = 1.0  # the step's start before its first kernel
     device: str = "custom"
     sources: tuple[str, ...] = field(default=(), compare=False)
+    memory_gib: float | None = None  # the card's memory as the driver reports it (dry run's fit)
 
     def __post_init__(self) -> None:
         if not self.anchors:
@@ -133,6 +135,8 @@ class NSRates:
                 f"NSRates anchors must be (m, TFLOP/s) pairs with m ascending and rates > 0, got "
                 f"{self.anchors}"
             )
+        if self.memory_gib is not None and not self.memory_gib > 0:
+            raise ValueError(f"NSRates memory_gib must be > 0 GiB (or None), got {self.memory_gib}")
 
     @classmethod
     def from_measurements(cls, measured, call_ms: float = 0.3, ns=None, **kwargs) -> NSRates:
@@ -158,15 +162,27 @@ class NSRates:
     @classmethod
     def load(cls, path: str) -> NSRates:
         """From a JSON file: ``{"anchors": [[m, tflops], ...], "call_ms": ..., ...}`` (the
-        fields of this class) or ``{"measured": [[[m, n], batch, ms], ...], "call_ms": ...}``."""
+        fields of this class) or ``{"measured": [[[m, n], batch, ms], ...], "call_ms": ...}``.
+        A file that is neither raises ``ValueError`` saying what is wrong and what it must
+        hold."""
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if "measured" in data:
-            measured = [(tuple(s), b, ms) for s, b, ms, *_ in data.pop("measured")]
-            return cls.from_measurements(measured, **data)
-        data["anchors"] = tuple((int(m), float(r)) for m, r in data["anchors"])
-        data["sources"] = tuple(data.get("sources", ()))
-        return cls(**data)
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise _bad_rates(path, f"not JSON ({e})") from None
+        _check_rates_file(path, data)
+        data = dict(data)
+        try:
+            if "measured" in data:
+                measured = [(tuple(s), b, ms, *rest) for s, b, ms, *rest in data.pop("measured")]
+                data.pop("sources", None)  # from_measurements takes them from the entries
+                return cls.from_measurements(measured, **data)
+            data["anchors"] = tuple((int(m), float(r)) for m, r in data["anchors"])
+            data["sources"] = tuple(data.get("sources", ()))
+            return cls(**data)
+        except ValueError as e:  # the class's own checks (ascending anchors, ms > call_ms)
+            raise _bad_rates(path, str(e)) from None
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -211,7 +227,71 @@ H200 = NSRates.from_measurements(
     elementwise_ps=10.5,  # §15: S 4.3 ms for 411M elements, M ~10 ms for 973M
     start_ms=1.0,  # §14/§15 traces: ~1 ms before the step's first kernel
     device="H200 (torch 2.11, default NewtonSchulz)",
+    memory_gib=143771 / 1024,  # an H200 SXM as nvidia-smi reports it: 143771 MiB (141 GB)
 )
+
+_RATES_FILE = (
+    'the file must hold one JSON object: either "anchors": [[m, TFLOP/s], ...] (m ascending, '
+    'rates > 0) or "measured": [[[m, n], batch, ms], ...] (each ms above call_ms), and '
+    "optionally call_ms, elementwise_ps, start_ms (numbers >= 0), device (text), sources (a "
+    "list of text), memory_gib (the card's GiB, > 0); `python benchmarks/dry_run_check.py "
+    "--shapes --rates-out rates.json` writes one"
+)
+_NUMBERS = ("call_ms", "elementwise_ps", "start_ms")
+
+
+def _bad_rates(path, what: str) -> ValueError:
+    return ValueError(f"rates file {path}: {what}; {_RATES_FILE}")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_rates_file(path, data) -> None:
+    """What :meth:`NSRates.load` needs of a file's JSON ``data``; raises naming the first flaw."""
+    if not isinstance(data, dict):
+        raise _bad_rates(path, f"it holds a JSON {type(data).__name__}, not an object")
+    kinds = [k for k in ("anchors", "measured") if k in data]
+    if len(kinds) != 1:
+        raise _bad_rates(
+            path,
+            "it has both 'anchors' and 'measured'"
+            if kinds
+            else "it has no 'anchors' or 'measured'",
+        )
+    known = {"anchors", "measured", "memory_gib", "device", "sources", *_NUMBERS}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise _bad_rates(path, f"unknown keys {unknown}")
+    (kind,) = kinds
+    items = data[kind]
+    if not isinstance(items, list) or not items:
+        raise _bad_rates(path, f"'{kind}' is {items!r}, not a non-empty list")
+    for i, item in enumerate(items):
+        if kind == "anchors":
+            ok = isinstance(item, list) and len(item) == 2 and all(map(_number, item))
+            ok = ok and item[0] >= 1 and item[0] == int(item[0]) and item[1] > 0
+            want = "[m, TFLOP/s] with m a whole number >= 1 and TFLOP/s > 0"
+        else:
+            shape = item[0] if isinstance(item, list) and item else None
+            ok = isinstance(item, list) and len(item) in (3, 4) and isinstance(shape, list)
+            ok = ok and len(shape) == 2 and all(_number(x) and x >= 1 for x in shape)
+            ok = ok and all(_number(x) and x > 0 for x in item[1:3])
+            want = "[[m, n], batch, ms] (optionally a source text after ms), all > 0"
+        if not ok:
+            raise _bad_rates(path, f"'{kind}'[{i}] is {item!r}, not {want}")
+    for key in _NUMBERS:
+        if key in data and not (_number(data[key]) and data[key] >= 0):
+            raise _bad_rates(path, f"{key} is {data[key]!r}, not a number >= 0")
+    memory = data.get("memory_gib")
+    if memory is not None and not (_number(memory) and memory > 0):
+        raise _bad_rates(path, f"memory_gib is {memory!r}, not a number > 0")
+    if "device" in data and not isinstance(data["device"], str):
+        raise _bad_rates(path, f"device is {data['device']!r}, not text")
+    sources = data.get("sources", [])
+    if not (isinstance(sources, list) and all(isinstance(x, str) for x in sources)):
+        raise _bad_rates(path, f"sources is {sources!r}, not a list of text")
 
 
 def predict_step_ms(shapes, rates: NSRates = H200, stack_bytes: int | None = None, ns=None):

@@ -581,3 +581,124 @@ def test_pp_errors_from_the_function():
     # a trivial tp or ep is allowed
     assert dry_run("tiny", 4, pp=2, tp_size=1).pp == 2
     assert dry_run("E", 8, pp=2, ep=1).expert_layout["ep"] == 1
+
+
+# ----------------------------------------------------------------------------- what a user trips
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "1e-12"])
+def test_stack_gib_must_be_a_positive_budget(value, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "tiny", "--gpus", "2", "--stack-gib", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--stack-gib" in err and "number of GiB > 0" in err, err
+    assert main(["--model", "tiny", "--gpus", "2", "--stack-gib", "0.5"]) == 0
+    with pytest.raises(ValueError, match="positive whole number of bytes"):
+        dry_run("tiny", 2, stack_bytes=0)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"anchor": [[768, 240.0]]}', "it has no 'anchors' or 'measured'"),
+        ("[[768, 240.0]]", "it holds a JSON list, not an object"),
+        ("{anchors: 1}", "not JSON"),
+        ('{"anchors": [[768, "fast"]]}', "'anchors'[0] is [768, 'fast'], not [m, TFLOP/s]"),
+        ('{"anchors": []}', "'anchors' is [], not a non-empty list"),
+        ('{"anchors": [[768, 240.0]], "call_ms": "0.3"}', "call_ms is '0.3', not a number"),
+        ('{"anchors": [[768, 240.0]], "tflops": 1}', "unknown keys ['tflops']"),
+        ('{"anchors": [[2048, 1.0], [768, 1.0]]}', "m ascending"),
+        ('{"measured": [[1024, 32, 10.0]]}', "'measured'[0] is [1024, 32, 10.0], not [[m, n]"),
+        ('{"measured": [[[1024, 4096], 32, 0.1]]}', "not more than call_ms"),
+    ],
+)
+def test_a_malformed_rates_file_says_what_is_wrong_and_what_it_must_hold(
+    tmp_path, content, message, capsys
+):
+    path = tmp_path / "rates.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "tiny", "--gpus", "2", "--rates", str(path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"rates file {path}: " in err and message in err, err
+    assert 'the file must hold one JSON object: either "anchors"' in err
+    with pytest.raises(ValueError, match="the file must hold"):
+        ns_rates.NSRates.load(str(path))
+
+
+def test_a_rates_file_carries_its_cards_memory(tmp_path):
+    path = tmp_path / "rates.json"
+    measured = [[[1024, 4096], 32, 10.0, "here"], [[4096, 4096], 4, 20.0]]
+    path.write_text(json.dumps({"measured": measured, "device": "X", "memory_gib": 20.0}))
+    rates = ns_rates.NSRates.load(str(path))
+    assert (rates.device, rates.memory_gib, rates.sources) == ("X", 20.0, ("here",))
+    report = dry_run("llama3-8b", 8, rates=rates)
+    assert report.gpu_memory_bytes == 20 * (1 << 30) and "X, the rates'" in report.card
+    assert ns_rates.H200.memory_gib == pytest.approx(140.4, abs=0.05)  # 143771 MiB
+
+
+def test_comm_is_split_into_fsdp2s_gathers_and_what_owning_adds(llama70b):
+    plain = dry_run(llama70b, 64)
+    for r in plain.rows:  # 1-D, no split: all of it is what FSDP2 alone would move
+        assert r.gather_reduce_bytes == r.fsdp_comm_bytes + r.dedicated_comm_bytes == r.comm_bytes
+        assert r.muon_extra_bytes == 0
+    text = plain.table(top=1)
+    assert "  AG/RS GiB/step" in text and "  Muon extra GiB/step" in text
+    assert "comm = AG/RS 100.0% (the weights' all-gathers" in text
+    assert "what FSDP2 alone moves) + Muon extra 0.0% (what owning adds: none)" in text
+    hsdp = dry_run(llama70b, 512, replicate_size=8, split_size=8)
+    rows = hsdp.rows
+    for r in rows:
+        assert r.comm_bytes == r.gather_reduce_bytes + r.muon_extra_bytes
+        assert r.muon_extra_bytes == r.replicate_comm_bytes + r.split_comm_bytes
+    assert sum(r.split_comm_bytes for r in rows) > 0 and sum(r.replicate_comm_bytes for r in rows)
+    assert sum(r.muon_extra_bytes for r in rows) < 0.05 * sum(r.comm_bytes for r in rows)
+    text = hsdp.table(top=1)
+    assert "HSDP column reduce/broadcast" in text and "split NS" in text
+    d = hsdp.to_dict()
+    assert d["totals"]["comm_bytes"] == (
+        d["totals"]["gather_reduce_bytes"] + d["totals"]["muon_extra_bytes"]
+    )
+
+
+def test_a_peak_above_the_cards_memory_gets_a_note_with_what_fits(llama70b, capsys):
+    argv = ["--model", "llama3-70b", "--gpus", "8", "--top", "1"]
+    assert main([*argv, "--gpu-mem-gib", "79.6"]) == 0  # an 80 GB H100
+    out = capsys.readouterr().out
+    assert "memory: peak 119.48 GiB (rank 0) of 79.6 GiB per GPU (--gpu-mem-gib)" in out
+    assert "DOES NOT FIT on 8 of 8 ranks" in out
+    note = next(line for line in out.splitlines() if "does not fit" in line)
+    assert "the predicted peak, 119.48 GiB on rank 0 (dedicated 63.75 + AdamW 2.94" in note
+    assert "more GPUs (the state shards over them): 16 fit, peak 61.24 GiB" in note
+    assert "--stack-gib 1" in note  # the working set's share
+    at16 = dry_run(llama70b, 16, advise=False)
+    assert max(r.peak_bytes for r in at16.rows) / (1 << 30) == pytest.approx(61.24, abs=0.005)
+    # the default card is the rates' H200 (140.4 GiB): it fits, and says how much is left
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    card = "H200, the rates'; another: --gpu-mem-gib G"
+    assert f"of 140.4 GiB per GPU ({card}): 20.9 GiB left for activations" in out
+    assert "does not fit" not in out
+    with pytest.raises(SystemExit):
+        main([*argv, "--gpu-mem-gib", "0"])
+    assert "one GPU's memory as a number of GiB > 0" in capsys.readouterr().err
+    # from Python: the note is in report.notes; advise=False plans once and notes nothing
+    report = dry_run(llama70b, 8, gpu_memory_gib=79.6)
+    assert any("does not fit the 79.6 GiB" in n for n in report.notes)
+    assert not dry_run(llama70b, 8, gpu_memory_gib=79.6, advise=False).notes
+
+
+def test_many_idle_ranks_point_to_split_size_with_what_it_would_do(llama70b):
+    report = dry_run(llama70b, 4096)
+    (note,) = [n for n in report.notes if "--split-size" in n]
+    assert note.startswith("3536 of 4096 ranks (86%) own no matrix and idle in the step")
+    split8 = dry_run(llama70b, 4096, split_size=8, advise=False)
+    idle8 = len(split8.idle_ranks)
+    ns8 = max(r.ns_ms for r in split8.rows)
+    assert f"--split-size 8: {idle8} idle, NS ms max {ns8:.2f}" in note
+    assert idle8 < 3536 / 4 and ns8 < 32.24 / 4
+    assert "--split-size 16: 0 idle" in note
+    # no note where every rank has work, or where split NS is already on
+    assert not any("--split-size" in n for n in dry_run(llama70b, 512).notes)
+    assert not any("idle in the step" in n for n in split8.notes)
+    assert not any("idle in the step" in n for n in dry_run(llama70b, 4096, split_size=8).notes)

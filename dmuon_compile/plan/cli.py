@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from dmuon_compile.ns_rates import H200, NSRates
@@ -13,6 +14,24 @@ from dmuon_compile.plan.run import _DTYPES, dry_run
 
 
 # ----------------------------------------------------------------------------- command line
+def _gib(what: str, least_bytes: int = 1):
+    """An argparse type: a finite number of GiB of at least ``least_bytes`` bytes."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or int(value * GiB) < least_bytes:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give {what} as a number of GiB > 0 (at least {least_bytes} byte"
+                f"{'s' * (least_bytes > 1)}, {least_bytes / GiB:.3g} GiB)"
+            )
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m dmuon_compile.plan",
@@ -105,7 +124,18 @@ def _parser() -> argparse.ArgumentParser:
         help="reshard_after_forward=False (one unshard; the default with --pp, as torchtitan)",
     )
     ap.add_argument("--rates", help="JSON file of your device's NS rates (ns_rates.NSRates.load)")
-    ap.add_argument("--stack-gib", type=float, help="NewtonSchulz(stack_bytes=...) in GiB")
+    ap.add_argument(
+        "--stack-gib",
+        type=_gib("the NS stack budget (NewtonSchulz(stack_bytes=...), which refuses 0 bytes)"),
+        help="NewtonSchulz(stack_bytes=...) in GiB, > 0 (default 4)",
+    )
+    ap.add_argument(
+        "--gpu-mem-gib",
+        type=_gib("one GPU's memory"),
+        metavar="G",
+        help="one GPU's memory in GiB, to check the peak against (default: the rates' card, "
+        "an H200's 140.4 GiB; an 80 GB H100: 79.6)",
+    )
     ap.add_argument("--top", type=int, default=5, help="busiest ranks shown (default 5)")
     ap.add_argument("--per-rank", action="store_true", help="print every rank's row")
     ap.add_argument("--json", action="store_true", help="print JSON (every rank) instead")
@@ -146,6 +176,7 @@ def main(argv=None) -> int:
                 stages_per_rank=args.stages_per_rank,
                 pp_first_stage_less_layers=args.pp_first_less_layers,
                 pp_last_stage_less_layers=args.pp_last_less_layers,
+                gpu_memory_gib=args.gpu_mem_gib,
             )
         except (ValueError, NotImplementedError) as e:
             ap.error(str(e))

@@ -26,6 +26,7 @@ _SUMMED = (  # RankRow fields a PP rank adds up over its stages (each stage's ow
     "dedicated_comm_bytes",
     "replicate_comm_bytes",
     "tp_comm_bytes",
+    "split_comm_bytes",
     "expert_matrices",
     "expert_ns_ms",
     "expert_reshard_comm_bytes",

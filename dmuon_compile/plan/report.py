@@ -32,6 +32,7 @@ class RankRow:
     dedicated_comm_bytes: int = 0
     replicate_comm_bytes: int = 0
     tp_comm_bytes: int = 0
+    split_comm_bytes: int = 0  # split NS: inside the group, and the pieces to/from the owner
     # Expert stacks left to FSDP2 / EP (part of the columns above): the per-expert matrices this
     # rank orthogonalises (whole experts, after the reshard of a stack sharded inside its
     # experts), their NS ms alone, and that reshard's traffic (also in ``comm_bytes``).
@@ -58,19 +59,34 @@ class RankRow:
         )
 
     @property
-    def comm_bytes(self) -> int:
+    def gather_reduce_bytes(self) -> int:
+        """The weights' all-gathers and gradient reduce-scatters (HSDP: and FSDP2's all-reduce
+        over the replicas): FSDP2's own, and the dedicated groups' in FSDP2's place (the same
+        bytes for even owners): what FSDP2 alone would move."""
+        return self.fsdp_comm_bytes + self.dedicated_comm_bytes
+
+    @property
+    def muon_extra_bytes(self) -> int:
+        """What owning whole matrices adds: HSDP's column reduce and broadcast (in place of
+        FSDP2's all-reduce of those weights), TP's gather to the TP owner, split NS, the
+        expert reshard."""
         return (
-            self.fsdp_comm_bytes
-            + self.dedicated_comm_bytes
-            + self.replicate_comm_bytes
+            self.replicate_comm_bytes
             + self.tp_comm_bytes
+            + self.split_comm_bytes
             + self.expert_reshard_comm_bytes
         )
+
+    @property
+    def comm_bytes(self) -> int:
+        return self.gather_reduce_bytes + self.muon_extra_bytes
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
         out["peak_bytes"] = self.peak_bytes
         out["comm_bytes"] = self.comm_bytes
+        out["gather_reduce_bytes"] = self.gather_reduce_bytes
+        out["muon_extra_bytes"] = self.muon_extra_bytes
         return out
 
 
@@ -85,7 +101,10 @@ COLUMNS = (  # (title, value of a RankRow, bytes, ms or count); "{unit}": the re
     ("NS ms", lambda r: r.ns_ms, "ms"),
     ("step ms", lambda r: r.step_ms, "ms"),
     ("comm {unit}/step", lambda r: r.comm_bytes, "bytes"),
+    ("  AG/RS {unit}/step", lambda r: r.gather_reduce_bytes, "bytes"),  # what FSDP2 moves
+    ("  Muon extra {unit}/step", lambda r: r.muon_extra_bytes, "bytes"),  # what owning adds
 )
+_COMM_PARTS = ("  AG/RS {unit}/step", "  Muon extra {unit}/step")  # shown with any traffic
 # Shown with expert parallelism (dry_run(ep=...)) only, so the other reports stay as they were.
 EP_COLUMNS = (
     ("expert matrices", lambda r: r.expert_matrices, "count"),
@@ -132,6 +151,8 @@ class DryRunReport:
     stage_less_layers: list[int] | None = None  # torchtitan's first/last_stage_less_layers
     stages: list[dict] | None = None  # per stage: layers, PP rank, owners (its DP ranks), loads
     pp_ranks: list[dict] | None = None  # per PP rank: its ranks, stages, layers, NS balance
+    gpu_memory_bytes: int | None = None  # the card's memory (dry_run(gpu_memory_gib=...))
+    card: str = ""  # where that memory comes from (the rates' device, or given)
 
     @property
     def idle_ranks(self) -> list[int]:
@@ -147,6 +168,8 @@ class DryRunReport:
             "sharded_muon_bytes": total("sharded_muon_bytes"),
             "adamw_bytes": total("adamw_bytes"),
             "comm_bytes": total("comm_bytes"),
+            "gather_reduce_bytes": total("gather_reduce_bytes"),
+            "muon_extra_bytes": total("muon_extra_bytes"),
             "ns_ms_max": max((r.ns_ms for r in self.rows), default=0.0),
             "step_ms_max": max((r.step_ms for r in self.rows), default=0.0),
             "peak_bytes_max": max((r.peak_bytes for r in self.rows), default=0),
@@ -200,6 +223,12 @@ class DryRunReport:
                     for v in (min(values), statistics.median(values), max(values))
                 )
             )
+        comm = self._comm_line()
+        if comm:
+            lines.append(comm)
+        memory = self.memory_line()
+        if memory:
+            lines.append(memory)
         idle = self.idle_ranks
         lines.append(f"idle ranks (no NS work): {len(idle)} of {self.world_size}{_ranges(idle)}")
         if self.split:
@@ -226,6 +255,42 @@ class DryRunReport:
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def _comm_line(self) -> str:
+        """What the comm column is made of, over all ranks."""
+        total = sum(r.comm_bytes for r in self.rows)
+        if not total:
+            return ""
+        parts = [
+            (name, sum(getattr(r, field) for r in self.rows))
+            for name, field in (
+                ("HSDP column reduce/broadcast", "replicate_comm_bytes"),
+                ("TP gather/scatter", "tp_comm_bytes"),
+                ("split NS", "split_comm_bytes"),
+                ("expert reshard", "expert_reshard_comm_bytes"),
+            )
+        ]
+        extra = ", ".join(f"{name} {100 * v / total:.1f}%" for name, v in parts if v) or "none"
+        agrs = sum(r.gather_reduce_bytes for r in self.rows)
+        return (
+            f"comm = AG/RS {100 * agrs / total:.1f}% (the weights' all-gathers and gradient "
+            "reduce-scatters, FSDP2's and the dedicated groups' in its place: what FSDP2 alone "
+            f"moves) + Muon extra {100 * (total - agrs) / total:.1f}% (what owning adds: {extra})"
+        )
+
+    def memory_line(self) -> str:
+        """The largest peak against the card's memory ("" when the memory is unknown)."""
+        if self.gpu_memory_bytes is None or not self.rows:
+            return ""
+        top = max(self.rows, key=lambda r: (r.peak_bytes, -r.rank))
+        peak, mem = top.peak_bytes / GiB, self.gpu_memory_bytes / GiB
+        head = (
+            f"memory: peak {peak:.2f} GiB (rank {top.rank}) of {mem:.1f} GiB per GPU ({self.card})"
+        )
+        if peak <= mem:
+            return f"{head}: {mem - peak:.1f} GiB left for activations and unsharded weights"
+        over = sum(1 for r in self.rows if r.peak_bytes > self.gpu_memory_bytes)
+        return f"{head}: DOES NOT FIT on {over} of {self.world_size} ranks (see the note)"
+
     def _columns(self):
         """``(title, value, format)`` of the columns not zero on every rank (a dense model has
         no FSDP2 Muon), bytes in the largest unit that keeps the biggest value >= 1."""
@@ -233,8 +298,10 @@ class DryRunReport:
         biggest = max(biggest, max((r.comm_bytes for r in self.rows), default=0))
         unit, scale = next(((u, s) for u, s in UNITS if biggest >= s), UNITS[-1])
         out = []
+        any_comm = any(r.comm_bytes for r in self.rows)
         for title, get, kind in COLUMNS + (EP_COLUMNS if self.ep is not None else ()):
-            if not any(get(r) for r in self.rows) and title not in ("NS ms", "step ms"):
+            keep = title in ("NS ms", "step ms") or (title in _COMM_PARTS and any_comm)
+            if not keep and not any(get(r) for r in self.rows):
                 continue
             if kind == "bytes":
                 out.append((title.format(unit=unit), lambda r, g=get: g(r) / scale, "{:.2f}"))
@@ -279,7 +346,7 @@ class DryRunReport:
     def _rows_text(self, rows) -> list[str]:
         columns = self._columns()
         pp = self.pp is not None
-        titles = ["rank", *(["pp"] if pp else []), "matrices"] + [c[0] for c in columns]
+        titles = ["rank", *(["pp"] if pp else []), "matrices"] + [c[0].strip() for c in columns]
         cells = [
             [str(r.rank), *([str(self.pp_rank(r.rank))] if pp else []), str(r.matrices)]
             + [f.format(g(r)) for _, g, f in columns]

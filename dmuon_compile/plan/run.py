@@ -80,6 +80,8 @@ def dry_run(
     stages_per_rank: int = 1,
     pp_first_stage_less_layers: int = 1,
     pp_last_stage_less_layers: int = 1,
+    gpu_memory_gib: float | None = None,
+    advise: bool = True,
 ) -> DryRunReport:
     """Predict a job of ``world_size`` GPUs (``[pp ×] replicate_size × shard × tp_size``) per
     rank.
@@ -111,12 +113,71 @@ def dry_run(
     stages' dedicated weights, the later stages of a rank over the earlier ones' NS loads
     (``base_loads``, as ``dedicating(..., balance_stages=True)``). Global rank
     ``pp_rank · world_size / pp + data-parallel rank``. Not with ``tp_size > 1`` or ``ep > 1``.
+    ``gpu_memory_gib``: one GPU's memory (default ``rates.memory_gib``, an H200's for the
+    default rates); a peak above it gets a note. ``advise``: notes with numbers from more dry
+    runs of the same job when many ranks idle (``split_size``) or the peak does not fit (more
+    GPUs, ``split_size``, ``stack_bytes``); ``False``: none, one dry run.
 
     Example::
 
         report = dry_run("llama3-70b", 512, replicate_size=4)
         print(report.table())
     """
+    arguments = dict(locals())
+    if stack_bytes is not None and (
+        isinstance(stack_bytes, bool) or not isinstance(stack_bytes, int) or stack_bytes < 1
+    ):
+        raise ValueError(
+            f"dry_run: stack_bytes={stack_bytes!r}: give a positive whole number of bytes, as "
+            "NewtonSchulz(stack_bytes=...) takes (default 4 GiB, 4 << 30)"
+        )
+    memory = rates.memory_gib if gpu_memory_gib is None else gpu_memory_gib
+    if memory is not None and not (isinstance(memory, (int, float)) and 0 < memory < float("inf")):
+        raise ValueError(f"dry_run: gpu_memory_gib={memory!r}: give one GPU's memory in GiB, > 0")
+    report = _dry_run(
+        **{k: v for k, v in arguments.items() if k not in ("gpu_memory_gib", "advise")}
+    )
+    if memory is not None:
+        report.gpu_memory_bytes = int(memory * GiB)
+        report.card = (
+            "--gpu-mem-gib"
+            if gpu_memory_gib is not None
+            else f"{rates.device.split(' (')[0]}, the rates'; another: --gpu-mem-gib G"
+        )
+    if advise:
+        from dmuon_compile.plan.advice import advise as advise_on
+
+        def rerun(**changes):
+            return dry_run(**{**arguments, **changes, "gpu_memory_gib": memory, "advise": False})
+
+        advise_on(report, rerun, split_size)
+    return report
+
+
+def _dry_run(
+    model_or_config,
+    world_size,
+    *,
+    replicate_size,
+    tp_size,
+    split_size,
+    predicate,
+    layer_id_fn,
+    hook_boundary_predicate,
+    param_dtype,
+    reduce_dtype,
+    reshard_after_forward,
+    compiled,
+    rates,
+    stack_bytes,
+    ns,
+    ep,
+    expert_shard_dim,
+    pp,
+    stages_per_rank,
+    pp_first_stage_less_layers,
+    pp_last_stage_less_layers,
+) -> DryRunReport:
     if reshard_after_forward is None:
         reshard_after_forward = pp is None
     options = dict(
@@ -541,7 +602,7 @@ def _split_comm(rows, split, spec, ns, gpu) -> None:
     inside = cost.all_reduce_bytes + cost.all_gather_bytes
     piece = spec.numel * 4 // len(split)
     for d in split:
-        rows[gpu(d, 0)].dedicated_comm_bytes += inside + (2 * piece if d != split[0] else 0)
+        rows[gpu(d, 0)].split_comm_bytes += inside + (2 * piece if d != split[0] else 0)
 
 
 def _only(model: nn.Module, keep: set[str], predicate):

@@ -1,0 +1,144 @@
+"""The dry run's advice: when many ranks idle, what ``--split-size`` would do; when the peak does
+not fit the card, what would make it fit. Each number comes from another dry run of the same
+job with one setting changed (``rerun``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dmuon_compile.plan.report import DryRunReport, GiB
+
+IDLE_SHARE = 0.25  # at least this share of the ranks idle: the report points to --split-size
+MAX_GPUS = 32768  # the most GPUs the "fits from N GPUs" search plans (one row per rank)
+MAX_GROWTH = 16  # ... and at most this many times the job's own
+
+
+def advise(report: DryRunReport, rerun: Callable[..., DryRunReport], split_size: int) -> None:
+    """Append the notes to ``report.notes``. ``rerun(**changes)``: the same ``dry_run`` with
+    ``changes`` (``world_size``, ``split_size``, ``stack_bytes``) and no advice of its own."""
+    world = report.world_size
+    idle = len(report.idle_ranks)
+    if split_size == 1 and world > 1 and idle >= IDLE_SHARE * world:
+        report.notes.append(_split_note(report, rerun, idle))
+    if report.gpu_memory_bytes is not None:
+        peak = max((r.peak_bytes for r in report.rows), default=0)
+        if peak > report.gpu_memory_bytes:
+            report.notes.append(_memory_note(report, rerun, peak, split_size))
+
+
+def _try(rerun, **changes) -> DryRunReport | None:
+    try:
+        return rerun(**changes)
+    except (ValueError, NotImplementedError):  # a size the layout does not allow
+        return None
+
+
+def _lower_peak(other: DryRunReport | None, peak: int) -> int | None:
+    """``other``'s peak when it is at least 1% below ``peak`` (else not worth a line)."""
+    if other is None:
+        return None
+    other_peak = max(r.peak_bytes for r in other.rows)
+    return other_peak if other_peak < 0.99 * peak else None
+
+
+def _split_candidates(report: DryRunReport, busy: int) -> list[int]:
+    """Powers of two from the one that gives every rank a piece of some matrix
+    (``world / busy`` ranks per busy rank) up, at most 64."""
+    need = -(-report.world_size // max(busy, 1))
+    k = 2
+    while k < need and k < 64:
+        k *= 2
+    return [c for c in (k, 2 * k) if c <= 64]
+
+
+def _ns_summary(r: DryRunReport) -> tuple[int, float, float]:
+    return (
+        len(r.idle_ranks),
+        max((x.ns_ms for x in r.rows), default=0.0),
+        max((x.step_ms for x in r.rows), default=0.0),
+    )
+
+
+def _split_note(report: DryRunReport, rerun, idle: int) -> str:
+    world = report.world_size
+    _, ns, step = _ns_summary(report)
+    head = (
+        f"{idle} of {world} ranks ({100 * idle / world:.0f}%) own no matrix and idle in the "
+        f"step, while the busiest runs {ns:.2f} ms of NS: --split-size k (dry_run(split_size=k)) "
+        "runs each matrix above a fair share over k ranks"
+    )
+    tried = []
+    for k in _split_candidates(report, world - idle):
+        other = _try(rerun, split_size=k)
+        if other is None:
+            continue
+        k_idle, k_ns, k_step = _ns_summary(other)
+        tried.append(
+            f"--split-size {k}: {k_idle} idle, NS ms max {k_ns:.2f}, step ms max {k_step:.2f} "
+            f"(now {step:.2f})"
+        )
+    if not tried:
+        return head + "; no power of two up to 64 divides the data-parallel ranks here"
+    return head + "; " + "; ".join(tried)
+
+
+def _memory_note(report: DryRunReport, rerun, peak: int, split_size: int) -> str:
+    mem = report.gpu_memory_bytes
+    top = max(report.rows, key=lambda r: (r.peak_bytes, -r.rank))
+    parts = [
+        (name, getattr(top, field) / GiB)
+        for name, field in (
+            ("dedicated", "dedicated_bytes"),
+            ("replica", "replica_bytes"),
+            ("FSDP2 Muon", "sharded_muon_bytes"),
+            ("AdamW", "adamw_bytes"),
+            ("grads", "grad_bytes"),
+            ("step extra", "step_extra_bytes"),
+        )
+    ]
+    made_of = " + ".join(f"{name} {v:.2f}" for name, v in parts if v >= 0.005)
+    lines = [
+        f"the predicted peak, {peak / GiB:.2f} GiB on rank {top.rank} ({made_of} GiB), does "
+        f"not fit the {mem / GiB:.1f} GiB of one GPU ({report.card}); to fit:"
+    ]
+    world = report.world_size
+    fits = None
+    factor = 2
+    while factor <= MAX_GROWTH and world * factor <= MAX_GPUS:
+        other = _try(rerun, world_size=world * factor)
+        if other is not None:
+            other_peak = max(r.peak_bytes for r in other.rows)
+            if other_peak <= mem:
+                fits = (world * factor, other_peak)
+                break
+        factor *= 2
+    if fits:
+        lines.append(
+            f"more GPUs (the state shards over them): {fits[0]} fit, peak {fits[1] / GiB:.2f} GiB"
+        )
+    else:
+        lines.append(f"more GPUs: not within {MAX_GROWTH}× the GPUs ({world * MAX_GROWTH})")
+    if split_size == 1:
+        for k in _split_candidates(report, world - len(report.idle_ranks))[:1]:
+            other = _try(rerun, split_size=k)
+            other_peak = _lower_peak(other, peak)
+            if other_peak is not None:
+                lines.append(
+                    f"--split-size {k} (NS of the large matrices over {k} ranks): peak "
+                    f"{other_peak / GiB:.2f} GiB"
+                )
+    cap = report.settings.get("stack cap GiB")
+    if isinstance(cap, (int, float)) and cap > 1:
+        other = _try(rerun, stack_bytes=GiB)
+        other_peak = _lower_peak(other, peak)
+        if other_peak is not None:
+            lines.append(
+                f"--stack-gib 1 (a smaller NS stack budget; more calls): peak "
+                f"{other_peak / GiB:.2f} GiB"
+            )
+    if report.settings.get("step") == "eager":
+        other = _try(rerun, compiled=True)
+        other_peak = _lower_peak(other, peak)
+        if other_peak is not None:
+            lines.append(f"the compiled step (drop --eager): peak {other_peak / GiB:.2f} GiB")
+    return lines[0] + " " + "; ".join(lines[1:])
