@@ -35,12 +35,20 @@ from dmuon_compile.distributed._owned import (
 )
 from dmuon_compile.layouts import Layout, whole_expert_shards
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
-from dmuon_compile.param_groups import GroupRouting, _check_nonneg, _hold_hypers, _tensor_hypers
+from dmuon_compile.param_groups import (
+    GroupRouting,
+    _check_nonneg,
+    _hold_hypers,
+    _tensor_hypers,
+    plain_hypers,
+    restore_hypers,
+)
 from dmuon_compile.routing import HEAD_NAMES, default_muon_predicate, routing_module  # noqa: F401
 from dmuon_compile.step_agreement import (  # noqa: F401 - MuonStepError: the public name
     COMPILED,
     EAGER,
     NONFINITE_MODES,
+    SPLIT,
     FiniteFlags,
     MuonStepError,
     PendingVerdict,
@@ -52,6 +60,7 @@ from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where
     PHASE_CHECK,
     PHASE_COMPILED,
     PHASE_EAGER,
+    PHASE_SPLIT_NS,
     PHASE_STATE,
     PHASE_TP_MOMENTUM,
     PHASE_TP_NS_COMPILED,
@@ -671,7 +680,12 @@ class Muon(torch.optim.Optimizer):
         taken out of ``jobs``; every rank walks them in the plan's order and joins the
         collectives of its groups; the owner gets NS(u) and a half of its own to commit.
         Under a user's ``torch.compile(opt.step)`` the jobs hold local tensors, nothing matches
-        and each owner runs its matrix's NS whole: the same math, on every rank the same."""
+        and each owner runs its matrix's NS whole: the same math, on every rank the same.
+        Inside the step's failure guard: an exception in this rank's part (its Nesterov input,
+        its piece of a split NS) goes into ``failure`` and every collective still goes out, so
+        the agreement raises ``MuonStepError`` everywhere; the owner's half brings the finite
+        flags of its NS result (a non-finite piece from any member makes it NaN), as the
+        ordinary directions do."""
         from dmuon_compile.distributed._split_step import orthogonalize_split
 
         wanted = {s.param_id for s in split}
@@ -706,16 +720,28 @@ class Muon(torch.optim.Optimizer):
                         lambda lg=lg, lb=lb: F.nesterov_input([lg], [lb], momentum, nesterov)[0],
                         lg,
                     )
-            with label(NS):
-                ortho = orthogonalize_split(u, sg, self.ns, like=lg if owner else lp)
+            with label(NS):  # a failure here: recorded, every collective still goes out
+                like = lg if owner else lp
+                ortho = orthogonalize_split(u, sg, self.ns, like=like, failure=failure)
             if owner:
-                half = by_group.setdefault(id(group), _StepHalf(group, [], [], [], [], layouts=[]))
+                half = by_group.setdefault(
+                    id(group), _StepHalf(group, [], [], [], [], layouts=[], path=SPLIT)
+                )
                 for xs, x in zip(
                     (half.params, half.grads, half.bufs, half.ortho, half.layouts),
                     (lp, lg, lb, ortho, lay),
                 ):
                     xs.append(x)
-        return kept_jobs, list(by_group.values())
+        halves = list(by_group.values())
+        for half in halves:
+            # The check the ordinary directions get (``directions_finite``): the split result
+            # is NaN wherever the gradient, the momentum or any member's piece was not finite.
+            # After a failure the agreement raises anyway; a placeholder's flags do not count.
+            if not failure:
+                half.finite = guarded(
+                    failure, PHASE_SPLIT_NS, lambda h=half: directions_finite(h.ortho), None
+                )
+        return kept_jobs, halves
 
     @torch.compiler.disable  # process groups, meshes and the all-to-alls stay eager
     def _resharded_directions(
@@ -875,9 +901,14 @@ class Muon(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """``torch.optim.Optimizer.state_dict``, after reading the last step's verdict (a step
         that did not commit must not leave the state it created in a checkpoint; its error
-        raises here)."""
+        raises here). The groups' ``lr``, ``weight_decay`` and ``momentum`` are Python floats,
+        as torch's optimizers save them (the 0-d tensors the groups hold for a compiled step
+        stay inside: ``param_groups.plain_hypers``), so ``json.dumps(sd["param_groups"])``
+        works; :meth:`load_state_dict` puts them back into those tensors."""
         self._agreement.settle()
-        return super().state_dict()
+        state = super().state_dict()
+        state["param_groups"] = plain_hypers(state["param_groups"])
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict`` after checking that the state fits.
@@ -895,7 +926,11 @@ class Muon(torch.optim.Optimizer):
         """
         self._between.check_loadable(state_dict, self.param_groups, self.param_name)
         self._agreement.drop()  # a last step's verdict not read yet: the loaded state replaces it
+        before = list(self.param_groups)
         super().load_state_dict(state_dict)
+        # Saved floats go back into the groups' own 0-d tensors (the same ones as before the
+        # load): a user-compiled step sees a new value, not a new input, and never recompiles.
+        restore_hypers(self.param_groups, before)
 
 
 @dataclass
@@ -914,13 +949,14 @@ class _StepHalf:
     finite: Tensor | None = None  # per matrix of ``grads``: finite? (gradient and momentum)
     layouts: list | None = None  # each matrix's Layout (what NS and the lr rule see)
     matrix_shapes: list | None = None  # whole matrices' shapes when the tensors are shards
+    path: str | None = None  # who took ``finite``, when not the half's own NS (SPLIT)
 
 
 def _finite_flags(halves: list[list[_StepHalf]]) -> list[FiniteFlags]:
     """The Muon halves' finite flags (compiled: NS's norms; eager: a norm of NS's output),
     covering gradient and momentum; the agreement reads the other gradients itself."""
     return [
-        FiniteFlags(h.grads, h.finite, EAGER if h.compiled is None else COMPILED)
+        FiniteFlags(h.grads, h.finite, h.path or (EAGER if h.compiled is None else COMPILED))
         for part_halves in halves
         for h in part_halves
         if h.finite is not None

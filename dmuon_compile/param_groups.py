@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -197,6 +198,56 @@ def _has_dedicated(model: nn.Module) -> bool:
 # The hyper-parameters a group holds as 0-d tensors: lr (LR schedulers), momentum (OneCycleLR and
 # CyclicLR cycle it), weight_decay (schedules users write).
 HYPER_TENSORS = ("lr", "weight_decay", "momentum")
+# The 0-d tensors this module made for them, by id (a user's own tensor is not among them):
+# ``state_dict`` gives their values as floats, as torch's optimizers keep a float.
+_OWN_HYPERS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+
+def _own_hyper(value: float, into: Tensor | None = None) -> Tensor:
+    """A 0-d float64 CPU tensor holding ``value`` (``into`` refilled, if given): one of ours."""
+    t = torch.tensor(float(value), dtype=torch.float64) if into is None else into.fill_(value)
+    _OWN_HYPERS[id(t)] = t
+    return t
+
+
+def _is_own(value) -> bool:
+    return isinstance(value, Tensor) and _OWN_HYPERS.get(id(value)) is value
+
+
+def plain_hypers(groups: list[dict]) -> list[dict]:
+    """``state_dict()["param_groups"]`` with the hyper-parameters as Python floats, as torch's
+    optimizers save them (JSON-serialisable, loadable by any optimizer): the 0-d tensors a
+    group holds for a compiled step (:func:`_tensor_hypers`) are this package's own business.
+    A scheduler's ``initial_lr`` (its copy of such a tensor ``lr``) too. A tensor the user put
+    into a group is saved as given (as torch does). ``groups``: the packed groups (changed in
+    place and returned)."""
+    for group in groups:
+        ours = _is_own(group.get("lr"))
+        for key in HYPER_TENSORS:
+            if _is_own(group.get(key)):
+                group[key] = float(group[key].item())
+        initial = group.get("initial_lr")
+        if ours and isinstance(initial, Tensor) and initial.numel() == 1:
+            group["initial_lr"] = float(initial.item())
+    return groups
+
+
+def restore_hypers(groups: list[dict], before: list[dict]) -> None:
+    """After ``load_state_dict``: each float hyper-parameter goes back into a 0-d tensor, the
+    one the group at the same position held before the load where it was ours (a user-compiled
+    ``opt.step`` then keeps its graph: the same tensor input, a new value). Tensors loaded as
+    such stay as they are. ``betas`` a JSON round trip made a list is a tuple again (the
+    type the step was traced with)."""
+    for index, group in enumerate(groups):
+        old = before[index] if index < len(before) else {}
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+        for key in HYPER_TENSORS:
+            value = group.get(key)
+            if value is None or isinstance(value, Tensor):
+                continue
+            held = old.get(key)
+            group[key] = _own_hyper(float(value), held if _is_own(held) else None)
 
 
 def _tensor_hypers(groups: list[dict], taken: list[dict] = ()) -> None:
@@ -218,7 +269,7 @@ def _tensor_hypers(groups: list[dict], taken: list[dict] = ()) -> None:
                 seen.add(id(value))
                 continue
             if value is not None:
-                group[key] = torch.tensor(float(value), dtype=torch.float64)
+                group[key] = _own_hyper(float(value))
                 seen.add(id(group[key]))
 
 
@@ -239,9 +290,7 @@ def _hold_hypers(opt: HookedOptimizer, args, kwargs) -> None:
             if value is None or isinstance(value, Tensor):
                 continue
             held = opt._held_hypers.get((index, key))
-            if held is None:
-                held = opt._held_hypers[(index, key)] = torch.zeros((), dtype=torch.float64)
-            held.fill_(float(value))
+            held = opt._held_hypers[(index, key)] = _own_hyper(float(value), held)
             group[key] = held
 
 

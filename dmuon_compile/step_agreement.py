@@ -41,14 +41,16 @@ from dmuon_compile.step_phases import PHASE_CHECK, STEP_PHASES, guarded
 NONFINITE_MODES = ("raise", "skip")
 # Where a parameter's finite flag came from: the compiled directions (NS's norms of u = g + μ·buf),
 # the eager directions (NS's output, NaN wherever u held a NaN/Inf) or a direct read of the
-# gradient (and the Muon momentum buffer) in ``_check_finite``.
-COMPILED, EAGER, READ = "compiled", "eager", "read"
+# gradient (and the Muon momentum buffer) in ``_check_finite``; or the split NS's output, which a
+# group of ranks computed (``distributed/_split_step.py``: NaN wherever u or a member's piece was).
+COMPILED, EAGER, READ, SPLIT = "compiled", "eager", "read", "split"
 MOMENTUM = "momentum_buffer"  # a Muon matrix's state key
 GRADIENT, MOMENTUM_BUFFER = "gradient", "momentum buffer"  # what a non-finite error names
 # The path that found a non-finite value, as the error names it.
 FOUND_BY = {
     COMPILED: "the compiled Muon step",
     EAGER: "the eager Muon step",
+    SPLIT: "the split Newton–Schulz",
     READ: "a direct read of the values",
 }
 # Frames the skip warning looks past to name the user's line: this package's and torch's
@@ -102,7 +104,7 @@ class FiniteFlags(NamedTuple):
 
     grads: list  # the half's local gradients (they name its parameters)
     finite: Tensor  # per gradient: finite? (gradient and momentum)
-    path: str  # COMPILED or EAGER: which step took them
+    path: str  # COMPILED, EAGER or SPLIT: which step took them
 
 
 @dataclass
@@ -189,6 +191,15 @@ def _step_error(failed: dict[int, str], failure: list, deferred: bool = False) -
     )
     err.__cause__ = own
     return err
+
+
+def _elsewhere(split: bool) -> tuple:
+    """What a rank without a non-finite value of its own names (``_nonfinite_names``' form):
+    a split NS result (its owner's error says which) or, else, another rank's gradient."""
+    if split:
+        what = "the split Newton–Schulz result of a matrix its group shares: see the owner's error"
+        return ("a matrix held by another rank", what, (), SPLIT)
+    return ("a matrix held by another rank", "see that rank's error", (GRADIENT,), None)
 
 
 def _which_step(deferred: bool) -> str:
@@ -340,7 +351,7 @@ class StepAgreement:
             differ = self._grads_differ_across_ranks(check.params)
             if not differ and failure:  # nothing to agree on (one process, replicated data)
                 raise failure[0][1]
-            votes = self._send_votes(check.finite, failure) if differ else None
+            votes = self._send_votes(check.finite, failure, check.paths) if differ else None
             if defer and (votes is not None or check.finite is not None):
                 ok = (votes.sum() == 0) if votes is not None else check.finite.all()
                 return PendingVerdict(check, ok, votes, list(failure))
@@ -383,15 +394,19 @@ class StepAgreement:
         """Forget a held verdict unread (``load_state_dict`` replaces what it would change)."""
         self.pending = None
 
-    def _send_votes(self, finite: Tensor | None, failure: list) -> Tensor:
+    def _send_votes(self, finite: Tensor | None, failure: list, paths=None) -> Tensor:
         """Shards and owners see different gradients and run different local work: every
-        rank's votes (any non-finite gradient; the phase its local work failed in) summed by
-        the step's one all-reduce, so no rank raises or skips while the others enter the next
+        rank's votes (any non-finite gradient; the phase its local work failed in; any
+        non-finite split NS result, so that the other ranks' error names it) summed by the
+        step's one all-reduce, so no rank raises or skips while the others enter the next
         collective. Waited for on the stream, not read."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        votes = torch.zeros(world + 1, device=scalar_device())
+        votes = torch.zeros(world + 2, device=scalar_device())
         if finite is not None:
             votes[0:1].copy_((~finite.all()).reshape(1))
+            split = [i for i, path in enumerate(paths or ()) if path == SPLIT]
+            if split:
+                votes[world + 1 :].copy_((~finite[split].all()).reshape(1))
         if failure:
             phase = failure[0][0]
             votes[1 + rank] = STEP_PHASES.index(phase) + 1 if phase in STEP_PHASES else -1
@@ -416,7 +431,7 @@ class StepAgreement:
             values = votes.tolist()  # one host sync per step
             failed = {
                 r: STEP_PHASES[int(c) - 1] if c > 0 else "an unnamed phase"
-                for r, c in enumerate(values[1:])
+                for r, c in enumerate(values[1:-1])
                 if c != 0
             }
             if failed:
@@ -426,7 +441,7 @@ class StepAgreement:
                     self._nonfinite_names(params, finite, check.paths, deferred)
                     if finite is not None and not bool(finite.all())
                     else []
-                ) or [("a matrix held by another rank", "see that rank's error", (GRADIENT,), None)]
+                ) or [_elsewhere(values[-1] > 0)]
         if bad:
             message = _nonfinite_message(bad)
             if self.opt.nonfinite_grads == "raise":
@@ -459,6 +474,8 @@ class StepAgreement:
             return MOMENTUM_BUFFER, (MOMENTUM_BUFFER,)
         if path == COMPILED:  # the flag is isfinite(‖g + μ·buf‖) and buf is finite
             return "gradient (or the norm of g + μ·buf past float32)", (GRADIENT,)
+        if path == SPLIT:  # NaN from the gradient or from a split-group member's piece
+            return "gradient, or a split-group member's piece of the Newton–Schulz result", ()
         return GRADIENT, (GRADIENT,)
 
     def _nonfinite_part(self, p: Tensor, path: str) -> tuple[str, tuple]:
@@ -475,6 +492,11 @@ class StepAgreement:
             what = "the compiled step's Newton–Schulz input g + μ·buf has a norm past float32"
         elif path == EAGER:
             what = "the eager step's Newton–Schulz returned NaN/Inf"
+        elif path == SPLIT:
+            what = (
+                "the split Newton–Schulz returned NaN/Inf (a fault on a rank of the matrix's "
+                "split group: its piece of the result was not finite)"
+            )
         else:
             what = "a norm past float32"
         return f"gradient and momentum finite, but {what}", found

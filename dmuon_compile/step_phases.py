@@ -16,6 +16,7 @@ PHASE_COMPILED = "the compiled Muon step (Dynamo trace, Inductor/Triton compile,
 PHASE_TP_MOMENTUM = "the TP momentum"
 PHASE_TP_NS_EAGER = "the TP owners' Newton–Schulz (eager)"
 PHASE_TP_NS_COMPILED = "the TP owners' Newton–Schulz (compiled: Dynamo, Inductor/Triton, autotune)"
+PHASE_SPLIT_NS = "the split Newton–Schulz (a matrix orthogonalised by a group of ranks)"
 STEP_PHASES = (
     PHASE_STATE,
     PHASE_CHECK,
@@ -24,6 +25,7 @@ STEP_PHASES = (
     PHASE_TP_MOMENTUM,
     PHASE_TP_NS_EAGER,
     PHASE_TP_NS_COMPILED,
+    PHASE_SPLIT_NS,
 )
 
 

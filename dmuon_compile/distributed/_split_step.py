@@ -22,6 +22,7 @@ from torch import Tensor
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 from dmuon_compile.distributed.split_ns import split_bounds, split_dim, split_newton_schulz
+from dmuon_compile.step_phases import PHASE_SPLIT_NS, guarded
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,25 @@ def build_split_groups(
     return tuple(out)
 
 
-def orthogonalize_split(u: Tensor | None, split: SplitGroup, ns, like: Tensor) -> Tensor | None:
+def orthogonalize_split(
+    u: Tensor | None, split: SplitGroup, ns, like: Tensor, failure: list | None = None
+) -> Tensor | None:
     """NS(u) computed by ``split``'s ranks (a member calls it; collective over the group).
 
     ``u``: the owner's Nesterov input, the whole (out, in) matrix (ignored on the others);
     ``like``: a tensor of the input's dtype and device. Returns NS(u) (the work dtype) on the
     owner, ``None`` on the other members. The pieces travel padded to the longest (scatter and
-    gather take equal sizes)."""
+    gather take equal sizes).
+
+    ``failure``: ``Muon.step``'s list of this rank's failures. An exception in this rank's
+    local work (cutting the pieces, its part of the split NS, the result) is appended to it in
+    :data:`~dmuon_compile.step_phases.PHASE_SPLIT_NS` and this rank still issues every
+    collective of the call (zeros in place of what failed): its peers never wait, and the
+    step's agreement makes every rank raise ``MuonStepError`` before anything is written. After
+    an earlier failure on this rank (``failure`` non-empty) only the collectives go out. The
+    owner's result may then be a placeholder (never committed). Without ``failure`` an
+    exception is raised after the collectives (the peers' results are then meaningless)."""
+    own = failure if failure is not None else []
     p, owner = len(split.ranks), split.owner_index
     me = dist.get_rank(split.pg)
     bounds = split_bounds(split.shape, p)
@@ -88,24 +101,75 @@ def orthogonalize_split(u: Tensor | None, split: SplitGroup, ns, like: Tensor) -
     longest = max(b - a for a, b in bounds)
     padded = list(split.shape)
     padded[dim] = longest
+    a, b = bounds[me]
+
+    def zeros() -> Tensor:
+        return torch.zeros(padded, dtype=like.dtype, device=like.device)
+
     inputs = None
     if me == owner:
-        inputs = [u.new_zeros(padded) for _ in bounds]
-        for t, (a, b) in zip(inputs, bounds):
-            t.narrow(dim, 0, b - a).copy_(u.narrow(dim, a, b - a))
+        if not own:
+            inputs = guarded(own, PHASE_SPLIT_NS, lambda: _pieces(u, bounds, dim, padded), None)
+        if inputs is None:  # failed (here or before): zeros go out, the step aborts
+            inputs = [zeros() for _ in bounds]
     piece = torch.empty(padded, dtype=like.dtype, device=like.device)
     what = f"the split Newton–Schulz input of {split.fqn}"
     C.wait(C.scatter(piece, inputs, owner, split.pg), what, split.pg)
     del inputs
-    a, b = bounds[me]
-    out = split_newton_schulz(
-        piece.narrow(dim, 0, b - a), ns, split.pg, full_shape=split.shape, bounds=bounds
-    )
-    send = out.new_zeros(padded)
-    send.narrow(dim, 0, b - a).copy_(out)
+    block = piece.narrow(dim, 0, b - a)
+    if own:  # failed before (here or earlier in the step): only the collectives go out
+        finish_split_collectives(block, ns, split)
+        out = None
+    else:
+        out = guarded(
+            own,
+            PHASE_SPLIT_NS,
+            lambda: split_newton_schulz(
+                block, ns, split.pg, full_shape=split.shape, bounds=bounds, finish_on_error=True
+            ),
+            None,
+        )
+    send = guarded(own, PHASE_SPLIT_NS, lambda: _padded(out, padded, dim, b - a), None)
+    if send is None:
+        send = torch.zeros(padded, dtype=_work_dtype(ns, like), device=like.device)
     outputs = [torch.empty_like(send) for _ in bounds] if me == owner else None
     what = f"the split Newton–Schulz result of {split.fqn}"
     C.wait(C.gather(send, outputs, owner, split.pg), what, split.pg)
+    if failure is None and own:
+        raise own[0][1]
     if me != owner:
         return None
-    return torch.cat([t.narrow(dim, 0, b - a) for t, (a, b) in zip(outputs, bounds)], dim=dim)
+    pieces = [t.narrow(dim, 0, b - a) for t, (a, b) in zip(outputs, bounds)]
+    return guarded(own, PHASE_SPLIT_NS, lambda: torch.cat(pieces, dim=dim), u)
+
+
+def finish_split_collectives(block: Tensor, ns, split: SplitGroup) -> None:
+    """The collectives of this member's ``split_newton_schulz`` call without its math (a rank
+    that has failed already): zeros sent, its peers' schedule kept."""
+    from dmuon_compile.distributed.split_ns import _finish_collectives, _GroupComm
+
+    p = len(split.ranks)
+    comm = _GroupComm(split.pg, dist.get_rank(split.pg), p)
+    _finish_collectives(comm, split.shape, split_bounds(split.shape, p), ns, block.device)
+
+
+def _pieces(u: Tensor, bounds, dim: int, padded: list[int]) -> list[Tensor]:
+    """The owner's input cut into the group's pieces, each padded to the longest."""
+    inputs = [u.new_zeros(padded) for _ in bounds]
+    for t, (a, b) in zip(inputs, bounds):
+        t.narrow(dim, 0, b - a).copy_(u.narrow(dim, a, b - a))
+    return inputs
+
+
+def _padded(out: Tensor | None, padded: list[int], dim: int, length: int) -> Tensor | None:
+    """This member's piece of the result, padded for the gather (``None``: failed)."""
+    if out is None:
+        return None
+    send = out.new_zeros(padded)
+    send.narrow(dim, 0, length).copy_(out)
+    return send
+
+
+def _work_dtype(ns, like: Tensor) -> torch.dtype:
+    """The dtype the split NS returns on ``like``'s device (what every member gathers)."""
+    return ns.work_dtype_for(like.device)

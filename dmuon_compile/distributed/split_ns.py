@@ -131,15 +131,19 @@ class _SimulatedComm:
 
 
 class _GroupComm:
-    """This rank of a process group: one part each, real collectives."""
+    """This rank of a process group: one part each, real collectives. ``issued`` counts the
+    collectives this rank has issued in the call (the header's all-reduce included): a rank
+    whose local work fails issues the rest of them (:func:`_finish_collectives`)."""
 
     def __init__(self, group, rank: int, p: int) -> None:
         self.group, self.p, self.ranks = group, p, [rank]
+        self.issued = 0
 
-    def all_reduce(self, parts: list[Tensor]) -> Tensor:
+    def all_reduce(self, parts: list[Tensor], what: str = "Gram all-reduce") -> Tensor:
         (part,) = parts
         work = dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        _collectives.wait(work, "split Newton–Schulz: Gram all-reduce", self.group)
+        self.issued += 1
+        _collectives.wait(work, f"split Newton–Schulz: {what}", self.group)
         return part
 
     def all_gather_rows(self, parts: list[Tensor], m: int) -> Tensor:
@@ -151,8 +155,29 @@ class _GroupComm:
             part = send
         out = part.new_empty(self.p * k, m)
         work = _collectives.all_gather(out, part, self.group)
+        self.issued += 1
         _collectives.wait(work, "split Newton–Schulz: row all-gather", self.group)
         return out[:m]
+
+
+class _ScheduleComm:
+    """Records the collectives of :func:`_blocked_ns` run on meta tensors (no memory, no
+    math): ``(kind, shape of what this rank sends, dtype)`` in the order they are issued."""
+
+    def __init__(self, rank: int, p: int) -> None:
+        self.p, self.ranks = p, [rank]
+        self.calls: list[tuple[str, tuple[int, int], torch.dtype]] = []
+
+    def all_reduce(self, parts: list[Tensor]) -> Tensor:
+        (part,) = parts
+        self.calls.append(("all_reduce", tuple(part.shape), part.dtype))
+        return part
+
+    def all_gather_rows(self, parts: list[Tensor], m: int) -> Tensor:
+        (part,) = parts
+        k = _row_chunk(m, self.p)
+        self.calls.append(("all_gather", (k, m), part.dtype))
+        return part.new_empty(self.p * k, m)[:m]
 
 
 def _add_identity_rows(rows: Tensor, start: int, gamma: float) -> Tensor:
@@ -264,6 +289,7 @@ def split_newton_schulz(
     *,
     full_shape: Sequence[int],
     bounds: Sequence[tuple[int, int]] | None = None,
+    finish_on_error: bool = False,
 ) -> Tensor:
     """This rank's piece of ``ns(U)``, computed by the ranks of ``group`` together.
 
@@ -277,6 +303,11 @@ def split_newton_schulz(
         full_shape: U's shape (out, in).
         bounds: the pieces along :func:`split_dim` (default :func:`split_bounds`), e.g. a DTensor
             shard layout; empty pieces are allowed.
+        finish_on_error: when this rank's local work raises (an OOM, a kernel error), first
+            issue the rest of the call's collectives (zeros), then raise: the peers are never
+            left waiting, but their results are then meaningless, so the caller must make
+            every rank learn of the failure (``Muon.step`` does, through its agreement).
+            ``False`` (default): raise at once (the peers then wait for the group's timeout).
 
     Returns the piece in U's layout, the work dtype (a transposed view for a tall U, as
     ``ns(U)`` returns). Collective: every rank of ``group`` calls it with the same arguments
@@ -289,26 +320,80 @@ def split_newton_schulz(
     if rank < 0:
         raise ValueError("split_newton_schulz: this rank is not a member of the group")
     bounds = _check_bounds(split_bounds(shape, p) if bounds is None else bounds, shape, p)
-    work_dtype = ns.work_dtype_for(block.device)
-    key = _config_hash(shape, bounds, ns, work_dtype)
+    comm = _GroupComm(group, rank, p)
+    try:
+        work_dtype = ns.work_dtype_for(block.device)
+        key = _config_hash(shape, bounds, ns, work_dtype)
 
-    # One small all-reduce carries every rank's ‖piece‖², shape and config hash: the norm, and
-    # a check that fails on every rank together (a one-rank raise would hang the others).
-    header = torch.zeros(p, _SLOT, dtype=torch.float64, device=block.device)
-    local_ok = block.dim() == 2 and block.is_floating_point()
-    rows, cols = tuple(block.shape) if local_ok else (-1, -1)
-    flags = [0.0 if local_ok else 1.0, rows, cols, key]
-    header[rank, 1:] = torch.tensor(flags, dtype=torch.float64)  # 52-bit key: exact in fp64
-    if local_ok:
-        header[rank, 0] = _piece_sumsq(block, work_dtype)
-    work = dist.all_reduce(header, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    _collectives.wait(work, "split Newton–Schulz: norm and piece check", group)
-    _raise_on_bad_pieces(header.cpu().tolist(), shape, bounds, block, rank)  # the one host sync
+        # One small all-reduce carries every rank's ‖piece‖², shape and config hash: the norm,
+        # and a check that fails on every rank together (a one-rank raise would hang the others).
+        header = torch.zeros(p, _SLOT, dtype=torch.float64, device=block.device)
+        local_ok = block.dim() == 2 and block.is_floating_point()
+        rows, cols = tuple(block.shape) if local_ok else (-1, -1)
+        flags = [0.0 if local_ok else 1.0, rows, cols, key]
+        header[rank, 1:] = torch.tensor(flags, dtype=torch.float64)  # 52-bit key: exact in fp64
+        if local_ok:
+            header[rank, 0] = _piece_sumsq(block, work_dtype)
+        comm.all_reduce([header], "norm and piece check")
+        seen = header.cpu().tolist()  # the one host sync
+    except Exception:
+        if finish_on_error:
+            _finish_collectives(comm, shape, bounds, ns, block.device)
+        raise
+    _raise_on_bad_pieces(seen, shape, bounds, block, rank)  # on every rank alike: no finishing
+    try:
+        norm = _total_norm(header[:, 0], work_dtype)  # each slot had one non-zero term: exact
+        x = _oriented(block, shape, work_dtype, ns.eps, norm)
+        (x,) = _blocked_ns([x], ns, comm, max(shape))
+        return x.mT if split_dim(shape) == 0 else x
+    except Exception:
+        if finish_on_error:
+            _finish_collectives(comm, shape, bounds, ns, block.device)
+        raise
 
-    norm = _total_norm(header[:, 0], work_dtype)  # each slot had one non-zero term: exact
-    x = _oriented(block, shape, work_dtype, ns.eps, norm)
-    (x,) = _blocked_ns([x], ns, _GroupComm(group, rank, p), max(shape))
-    return x.mT if split_dim(shape) == 0 else x
+
+def _collective_schedule(shape, bounds, ns: NewtonSchulz, rank: int, work_dtype) -> list[tuple]:
+    """The collectives :func:`split_newton_schulz` issues on group rank ``rank``, in order:
+    the header's all-reduce, then :func:`_blocked_ns`'s (found by running it on meta tensors:
+    its exact sequence, at no memory and no math)."""
+    p, (m, n), (a, b) = len(bounds), (min(shape), max(shape)), bounds[rank]
+    comm = _ScheduleComm(rank, p)
+    _blocked_ns([torch.empty(m, b - a, dtype=work_dtype, device="meta")], ns, comm, n)
+    return [("header", (p, _SLOT), torch.float64), *comm.calls]
+
+
+def _finish_collectives(comm: _GroupComm, shape, bounds, ns: NewtonSchulz, device) -> None:
+    """After this rank's local work raised inside :func:`split_newton_schulz`: issue the rest
+    of the call's collectives (zeros), so its peers never wait on a collective it skipped. A
+    header it had not sent yet goes out well-formed (its piece's shape, the configuration's
+    hash, a zero norm term), so the peers' piece check passes and they go on to the end; if
+    that check finds another rank's problem, every rank stops there, this one too. The peers'
+    results are then meaningless: the caller raises (``Muon.step``'s agreement makes every
+    rank raise)."""
+    rank = comm.ranks[0]
+    work_dtype = ns.work_dtype_for(device)
+    schedule = _collective_schedule(shape, bounds, ns, rank, work_dtype)
+    for kind, size, dtype in schedule[comm.issued :]:
+        buf = torch.zeros(size, dtype=dtype, device=device)
+        if kind == "header":
+            key = _config_hash(shape, bounds, ns, work_dtype)
+            rows, cols = _piece_shape(shape, *bounds[rank])
+            buf[rank, 1:] = torch.tensor([0.0, rows, cols, key], dtype=torch.float64)
+            comm.all_reduce([buf], "norm and piece check")
+            if _pieces_rejected(buf.cpu().tolist(), shape, bounds):
+                return  # every peer raises at its piece check and issues nothing more
+        elif kind == "all_reduce":
+            comm.all_reduce([buf])
+        else:
+            comm.all_gather_rows([buf], size[1])
+
+
+def _pieces_rejected(header, shape, bounds) -> bool:
+    """Whether :func:`_raise_on_bad_pieces` raises for this header (on every rank alike)."""
+    for r, (_, bad, rows, cols, _) in enumerate(header):
+        if bad or (int(rows), int(cols)) != _piece_shape(shape, *bounds[r]):
+            return True
+    return len({int(slot[4]) for slot in header}) > 1
 
 
 def _config_hash(shape, bounds, ns: NewtonSchulz, work_dtype) -> int:
