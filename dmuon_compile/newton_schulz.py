@@ -18,6 +18,7 @@ calls Dao-AILab's quack ``gemm_symmetric`` (``kernel="quack"``, the ``[quack]`` 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -553,8 +554,18 @@ class NewtonSchulz:
         return self._orthogonalize(g, norm)
 
     def matrices_per_call(self, shape: Sequence[int], element_size: int = 4) -> int:
-        """How many (m, n) matrices of ``element_size`` bytes one call stacks (at least one)."""
-        return max(1, self.stack_bytes // (int(shape[0]) * int(shape[1]) * element_size))
+        """How many (m, n) matrices of ``element_size`` bytes one call stacks (at least one).
+
+        A zero-size matrix (``m`` or ``n`` is 0) takes no memory: one call takes any number of
+        them (NS of an empty matrix is the empty matrix, as ``torch.optim.Muon`` leaves it).
+
+        >>> NewtonSchulz().matrices_per_call((0, 32)) == sys.maxsize
+        True
+        """
+        size = int(shape[0]) * int(shape[1]) * int(element_size)
+        if size <= 0:
+            return sys.maxsize
+        return max(1, self.stack_bytes // size)
 
     def _in_pieces(self, g: Tensor, norm: Tensor | None, per_call: int) -> Tensor:
         """A stack past ``stack_bytes`` as several calls, each result copied into one output
