@@ -69,7 +69,7 @@ from dmuon_compile._compat import (
     parse_version,
     post_grad_custom_pre_pass,
 )
-from dmuon_compile.log import progress
+from dmuon_compile.log import notice, progress
 from dmuon_compile.newton_schulz import NewtonSchulz
 
 log = logging.getLogger("dmuon_compile.compiled_step")
@@ -339,33 +339,35 @@ class CompiledMuonStep:
     @contextlib.contextmanager
     def _first_call(self, name: str, mats, layouts=None):
         """Counts a call (when it returns); the first one (trace + compile + run: tens of
-        seconds on big models) is announced per rank, before and after, with its time."""
+        seconds on big models) is announced before and after, with its time, as logging
+        records (``log.notice``: INFO on rank 0, DEBUG on the other ranks)."""
         if self.calls > 0:
             yield
             self.calls += 1
             return
+        # Logging records (``log.notice``: INFO on rank 0, DEBUG on the others), not prints.
         buckets = len(F.shape_buckets(mats, layouts))
-        progress(
-            f"compiling the {name} ({len(mats)} matrices, {buckets} shape bucket(s)); "
-            "DMUON_COMPILE_LOG=0 silences this",
+        notice(
+            log,
+            "compiling the %s (%d matrices, %d shape bucket(s)); DMUON_COMPILE_LOG=0 silences this",
+            name,
+            len(mats),
+            buckets,
             switch=env.COMPILE_LOG,
         )
         start = time.perf_counter()
         yield
         self.calls += 1
         self.first_call_s = time.perf_counter() - start
-        progress(
-            f"compiled {name} ready: first call (trace + compile + run) took "
-            f"{self.first_call_s:.1f} s",
-            switch=env.COMPILE_LOG,
-        )
-        log.info(
-            "compiled %s: first call (trace + compile + run) took %.1f s for %d matrices in %d "
-            "shape bucket(s)",
+        notice(
+            log,
+            "compiled %s ready: first call (trace + compile + run) took %.1f s for %d matrices "
+            "in %d shape bucket(s)",
             name,
             self.first_call_s,
             len(mats),
             buckets,
+            switch=env.COMPILE_LOG,
         )
 
     def orthogonalize(self, mats: list[Tensor]) -> list[Tensor]:

@@ -2,7 +2,11 @@
 
 - :func:`rank_tag` gives ``[DMuon][rank=0/8]`` so startup stalls (autotune, compiles) are
   visible per rank in cluster logs.
-- :func:`progress` prints such a line to stderr unless its environment switch is ``0``.
+- :func:`progress` prints such a line to stderr unless its environment switch is ``0`` (the
+  SYRK autotune's per-rank lines: a stall there is one rank's).
+- :func:`notice` makes such a line a ``logging`` record instead (the compiled step's "compiling
+  the Muon step" and "ready" lines): INFO on rank 0, DEBUG on the others, so an application
+  that shows INFO gets one line per job, not one per rank.
 - ``logger`` is the ``dmuon_compile`` logger; ``TORCH_LOGS="+dmuon"`` (or ``"dmuon"``) turns it
   on through torch's logging system once :func:`register_torch_logs` ran (at import).
 """
@@ -18,6 +22,11 @@ logger = logging.getLogger("dmuon_compile")
 
 def rank_tag() -> str:
     """``[DMuon][rank=R/W]`` from torch.distributed (or RANK/WORLD_SIZE before init)."""
+    rank, world = _rank_world()
+    return f"[DMuon][rank={rank}/{world}]"
+
+
+def _rank_world() -> tuple[int, int]:
     rank, world = 0, 1
     try:
         import torch.distributed as dist
@@ -29,7 +38,7 @@ def rank_tag() -> str:
             world = int(os.environ.get("WORLD_SIZE", 1))
     except Exception:  # pragma: no cover - logging must never raise
         pass
-    return f"[DMuon][rank={rank}/{world}]"
+    return rank, world
 
 
 def env_flag(name: str, default: bool = True) -> bool:
@@ -44,6 +53,24 @@ def progress(message: str, switch: str | None = None) -> None:
     if switch is not None and not env_flag(switch, True):
         return
     print(f"{rank_tag()} {message}", file=sys.stderr, flush=True)
+
+
+def notice(log: logging.Logger, message: str, *args, switch: str | None = None) -> None:
+    """A notice of the package's own progress (a compile starting, its time) as a ``logging``
+    record of ``log`` (a child of the ``dmuon_compile`` logger), tagged with the rank: INFO on
+    rank 0, DEBUG on the other ranks; none when the environment ``switch`` is ``0``.
+
+    Shown wherever the application shows the package's INFO records:
+    ``logging.basicConfig(level=logging.INFO)``, or ``TORCH_LOGS="dmuon"`` (every rank's:
+    ``TORCH_LOGS="+dmuon"``). ``message`` is a ``%``-format string of ``args``, as for
+    ``Logger.info``.
+
+    >>> notice(logger, "compiling the %s", "Muon step")
+    """
+    if switch is not None and not env_flag(switch, True):
+        return
+    level = logging.INFO if _rank_world()[0] == 0 else logging.DEBUG
+    log.log(level, "%s " + message, rank_tag(), *args)
 
 
 _TORCH_LOGS_NAME = "dmuon"
