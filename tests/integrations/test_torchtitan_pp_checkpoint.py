@@ -17,8 +17,9 @@ it broadcast on the default group, which the other stage never joins: the job hu
   bounded time (a hang, or a broken collective): the test above could not pass.
 
 torchtitan 0.3.0's ``Trainer.pp_forward_backward_step`` fails on torch 2.13 for every optimizer
-(``Expecting 2 arg_mbs but got 1``, docs/pipeline.md), so the step here is the schedule's own
-``step`` called as that trainer would, with torchtitan's ``clip_grad_norm_`` across stages.
+(``Expecting 2 arg_mbs but got 1``: it hands the schedule pre-split micro-batches; checked at the
+end, docs/pipeline.md), so the steps here call the schedule's own ``step`` with the whole batch,
+then torchtitan's ``clip_grad_norm_`` across stages and the optimizers.
 """
 
 from __future__ import annotations
@@ -56,24 +57,30 @@ def _build_model():
     return spec, model
 
 
-def _build(rank, world, folder, old_gather=False):
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
+def _parallelism():
+    from torchtitan.config import ParallelismConfig
 
-    from dmuon_compile.integrations import torchtitan as dmuon_tt
-
-    parallel_dims_module.device_type = "cpu"  # torchtitan names "cuda" without an accelerator
-    parallelism = ParallelismConfig(
+    return ParallelismConfig(
         spmd_backend="partial_dtensor",
         pipeline_parallel_degree=PP,
         pipeline_parallel_schedule="1F1B",
         pipeline_parallel_microbatch_size=1,
         pipeline_parallel_last_stage_less_layers=0,  # a block in every stage
     )
+
+
+def _build(rank, world, folder, old_gather=False):
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    parallel_dims_module.device_type = "cpu"  # torchtitan names "cuda" without an accelerator
+    parallelism = _parallelism()
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
@@ -195,6 +202,23 @@ def _train(rank, world, folder):
     except RuntimeError as exc:
         out["foreign"] = str(exc)
     dist.barrier()
+
+    # torchtitan's own PP step (Trainer.train_step) on this torch: it raises on every rank
+    # before any stage communicates (torchtitan 0.3.0 hands the schedule pre-split
+    # micro-batches, which torch 2.13's schedules do not take), for any optimizer.
+    from integrations.test_torchtitan_train_step_ep import titan_trainer
+
+    trainer = titan_trainer(
+        _build_model()[0], dims, _parallelism(), parts, optimizers, checkpointer,
+        pp=(schedule, has_first, has_last, MICROBATCHES),
+    )  # fmt: skip
+    batch = _tokens(2, dp)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]
+    trainer.step = 3
+    try:
+        trainer.train_step(iter([({"input": b[None, :-1]}, b[None, 1:]) for b in batch]))
+        out["trainer_pp_step"] = "ran"
+    except ValueError as exc:
+        out["trainer_pp_step"] = str(exc)
     return out
 
 
@@ -216,6 +240,9 @@ def test_pp2_checkpointer_starts_saves_and_resumes_with_stage_local_gathers(tmp_
         name, same_shape, norm = r["whole"]
         assert same_shape and norm > 0
         assert r["foreign"] is not None and "pipeline stage" in r["foreign"], r["foreign"]
+        # torchtitan 0.3.0's Trainer PP step on torch 2.13 (docs/pipeline.md: the pairs)
+        if torch.__version__.startswith("2.13"):
+            assert "Expecting 2 arg_mbs but got 1" in r["trainer_pp_step"], r["trainer_pp_step"]
     # The two data-parallel ranks of a stage gathered the same whole weight.
     assert results[0]["whole"] == results[1]["whole"]
     assert results[2]["whole"] == results[3]["whole"]
