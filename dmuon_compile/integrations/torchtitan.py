@@ -32,7 +32,11 @@ Two changes to a torchtitan trainer config (README: torchtitan)::
   gradients its micro-batches accumulated too. The stages a rank holds (looped schedules) are
   planned over the Newton–Schulz loads of the ones planned before them on the same
   data-parallel mesh, so their sum is balanced. :func:`summarize_stages` shows each stage's plan
-  and the sum (docs/pipeline.md).
+  and the sum (docs/pipeline.md). torchtitan's checkpointer gathers a fused ``wqkv`` with
+  ``redistribute(Replicate)``: a dedicated weight gathers over its own stage's ranks.
+- Expert parallelism needs no other line either: the expert stacks stay with EP and FSDP2, and a
+  dedicated weight's owner mesh has a named dim (not ``"ep"``), which torchtitan's EP-aware
+  gradient clipping reads to take it as a dense weight (docs/moe.md).
 
 torchtitan is an optional dependency: importing this module without it raises an
 ``ImportError`` naming the extra.
