@@ -3,9 +3,18 @@
 ``import dmuon_compile as dmuon`` gives the API of the DMuon troubleshooting page:
 ``dmuon.Muon``, ``dmuon.NewtonSchulz``, ``dmuon.get_ns_backend`` and (with the distributed
 runtime) ``dmuon.dedicate_params`` and its diagnostics.
+
+The import itself is light: it checks the torch version and registers the ``TORCH_LOGS`` name;
+each public name (and each submodule, ``dmuon.distributed``, ``dmuon.functional``, ...) is
+imported on first use (PEP 562 ``__getattr__``), so ``import dmuon_compile`` does not load
+Dynamo, Inductor, sympy or DTensor until something needs them.
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -26,31 +35,88 @@ from dmuon_compile.log import register_torch_logs as _register_torch_logs  # noq
 # from the package's import on, whatever imported torch before.
 _register_torch_logs()
 
-from dmuon_compile import coefficients  # noqa: E402
-from dmuon_compile.distributed import (  # noqa: E402
-    MixedPrecision,
-    ParamPolicy,
-    collect_forward_unshard_profile,
-    dedicate_params,
-    summarize_comm_plan,
-    summarize_param_groups,
-    wait_all_replicate_broadcasts,
-)
-from dmuon_compile.distributed._owned import full_tensor  # noqa: E402
-from dmuon_compile.distributed.checkpoint import (  # noqa: E402
-    get_model_state_dict,
-    set_model_state_dict,
-)
-from dmuon_compile.distributed.clip import clip_grad_norm_  # noqa: E402
-from dmuon_compile.functional import lr_scale  # noqa: E402
-from dmuon_compile.kernel_choice import check_ns_backend_consistent  # noqa: E402
-from dmuon_compile.layouts import Layout, get_layout, set_layout  # noqa: E402
-from dmuon_compile.newton_schulz import (  # noqa: E402
-    NewtonSchulz,
-    get_ns_backend,
-    matrix_view,
-)
-from dmuon_compile.optimizer import Muon, MuonStepError, default_muon_predicate  # noqa: E402
+# ``torch.ops.dmuon.*`` (the NS kernels' custom ops) exist from the package's import on, as
+# before: a light import (no Dynamo, Inductor or sympy).
+from dmuon_compile import kernels as _kernels  # noqa: E402, F401
+
+# Public name -> (module, attribute): imported on first access (``__getattr__`` below).
+_LAZY: dict[str, tuple[str, str]] = {
+    "MixedPrecision": ("dmuon_compile.distributed", "MixedPrecision"),
+    "ParamPolicy": ("dmuon_compile.distributed", "ParamPolicy"),
+    "collect_forward_unshard_profile": (
+        "dmuon_compile.distributed",
+        "collect_forward_unshard_profile",
+    ),
+    "dedicate_params": ("dmuon_compile.distributed", "dedicate_params"),
+    "summarize_comm_plan": ("dmuon_compile.distributed", "summarize_comm_plan"),
+    "summarize_param_groups": ("dmuon_compile.distributed", "summarize_param_groups"),
+    "wait_all_replicate_broadcasts": (
+        "dmuon_compile.distributed",
+        "wait_all_replicate_broadcasts",
+    ),
+    "full_tensor": ("dmuon_compile.distributed._owned", "full_tensor"),
+    "get_model_state_dict": ("dmuon_compile.distributed.checkpoint", "get_model_state_dict"),
+    "set_model_state_dict": ("dmuon_compile.distributed.checkpoint", "set_model_state_dict"),
+    "clip_grad_norm_": ("dmuon_compile.distributed.clip", "clip_grad_norm_"),
+    "lr_scale": ("dmuon_compile.functional", "lr_scale"),
+    "check_ns_backend_consistent": (
+        "dmuon_compile.kernel_choice",
+        "check_ns_backend_consistent",
+    ),
+    "Layout": ("dmuon_compile.layouts", "Layout"),
+    "get_layout": ("dmuon_compile.layouts", "get_layout"),
+    "set_layout": ("dmuon_compile.layouts", "set_layout"),
+    "NewtonSchulz": ("dmuon_compile.newton_schulz", "NewtonSchulz"),
+    "get_ns_backend": ("dmuon_compile.newton_schulz", "get_ns_backend"),
+    "matrix_view": ("dmuon_compile.newton_schulz", "matrix_view"),
+    "Muon": ("dmuon_compile.optimizer", "Muon"),
+    "MuonStepError": ("dmuon_compile.optimizer", "MuonStepError"),
+    "default_muon_predicate": ("dmuon_compile.optimizer", "default_muon_predicate"),
+    # The troubleshooting page's name for the rule that groups parameters into layers for the
+    # owner plan (``blocks.N``, ``layers.N``, ...): ``distributed.owner_plan.extract_layer_id``.
+    "_extract_layer_id": ("dmuon_compile.distributed.owner_plan", "extract_layer_id"),
+}
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from dmuon_compile import coefficients
+    from dmuon_compile.distributed import (
+        MixedPrecision,
+        ParamPolicy,
+        collect_forward_unshard_profile,
+        dedicate_params,
+        summarize_comm_plan,
+        summarize_param_groups,
+        wait_all_replicate_broadcasts,
+    )
+    from dmuon_compile.distributed._owned import full_tensor
+    from dmuon_compile.distributed.checkpoint import get_model_state_dict, set_model_state_dict
+    from dmuon_compile.distributed.clip import clip_grad_norm_
+    from dmuon_compile.distributed.owner_plan import (  # noqa: F401
+        extract_layer_id as _extract_layer_id,
+    )
+    from dmuon_compile.functional import lr_scale
+    from dmuon_compile.kernel_choice import check_ns_backend_consistent
+    from dmuon_compile.layouts import Layout, get_layout, set_layout
+    from dmuon_compile.newton_schulz import NewtonSchulz, get_ns_backend, matrix_view
+    from dmuon_compile.optimizer import Muon, MuonStepError, default_muon_predicate
+
+
+def __getattr__(name: str):
+    """A public name or a submodule, imported on first access and kept (PEP 562)."""
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}"):
+        value = importlib.import_module(f"{__name__}.{name}")  # dmuon.distributed, ...
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | {"coefficients"})
+
 
 __all__ = [
     "__version__",

@@ -113,3 +113,65 @@ def test_registration_only_when_torch_logs_mentions_dmuon():
         sys.path.remove(str(ROOT))
     assert reg.mentions("+dmuon") and reg.mentions("dynamo, -dmuon")
     assert not reg.mentions("+dmuon_compile") and not reg.mentions("")
+
+
+# ``import dmuon_compile`` is light (PEP 562 names): the compiler stack and DTensor load when a
+# name that needs them is first used, not at the import.
+HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.tensor")
+PROBE_PACKAGE = (
+    "import json, sys, torch\n"
+    "import dmuon_compile as dmuon\n"
+    "light = sorted(m for m in {heavy!r} if m in sys.modules)\n"
+    "names = {{n: repr(getattr(dmuon, n)) for n in dmuon.__all__}}\n"
+    "alias = getattr(dmuon, '_extract_layer_id', lambda fqn: None)\n"
+    "extra = [repr(dmuon.distributed), alias('blocks.3.attn.qkv.weight')]\n"
+    "heavy = sorted(m for m in {heavy!r} if m in sys.modules)\n"
+    "print(json.dumps([light, heavy, names, extra, hasattr(torch.ops.dmuon, 'syrk')]))\n"
+)
+
+
+def _probe_package(env: dict) -> list:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE_PACKAGE.format(heavy=HEAVY)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        cwd="/",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_dmuon_compile_loads_no_compiler_stack(tmp_path):
+    light, heavy, names, extra, ops = _probe_package(_env(tmp_path, None))
+    assert light == [], light  # after `import dmuon_compile`: none of them
+    # Every public name works as before (and loads what it needs on first use).
+    assert "dmuon_compile.optimizer.Muon" in names["Muon"]
+    assert "dedicate_params" in names["dedicate_params"] and "NewtonSchulz" in names["NewtonSchulz"]
+    assert "dmuon_compile.distributed" in extra[0] and extra[1] == "blocks.3"
+    assert ops  # torch.ops.dmuon.* registered at the import, as before
+    assert "torch._dynamo" in heavy  # the control: the names themselves still load it
+
+
+def test_control_the_eager_import_loads_the_compiler_stack(tmp_path):
+    """The probe sees an eager import: importing the optimizer module at package import (what
+    ``dmuon_compile/__init__.py`` did) brings Dynamo, Inductor, sympy and DTensor."""
+    env = _env(tmp_path, None)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch, dmuon_compile.optimizer\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        cwd="/",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == repr(sorted(HEAVY))
