@@ -644,8 +644,11 @@ def test_comm_is_split_into_fsdp2s_gathers_and_what_owning_adds(llama70b):
         assert r.muon_extra_bytes == 0
     text = plain.table(top=1)
     assert "  AG/RS GiB/step" in text and "  Muon extra GiB/step" in text
-    assert "comm = AG/RS 100.0% (the weights' all-gathers" in text
-    assert "what FSDP2 alone moves) + Muon extra 0.0% (what owning adds: none)" in text
+    assert (
+        "comm = AG/RS 100.0% (the weights' all-gathers and reduce-scatters: what FSDP2 alone"
+        in text
+    )
+    assert "moves) + Muon extra 0.0% (what owning adds: none)" in text
     hsdp = dry_run(llama70b, 512, replicate_size=8, split_size=8)
     rows = hsdp.rows
     for r in rows:

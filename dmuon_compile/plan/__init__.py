@@ -21,7 +21,8 @@ model behind every column.
 The package: :mod:`~dmuon_compile.plan.models` (presets and meta-device models),
 :mod:`~dmuon_compile.plan.run` (:func:`dry_run`: the planning and one row per rank),
 :mod:`~dmuon_compile.plan.experts` (expert parallelism), :mod:`~dmuon_compile.plan.pipeline`
-(pipeline stages), :mod:`~dmuon_compile.plan.report` (the table and JSON) and
+(pipeline stages), :mod:`~dmuon_compile.plan.report` (the table and JSON),
+:mod:`~dmuon_compile.plan.advice` (the notes on a peak that does not fit and on idle ranks) and
 :mod:`~dmuon_compile.plan.cli` (the command line).
 """
 

@@ -272,9 +272,9 @@ class DryRunReport:
         extra = ", ".join(f"{name} {100 * v / total:.1f}%" for name, v in parts if v) or "none"
         agrs = sum(r.gather_reduce_bytes for r in self.rows)
         return (
-            f"comm = AG/RS {100 * agrs / total:.1f}% (the weights' all-gathers and gradient "
-            "reduce-scatters, FSDP2's and the dedicated groups' in its place: what FSDP2 alone "
-            f"moves) + Muon extra {100 * (total - agrs) / total:.1f}% (what owning adds: {extra})"
+            f"comm = AG/RS {100 * agrs / total:.1f}% (the weights' all-gathers and reduce-"
+            f"scatters: what FSDP2 alone moves) + Muon extra {100 * (total - agrs) / total:.1f}% "
+            f"(what owning adds: {extra})"
         )
 
     def memory_line(self) -> str:
