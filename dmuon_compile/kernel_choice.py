@@ -26,13 +26,16 @@ from dmuon_compile.kernels.autotune import (  # noqa: F401  (UNTIMED_MIN_ROWS: r
 from dmuon_compile.kernels.consistency import agree_across_ranks
 
 # Size gate of the Newton–Schulz products (m×m outputs, a stack of ``batch``): below it the
-# symmetric kernels lose to cuBLAS. Stacks of 768-row matrices (expert stacks) pass: there the
-# Gluon and TMA kernels beat cuBLAS's full product, which also copies C into its output before
-# every product with a beta·C term (benchmarks/RESULTS.md §22); the autotune still picks cuBLAS
-# per shape where it wins.
+# symmetric kernels lose to cuBLAS. Expert stacks pass it: stacks of 1536-row matrices, and of
+# 768-row ones when the stack is large (a step's bucket of expert stacks); there the Gluon and
+# TMA kernels beat cuBLAS's full product, which also copies C into its output before every
+# product with a beta·C term. A stack of 64 768-row matrices still loses (benchmarks/RESULTS.md
+# §22). The autotune keeps cuBLAS per shape where it wins, at the cost of a mirror pass.
 TRITON_MIN_ROWS = 4096
-TRITON_MIN_ROWS_BATCHED = 768
+TRITON_MIN_ROWS_BATCHED = 1536
 TRITON_MIN_BATCH = 8
+TRITON_MIN_ROWS_LARGE_STACK = 768
+TRITON_MIN_BATCH_LARGE_STACK = 128
 # The op's untimed fallback (UNTIMED_MIN_ROWS, HALF_DTYPES) is the kernel package's rule,
 # kernels/autotune.py, imported above under the same names.
 # kernel="quack": products with fewer output rows than one of quack's symmetric tiles run cuBLAS
@@ -62,10 +65,16 @@ class KernelChoice:
 def size_gate(m: int, batch: int = 1) -> bool:
     """Whether an m×m symmetric product (a stack of ``batch``) is large enough for Triton.
 
-    >>> size_gate(4096), size_gate(768, batch=8), size_gate(2048), size_gate(512, batch=64)
+    >>> size_gate(4096), size_gate(1536, batch=8), size_gate(2048), size_gate(768, batch=64)
     (True, True, False, False)
+    >>> size_gate(768, batch=512)
+    True
     """
-    return m >= TRITON_MIN_ROWS or (m >= TRITON_MIN_ROWS_BATCHED and batch >= TRITON_MIN_BATCH)
+    return (
+        m >= TRITON_MIN_ROWS
+        or (m >= TRITON_MIN_ROWS_BATCHED and batch >= TRITON_MIN_BATCH)
+        or (m >= TRITON_MIN_ROWS_LARGE_STACK and batch >= TRITON_MIN_BATCH_LARGE_STACK)
+    )
 
 
 def choose_kernel(
@@ -117,8 +126,9 @@ def choose_kernel(
        product not on CUDA is always rewritten (the reference).
     4. **Size gate** (eager NS and CUDA products of compiled graphs): Triton for m ≥
        ``TRITON_MIN_ROWS``, or m ≥ ``TRITON_MIN_ROWS_BATCHED`` in stacks of ≥
-       ``TRITON_MIN_BATCH``; smaller products run cuBLAS (the kernels lose there, and the op's
-       exact-symmetry mirror and host dispatch cost as much as the product).
+       ``TRITON_MIN_BATCH``, or m ≥ ``TRITON_MIN_ROWS_LARGE_STACK`` in stacks of ≥
+       ``TRITON_MIN_BATCH_LARGE_STACK``; smaller products run cuBLAS (the kernels lose there,
+       and the op's exact-symmetry mirror and host dispatch cost as much as the product).
 
     >>> choose_kernel("eager", m=4096, resolved="triton").kernel
     'triton'

@@ -47,12 +47,18 @@ def _kernel_dir() -> Path:
     return Path(kernels.__file__).resolve().parent
 
 
-def _size_gate() -> tuple[int, int, int]:
+def _size_gate() -> tuple[int, ...]:
     """The size gate the pass applies (it lives outside the hashed sources): a graph cached
     under another gate must not be reused."""
     from dmuon_compile import kernel_choice as k
 
-    return (k.TRITON_MIN_ROWS, k.TRITON_MIN_ROWS_BATCHED, k.TRITON_MIN_BATCH)
+    return (
+        k.TRITON_MIN_ROWS,
+        k.TRITON_MIN_ROWS_BATCHED,
+        k.TRITON_MIN_BATCH,
+        k.TRITON_MIN_ROWS_LARGE_STACK,
+        k.TRITON_MIN_BATCH_LARGE_STACK,
+    )
 
 
 def _source_files() -> tuple[str, ...]:
