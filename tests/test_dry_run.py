@@ -705,3 +705,6 @@ def test_many_idle_ranks_point_to_split_size_with_what_it_would_do(llama70b):
     assert not any("--split-size" in n for n in dry_run(llama70b, 512).notes)
     assert not any("idle in the step" in n for n in split8.notes)
     assert not any("idle in the step" in n for n in dry_run(llama70b, 4096, split_size=8).notes)
+    # where splitting would not shorten the step, the note says so instead of pointing to it
+    (small,) = [n for n in dry_run("tiny", 64).notes if "idle in the step" in n]
+    assert "--split-size would not shorten the step (--split-size 8: 0 idle" in small

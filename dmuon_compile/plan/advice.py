@@ -64,22 +64,29 @@ def _split_note(report: DryRunReport, rerun, idle: int) -> str:
     _, ns, step = _ns_summary(report)
     head = (
         f"{idle} of {world} ranks ({100 * idle / world:.0f}%) own no matrix and idle in the "
-        f"step, while the busiest runs {ns:.2f} ms of NS: --split-size k (dry_run(split_size=k)) "
-        "runs each matrix above a fair share over k ranks"
+        f"step, while the busiest runs {ns:.2f} ms of NS ({step:.2f} ms step)"
     )
-    tried = []
+    tried, best = [], step
     for k in _split_candidates(report, world - idle):
         other = _try(rerun, split_size=k)
         if other is None:
             continue
         k_idle, k_ns, k_step = _ns_summary(other)
+        best = min(best, k_step)
         tried.append(
-            f"--split-size {k}: {k_idle} idle, NS ms max {k_ns:.2f}, step ms max {k_step:.2f} "
-            f"(now {step:.2f})"
+            f"--split-size {k}: {k_idle} idle, NS ms max {k_ns:.2f}, step ms max {k_step:.2f}"
         )
     if not tried:
-        return head + "; no power of two up to 64 divides the data-parallel ranks here"
-    return head + "; " + "; ".join(tried)
+        return head + "; no power of two up to 64 divides the data-parallel ranks for --split-size"
+    if best > 0.95 * step:
+        return (
+            f"{head}; --split-size would not shorten the step ({'; '.join(tried)}): the "
+            "matrices are too small to gain from splitting"
+        )
+    return (
+        f"{head}: --split-size k (dry_run(split_size=k)) runs each matrix above a fair share "
+        f"over k ranks; {'; '.join(tried)}"
+    )
 
 
 def _memory_note(report: DryRunReport, rerun, peak: int, split_size: int) -> str:
