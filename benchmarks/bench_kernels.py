@@ -386,13 +386,29 @@ def graph_ms(fn) -> float | None:
 
 
 def set_size_gate(spec: str) -> None:
-    """``ROWS,BATCH``: stacks of at least BATCH matrices with at least ROWS rows pass the
-    symmetric kernels' size gate (dmuon_compile.kernel_choice), for this process."""
+    """``ROWS,BATCH[,LARGE_ROWS,LARGE_BATCH]``: stacks of at least BATCH matrices with at least
+    ROWS rows (and of at least LARGE_BATCH with at least LARGE_ROWS: the large-stack tier) pass
+    the symmetric kernels' size gate (dmuon_compile.kernel_choice), for this process;
+    ``2048,8,4096,1`` is the gate before expert stacks passed it."""
     from dmuon_compile import kernel_choice
 
-    rows, batch = (int(v) for v in spec.split(","))
-    kernel_choice.TRITON_MIN_ROWS_BATCHED, kernel_choice.TRITON_MIN_BATCH = rows, batch
-    print(f"size gate: stacks of >= {batch} with >= {rows} rows run the symmetric kernels")
+    values = [int(v) for v in spec.split(",")]
+    if len(values) not in (2, 4):
+        raise SystemExit(
+            f"--size-gate {spec!r}: give ROWS,BATCH or ROWS,BATCH,LARGE_ROWS,LARGE_BATCH"
+        )
+    kernel_choice.TRITON_MIN_ROWS_BATCHED, kernel_choice.TRITON_MIN_BATCH = values[:2]
+    if len(values) == 4:
+        large = values[2:]
+        kernel_choice.TRITON_MIN_ROWS_LARGE_STACK, kernel_choice.TRITON_MIN_BATCH_LARGE_STACK = (
+            large
+        )
+    print(
+        f"size gate: stacks of >= {kernel_choice.TRITON_MIN_BATCH} with >= "
+        f"{kernel_choice.TRITON_MIN_ROWS_BATCHED} rows, and of >= "
+        f"{kernel_choice.TRITON_MIN_BATCH_LARGE_STACK} with >= "
+        f"{kernel_choice.TRITON_MIN_ROWS_LARGE_STACK}, run the symmetric kernels"
+    )
 
 
 def main(argv=None) -> int:
