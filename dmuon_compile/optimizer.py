@@ -51,7 +51,6 @@ from dmuon_compile.step_agreement import (  # noqa: F401 - MuonStepError: the pu
     SPLIT,
     FiniteFlags,
     MuonStepError,
-    PendingVerdict,
     StepAgreement,
     _StepCheck,
     directions_finite,
@@ -433,7 +432,7 @@ class Muon(torch.optim.Optimizer):
             return loss  # skipped (nonfinite_grads="skip")
         # A deferred verdict stays on the device: the commit and AdamW select on it and the
         # host reads it at the next step() (``settle``), never waiting for this step's kernels.
-        pending = verdict if isinstance(verdict, PendingVerdict) else None
+        pending = None if isinstance(verdict, bool) else verdict  # else a PendingVerdict
         # This rank's own work failed (deferred): its halves hold placeholders and the verdict
         # is known to be false, so it writes nothing; its actions' collectives still go out.
         failed_here = pending is not None and bool(pending.failure)

@@ -212,7 +212,7 @@ def _which_step(deferred: bool) -> str:
     return "Muon.step"
 
 
-def _nonfinite_message(bad: list[tuple]) -> str:
+def _nonfinite_message(bad: list[tuple], skipping: bool = False) -> str:
     """The non-finite step's message: each parameter with what is not finite in it and the
     path that found it, then the advice for those kinds of value. ``bad``: ``(name, what,
     kinds found, path or None)``."""
@@ -234,7 +234,8 @@ def _nonfinite_message(bad: list[tuple]) -> str:
             "a write to opt.state): load a good state or zero that buffer (skipping steps does "
             "not clear it)."
         )
-    parts.append("Pass nonfinite_grads='skip' to skip such steps instead.")
+    if not skipping:  # the skip warning: it is skipping already
+        parts.append("Pass nonfinite_grads='skip' to skip such steps instead.")
     return " ".join(parts)
 
 
@@ -443,7 +444,7 @@ class StepAgreement:
                     else []
                 ) or [_elsewhere(values[-1] > 0)]
         if bad:
-            message = _nonfinite_message(bad)
+            message = _nonfinite_message(bad, skipping=self.opt.nonfinite_grads != "raise")
             if self.opt.nonfinite_grads == "raise":
                 raise FloatingPointError(f"{_which_step(deferred)}: {message}")
             warnings.warn(

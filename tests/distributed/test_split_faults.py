@@ -7,15 +7,17 @@ FFN matrices each split over an aligned pair, the owner the pair's first rank). 
 split NS:
 
 - ``nonfinite``: its piece of the result is NaN (the owner would write NaN into the weight);
+- ``nonfinite_skip``: the same with ``Muon(nonfinite_grads="skip")``;
 - ``raise_mid``: its local math raises after some of the NS's collectives went out;
 - ``raise_early``: its local math raises before the first one (the norm of its piece).
 
 Every rank must raise at that step, within seconds (no rank waits for a timeout): the
 non-finite case the non-finite error of the ordinary path (``FloatingPointError`` naming the
-split NS), the exceptions ``MuonStepError`` naming rank 1 in the split NS's phase (rank 1
-chaining its own exception). Then ``zero_grad()`` and the remaining steps on every rank must
-give the weights of one process that skipped that batch (tolerances of test_split_dedicated):
-the failing step wrote nothing anywhere.
+split NS; with ``"skip"``, its skip warning on every rank), the exceptions ``MuonStepError``
+naming rank 1 in the split NS's phase (rank 1 chaining its own exception). Then
+``zero_grad()`` and the remaining steps on every rank must give the weights of one process
+that skipped that batch (tolerances of test_split_dedicated): the failing step wrote nothing
+anywhere.
 
 Controls: with the split result's finite check taken out, the ``nonfinite`` run ends with NaN
 weights and the check fails; with the split NS outside the step's failure guard (what the step
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 
 import pytest
 import torch
@@ -44,7 +47,7 @@ FAILING = 1  # a member of the pair (0, 1), not its owner
 SHAPE = {"layers": 1, "ffn": 1024}  # as test_split_dedicated: each FFN matrix is split
 ATOL = 2e-4
 RAISE_WITHIN_S = 10.0  # far below the process-group timeout
-KINDS = ("nonfinite", "raise_mid", "raise_early")
+KINDS = ("nonfinite", "nonfinite_skip", "raise_mid", "raise_early")
 
 
 class InjectedError(RuntimeError):
@@ -63,7 +66,7 @@ def _inject(kind: str, step: list) -> None:
 
         return wrapper
 
-    if kind == "nonfinite":
+    if kind.startswith("nonfinite"):
 
         def nan_piece(original, *args, **kwargs):
             return torch.full_like(original(*args, **kwargs), float("nan"))
@@ -124,7 +127,14 @@ def _train(rank: int, world: int, kind: str, control: bool = False) -> dict:
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, ns_backend=_ns(), compile=False, **HYPER)
+    skip = kind == "nonfinite_skip"
+    opt = dmuon.Muon(
+        model,
+        ns_backend=_ns(),
+        compile=False,
+        nonfinite_grads="skip" if skip else "raise",
+        **HYPER,
+    )
     out = {"error": None, "cause": None, "failed": None, "at": None, "after_s": None}
     for i, x in enumerate(models.batches(STEPS + 1, world)):
         step[0] = i
@@ -133,7 +143,14 @@ def _train(rank: int, world: int, kind: str, control: bool = False) -> dict:
         before = full_state(model) if i == FAIL_AT else None
         start = time.monotonic()
         try:
-            opt.step()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            for w in caught:  # a skip: reported as the error would be
+                if "skipped" in str(w.message):
+                    out.update(
+                        error=f"skipped: {w.message}", at=i, after_s=time.monotonic() - start
+                    )
         except Exception as exc:  # noqa: BLE001 - what every rank reports
             out.update(
                 error=f"{type(exc).__name__}: {exc}",
@@ -181,9 +198,10 @@ def _problems(kind: str, results: list[dict], ref: dict) -> list[str]:
         if res["at"] != FAIL_AT:
             found.append(f"rank {rank} did not raise at step {FAIL_AT}: {err!r} at {res['at']}")
             continue
-        if kind == "nonfinite":
-            if not err.startswith("FloatingPointError") or "split Newton–Schulz" not in err:
-                found.append(f"rank {rank}: not the split NS's non-finite error: {err}")
+        if kind.startswith("nonfinite"):
+            want = "skipped" if kind == "nonfinite_skip" else "FloatingPointError"
+            if not err.startswith(want) or "split Newton–Schulz" not in err:
+                found.append(f"rank {rank}: not the split NS's non-finite {want}: {err}")
         else:
             if not err.startswith("MuonStepError") or res["failed"] != {FAILING: PHASE_SPLIT_NS}:
                 found.append(f"rank {rank}: not MuonStepError naming rank {FAILING}: {err}")
