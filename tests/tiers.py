@@ -37,6 +37,8 @@ SLOW = {
         "test_plain_import_torch_imports_nothing_of_the_package",
         "test_control_old_entry_point_imports_the_package",
         "test_torch_logs_plus_dmuon_from_the_environment",
+        "test_import_dmuon_compile_loads_no_compiler_stack",
+        "test_control_the_eager_import_loads_the_compiler_stack",
     ],
     "tests/test_root_imports.py": ["test_transformers_imports_from_the_root"],
     "tests/test_user_compiled_step.py": ["test_control_one_cycle_float_momentum_recompiles"],
