@@ -125,15 +125,18 @@ def _build(rank, world, folder, old_gather=False):
 
 
 def _record_broadcasts():
-    """Every ``dist.broadcast`` from here on: ``(group ranks or None for the default group)``."""
+    """The group of every ``dist.broadcast`` that dmuon's owner tensors make from here on: its
+    ranks, or ``None`` for the default group."""
+    import sys
+
     import torch.distributed as dist
 
     seen = []
     original = dist.broadcast
 
     def broadcast(tensor, src=None, group=None, *args, **kwargs):
-        ranks = None if group is None else tuple(dist.get_process_group_ranks(group))
-        seen.append(ranks)
+        if sys._getframe(1).f_globals.get("__name__") == "dmuon_compile.distributed._owned":
+            seen.append(None if group is None else tuple(dist.get_process_group_ranks(group)))
         return original(tensor, src, group, *args, **kwargs)
 
     dist.broadcast = broadcast
@@ -191,7 +194,8 @@ def _train(rank, world, folder):
     out["whole"] = (name, whole.shape == weight.shape, float(whole.norm()))
     out["broadcast_groups"] = sorted(set(seen), key=str)
 
-    # A weight of the other stage (its rank 0's save of it): a clear error, no collective.
+    # A weight of the other stage (saved by its rank at this data-parallel coordinate): a clear
+    # error on every rank, no collective.
     torch.save(weight.detach(), f"{folder}/stage_weight_rank{rank}.pt")
     dist.barrier()
     other = (rank + world // PP) % world  # the same data-parallel rank of the other stage
