@@ -241,7 +241,7 @@ def test_control_split_ns_outside_the_guard_falls_apart():
     """Rank 1 raises its own error at once; its peers are left in the split NS's collectives
     (a hang, killed here), raise something else, or end on other weights."""
     try:
-        results = run_ranks(_train, WORLD, "raise_mid", True, timeout=30)
+        results = run_ranks(_train, WORLD, "raise_mid", True, timeout=20)
     except (TimeoutError, AssertionError, RuntimeError) as exc:  # a hang or a rank that died
         assert "did not finish" in str(exc) or "failed" in str(exc) or "died" in str(exc)
         return
