@@ -21,7 +21,13 @@ from torch import Tensor
 
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed.owner_plan import OwnerPlan
-from dmuon_compile.distributed.split_ns import split_bounds, split_dim, split_newton_schulz
+from dmuon_compile.distributed.split_ns import (
+    _finish_collectives,
+    _GroupComm,
+    split_bounds,
+    split_dim,
+    split_newton_schulz,
+)
 from dmuon_compile.step_phases import PHASE_SPLIT_NS, guarded
 
 
@@ -146,8 +152,6 @@ def orthogonalize_split(
 def finish_split_collectives(block: Tensor, ns, split: SplitGroup) -> None:
     """The collectives of this member's ``split_newton_schulz`` call without its math (a rank
     that has failed already): zeros sent, its peers' schedule kept."""
-    from dmuon_compile.distributed.split_ns import _finish_collectives, _GroupComm
-
     p = len(split.ranks)
     comm = _GroupComm(split.pg, dist.get_rank(split.pg), p)
     _finish_collectives(comm, split.shape, split_bounds(split.shape, p), ns, block.device)
