@@ -9,7 +9,9 @@ split NS:
 - ``nonfinite``: its piece of the result is NaN (the owner would write NaN into the weight);
 - ``nonfinite_skip``: the same with ``Muon(nonfinite_grads="skip")``;
 - ``raise_mid``: its local math raises after some of the NS's collectives went out;
-- ``raise_early``: its local math raises before the first one (the norm of its piece).
+- ``raise_early``: its local math raises before the first one (the norm of its piece);
+- ``raise_mid_hsdp``: ``raise_mid`` on HSDP 2 × 2 (the pairs are slots of the whole job; the
+  step still publishes the unchanged weights to the other replica).
 
 Every rank must raise at that step, within seconds (no rank waits for a timeout): the
 non-finite case the non-finite error of the ordinary path (``FloatingPointError`` naming the
@@ -47,7 +49,7 @@ FAILING = 1  # a member of the pair (0, 1), not its owner
 SHAPE = {"layers": 1, "ffn": 1024}  # as test_split_dedicated: each FFN matrix is split
 ATOL = 2e-4
 RAISE_WITHIN_S = 10.0  # far below the process-group timeout
-KINDS = ("nonfinite", "nonfinite_skip", "raise_mid", "raise_early")
+KINDS = ("nonfinite", "nonfinite_skip", "raise_mid", "raise_early", "raise_mid_hsdp")
 
 
 class InjectedError(RuntimeError):
@@ -72,7 +74,7 @@ def _inject(kind: str, step: list) -> None:
             return torch.full_like(original(*args, **kwargs), float("nan"))
 
         _split_step.split_newton_schulz = at_fail(_split_step.split_newton_schulz, nan_piece)
-    elif kind == "raise_mid":
+    elif kind.startswith("raise_mid"):
         calls = [0]
 
         def third_call_raises(original, *args, **kwargs):
@@ -122,8 +124,18 @@ def _train(rank: int, world: int, kind: str, control: bool = False) -> dict:
         real = _split_step.orthogonalize_split
         _split_step.orthogonalize_split = lambda *a, failure=None, **k: real(*a, **k)
     model = models.build_llama(**SHAPE)
-    mesh = init_device_mesh("cpu", (world,))
-    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate, split_size=2)
+    if kind.endswith("hsdp"):  # 2 × 2, as test_split_dedicated
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        dmuon.dedicate_params(
+            model,
+            mesh["shard"],
+            predicate=models.proj_predicate,
+            replicate_mesh=mesh["replicate"],
+            split_size=2,
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate, split_size=2)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
