@@ -893,7 +893,7 @@ class Muon(torch.optim.Optimizer):
 
             opt.step()
             if not opt.last_step_committed():
-                print("skipped: non-finite gradients")
+                logging.getLogger(__name__).warning("step skipped: non-finite gradients")
         """
         return self._agreement.settle()
 
