@@ -32,7 +32,7 @@ def layouts_of(tensors: Sequence[Tensor], layouts: Sequence[Layout] | None) -> l
     tensor; a tensor of more dims needs its layout given (no silent flattening).
 
     >>> layouts_of([torch.zeros(2, 3)], None)
-    [Layout(kind='matrix', split=None, split_dim=0, transposed=False)]
+    [Layout(kind='matrix', split=None, split_dim=0, transposed=False, parts=(), head_dims=())]
     """
     if layouts is not None:
         if len(layouts) != len(tensors):
@@ -126,7 +126,7 @@ def shape_buckets(
     lays = layouts_of(tensors, layouts)
     groups: dict[tuple, list[int]] = {}
     for i, (t, lay) in enumerate(zip(tensors, lays)):
-        groups.setdefault((lay.stacked_shape(t.shape), t.dtype, t.device), []).append(i)
+        groups.setdefault((_bucket_shape(lay, t.shape), t.dtype, t.device), []).append(i)
     if max_bytes is None:
         return list(groups.values())
     buckets: list[list[int]] = []
@@ -144,6 +144,76 @@ def shape_buckets(
     return buckets
 
 
+def _bucket_shape(lay: Layout, shape) -> tuple:
+    """A tensor's bucket key: its matrices' shape, or, for a blocked layout whose blocks
+    differ in shape, the tuple of its pieces' shapes (``orthogonalize`` re-buckets the pieces:
+    each joins the matrices of its own shape)."""
+    pieces = lay.pieces(shape)
+    if len(pieces) == 1:
+        return lay.stacked_shape(shape)
+    dim = lay.block_dim(shape)
+    return tuple(
+        sub.stacked_shape(_narrowed(shape, dim, stop - start)) for start, stop, sub in pieces
+    )
+
+
+def _narrowed(shape, dim: int, size: int) -> tuple[int, ...]:
+    return tuple(size if d == dim else int(s) for d, s in enumerate(shape))
+
+
+def _split_pieces(tensors: Sequence[Tensor], lays: Sequence[Layout]):
+    """Each tensor whose blocked layout has blocks of several shapes as its pieces (views
+    along its block dim, :meth:`Layout.pieces`), the others as they are. Returns ``(pieces,
+    their layouts, per tensor: its pieces' count)``, or ``None`` when no tensor has pieces."""
+    cut = [lay.pieces(t.shape) for t, lay in zip(tensors, lays)]
+    if all(len(c) == 1 for c in cut):
+        return None
+    pieces: list[Tensor] = []
+    piece_lays: list[Layout] = []
+    for t, lay, parts in zip(tensors, lays, cut):
+        if len(parts) == 1:
+            pieces.append(t)
+            piece_lays.append(lay)
+            continue
+        dim = lay.block_dim(t.shape)
+        for start, stop, sub in parts:
+            pieces.append(t.narrow(dim, start, stop - start))
+            piece_lays.append(sub)
+    return pieces, piece_lays, [len(c) for c in cut]
+
+
+def _orthogonalize_pieces(updates, ns, batch_same_shape, release, finite, lays, split):
+    """``orthogonalize`` of updates some of which are pieces (``_split_pieces``): the pieces
+    bucketed by their own shapes, each update put back together along its block dim; one
+    ``finite`` entry for all the updates (an update is finite when all its pieces are)."""
+    pieces, piece_lays, counts = split
+    if release:
+        for i in range(len(updates)):
+            updates[i] = None
+    inner: list | None = [] if finite is not None else None
+    results = orthogonalize(
+        pieces, ns, batch_same_shape, release=release, finite=inner, layouts=piece_lays
+    )
+    out, k = [], 0
+    for lay, count in zip(lays, counts):
+        mine = results[k : k + count]
+        k += count
+        if count == 1:
+            out.append(mine[0])
+        else:
+            dim = mine[0].dim() - 2 + lay.split_dim
+            out.append(torch.cat(mine, dim))
+    if inner:  # the flags of the pieces' buckets (none when batch_same_shape=False)
+        order = [j for idx, _ in inner for j in idx]
+        where = [0] * len(order)
+        for position, j in enumerate(order):
+            where[j] = position
+        flags = torch.cat([f for _, f in inner])[where]  # in the pieces' order
+        flags = torch.stack([f.all() for f in flags.split(counts)])
+        finite.append((list(range(len(counts))), flags))
+    return out
+
+
 def orthogonalize(
     updates: list[Tensor],
     ns: NewtonSchulz,
@@ -154,7 +224,9 @@ def orthogonalize(
     layouts: Sequence[Layout] | None = None,
 ) -> list[Tensor]:
     """NS(u) for every update, by its layout (an expert stack: each expert's matrix on its
-    own); matrices of one shape are stacked into one batched call.
+    own; a blocked layout: each head or part); matrices of one shape are stacked into one
+    batched call (a tensor whose blocks differ in shape is cut into its pieces first, each
+    joining the matrices of its shape).
 
     ``release=True`` drops each bucket's entries of ``updates`` (set to ``None``) once they are
     stacked: inputs the caller holds nowhere else (``muon_directions``' Nesterov inputs) are
@@ -164,6 +236,9 @@ def orthogonalize(
     by — are finite.
     """
     lays = layouts_of(updates, layouts)
+    split = _split_pieces(updates, lays)
+    if split is not None:  # blocked layouts with blocks of several shapes: piece by piece
+        return _orthogonalize_pieces(updates, ns, batch_same_shape, release, finite, lays, split)
     if not batch_same_shape:
         return [lay.unmatrices(ns(lay.matrices(u)), u.shape) for u, lay in zip(updates, lays)]
     out: list[Tensor | None] = [None] * len(updates)
@@ -236,10 +311,15 @@ def apply_muon_update(
     compiled step: no value may pick a branch, and ``alpha`` takes no tensor) always decay and
     scale by a 0-d factor. The same math. ``matrix_shapes``: the whole matrices' shapes when
     ``params`` are shards of them (TP: the scale is the whole matrix's), else each param's own
-    matrices' (``layouts``: an expert's, a fused half's).
+    matrices' (``layouts``: an expert's, a fused half's, a block's; a tensor whose blocks
+    differ in shape is updated piece by piece, each piece, a view, with its blocks' scale).
     """
     if matrix_shapes is None:
         lays = layouts_of(params, layouts)
+        split = _split_pieces(params, lays)
+        if split is not None:  # blocks of several shapes: each piece with its own scale
+            ortho = _split_pieces(ortho, lays)[0]
+            params, lays = split[0], split[1]
         matrix_shapes = [lay.matrix_shape(p.shape) for p, lay in zip(params, lays)]
     scales = [lr_scale(shape, adjust_lr_fn) for shape in matrix_shapes]
     if _traced(lr, weight_decay):

@@ -5,7 +5,11 @@ matrix. A mixture-of-experts stack ``(E, m, n)`` is ``E`` matrices, each orthogo
 own (flattening it into one ``(E, m·n)`` matrix mixes the experts: wrong math). A fused
 gate/up weight (``(E, 2h, n)``, or a 2-D ``(2h, n)``) may be orthogonalised as its two halves,
 stored one after the other (``split="chunk"``) or interleaved row by row
-(``split="interleave"``).
+(``split="interleave"``). A blocked layout cuts each matrix into consecutive blocks along a
+dim: attention heads of ``head_dim`` rows or columns (per-head Newton–Schulz,
+:meth:`Layout.heads`), or the parts of a fused weight with their sizes, each part whole or per
+head (:meth:`Layout.fused`, :meth:`Layout.qkv`); every block is a matrix of its own, with the
+learning-rate scale of its own shape. docs/recipes.md has the presets.
 
 Below the optimizer and the runtime: ``routing`` resolves each Muon parameter's layout,
 ``functional`` stacks and unstacks by it, ``dedicate_params`` plans owners by its matrices.
@@ -41,17 +45,28 @@ class Layout(NamedTuple):
       (``"interleave"``); each half is orthogonalised as a matrix of its own.
     - ``transposed``: each matrix is stored ``(in, out)`` (``x @ W``); the ``"original"``
       learning-rate rule then reads its shape as ``(out, in)``. Newton–Schulz does not care.
+    - ``parts`` / ``head_dims`` (blocked layouts; ``split`` stays ``None``): each matrix is
+      consecutive blocks along ``split_dim``. ``parts``: the sizes of the fused parts, in
+      order (``()``: the whole dim is one part); ``head_dims``: per part, the size of the heads
+      it is cut into (``0``: the part is one block; ``()``: no part is cut; with ``parts=()``,
+      one entry for the whole dim). Each block is orthogonalised as a matrix of its own and
+      gets the learning-rate scale of its own shape. Build them with :meth:`heads`,
+      :meth:`fused` or :meth:`qkv`.
 
     A NamedTuple of constants, so a compiled step takes it as a static input.
 
     >>> Layout.experts(split="chunk").matrix_shape((8, 64, 32))
     (32, 32)
+    >>> Layout.heads(64).matrix_shape((512, 256)), Layout.heads(64).count((512, 256))
+    ((64, 256), 8)
     """
 
     kind: str = "matrix"
     split: str | None = None
     split_dim: int = 0
     transposed: bool = False
+    parts: tuple[int, ...] = ()
+    head_dims: tuple[int, ...] = ()
 
     @classmethod
     def matrix(cls, split: str | None = None, split_dim: int = 0, transposed: bool = False):
@@ -65,6 +80,88 @@ class Layout(NamedTuple):
     def experts(cls, split: str | None = None, split_dim: int = 0, transposed: bool = False):
         return cls("experts", split, split_dim, transposed).checked()
 
+    # ------------------------------------------------------------------ blocked presets
+    @classmethod
+    def heads(
+        cls, head_dim: int, dim: int = 0, *, experts: bool = False, transposed: bool = False
+    ) -> Layout:
+        """Per-head Newton–Schulz: each matrix is heads of ``head_dim`` rows (``dim=0``) or
+        columns (``dim=1``), in stored orientation, each head a matrix of its own.
+
+        For ``nn.Linear`` weights (``(out, in)``): q, k and v projections ``(heads·head_dim,
+        dim)`` take ``dim=0``; the output projection ``(dim, heads·head_dim)`` takes ``dim=1``.
+        ``experts=True``: an expert stack ``(E, m, n)``, per expert and per head.
+        """
+        return cls._blocked((), _head_sizes(head_dim, 1), dim, experts, transposed)
+
+    @classmethod
+    def fused(
+        cls,
+        sizes,
+        dim: int = 0,
+        *,
+        heads: int | tuple | None = None,
+        experts: bool = False,
+        transposed: bool = False,
+    ) -> Layout:
+        """A fused weight: parts of ``sizes`` rows (``dim=0``) or columns (``dim=1``), one
+        after the other, each orthogonalised on its own (parts of different sizes are matrices
+        of different shapes, each with its own learning-rate scale).
+
+        ``heads``: ``None`` (each part one matrix), an ``int`` (every part cut into heads of
+        that size), or one entry per part (``0`` or ``None``: that part whole).
+
+        >>> Layout.fused((512, 128, 128)).count((768, 256))
+        3
+        """
+        sizes = tuple(sizes) if isinstance(sizes, (tuple, list)) else sizes
+        if not isinstance(sizes, tuple) or not sizes:
+            raise ValueError(
+                f"Layout.fused(sizes={sizes!r}): give the parts' sizes, e.g. (q, k, v)"
+            )
+        return cls._blocked(sizes, _head_sizes(heads, len(sizes)), dim, experts, transposed)
+
+    @classmethod
+    def qkv(
+        cls,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        per_head: bool = True,
+        experts: bool = False,
+        transposed: bool = False,
+    ) -> Layout:
+        """A fused ``wqkv`` stored ``[q; k; v]`` along its output dim (rows of ``(out, in)``;
+        columns with ``transposed=True``): q of ``n_heads·head_dim``, k and v of
+        ``n_kv_heads·head_dim``. ``per_head=True``: every head its own matrix; ``False``: q, k
+        and v each one matrix."""
+        q, kv = n_heads * head_dim, n_kv_heads * head_dim
+        heads = head_dim if per_head else None
+        dim = 1 if transposed else 0
+        return cls.fused((q, kv, kv), dim, heads=heads, experts=experts, transposed=transposed)
+
+    @classmethod
+    def gate_up(
+        cls, interleaved: bool = False, *, experts: bool = False, transposed: bool = False
+    ) -> Layout:
+        """A fused gate/up (``w13``) weight: its two halves along the output dim (rows of
+        ``(out, in)``; columns with ``transposed=True``), one after the other or interleaved
+        row by row, each half a matrix of its own (``split="chunk"`` / ``"interleave"``)."""
+        kind = "experts" if experts else "matrix"
+        split = "interleave" if interleaved else "chunk"
+        return cls(kind, split, 1 if transposed else 0, transposed).checked()
+
+    @classmethod
+    def _blocked(cls, parts, head_dims, dim, experts, transposed) -> Layout:
+        kind = "experts" if experts else "matrix"
+        return cls(kind, None, dim, bool(transposed), parts, head_dims).checked()
+
+    @property
+    def blocked(self) -> bool:
+        """Whether each matrix is cut into blocks (``parts`` or ``head_dims``)."""
+        return bool(self.parts) or bool(self.head_dims)
+
     def checked(self) -> Layout:
         if self.kind not in KINDS:
             raise ValueError(f"Layout kind={self.kind!r}: choose one of {KINDS}")
@@ -72,9 +169,47 @@ class Layout(NamedTuple):
             raise ValueError(f"Layout split={self.split!r}: choose one of {SPLITS}")
         if self.split_dim not in (0, 1):
             raise ValueError(f"Layout split_dim={self.split_dim!r}: 0 (rows) or 1 (columns)")
-        if self.kind == "conv" and (self.split is not None or self.transposed):
-            raise ValueError("Layout.conv() takes no split and no transposed")
+        if self.kind == "conv" and (self.split is not None or self.transposed or self.blocked):
+            raise ValueError("Layout.conv() takes no split, no blocks and no transposed")
+        if self.blocked:
+            self._check_blocks()
         return self
+
+    def _check_blocks(self) -> None:
+        for field, values in (("parts", self.parts), ("head_dims", self.head_dims)):
+            if not isinstance(values, tuple) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in values
+            ):
+                raise ValueError(f"Layout {field}={values!r}: a tuple of ints")
+        if self.split is not None:
+            raise ValueError(
+                f"Layout split={self.split!r} does not combine with parts/head_dims: give a "
+                "fused gate/up as Layout.gate_up() (its halves) or Layout.fused((h, h)), not both"
+            )
+        if any(p <= 0 for p in self.parts):
+            raise ValueError(f"Layout parts={self.parts}: each part's size must be positive")
+        if any(h < 0 for h in self.head_dims) or (self.head_dims and not any(self.head_dims)):
+            raise ValueError(
+                f"Layout head_dims={self.head_dims}: head sizes must be positive (0 leaves a "
+                "part whole; give at least one head size, or no head_dims)"
+            )
+        if self.parts and self.head_dims and len(self.head_dims) != len(self.parts):
+            raise ValueError(
+                f"Layout head_dims={self.head_dims} for parts={self.parts}: give one head size "
+                "per part (0: that part whole)"
+            )
+        if not self.parts and len(self.head_dims) > 1:
+            raise ValueError(
+                f"Layout head_dims={self.head_dims} without parts: give one head size, or the "
+                "parts' sizes (Layout.fused(sizes, heads=...))"
+            )
+        for size, head in zip(self.parts, self.head_dims):
+            if head and size % head:
+                raise ValueError(
+                    f"Layout: head_dim {head} does not divide the part of size {size} "
+                    f"(parts={self.parts}): give each part a size that is a multiple of its "
+                    "head_dim, or 0 to keep the part whole"
+                )
 
     # ------------------------------------------------------------------ shapes
     def check_shape(self, shape, name: str = "the parameter") -> None:
@@ -90,19 +225,83 @@ class Layout(NamedTuple):
                 f"{name} has shape {tuple(shape)}: split={self.split!r} along split_dim="
                 f"{self.split_dim} needs an even size there"
             )
+        if self.blocked:
+            size = int(shape[self.block_dim(shape)])
+            along = f"dim {self.block_dim(shape)} ({'rows' if self.split_dim == 0 else 'columns'})"
+            if self.parts and sum(self.parts) != size:
+                raise ValueError(
+                    f"{name} has shape {tuple(shape)} but its layout's parts {self.parts} sum "
+                    f"to {sum(self.parts)}, not to the {size} of {along}: give part sizes that "
+                    f"sum to {size}, or the other dim (Layout.fused(sizes, dim=...))"
+                )
+            if not self.parts and size % self.head_dims[0]:
+                raise ValueError(
+                    f"{name} has shape {tuple(shape)}: head_dim {self.head_dims[0]} does not "
+                    f"divide the {size} of {along}: give the head size that divides it, or "
+                    "the dim the heads lie along (Layout.heads(head_dim, dim=...))"
+                )
+
+    def block_dim(self, shape) -> int:
+        """The dim of a parameter of ``shape`` that ``split`` / the blocks cut."""
+        return len(shape) - 2 + self.split_dim
+
+    def _part_blocks(self, size: int) -> list[tuple[int, int]]:
+        """Per part, ``(its size, its blocks' size)`` along a block dim of ``size``."""
+        parts = self.parts or (size,)
+        heads = self.head_dims or (0,) * len(parts)
+        return [(p, h or p) for p, h in zip(parts, heads)]
+
+    def block_sizes(self, shape) -> list[int]:
+        """The size along :meth:`block_dim` of each block of one matrix, in order (one entry,
+        the whole dim, for a layout without blocks)."""
+        size = int(shape[self.block_dim(shape)])
+        if not self.blocked:
+            return [size // 2] * 2 if self.split is not None else [size]
+        return [b for p, b in self._part_blocks(size) for _ in range(p // b)]
+
+    def pieces(self, shape) -> list[tuple[int, int, Layout]]:
+        """``shape``'s :meth:`block_dim` as consecutive ranges ``(start, stop)``, each with a
+        layout all of whose matrices share one shape: ``[(0, size, self)]`` when this layout's
+        do (every layout but a blocked one whose blocks differ in size), else one range per
+        part (a part whole: a plain layout; a part per head: ``head_dims=(h,)``)."""
+        size = int(shape[self.block_dim(shape)]) if self.kind != "conv" else 0
+        if not self.blocked or len(set(self.block_sizes(shape))) == 1:
+            return [(0, size, self)]
+        out, start = [], 0
+        for part, block in self._part_blocks(size):
+            heads = (block,) if block != part else ()
+            sub = Layout(self.kind, None, self.split_dim, self.transposed, (), heads)
+            out.append((start, start + part, sub))
+            start += part
+        return out
 
     def count(self, shape) -> int:
         """How many matrices a parameter of ``shape`` is."""
         stacked = shape[0] if self.kind == "experts" else 1
+        if self.blocked:
+            return stacked * len(self.block_sizes(shape))
         return stacked * (2 if self.split is not None else 1)
 
     def stacked_shape(self, shape) -> tuple[int, int]:
-        """The shape of each matrix as Newton–Schulz sees it (stored orientation)."""
+        """The shape of each matrix as Newton–Schulz sees it (stored orientation). A blocked
+        layout whose blocks differ in shape has no one shape: ``ValueError`` (see
+        :meth:`pieces`)."""
         if self.kind == "conv":
             return int(shape[0]), math.prod(int(s) for s in shape[1:])
         m, n = int(shape[-2]), int(shape[-1])
         if self.split is not None:
             m, n = (m // 2, n) if self.split_dim == 0 else (m, n // 2)
+        if self.blocked:
+            sizes = sorted(set(self.block_sizes(shape)))
+            if len(sizes) != 1:
+                raise ValueError(
+                    f"the layout {self} of shape {tuple(shape)} has blocks of {len(sizes)} "
+                    f"sizes {sizes}: no one matrix shape. The single-process step takes it "
+                    "part by part (Layout.pieces); the planners of dedicate_params and the "
+                    "dry run need one shape per weight: give parts of one size, or cut every "
+                    "part into heads of one size (heads=...)"
+                )
+            m, n = (sizes[0], n) if self.split_dim == 0 else (m, sizes[0])
         return m, n
 
     def matrix_shape(self, shape) -> tuple[int, int]:
@@ -115,9 +314,11 @@ class Layout(NamedTuple):
         """``t`` as its matrices: 2-D ``(m, n)`` when it is one matrix, else ``(k, m, n)``."""
         if self.kind == "conv":
             return t.reshape(t.shape[0], -1)
-        if self.kind == "matrix" and self.split is None:
+        if self.kind == "matrix" and self.split is None and not self.blocked:
             return t
         x = t.reshape(-1, t.shape[-2], t.shape[-1])  # (k0, m, n); k0 = 1 for a matrix
+        if self.blocked:
+            return self._blocks(x)
         if self.split is None:
             return x
         k0, m, n = x.shape
@@ -135,8 +336,22 @@ class Layout(NamedTuple):
             )
         return halves.reshape(2 * k0, halves.shape[-2], halves.shape[-1])
 
+    def _blocks(self, x: Tensor) -> Tensor:
+        """``(k0, m, n)`` as its blocks, all of one size ``b``: ``(k0·m/b, b, n)`` along the
+        rows, ``(k0·n/b, m, b)`` along the columns (consecutive blocks, in order)."""
+        k0, m, n = x.shape
+        b = self.stacked_shape(x.shape)[self.split_dim]
+        if self.split_dim == 0:
+            return x.reshape(k0 * (m // b), b, n)
+        return x.reshape(k0, m, n // b, b).permute(0, 2, 1, 3).reshape(k0 * (n // b), m, b)
+
     def unmatrices(self, x: Tensor, shape) -> Tensor:
         """The inverse of :meth:`matrices`: ``x`` back in the parameter's ``shape``."""
+        if self.blocked and self.split_dim == 1:
+            m, n = int(shape[-2]), int(shape[-1])
+            b = x.shape[-1]
+            blocks = x.reshape(-1, n // b, m, b).permute(0, 2, 1, 3)
+            return blocks.reshape(shape)
         if self.split is None:
             return x.reshape(shape)
         k2, a, b = x.reshape(-1, x.shape[-2], x.shape[-1]).shape
@@ -147,6 +362,24 @@ class Layout(NamedTuple):
         else:
             pairs = pairs.transpose(1, 2) if self.split == "chunk" else pairs.permute(0, 2, 3, 1)
         return pairs.reshape(shape)
+
+
+def _head_sizes(heads, n_parts: int) -> tuple[int, ...]:
+    """``head_dims`` from a presets' ``heads``: ``None`` (no heads), an int (every part), or
+    one entry per part (``0``/``None``: that part whole)."""
+    if heads is None:
+        return ()
+    if isinstance(heads, int) and not isinstance(heads, bool):
+        if heads <= 0:
+            raise ValueError(f"head_dim={heads}: a head's size must be positive")
+        return (heads,) * n_parts
+    heads = tuple(0 if h is None else h for h in heads)
+    if len(heads) != n_parts:
+        raise ValueError(
+            f"heads={heads} for {n_parts} parts: give one head size per part (0 or None: that "
+            "part whole), or one int for all"
+        )
+    return heads if any(heads) else ()
 
 
 def whole_expert_shards(param: Tensor, layout: Layout) -> bool:
@@ -174,6 +407,32 @@ def _shards_dim0(placement) -> bool:
     return (isinstance(placement, Shard) or strided) and getattr(placement, "dim", None) == 0
 
 
+def check_blocked_placement(param: Tensor, layout: Layout, name: str = "the parameter") -> None:
+    """Refuse a blocked layout on a DTensor whose local shards are not whole matrices: the
+    tensor-parallel step and the in-expert reshard orthogonalise one matrix per tensor (they
+    would silently ignore the blocks). Supported: one process, dedicated weights (each on its
+    owner: a one-rank mesh), replicated DTensors, and expert stacks sharded along the expert
+    dim only (:func:`whole_expert_shards`)."""
+    if not layout.blocked:
+        return
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(param, DTensor) or param.device_mesh.size() == 1:
+        return
+    if all(isinstance(pl, Replicate) for pl in param.placements):
+        return
+    if whole_expert_shards(param, layout):
+        return
+    raise NotImplementedError(
+        f"{name} is a DTensor sharded {tuple(param.placements)} on {param.device_mesh} with "
+        f"the blocked layout {layout}: blocked layouts (per-head / fused-part Newton–Schulz) "
+        "run where each rank holds whole matrices: one process, dedicated weights "
+        "(dmuon.dedicate_params without tensor parallelism), and expert stacks sharded along "
+        "the expert dim only. Tensor-parallel and in-expert shards are not supported yet: "
+        "declare Layout.matrix() / Layout.experts() for this weight, or dedicate it"
+    )
+
+
 def set_layout(param: Tensor, layout: Layout) -> Tensor:
     """Declare ``param``'s layout (kept on the parameter; ``Muon`` and ``dedicate_params``
     read it before any rule of their own). Returns ``param``.
@@ -185,6 +444,7 @@ def set_layout(param: Tensor, layout: Layout) -> Tensor:
     if not isinstance(layout, Layout):
         raise TypeError(f"set_layout takes a dmuon.Layout, got {type(layout).__name__}")
     layout.checked().check_shape(param.shape)
+    check_blocked_placement(param, layout)
     param.__dict__[_ATTR] = layout
     return param
 
@@ -245,4 +505,5 @@ def resolve_layout(
             f"not say what its matrices are. {DECLARE_HINT}."
         )
     layout.checked().check_shape(param.shape, repr(name))
+    check_blocked_placement(param, layout, repr(name))
     return layout
