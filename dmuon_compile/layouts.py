@@ -413,7 +413,9 @@ def check_blocked_placement(param: Tensor, layout: Layout, name: str = "the para
     would silently ignore the blocks). Supported: one process, dedicated weights (each on its
     owner: a one-rank mesh), replicated DTensors, and expert stacks sharded along the expert
     dim only (:func:`whole_expert_shards`)."""
-    if not layout.blocked:
+    import torch.distributed as dist
+
+    if not layout.blocked or not dist.is_available():
         return
     from torch.distributed.tensor import DTensor, Replicate
 
