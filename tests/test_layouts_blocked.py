@@ -210,6 +210,14 @@ def test_bad_blocked_layouts_raise_naming_the_fix(make, shape, match):
         dmuon.set_layout(torch.zeros(shape), make())
 
 
+def test_mixed_block_shapes_have_no_one_matrix_shape():
+    """What the planners that read one shape per weight (dedicate_params' owner plan, the dry
+    run) hit with parts of different sizes: an error naming the fix, not a wrong shape."""
+    with pytest.raises(ValueError, match=r"2 sizes \[32, 128\].*heads=\.\.\."):
+        Layout.qkv(8, 2, 16, per_head=False).stacked_shape((192, 64))
+    assert Layout.qkv(8, 2, 16).stacked_shape((192, 64)) == (16, 64)
+
+
 def test_bad_layout_from_the_predicate_names_the_parameter():
     model = nn.Sequential(nn.Linear(3, 10, bias=False))
     with pytest.raises(ValueError, match=r"'0.weight' has shape \(10, 3\).*sum to 10"):
