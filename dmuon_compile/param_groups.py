@@ -235,8 +235,9 @@ def plain_hypers(groups: list[dict]) -> list[dict]:
 def restore_hypers(groups: list[dict], before: list[dict]) -> None:
     """After ``load_state_dict``: each float hyper-parameter goes back into a 0-d tensor, the
     one the group at the same position held before the load where it was ours (a user-compiled
-    ``opt.step`` then keeps its graph: the same tensor input, a new value). Tensors loaded as
-    such stay as they are. ``betas`` a JSON round trip made a list is a tuple again (the
+    ``opt.step`` then keeps its graph: the same tensor input, a new value). A 0-d float64 CPU
+    tensor (what this package saved before) counts as a float; other tensors loaded as such
+    stay as they are. ``betas`` a JSON round trip made a list is a tuple again (the
     type the step was traced with)."""
     for index, group in enumerate(groups):
         old = before[index] if index < len(before) else {}
@@ -244,10 +245,16 @@ def restore_hypers(groups: list[dict], before: list[dict]) -> None:
             group["betas"] = tuple(group["betas"])
         for key in HYPER_TENSORS:
             value = group.get(key)
-            if value is None or isinstance(value, Tensor):
+            if value is None or (isinstance(value, Tensor) and not _saved_by_us(value)):
                 continue
             held = old.get(key)
             group[key] = _own_hyper(float(value), held if _is_own(held) else None)
+
+
+def _saved_by_us(value: Tensor) -> bool:
+    """A 0-d float64 CPU tensor: what this package's ``state_dict`` saved before it gave
+    floats (such a checkpoint loads as one with floats)."""
+    return value.dim() == 0 and value.dtype == torch.float64 and value.device.type == "cpu"
 
 
 def _tensor_hypers(groups: list[dict], taken: list[dict] = ()) -> None:

@@ -112,3 +112,16 @@ def test_control_torch_state_dict_holds_float64_tensors():
     assert all(isinstance(g["lr"], torch.Tensor) for g in raw["param_groups"])
     with pytest.raises(TypeError, match="not JSON serializable"):
         json.dumps(raw["param_groups"])
+
+
+def test_an_older_checkpoint_with_float64_tensors_loads_into_the_groups_own_tensors():
+    """What ``Muon.state_dict`` saved before (float64 tensors) loads like floats: the groups
+    keep their own tensors, and the next ``state_dict`` holds floats."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, _batches(1))
+    old = torch.optim.Optimizer.state_dict(opt)  # the old format: float64 tensors
+    held = [g["lr"] for g in opt.param_groups]
+    opt.load_state_dict(old)
+    assert all(g["lr"] is t for g, t in zip(opt.param_groups, held))  # the same tensors
+    assert all(type(g["lr"]) is float for g in opt.state_dict()["param_groups"])
+    json.dumps(opt.state_dict()["param_groups"])
