@@ -60,7 +60,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "clip_grad_norm_": ("dmuon_compile.distributed.clip", "clip_grad_norm_"),
     "lr_scale": ("dmuon_compile.functional", "lr_scale"),
     "check_ns_backend_consistent": (
-        "dmuon_compile.kernel_choice",
+        "dmuon_compile.newton_schulz",
         "check_ns_backend_consistent",
     ),
     "Layout": ("dmuon_compile.layouts", "Layout"),
@@ -95,9 +95,13 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         extract_layer_id as _extract_layer_id,
     )
     from dmuon_compile.functional import lr_scale
-    from dmuon_compile.kernel_choice import check_ns_backend_consistent
     from dmuon_compile.layouts import Layout, get_layout, set_layout
-    from dmuon_compile.newton_schulz import NewtonSchulz, get_ns_backend, matrix_view
+    from dmuon_compile.newton_schulz import (
+        NewtonSchulz,
+        check_ns_backend_consistent,
+        get_ns_backend,
+        matrix_view,
+    )
     from dmuon_compile.optimizer import Muon, MuonStepError, default_muon_predicate
 
 

@@ -8,8 +8,8 @@ inside the kernel package, which imports nothing above it: ``kernels.autotune.un
 holds that rule, and :func:`choose_kernel` (``site="op"``) asks it. No other module compares
 sizes, dtypes or kernel names to pick a path.
 
-:func:`check_ns_backend_consistent` checks, at start-up, that every rank resolved the same
-kernel (the gather and the comparison are ``kernels.consistency.agree_across_ranks``).
+Whether every rank resolved the same kernel is checked beside the backend's description
+(``newton_schulz.check_ns_backend_consistent``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from dmuon_compile.kernels.autotune import (  # noqa: F401  (UNTIMED_MIN_ROWS: r
     UNTIMED_MIN_ROWS,
     untimed_choice,
 )
-from dmuon_compile.kernels.consistency import agree_across_ranks
 
 # Size gate of the Newton–Schulz products (m×m outputs, a stack of ``batch``): below it the
 # symmetric kernels lose to cuBLAS. Expert stacks pass it: stacks of 1536-row matrices, and of
@@ -180,20 +179,3 @@ def _quack_choice(site: str, m: int | None, dtype, device: str | None) -> Kernel
     if m < QUACK_MIN_ROWS:
         return KernelChoice(CUBLAS, f"{m}×{m} output is below quack's tile ({QUACK_MIN_ROWS})")
     return KernelChoice(QUACK, f"{m}×{m} {dtype}: quack's gemm_symmetric")
-
-
-def check_ns_backend_consistent(ns=None, group=None) -> str:
-    """All-gather ``get_ns_backend(ns)`` over ``group`` and raise if the ranks disagree.
-
-    Returns this rank's backend string. Without an initialised process group it only returns
-    the local string. Collective: every rank of ``group`` must call it.
-
-    Example::
-
-        opt = dmuon.Muon(model, lr=0.02)
-        dmuon.check_ns_backend_consistent(opt)   # raises RuntimeError listing odd ranks
-    """
-    # Late: newton_schulz imports this module (the rules) at its top.
-    from dmuon_compile.newton_schulz import get_ns_backend
-
-    return agree_across_ranks(get_ns_backend(ns), group)

@@ -35,6 +35,7 @@ from dmuon_compile.kernel_choice import (  # noqa: F401  (the size gate's consta
     choose_kernel,
 )
 from dmuon_compile.kernels.availability import device_tag, triton_status
+from dmuon_compile.kernels.consistency import agree_across_ranks
 
 EPS = 1e-7
 BACKENDS = ("gram", "direct")
@@ -650,6 +651,21 @@ def get_ns_backend(ns: NewtonSchulz | None = None) -> str:
             )
         ns = inner
     return ns.describe()
+
+
+def check_ns_backend_consistent(ns=None, group=None) -> str:
+    """All-gather ``get_ns_backend(ns)`` over ``group`` and raise if the ranks disagree.
+
+    Returns this rank's backend string. Without an initialised process group it only returns
+    the local string. Collective: every rank of ``group`` must call it (the gather and the
+    comparison are ``kernels.consistency.agree_across_ranks``).
+
+    Example::
+
+        opt = dmuon.Muon(model, lr=0.02)
+        dmuon.check_ns_backend_consistent(opt)   # raises RuntimeError listing odd ranks
+    """
+    return agree_across_ranks(get_ns_backend(ns), group)
 
 
 def resolve_ns_backend(ns_backend) -> NewtonSchulz:

@@ -5,7 +5,7 @@ Mixing kernels across ranks (Triton on some, cuBLAS on others, e.g. after a per-
 
 The kernels are the floor of the package: this module imports nothing of ``dmuon_compile``
 above them. :func:`agree_across_ranks` gathers and compares any per-rank description;
-``dmuon.check_ns_backend_consistent`` (``dmuon_compile/kernel_choice.py``) gives it
+``dmuon.check_ns_backend_consistent`` (``dmuon_compile/newton_schulz.py``) gives it
 ``get_ns_backend(ns)``, the active orthogonaliser's when ``ns`` is omitted. The
 :func:`check_ns_backend_consistent` here takes the orthogonaliser (or its ``Muon``) explicitly.
 """

@@ -1,6 +1,6 @@
 """``check_ns_backend_consistent``: every rank must resolve the same NS kernel.
 
-``dmuon.check_ns_backend_consistent`` lives in ``kernel_choice.py``; the gather and the
+``dmuon.check_ns_backend_consistent`` lives in ``newton_schulz.py``; the gather and the
 comparison are the kernel package's (``kernels.consistency.agree_across_ranks``), which imports
 nothing above it, so its own ``check_ns_backend_consistent`` takes the orthogonaliser
 explicitly."""
