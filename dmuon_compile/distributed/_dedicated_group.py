@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _fsdp_compat
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.distributed._group_profile import GroupProfile
 from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._pending import CommContext
 from dmuon_compile.distributed._replicate import ReplicateStage
@@ -53,31 +54,6 @@ class GroupState(Enum):
     SHARDED = auto()  # on the owners' masters only; the flat buffer freed
     UNSHARDING = auto()  # the unshard's collective issued, not waited for yet
     UNSHARDED = auto()  # the compute copies hold the whole weights
-
-
-@dataclass
-class GroupProfile:
-    unshards: int = 0
-    prefetched: int = 0  # unshards issued ahead by a prefetch
-    waits: int = 0
-    found_ready: int = 0  # waits whose collective had already finished (gloo/CPU: is_completed)
-    wait_s: float = 0.0
-    stream_stall_s: float = 0.0  # CUDA: time the compute stream waited for the unshard
-    bytes_received: int = 0
-    reduces: int = 0
-    bytes_reduced: int = 0
-    # HSDP replicate stage
-    replicate_reduces: int = 0  # reduces to global owners (one per replica owner and backward)
-    replicate_bytes_reduced: int = 0
-    publishes: int = 0  # post-step publishes of this group (each = one broadcast per root)
-    publish_broadcasts: int = 0
-    publish_bytes: int = 0
-    publish_waits: int = 0  # forwards that waited for this group's publish
-    publish_not_ready: int = 0  # ... and found it not finished yet (the wait was exposed)
-    publish_wait_s: float = 0.0  # host time in those waits (blocking on gloo; ~0 on CUDA)
-    # CUDA: how long the unshard side stream waited there (events). The compute stream only
-    # waits for the unshard itself: that wait is in ``stream_stall_s``.
-    publish_stall_s: float = 0.0
 
 
 @dataclass(eq=False)

@@ -46,7 +46,7 @@ from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.trace_labels import PUBLISH, REDUCE, label
 
 if TYPE_CHECKING:
-    from dmuon_compile.distributed._dedicated_group import GroupProfile
+    from dmuon_compile.distributed._group_profile import GroupProfile
 
 
 @dataclass(frozen=True)
