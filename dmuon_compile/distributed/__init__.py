@@ -3,8 +3,9 @@
 Files, one concept each (FSDP2's layout): ``dedicate.py`` (entry point), ``owner_plan.py``
 (who owns what), ``policy.py`` (mixed precision), ``mesh_checks.py`` (mesh validation),
 ``_dedicated_param.py`` (one parameter's life), ``_dedicated_group.py`` (a group's buffers and
-collectives; its counters in ``_group_profile.py``), ``_collectives.py`` (the collective calls), ``_runtime.py`` (hooks),
-``_fsdp_compat.py`` (what is read from FSDP2), ``diagnostics.py``, ``_replicate.py`` (HSDP:
+collectives; its counters in ``_group_profile.py``), ``_collectives.py`` (the collective
+calls), ``_runtime.py`` (hooks), ``_fsdp_compat.py`` (what is read from FSDP2),
+``diagnostics.py``, ``_replicate.py`` (HSDP:
 gradients to the one global owner over the replicate group, the post-step replicate broadcast),
 ``_tp/`` (TP: NS on the whole TP-sharded matrix on its TP owner, the update scattered back),
 ``_owned.py`` (a registered dedicated weight, an ``OwnerTensor``; its meshes, norms and
