@@ -19,7 +19,8 @@ the communication volume per step, idle ranks and split matrices. docs/dry_run.m
 model behind every column.
 
 The package: :mod:`~dmuon_compile.plan.models` (presets and meta-device models),
-:mod:`~dmuon_compile.plan.run` (:func:`dry_run`: the planning and one row per rank),
+:mod:`~dmuon_compile.plan.dispatch` (:func:`dry_run`: its arguments, one decoder or the pipeline
+stages, the notes), :mod:`~dmuon_compile.plan.run` (the planning and one row per rank),
 :mod:`~dmuon_compile.plan.experts` (expert parallelism), :mod:`~dmuon_compile.plan.pipeline`
 (pipeline stages), :mod:`~dmuon_compile.plan.report` (the table and JSON),
 :mod:`~dmuon_compile.plan.advice` (the notes on a peak that does not fit and on idle ranks) and
@@ -27,10 +28,10 @@ The package: :mod:`~dmuon_compile.plan.models` (presets and meta-device models),
 """
 
 from dmuon_compile.plan.cli import main
+from dmuon_compile.plan.dispatch import dry_run
 from dmuon_compile.plan.models import PRESETS, CausalLM, GroupedExperts, ModelConfig, build_model
 from dmuon_compile.plan.pipeline import pipeline_stage_layers
 from dmuon_compile.plan.report import DryRunReport, RankRow
-from dmuon_compile.plan.run import dry_run
 
 __all__ = [
     "PRESETS",

@@ -8,9 +8,10 @@ import math
 import sys
 
 from dmuon_compile.ns_rates import H200, NSRates
+from dmuon_compile.plan.dispatch import dry_run
 from dmuon_compile.plan.models import PRESETS, build_model
 from dmuon_compile.plan.report import GiB
-from dmuon_compile.plan.run import _DTYPES, dry_run
+from dmuon_compile.plan.run import _DTYPES
 
 
 # ----------------------------------------------------------------------------- command line

@@ -1,0 +1,166 @@
+"""The dry run's entry: :func:`dry_run` checks its arguments, plans one decoder
+(:func:`~dmuon_compile.plan.run._run_group`) or its pipeline stages
+(:func:`~dmuon_compile.plan.pipeline._pipeline_run`, which plans each stage with the same
+function), and adds the notes of :mod:`~dmuon_compile.plan.advice`. It stands above both
+planners, so neither imports the other's caller."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dmuon_compile.ns_rates import H200, NSRates
+from dmuon_compile.plan.advice import advise as add_notes
+from dmuon_compile.plan.pipeline import _pipeline_run
+from dmuon_compile.plan.report import DryRunReport, GiB
+from dmuon_compile.plan.run import _run_group
+
+
+def dry_run(
+    model_or_config,
+    world_size: int,
+    *,
+    replicate_size: int = 1,
+    tp_size: int = 1,
+    split_size: int = 1,
+    predicate: Callable | None = None,
+    layer_id_fn: Callable | None = None,
+    hook_boundary_predicate: Callable | None = None,
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool | None = None,
+    compiled: bool = True,
+    rates: NSRates = H200,
+    stack_bytes: int | None = None,
+    ns=None,
+    ep: int | None = None,
+    expert_shard_dim: int | None = None,
+    pp: int | None = None,
+    stages_per_rank: int = 1,
+    pp_first_stage_less_layers: int = 1,
+    pp_last_stage_less_layers: int = 1,
+    gpu_memory_gib: float | None = None,
+    advise: bool = True,
+) -> DryRunReport:
+    """Predict a job of ``world_size`` GPUs (``[pp ×] replicate_size × shard × tp_size``) per
+    rank.
+
+    ``model_or_config``: an ``nn.Module`` (meta device recommended), a preset name
+    (:data:`PRESETS`), a :class:`ModelConfig`, a dict of its fields, a JSON path or a
+    ``"module:function"`` factory. ``predicate``/``layer_id_fn``/``hook_boundary_predicate``:
+    as for ``dedicate_params``. ``param_dtype``/``reduce_dtype``: the mixed-precision policy
+    (unsharded compute copies; gradient reduces); ``None`` keeps the weights' dtype.
+    ``reshard_after_forward``: of FSDP2 and the dedicated groups (two all-gathers per step, or
+    one); ``None``: torchtitan's "default" policy, True without ``pp`` and False with it.
+    ``compiled``: the step's working set (``Muon(compile=True)`` holds one stack, eager about
+    two). ``rates``: the device's NS rates (:class:`~dmuon_compile.ns_rates.NSRates`).
+    ``stack_bytes``: ``NewtonSchulz(stack_bytes=...)`` (default 4 GiB).
+    ``ns``: what prices NS for the owner plan (default: as ``dedicate_params`` on a GPU with
+    Triton kernels; pass ``NewtonSchulz()`` to plan exactly as on this machine).
+    ``ep``: expert parallelism as torchtitan lays it out (``None``: expert stacks on plain
+    FSDP2 ``Shard(0)`` over the shard dim): each stack ``Shard(0)`` over groups of ``ep``
+    consecutive shard ranks (``E/ep`` experts each), then expert FSDP over the other
+    ``shard/ep`` ranks, ``Shard(0)`` unless ``efsdp · ep > E`` (then ``Shard(1)``, inside the
+    experts: the step reshards to whole experts for NS). ``expert_shard_dim`` (0 or 1)
+    overrides that choice. ``ep=1`` is torchtitan without EP (``Shard(1)`` when ``shard > E``).
+    ``pp``: pipeline parallelism as torchtitan's ``pipeline_llm`` splits a decoder
+    (:func:`pipeline_stages`): the model's ``layers`` cut into ``pp · stages_per_rank``
+    contiguous stages (``pp_first_stage_less_layers``/``pp_last_stage_less_layers``: torchtitan's
+    ``pipeline_parallel_first/last_stage_less_layers``, default 1 each; the embeddings go with
+    the first stage, everything after the layers with the last), stage ``k`` on PP rank
+    ``k mod pp`` (looped), each PP rank's ``world_size / pp`` data-parallel ranks planning its
+    stages' dedicated weights, the later stages of a rank over the earlier ones' NS loads
+    (``base_loads``, as ``dedicating(..., balance_stages=True)``). Global rank
+    ``pp_rank · world_size / pp + data-parallel rank``. Not with ``tp_size > 1`` or ``ep > 1``.
+    ``gpu_memory_gib``: one GPU's memory (default ``rates.memory_gib``, an H200's for the
+    default rates); a peak above it gets a note. ``advise``: notes with numbers from more dry
+    runs of the same job when many ranks idle (``split_size``) or the peak does not fit (more
+    GPUs, ``split_size``, ``stack_bytes``); ``False``: none, one dry run.
+
+    Example::
+
+        report = dry_run("llama3-70b", 512, replicate_size=4)
+        print(report.table())
+    """
+    arguments = dict(locals())
+    if stack_bytes is not None and (
+        isinstance(stack_bytes, bool) or not isinstance(stack_bytes, int) or stack_bytes < 1
+    ):
+        raise ValueError(
+            f"dry_run: stack_bytes={stack_bytes!r}: give a positive whole number of bytes, as "
+            "NewtonSchulz(stack_bytes=...) takes (default 4 GiB, 4 << 30)"
+        )
+    memory = rates.memory_gib if gpu_memory_gib is None else gpu_memory_gib
+    if memory is not None and not (isinstance(memory, (int, float)) and 0 < memory < float("inf")):
+        raise ValueError(f"dry_run: gpu_memory_gib={memory!r}: give one GPU's memory in GiB, > 0")
+    report = _dry_run(
+        **{k: v for k, v in arguments.items() if k not in ("gpu_memory_gib", "advise")}
+    )
+    if memory is not None:
+        report.gpu_memory_bytes = int(memory * GiB)
+        report.card = (
+            "--gpu-mem-gib"
+            if gpu_memory_gib is not None
+            else f"{rates.device.split(' (')[0]}, the rates'; another: --gpu-mem-gib G"
+        )
+    if advise:
+
+        def rerun(**changes):
+            return dry_run(**{**arguments, **changes, "gpu_memory_gib": memory, "advise": False})
+
+        add_notes(report, rerun, split_size)
+    return report
+
+
+def _dry_run(
+    model_or_config,
+    world_size,
+    *,
+    replicate_size,
+    tp_size,
+    split_size,
+    predicate,
+    layer_id_fn,
+    hook_boundary_predicate,
+    param_dtype,
+    reduce_dtype,
+    reshard_after_forward,
+    compiled,
+    rates,
+    stack_bytes,
+    ns,
+    ep,
+    expert_shard_dim,
+    pp,
+    stages_per_rank,
+    pp_first_stage_less_layers,
+    pp_last_stage_less_layers,
+) -> DryRunReport:
+    if reshard_after_forward is None:
+        reshard_after_forward = pp is None
+    options = dict(
+        replicate_size=replicate_size,
+        tp_size=tp_size,
+        split_size=split_size,
+        predicate=predicate,
+        layer_id_fn=layer_id_fn,
+        hook_boundary_predicate=hook_boundary_predicate,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward,
+        compiled=compiled,
+        rates=rates,
+        stack_bytes=stack_bytes,
+        ns=ns,
+        ep=ep,
+        expert_shard_dim=expert_shard_dim,
+    )
+    if pp is None:
+        if (stages_per_rank, pp_first_stage_less_layers, pp_last_stage_less_layers) != (1, 1, 1):
+            raise ValueError(
+                "dry_run: stages_per_rank / pp_*_stage_less_layers need pp (pass pp=N, --pp N)"
+            )
+        return _run_group(model_or_config, world_size, **options)[0]
+    less = (pp_first_stage_less_layers, pp_last_stage_less_layers)
+    return _pipeline_run(model_or_config, world_size, pp, stages_per_rank, less, options)
