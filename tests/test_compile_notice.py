@@ -34,11 +34,34 @@ def _env(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
-def test_notice_is_an_info_record_on_rank_0_and_no_print(caplog, capfd):
-    with caplog.at_level(logging.DEBUG, logger="dmuon_compile"):
-        fake = _first_call()
+class Notices(logging.Handler):
+    """The records of the notices' logger, collected by a handler on that logger itself: once
+    ``TORCH_LOGS`` names ``dmuon`` (another test may have), torch's logging stops the package's
+    records from propagating to the root logger, where ``caplog`` listens."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def notices():
+    logger = logging.getLogger(NAME)
+    handler, old_level = Notices(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+
+
+def test_notice_is_an_info_record_on_rank_0_and_no_print(notices, capfd):
+    fake = _first_call()
     assert fake.calls == 1 and fake.first_call_s is not None
-    records = [r for r in caplog.records if r.name == NAME]
+    records = notices.records
     messages = [r.getMessage() for r in records]
     assert [r.levelno for r in records] == [logging.INFO, logging.INFO], messages
     assert messages[0].startswith("[DMuon][rank=0/1] compiling the Muon step (3 matrices, 2 ")
@@ -47,26 +70,39 @@ def test_notice_is_an_info_record_on_rank_0_and_no_print(caplog, capfd):
     assert "compiling the" not in out + err and "ready" not in out + err
 
 
-def test_other_ranks_log_at_debug(caplog, monkeypatch):
+def test_other_ranks_log_at_debug(notices, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with caplog.at_level(logging.DEBUG, logger="dmuon_compile"):
-        _first_call()
-    records = [r for r in caplog.records if r.name == NAME]
+    _first_call()
+    records = list(notices.records)
     assert [r.levelno for r in records] == [logging.DEBUG, logging.DEBUG]
     assert records[0].getMessage().startswith("[DMuon][rank=3/4] compiling the Muon step")
-    with caplog.at_level(logging.INFO, logger="dmuon_compile"):
-        caplog.clear()
-        _first_call()
-    assert not [r for r in caplog.records if r.name == NAME]  # INFO shows rank 0's only
+    notices.records.clear()
+    logging.getLogger(NAME).setLevel(logging.INFO)
+    _first_call()
+    assert notices.records == []  # INFO shows rank 0's only
 
 
-def test_switch_silences_and_later_calls_are_quiet(caplog, monkeypatch):
-    with caplog.at_level(logging.DEBUG, logger="dmuon_compile"):
-        _first_call(calls=1)  # not the first call: no notice
-        monkeypatch.setenv("DMUON_COMPILE_LOG", "0")
+def test_switch_silences_and_later_calls_are_quiet(notices, monkeypatch):
+    _first_call(calls=1)  # not the first call: no notice
+    monkeypatch.setenv("DMUON_COMPILE_LOG", "0")
+    _first_call()
+    assert notices.records == []
+    monkeypatch.delenv("DMUON_COMPILE_LOG")
+    _first_call()  # the control: the same collector sees a first call's notices
+    assert len(notices.records) == 2
+
+
+def test_notices_reach_the_collector_after_torch_logs_names_dmuon(notices, monkeypatch):
+    """The order that broke ``caplog``: ``TORCH_LOGS="+dmuon"`` applied first."""
+    monkeypatch.setenv("TORCH_LOGS", "+dmuon")
+    try:
+        log.register_torch_logs()
         _first_call()
-    assert not [r for r in caplog.records if r.name == NAME]
+    finally:
+        monkeypatch.delenv("TORCH_LOGS")
+        log.register_torch_logs()
+    assert [r.levelno for r in notices.records] == [logging.INFO, logging.INFO]
 
 
 def test_control_a_progress_print_reaches_stderr(capfd):
