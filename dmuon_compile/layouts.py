@@ -397,6 +397,24 @@ def whole_expert_shards(param: Tensor, layout: Layout) -> bool:
     return all(isinstance(pl, Replicate) or _shards_dim0(pl) for pl in param.placements)
 
 
+def needs_reshard(param: Tensor, layout: Layout) -> bool:
+    """Whether ``param`` is a DTensor expert stack some of whose mesh dims shard inside the
+    experts (its Newton–Schulz needs the experts gathered whole first:
+    ``distributed/_expert_shards.py``)."""
+    if layout.kind != "experts":
+        return False
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return (
+        isinstance(param, DTensor)
+        and not whole_expert_shards(param, layout)
+        and all(
+            isinstance(pl, (Shard, Replicate)) or type(pl).__name__ == "_StridedShard"
+            for pl in param.placements
+        )
+    )
+
+
 def _shards_dim0(placement) -> bool:
     """``Shard(0)``, or FSDP2's ``_StridedShard(0)`` over a ``Shard(0)`` (expert parallelism):
     either way a local index of dim 0 is one whole expert. (``_StridedShard`` is not a

@@ -33,6 +33,7 @@ from dmuon_compile.distributed._owned import (
     is_owned,
     local_of,
 )
+from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPlan, TPStep
 from dmuon_compile.layouts import Layout, whole_expert_shards
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 from dmuon_compile.param_groups import (
@@ -67,7 +68,6 @@ from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where
     STEP_PHASES,
     guarded,
 )
-from dmuon_compile.step_plan import PLAIN_STEP, StepPlan, TPStep
 from dmuon_compile.trace_labels import NS, STEP, label
 
 if TYPE_CHECKING:
@@ -398,7 +398,7 @@ class Muon(torch.optim.Optimizer):
         if self._agreement.pending is not None:
             self._agreement.settle()
         with label(STEP):
-            plan = _step_plan(self.model)  # the runtime's actions around the step (step_plan.py)
+            plan = _step_plan(self.model)  # the runtime's actions around the step
             if plan is PLAIN_STEP:
                 return self._step(closure, plan)
             plan.before()
@@ -977,7 +977,8 @@ def _owned_locals(params: list, grads: list, bufs: list, layouts: list) -> tuple
 
 
 def _step_plan(model: nn.Module | None) -> StepPlan:
-    """The step plan of the runtime ``dedicate_params`` attached to ``model`` (``step_plan.py``;
+    """The step plan of the runtime ``dedicate_params`` attached to ``model``
+    (``distributed/step_plan.py``;
     :data:`PLAIN_STEP` without one)."""
     from dmuon_compile.dedicated_registry import runtime_of
 

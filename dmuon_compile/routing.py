@@ -9,7 +9,13 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from dmuon_compile.layouts import Layout, is_expert_module, resolve_layout, whole_expert_shards
+from dmuon_compile.layouts import (
+    Layout,
+    is_expert_module,
+    needs_reshard,
+    resolve_layout,
+    whole_expert_shards,
+)
 
 # Module names that mark an output head: its weight is 2-D but is a classifier, not a hidden
 # matrix, and Muon's orthogonalised update is wrong for it (Keller Jordan; Moonlight).
@@ -88,7 +94,6 @@ def route_model(
     parameter whose layout none of them gives raises, naming it and how to declare it.
     """
     from dmuon_compile.dedicated_registry import dedicated_parameters  # late: no import cycle
-    from dmuon_compile.distributed._expert_shards import needs_reshard
 
     # By identity, not name: a module wrapped after dedicate_params (checkpoint_wrapper adds
     # ``_checkpoint_wrapped_module.`` to the names) still holds the same dedicated parameters.

@@ -368,6 +368,134 @@ def test_the_floor_check_has_teeth():
     assert floor_violations(clean) == {}
 
 
+# ------------------------------------------------------------------- no import circles
+
+
+def module_files(modules) -> dict[str, str]:
+    """``{module name: path}``; a package's name maps to its ``__init__.py``."""
+    return {module.removesuffix(".__init__"): rel for rel, module, _ in modules}
+
+
+def import_edges(modules) -> dict[str, set[str]]:
+    """``{path: paths it imports}`` among ``modules`` (late imports and ``TYPE_CHECKING`` ones
+    included: a layering holds for the reader too). A name imported from a module counts as
+    that module. A package's ``__init__.py`` is its face: it only hands names on, so edges into
+    and out of it are left out (as ``from dmuon_compile.distributed import x`` reads x)."""
+    files = module_files(modules)
+
+    def resolve(name: str) -> str | None:
+        while name not in files and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return files.get(name)
+
+    edges: dict[str, set[str]] = {}
+    for rel, module, text in modules:
+        if rel.endswith("__init__.py"):
+            continue
+        targets = {resolve(m) for m in package_imports(text, module)}
+        edges[rel] = {t for t in targets if t and t != rel and not t.endswith("__init__.py")}
+    return edges
+
+
+def room_of(rel: str) -> str:
+    """The room a file belongs to: a top-level module of ``dmuon_compile`` is one, each folder
+    below it (``distributed``, ``plan``, ...) and ``kernels``/``passes`` are one each."""
+    parts = rel.split("/")
+    if parts[0] != "dmuon_compile":
+        return parts[0]
+    return "/".join(parts[:2]) if len(parts) > 2 else rel
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a graph: its strongly connected components of more than one
+    node (Tarjan's algorithm, iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def room_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for source, targets in edges.items():
+        for target in targets:
+            if room_of(source) != room_of(target):
+                rooms.setdefault(room_of(source), set()).add(room_of(target))
+    return rooms
+
+
+def test_the_package_has_no_import_circles():
+    """No two files import each other, directly or around a loop, and no two rooms do (a room:
+    a top-level module, or a folder such as ``distributed/``): every arrow runs down, so each
+    layer can be read, tested and replaced without the ones above it."""
+    edges = import_edges(list(package_modules()))
+    assert circles(edges) == []
+    assert circles(room_edges(edges)) == []
+
+
+def test_the_circle_check_has_teeth():
+    """The control: the circles the package used to have, planted back, are found, late imports
+    and ``TYPE_CHECKING`` imports included; an ``__init__.py`` re-export is not one."""
+    late = "def f():\n    from dmuon_compile.newton_schulz import get_ns_backend\n"
+    typed = "if TYPE_CHECKING:\n    from dmuon_compile.distributed._split_step import SplitGroup\n"
+    uses_plan = "from dmuon_compile.step_plan import TPStep\n"
+    face, through_face = "from ._runtime import x\n", "from dmuon_compile.distributed import x\n"
+    planted = [
+        ("dmuon_compile/kernel_choice.py", "dmuon_compile.kernel_choice", late),
+        (
+            "dmuon_compile/newton_schulz.py",
+            "dmuon_compile.newton_schulz",
+            "from . import kernel_choice\n",
+        ),
+        ("dmuon_compile/step_plan.py", "dmuon_compile.step_plan", typed),
+        ("dmuon_compile/distributed/_split_step.py", "dmuon_compile.distributed._split_step", ""),
+        ("dmuon_compile/distributed/_runtime.py", "dmuon_compile.distributed._runtime", uses_plan),
+        ("dmuon_compile/distributed/__init__.py", "dmuon_compile.distributed.__init__", face),
+        ("dmuon_compile/dedicate.py", "dmuon_compile.dedicate", through_face),
+    ]
+    edges = import_edges(planted)
+    assert circles(edges) == [["dmuon_compile/kernel_choice.py", "dmuon_compile/newton_schulz.py"]]
+    assert sorted(circles(room_edges(edges))) == [
+        ["dmuon_compile/distributed", "dmuon_compile/step_plan.py"],
+        ["dmuon_compile/kernel_choice.py", "dmuon_compile/newton_schulz.py"],
+    ]
+    assert "dmuon_compile/dedicate.py" not in room_edges(edges)  # only a face: no edge
+
+
 # ---------------------------------------------------------------- DMUON_* variables: env.py
 
 ENV_READ = re.compile(

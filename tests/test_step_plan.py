@@ -1,4 +1,4 @@
-"""``Muon.step`` walks the step plan a runtime gives it (``dmuon_compile/step_plan.py``): the
+"""``Muon.step`` walks the step plan a runtime gives it (``distributed/step_plan.py``): the
 plan's actions in order, each part committed before its ``after`` runs, ``finish`` last (also
 when the step raises), and splitting the groups into parts changes no number."""
 
@@ -10,7 +10,7 @@ from torch import nn
 
 import dmuon_compile as dmuon
 from dmuon_compile import optimizer
-from dmuon_compile.step_plan import PLAIN_STEP, StepPart, StepPlan
+from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPart, StepPlan
 
 
 def _model() -> nn.Module:

@@ -43,19 +43,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
-from dmuon_compile.layouts import Layout, whole_expert_shards
-
-
-def needs_reshard(param: Tensor, layout: Layout) -> bool:
-    """An expert stack (a DTensor) some of whose mesh dims shard inside the experts."""
-    return (
-        layout.kind == "experts"
-        and isinstance(param, DTensor)
-        and not whole_expert_shards(param, layout)
-        and all(isinstance(pl, (Shard, Replicate)) or _strided(pl) for pl in param.placements)
-    )
+from dmuon_compile.layouts import Layout, needs_reshard, whole_expert_shards  # noqa: F401
 
 
 def _strided(placement) -> bool:

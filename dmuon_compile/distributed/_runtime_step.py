@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dmuon_compile.step_plan import PLAIN_STEP, StepPart, StepPlan
+from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPart, StepPlan
 
 if TYPE_CHECKING:
     from dmuon_compile.distributed._dedicated_group import DedicatedGroup

@@ -99,7 +99,7 @@ PLAIN_SOURCE = 0  # the TP rank that updates a column's plain dedicated weights
 @dataclass(eq=False)
 class TPStage:
     """The TP stage of one model: gather → NS on the TP owner → scatter (see the package doc).
-    ``Muon.step`` drives it through :class:`~dmuon_compile.step_plan.TPStep`."""
+    ``Muon.step`` drives it through :class:`~dmuon_compile.distributed.step_plan.TPStep`."""
 
     info: TPInfo
     pg: dist.ProcessGroup

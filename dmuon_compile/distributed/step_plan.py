@@ -1,7 +1,8 @@
 """The plan of one ``Muon.step``: which parts of the Muon groups are stepped, in which order, and
 what runs before, between and after them.
 
-Below both the optimizer and the runtime: a model's runtime builds the plan
+The runtime's description of a step to the optimizer, in the runtime's folder (below the
+optimizer, which imports it, and beside the stages it names): a model's runtime builds the plan
 (``DedicatedRuntime.step_plan``) without seeing the optimizer, and ``Muon.step`` walks it,
 calling ``functional`` itself. Every action of a plan issues the same collectives on every rank
 (it depends on the owner plan and the forward order, which every rank shares, never on what this
