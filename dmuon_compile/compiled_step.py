@@ -413,12 +413,14 @@ _announced_user_trace = False
 
 
 def compiled_step_for(opt, group: dict, params, part: str = "all") -> CompiledMuonStep | None:
-    """The ``CompiledMuonStep`` that runs this group's Muon math, or ``None`` for the eager call
-    of ``functional.muon_update`` (``Muon._muon_group_step`` dispatches on it).
+    """The ``CompiledMuonStep`` that runs this group's Muon math, or ``None`` for the eager calls
+    of ``functional.muon_directions`` and ``commit_muon_step`` (``Muon._muon_directions`` and
+    the commit dispatch on it).
 
     - traced by the user's ``torch.compile`` (``opt.step = torch.compile(opt.step)``): install
-      the NS-chain pass globally (at trace time) and return ``None``: ``muon_update`` is traced
-      into the user's graph and the pass rewrites it there, as in our own compiled step;
+      the NS-chain pass globally (at trace time) and return ``None``: the step's functional
+      halves are traced into the user's graph and the pass rewrites it there, as in our own
+      compiled step;
     - ``opt.compile`` on (default on CUDA): the step cached in ``opt.compiled_steps`` under
       ``StepKey(group position, part)``, created on first use (again if ``opt.ns`` or
       ``opt.compile_mode`` was replaced since);

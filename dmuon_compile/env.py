@@ -22,8 +22,8 @@ variable                           default  effect
 
 The kernel package (``dmuon_compile.kernels``) and the pass (``dmuon_compile.passes``) read
 theirs here too: this module imports nothing of ``dmuon_compile``, so the kernels, the floor of
-the package, may import it. README.md lists every variable. Each is read when it is used, so a
-variable set before the call it governs takes effect.
+the package, may import it. docs/environment.md lists every variable. Each is read when it is
+used, so a variable set before the call it governs takes effect.
 """
 
 from __future__ import annotations

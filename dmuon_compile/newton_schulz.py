@@ -10,7 +10,7 @@ m ≤ n (tall inputs are transposed) or batched (batch, m, n):
   RZ = R·Z + a·R; R ← Z·RZ + a·RZ. Half precision lets tiny negative eigenvalues of R grow, so
   the iteration *restarts* (X ← Q·X, R recomputed, Q reset) at ``restart_iterations``.
 
-The matrix products go through a :class:`_Primitives` object: ``TorchPrimitives`` issues plain
+The matrix products go through a primitives object: ``TorchPrimitives`` issues plain
 ``mm``/``addmm`` (cuBLAS on GPU) — the graph the compiler pass pattern-matches —,
 ``CustomOpPrimitives`` calls ``torch.ops.dmuon.*`` (Triton on CUDA) and ``QuackPrimitives``
 calls Dao-AILab's quack ``gemm_symmetric`` (``kernel="quack"``, the ``[quack]`` extra).

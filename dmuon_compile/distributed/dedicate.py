@@ -446,7 +446,7 @@ def dedicate_params(
         timeout: timeout of the process groups this call creates (a frozen or dead peer
             makes every survivor raise after it, naming the collective). Default: the default
             process group's, i.e. ``init_process_group(timeout=...)``. The TP stage runs on
-            the TP mesh's own group, with that group's timeout (README: Communicators and
+            the TP mesh's own group, with that group's timeout (docs/communicators.md:
             timeouts).
         split_size: ranks that share one matrix's Newton–Schulz (default 1: never). With e.g.
             8 (a node), a 2-D matrix whose NS alone exceeds a rank's balanced share of the
@@ -530,7 +530,7 @@ def dedicate_params(
     # like model.to_empty); nothing else of a dedicated weight is ever allocated whole.
     on_meta = any(p.is_meta for _, p in selected)
     # Communicators of our own for the dims FSDP2 issues collectives on (shard, replicate): its
-    # collectives on the mesh's groups never queue behind ours (README: Communicators).
+    # collectives on the mesh's groups never queue behind ours (docs/communicators.md).
     pg = C.private_group(mesh, timeout)
     rank, world = mesh.get_local_rank(), mesh.size()
     rep_pg = C.private_group(replicate_mesh, timeout) if replicas > 1 else None

@@ -88,7 +88,8 @@ def fsdp_mesh(accelerator):
         raise ValueError(
             "dmuon_compile.integrations.accelerate supports one data-parallel dimension "
             f"(a ParallelismConfig with dp_shard_size only); got {others}. For HSDP or TP, "
-            "build the meshes, dmuon.dedicate_params and fully_shard yourself (README)."
+            "build the meshes, dmuon.dedicate_params and fully_shard yourself (README.md's "
+            "example; docs/integrations.md)."
         )
     return mesh[names]
 

@@ -1,6 +1,6 @@
 """Switch a torchtitan job to dmuon: a ``parallelize_fn`` wrapper and an optimizer container.
 
-Two changes to a torchtitan trainer config (README: torchtitan)::
+Two changes to a torchtitan trainer config (docs/integrations.md: torchtitan)::
 
     from dmuon_compile.integrations import torchtitan as dmuon_tt
 
@@ -19,7 +19,7 @@ Two changes to a torchtitan trainer config (README: torchtitan)::
   decoder, which receives the data-parallel mesh: ``fsdp``, or ``("dp_replicate", "fsdp")``
   for HSDP, the TP mesh derived from the same flattened root) for the duration of the call.
   torchtitan builds the model on the meta device and calls ``init_weights`` after
-  ``to_empty``; both work on dedicated weights (README: Building a large model).
+  ``to_empty``; both work on dedicated weights (docs/meta_device.md).
   ``spmd_backend="full_dtensor"`` hands that step the dense storage mesh with
   ``dp_mesh_dims`` instead: the data-parallel axes it names are the meshes dedicated over.
   ``"spmd_types"`` (torchtitan's default) is refused, naming why (:data:`SPMD_TYPES_ERROR`).
