@@ -54,9 +54,9 @@ def tokens(step: int, dp: int) -> torch.Tensor:
 
 def _stage_state(parts, grads: bool = False) -> dict:
     """Every parameter (``grads``: gradient) of this rank's stages, whole: FSDP2's gathered, the
-    dedicated ones broadcast from their owner inside the stage's data-parallel group
-    (``dmuon.full_tensor`` and the harness's ``full_state`` broadcast over all ranks, which the
-    other stages, busy with other weights, never join)."""
+    dedicated ones broadcast from their owner inside the stage's data-parallel group (the
+    harness's ``full_state`` broadcasts over all ranks, which the other stages, busy with other
+    weights, never join; ``dmuon.full_tensor`` gathers on the stage's own mesh)."""
     import torch.distributed as dist
 
     from dmuon_compile.distributed import dedicated_runtime

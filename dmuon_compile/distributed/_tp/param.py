@@ -22,7 +22,8 @@ _TP_MESHES: dict[tuple, DeviceMesh] = {}
 def owner_tp_mesh(info: TPInfo, ranks: list[int]) -> DeviceMesh:
     """The TP group of the owner's DP coordinate: this rank's own TP mesh when it is a member
     (it has a process group, so DTensor ops that communicate work there), else a backend-less
-    mesh (``full_tensor()`` broadcasts on the default group, so it needs none)."""
+    mesh (``full_tensor()`` gathers over the model part's data-parallel × TP mesh, not this
+    one, so it needs none)."""
     if sorted(ranks) == sorted(int(r) for r in info.mesh.mesh.flatten().tolist()):
         return info.mesh
     key = (info.mesh.device_type, tuple(ranks), info.dim_name)
