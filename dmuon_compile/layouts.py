@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 KINDS = ("matrix", "conv", "experts")
@@ -362,6 +363,11 @@ class Layout(NamedTuple):
         else:
             pairs = pairs.transpose(1, 2) if self.split == "chunk" else pairs.permute(0, 2, 3, 1)
         return pairs.reshape(shape)
+
+
+# A parameter carries its layout as an attribute, which ``torch.save(param)`` pickles with it:
+# ``torch.load(weights_only=True)`` (torch's default) then needs the class allowed.
+torch.serialization.add_safe_globals([Layout])
 
 
 def _head_sizes(heads, n_parts: int) -> tuple[int, ...]:
