@@ -85,27 +85,6 @@ def lr_scale(shape: Sequence[int], adjust_lr_fn: str | None) -> float:
     raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
 
 
-def momentum_update(
-    grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor, nesterov: bool
-) -> list[Tensor]:
-    """buf ← μ·buf + g; returns g + μ·buf (Nesterov) or buf. Updates ``bufs`` in place.
-
-    ``foreach`` ops for a float ``momentum`` (eager) and a 0-d tensor one (traced: the
-    ``Tensor`` overloads; one traced call per list, not per matrix, which keeps Dynamo's trace
-    of a many-matrix step short). The same math: ``alpha`` takes no tensor, so the traced
-    Nesterov term is a separate multiply, as Inductor fuses it anyway.
-    """
-    if not grads:
-        return []
-    torch._foreach_mul_(bufs, momentum)
-    torch._foreach_add_(bufs, grads)
-    if not nesterov:
-        return list(bufs)
-    if isinstance(momentum, Tensor):
-        return torch._foreach_add(grads, torch._foreach_mul(bufs, momentum))
-    return torch._foreach_add(grads, bufs, alpha=momentum)
-
-
 def shape_buckets(
     tensors: Sequence[Tensor],
     layouts: Sequence[Layout] | None = None,
@@ -407,16 +386,48 @@ def muon_directions(
     return out, torch.cat(pieces)[where]  # type: ignore[return-value]
 
 
+def momentum_in_grad_dtype(grads: list[Tensor], bufs: list[Tensor]) -> list[Tensor]:
+    """μ·buf + g is computed in the gradients' dtype: a momentum stored in a lower precision
+    (``Muon(momentum_dtype=torch.bfloat16)``) comes back as a new tensor in it, one per matrix;
+    a momentum already in it is returned as is (no copy)."""
+    return [b if b.dtype == g.dtype else b.to(g.dtype) for g, b in zip(grads, bufs)]
+
+
+def new_momentum(grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor) -> list[Tensor]:
+    """buf' = μ·buf + g, out of place, in the gradients' dtype (one rounding to a lower-precision
+    momentum's dtype happens where it is stored)."""
+    wide = momentum_in_grad_dtype(grads, bufs)
+    out = [w.clone() if w is b else w for w, b in zip(wide, bufs)]
+    torch._foreach_mul_(out, momentum)
+    torch._foreach_add_(out, grads)
+    return out
+
+
+def store_momentum(grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor) -> None:
+    """buf ← μ·buf + g in place: by two ``foreach`` operations where the momentum has the
+    gradients' dtype; else computed in theirs and rounded once into the stored dtype."""
+    if all(b.dtype == g.dtype for g, b in zip(grads, bufs)):
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads)
+        return
+    for b, new in zip(bufs, new_momentum(grads, bufs, momentum)):
+        b.copy_(new)
+
+
 def nesterov_input(
     grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor, nesterov: bool
 ) -> list[Tensor]:
     """The Newton–Schulz input ``u`` of a step, ``bufs`` left unchanged: buf' = μ·buf + g
-    (what :func:`commit_muon_step` stores, by the same two ``foreach`` operations);
-    u = g + μ·buf' (Nesterov) or buf'. One new tensor per matrix (buf' becomes u in place)."""
+    (what :func:`commit_muon_step` stores, by the same two ``foreach`` operations, in the
+    gradients' dtype); u = g + μ·buf' (Nesterov) or buf'. One new tensor per matrix (buf'
+    becomes u in place)."""
     if not grads:
         return []
-    u = torch._foreach_mul(bufs, momentum)
-    torch._foreach_add_(u, grads)
+    if any(b.dtype != g.dtype for g, b in zip(grads, bufs)):  # a lower-precision momentum
+        u = new_momentum(grads, bufs, momentum)
+    else:
+        u = torch._foreach_mul(bufs, momentum)
+        torch._foreach_add_(u, grads)
     if nesterov:
         torch._foreach_mul_(u, momentum)
         torch._foreach_add_(u, grads)
@@ -451,12 +462,10 @@ def commit_muon_step(
     if not params:
         return
     if commit_if is None:
-        torch._foreach_mul_(bufs, momentum)
-        torch._foreach_add_(bufs, grads)
+        store_momentum(grads, bufs, momentum)
         apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn, matrix_shapes, layouts)
         return
-    new_bufs = torch._foreach_mul(bufs, momentum)
-    torch._foreach_add_(new_bufs, grads)
+    new_bufs = new_momentum(grads, bufs, momentum)
     new_params = [p.clone() for p in params]
     apply_muon_update(new_params, ortho, lr, weight_decay, adjust_lr_fn, matrix_shapes, layouts)
     for old, new in zip(list(bufs) + list(params), list(new_bufs) + new_params):

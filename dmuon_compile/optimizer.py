@@ -99,6 +99,10 @@ class AdamWJob(NamedTuple):
     steps: list
 
 
+# ``Muon(momentum_dtype=...)``: the parameter's dtype, or one of these.
+MOMENTUM_DTYPES = (None, torch.float32, torch.bfloat16)
+
+
 class _SplitMatrix(NamedTuple):
     """A matrix whose Newton–Schulz a group of ranks shares, found in the jobs."""
 
@@ -144,6 +148,11 @@ class Muon(torch.optim.Optimizer):
             parameters, off on CPU.
         compile_mode: ``torch.compile`` mode of that step, e.g. ``"reduce-overhead"`` (CUDA
             graphs; keep gradients in place with ``zero_grad(set_to_none=False)``).
+        momentum_dtype: the dtype the Muon momentum is stored in: ``None`` (default, the
+            parameter's) or ``torch.bfloat16`` (half the momentum's memory and bytes per step;
+            μ·buf + g is computed in the gradient's dtype and rounded once to nearest where
+            it is stored). A checkpoint of either setting loads into the other (converted at
+            the next step).
 
     Attributes:
         compiled_steps: the compiled steps (``dmuon_compile.compiled_step.CompiledMuonStep``,
@@ -177,6 +186,7 @@ class Muon(torch.optim.Optimizer):
         replicate_async: bool = True,
         compile: bool | None = None,
         compile_mode: str | None = None,
+        momentum_dtype: torch.dtype | None = None,
     ) -> None:
         _check_nonneg("lr", lr)
         _check_nonneg("weight_decay", weight_decay)
@@ -195,7 +205,15 @@ class Muon(torch.optim.Optimizer):
                 f"nonfinite_grads={nonfinite_grads!r}: choose one of {NONFINITE_MODES}"
             )
 
+        if momentum_dtype not in MOMENTUM_DTYPES:
+            raise ValueError(
+                f"momentum_dtype={momentum_dtype!r}: choose None (the parameter's dtype), "
+                "torch.float32 or torch.bfloat16"
+            )
         self.model = params if isinstance(params, nn.Module) else None
+        # The Muon momentum's storage dtype (None: the parameter's); μ·buf + g is computed in
+        # the gradient's dtype and rounded once where it is stored (functional.store_momentum).
+        self.momentum_dtype = momentum_dtype
         self.ns = resolve_ns_backend(ns_backend)
         set_active_ns(self.ns)
         self.nonfinite_grads = nonfinite_grads
@@ -320,10 +338,15 @@ class Muon(torch.optim.Optimizer):
             params.append(p)
             grads.append(grad)
             if group["use_muon"]:
+                dtype = self.momentum_dtype or p.dtype
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format
+                        p, dtype=dtype, memory_format=torch.preserve_format
                     )
+                elif state["momentum_buffer"].dtype != dtype:
+                    # A state loaded from a checkpoint of another setting (torch's
+                    # load_state_dict also casts state to the parameter's dtype): converted once.
+                    state["momentum_buffer"] = state["momentum_buffer"].to(dtype)
                 state_a.append(state["momentum_buffer"])
             else:
                 # The step count lives on the parameter's device: the fused AdamW kernel reads

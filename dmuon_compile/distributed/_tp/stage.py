@@ -264,8 +264,7 @@ class TPStage:
         """Store the momentum and apply the scattered update shards now, or with ``defer`` (and
         no HSDP) queue them in the runtime's pending updates: applied before the group's next
         unshard or any read of the weight."""
-        torch._foreach_mul_(half.bufs, F.hyper(half.momentum))
-        torch._foreach_add_(half.bufs, half.grads)
+        F.store_momentum(half.grads, half.bufs, F.hyper(half.momentum))
         by_group: dict[int, list[ScatterShard]] = {}
         for shard in half.shards:
             by_group.setdefault(shard.hook_group, []).append(shard)
