@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         "autocast in one process); weights and optimizer state stay fp32",
     )
     p.add_argument(
+        "--momentum-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the Muon momentum's storage dtype (dmuon.Muon(momentum_dtype=...)): bf16 halves its "
+        "memory; the momentum update is computed in fp32 and rounded once where stored",
+    )
+    p.add_argument(
         "--compile-model",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -331,6 +338,7 @@ def config_from_args(args: argparse.Namespace, device: torch.device) -> TrainCon
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         log_every=args.log_every,
+        momentum_dtype=args.momentum_dtype,
     )
 
 

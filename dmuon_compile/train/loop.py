@@ -28,6 +28,10 @@ WARMUP_FRACTION = 0.05
 FINAL_LR_FRACTION = 0.1
 
 
+# ``--momentum-dtype``: the Muon momentum's storage dtype (``Muon(momentum_dtype=...)``).
+MOMENTUM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs besides the corpus and the process environment.
@@ -51,6 +55,7 @@ class TrainConfig:
     log_every: int = 10
     precision: str = "fp32"  # bf16: FSDP2 MixedPrecisionPolicy + dmuon.ParamPolicy (runtime)
     compile_model: bool = False  # per-block torch.compile
+    momentum_dtype: str = "fp32"  # the Muon momentum's storage: fp32 or bf16 (Muon's option)
 
 
 def model_sizes(cfg) -> dict:
@@ -139,7 +144,12 @@ def build_optimizer(
     if name == "dmuon":
         ns = dmuon.NewtonSchulz(work_dtype=torch.float32) if device.type == "cpu" else "gram"
         return dmuon.Muon(
-            model, lr=cfg.lr, adamw_lr=cfg.adamw_lr, predicate=is_matrix_param, ns_backend=ns
+            model,
+            lr=cfg.lr,
+            adamw_lr=cfg.adamw_lr,
+            predicate=is_matrix_param,
+            ns_backend=ns,
+            momentum_dtype=MOMENTUM_DTYPES[cfg.momentum_dtype],
         )
     if name == "adamw":
         return torch.optim.AdamW(
