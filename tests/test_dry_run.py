@@ -10,6 +10,7 @@ import json
 import time
 
 import pytest
+import torch
 from torch import nn
 
 from dmuon_compile import ns_rates
@@ -115,6 +116,26 @@ def test_split_matrices_spread_ns_over_aligned_blocks():
         )
         assert s["ns_ms_per_rank"] < s["ns_ms_one_rank"] / 4
     assert report.totals()["ns_ms_max"] < dry_run("llama3-405b", 4096).totals()["ns_ms_max"]
+
+
+@pytest.mark.parametrize("ep", [None, 8], ids=["fsdp2_experts", "ep8"])
+def test_a_bf16_momentum_takes_a_quarter_off_the_muon_state(ep):
+    """fp32 weight + bf16 momentum: 6 bytes per Muon value instead of 8, for the dedicated
+    matrices and the FSDP2 (or EP) expert stacks alike; AdamW state unchanged."""
+    fp32 = dry_run("deepseek-v3", 64, ep=ep)
+    bf16 = dry_run("deepseek-v3", 64, ep=ep, momentum_dtype=torch.bfloat16)
+    for key in ("dedicated_bytes", "sharded_muon_bytes"):
+        before = sum(getattr(r, key) for r in fp32.rows)
+        assert before > 0 and sum(getattr(r, key) for r in bf16.rows) == before * 3 // 4, key
+    assert [r.adamw_bytes for r in bf16.rows] == [r.adamw_bytes for r in fp32.rows]
+    assert "momentum=bfloat16" in bf16.table() and "momentum=" not in fp32.table()
+
+
+def test_momentum_dtype_is_checked_and_on_the_command_line(capsys):
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        dry_run("tiny", 2, momentum_dtype=torch.float16)
+    assert main(["--model", "tiny", "--gpus", "2", "--momentum-dtype", "bf16"]) == 0
+    assert "momentum=bfloat16" in capsys.readouterr().out
 
 
 def test_moe_expert_stacks_stay_on_fsdp2_with_per_expert_ns():

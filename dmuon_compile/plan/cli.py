@@ -118,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
         default="fp32",
         help="gradient reduce dtype (default fp32; none: the compute dtype)",
     )
+    ap.add_argument(
+        "--momentum-dtype",
+        choices=["fp32", "bf16"],
+        default=None,
+        help="the Muon momentum's storage (Muon(momentum_dtype=...); default: the weights' dtype)",
+    )
     ap.add_argument("--eager", action="store_true", help="size the eager step's working set")
     ap.add_argument(
         "--no-reshard",
@@ -167,6 +173,7 @@ def main(argv=None) -> int:
                 split_size=args.split_size,
                 param_dtype=_DTYPES.get(args.param_dtype),
                 reduce_dtype=_DTYPES.get(args.reduce_dtype),
+                momentum_dtype=_DTYPES.get(args.momentum_dtype),
                 reshard_after_forward=False if args.no_reshard else None,
                 compiled=not args.eager,
                 rates=rates,

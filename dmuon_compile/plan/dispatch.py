@@ -29,6 +29,7 @@ def dry_run(
     hook_boundary_predicate: Callable | None = None,
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype | None = torch.float32,
+    momentum_dtype: torch.dtype | None = None,
     reshard_after_forward: bool | None = None,
     compiled: bool = True,
     rates: NSRates = H200,
@@ -51,6 +52,8 @@ def dry_run(
     ``"module:function"`` factory. ``predicate``/``layer_id_fn``/``hook_boundary_predicate``:
     as for ``dedicate_params``. ``param_dtype``/``reduce_dtype``: the mixed-precision policy
     (unsharded compute copies; gradient reduces); ``None`` keeps the weights' dtype.
+    ``momentum_dtype``: ``Muon(momentum_dtype=...)``, the Muon momentum's storage (``None``: the
+    weights' dtype; ``torch.bfloat16``: half of it).
     ``reshard_after_forward``: of FSDP2 and the dedicated groups (two all-gathers per step, or
     one); ``None``: torchtitan's "default" policy, True without ``pp`` and False with it.
     ``compiled``: the step's working set (``Muon(compile=True)`` holds one stack, eager about
@@ -84,6 +87,11 @@ def dry_run(
         print(report.table())
     """
     arguments = dict(locals())
+    if momentum_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"dry_run: momentum_dtype={momentum_dtype!r}: choose None (the weights' dtype), "
+            "torch.float32 or torch.bfloat16, as Muon(momentum_dtype=...) takes"
+        )
     if stack_bytes is not None and (
         isinstance(stack_bytes, bool) or not isinstance(stack_bytes, int) or stack_bytes < 1
     ):
@@ -125,6 +133,7 @@ def _dry_run(
     hook_boundary_predicate,
     param_dtype,
     reduce_dtype,
+    momentum_dtype,
     reshard_after_forward,
     compiled,
     rates,
@@ -148,6 +157,7 @@ def _dry_run(
         hook_boundary_predicate=hook_boundary_predicate,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
+        momentum_dtype=momentum_dtype,
         reshard_after_forward=reshard_after_forward,
         compiled=compiled,
         rates=rates,

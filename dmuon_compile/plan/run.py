@@ -70,6 +70,7 @@ def _run_group(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
+    momentum_dtype: torch.dtype | None = None,
     compiled: bool,
     rates: NSRates,
     stack_bytes: int | None,
@@ -86,6 +87,9 @@ def _run_group(
     from dmuon_compile.distributed.policy import MixedPrecision, ParamPolicy, resolve_dtypes
     from dmuon_compile.layouts import get_layout, infer_layout
     from dmuon_compile.routing import default_muon_predicate, routing_module
+
+    def momentum_item(item: int) -> int:  # bytes per Muon momentum value, the weight's ``item``
+        return item if momentum_dtype is None else _itemsize(momentum_dtype)
 
     t_start = time.perf_counter()
     shard = _check_sizes(world_size, replicate_size, tp_size, split_size)
@@ -163,7 +167,7 @@ def _run_group(
         col[(s_owner, rep_owner)] = col.get((s_owner, rep_owner), 0) + local
         for t in range(T):  # TP: every rank of the owner's TP group holds its shard (or copy)
             g = gpu(e.owner, t)
-            rows[g].dedicated_bytes += 2 * local * item
+            rows[g].dedicated_bytes += local * (item + momentum_item(item))
             rows[g].grad_bytes += local * item
             if R > 1:  # the owner column's copies: one per other replica
                 for r in range(R):
@@ -225,6 +229,7 @@ def _run_group(
     ep_stacks: list[tuple[str, int, int]] = []  # (fqn, experts, expert FSDP shard dim)
     walk = ExpertWalk(ns_loads)
     ctx = _EPContext(ep, S, R, rows, per_shard, gpu, add_ns, rates, stack_cap, rate_ns, walk)
+    ctx.momentum_item = momentum_item
     citem_default = _itemsize(param_dtype) if param_dtype is not None else None
     for pname, p in model.named_parameters():
         if pname in dedicated or not p.requires_grad or (keep is not None and pname not in keep):
@@ -259,10 +264,11 @@ def _run_group(
             + 2 * (R - 1) * padded * ritem // R,  # HSDP: all-reduce over the replicas
         )
         state = "sharded_muon_bytes" if muon else "adamw_bytes"
-        copies = 2 if muon else 3  # weight + momentum; weight + exp_avg + exp_avg_sq
+        # weight + momentum; weight + exp_avg + exp_avg_sq
+        per_value = item + momentum_item(item) if muon else 3 * item
         for lo, hi, n_rows in ((0, full, chunk), (full, full + 1 if last else full, last)):
             per_shard.add_range("grad_bytes", lo, hi, n_rows * rest * item)
-            per_shard.add_range(state, lo, hi, copies * n_rows * rest * item)
+            per_shard.add_range(state, lo, hi, n_rows * rest * per_value)
             if muon and lo < hi:
                 matrices = layout.count((n_rows, *p.shape[1:]))
                 for s in range(lo, min(hi, S)):
@@ -361,6 +367,7 @@ def _run_group(
         settings={
             "param_dtype": _dtype_name(param_dtype),
             "reduce_dtype": _dtype_name(reduce_dtype),
+            **({} if momentum_dtype is None else {"momentum": _dtype_name(momentum_dtype)}),
             "step": "compiled" if compiled else "eager",
             "stack cap GiB": round(stack_cap / GiB, 2),
             "NS flops": "as a Triton GPU" if ns is None else type(ns).__name__,
