@@ -138,3 +138,30 @@ def test_a_checkpoint_of_one_setting_loads_into_the_other(saved, loaded):
 def test_an_unsupported_dtype_is_refused_naming_the_choices(bad):
     with pytest.raises(ValueError, match="torch.bfloat16"):
         dmuon.Muon([torch.nn.Parameter(torch.randn(4, 4))], momentum_dtype=bad)
+
+
+@pytest.mark.parametrize("verdict", [True, False])
+def test_the_commit_under_a_device_verdict_rounds_once_or_changes_nothing(verdict):
+    """``commit_muon_step(commit_if=...)`` (the compiled step's deferred verdict) with a bf16
+    momentum: the same buffer and weight as the plain commit, or both untouched."""
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(6, 10, generator=gen)
+    g = torch.randn(6, 10, generator=gen)
+    buf = torch.randn(6, 10, generator=gen).to(torch.bfloat16)
+    o = torch.randn(6, 10, generator=gen).to(torch.bfloat16)
+    plain = [w.clone()], [buf.clone()]
+    F.commit_muon_step(plain[0], [g], plain[1], [o], lr=LR, weight_decay=0.0, momentum=MU)
+    selected = [w.clone()], [buf.clone()]
+    F.commit_muon_step(
+        selected[0],
+        [g],
+        selected[1],
+        [o],
+        lr=LR,
+        weight_decay=0.0,
+        momentum=MU,
+        commit_if=torch.tensor(verdict),
+    )
+    want = plain if verdict else ([w], [buf])
+    assert selected[1][0].dtype == torch.bfloat16
+    assert torch.equal(selected[0][0], want[0][0]) and torch.equal(selected[1][0], want[1][0])
