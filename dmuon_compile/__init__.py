@@ -66,6 +66,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Layout": ("dmuon_compile.layouts", "Layout"),
     "get_layout": ("dmuon_compile.layouts", "get_layout"),
     "set_layout": ("dmuon_compile.layouts", "set_layout"),
+    "set_head_layouts": ("dmuon_compile.layouts", "set_head_layouts"),
     "NewtonSchulz": ("dmuon_compile.newton_schulz", "NewtonSchulz"),
     "get_ns_backend": ("dmuon_compile.newton_schulz", "get_ns_backend"),
     "matrix_view": ("dmuon_compile.newton_schulz", "matrix_view"),
@@ -95,7 +96,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         extract_layer_id as _extract_layer_id,
     )
     from dmuon_compile.functional import lr_scale
-    from dmuon_compile.layouts import Layout, get_layout, set_layout
+    from dmuon_compile.layouts import Layout, get_layout, set_head_layouts, set_layout
     from dmuon_compile.newton_schulz import (
         NewtonSchulz,
         check_ns_backend_consistent,
@@ -126,6 +127,7 @@ __all__ = [
     "__version__",
     "Layout",
     "get_layout",
+    "set_head_layouts",
     "set_layout",
     "MixedPrecision",
     "Muon",

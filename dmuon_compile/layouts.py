@@ -475,6 +475,102 @@ def set_layout(param: Tensor, layout: Layout) -> Tensor:
     return param
 
 
+# The attention modules ``head_layouts`` recognises: their q/k/v/o projections by name
+# (transformers' and torchtitan's), and where their head counts live.
+_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("wq", "wk", "wv", "wo"))
+_N_HEADS = ("num_heads", "n_heads", "heads", "num_attention_heads")
+_N_KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
+
+
+def _count(module: nn.Module, names) -> int | None:
+    config = getattr(module, "config", None)
+    for owner in (module, config):
+        for name in names:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _weight(module: nn.Module | None, name: str) -> Tensor | None:
+    sub = getattr(module, name, None) if module is not None else None
+    weight = getattr(sub, "weight", None)
+    return weight if isinstance(weight, Tensor) and weight.dim() == 2 else None
+
+
+def head_layouts(model: nn.Module) -> dict[str, Layout]:
+    """Per-head layouts of the attention projections of ``model``, by parameter name: q, k and
+    v (``Layout.heads(head_dim)``: one matrix per head's rows), o (``Layout.heads(head_dim,
+    dim=1)``: per head's columns) and a fused ``wqkv`` (``Layout.qkv``). Recognised: modules
+    holding ``q_proj/k_proj/v_proj/o_proj`` (transformers) or ``wq/wk/wv/wo`` (torchtitan, also
+    under its ``qkv_linear``; ``qkv_linear.wqkv`` fused) whose ``head_dim`` is an attribute or
+    follows from a head count (``num_heads``, ``n_heads``, ``heads`` or the module's
+    ``config.num_attention_heads``). Nothing is set: :func:`set_head_layouts` sets them.
+
+    >>> from torch import nn
+    >>> attn = nn.Module(); attn.head_dim = 4
+    >>> for n in ("q_proj", "k_proj", "v_proj"): setattr(attn, n, nn.Linear(8, 8))
+    >>> attn.o_proj = nn.Linear(8, 8)
+    >>> sorted(head_layouts(attn))
+    ['k_proj.weight', 'o_proj.weight', 'q_proj.weight', 'v_proj.weight']
+    """
+    found: dict[str, Layout] = {}
+    for prefix, module in model.named_modules():
+        holder = getattr(module, "qkv_linear", None)
+        holders = [(module, ""), (holder, "qkv_linear.")] if holder is not None else [(module, "")]
+        for q, k, v, o in _PROJECTIONS:
+            out = _weight(module, o)
+            for where, sub in holders:
+                ws = [_weight(where, n) for n in (q, k, v)]
+                fused = _weight(where, "wqkv")
+                if out is None or (None in ws and fused is None):
+                    continue
+                n_heads = _count(module, _N_HEADS)
+                head_dim = getattr(module, "head_dim", None)
+                if not isinstance(head_dim, int) or head_dim <= 0:
+                    if n_heads is None:
+                        continue
+                    rows = ws[0].shape[0] if ws[0] is not None else out.shape[1]
+                    head_dim = rows // n_heads
+                base = f"{prefix}." if prefix else ""
+                if None not in ws:
+                    for name in (q, k, v):
+                        found[f"{base}{sub}{name}.weight"] = Layout.heads(head_dim)
+                else:
+                    n_kv = _count(module, _N_KV_HEADS) or n_heads
+                    if n_heads is None:
+                        continue
+                    found[f"{base}{sub}wqkv.weight"] = Layout.qkv(n_heads, n_kv, head_dim)
+                found[f"{base}{o}.weight"] = Layout.heads(head_dim, dim=1)
+    return found
+
+
+def set_head_layouts(model: nn.Module) -> dict[str, Layout]:
+    """Per-head Newton–Schulz for every attention module of ``model`` that
+    :func:`head_layouts` recognises: sets each projection's layout (``set_layout``, checked
+    against its shape) and returns them by name. Call it before ``dedicate_params`` and
+    ``Muon``, which read the layouts. Raises ``ValueError`` when it recognises no attention
+    module, naming what to do instead.
+
+    Example::
+
+        dmuon.set_head_layouts(model)       # q, k, v, o per head
+        opt = dmuon.Muon(model, lr=0.02)
+    """
+    layouts = head_layouts(model)
+    if not layouts:
+        raise ValueError(
+            "set_head_layouts: no attention module recognised (q_proj/k_proj/v_proj/o_proj or "
+            "wq/wk/wv/wo, with a head_dim or a head count on the module): declare each "
+            "projection's layout yourself, dmuon.set_layout(p, dmuon.Layout.heads(head_dim)) "
+            "for q/k/v and Layout.heads(head_dim, dim=1) for o"
+        )
+    params = dict(model.named_parameters())
+    for name, layout in layouts.items():
+        set_layout(params[name], layout)
+    return layouts
+
+
 def get_layout(param: Tensor) -> Layout | None:
     """The layout declared on ``param`` (``set_layout``), or ``None``."""
     return param.__dict__.get(_ATTR)

@@ -1,0 +1,126 @@
+"""``dmuon.set_head_layouts(model)``: the attention projections of transformers' and
+torchtitan's modules (and any module naming them alike with a head size or count) get per-head
+layouts; Muon then orthogonalises each head on its own. Control: without the layouts the same
+step differs (a whole-matrix Newton–Schulz).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dmuon_compile as dmuon
+from dmuon_compile.layouts import Layout, head_layouts
+
+
+class HFStyle(nn.Module):
+    """transformers' attention: q/k/v/o_proj, ``head_dim`` and a config with the head count."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, head_dim=8):
+        super().__init__()
+        self.head_dim = head_dim
+        self.config = type("Config", (), {"num_attention_heads": heads})()
+        self.q_proj = nn.Linear(dim, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.o_proj(self.q_proj(x)) + self.k_proj(x).sum() + self.v_proj(x).sum()
+
+
+class TitanFused(nn.Module):
+    """torchtitan's attention with a fused projection: ``qkv_linear.wqkv``, ``wo``, counts."""
+
+    def __init__(self, dim=32, n_heads=4, n_kv_heads=2, head_dim=8):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.qkv_linear = nn.Module()
+        rows = (n_heads + 2 * n_kv_heads) * head_dim
+        self.qkv_linear.wqkv = nn.Linear(dim, rows, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def forward(self, x):
+        q = self.qkv_linear.wqkv(x)[..., : self.n_heads * self.head_dim]
+        return self.wo(q)
+
+
+class Heads(nn.Module):
+    """A plain module with ``heads`` only: the head size follows from q's rows."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.wo(self.wq(x) * self.wk(x) + self.wv(x))
+
+
+def test_transformers_style_attention_gets_heads_per_projection():
+    model = nn.Sequential(HFStyle(), HFStyle())
+    got = dmuon.set_head_layouts(model)
+    assert got == {
+        f"{i}.{name}.weight": Layout.heads(8, dim=1 if name == "o_proj" else 0)
+        for i in range(2)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    assert dmuon.get_layout(model[0].k_proj.weight).count(model[0].k_proj.weight.shape) == 2
+
+
+def test_torchtitan_fused_qkv_and_plain_head_counts():
+    fused = head_layouts(TitanFused())
+    assert fused == {"qkv_linear.wqkv.weight": Layout.qkv(4, 2, 8), "wo.weight": Layout.heads(8, 1)}
+    plain = head_layouts(Heads())
+    assert plain["wq.weight"] == Layout.heads(8) and plain["wo.weight"] == Layout.heads(8, dim=1)
+
+
+def test_the_real_transformers_llama_attention_is_recognised():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    got = dmuon.set_head_layouts(model)
+    names = {n for n in got if n.endswith(("q_proj.weight", "o_proj.weight"))}
+    assert len(got) == 8 and len(names) == 4
+    assert got["model.layers.0.self_attn.k_proj.weight"] == Layout.heads(8)
+
+
+def _step(model, x):
+    opt = dmuon.Muon(model, lr=0.02, compile=False, adamw_lr=0.0)
+    model(x).square().mean().backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_muon_steps_each_head_as_its_own_matrix():
+    torch.manual_seed(0)
+    base = HFStyle()
+    x = torch.randn(5, 32)
+    per_head = HFStyle()
+    per_head.load_state_dict(base.state_dict())
+    dmuon.set_head_layouts(per_head)
+    by_hand = HFStyle()
+    by_hand.load_state_dict(base.state_dict())
+    for name in ("q_proj", "k_proj", "v_proj"):
+        dmuon.set_layout(getattr(by_hand, name).weight, Layout.heads(8))
+    dmuon.set_layout(by_hand.o_proj.weight, Layout.heads(8, dim=1))
+    whole = HFStyle()
+    whole.load_state_dict(base.state_dict())
+    a, b, c = _step(per_head, x), _step(by_hand, x), _step(whole, x)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert not torch.allclose(a["q_proj.weight"], c["q_proj.weight"])  # control: whole matrices
+
+
+def test_nothing_recognised_names_the_manual_way():
+    with pytest.raises(ValueError, match=r"set_layout\(p, dmuon.Layout.heads"):
+        dmuon.set_head_layouts(nn.Sequential(nn.Linear(4, 4)))
