@@ -462,6 +462,10 @@ def _holders_of(fsdp_step) -> list[dict]:
     ]
 
 
+# ``MuonOptimizers.Config.momentum_dtype``: a config string, as torchtitan's configs hold them.
+MOMENTUM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
 class MuonOptimizers(OptimizersContainer):
     """torchtitan's optimizer container with one ``dmuon.Muon`` per model part: dedicated
     weights (and ``predicate``'s matrices) get Muon, the rest AdamW, with each group's
@@ -481,12 +485,23 @@ class MuonOptimizers(OptimizersContainer):
         adjust_lr_fn: str = "match_rms_adamw"
         compile: bool | None = None
         """``Muon(compile=...)``: None compiles the step on CUDA."""
+        momentum_dtype: str = "fp32"
+        """``Muon(momentum_dtype=...)``: ``"fp32"`` (the weights' dtype) or ``"bf16"``."""
+        per_head: bool = False
+        """``dmuon.set_head_layouts`` on every model part first: q, k, v and o per head."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        if config.momentum_dtype not in MOMENTUM_DTYPES:
+            raise ValueError(
+                f"MuonOptimizers: momentum_dtype={config.momentum_dtype!r}: choose one of "
+                f"{sorted(MOMENTUM_DTYPES)}"
+            )
         self.model_parts = model_parts
         self.optimizers = []
         all_params = []
         for model in model_parts:
+            if config.per_head:
+                dmuon.set_head_layouts(model)
             opt = dmuon.Muon(
                 model,
                 lr=config.lr,
@@ -500,6 +515,7 @@ class MuonOptimizers(OptimizersContainer):
                 adamw_eps=config.adamw_eps,
                 adamw_weight_decay=config.adamw_weight_decay,
                 compile=config.compile,
+                momentum_dtype=MOMENTUM_DTYPES[config.momentum_dtype],
             )
             for group in opt.param_groups:  # torchtitan's checkpoint state is keyed by these
                 group["param_names"] = [canonical_fqn(opt.param_name(p)) for p in group["params"]]

@@ -1,0 +1,58 @@
+"""``MuonOptimizers.Config``'s ``momentum_dtype`` and ``per_head`` reach each model part's
+``Muon``: a bf16 momentum and per-head layouts set before the optimizer reads them; a bad
+dtype string is refused naming the choices. One process, no torchtitan trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchtitan")
+
+
+class Attention(nn.Module):  # torchtitan's names: wq, wk, wv, wo, with head_dim
+    def __init__(self, dim=8, head_dim=4):
+        super().__init__()
+        self.head_dim = head_dim
+        for name in ("wq", "wk", "wv", "wo"):
+            setattr(self, name, nn.Linear(dim, dim, bias=False))
+
+
+def _model():
+    model = nn.Module()
+    model.attention = Attention()
+    return model
+
+
+def test_momentum_dtype_and_per_head_reach_muon():
+    import dmuon_compile as dmuon
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    model = _model()
+    config = dmuon_tt.MuonOptimizers.Config(momentum_dtype="bf16", per_head=True, compile=False)
+    optimizers = config.build(model_parts=[model])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizers.step()
+    (opt,) = optimizers.optimizers
+    assert opt.momentum_dtype is torch.bfloat16
+    assert opt.state[model.attention.wq.weight]["momentum_buffer"].dtype == torch.bfloat16
+    assert dmuon.get_layout(model.attention.wq.weight) == dmuon.Layout.heads(4)
+    assert dmuon.get_layout(model.attention.wo.weight) == dmuon.Layout.heads(4, dim=1)
+
+
+def test_the_defaults_keep_fp32_and_whole_matrices():
+    import dmuon_compile as dmuon
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    model = _model()
+    (opt,) = dmuon_tt.MuonOptimizers.Config(compile=False).build(model_parts=[model]).optimizers
+    assert opt.momentum_dtype is None and dmuon.get_layout(model.attention.wq.weight) is None
+
+
+def test_a_bad_momentum_dtype_names_the_choices():
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    with pytest.raises(ValueError, match="bf16"):
+        dmuon_tt.MuonOptimizers.Config(momentum_dtype="fp8").build(model_parts=[_model()])
