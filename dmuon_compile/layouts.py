@@ -498,6 +498,39 @@ def _weight(module: nn.Module | None, name: str) -> Tensor | None:
     return weight if isinstance(weight, Tensor) and weight.dim() == 2 else None
 
 
+# Multi-head latent attention (DeepSeek-V2/V3): the up-projections to the heads, by name
+# (transformers', torchtitan's): q (``q_proj``/``q_b_proj``, ``wq``/``wq_b``), kv and o.
+_MLA_Q = ("q_b_proj", "q_proj", "wq_b", "wq")
+_MLA_KV = ("kv_b_proj", "wkv_b")
+_MLA_O = ("o_proj", "wo")
+
+
+def _mla_layouts(module: nn.Module, base: str) -> dict[str, Layout]:
+    """Per-head layouts of a multi-head latent attention module: each head's q rows (its nope
+    and rope parts together), each head's k and v parts of the kv up-projection, each head's
+    columns of o. The low-rank down-projections stay whole. Empty for any other module."""
+    nope = _count(module, ("qk_nope_head_dim",))
+    rope = _count(module, ("qk_rope_head_dim",))
+    v_dim = _count(module, ("v_head_dim",))
+    n_heads = _count(module, _N_HEADS)
+    kv = next((n for n in _MLA_KV if _weight(module, n) is not None), None)
+    if None in (nope, rope, v_dim, n_heads) or kv is None:
+        return {}
+    found = {
+        # k_nope and v of one head follow each other: equal sizes are heads of that size
+        f"{base}{kv}.weight": Layout.heads(nope)
+        if nope == v_dim
+        else Layout.fused((nope, v_dim) * n_heads)
+    }
+    q = next((n for n in _MLA_Q if _weight(module, n) is not None), None)
+    if q is not None:
+        found[f"{base}{q}.weight"] = Layout.heads(nope + rope)
+    o = next((n for n in _MLA_O if _weight(module, n) is not None), None)
+    if o is not None:
+        found[f"{base}{o}.weight"] = Layout.heads(v_dim, dim=1)
+    return found
+
+
 def head_layouts(model: nn.Module) -> dict[str, Layout]:
     """Per-head layouts of the attention projections of ``model``, by parameter name: q, k and
     v (``Layout.heads(head_dim)``: one matrix per head's rows), o (``Layout.heads(head_dim,
@@ -505,7 +538,10 @@ def head_layouts(model: nn.Module) -> dict[str, Layout]:
     holding ``q_proj/k_proj/v_proj/o_proj`` (transformers) or ``wq/wk/wv/wo`` (torchtitan, also
     under its ``qkv_linear``; ``qkv_linear.wqkv`` fused) whose ``head_dim`` is an attribute or
     follows from a head count (``num_heads``, ``n_heads``, ``heads`` or the module's
-    ``config.num_attention_heads``). Nothing is set: :func:`set_head_layouts` sets them.
+    ``config.num_attention_heads``). Multi-head latent attention (DeepSeek-V2/V3: a module with
+    ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim``): q per head, the kv
+    up-projection per head and part (k, v), o per head; its low-rank down-projections stay
+    whole. Nothing is set: :func:`set_head_layouts` sets them.
 
     >>> from torch import nn
     >>> attn = nn.Module(); attn.head_dim = 4
@@ -516,6 +552,10 @@ def head_layouts(model: nn.Module) -> dict[str, Layout]:
     """
     found: dict[str, Layout] = {}
     for prefix, module in model.named_modules():
+        mla = _mla_layouts(module, f"{prefix}." if prefix else "")
+        if mla:
+            found.update(mla)
+            continue
         holder = getattr(module, "qkv_linear", None)
         holders = [(module, ""), (holder, "qkv_linear.")] if holder is not None else [(module, "")]
         for q, k, v, o in _PROJECTIONS:

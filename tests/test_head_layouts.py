@@ -124,3 +124,76 @@ def test_muon_steps_each_head_as_its_own_matrix():
 def test_nothing_recognised_names_the_manual_way():
     with pytest.raises(ValueError, match=r"set_layout\(p, dmuon.Layout.heads"):
         dmuon.set_head_layouts(nn.Sequential(nn.Linear(4, 4)))
+
+
+class MLA(nn.Module):
+    """torchtitan's multi-head latent attention: low-rank wq_a/wkv_a, up-projections wq_b and
+    wkv_b (per head: k_nope then v), wo."""
+
+    def __init__(self, dim=32, n_heads=4, nope=8, rope=4, v_dim=8, rank=16):
+        super().__init__()
+        self.n_heads, self.qk_nope_head_dim = n_heads, nope
+        self.qk_rope_head_dim, self.v_head_dim = rope, v_dim
+        self.wq_a = nn.Linear(dim, rank, bias=False)
+        self.wq_b = nn.Linear(rank, n_heads * (nope + rope), bias=False)
+        self.wkv_a = nn.Linear(dim, rank + rope, bias=False)
+        self.wkv_b = nn.Linear(rank, n_heads * (nope + v_dim), bias=False)
+        self.wo = nn.Linear(n_heads * v_dim, dim, bias=False)
+
+
+def test_latent_attention_heads_and_kv_parts():
+    equal = head_layouts(MLA())
+    assert equal == {
+        "wq_b.weight": Layout.heads(12),
+        "wkv_b.weight": Layout.heads(8),  # k_nope and v of each head, 8 rows each
+        "wo.weight": Layout.heads(8, dim=1),
+    }
+    unequal = head_layouts(MLA(v_dim=6))
+    assert unequal["wkv_b.weight"] == Layout.fused((8, 6) * 4)
+    assert unequal["wkv_b.weight"].count((4 * 14, 16)) == 8
+
+
+def test_the_real_transformers_deepseek_v3_attention_is_recognised():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+    )
+    model = transformers.DeepseekV3ForCausalLM(config)
+    got = dmuon.set_head_layouts(model)
+    attn = "model.layers.0.self_attn."
+    assert got == {
+        f"{attn}q_b_proj.weight": Layout.heads(12),
+        f"{attn}kv_b_proj.weight": Layout.heads(8),
+        f"{attn}o_proj.weight": Layout.heads(8, dim=1),
+    }
+
+
+def test_muon_steps_the_latent_attention_blocks():
+    torch.manual_seed(1)
+    model = MLA(v_dim=6)
+    dmuon.set_head_layouts(model)
+    opt = dmuon.Muon(model, lr=0.02, compile=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    # wkv_b: 8 blocks (k_nope 8 rows, v 6 rows per head), each moved by its own NS: the rows
+    # of every block changed
+    delta = (model.wkv_b.weight - before["wkv_b.weight"]).detach()
+    pieces = dmuon.get_layout(model.wkv_b.weight).pieces(delta.shape)
+    assert [stop - start for start, stop, _ in pieces] == [8, 6] * 4
+    assert all(torch.linalg.matrix_norm(delta[start:stop]) > 0 for start, stop, _ in pieces)
