@@ -386,18 +386,10 @@ def muon_directions(
     return out, torch.cat(pieces)[where]  # type: ignore[return-value]
 
 
-def momentum_in_grad_dtype(grads: list[Tensor], bufs: list[Tensor]) -> list[Tensor]:
-    """μ·buf + g is computed in the gradients' dtype: a momentum stored in a lower precision
-    (``Muon(momentum_dtype=torch.bfloat16)``) comes back as a new tensor in it, one per matrix;
-    a momentum already in it is returned as is (no copy)."""
-    return [b if b.dtype == g.dtype else b.to(g.dtype) for g, b in zip(grads, bufs)]
-
-
 def new_momentum(grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor) -> list[Tensor]:
-    """buf' = μ·buf + g, out of place, in the gradients' dtype (one rounding to a lower-precision
-    momentum's dtype happens where it is stored)."""
-    wide = momentum_in_grad_dtype(grads, bufs)
-    out = [w.clone() if w is b else w for w, b in zip(wide, bufs)]
+    """buf' = μ·buf + g, out of place, in the gradients' dtype (a momentum stored in a lower
+    precision, ``Muon(momentum_dtype=torch.bfloat16)``, is rounded once where it is stored)."""
+    out = [b.to(g.dtype, copy=True) for g, b in zip(grads, bufs)]
     torch._foreach_mul_(out, momentum)
     torch._foreach_add_(out, grads)
     return out
@@ -423,11 +415,7 @@ def nesterov_input(
     becomes u in place)."""
     if not grads:
         return []
-    if any(b.dtype != g.dtype for g, b in zip(grads, bufs)):  # a lower-precision momentum
-        u = new_momentum(grads, bufs, momentum)
-    else:
-        u = torch._foreach_mul(bufs, momentum)
-        torch._foreach_add_(u, grads)
+    u = new_momentum(grads, bufs, momentum)
     if nesterov:
         torch._foreach_mul_(u, momentum)
         torch._foreach_add_(u, grads)

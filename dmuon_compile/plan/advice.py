@@ -125,27 +125,21 @@ def _memory_note(report: DryRunReport, rerun, peak: int, split_size: int) -> str
         )
     else:
         lines.append(f"more GPUs: not within {MAX_GROWTH}× the GPUs ({world * MAX_GROWTH})")
+    tries = []  # (what to change, what it is): each another dry run of the same job
     if split_size == 1:
         for k in _split_candidates(report, world - len(report.idle_ranks))[:1]:
-            other = _try(rerun, split_size=k)
-            other_peak = _lower_peak(other, peak)
-            if other_peak is not None:
-                lines.append(
-                    f"--split-size {k} (NS of the large matrices over {k} ranks): peak "
-                    f"{other_peak / GiB:.2f} GiB"
-                )
+            tries.append(
+                ({"split_size": k}, f"--split-size {k} (NS of the large matrices over {k} ranks)")
+            )
     cap = report.settings.get("stack cap GiB")
     if isinstance(cap, (int, float)) and cap > 1:
-        other = _try(rerun, stack_bytes=GiB)
-        other_peak = _lower_peak(other, peak)
-        if other_peak is not None:
-            lines.append(
-                f"--stack-gib 1 (a smaller NS stack budget; more calls): peak "
-                f"{other_peak / GiB:.2f} GiB"
-            )
+        tries.append(
+            ({"stack_bytes": GiB}, "--stack-gib 1 (a smaller NS stack budget; more calls)")
+        )
     if report.settings.get("step") == "eager":
-        other = _try(rerun, compiled=True)
-        other_peak = _lower_peak(other, peak)
+        tries.append(({"compiled": True}, "the compiled step (drop --eager)"))
+    for changes, what in tries:
+        other_peak = _lower_peak(_try(rerun, **changes), peak)
         if other_peak is not None:
-            lines.append(f"the compiled step (drop --eager): peak {other_peak / GiB:.2f} GiB")
+            lines.append(f"{what}: peak {other_peak / GiB:.2f} GiB")
     return lines[0] + " " + "; ".join(lines[1:])
