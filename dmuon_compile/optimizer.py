@@ -35,6 +35,7 @@ from dmuon_compile.distributed._owned import (
 )
 from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPlan, TPStep
 from dmuon_compile.layouts import Layout, whole_expert_shards
+from dmuon_compile.momentum_storage import STORED_KEYS, MomentumStorage
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 from dmuon_compile.param_groups import (
     GroupRouting,
@@ -99,8 +100,6 @@ class AdamWJob(NamedTuple):
     steps: list
 
 
-# ``Muon(momentum_dtype=...)``: the parameter's dtype, or one of these.
-MOMENTUM_DTYPES = (None, torch.float32, torch.bfloat16)
 
 
 class _SplitMatrix(NamedTuple):
@@ -149,10 +148,17 @@ class Muon(torch.optim.Optimizer):
         compile_mode: ``torch.compile`` mode of that step, e.g. ``"reduce-overhead"`` (CUDA
             graphs; keep gradients in place with ``zero_grad(set_to_none=False)``).
         momentum_dtype: the dtype the Muon momentum is stored in: ``None`` (default, the
-            parameter's) or ``torch.bfloat16`` (half the momentum's memory and bytes per step;
+            parameter's), ``torch.bfloat16`` (half the momentum's memory and bytes per step;
             μ·buf + g is computed in the gradient's dtype and rounded once to nearest where
-            it is stored). A checkpoint of either setting loads into the other (converted at
-            the next step).
+            it is stored) or ``torch.int8`` (blockwise 8-bit: a quarter of fp32's memory;
+            the step computes in the parameter's dtype, stochastic rounding; see
+            ``dmuon_compile.momentum_storage``); names (``"bf16"``, ``"int8"``) work too.
+        offload: ``None`` (default) or ``"momentum"``: the Muon momentum lives in host
+            memory (pinned) between steps; each step copies it in on a side stream and writes
+            it back behind the commit, so the forward and backward run with none of it on the
+            GPU. The same math as on the GPU, bit for bit. Combines with ``momentum_dtype``.
+            A checkpoint of any of these settings loads into any other (converted at the
+            next step): checkpoints hold ``momentum_buffer`` in the parameter's dtype.
 
     Attributes:
         compiled_steps: the compiled steps (``dmuon_compile.compiled_step.CompiledMuonStep``,
@@ -186,7 +192,8 @@ class Muon(torch.optim.Optimizer):
         replicate_async: bool = True,
         compile: bool | None = None,
         compile_mode: str | None = None,
-        momentum_dtype: torch.dtype | None = None,
+        momentum_dtype: torch.dtype | str | None = None,
+        offload: str | None = None,
     ) -> None:
         _check_nonneg("lr", lr)
         _check_nonneg("weight_decay", weight_decay)
@@ -205,15 +212,13 @@ class Muon(torch.optim.Optimizer):
                 f"nonfinite_grads={nonfinite_grads!r}: choose one of {NONFINITE_MODES}"
             )
 
-        if momentum_dtype not in MOMENTUM_DTYPES:
-            raise ValueError(
-                f"momentum_dtype={momentum_dtype!r}: choose None (the parameter's dtype), "
-                "torch.float32 or torch.bfloat16"
-            )
         self.model = params if isinstance(params, nn.Module) else None
-        # The Muon momentum's storage dtype (None: the parameter's); μ·buf + g is computed in
-        # the gradient's dtype and rounded once where it is stored (functional.store_momentum).
-        self.momentum_dtype = momentum_dtype
+        # Where and in what form the Muon momentum lives between steps (momentum_storage.py):
+        # in place (the default, bf16), or a stored copy (8-bit, host memory) that each step
+        # materialises as working buffers and writes back after the commit.
+        self._storage = MomentumStorage(momentum_dtype, offload)
+        self.momentum_dtype, self.offload = self._storage.dtype, self._storage.offload
+        self._working: list[tuple[dict, Tensor, str, Tensor]] = []  # this step's, for keep
         self.ns = resolve_ns_backend(ns_backend)
         set_active_ns(self.ns)
         self.nonfinite_grads = nonfinite_grads
@@ -338,16 +343,13 @@ class Muon(torch.optim.Optimizer):
             params.append(p)
             grads.append(grad)
             if group["use_muon"]:
-                dtype = self.momentum_dtype or p.dtype
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p, dtype=dtype, memory_format=torch.preserve_format
-                    )
-                elif state["momentum_buffer"].dtype != dtype:
-                    # A state loaded from a checkpoint of another setting (torch's
-                    # load_state_dict also casts state to the parameter's dtype): converted once.
-                    state["momentum_buffer"] = state["momentum_buffer"].to(dtype)
-                state_a.append(state["momentum_buffer"])
+                if not self._storage.stored:
+                    state_a.append(self._storage.in_place(state, p))
+                    continue
+                name = self.param_name(p)
+                work = self._storage.working(state, p, name)
+                self._working.append((state, p, name, work))
+                state_a.append(work)
             else:
                 # The step count lives on the parameter's device: the fused AdamW kernel reads
                 # it there, and a skipped step takes its increment back there (no host read).
@@ -468,6 +470,8 @@ class Muon(torch.optim.Optimizer):
                 self._commit(half, commit_if)
             if part.after is not None:
                 part.after()
+        if self._working:  # a stored momentum (8-bit, offloaded): the committed values back
+            self._keep_working()
         for job in adamw if not failed_here else ():
             hypers = {key: job.group[key] for key in ("lr", "betas", "eps", "weight_decay")}
             F.adamw_update(
@@ -486,11 +490,12 @@ class Muon(torch.optim.Optimizer):
     def _defers(self, plan: StepPlan) -> bool:
         """Whether this step leaves its verdict on the device (read at the next ``step()``):
         every Muon matrix is compiled (its commit's select fuses into the commit's kernel; the
-        eager reference reads first), no TP stage (its commit scatters updates that the TP
-        ranks apply), and not under the user's ``torch.compile`` (the commit is traced into
-        their graph). HSDP's publishes broadcast whatever the select wrote: the same
+        eager reference reads first), the momentum kept in place (a stored copy is written
+        back only after a verdict read on the host), no TP stage (its commit scatters updates
+        that the TP ranks apply), and not under the user's ``torch.compile`` (the commit is
+        traced into their graph). HSDP's publishes broadcast whatever the select wrote: the same
         collectives either way. Decided from the configuration alone: the same on every rank."""
-        if plan.tp is not None or torch.compiler.is_compiling():
+        if plan.tp is not None or torch.compiler.is_compiling() or self._storage.stored:
             return False
         key = tuple(len(g["params"]) for g in self.param_groups)
         if self._compiles_all[0] != key:  # the groups changed (add_param_group): look again
@@ -554,6 +559,7 @@ class Muon(torch.optim.Optimizer):
             p for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
         fresh = [p for p in with_grad if not self.state.get(p)]  # state created by this step
+        self._working = []
         if fresh:
             self._check_whole_matrices({id(p) for p in fresh})
         jobs: list[list[MuonJob]] = [[] for _ in plan.parts]
@@ -596,6 +602,8 @@ class Muon(torch.optim.Optimizer):
                     picked = ([params[i] for i in idx], [grads[i] for i in idx])
                     rest = ([state_a[i] for i in idx], [lays[i] for i in idx])
                     part_jobs.append(MuonJob(part.name, group, *picked, *rest))
+        for device in {w.device for *_, w in self._working}:  # offloaded momentum copied in
+            self._storage.ready(device)
         resharded: list[list[_StepHalf]] = [[] for _ in plan.parts]
         if local:
             walk = ExpertWalk(self._dedicated_ns_loads)
@@ -858,6 +866,12 @@ class Muon(torch.optim.Optimizer):
         if half.tp is not None:  # TP rank 0's new plain masters and momentum to its column
             half.tp.broadcast_plain(half.params, half.bufs)
 
+    @torch.compiler.disable  # host copies and quantisation: eager
+    def _keep_working(self) -> None:
+        """Write this step's working momentum buffers back to their stored form."""
+        self._storage.keep(self._working)
+        self._working = []
+
     # ------------------------------------------------------------------ between steps
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``, plus: gradients of dedicated weights still in
@@ -930,6 +944,14 @@ class Muon(torch.optim.Optimizer):
         self._agreement.settle()
         state = super().state_dict()
         state["param_groups"] = plain_hypers(state["param_groups"])
+        if self._storage.stored:  # 8-bit or host copies: as momentum_buffer, like p
+            self._storage.synchronize()
+            params = [p for g in self.param_groups for p in g["params"]]
+            for i, entry in list(state["state"].items()):
+                if any(key in entry for key in STORED_KEYS):
+                    form = self._storage.checkpoint_form(entry, params[i])
+                    kept = {k: v for k, v in entry.items() if k not in STORED_KEYS}
+                    state["state"][i] = {**kept, "momentum_buffer": form}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
