@@ -1,0 +1,130 @@
+"""Stored momenta on real ranks (``Muon(offload="momentum")``, ``Muon(momentum_dtype=torch.int8)``).
+
+- An offloaded momentum trains bit for bit like the one on the parameter's device: dedicated
+  weights (1-D), HSDP 2×1, expert stacks (dedicated) and TP 2, 2 gloo ranks each.
+- DCP: a checkpoint saved with one setting (8-bit, offloaded) and loaded into an optimizer of
+  another (offloaded, fp32) resumes exactly as the same state handed over by the optimizer's own
+  ``state_dict``/``load_state_dict`` on the same ranks.
+
+Controls: a run with another μ ends elsewhere (the comparison sees the momentum); a resumed run
+whose optimizer loaded nothing ends elsewhere (the comparison sees the loaded state).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import models, moe_models
+from .harness import full_state, run_ranks, train_steps
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+STEPS = 4
+
+
+def _build(kind: str, rank: int, world: int):
+    """``(model, dp_rank, dp_size)`` for ``kind``."""
+    if kind == "dense":
+        return models.build_dedicated(world)[0], rank, world
+    if kind == "hsdp":
+        return models.build_dedicated(world, hsdp=True)[0], rank, world
+    if kind == "tp":
+        from .test_tp import build_tp
+
+        model, dp_rank = build_tp(rank, world, 1, world)
+        return model, dp_rank, 1
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon_compile as dmuon
+
+    model = moe_models.build_moe()
+    mesh = init_device_mesh("cpu", (world,))
+    dmuon.dedicate_params(
+        model, mesh, predicate=lambda n, p: p.ndim == 3 or dmuon.default_muon_predicate(n, p)
+    )
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, rank, world
+
+
+def _batches(kind: str, world: int):
+    if kind == "moe":
+        return [x for x in moe_models.expert_batches(moe_models.build_moe(), STEPS, world)]
+    return models.batches(STEPS, world)
+
+
+def _train(rank, world, kind, settings):
+    import dmuon_compile as dmuon
+
+    model, dp_rank, dp = _build(kind, rank, world)
+    opt = dmuon.Muon(model, compile=False, **settings)
+    losses = train_steps(model, opt, _batches(kind, dp), dp_rank, dp)
+    stored = sorted({k for s in opt.state.values() for k in s if k.startswith("momentum")})
+    state = {k: v.detach().cpu().clone() for k, v in full_state(model).items()}
+    return {"losses": losses, "state": state, "keys": stored}
+
+
+@pytest.mark.parametrize("kind", ["dense", "hsdp", "moe", "tp"])
+def test_an_offloaded_momentum_trains_bit_for_bit_like_the_one_on_the_device(kind):
+    world = 2
+    on = run_ranks(_train, world, kind, {})
+    off = run_ranks(_train, world, kind, {"offload": "momentum"})
+    assert on[0]["keys"] == ["momentum_buffer"] and off[0]["keys"] == ["momentum_host"]
+    for a, b in zip(on, off):
+        assert a["losses"] == b["losses"]
+        for name, ref in a["state"].items():
+            torch.testing.assert_close(b["state"][name], ref, rtol=0, atol=0, msg=name)
+    if kind == "dense":  # control: another μ moves the weights elsewhere
+        other = run_ranks(_train, world, kind, {"offload": "momentum", "momentum": 0.5})[0]
+        assert any(not torch.equal(other["state"][k], v) for k, v in on[0]["state"].items())
+
+
+def _resume(rank, world, path, first, second, how):
+    """Two steps with ``first``, then two with ``second`` after handing the optimizer state over
+    ``how``: "dcp" (save, new model and optimizer, load), "local" (state_dict/load_state_dict
+    on the same ranks) or "none" (the control: nothing handed over)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import dmuon_compile as dmuon
+
+    xs = models.batches(4, world)
+    model = models.build_dedicated(world, seed=0)[0]
+    opt = dmuon.Muon(model, compile=False, **first)
+    train_steps(model, opt, xs[:2], rank, world)
+    if how == "dcp":
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        model = models.build_dedicated(world, seed=5)[0]
+        opt = dmuon.Muon(model, compile=False, **second)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        saved = opt.state_dict()
+        opt = dmuon.Muon(model, compile=False, **second)
+        if how == "local":
+            opt.load_state_dict(saved)
+    train_steps(model, opt, xs[2:], rank, world)
+    return {k: v.detach().cpu().clone() for k, v in full_state(model).items()}
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [({"momentum_dtype": torch.int8}, {"offload": "momentum"}), ({"offload": "momentum"}, {})],
+    ids=["int8_to_offload", "offload_to_fp32"],
+)
+def test_dcp_resume_across_storage_settings(tmp_path, first, second):
+    world = 2
+    dcp_run = run_ranks(_resume, world, str(tmp_path / "ckpt"), first, second, "dcp")
+    local = run_ranks(_resume, world, "", first, second, "local")
+    for a, b in zip(dcp_run, local):
+        for name, ref in b.items():
+            torch.testing.assert_close(a[name], ref, rtol=0, atol=0, msg=name)
+    if "momentum_dtype" in first:  # control (once): a resume that loads nothing ends elsewhere
+        none = run_ranks(_resume, world, "", first, second, "none")[0]
+        assert any(not torch.equal(none[k], v) for k, v in local[0].items())
