@@ -65,6 +65,7 @@ from torch import nn
 
 import dmuon_compile as dmuon
 from dmuon_compile.dedicated_registry import runtime_of
+from dmuon_compile.momentum_storage import MOMENTUM_DTYPES, check_offload
 from dmuon_compile.routing import is_router
 
 __all__ = [
@@ -462,10 +463,6 @@ def _holders_of(fsdp_step) -> list[dict]:
     ]
 
 
-# ``MuonOptimizers.Config.momentum_dtype``: a config string, as torchtitan's configs hold them.
-MOMENTUM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-
-
 class MuonOptimizers(OptimizersContainer):
     """torchtitan's optimizer container with one ``dmuon.Muon`` per model part: dedicated
     weights (and ``predicate``'s matrices) get Muon, the rest AdamW, with each group's
@@ -486,16 +483,20 @@ class MuonOptimizers(OptimizersContainer):
         compile: bool | None = None
         """``Muon(compile=...)``: None compiles the step on CUDA."""
         momentum_dtype: str = "fp32"
-        """``Muon(momentum_dtype=...)``: ``"fp32"`` (the weights' dtype) or ``"bf16"``."""
+        """``Muon(momentum_dtype=...)``: ``"fp32"`` (the weights' dtype), ``"bf16"`` or
+        ``"int8"`` (blockwise 8-bit)."""
+        offload: str | None = None
+        """``Muon(offload=...)``: ``"momentum"`` keeps the Muon momentum in host memory."""
         per_head: bool = False
         """``dmuon.set_head_layouts`` on every model part first: q, k, v and o per head."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        if config.momentum_dtype not in MOMENTUM_DTYPES:
+        if config.momentum_dtype not in MOMENTUM_DTYPES:  # configs hold the names
             raise ValueError(
                 f"MuonOptimizers: momentum_dtype={config.momentum_dtype!r}: choose one of "
                 f"{sorted(MOMENTUM_DTYPES)}"
             )
+        check_offload(config.offload)
         self.model_parts = model_parts
         self.optimizers = []
         all_params = []
@@ -515,7 +516,8 @@ class MuonOptimizers(OptimizersContainer):
                 adamw_eps=config.adamw_eps,
                 adamw_weight_decay=config.adamw_weight_decay,
                 compile=config.compile,
-                momentum_dtype=MOMENTUM_DTYPES[config.momentum_dtype],
+                momentum_dtype=config.momentum_dtype,
+                offload=config.offload,
             )
             for group in opt.param_groups:  # torchtitan's checkpoint state is keyed by these
                 group["param_names"] = [canonical_fqn(opt.param_name(p)) for p in group["params"]]

@@ -164,10 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--momentum-dtype",
-        choices=("fp32", "bf16"),
+        choices=("fp32", "bf16", "int8"),
         default="fp32",
         help="the Muon momentum's storage dtype (dmuon.Muon(momentum_dtype=...)): bf16 halves its "
-        "memory; the momentum update is computed in fp32 and rounded once where stored",
+        "memory (the momentum update is computed in fp32 and rounded once where stored); int8 "
+        "is blockwise 8-bit (a quarter of fp32's memory, stochastic rounding)",
+    )
+    p.add_argument(
+        "--offload",
+        choices=("momentum",),
+        default=None,
+        help="dmuon.Muon(offload=...): keep the Muon momentum in host memory between steps "
+        "(copied in for each step, written back behind it; the same math bit for bit)",
     )
     p.add_argument(
         "--compile-model",
@@ -339,6 +347,7 @@ def config_from_args(args: argparse.Namespace, device: torch.device) -> TrainCon
         eval_batches=args.eval_batches,
         log_every=args.log_every,
         momentum_dtype=args.momentum_dtype,
+        offload=args.offload,
     )
 
 

@@ -28,10 +28,6 @@ WARMUP_FRACTION = 0.05
 FINAL_LR_FRACTION = 0.1
 
 
-# ``--momentum-dtype``: the Muon momentum's storage dtype (``Muon(momentum_dtype=...)``).
-MOMENTUM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-
-
 @dataclass
 class TrainConfig:
     """Everything a run needs besides the corpus and the process environment.
@@ -55,7 +51,8 @@ class TrainConfig:
     log_every: int = 10
     precision: str = "fp32"  # bf16: FSDP2 MixedPrecisionPolicy + dmuon.ParamPolicy (runtime)
     compile_model: bool = False  # per-block torch.compile
-    momentum_dtype: str = "fp32"  # the Muon momentum's storage: fp32 or bf16 (Muon's option)
+    momentum_dtype: str = "fp32"  # the Muon momentum's storage: fp32, bf16 or int8 (Muon's)
+    offload: str | None = None  # "momentum": kept in host memory between steps (Muon's)
 
 
 def model_sizes(cfg) -> dict:
@@ -149,7 +146,8 @@ def build_optimizer(
             adamw_lr=cfg.adamw_lr,
             predicate=is_matrix_param,
             ns_backend=ns,
-            momentum_dtype=MOMENTUM_DTYPES[cfg.momentum_dtype],
+            momentum_dtype=cfg.momentum_dtype,
+            offload=cfg.offload,
         )
     if name == "adamw":
         return torch.optim.AdamW(

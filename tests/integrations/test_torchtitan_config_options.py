@@ -42,6 +42,24 @@ def test_momentum_dtype_and_per_head_reach_muon():
     assert dmuon.get_layout(model.attention.wo.weight) == dmuon.Layout.heads(4, dim=1)
 
 
+def test_int8_momentum_and_offload_reach_muon():
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    model = _model()
+    config = dmuon_tt.MuonOptimizers.Config(
+        momentum_dtype="int8", offload="momentum", compile=False
+    )
+    (opt,) = config.build(model_parts=[model]).optimizers
+    assert opt.momentum_dtype is torch.int8 and opt.offload == "momentum"
+
+
+def test_a_bad_offload_names_the_choices():
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    with pytest.raises(ValueError, match="'momentum'"):
+        dmuon_tt.MuonOptimizers.Config(offload="state").build(model_parts=[_model()])
+
+
 def test_the_defaults_keep_fp32_and_whole_matrices():
     import dmuon_compile as dmuon
     from dmuon_compile.integrations import torchtitan as dmuon_tt

@@ -133,17 +133,22 @@ def test_tp_batch_splits_over_dp_only(capsys, monkeypatch):
     assert "not divisible" in _error(capsys, ["--batch-size", "7"])  # without --tp it is not
 
 
-@pytest.mark.parametrize("flag,dtype", [(None, None), ("fp32", None), ("bf16", torch.bfloat16)])
-def test_momentum_dtype_reaches_the_optimizer(flag, dtype):
+@pytest.mark.parametrize(
+    "flag,dtype",
+    [(None, None), ("fp32", None), ("bf16", torch.bfloat16), ("int8", torch.int8)],
+)
+@pytest.mark.parametrize("offload", [None, "momentum"])
+def test_momentum_dtype_and_offload_reach_the_optimizer(flag, dtype, offload):
     from dmuon_compile.train.loop import build_optimizer
 
     argv = [] if flag is None else ["--momentum-dtype", flag]
+    argv += [] if offload is None else ["--offload", offload]
     args, _ = cli.parse_args(argv)
     cfg = cli.config_from_args(args, torch.device("cpu"))
     model = torch.nn.Module()
     model.q_proj = torch.nn.Linear(4, 4, bias=False)  # a *_proj name: the demo's Muon matrices
     opt = build_optimizer("dmuon", model, cfg, torch.device("cpu"))
-    assert opt.momentum_dtype is dtype
+    assert opt.momentum_dtype is dtype and opt.offload == offload
 
 
 def test_an_unknown_momentum_dtype_is_refused(capsys):
