@@ -110,3 +110,57 @@ def test_parts_change_no_number(monkeypatch, split):
 def test_a_model_without_runtime_gets_the_plain_plan():
     assert optimizer._step_plan(_model()) is PLAIN_STEP
     assert optimizer._step_plan(None) is PLAIN_STEP
+
+
+class _Publish:
+    collectives = 0
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def apply(self, forward: bool) -> None:
+        self.log.append(("apply", self.name))
+
+
+class _Replicate:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def publish(self, profile=None) -> _Publish:
+        self.log.append(("publish", self.name))
+        return _Publish(self.log, self.name)
+
+
+class _Group:
+    """What the step side reads of a hook group: its replicate stage and its parameters."""
+
+    def __init__(self, log: list, name: str, owned: nn.Parameter | None = None) -> None:
+        self.replicate = _Replicate(log, name)
+        self.profile = None
+        self.params = [] if owned is None else [type("P", (), {"param": owned, "owns": True})()]
+
+
+def test_the_step_side_needs_only_the_groups_and_the_comm_context():
+    """``StepSide`` (``distributed/_runtime_step.py``), held by the runtime: without HSDP and TP
+    the plain plan; with two HSDP groups the first forward group's masters stepped first and
+    published at once, the rest published last, each once."""
+    from dmuon_compile.distributed._pending import CommContext
+    from dmuon_compile.distributed._runtime_step import StepSide
+
+    assert StepSide([], CommContext(), record_profile=False).plan() is PLAIN_STEP
+    log: list = []
+    w = nn.Parameter(torch.zeros(2))
+    first, second = _Group(log, "first", owned=w), _Group(log, "second")
+    side = StepSide([first, second], CommContext(), record_profile=False)
+    plan = side.plan()
+    assert [p.name for p in plan.parts] == ["early", "rest"]
+    assert plan.parts[0].params == frozenset({id(w)})
+    plan.before()
+    plan.parts[0].after()
+    plan.finish(True)
+    assert log == [
+        ("publish", "first"),
+        ("publish", "second"),
+        ("apply", "first"),
+        ("apply", "second"),
+    ]

@@ -1,15 +1,48 @@
 """Dedicated parameters on FSDP2 (the distributed runtime of ``dmuon_compile``).
 
-Files, one concept each (FSDP2's layout): ``dedicate.py`` (entry point), ``owner_plan.py``
-(who owns what), ``policy.py`` (mixed precision), ``mesh_checks.py`` (mesh validation),
-``_dedicated_param.py`` (one parameter's life), ``_dedicated_group.py`` (a group's buffers and
-collectives; its counters in ``_group_profile.py``), ``_collectives.py`` (the collective
-calls), ``_runtime.py`` (hooks), ``_fsdp_compat.py`` (what is read from FSDP2),
-``diagnostics.py``, ``_replicate.py`` (HSDP:
-gradients to the one global owner over the replicate group, the post-step replicate broadcast),
-``_tp/`` (TP: NS on the whole TP-sharded matrix on its TP owner, the update scattered back),
-``_owned.py`` (a registered dedicated weight, an ``OwnerTensor``; its meshes, norms and
-initialisation in ``_owner_meshes.py``, ``_owner_norms.py`` and ``_owner_init.py``).
+One concept per file, as FSDP2's ``_fully_shard`` (the life of a dedicated weight:
+docs/dedicated_params.md). Public:
+
+- ``dedicate.py``: ``dedicate_params``, the entry point (plans, builds, attaches the runtime).
+- ``owner_plan.py``: which rank owns each dedicated matrix, which hook group it travels in.
+- ``policy.py``: the mixed-precision policy of dedicated weights (``ParamPolicy``).
+- ``mesh_checks.py``: validation of the shard and replicate meshes, errors with their fix.
+- ``step_plan.py``: the plan of one ``Muon.step``, built by the runtime, walked by ``Muon``.
+- ``split_ns.py``: split Newton–Schulz, one matrix orthogonalised by a group of ranks.
+- ``checkpoint.py``: full (unsharded) model state dicts, dedicated weights included.
+- ``clip.py``: ``dmuon.clip_grad_norm_``, a thin alias of torch's.
+- ``diagnostics.py``: the comm plan, group summaries and profiles, as JSON-ready dicts.
+
+The runtime:
+
+- ``_runtime.py``: ``DedicatedRuntime``, one per model: the forward/backward hooks.
+- ``_runtime_step.py``: its step side, the step plan and the HSDP publishes.
+- ``_pending.py``: its comm context and the one queue of pending weight updates.
+- ``_dedicated_group.py``: a hook group, its flat buffer, unshard, reshard and reduce.
+- ``_dedicated_param.py``: one dedicated parameter's life (master, compute copy, gradient).
+- ``_group_profile.py``: a hook group's counters.
+- ``_collectives.py``: every collective call, and the one place that knows their names.
+- ``_replicate.py``: HSDP's replicate stage: gradients to the global owner, weights back.
+- ``_split_step.py``: split Newton–Schulz inside ``Muon.step``.
+- ``_expert_shards.py``: expert stacks sharded inside each expert, resharded to whole experts.
+- ``_tp/``: tensor parallelism (NS on the whole TP-sharded matrix, once): ``detect.py`` (the
+  TP axis), ``plan.py`` (owners over DP × TP), ``param.py`` (a dedicated TP shard),
+  ``stage.py`` (the step's gather → NS → scatter).
+
+Owner tensors (a DTensor living whole on one rank):
+
+- ``_owned.py``: ``OwnerTensor``, the registered parameter of a dedicated weight.
+- ``_owner_meshes.py``: the owners' one-rank meshes, process-wide.
+- ``_owner_norms.py``: an owner tensor's norm and clip scaling (``clip_grad_norm_``).
+- ``_owner_init.py``: ``nn.init`` functions and random fills on dedicated weights.
+- ``_holder.py``: the class a module holding dedicated weights gets (FSDP2 leaves them alone).
+
+What is read from torch, one module per part (docs/torch_internals.md):
+
+- ``_fsdp_compat.py``: FSDP2 (managing modules, gradient settings, joined meshes).
+- ``_dtensor_compat.py``: DTensor and DeviceMesh internals.
+- ``_c10d_compat.py``: c10d process groups.
+- ``_autograd_compat.py``: the autograd engine (in backward, queued callbacks).
 
 HSDP in four lines (the documented order; every matrix is orthogonalised once in the whole job)::
 

@@ -29,6 +29,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,16 @@ from dmuon_compile.trace_labels import REDUCE, UNSHARD, label
 
 # Padding above this fraction of the group's bytes makes the group gather uneven chunks.
 MAX_GATHER_PADDING = 0.25
+
+
+class GroupReduce(NamedTuple):
+    """A gradient reduce in flight: its works, this rank's chunk of the sums (group offset
+    ``base``), and the send buffer, kept alive until the works are waited for."""
+
+    works: list
+    out: Tensor
+    base: int
+    send: Tensor
 
 
 class GroupState(Enum):
@@ -75,7 +86,7 @@ class DedicatedGroup:
     state: GroupState = GroupState.SHARDED
     works: list = field(default_factory=list)
     grads_ready: set = field(default_factory=set)
-    pending_reduce: list = field(default_factory=list)
+    pending_reduce: list[GroupReduce] = field(default_factory=list)
     profile: GroupProfile = field(default_factory=GroupProfile)
     record_profile: bool = False
     stall_events: list = field(default_factory=list)  # CUDA event pairs around forward waits
@@ -285,7 +296,7 @@ class DedicatedGroup:
                 self.chunk_numel[self.rank], dtype=self.reduce_dtype, device=self.device
             )
             works = [C.reduce_scatter_v_sum(out, self._chunks(grads), self.pg)]
-        self.pending_reduce.append((works, out, self.chunk_base[self.rank], grads))
+        self.pending_reduce.append(GroupReduce(works, out, self.chunk_base[self.rank], grads))
         self.grads_ready.clear()
         self.reduced = True
         if self.record_profile:
@@ -306,17 +317,17 @@ class DedicatedGroup:
     @torch.no_grad()
     def _finish_reduce(self) -> None:
         _, after = self._divisions()
-        for works, out, base, _keep in self.pending_reduce:
-            for w in works:
+        for r in self.pending_reduce:
+            for w in r.works:
                 C.wait(w, f"the gradient reduce of dedicated group {self.name!r}", self.pg)
             if self.replicate is not None:
-                start = self.chunk_base[self.rank] - base
-                column = out[start : start + self.chunk_numel[self.rank]]
+                start = self.chunk_base[self.rank] - r.base
+                column = r.out[start : start + self.chunk_numel[self.rank]]
                 self.replicate.reduce(column, after, self.profile if self.record_profile else None)
                 continue
             for p in self.params_of(self.rank):
-                start = p.offset - base
-                p.accumulate_reduced(out[start : start + p.numel].view(p.shape), after)
+                start = p.offset - r.base
+                p.accumulate_reduced(r.out[start : start + p.numel].view(p.shape), after)
         self.pending_reduce.clear()
 
     @torch.no_grad()
@@ -324,8 +335,8 @@ class DedicatedGroup:
         """Wait for the reduces in flight to finish for real, then drop their results (see
         ``discard_backward``): on CUDA ``Work.wait()`` only orders the stream, and returning
         before the collective completed would let the next step's collectives pair with it."""
-        for works, *_ in self.pending_reduce:
-            for w in works:
+        for r in self.pending_reduce:
+            for w in r.works:
                 C.wait_finished(w, f"the gradient reduce of dedicated group {self.name!r}", self.pg)
         self.pending_reduce.clear()
         if self.replicate is not None:

@@ -1,29 +1,21 @@
 """A runtime's comm context, its one queue of pending weight updates, and the writes that make
 a publish due.
 
-Each runtime owns one :class:`CommContext` (FSDP2 keeps one ``FSDPCommContext`` per state): the
-unshard side streams, the pending-update queue and the groups' forward order; its groups get it
-from the runtime. A step can leave a dedicated weight's new value *in flight*: the HSDP publish
-(the global owner's broadcast to its replicate peers, ``_replicate.py``) and the deferred TP
-scatter (the TP owner's update shards, applied to each member's master, ``_tp/stage.py``). Both
-are entries of the context's :class:`PendingUpdates` (``pending``), keyed by hook group, applied
-in the order they were queued:
+A step can leave a dedicated weight's new value in flight: the HSDP publish (the global owner's
+broadcast to its replicate peers, ``_replicate.py``) and the deferred TP scatter (the TP owner's
+update shards, ``_tp/stage.py``). Both are entries of the runtime's :class:`PendingUpdates`, keyed
+by hook group and applied in issue order: before the group's next unshard reads its masters
+(on CUDA from the unshard side stream, so the compute stream does not wait); before any other
+read or write through a registered parameter (``OwnerTensor`` ops, ``to_local``,
+``full_tensor``, ``state_dict`` and so DCP: :func:`before_access`); at the next ``Muon.step``
+and in ``wait_all``. Applying only waits for collectives every rank issued, so one rank may do
+it alone.
 
-- before the group's next unshard reads its masters (``DedicatedGroup.unshard``; on CUDA on the
-  unshard side stream, so the compute stream and the previous group's forward do not wait);
-- before anything else reads or writes a dedicated weight through its registered parameter
-  (``OwnerTensor`` ops, ``p.to_local()``, ``p.full_tensor()``, ``dmuon.full_tensor(p)``,
-  ``model.state_dict()`` and so DCP): :func:`before_access`, called from ``_owned.py``;
-- at the start of the next ``Muon.step`` and in ``wait_all``.
-
-Applying an entry only waits for collectives every rank already issued, so it is local and may
-happen on one rank alone. Publishing is collective: an in-place write through a registered
-parameter between steps (``p.data.mul_``, ``p.mul_``, ``p.copy_``, ``nn.init``, a DCP load) marks
-a publish due (:meth:`PendingUpdates.note_write`) on every rank — the user runs the same code
-everywhere, and ranks that hold nothing see the op on their empty local tensor — and the next
-forward publishes before its first unshard. Which tensor was written cannot be told apart on a
-rank that holds nothing (a weight's empty local tensor and its gradient's look alike), so any
-in-place op on an owner tensor outside a step counts; the step's own publish clears it.
+Publishing is collective. An in-place write through a registered parameter outside a step
+(``p.mul_``, ``nn.init``, a DCP load) marks a publish due on every rank — the user runs the same
+code everywhere, and ranks holding nothing see the op on their empty local tensor — and the next
+forward publishes before its first unshard. A rank holding nothing cannot tell a weight's empty
+tensor from its gradient's, so any in-place op on an owner tensor outside a step counts.
 """
 
 from __future__ import annotations
@@ -34,15 +26,11 @@ import weakref
 
 import torch
 
-# The comm contexts of live runtimes whose queues owner-tensor ops must consult (HSDP or TP:
-# :meth:`CommContext.watch`); empty for a 1-D model, whose steps leave nothing in flight and whose
-# writes need no publish. Process-wide only because DTensor dispatch forces it: an op on an
-# owner tensor (``OwnerTensor.__torch_function__``, ``to_local``, ``dmuon.full_tensor``, an
-# ``nn.init`` write) runs with no reference to the runtime that owns the weight, so it finds the
-# queues here. Everything else reaches a runtime's queue through its context.
+# The comm contexts whose queues owner-tensor ops consult (HSDP or TP: :meth:`CommContext.watch`;
+# empty for 1-D). Process-wide only because an op on an owner tensor (DTensor dispatch,
+# ``to_local``, ``nn.init``) has no reference to the runtime that owns the weight.
 _WATCHED: weakref.WeakSet = weakref.WeakSet()
-# Whether ``_WATCHED`` may hold a context: owner-tensor ops read this one flag (every op, so a
-# module attribute, not the set's length) before calling :func:`before_access`.
+# Whether ``_WATCHED`` may hold a context: the one flag every owner-tensor op reads first.
 watched = False
 _GRADIENT_WRITES = [False]  # inside gradient_writes(): in-place ops write no weight
 
@@ -90,13 +78,13 @@ class PendingUpdates:
 
 @dataclasses.dataclass(eq=False)
 class CommContext:
-    """One runtime's communication state, as FSDP2 keeps one ``FSDPCommContext`` per state: the
-    one queue of pending updates, the groups' forward order and the unshard side streams. The
-    runtime owns it and hands it to its groups (``DedicatedGroup.comm``)."""
+    """One runtime's communication state (FSDP2's ``FSDPCommContext``): the pending-update
+    queue, the groups' forward order and the unshard side streams. The runtime hands it to its
+    groups (``DedicatedGroup.comm``) and its step side."""
 
     pending: PendingUpdates = dataclasses.field(default_factory=PendingUpdates)
     forward_order: list = dataclasses.field(default_factory=list)  # groups by forward start
-    # One side stream per CUDA device for unshards that must first wait for a pending update.
+    # Per CUDA device: the stream of unshards that must first wait for a pending update.
     unshard_streams: dict = dataclasses.field(default_factory=dict)
 
     def unshard_stream(self, device: torch.device) -> torch.cuda.Stream:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,15 @@ from dmuon_compile.trace_labels import PUBLISH, REDUCE, label
 
 if TYPE_CHECKING:
     from dmuon_compile.distributed._group_profile import GroupProfile
+
+
+class ReplicateReduce(NamedTuple):
+    """A replicate reduce in flight: its works, the column's gradient sums they reduce, and
+    what the global owner divides the sum by."""
+
+    works: list
+    column_grads: Tensor
+    divide_by: float
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class ReplicateStage:
     flat: Tensor | None = None
     segments: list[Segment] = field(default_factory=list)
     copy_in: list = field(default_factory=list)  # (param, view): owners whose dtype differs
-    pending_reduce: list = field(default_factory=list)
+    pending_reduce: list[ReplicateReduce] = field(default_factory=list)
     stall_events: list = field(default_factory=list)
     name: str = ""  # the hook group's (its profiler ranges name it)
 
@@ -126,7 +135,7 @@ class ReplicateStage:
                 C.reduce_sum(column_grads[s.start : s.start + s.numel], s.root, self.pg)
                 for s in self.segments
             ]
-        self.pending_reduce.append((works, column_grads, divide_by))
+        self.pending_reduce.append(ReplicateReduce(works, column_grads, divide_by))
         if profile is not None:
             profile.replicate_reduces += len(works)
             profile.replicate_bytes_reduced += column_grads.numel() * column_grads.element_size()
@@ -139,22 +148,22 @@ class ReplicateStage:
 
     @torch.no_grad()
     def _finish_reduce(self) -> None:
-        for works, column_grads, divide_by in self.pending_reduce:
-            for w in works:
+        for r in self.pending_reduce:
+            for w in r.works:
                 C.wait(w, "the HSDP gradient reduce to the global owners", self.pg)
             offset = 0
             for p in self.params:
                 if p.owns:
-                    summed = column_grads[offset : offset + p.numel].view(p.shape)
-                    p.accumulate_reduced(summed, divide_by)
+                    summed = r.column_grads[offset : offset + p.numel].view(p.shape)
+                    p.accumulate_reduced(summed, r.divide_by)
                 offset += p.numel
         self.pending_reduce.clear()
 
     def discard_reduces(self) -> None:
         """Wait for the reduces in flight to finish for real (``C.wait_finished``), then drop
         their results."""
-        for works, *_ in self.pending_reduce:
-            for w in works:
+        for r in self.pending_reduce:
+            for w in r.works:
                 C.wait_finished(w, "the HSDP gradient reduce to the global owners", self.pg)
         self.pending_reduce.clear()
 
@@ -211,7 +220,7 @@ class ReplicateStage:
     def pending(self) -> int:
         """Gradient reduces of this stage still in flight (0 after ``drain``; the publishes are
         in the runtime's queue)."""
-        return sum(len(w) for w, *_ in self.pending_reduce)
+        return sum(len(r.works) for r in self.pending_reduce)
 
 
 @dataclass(eq=False)

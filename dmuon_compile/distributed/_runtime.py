@@ -1,60 +1,42 @@
-"""The hooks: forward unshard with prefetch, reshard, pre-backward unshard, owner gradient reduce.
+"""The hooks of a model's dedicated groups: forward unshard with prefetch, reshard, pre-backward
+unshard, owner gradient reduce.
 
-One :class:`DedicatedRuntime` per model (found with ``dedicated_registry.runtime_of(model)``).
-The life of an iteration, for each hook group G (in the forward order recorded on the first
-forward, the same on every rank, so collectives are issued in the same order everywhere):
+One :class:`DedicatedRuntime` per model (``dedicated_registry.runtime_of(model)``). An iteration,
+per hook group G, in the forward order recorded on the first forward (the same on every rank, so
+every rank issues the collectives in the same order):
 
 forward pre-hook(G)   wait G's unshard (issue it if no prefetch did), prefetch the next group
-forward hook(G)       reshard G (free its buffer; not the group whose forward ends last, whose
-                      backward follows at once); on the output tensors register a gradient
-                      hook = "pre-backward(G)"; the output object itself is never touched
-pre-backward(G)       unshard G again (wait), prefetch the group whose forward ended just
-                      before G's (a group whose forward encloses others — a root holding a
-                      ``pos_embed`` — ends last, so its backward comes first)
-recompute(G)          activation checkpointing runs G's forward hooks inside backward: wait
-                      G's unshard only, no prefetch (the groups after G are done)
-grad hooks            when every parameter of G has its gradient — or backward reached the
-                      output of a group whose forward ended before G's started (never one
-                      enclosing G), or backward ended, for a weight this rank did not use
-                      (zeros) — pack, reduce to owners (async), free the local gradients,
-                      reshard G, finish the previous group's reduce (one reduce in flight
-                      bounds the gradient buffers). The reduces go out in one order on every
-                      rank: the groups that ran forward, last started first
-end of backward       (autograd callback) wait all reduces: each registered ``param.grad``
-                      holds the full gradient averaged over the group
-Muon.step()           Newton–Schulz on this rank's masters only; the next forward's unshard
-                      reads the new masters, which publishes them. With HSDP the masters of
-                      the first forward group are stepped first and published at once
-                      (the step plan's early part, ``step_plan``): their broadcast runs under
-                      the rest of the step, so the next forward's first unshard does not wait
-                      for it
+forward hook(G)       reshard G (not the group whose forward ends last: its backward follows at
+                      once); hook "pre-backward(G)" on the output tensors' gradients (the output
+                      object itself is never touched)
+pre-backward(G)       unshard G again, prefetch the group whose forward ended just before G's (a
+                      group enclosing others — a root holding a ``pos_embed`` — ends last, so
+                      its backward comes first)
+recompute(G)          activation checkpointing runs G's forward hooks inside backward: wait G's
+                      unshard only, no prefetch (the groups after G are done)
+grad hooks            once G has every gradient — or, for a weight this rank did not use (zeros),
+                      once backward reached the output of a group whose forward ended before G's
+                      started, or ended — reduce to the owners (async), reshard G, finish the
+                      previous group's reduce (one in flight bounds the gradient buffers). Every
+                      rank reduces in one order: the groups that ran forward, last started first
+end of backward       (autograd callback) wait all reduces: each owned ``param.grad`` holds the
+                      full gradient
+Muon.step()           NS on this rank's masters, walking the plan of :class:`StepSide`; the next
+                      forward's unshard reads the new masters, which publishes them
 
-HSDP adds the replicate stage (``_replicate.py``): the reduce to owners continues over the
-replicate group to the global owner, and ``Muon.step`` ends with :meth:`publish`, the global
-owners' broadcast of their new weights to their replicate peers. ``Muon(replicate_async=True)``
-(default) leaves it in flight, an entry of the runtime's one queue of pending updates
-(``_pending.py``, with the deferred TP scatters; any read or write of a dedicated weight through
-its registered parameter applies them first); each group waits for its part right before its
-next unshard
-(forward pre-hook, or the prefetch issued from the previous group's pre-hook). On CUDA that wait
-is made by a side stream, which then issues the unshard: the compute stream waits only for the
-unshard itself, so a prefetch never holds the current group's forward back.
-``replicate_async=False`` waits inside ``step()``. A step drains what an earlier step left in
-flight before it touches a weight, so two ``step()`` calls without a forward are safe. When the
-weights were updated by something other than ``Muon(model).step`` (another optimizer, a
-parameter-list ``Muon``), the first forward after a synchronising backward publishes instead.
-Every rank issues these collectives in the same order (groups in plan order, roots ascending):
-no per-rank-different branch or compiled graph decides about a collective.
+HSDP adds the replicate stage (``_replicate.py``): the reduce to owners goes on over the replicate
+group to the global owner, and the step ends with the global owners' broadcast of their new
+weights, left in flight (``Muon(replicate_async=True)``, the default) as a pending update
+(``_pending.py``) that each group applies right before its next unshard. On CUDA a side stream
+makes that wait and then issues the unshard, so a prefetch never holds the current group's
+forward back. Weights updated by anything but ``Muon(model).step`` (another optimizer, a
+parameter-list ``Muon``) are published by the first forward after a synchronising backward.
 
-Every hook runs eagerly, outside any ``torch.compile`` trace (``torch.compiler.disable``, as
-FSDP2 does with its hooks): ``block.compile(fullgraph=True)`` and ``torch.compile(model)``
-trace only the model's math, and Dynamo calls the hooks around the compiled code.
-
-The reduces follow FSDP2's settings for the ``fully_shard`` module that would manage each
-group's weights (read at the first hook of each backward, :meth:`DedicatedRuntime.follow_fsdp`):
-its divide factor and reduce dtype; with gradient sync off
-(``FSDPModule.set_requires_gradient_sync(False)``) the reduce is skipped: local gradients
-accumulate on the unsharded leaves and are reduced on the sync step.
+The hooks run eagerly (``torch.compiler.disable``, as FSDP2's): ``torch.compile`` traces only the
+model's math, and Dynamo calls the hooks around it. The reduces follow the ``fully_shard`` module
+that would manage each group's weights (:meth:`DedicatedRuntime.follow_fsdp`): its divide factor
+and reduce dtype; with its gradient sync off the reduce is skipped and the local gradients
+accumulate until the sync step.
 """
 
 from __future__ import annotations
@@ -72,18 +54,17 @@ from dmuon_compile.distributed._autograd_compat import in_backward, queue_callba
 from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupState
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._pending import CommContext, PendingUpdates
-from dmuon_compile.distributed._runtime_step import RuntimeStepSide
+from dmuon_compile.distributed._runtime_step import StepSide
 from dmuon_compile.distributed.owner_plan import OwnerPlan
+from dmuon_compile.distributed.step_plan import StepPlan
 
-# HSDP: how many groups' replicate reduces (and their column sums) may be in flight in a
-# backward; an older one is finished (on CUDA a stream dependency, not a host block) before a
-# newer group's is issued, so the sums do not pile up until the end of backward.
+# HSDP: the groups whose replicate reduces (and column sums) may be in flight in a backward; an
+# older one is finished (on CUDA a stream dependency) first, so the sums do not pile up.
 REPLICATE_REDUCES_IN_FLIGHT = 2
 
 
 class RuntimeState(Enum):
-    """Where a model's iteration is, for its dedicated groups (FSDP2 keeps its own as an enum
-    too, ``TrainingState``)."""
+    """Where a model's iteration is (FSDP2's ``TrainingState``)."""
 
     IDLE = auto()  # no backward running, no whole forward waiting for one (also mid-forward)
     FORWARD_DONE = auto()  # the last group's forward ended, no backward yet: copies it kept
@@ -109,15 +90,15 @@ def iter_tensors(obj, _depth: int = 0) -> Iterator[Tensor]:
 
 
 def _eager_hook(fn):
-    """Run a hook eagerly, outside any ``torch.compile`` trace (FSDP2 does the same with its
-    hooks): they issue async collectives, read autograd state and swap module parameters, none
-    of which belongs in a graph. Dynamo then calls them around the compiled forward, so
-    ``block.compile(fullgraph=True)`` traces only the block's math."""
+    """``fn`` run eagerly, outside any ``torch.compile`` trace (as FSDP2's hooks): a hook issues
+    async collectives, reads autograd state and swaps module parameters, none of which belongs
+    in a graph."""
     return torch.compiler.disable(fn, recursive=True)
 
 
-class DedicatedRuntime(RuntimeStepSide):
-    """State of the dedicated parameters of one model (plan, groups, hooks, profile)."""
+class DedicatedRuntime:
+    """The dedicated parameters of one model: plan, groups, hooks, and the step side
+    (:class:`StepSide`, ``step_side``) that plans ``Muon.step`` and publishes (HSDP)."""
 
     def __init__(
         self,
@@ -140,58 +121,48 @@ class DedicatedRuntime(RuntimeStepSide):
         self.rank = rank
         self.world = world
         self.record_profile = record_profile
-        # This runtime's comm context (``_pending.py``), as FSDP2 keeps one per state: the one
-        # queue of updates in flight (HSDP publishes, deferred TP scatters) and whether a publish
-        # is due (a synchronising backward ran, or a weight was written outside a step, and
-        # nothing published since); the forward order; the unshard side streams. Its groups and
-        # the TP stage get it (or its queue) from here.
-        self.comm = CommContext()
+        self.comm = CommContext()  # its groups and the TP stage share it (``_pending.py``)
+        self.step_side = StepSide(groups, self.comm, record_profile)
         self._index: dict[int, int] = {}
-        # By forward *end*: an enclosing group (a root holding a dedicated weight) ends after
-        # the groups its forward runs, so its backward comes first; the order of backward
-        # prefetches. Without nesting it equals forward_order.
+        # By forward *end*, the order of backward prefetches: a root group enclosing others ends
+        # after them, so its backward comes first.
         self.end_order: list[DedicatedGroup] = []
         self._end_index: dict[int, int] = {}
-        # This iteration's forward clock: a tick per group forward (grad on, outside
-        # backward); each group's first start tick and last end tick since the last backward.
-        # A group that started after G's forward ended has finished its backward once backward
-        # reaches G's output; one that started inside G's forward (nested) has not.
+        # Forward clock: a tick per group forward with gradients; each group's first start and
+        # last end since the last backward. A group started after G's forward ended has finished
+        # its backward once backward reaches G's output; one nested in G's forward has not.
         self._clock = 0
         self._started_at: dict[int, int] = {}
         self._ended_at: dict[int, int] = {}
         self.state = RuntimeState.IDLE
         self._sync: bool | None = None
         self._reducing: list[DedicatedGroup] = []
-        # HSDP: groups whose replicate reduce (their column's gradient sums) is in flight,
-        # oldest first; at most REPLICATE_REDUCES_IN_FLIGHT, so those sums do not all live until
-        # the end of backward. ``replicate_peak``: the most at once in this runtime (tests).
+        # HSDP: groups whose replicate reduce is in flight, oldest first, at most
+        # REPLICATE_REDUCES_IN_FLIGHT; ``replicate_peak``: the most at once (tests).
         self._replicating: list[DedicatedGroup] = []
         self.replicate_peak = 0
-        self._reduces_issued = 0  # how many groups of this backward's reduce order reduced
+        self._reduces_issued = 0  # groups of this backward's reduce order that reduced
         self._order_frozen = False  # forward_order is complete once a backward has run
         self.kept = False  # a backward without sync kept groups unsharded (``drop_kept``)
         self.handles: list = []
-        self.replicated = any(g.replicate is not None for g in groups)
-        self._published_early: set[int] = set()  # the step plan's early group: after_step skips it
+        self.replicated = bool(self.step_side.published)
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
-        self.tp = None  # TP stage (``_tp/stage.py``): gather → NS on the TP owner → scatter
-        # Split matrices (``_split_step.py``): NS shared by a group of ranks; set by dedicate_params
-        self.split: tuple = ()
-        # group → the fully_shard modules that would manage its weights (set at first use)
-        self._fsdp_managers: dict[int, dict[str, nn.Module]] | None = None
-        # Built once: torch.compiler.disable wraps per call otherwise (every forward, output).
+        self.tp = None  # TP stage (``_tp/stage.py``), set by attach_tp
+        self.split: tuple = ()  # split-NS groups (``_split_step.py``), set by dedicate_params
+        self._fsdp_managers: dict[int, dict[str, nn.Module]] | None = None  # see follow_fsdp
+        # Wrapped once: torch.compiler.disable would wrap on every forward otherwise.
         self._backward_hooks: dict[int, object] = {}
         self._end_of_backward = _eager_hook(self._post_backward)
         for group in groups:
             group.record_profile = record_profile
             group.comm = self.comm
             self._install(group)
-        # model.state_dict() (and so DCP's get_state_dict) reads every weight current.
+        # state_dict() (and so DCP) reads every weight current.
         self.handles.append(model.register_state_dict_pre_hook(self._before_state_dict))
         if self.replicated:
-            # A state-dict load (DCP's set_state_dict, model.load_state_dict) writes the global
-            # owners' masters on every rank at once: the next forward publishes them first.
+            # A load (DCP, load_state_dict) writes the global owners' masters on every rank at
+            # once: the next forward publishes them.
             self.handles.append(model.register_load_state_dict_post_hook(self._after_load))
             self.comm.watch()
 
@@ -204,6 +175,38 @@ class DedicatedRuntime(RuntimeStepSide):
     def forward_order(self) -> list[DedicatedGroup]:
         """The groups by forward start (first forward): ``self.comm.forward_order``."""
         return self.comm.forward_order
+
+    # ------------------------------------------------------------------ step side
+    def step_plan(self) -> StepPlan:
+        """The plan ``Muon.step`` walks (:meth:`StepSide.plan`). Weights a backward without
+        gradient sync kept unsharded are dropped first: the step changes them."""
+        if self.kept:
+            self.drop_kept()
+        return self.step_side.plan(self.tp, self.split)
+
+    def publish(self, wait: bool = False) -> None:
+        """Issue every group's replicate broadcast (global owners → replicate peers).
+
+        ``wait=False`` leaves them in flight; each group waits for its own right before its next
+        unshard. A publish still in flight is applied first. No-op without HSDP. Collective:
+        every rank calls it at the same point. ``Muon(model).step`` publishes by itself; call it
+        after writing the global owners' masters outside a step (e.g. loading weights), or the
+        other replicas keep the old values until the next step.
+
+        Example::
+
+            dmuon.distributed.dedicated_runtime(model).publish(wait=True)
+        """
+        self.step_side.publish(wait)
+
+    def pending_collectives(self) -> int:
+        """Collectives still in flight (unshard, reduce, replicate); 0 after :meth:`wait_all`."""
+        n = self.pending.collectives()
+        for g in self.groups:
+            n += len(g.works) + sum(len(r.works) for r in g.pending_reduce)
+            if g.replicate is not None:
+                n += g.replicate.pending()
+        return n
 
     # ------------------------------------------------------------------ registry API
     def param_names(self) -> list[str]:
@@ -319,16 +322,15 @@ class DedicatedRuntime(RuntimeStepSide):
         if in_backward():
             self._pre_recompute(group)
             return
-        # No backward is running, so none can be pending: forget one that raised before
-        # its end-callback ran (its forward was whole: handled as one without backward).
+        # No backward is running: forget one that raised before its end-callback ran.
         self._sync, self._reduces_issued = None, 0
         if self.state == RuntimeState.BACKWARD:
             self.state = RuntimeState.FORWARD_DONE
         if self.pending.publish_due:  # weights written by something other than Muon(model).step
-            self.publish(wait=False)
+            self.step_side.publish()
         if self.state == RuntimeState.FORWARD_DONE and group is self.forward_order[0]:
-            # A new forward after a complete one that had no backward (or kept its last
-            # group): drop the unsharded copies, the weights may have changed since.
+            # A forward after a whole one without backward (or that kept its last group): the
+            # weights may have changed since, drop the unsharded copies.
             self.state = RuntimeState.IDLE
             for g in self.groups:
                 if g.state == GroupState.UNSHARDED:
@@ -338,7 +340,7 @@ class DedicatedRuntime(RuntimeStepSide):
             self._index[id(group)] = len(self.forward_order)
             self.forward_order.append(group)
         if torch.is_grad_enabled():
-            group.ran_forward = True  # its backward (and reduce) is due
+            group.ran_forward = True  # its reduce is due
             self._clock += 1
             self._started_at.setdefault(id(group), self._clock)
         group.wait_unshard()
@@ -347,15 +349,12 @@ class DedicatedRuntime(RuntimeStepSide):
             nxt.unshard(prefetch=True)
 
     def _pre_recompute(self, group: DedicatedGroup) -> None:
-        """Forward pre-hook inside backward: activation-checkpoint recomputation of ``group``.
-
-        Its pre-backward unshard (or the prefetch of the group after it) already ran, or the
-        unshard goes out here; nothing is prefetched: the group after it in forward order has
-        finished its backward, and the pre-backward hooks prefetch the next one (FSDP2 skips
-        its forward hooks in recomputation too)."""
+        """Forward pre-hook inside backward (activation-checkpoint recomputation): wait the
+        unshard, prefetch nothing — the groups after it are done, and the pre-backward hooks
+        prefetch (FSDP2 skips its forward hooks in recomputation too)."""
         if not group.ran_forward:
-            # Reentrant checkpointing ran the first forward without gradients: no reduce is
-            # due for this group, so its gradients would be dropped. Fail on every rank alike.
+            # Reentrant checkpointing ran the forward without gradients: no reduce is due, the
+            # gradients would be dropped. Fail on every rank alike.
             raise RuntimeError(
                 f"dmuon_compile: dedicated hook group {group.name!r} is recomputed in backward "
                 "but its forward did not run with gradients in this iteration: reentrant "
@@ -375,11 +374,11 @@ class DedicatedRuntime(RuntimeStepSide):
             if group is self._last_group():
                 self.state = RuntimeState.FORWARD_DONE
         if not torch.is_grad_enabled():
-            group.reshard()  # no backward follows (eval): never keep weights a step could stale
+            group.reshard()  # no backward follows: keep no weights a step could stale
             return
         if not group.reshard_after_forward or in_backward():
-            # Activation-checkpoint recomputation runs forwards inside backward: the weights are
-            # about to be used, and the end-of-backward callback frees them.
+            # Recomputation inside backward: the weights are about to be used; the
+            # end-of-backward callback frees them.
             return
         hooked = [t for t in iter_tensors(output) if t.requires_grad]
         if not hooked:
@@ -387,8 +386,8 @@ class DedicatedRuntime(RuntimeStepSide):
         for t in hooked:
             t.register_hook(self._backward_hooks[id(group)])
         if group is self._last_group():
-            # The last group's backward comes right after the forward: resharding it would only
-            # add an exposed all-gather (FSDP2 keeps its root unsharded for the same reason).
+            # Its backward comes next: a reshard would only add an exposed all-gather (FSDP2
+            # keeps its root unsharded for the same reason).
             return
         group.reshard()
 
@@ -399,12 +398,10 @@ class DedicatedRuntime(RuntimeStepSide):
 
     def _pre_backward(self, group: DedicatedGroup) -> None:
         self._queue_backward_end()
-        # Backward reached this group's output: every group whose forward started after this
-        # group's forward ended is done (not the groups nested inside it: a root group's output
-        # comes first in backward). Their reduces go out now if they are still waiting for a
-        # gradient that will not come (a weight unused on this rank), before this group's
-        # prefetch: the collective order stays the same on every rank whichever weights each
-        # rank used.
+        # Backward reached G's output: the groups whose forward started after G's ended are
+        # done (not those nested in G). Their reduces go out now, also those still waiting for
+        # a gradient that will not come (a weight unused here), before G's prefetch: the
+        # collective order is the same on every rank whichever weights each rank used.
         if self._sync_on():
             self._issue_reduces(until=self._finished_before(group))
         group.wait_unshard()
@@ -497,9 +494,8 @@ class DedicatedRuntime(RuntimeStepSide):
             self._reduces_issued += 1
             group.reduce_grads()
             group.reshard()
-            # Keep one reduce in flight (FSDP2 does the same with its reduce-scatters): finishing
-            # the previous one here frees its send buffer, so at most ~2 groups' gradient buffers
-            # live at once. On CUDA the wait is a stream dependency, not a host block.
+            # One reduce in flight, as FSDP2's reduce-scatters: finishing the previous one frees
+            # its send buffer (on CUDA a stream dependency, not a host block).
             for other in self._reducing:
                 if other is not group:
                     other.finish_reduce()
@@ -508,7 +504,7 @@ class DedicatedRuntime(RuntimeStepSide):
             self._reducing = [group]
             while len(self._replicating) > REPLICATE_REDUCES_IN_FLIGHT:
                 self._replicating.pop(0).replicate.finish_reduce()
-            if self.replicated:  # counted from the stages themselves
+            if self.replicated:
                 alive = sum(1 for g in self.groups if g.replicate and g.replicate.pending())
                 self.replicate_peak = max(self.replicate_peak, alive)
 
@@ -526,8 +522,8 @@ class DedicatedRuntime(RuntimeStepSide):
         self._order_frozen = bool(self.forward_order)
         sync = bool(self._sync)
         if sync:
-            # Every group that ran forward reduces, in the same order on every rank; weights
-            # this rank did not use contribute zeros (the reference gradient's meaning).
+            # Every group that ran forward reduces, in one order on every rank; weights unused
+            # here contribute zeros.
             self._issue_reduces()
         self._reducing, self._replicating = [], []
         self._sync = None
@@ -535,16 +531,14 @@ class DedicatedRuntime(RuntimeStepSide):
         for group in self.groups:
             group.drain()
             if not sync and group.keep_after_backward and group.state == GroupState.UNSHARDED:
-                # Gradient accumulation with FSDP2's set_reshard_after_backward(False): the
-                # next micro-batch's forward uses these weights again (a step before a syncing
-                # backward drops them first: ``drop_kept``).
+                # FSDP2's set_reshard_after_backward(False): the next micro-batch uses them
+                # again (a step drops them first: ``drop_kept``).
                 self.kept = True
             elif group.state == GroupState.UNSHARDED or group.reshard_after_forward is False:
                 group.reshard()
             if group.reduced:
-                # Ranks without rows get a zero-row gradient too: every rank's parameters()
-                # then have the same gradients, so clip_grad_norm_ and the optimizer issue the
-                # same collectives everywhere.
+                # A zero-row gradient where this rank owns none: every rank's parameters() have
+                # gradients alike, so clipping and the optimizer issue the same collectives.
                 for p in group.params:
                     if not p.owns and p.param.grad is None:
                         p.accumulate_grad(None)
@@ -599,14 +593,12 @@ class DedicatedRuntime(RuntimeStepSide):
     def discard_backward(self) -> None:
         """Drop every gradient still in flight or on the compute copies (``Muon.zero_grad``).
 
-        After an exception in forward or backward, reduces already issued would otherwise land
-        on the owners' gradients later, and the compute copies' local gradients would join the
-        next backward's. The collectives in flight are waited for until they have finished
-        (not only ordered on the CUDA stream: every rank must have issued them, else this raises
-        by the group timeout instead of letting the next step's collectives mispair) and their
-        results discarded; the HSDP publish of the last step is kept (it carries the
-        weights, not gradients). Cheap when nothing is pending (the normal place of
-        ``zero_grad``).
+        After an exception in forward or backward, issued reduces would otherwise land on the
+        owners' gradients later, and local gradients join the next backward's. The collectives
+        in flight are waited for until finished (not only ordered on the CUDA stream: a rank
+        that never issued its part makes this raise by the group timeout instead of letting the
+        next step's collectives mispair) and dropped; the last step's HSDP publish is kept (it
+        carries weights). Cheap when nothing is pending.
         """
         for group in self.groups:
             if group.state == GroupState.UNSHARDING:
