@@ -729,3 +729,176 @@ def test_many_idle_ranks_point_to_split_size_with_what_it_would_do(llama70b):
     # where splitting would not shorten the step, the note says so instead of pointing to it
     (small,) = [n for n in dry_run("tiny", 64).notes if "idle in the step" in n]
     assert "--split-size would not shorten the step (--split-size 8: 0 idle" in small
+
+
+# ----------------------------------------------------------------------------- momentum storage
+# Sizes that are no multiple of the 8-bit format's 256-value blocks (1600, 800, 4000 values...),
+# and expert stacks (4, 24, 40) whose per-rank pieces are none either (960, 480 values).
+ODD = ModelConfig(40, 2, 4, 100, kv_heads=2, vocab=50, experts=4, expert_ffn=24, shared_ffn=30)
+ODD_DENSE = ModelConfig(40, 2, 4, 100, kv_heads=2, vocab=50)
+
+
+def _int8_bytes(numel: int) -> int:
+    """One tensor's 8-bit momentum: a byte per value, an fp32 scale per started 256 values."""
+    return numel + 4 * -(-numel // 256)
+
+
+def _owned_numel(model, report) -> dict[int, list[int]]:
+    """Per data-parallel rank, the element counts of the dedicated weights it owns."""
+    numel = dict((n, p.numel()) for n, p in model.named_parameters())
+    out: dict[int, list[int]] = {r.rank: [] for r in report.rows}
+    for fqn, owner in report.owners.items():
+        out[owner].append(numel[fqn])
+    return out
+
+
+def test_an_8bit_momentum_is_a_byte_per_value_and_a_scale_per_block_of_each_tensor():
+    """Owned dedicated weights: fp32 weight + codes + scales, counted per tensor (a sum over
+    the rank's values would miss the started blocks); the step's working buffers in fp32."""
+    model = build_model(ODD_DENSE)[1]
+    fp32 = dry_run(model, 2, advise=False)
+    int8 = dry_run(model, 2, momentum_dtype=torch.int8, advise=False)
+    owned = _owned_numel(model, int8)
+    assert all(len(v) > 1 for v in owned.values())
+    for a, b in zip(fp32.rows, int8.rows):
+        numels = owned[a.rank]
+        assert any(n % 256 for n in numels)
+        assert a.dedicated_bytes == 8 * sum(numels)  # fp32 weight + fp32 momentum
+        assert b.dedicated_bytes == sum(4 * n + _int8_bytes(n) for n in numels)
+        assert b.step_extra_bytes == a.step_extra_bytes + 4 * sum(numels)
+        assert (b.grad_bytes, b.adamw_bytes, b.host_bytes) == (a.grad_bytes, a.adamw_bytes, 0)
+    assert "momentum=int8 (8-bit, an fp32 scale per 256 values)" in int8.table()
+    assert "host" not in int8.table() and "host_bytes" not in int8.to_dict()["rows"][0]
+    assert "momentum storage: 8-bit codes and scales in GPU memory" in int8.notes[-1]
+
+
+@pytest.mark.parametrize(
+    "world, ep, piece",
+    [(4, None, 960), (8, 2, 480)],  # FSDP2 Shard(0): one expert a rank; EP: Shard(1) rows
+)
+def test_an_8bit_momentum_of_expert_stacks_counts_each_ranks_piece(world, ep, piece):
+    model = build_model(ODD)[1]
+    stacks = [p for n, p in model.named_parameters() if ".experts." in n]
+    assert len(stacks) == 6 and all(p.numel() // world == piece for p in stacks)
+    fp32 = dry_run(model, world, ep=ep, advise=False)
+    int8 = dry_run(model, world, ep=ep, momentum_dtype="int8", advise=False)
+    for a, b in zip(fp32.rows, int8.rows):
+        assert a.sharded_muon_bytes == 6 * 8 * piece
+        assert b.sharded_muon_bytes == 6 * (4 * piece + _int8_bytes(piece))
+        working = b.step_extra_bytes - a.step_extra_bytes
+        assert working == 6 * 4 * piece + 4 * sum(_owned_numel(model, fp32)[a.rank])
+
+
+@pytest.mark.parametrize("dtype, item", [(None, 4), ("bf16", 2), ("int8", None)])
+def test_offload_moves_the_stored_momentum_to_host_memory_and_its_working_buffer_into_the_step(
+    dtype, item
+):
+    model = build_model(ODD)[1]
+    gpu = dry_run(model, 8, ep=2, momentum_dtype=dtype, advise=False)
+    host = dry_run(model, 8, ep=2, momentum_dtype=dtype, offload="momentum", advise=False)
+    owned = _owned_numel(model, gpu)
+    stored = (lambda n: n * item) if item else _int8_bytes
+    for a, b in zip(gpu.rows, host.rows):
+        mine = owned[a.rank] + [480] * 6  # the dedicated weights and the expert stacks' pieces
+        assert b.host_bytes == sum(stored(n) for n in mine) > 0
+        assert b.host_link_bytes == 2 * b.host_bytes  # copied in, written back
+        assert b.dedicated_bytes == 4 * sum(owned[a.rank])  # weights only on the GPU
+        assert b.sharded_muon_bytes == 4 * 480 * 6
+        working = sum(n * (item or 4) for n in mine)  # the weights' dtype, bf16 stays bf16
+        extra = b.step_extra_bytes - a.step_extra_bytes
+        assert extra == (working if item else 0)  # 8-bit already had its working buffers
+        assert b.peak_bytes == a.peak_bytes - (0 if item else sum(stored(n) for n in mine))
+    text = host.table()
+    assert "host KiB" in text and "host link KiB/step" in text
+    assert "offload=momentum (pinned host memory, 25 GB/s)" in text
+    assert "host" not in gpu.table()
+    d = host.to_dict()
+    assert d["offload"] == "momentum" and d["rows"][0]["host_bytes"] == host.rows[0].host_bytes
+    assert "offload" not in gpu.to_dict() and "host_bytes_max" not in gpu.to_dict()["totals"]
+    assert "the write-back, as much again, overlaps the next forward" in host.notes[-1]
+
+
+def test_offload_adds_the_copy_in_at_the_host_links_rate_to_the_step():
+    from dmuon_compile.plan.momentum import HOST_LINK_GBPS
+
+    gpu = dry_run("tiny", 2, advise=False)
+    for gbps in (None, 10, 2.5):
+        host = dry_run("tiny", 2, offload="momentum", host_link_gbps=gbps, advise=False)
+        rate = (gbps or HOST_LINK_GBPS) * 1e9
+        for a, b in zip(gpu.rows, host.rows):
+            assert b.host_bytes == a.dedicated_bytes // 2  # the fp32 momentum
+            assert b.ns_ms == a.ns_ms
+            assert b.step_ms - a.step_ms == pytest.approx(b.host_bytes / rate * 1e3, rel=1e-9)
+            assert b.step_ms > a.step_ms
+
+
+def test_pipeline_stages_add_up_their_host_bytes_and_copy_ins():
+    """Two stages on one PP rank: each stage's optimizer copies its momentum in before its
+    step, one stage's working buffers at a time, so offload lowers the step's peak here."""
+    gpu = dry_run("tiny", 2, pp=1, stages_per_rank=2, advise=False)
+    host = dry_run("tiny", 2, pp=1, stages_per_rank=2, offload="momentum", advise=False)
+    for a, b in zip(gpu.rows, host.rows):
+        assert b.host_bytes == a.dedicated_bytes // 2 and b.host_link_bytes == 2 * b.host_bytes
+        assert b.step_ms - a.step_ms == pytest.approx(b.host_bytes / 25e9 * 1e3, rel=1e-9)
+        assert b.peak_bytes < a.peak_bytes
+    assert "lower than in place" in host.notes[-1]
+
+
+def test_the_memory_note_tries_the_momentum_storages():
+    """A peak above the card: bf16 lowers it; 8-bit and offload only where not every matrix's
+    working buffer is live at once (here two pipeline stages), and the note says so by
+    leaving them out of a one-stage job."""
+    (note,) = [n for n in dry_run("tiny", 2, gpu_memory_gib=1e-4).notes if "does not fit" in n]
+    assert "momentum_dtype=torch.bfloat16 (--momentum-dtype bf16): peak" in note
+    assert "int8" not in note and "offload" not in note
+    staged = dry_run("tiny", 2, pp=1, stages_per_rank=2, gpu_memory_gib=1e-4)
+    (note,) = [n for n in staged.notes if "does not fit" in n]
+    assert 'offload="momentum" (--offload momentum' in note and "torch.int8" in note
+    (note,) = [  # an offloaded job is not told to offload
+        n
+        for n in dry_run("tiny", 2, offload="momentum", gpu_memory_gib=1e-4).notes
+        if "does not fit" in n
+    ]
+    assert "--offload" not in note and "--momentum-dtype bf16" in note
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"momentum_dtype": torch.float16}, "torch.int8 (blockwise 8-bit)"),
+        ({"momentum_dtype": "fp8"}, "['bf16', 'fp32', 'int8']"),
+        ({"offload": "cpu"}, "or 'momentum'"),
+        ({"offload": True}, "or 'momentum'"),
+        ({"offload": "momentum", "host_link_gbps": 0}, "a number > 0"),
+        ({"offload": "momentum", "host_link_gbps": float("inf")}, "a number > 0"),
+        ({"host_link_gbps": 25}, "needs offload='momentum'"),
+    ],
+)
+def test_bad_momentum_storage_names_the_choices(kwargs, message):
+    with pytest.raises(ValueError, match="^dry_run: ") as info:
+        dry_run("tiny", 2, **kwargs)
+    assert message in str(info.value)
+
+
+def test_the_momentum_storage_is_on_the_command_line(capsys):
+    argv = ["--model", "tiny", "--gpus", "2", "--momentum-dtype", "int8", "--offload", "momentum"]
+    assert main([*argv, "--host-link-gbps", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "momentum=int8 (8-bit" in out and "offload=momentum (pinned host memory, 50 GB/s)" in out
+    assert "host KiB" in out and "host link KiB/step" in out and "note: momentum storage" in out
+    assert main([*argv, "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    expected = dry_run("tiny", 2, momentum_dtype=torch.int8, offload="momentum")
+    assert [r["host_bytes"] for r in report["rows"]] == [r.host_bytes for r in expected.rows]
+    assert report["totals"]["host_bytes"] == sum(r.host_bytes for r in expected.rows) > 0
+    assert main(["--model", "tiny", "--gpus", "2", "--momentum-dtype", "fp32"]) == 0
+    assert "momentum=" not in capsys.readouterr().out  # fp32: the weights' dtype, the default
+    for bad, message in (
+        (["--momentum-dtype", "fp16"], "choose from 'fp32', 'bf16', 'int8'"),
+        (["--offload", "cpu"], "choose from 'momentum'"),
+        (["--offload", "momentum", "--host-link-gbps", "-1"], "a number > 0"),
+        (["--host-link-gbps", "10"], "needs offload='momentum'"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(["--model", "tiny", "--gpus", "2", *bad])
+        assert info.value.code == 2 and message in capsys.readouterr().err, bad

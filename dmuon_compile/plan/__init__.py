@@ -5,6 +5,7 @@
     python -m dmuon_compile.plan --model mypkg.models:build --gpus 64 --per-rank --json
     python -m dmuon_compile.plan --model deepseek-v3 --gpus 64 2048 --ep 8
     python -m dmuon_compile.plan --model llama3-405b --gpus 512 --pp 8 --stages-per-rank 2
+    python -m dmuon_compile.plan --model llama3-8b --gpus 8 --momentum-dtype int8 --offload momentum
 
 The model is built on the meta device (a preset, a JSON config or your own factory) and goes
 through the planning ``dedicate_params`` itself runs
@@ -22,7 +23,8 @@ The package: :mod:`~dmuon_compile.plan.models` (presets and meta-device models),
 :mod:`~dmuon_compile.plan.dispatch` (:func:`dry_run`: its arguments, one decoder or the pipeline
 stages, the notes), :mod:`~dmuon_compile.plan.run` (the planning and one row per rank),
 :mod:`~dmuon_compile.plan.experts` (expert parallelism), :mod:`~dmuon_compile.plan.pipeline`
-(pipeline stages), :mod:`~dmuon_compile.plan.report` (the table and JSON),
+(pipeline stages), :mod:`~dmuon_compile.plan.momentum` (the momentum's storage: bf16, 8-bit,
+offloaded to host memory), :mod:`~dmuon_compile.plan.report` (the table and JSON),
 :mod:`~dmuon_compile.plan.advice` (the notes on a peak that does not fit and on idle ranks) and
 :mod:`~dmuon_compile.plan.cli` (the command line).
 """

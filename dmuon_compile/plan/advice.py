@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
+from dmuon_compile.plan.momentum import MomentumCost
 from dmuon_compile.plan.report import DryRunReport, GiB
 
 IDLE_SHARE = 0.25  # at least this share of the ranks idle: the report points to --split-size
@@ -13,9 +16,16 @@ MAX_GPUS = 32768  # the most GPUs the "fits from N GPUs" search plans (one row p
 MAX_GROWTH = 16  # ... and at most this many times the job's own
 
 
-def advise(report: DryRunReport, rerun: Callable[..., DryRunReport], split_size: int) -> None:
+def advise(
+    report: DryRunReport,
+    rerun: Callable[..., DryRunReport],
+    split_size: int,
+    momentum: MomentumCost | None = None,
+) -> None:
     """Append the notes to ``report.notes``. ``rerun(**changes)``: the same ``dry_run`` with
-    ``changes`` (``world_size``, ``split_size``, ``stack_bytes``) and no advice of its own."""
+    ``changes`` (``world_size``, ``split_size``, ``stack_bytes``, ``momentum_dtype``,
+    ``offload``) and no advice of its own. ``momentum``: the job's momentum storage (default:
+    in place, the weights' dtype)."""
     world = report.world_size
     idle = len(report.idle_ranks)
     if split_size == 1 and world > 1 and idle >= IDLE_SHARE * world:
@@ -23,7 +33,8 @@ def advise(report: DryRunReport, rerun: Callable[..., DryRunReport], split_size:
     if report.gpu_memory_bytes is not None:
         peak = max((r.peak_bytes for r in report.rows), default=0)
         if peak > report.gpu_memory_bytes:
-            report.notes.append(_memory_note(report, rerun, peak, split_size))
+            note = _memory_note(report, rerun, peak, split_size, momentum or MomentumCost())
+            report.notes.append(note)
 
 
 def _try(rerun, **changes) -> DryRunReport | None:
@@ -89,7 +100,27 @@ def _split_note(report: DryRunReport, rerun, idle: int) -> str:
     )
 
 
-def _memory_note(report: DryRunReport, rerun, peak: int, split_size: int) -> str:
+# The momentum storages the memory note tries: (the one setting changed, the note's words).
+_STORAGES = (
+    ({"momentum_dtype": torch.bfloat16}, "momentum_dtype=torch.bfloat16 (--momentum-dtype bf16)"),
+    ({"momentum_dtype": torch.int8}, "momentum_dtype=torch.int8 (--momentum-dtype int8, 8-bit)"),
+    ({"offload": "momentum"}, 'offload="momentum" (--offload momentum, in host memory)'),
+)
+
+
+def _storage_tries(momentum: MomentumCost) -> list[tuple[dict, str]]:
+    """The momentum storages one setting away from the job's: bf16 and 8-bit from the weights'
+    dtype, offload from the GPU. 8-bit and offload hand every stepped matrix's momentum back
+    to the step as working buffers, so they lower the *step's* peak only where a rank's
+    matrices do not all step at once (pipeline stages step in turn)."""
+    free = {
+        "momentum_dtype": momentum.dtype in (None, torch.float32),
+        "offload": momentum.offload is None,
+    }
+    return [(changes, words) for changes, words in _STORAGES if free[next(iter(changes))]]
+
+
+def _memory_note(report: DryRunReport, rerun, peak: int, split_size: int, momentum) -> str:
     mem = report.gpu_memory_bytes
     top = max(report.rows, key=lambda r: (r.peak_bytes, -r.rank))
     parts = [
@@ -138,6 +169,7 @@ def _memory_note(report: DryRunReport, rerun, peak: int, split_size: int) -> str
         )
     if report.settings.get("step") == "eager":
         tries.append(({"compiled": True}, "the compiled step (drop --eager)"))
+    tries += _storage_tries(momentum)
     for changes, what in tries:
         other_peak = _lower_peak(_try(rerun, **changes), peak)
         if other_peak is not None:

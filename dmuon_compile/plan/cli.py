@@ -7,9 +7,11 @@ import json
 import math
 import sys
 
+from dmuon_compile.momentum_storage import MOMENTUM_DTYPES
 from dmuon_compile.ns_rates import H200, NSRates
 from dmuon_compile.plan.dispatch import dry_run
 from dmuon_compile.plan.models import PRESETS, build_model
+from dmuon_compile.plan.momentum import HOST_LINK_GBPS
 from dmuon_compile.plan.report import GiB
 from dmuon_compile.plan.run import _DTYPES
 
@@ -28,6 +30,21 @@ def _gib(what: str, least_bytes: int = 1):
                 f"{text!r}: give {what} as a number of GiB > 0 (at least {least_bytes} byte"
                 f"{'s' * (least_bytes > 1)}, {least_bytes / GiB:.3g} GiB)"
             )
+        return value
+
+    return parse
+
+
+def _positive(what: str):
+    """An argparse type: a finite number > 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what}, a number > 0")
         return value
 
     return parse
@@ -120,9 +137,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--momentum-dtype",
-        choices=["fp32", "bf16"],
+        choices=list(MOMENTUM_DTYPES),
         default=None,
-        help="the Muon momentum's storage (Muon(momentum_dtype=...); default: the weights' dtype)",
+        help="the Muon momentum's storage (Muon(momentum_dtype=...)): fp32 (the weights' dtype, "
+        "the default), bf16, or int8 (blockwise 8-bit: 1 byte per value + an fp32 scale per "
+        "256; the step works on a buffer in the weights' dtype)",
+    )
+    ap.add_argument(
+        "--offload",
+        choices=["momentum"],
+        default=None,
+        help="Muon(offload='momentum'): the momentum in pinned host memory between steps "
+        "('host' columns), copied in before each step (in 'step ms') and written back under "
+        "the next forward",
+    )
+    ap.add_argument(
+        "--host-link-gbps",
+        type=_positive("the pinned host-to-device copy rate in GB/s"),
+        metavar="R",
+        help=f"with --offload: the host-to-device copy rate in GB/s (default {HOST_LINK_GBPS:g}, "
+        "pinned memory over PCIe 5.0 x16; PCIe 4.0: about half)",
     )
     ap.add_argument("--eager", action="store_true", help="size the eager step's working set")
     ap.add_argument(
@@ -173,7 +207,9 @@ def main(argv=None) -> int:
                 split_size=args.split_size,
                 param_dtype=_DTYPES.get(args.param_dtype),
                 reduce_dtype=_DTYPES.get(args.reduce_dtype),
-                momentum_dtype=_DTYPES.get(args.momentum_dtype),
+                momentum_dtype=args.momentum_dtype,
+                offload=args.offload,
+                host_link_gbps=args.host_link_gbps,
                 reshard_after_forward=False if args.no_reshard else None,
                 compiled=not args.eager,
                 rates=rates,

@@ -12,6 +12,7 @@ import torch
 
 from dmuon_compile.ns_rates import H200, NSRates
 from dmuon_compile.plan.advice import advise as add_notes
+from dmuon_compile.plan.momentum import momentum_cost, storage_note
 from dmuon_compile.plan.pipeline import _pipeline_run
 from dmuon_compile.plan.report import DryRunReport, GiB
 from dmuon_compile.plan.run import _run_group
@@ -29,7 +30,9 @@ def dry_run(
     hook_boundary_predicate: Callable | None = None,
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype | None = torch.float32,
-    momentum_dtype: torch.dtype | None = None,
+    momentum_dtype: torch.dtype | str | None = None,
+    offload: str | None = None,
+    host_link_gbps: float | None = None,
     reshard_after_forward: bool | None = None,
     compiled: bool = True,
     rates: NSRates = H200,
@@ -52,8 +55,14 @@ def dry_run(
     ``"module:function"`` factory. ``predicate``/``layer_id_fn``/``hook_boundary_predicate``:
     as for ``dedicate_params``. ``param_dtype``/``reduce_dtype``: the mixed-precision policy
     (unsharded compute copies; gradient reduces); ``None`` keeps the weights' dtype.
-    ``momentum_dtype``: ``Muon(momentum_dtype=...)``, the Muon momentum's storage (``None``: the
-    weights' dtype; ``torch.bfloat16``: half of it).
+    ``momentum_dtype``: ``Muon(momentum_dtype=...)``, the Muon momentum's storage, what Muon
+    takes (``None``: the weights' dtype; ``torch.bfloat16``: half of it; ``torch.int8``:
+    blockwise 8-bit, 1 byte per value and an fp32 scale per 256, the step's working buffers in
+    the weights' dtype; or the names ``"fp32"``, ``"bf16"``, ``"int8"``). ``offload``:
+    ``Muon(offload=...)``: ``"momentum"`` keeps the momentum in pinned host memory between
+    steps (the ``host`` columns), the step's working buffers on the GPU, the copy-in timed at
+    ``host_link_gbps`` (GB/s, default :data:`~dmuon_compile.plan.momentum.HOST_LINK_GBPS`,
+    PCIe 5.0) in the step's ms (the write-back overlaps the next forward, not counted).
     ``reshard_after_forward``: of FSDP2 and the dedicated groups (two all-gathers per step, or
     one); ``None``: torchtitan's "default" policy, True without ``pp`` and False with it.
     ``compiled``: the step's working set (``Muon(compile=True)`` holds one stack, eager about
@@ -87,11 +96,7 @@ def dry_run(
         print(report.table())
     """
     arguments = dict(locals())
-    if momentum_dtype not in (None, torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"dry_run: momentum_dtype={momentum_dtype!r}: choose None (the weights' dtype), "
-            "torch.float32 or torch.bfloat16, as Muon(momentum_dtype=...) takes"
-        )
+    momentum = momentum_cost(momentum_dtype, offload, host_link_gbps)
     if stack_bytes is not None and (
         isinstance(stack_bytes, bool) or not isinstance(stack_bytes, int) or stack_bytes < 1
     ):
@@ -102,9 +107,11 @@ def dry_run(
     memory = rates.memory_gib if gpu_memory_gib is None else gpu_memory_gib
     if memory is not None and not (isinstance(memory, (int, float)) and 0 < memory < float("inf")):
         raise ValueError(f"dry_run: gpu_memory_gib={memory!r}: give one GPU's memory in GiB, > 0")
-    report = _dry_run(
-        **{k: v for k, v in arguments.items() if k not in ("gpu_memory_gib", "advise")}
-    )
+    skip = ("gpu_memory_gib", "advise", "momentum_dtype", "offload", "host_link_gbps")
+    report = _dry_run(**{k: v for k, v in arguments.items() if k not in skip}, momentum=momentum)
+    note = storage_note(report, momentum)
+    if note:
+        report.notes.append(note)
     if memory is not None:
         report.gpu_memory_bytes = int(memory * GiB)
         report.card = (
@@ -117,7 +124,7 @@ def dry_run(
         def rerun(**changes):
             return dry_run(**{**arguments, **changes, "gpu_memory_gib": memory, "advise": False})
 
-        add_notes(report, rerun, split_size)
+        add_notes(report, rerun, split_size, momentum)
     return report
 
 
@@ -133,7 +140,7 @@ def _dry_run(
     hook_boundary_predicate,
     param_dtype,
     reduce_dtype,
-    momentum_dtype,
+    momentum,
     reshard_after_forward,
     compiled,
     rates,
@@ -157,7 +164,7 @@ def _dry_run(
         hook_boundary_predicate=hook_boundary_predicate,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
-        momentum_dtype=momentum_dtype,
+        momentum=momentum,
         reshard_after_forward=reshard_after_forward,
         compiled=compiled,
         rates=rates,

@@ -3,9 +3,8 @@ or ``Shard(1)`` inside experts), their bytes, NS and reshard traffic per rank.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from dmuon_compile.distributed._expert_shards import ExpertWalk, chunk_size, ns_cost
+from dmuon_compile.plan.momentum import MomentumCost
 from dmuon_compile.plan.report import WORKING_SET_FACTOR
 
 
@@ -59,8 +58,8 @@ class _EPContext:
         self.padding: list[str] = []  # stacks whose expert-FSDP chunks are mostly padding
         self.walk: ExpertWalk = walk  # who orthogonalises which experts, as the step's
         self.batch, self.batch_fill = 0, 0  # the reshard's batches, cut as the step cuts them
-        # Bytes per Muon momentum value for a weight of ``item`` bytes (Muon(momentum_dtype=)).
-        self.momentum_item: Callable[[int], int] = lambda item: item
+        # The Muon momentum's storage (Muon(momentum_dtype=..., offload=...)).
+        self.momentum = MomentumCost()
 
 
 def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem) -> int:
@@ -102,8 +101,10 @@ def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem
         n = chunk_size(local, F, f) if dim == 0 else local
         rows_f = a if dim == 0 else chunk_size(a, F, f)  # its rows of each local expert
         ps.add_range("grad_bytes", lo, hi, n * rows_f * b * item)
-        per_value = item + ctx.momentum_item(item)  # weight + momentum
-        ps.add_range("sharded_muon_bytes", lo, hi, n * rows_f * b * per_value)
+        # weight + momentum (the rank's piece of the stack is one tensor)
+        ps.add_range("sharded_muon_bytes", lo, hi, n * rows_f * b * item)
+        if n * rows_f:
+            ctx.momentum.charge(ps.adder(lo, hi), "sharded_muon_bytes", n * rows_f * b, item)
         if dim == 0 and n:  # whole local experts: NS where they lie
             count = layout.count((n, *p.shape[1:]))
             for s in range(lo, hi):

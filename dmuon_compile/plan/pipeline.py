@@ -30,6 +30,10 @@ _SUMMED = (  # RankRow fields a PP rank adds up over its stages (each stage's ow
     "expert_matrices",
     "expert_ns_ms",
     "expert_reshard_comm_bytes",
+    "host_bytes",
+    "host_link_bytes",
+    "_momentum_gpu_bytes",
+    "_momentum_working_bytes",
 )
 
 
@@ -186,6 +190,7 @@ def _pipeline_run(model_or_config, world_size, pp, per_rank, less, options) -> D
                     setattr(row, f, getattr(row, f) + getattr(r, f))
                 # each stage's optimizer steps in turn: one stage's working set at a time
                 row.step_extra_bytes = max(row.step_extra_bytes, r.step_extra_bytes)
+                row._momentum_step_bytes = max(row._momentum_step_bytes, r._momentum_step_bytes)
             owners.update({fqn: base + o for fqn, o in report.owners.items()})
             for s in report.split:
                 split_rows.append({**s, "ranks": [base + g for g in s["ranks"]]})
@@ -260,6 +265,7 @@ def _pipeline_run(model_or_config, world_size, pp, per_rank, less, options) -> D
         notes=notes,
         ep=options["ep"],
         expert_layout=expert,
+        offload=options["momentum"].offload,
         pp=pp,
         stages_per_rank=per_rank,
         stage_less_layers=list(less),

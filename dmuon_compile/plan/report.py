@@ -25,7 +25,8 @@ class RankRow:
     sharded_muon_bytes: int = 0  # FSDP2-sharded Muon weights (expert stacks) + momentum
     adamw_bytes: int = 0  # FSDP2-sharded AdamW weights + exp_avg + exp_avg_sq
     grad_bytes: int = 0  # gradients of what this rank steps
-    step_extra_bytes: int = 0  # directions + one stack's working set
+    # directions + one stack's working set (+ the momentum's working buffers, 8-bit/offload)
+    step_extra_bytes: int = 0
     ns_ms: float = 0.0
     step_ms: float = 0.0
     fsdp_comm_bytes: int = 0
@@ -39,6 +40,10 @@ class RankRow:
     expert_matrices: int = 0
     expert_ns_ms: float = 0.0
     expert_reshard_comm_bytes: int = 0
+    # offload="momentum": the Muon momentum this rank keeps in pinned host memory (out of the
+    # columns above), and what crosses the host link per step (copied in + written back).
+    host_bytes: int = 0
+    host_link_bytes: int = 0
     _elements: int = field(default=0, repr=False)
     _buckets: dict = field(default_factory=dict, repr=False)
     _expert_buckets: dict = field(default_factory=dict, repr=False)
@@ -46,6 +51,11 @@ class RankRow:
     # the expert reshard's batches: (batch, shape) -> whole experts; batch -> transient bytes
     _reshard_calls: dict = field(default_factory=dict, repr=False)
     _reshard_bytes: dict = field(default_factory=dict, repr=False)
+    # The Muon momentum (8-bit, offload; the storage note's): its stored bytes on the GPU, its
+    # working buffers (all the rank's; with PP the largest stage's at once: ``_step``)
+    _momentum_gpu_bytes: int = field(default=0, repr=False)
+    _momentum_working_bytes: int = field(default=0, repr=False)
+    _momentum_step_bytes: int = field(default=0, repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -111,6 +121,12 @@ EP_COLUMNS = (
     ("expert NS ms", lambda r: r.expert_ns_ms, "ms"),
     ("reshard {unit}/step", lambda r: r.expert_reshard_comm_bytes, "bytes"),
 )
+# Shown with offload="momentum" (dry_run(offload=...)) only, after the peak.
+HOST_COLUMNS = (
+    ("host {unit}", lambda r: r.host_bytes, "bytes"),
+    ("host link {unit}/step", lambda r: r.host_link_bytes, "bytes"),
+)
+_HOST_FIELDS = ("host_bytes", "host_link_bytes")
 UNITS = (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 
@@ -153,6 +169,9 @@ class DryRunReport:
     pp_ranks: list[dict] | None = None  # per PP rank: its ranks, stages, layers, NS balance
     gpu_memory_bytes: int | None = None  # the card's memory (dry_run(gpu_memory_gib=...))
     card: str = ""  # where that memory comes from (the rates' device, or given)
+    # The momentum in host memory (dry_run(offload="momentum")); None: on the GPU, and the
+    # host columns and keys left out of table() and to_dict().
+    offload: str | None = None
 
     @property
     def idle_ranks(self) -> list[int]:
@@ -162,7 +181,7 @@ class DryRunReport:
         def total(name):
             return sum(getattr(r, name) for r in self.rows)
 
-        return {
+        out = {
             "dedicated_bytes": total("dedicated_bytes"),
             "replica_bytes": total("replica_bytes"),
             "sharded_muon_bytes": total("sharded_muon_bytes"),
@@ -175,10 +194,20 @@ class DryRunReport:
             "peak_bytes_max": max((r.peak_bytes for r in self.rows), default=0),
             "idle_ranks": len(self.idle_ranks),
         }
+        if self.offload is not None:
+            out["host_bytes"] = total("host_bytes")
+            out["host_bytes_max"] = max((r.host_bytes for r in self.rows), default=0)
+            out["host_link_bytes_max"] = max((r.host_link_bytes for r in self.rows), default=0)
+        return out
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "rows"}
         out["rows"] = [r.to_dict() for r in self.rows]
+        if self.offload is None:  # the report without offload keeps its keys
+            del out["offload"]
+            for row in out["rows"]:
+                for key in _HOST_FIELDS:
+                    del row[key]
         if self.pp is None:  # the report without PP keeps its keys
             for key in ("pp", "stages_per_rank", "stage_less_layers", "stages", "pp_ranks"):
                 del out[key]
@@ -299,7 +328,11 @@ class DryRunReport:
         unit, scale = next(((u, s) for u, s in UNITS if biggest >= s), UNITS[-1])
         out = []
         any_comm = any(r.comm_bytes for r in self.rows)
-        for title, get, kind in COLUMNS + (EP_COLUMNS if self.ep is not None else ()):
+        columns = COLUMNS + (EP_COLUMNS if self.ep is not None else ())
+        if self.offload is not None:
+            after_peak = [t for t, _, _ in columns].index("peak {unit}") + 1
+            columns = columns[:after_peak] + HOST_COLUMNS + columns[after_peak:]
+        for title, get, kind in columns:
             keep = title in ("NS ms", "step ms") or (title in _COMM_PARTS and any_comm)
             if not keep and not any(get(r) for r in self.rows):
                 continue

@@ -13,6 +13,7 @@ from dmuon_compile.distributed._expert_shards import ExpertWalk, ns_cost
 from dmuon_compile.ns_rates import NSRates, TargetFlops, default_stack_bytes, useful_flops
 from dmuon_compile.plan.experts import _check_ep, _ep_stack, _EPContext, finish_reshard_ns
 from dmuon_compile.plan.models import build_model
+from dmuon_compile.plan.momentum import MomentumCost, finish_rows
 from dmuon_compile.plan.report import (
     NS_WORK_ITEMSIZE,
     WORKING_SET_FACTOR,
@@ -22,6 +23,7 @@ from dmuon_compile.plan.report import (
 )
 
 # ----------------------------------------------------------------------------- the dry run
+# The weights' compute and reduce dtypes by name (the momentum's: momentum_storage's table).
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -70,7 +72,7 @@ def _run_group(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
-    momentum_dtype: torch.dtype | None = None,
+    momentum: MomentumCost | None = None,
     compiled: bool,
     rates: NSRates,
     stack_bytes: int | None,
@@ -81,16 +83,15 @@ def _run_group(
     base_loads: list[float] | None = None,
 ):
     """:func:`dry_run` of one data-parallel group (``world_size`` ranks): ``(report, the
-    plan_dedicated result)``. ``keep``: plan only these parameters (a pipeline stage's; the
-    others are not on these ranks). ``base_loads``: as ``plan_dedicated``'s."""
+    plan_dedicated result)``. ``momentum``: the Muon momentum's storage (default: in place, the
+    weight's dtype). ``keep``: plan only these parameters (a pipeline stage's; the others are
+    not on these ranks). ``base_loads``: as ``plan_dedicated``'s."""
     from dmuon_compile.distributed.dedicate import plan_dedicated
     from dmuon_compile.distributed.policy import MixedPrecision, ParamPolicy, resolve_dtypes
     from dmuon_compile.layouts import get_layout, infer_layout
     from dmuon_compile.routing import default_muon_predicate, routing_module
 
-    def momentum_item(item: int) -> int:  # bytes per Muon momentum value, the weight's ``item``
-        return item if momentum_dtype is None else _itemsize(momentum_dtype)
-
+    momentum = MomentumCost() if momentum is None else momentum
     t_start = time.perf_counter()
     shard = _check_sizes(world_size, replicate_size, tp_size, split_size)
     _check_ep(ep, expert_shard_dim, shard, replicate_size, tp_size)
@@ -167,7 +168,8 @@ def _run_group(
         col[(s_owner, rep_owner)] = col.get((s_owner, rep_owner), 0) + local
         for t in range(T):  # TP: every rank of the owner's TP group holds its shard (or copy)
             g = gpu(e.owner, t)
-            rows[g].dedicated_bytes += local * (item + momentum_item(item))
+            rows[g].dedicated_bytes += local * item
+            momentum.charge(_adder(rows[g]), "dedicated_bytes", local, item)
             rows[g].grad_bytes += local * item
             if R > 1:  # the owner column's copies: one per other replica
                 for r in range(R):
@@ -229,7 +231,7 @@ def _run_group(
     ep_stacks: list[tuple[str, int, int]] = []  # (fqn, experts, expert FSDP shard dim)
     walk = ExpertWalk(ns_loads)
     ctx = _EPContext(ep, S, R, rows, per_shard, gpu, add_ns, rates, stack_cap, rate_ns, walk)
-    ctx.momentum_item = momentum_item
+    ctx.momentum = momentum
     citem_default = _itemsize(param_dtype) if param_dtype is not None else None
     for pname, p in model.named_parameters():
         if pname in dedicated or not p.requires_grad or (keep is not None and pname not in keep):
@@ -264,12 +266,12 @@ def _run_group(
             + 2 * (R - 1) * padded * ritem // R,  # HSDP: all-reduce over the replicas
         )
         state = "sharded_muon_bytes" if muon else "adamw_bytes"
-        # weight + momentum; weight + exp_avg + exp_avg_sq
-        per_value = item + momentum_item(item) if muon else 3 * item
         for lo, hi, n_rows in ((0, full, chunk), (full, full + 1 if last else full, last)):
             per_shard.add_range("grad_bytes", lo, hi, n_rows * rest * item)
-            per_shard.add_range(state, lo, hi, n_rows * rest * per_value)
+            # weight + momentum (the rank's shard is one tensor); weight + exp_avg + exp_avg_sq
+            per_shard.add_range(state, lo, hi, n_rows * rest * (item if muon else 3 * item))
             if muon and lo < hi:
+                momentum.charge(per_shard.adder(lo, hi), state, n_rows * rest, item)
                 matrices = layout.count((n_rows, *p.shape[1:]))
                 for s in range(lo, min(hi, S)):
                     for r in range(R):
@@ -347,6 +349,7 @@ def _run_group(
             row.expert_ns_ms += rates.bucket_ms(shape, count, stack_cap, rate_ns)
         if row.ns_ms:
             row.step_ms = row.ns_ms + rates.elementwise_ms(row._elements) + rates.start_ms
+    finish_rows(rows, momentum)  # offload: the host link per step, the copy-in in step ms
     if plan is None and keep is None:
         notes.append("nothing matched the predicate: every parameter stays on FSDP2")
     report = DryRunReport(
@@ -367,7 +370,7 @@ def _run_group(
         settings={
             "param_dtype": _dtype_name(param_dtype),
             "reduce_dtype": _dtype_name(reduce_dtype),
-            **({} if momentum_dtype is None else {"momentum": _dtype_name(momentum_dtype)}),
+            **momentum.settings(),
             "step": "compiled" if compiled else "eager",
             "stack cap GiB": round(stack_cap / GiB, 2),
             "NS flops": "as a Triton GPU" if ns is None else type(ns).__name__,
@@ -376,6 +379,7 @@ def _run_group(
         notes=notes,
         ep=ep,
         expert_layout=expert_layout,
+        offload=momentum.offload,
     )
     report.total_s = time.perf_counter() - t_start
     return report, planned
@@ -383,6 +387,15 @@ def _run_group(
 
 def _dtype_name(dt) -> str:
     return "as stored" if dt is None else str(dt).replace("torch.", "")
+
+
+def _adder(row: RankRow):
+    """``add(field, bytes)`` onto one rank's row (``MomentumCost.charge``'s way in)."""
+
+    def add(name: str, value: int) -> None:
+        setattr(row, name, getattr(row, name) + value)
+
+    return add
 
 
 class _PerShard:
@@ -403,6 +416,10 @@ class _PerShard:
             d = self.diff.setdefault(name, [0] * (self.shards + 1))
             d[lo] += value
             d[hi] -= value
+
+    def adder(self, lo: int, hi: int):
+        """``add(field, bytes)`` onto the shard coordinates ``[lo, hi)``."""
+        return lambda name, value: self.add_range(name, lo, hi, value)
 
     def apply(self, rows: list[RankRow], shards: int, tp: int) -> None:
         names = set(self.const) | set(self.diff)

@@ -1,0 +1,189 @@
+"""The Muon momentum's storage in the dry run: ``Muon(momentum_dtype=..., offload=...)`` as
+bytes per rank (on the GPU, in host memory, over the host link) and the copy-in's time.
+
+The storage itself is :mod:`dmuon_compile.momentum_storage`; this module prices it. In place
+(``None``, ``torch.float32``, ``torch.bfloat16`` without offload) the momentum is one tensor of
+the storage dtype per parameter. Stored (8-bit or offloaded) each step materialises a working
+buffer of every Muon matrix the rank steps (the weights' dtype; bf16 offloaded: bf16), all at
+once before the first Newton–Schulz call and until the write-back after the commit: the
+step's extra memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dmuon_compile.momentum_storage import BLOCK, check_offload, resolve_momentum_dtype
+
+# Pinned host-to-device copies over PCIe 5.0 x16 (64 GB/s per direction), a planning figure: one
+# H100 copying alone moved 55 GB/s (1 and 4 GiB, torch 2.11), but a host's 8 GPUs copy at once
+# through switches they share with the NICs, which carry FSDP2's traffic. PCIe 4.0: half.
+# ``--host-link-gbps`` / ``dry_run(host_link_gbps=...)``: what your machine moves.
+HOST_LINK_GBPS = 25.0
+SCALE_BYTES = 4  # the 8-bit format's fp32 absolute maximum per block of BLOCK values
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class MomentumCost:
+    """What one momentum setting costs per tensor. ``dtype``: the storage dtype as
+    :func:`~dmuon_compile.momentum_storage.resolve_momentum_dtype` gives it (``None``: the
+    weight's); ``offload``: ``None`` or ``"momentum"``; ``host_link_gbps``: the pinned
+    host-to-device rate (GB/s, 1e9 bytes) the copy-in is timed at.
+
+    Example::
+
+        cost = MomentumCost(torch.int8)
+        cost.stored_bytes(1000, 4)  # 1000 codes + 4 blocks' scales: 1016
+    """
+
+    dtype: torch.dtype | None = None
+    offload: str | None = None
+    host_link_gbps: float = HOST_LINK_GBPS
+
+    @property
+    def stored(self) -> bool:
+        """Whether the step works on a materialised working buffer (8-bit or offloaded)."""
+        return self.dtype == torch.int8 or self.offload is not None
+
+    def stored_bytes(self, numel: int, item: int) -> int:
+        """Bytes of one tensor's momentum as kept between steps (``item``: the weight's bytes
+        per value): 8-bit ``numel`` codes and an fp32 scale per started block of
+        :data:`~dmuon_compile.momentum_storage.BLOCK`, else ``numel`` of the storage dtype."""
+        if self.dtype == torch.int8:
+            return numel + SCALE_BYTES * -(-numel // BLOCK)
+        return numel * (item if self.dtype is None else _itemsize(self.dtype))
+
+    def working_bytes(self, numel: int, item: int) -> int:
+        """Bytes of one tensor's working buffer during the step (0 in place), in the dtype the
+        step computes the momentum in: the weight's for 8-bit (codes are no arithmetic type)
+        and for the default, else the storage dtype (bf16 offloaded)."""
+        if not self.stored:
+            return 0
+        return numel * (item if self.dtype in (None, torch.int8) else _itemsize(self.dtype))
+
+    def charge(self, add, column: str, numel: int, item: int) -> None:
+        """Add one tensor's momentum through ``add(field, bytes)``: its stored bytes to
+        ``column`` (the GPU state it belongs to) or, offloaded, to ``host_bytes``; its working
+        buffer to ``step_extra_bytes``; both to the private fields the storage note reads."""
+        stored = self.stored_bytes(numel, item)
+        add("host_bytes" if self.offload else column, stored)
+        add("_momentum_gpu_bytes", 0 if self.offload else stored)
+        working = self.working_bytes(numel, item)
+        add("step_extra_bytes", working)
+        add("_momentum_working_bytes", working)
+
+    def copy_in_ms(self, host_bytes: int) -> float:
+        """The copy-in of ``host_bytes`` at :attr:`host_link_gbps`, in ms (the step waits for
+        all of it before its first kernel; the write-back overlaps the next forward)."""
+        return host_bytes / (self.host_link_gbps * 1e9) * 1e3
+
+    def settings(self) -> dict:
+        """The report header's words for this setting (none for the default, so its report
+        stays as it was)."""
+        out = {}
+        if self.dtype == torch.int8:
+            out["momentum"] = f"int8 (8-bit, an fp32 scale per {BLOCK} values)"
+        elif self.dtype is not None:
+            out["momentum"] = str(self.dtype).replace("torch.", "")
+        if self.offload:
+            out["offload"] = f"{self.offload} (pinned host memory, {self.host_link_gbps:g} GB/s)"
+        return out
+
+
+def momentum_cost(momentum_dtype, offload, host_link_gbps) -> MomentumCost:
+    """:class:`MomentumCost` of ``dry_run``'s arguments, checked as ``Muon`` checks them; a bad
+    value raises ``ValueError`` naming the choices."""
+    try:
+        dtype = resolve_momentum_dtype(momentum_dtype)
+        check_offload(offload)
+    except ValueError as e:
+        raise ValueError(f"dry_run: {e}") from None
+    if host_link_gbps is None:
+        return MomentumCost(dtype, offload)
+    if offload is None:
+        raise ValueError(
+            f"dry_run: host_link_gbps={host_link_gbps!r} needs offload='momentum' (--offload "
+            "momentum): without offload nothing crosses the host link"
+        )
+    if (
+        isinstance(host_link_gbps, bool)
+        or not isinstance(host_link_gbps, (int, float))
+        or not 0 < host_link_gbps < math.inf
+    ):
+        raise ValueError(
+            f"dry_run: host_link_gbps={host_link_gbps!r}: give the pinned host-to-device rate "
+            f"in GB/s, a number > 0 (default {HOST_LINK_GBPS:g}, PCIe 5.0 x16)"
+        )
+    return MomentumCost(dtype, offload, float(host_link_gbps))
+
+
+def finish_rows(rows, cost: MomentumCost) -> None:
+    """Per rank: the host link's bytes per step (copied in, written back) and the copy-in's ms
+    in the step's (the step waits for it; the write-back overlaps the next forward, not
+    added)."""
+    for row in rows:
+        row._momentum_step_bytes = row._momentum_working_bytes
+        if cost.offload:
+            row.host_link_bytes = 2 * row.host_bytes
+            row.step_ms += cost.copy_in_ms(row.host_bytes)
+
+
+def storage_note(report, cost: MomentumCost) -> str | None:
+    """The note on a stored momentum (8-bit or offloaded), on the rank with the most of it:
+    what the GPU holds of it between steps against the same momentum in place, the working
+    buffers the step adds back, the copy-in's time. ``None`` in place."""
+    if not cost.stored or not report.rows:
+        return None
+    gib = 1 << 30
+    top = max(report.rows, key=lambda r: (r._momentum_working_bytes, -r.rank))
+    if not top._momentum_working_bytes:
+        return None
+    kept, in_place = top._momentum_gpu_bytes, top._momentum_working_bytes
+    step = top._momentum_step_bytes
+    form = "8-bit codes and scales" if cost.dtype == torch.int8 else "the momentum"
+    where = "pinned host memory" if cost.offload else "GPU memory"
+    lower = in_place - kept - step
+    text = (
+        f"momentum storage: {form} in {where} between steps; rank {top.rank} keeps "
+        f"{kept / gib:.2f} GiB of momentum on the GPU through the forward and backward instead "
+        f"of {in_place / gib:.2f} GiB in place, and its step materialises the momentum of every "
+        f"Muon matrix it steps in {_working_dtype(cost)} ({step / gib:.2f} GiB in 'step extra', "
+        "until the write-back after the commit), so " + _peak_words(lower)
+    )
+    if cost.offload:
+        text += (
+            f"; the step first copies its {top.host_bytes / gib:.2f} GiB in from host memory at "
+            f"{cost.host_link_gbps:g} GB/s ({cost.copy_in_ms(top.host_bytes):.2f} ms, in 'step "
+            "ms'); the write-back, as much again, overlaps the next forward (not in 'step ms')"
+        )
+    return text
+
+
+def _working_dtype(cost: MomentumCost) -> str:
+    if cost.dtype in (None, torch.int8):
+        return "the weights' dtype"
+    return str(cost.dtype).replace("torch.", "")
+
+
+def _peak_words(lower: int) -> str:
+    gib = 1 << 30
+    if lower > 0:
+        return f"its step's peak is {lower / gib:.2f} GiB lower than in place"
+    same = "the same as" if lower == 0 else f"{-lower / gib:.2f} GiB above"
+    return f"its step's peak is {same} in place (what it saves is in the forward and backward)"
+
+
+__all__ = [
+    "HOST_LINK_GBPS",
+    "MomentumCost",
+    "finish_rows",
+    "momentum_cost",
+    "storage_note",
+]
