@@ -6,6 +6,7 @@
     python benchmarks/bench_step.py --quick --device cpu                   # tiny CPU smoke run
     python benchmarks/bench_step.py --quick --device cpu --model tiny_E    # tiny MoE on CPU
     python benchmarks/bench_step.py --profile prof/                        # + where the time goes
+    python benchmarks/bench_step.py --normuon --configs ours_compiled       # with NorMuon
     python benchmarks/bench_step.py --quick --device cpu --profile /tmp/p  # (CPU: no GPU events)
 
 Matrices: per layer q, k, v, o (D×D), gate, up (F×D), down (D×F); S: D=2048, F=5632, 8 layers
@@ -131,6 +132,10 @@ def make_params(shapes, device, seed: int = 0, split_experts: bool = False):
     return params
 
 
+# Extra dmuon.Muon arguments of every ``ours_*`` configuration (``--normuon``).
+OURS: dict = {}
+
+
 def build(config: str, params):
     import dmuon_compile as dmuon
 
@@ -143,14 +148,14 @@ def build(config: str, params):
         return opt
     if config == "ours_eager_cublas":
         return dmuon.Muon(
-            params, lr=LR, compile=False, ns_backend=dmuon.NewtonSchulz(kernel="cublas")
+            params, lr=LR, compile=False, ns_backend=dmuon.NewtonSchulz(kernel="cublas"), **OURS
         )
     if config == "ours_eager":
-        return dmuon.Muon(params, lr=LR, compile=False)
+        return dmuon.Muon(params, lr=LR, compile=False, **OURS)
     if config == "ours_compiled":
-        return dmuon.Muon(params, lr=LR, compile=True)
+        return dmuon.Muon(params, lr=LR, compile=True, **OURS)
     if config == "ours_compiled_cudagraphs":
-        return dmuon.Muon(params, lr=LR, compile=True, compile_mode="reduce-overhead")
+        return dmuon.Muon(params, lr=LR, compile=True, compile_mode="reduce-overhead", **OURS)
     raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
 
 
@@ -375,7 +380,15 @@ def main(argv=None) -> int:
         help="let stacks of >= BATCH matrices with >= ROWS rows run the symmetric kernels "
         "(bench_kernels.py --size-gate), e.g. 512,8 for model E's 768-row expert stacks",
     )
+    ap.add_argument(
+        "--normuon",
+        action="store_true",
+        help="our configurations with Muon(normuon=True) (NorMuon's per-row normalisation); "
+        "time a run with and one without it",
+    )
     args = ap.parse_args(argv)
+    if args.normuon:
+        OURS["normuon"] = True
     if args.size_gate:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_kernels import set_size_gate

@@ -71,8 +71,10 @@ _LAZY: dict[str, tuple[str, str]] = {
     "get_ns_backend": ("dmuon_compile.newton_schulz", "get_ns_backend"),
     "matrix_view": ("dmuon_compile.newton_schulz", "matrix_view"),
     "Muon": ("dmuon_compile.optimizer", "Muon"),
+    "NorMuon": ("dmuon_compile.normuon", "NorMuon"),
     "MuonStepError": ("dmuon_compile.optimizer", "MuonStepError"),
     "default_muon_predicate": ("dmuon_compile.optimizer", "default_muon_predicate"),
+    "QKClip": ("dmuon_compile.qk_clip", "QKClip"),
     # The troubleshooting page's name for the rule that groups parameters into layers for the
     # owner plan (``blocks.N``, ``layers.N``, ...): ``distributed.owner_plan.extract_layer_id``.
     "_extract_layer_id": ("dmuon_compile.distributed.owner_plan", "extract_layer_id"),
@@ -103,7 +105,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         get_ns_backend,
         matrix_view,
     )
+    from dmuon_compile.normuon import NorMuon
     from dmuon_compile.optimizer import Muon, MuonStepError, default_muon_predicate
+    from dmuon_compile.qk_clip import QKClip
 
 
 def __getattr__(name: str):
@@ -133,7 +137,9 @@ __all__ = [
     "Muon",
     "MuonStepError",
     "NewtonSchulz",
+    "NorMuon",
     "ParamPolicy",
+    "QKClip",
     "collect_forward_unshard_profile",
     "dedicate_params",
     "summarize_comm_plan",

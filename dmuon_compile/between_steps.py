@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon_compile.distributed._owned import OwnerTensor, is_owned, owner_rank, same_layout
+from dmuon_compile.distributed._owned import OwnerTensor, is_owned, owner_rank
+from dmuon_compile.normuon import SECOND_MOMENT, moment_shape
 
 if TYPE_CHECKING:
     from torch import nn
@@ -45,7 +46,7 @@ def _fits(value: Tensor, p: Tensor) -> bool:
     in its shape, not the object: a loaded state holds copies) and placements, so that each rank
     holds the piece of ``p`` it steps. Global shapes are checked before."""
     if is_owned(p):
-        return is_owned(value) and same_layout(value, p)
+        return is_owned(value) and owner_rank(value) == owner_rank(p)
     if not isinstance(p, DTensor):
         return not isinstance(value, DTensor)
     return (
@@ -269,8 +270,8 @@ class BetweenSteps:
                 "torch.distributed.checkpoint's "
                 "set_state_dict, which maps state by parameter name."
             )
-        index_to_param = {}
-        for saved, group in zip(saved_groups, param_groups):
+        index_to_param, index_to_layout = {}, {}
+        for saved, group, slots in zip(saved_groups, param_groups, self._slots):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"Muon.load_state_dict: a saved group has {len(saved['params'])} parameters, "
@@ -279,6 +280,7 @@ class BetweenSteps:
                     "torch.distributed.checkpoint's set_state_dict to map state by name."
                 )
             index_to_param.update(zip(saved["params"], group["params"]))
+            index_to_layout.update(zip(saved["params"], slots.layouts))
         fix = (
             "A plain opt.state_dict() holds each rank's own piece: it loads only where it was "
             "saved (a dedicated parameter on the same owner, an FSDP2 shard on the same mesh and "
@@ -294,10 +296,13 @@ class BetweenSteps:
             for key, value in values.items():
                 if key == "step" or not isinstance(value, Tensor):
                     continue
-                if tuple(value.shape) != tuple(p.shape):
+                want, of = tuple(p.shape), "the parameter"
+                if key == SECOND_MOMENT and index_to_layout.get(index) is not None:
+                    want, of = moment_shape(index_to_layout[index], p.shape), "NorMuon wants"
+                if tuple(value.shape) != want:
                     raise ValueError(
                         f"Muon.load_state_dict: {key} of {param_name(p)} has shape "
-                        f"{tuple(value.shape)}, the parameter {tuple(p.shape)}. {fix}"
+                        f"{tuple(value.shape)}, {of} {want}. {fix}"
                     )
                 if not _fits(value, p):
                     raise ValueError(

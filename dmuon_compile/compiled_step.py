@@ -28,6 +28,11 @@ What keeps it to one graph and one compile:
   so several groups or optimizers never share — and exhaust — one Dynamo recompile budget;
 - ``dynamic=False``: parameter shapes are static, and the pass matches static shapes.
 
+NorMuon (``Muon(normuon=True)``, ``dmuon_compile/normuon.py``): the directions graph takes
+the per-row second moments as inputs and returns the new ones beside the normalised
+directions; the commit graph takes both and stores the new ones (with the momentum, under the
+same ``commit_if`` select). Its β₂ and ε are a constant of the graph.
+
 ``mode="reduce-overhead"`` adds CUDA graphs (launch overhead dominates small matrices); it
 marks gradients, momentum buffers and the momentum tensor as static
 addresses, so gradients must be kept in place (``zero_grad(set_to_none=False)``). Calling a
@@ -252,9 +257,23 @@ class CompiledMuonStep:
         nesterov,
         adjust_lr_fn,
         layouts=None,
+        second_moments=None,
+        normuon=None,
     ) -> None:
-        """The whole step: :meth:`directions`, then :meth:`commit`."""
-        ortho = self.directions(grads, bufs, momentum=momentum, nesterov=nesterov, layouts=layouts)
+        """The whole step: :meth:`directions`, then :meth:`commit` (``second_moments``,
+        ``normuon``: NorMuon's, updated in place)."""
+        ortho = self.directions(
+            grads,
+            bufs,
+            momentum=momentum,
+            nesterov=nesterov,
+            layouts=layouts,
+            second_moments=second_moments,
+            normuon=normuon,
+        )
+        new_moments = None
+        if second_moments is not None:
+            ortho, new_moments = ortho
         self.commit(
             params,
             grads,
@@ -265,6 +284,8 @@ class CompiledMuonStep:
             momentum=momentum,
             adjust_lr_fn=adjust_lr_fn,
             layouts=layouts,
+            second_moments=second_moments,
+            new_second_moments=new_moments,
         )
 
     def commit(
@@ -280,11 +301,14 @@ class CompiledMuonStep:
         adjust_lr_fn,
         commit_if: Tensor | None = None,
         layouts=None,
+        second_moments=None,
+        new_second_moments=None,
     ):
         """``functional.commit_muon_step`` compiled: buf ← μ·buf + g and the weight update, in
         place (after ``Muon.step``'s agreement); hyper-parameters as 0-d device tensors.
         ``commit_if``: a verdict still on the device (each value written as
-        ``where(commit_if, new, old)``; one more compiled graph than without)."""
+        ``where(commit_if, new, old)``; one more compiled graph than without).
+        ``second_moments`` ← ``new_second_moments``: NorMuon's, from :meth:`directions`."""
         if not params:
             return
         device = params[0].device
@@ -304,17 +328,32 @@ class CompiledMuonStep:
             adjust_lr_fn=adjust_lr_fn,
             commit_if=commit_if,
             layouts=None if layouts is None else tuple(layouts),
+            second_moments=None if second_moments is None else list(second_moments),
+            new_second_moments=None if new_second_moments is None else list(new_second_moments),
         )
 
     def directions(
-        self, grads, bufs, *, momentum, nesterov, finite_flags: bool = False, layouts=None
+        self,
+        grads,
+        bufs,
+        *,
+        momentum,
+        nesterov,
+        finite_flags: bool = False,
+        layouts=None,
+        second_moments=None,
+        normuon=None,
     ):
         """``functional.muon_directions`` in the compiled graph: NS(u) of every matrix, no
         state written (``Muon.step`` agrees across ranks, then commits). ``finite_flags=True``
         returns ``(directions, flags)``: each matrix's finite flag from the norm NS takes
-        anyway (``Muon.step``'s gradient check for these matrices, at no extra read)."""
+        anyway (``Muon.step``'s gradient check for these matrices, at no extra read).
+        ``second_moments`` (NorMuon; ``normuon``: its ``NorMuon`` hyper-parameters): the
+        directions normalised per row, and the new moments returned last."""
         if not grads:
-            return ([], None) if finite_flags else []
+            out = ([], None) if finite_flags else ([],)  # as muon_directions returns
+            out += () if second_moments is None else ([],)
+            return out if len(out) > 1 else []
         devices = {g.device for g in grads}
         if len(devices) != 1:
             raise ValueError(
@@ -324,7 +363,7 @@ class CompiledMuonStep:
         device = next(iter(devices))
         mu_t = self.hyper_tensor(device, momentum)
         if self.mode == "reduce-overhead":
-            self._mark_static(list(grads) + list(bufs) + [mu_t])
+            self._mark_static(list(grads) + list(bufs) + list(second_moments or ()) + [mu_t])
         with self._first_call("Muon step", grads, layouts):
             return self.fn(
                 list(grads),
@@ -334,6 +373,8 @@ class CompiledMuonStep:
                 ns=self.chain,
                 finite_flags=finite_flags,
                 layouts=None if layouts is None else tuple(layouts),  # constants: no guard churn
+                second_moments=None if second_moments is None else list(second_moments),
+                normuon=normuon,
             )
 
     @contextlib.contextmanager

@@ -20,8 +20,10 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as torch_adamw
 
+from dmuon_compile import normuon as _normuon
 from dmuon_compile.layouts import Layout
 from dmuon_compile.newton_schulz import DEFAULT_STACK_BYTES, NewtonSchulz, frobenius_norm  # noqa: F401
+from dmuon_compile.normuon import NorMuon
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original", "none")
 MATRIX = Layout()  # a 2-D weight: one matrix
@@ -341,7 +343,9 @@ def muon_directions(
     ns: NewtonSchulz,
     finite_flags: bool = False,
     layouts: Sequence[Layout] | None = None,
-) -> list[Tensor] | tuple[list[Tensor], Tensor]:
+    second_moments: list[Tensor] | None = None,
+    normuon: NorMuon | None = None,
+) -> list[Tensor] | tuple:
     """The first half of a Muon step: NS(u) for every matrix, writing nothing.
 
     ``finite_flags=True`` also returns, per matrix, whether ``u`` is finite (a 1-D bool tensor
@@ -359,10 +363,18 @@ def muon_directions(
     copies live only while that bucket is orthogonalised; only the results (NS's work dtype:
     bf16/fp16 on GPU) are kept for the commit. The extra memory of a step is therefore every
     direction plus one bucket's working set, never every matrix's ``u`` at once.
+
+    ``second_moments`` (NorMuon, ``dmuon_compile/normuon.py``; ``normuon``: its β₂ and ε,
+    default ``NorMuon()``): each matrix's per-row second moment ``v``; every direction is then
+    normalised row by row, bucket by bucket, and the result gets one more element last, the
+    new moments ``v′`` (out of place: :func:`commit_muon_step` stores them), whose finiteness
+    joins the flags. Returns ``directions``, ``(directions, flags)``, ``(directions, v′)`` or
+    ``(directions, flags, v′)``.
     """
     momentum = hyper(momentum)
     lays = layouts_of(grads, layouts)
     out: list[Tensor | None] = [None] * len(grads)
+    moments: list | None = None if second_moments is None else [None] * len(grads)
     order: list[int] = []  # the matrices in bucket order: the order of the flags' pieces
     pieces: list[Tensor] = []
     for idx in shape_buckets(grads, lays, ns.stack_bytes):
@@ -370,20 +382,29 @@ def muon_directions(
         finite: list | None = [] if finite_flags else None
         bucket_lays = [lays[i] for i in idx]
         results = orthogonalize(bucket, ns, release=True, finite=finite, layouts=bucket_lays)
+        if moments is not None:  # NorMuon: per row, while the bucket's results are fresh
+            mine = [second_moments[i] for i in idx]
+            results, new = _normuon.normalize_all(results, mine, bucket_lays, normuon)
+            for i, v in zip(idx, new):
+                moments[i] = v
         for i, r in zip(idx, results):  # orthogonalize freed u
             out[i] = r
         for piece_idx, piece in finite or ():
             order += [idx[j] for j in piece_idx]
             pieces.append(piece)
+    extra = () if moments is None else (moments,)
     if not finite_flags:
-        return out  # type: ignore[return-value]
+        return (out, *extra) if extra else out  # type: ignore[return-value]
     if not grads:
-        return [], torch.zeros(0, dtype=torch.bool)
+        return ([], torch.zeros(0, dtype=torch.bool), *extra)
     # One small kernel per bucket and one gather back to ``grads``' order (not one per matrix).
     where = [0] * len(order)
     for position, i in enumerate(order):
         where[i] = position
-    return out, torch.cat(pieces)[where]  # type: ignore[return-value]
+    flags = torch.cat(pieces)[where]
+    if moments is not None:  # a loaded non-finite v makes v′ (and the direction) non-finite
+        flags = flags & _normuon.moments_finite(moments).to(flags.device)
+    return (out, flags, *extra)
 
 
 def new_momentum(grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor) -> list[Tensor]:
@@ -435,9 +456,12 @@ def commit_muon_step(
     commit_if: Tensor | None = None,
     layouts: Sequence[Layout] | None = None,
     matrix_shapes: Sequence[Sequence[int]] | None = None,
+    second_moments: list[Tensor] | None = None,
+    new_second_moments: list[Tensor] | None = None,
 ) -> None:
     """The second half of a Muon step, in place: buf ← μ·buf + g (the buf' that
     :func:`muon_directions` used), W ← (1 − lr·wd)·W − lr·scale(W)·O. Elementwise only.
+    NorMuon: ``second_moments`` ← ``new_second_moments`` (the ``v′`` of the directions).
 
     ``commit_if`` (a 0-d bool tensor: the step's verdict, still on the device): every value is
     written as ``where(commit_if, new, old)``, so a step whose verdict turns out false changes
@@ -449,14 +473,23 @@ def commit_muon_step(
     lr, weight_decay, momentum = hyper(lr), hyper(weight_decay), hyper(momentum)
     if not params:
         return
+    moments, new_moments = list(second_moments or ()), list(new_second_moments or ())
+    if len(moments) != len(new_moments):
+        raise ValueError(
+            f"commit_muon_step: {len(moments)} second moments for {len(new_moments)} new ones: "
+            "pass both (NorMuon) or neither"
+        )
     if commit_if is None:
         store_momentum(grads, bufs, momentum)
+        if moments:
+            torch._foreach_copy_(moments, new_moments)
         apply_muon_update(params, ortho, lr, weight_decay, adjust_lr_fn, matrix_shapes, layouts)
         return
     new_bufs = new_momentum(grads, bufs, momentum)
     new_params = [p.clone() for p in params]
     apply_muon_update(new_params, ortho, lr, weight_decay, adjust_lr_fn, matrix_shapes, layouts)
-    for old, new in zip(list(bufs) + list(params), list(new_bufs) + new_params):
+    olds, news = list(bufs) + list(params) + moments, list(new_bufs) + new_params + new_moments
+    for old, new in zip(olds, news):
         old.copy_(torch.where(commit_if, new, old))
 
 
@@ -472,13 +505,16 @@ def muon_update(
     ns: NewtonSchulz,
     adjust_lr_fn: str | None = "match_rms_adamw",
     layouts: Sequence[Layout] | None = None,
+    second_moments: list[Tensor] | None = None,
+    normuon: NorMuon | None = None,
 ) -> None:
     """One Muon step on whole matrices, in place: momentum → Newton–Schulz → scaled update.
 
     buf ← μ·buf + g; u = g + μ·buf (Nesterov) or buf; W ← (1 − lr·wd)·W − lr·scale(W)·NS(u),
     with same-shape matrices orthogonalised as one stack. ``layouts``: what each tensor's
     matrices are (:class:`~dmuon_compile.layouts.Layout`; default: each 2-D tensor is one
-    matrix, and a tensor of more dims raises).
+    matrix, and a tensor of more dims raises). ``second_moments`` (``normuon``: its β₂ and ε):
+    NorMuon's per-row normalisation (``dmuon_compile/normuon.py``), the moments updated in place.
 
     The only implementation of the Muon step, in two halves: :func:`muon_directions` (computes,
     writes nothing) and :func:`commit_muon_step` (elementwise, in place). ``Muon``'s step runs
@@ -494,8 +530,18 @@ def muon_update(
                     nesterov=True, ns=NewtonSchulz())
     """
     ortho = muon_directions(
-        grads, bufs, momentum=momentum, nesterov=nesterov, ns=ns, layouts=layouts
+        grads,
+        bufs,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns=ns,
+        layouts=layouts,
+        second_moments=second_moments,
+        normuon=normuon,
     )
+    new_moments = None
+    if second_moments is not None:
+        ortho, new_moments = ortho
     commit_muon_step(
         params,
         grads,
@@ -506,6 +552,8 @@ def muon_update(
         momentum=momentum,
         adjust_lr_fn=adjust_lr_fn,
         layouts=layouts,
+        second_moments=second_moments,
+        new_second_moments=new_moments,
     )
 
 

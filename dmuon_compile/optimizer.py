@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon_compile import functional as F
+from dmuon_compile import normuon as _normuon
 from dmuon_compile.between_steps import BetweenSteps
 from dmuon_compile.distributed._expert_shards import ExpertWalk, needs_reshard, ns_cost
 from dmuon_compile.distributed._owned import (
@@ -37,6 +38,7 @@ from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPlan, TPStep
 from dmuon_compile.layouts import Layout, whole_expert_shards
 from dmuon_compile.momentum_storage import STORED_KEYS, MomentumStorage
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
+from dmuon_compile.normuon_state import second_moment
 from dmuon_compile.param_groups import (
     GroupRouting,
     _check_nonneg,
@@ -87,6 +89,7 @@ class MuonJob(NamedTuple):
     grads: list
     bufs: list  # momentum buffers
     layouts: list  # each matrix's Layout
+    moments: list  # NorMuon's second moments (``None`` entries without normuon)
 
 
 class AdamWJob(NamedTuple):
@@ -98,8 +101,6 @@ class AdamWJob(NamedTuple):
     exp_avgs: list
     exp_avg_sqs: list
     steps: list
-
-
 
 
 class _SplitMatrix(NamedTuple):
@@ -147,6 +148,12 @@ class Muon(torch.optim.Optimizer):
             parameters, off on CPU.
         compile_mode: ``torch.compile`` mode of that step, e.g. ``"reduce-overhead"`` (CUDA
             graphs; keep gradients in place with ``zero_grad(set_to_none=False)``).
+        normuon: NorMuon (``dmuon_compile/normuon.py``): each Muon matrix's update normalised
+            per output neuron by a second moment of its rows, its Frobenius norm kept.
+            ``False`` (default), ``True`` (β₂ = 0.95, ε = 1e-10) or ``dmuon.NorMuon(beta2=...,
+            eps=...)``. State: ``normuon_second_moment`` (fp32, one value per row of each
+            matrix). Not with tensor parallelism, split Newton–Schulz or expert stacks
+            sharded inside their experts (the first step raises).
         momentum_dtype: the dtype the Muon momentum is stored in: ``None`` (default, the
             parameter's), ``torch.bfloat16`` (half the momentum's memory and bytes per step;
             μ·buf + g is computed in the gradient's dtype and rounded once to nearest where
@@ -159,6 +166,10 @@ class Muon(torch.optim.Optimizer):
             GPU. The same math as on the GPU, bit for bit. Combines with ``momentum_dtype``.
             A checkpoint of any of these settings loads into any other (converted at the
             next step): checkpoints hold ``momentum_buffer`` in the parameter's dtype.
+        qk_clip: ``None`` (default) or τ > 0: QK-clip (MuonClip) after every step, the heads
+            whose max attention logit in the last forward exceeded τ get W_q and W_k scaled
+            back to τ (``dmuon.QKClip``; needs ``Muon(model)``). The clip is
+            :attr:`qk_clip`; its state rides in ``state_dict()`` under ``"qk_clip"``.
 
     Attributes:
         compiled_steps: the compiled steps (``dmuon_compile.compiled_step.CompiledMuonStep``,
@@ -192,8 +203,10 @@ class Muon(torch.optim.Optimizer):
         replicate_async: bool = True,
         compile: bool | None = None,
         compile_mode: str | None = None,
+        normuon: bool | _normuon.NorMuon = False,
         momentum_dtype: torch.dtype | str | None = None,
         offload: str | None = None,
+        qk_clip: float | None = None,
     ) -> None:
         _check_nonneg("lr", lr)
         _check_nonneg("weight_decay", weight_decay)
@@ -217,11 +230,11 @@ class Muon(torch.optim.Optimizer):
         # in place (the default, bf16), or a stored copy (8-bit, host memory) that each step
         # materialises as working buffers and writes back after the commit.
         self._storage = MomentumStorage(momentum_dtype, offload)
-        self.momentum_dtype, self.offload = self._storage.dtype, self._storage.offload
         self._working: list[tuple[dict, Tensor, str, Tensor]] = []  # this step's, for keep
         self.ns = resolve_ns_backend(ns_backend)
         set_active_ns(self.ns)
         self.nonfinite_grads = nonfinite_grads
+        self.normuon = _normuon.resolve(normuon)  # None: off
         self.replicate_async = bool(replicate_async)
         from dmuon_compile.compiled_step import check_compile_args  # late: loads the passes
 
@@ -268,6 +281,17 @@ class Muon(torch.optim.Optimizer):
         self._building = False
         _tensor_hypers(self.param_groups)
         self._hold_hypers_hook = self.register_step_pre_hook(_hold_hypers)
+        self.qk_clip = None
+        if qk_clip is not None:
+            if self.model is None:
+                raise ValueError(
+                    "Muon(qk_clip=...) needs the model (Muon(model, ...)) to find its attention "
+                    "heads; with parameters, attach one yourself: dmuon.QKClip(model, tau)"
+                    ".attach(opt)"
+                )
+            from dmuon_compile.qk_clip import QKClip
+
+            self.qk_clip = QKClip(self.model, qk_clip).attach(self)
         # Per group: where its dedicated weights sit and each parameter's layout, by slot
         # (``restore_dedicated``); an unknown ≥3-D layout raises here, not at step().
         for group in self.param_groups:
@@ -309,6 +333,27 @@ class Muon(torch.optim.Optimizer):
             _tensor_hypers([new], taken=self.param_groups[:-1])
             self._between.add_group(new["params"], self._routing.group_layouts(new))
 
+    @property
+    def momentum_dtype(self) -> torch.dtype | None:
+        """The momentum's storage dtype (``None``: the parameter's). Settable, like
+        :attr:`offload`, on a live optimizer: the next step converts each matrix's momentum."""
+        return self._storage.dtype
+
+    @momentum_dtype.setter
+    def momentum_dtype(self, value) -> None:
+        self._storage.synchronize()  # write-backs in flight land in the old form first
+        self._storage = MomentumStorage(value, self._storage.offload)
+
+    @property
+    def offload(self) -> str | None:
+        """Where the momentum lives between steps: ``None`` (its device) or ``"momentum"``."""
+        return self._storage.offload
+
+    @offload.setter
+    def offload(self, value) -> None:
+        self._storage.synchronize()
+        self._storage = MomentumStorage(self._storage.dtype, value)
+
     def param_name(self, p: Tensor) -> str:
         """``p``'s name (from the model or the groups), or its shape when it has none."""
         return self._routing.name(p)
@@ -343,6 +388,7 @@ class Muon(torch.optim.Optimizer):
             params.append(p)
             grads.append(grad)
             if group["use_muon"]:
+                state_b.append(self._second_moment(p, state))  # NorMuon's (None: off)
                 if not self._storage.stored:
                     state_a.append(self._storage.in_place(state, p))
                     continue
@@ -362,6 +408,13 @@ class Muon(torch.optim.Optimizer):
                     state["step"] = state["step"].to(device, torch.float32)
                 state_a.append(state["exp_avg"])
                 state_b.append((state["exp_avg_sq"], state["step"]))
+
+    def _second_moment(self, p: Tensor, state: dict) -> Tensor | None:
+        """NorMuon's per-row second moment of Muon matrix ``p`` (created on first use), or
+        ``None`` without ``normuon``."""
+        if self.normuon is None:
+            return None
+        return second_moment(state, p, self._layout(p))
 
     def _check_whole_matrices(self, ids: set[int]) -> None:
         """Raise if a Muon group holds a sharded, not dedicated, matrix (among ``ids``).
@@ -555,6 +608,10 @@ class Muon(torch.optim.Optimizer):
         A failure here is appended to ``failure``; the lists then hold placeholders (the
         gradients): the step only sends them, never commits.
         """
+        if self.normuon is not None:  # paths that would skip it: refused before any collective
+            muon = [g["params"] for g in self.param_groups if g["use_muon"]]
+            muon = [(p, self._layout(p)) for params in muon for p in params]
+            _normuon.refuse_unsupported(plan, muon)
         with_grad = [
             p for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
@@ -587,8 +644,10 @@ class Muon(torch.optim.Optimizer):
                 lists = tuple([local_of(t) for t in xs] for xs in lists)
                 adamw.append(AdamWJob(group, *lists, [b[1] for b in state_b]))
                 continue
+            moments = [None] * len(params) if failure else state_b
             if len(plan.parts) == 1 and plan.parts[0].params is None:  # the lists as they are
-                jobs[0].append(MuonJob(plan.parts[0].name, group, params, grads, state_a, lays))
+                whole = (params, grads, state_a, lays, moments)
+                jobs[0].append(MuonJob(plan.parts[0].name, group, *whole))
                 continue
             taken: set[int] = set()
             for part, part_jobs in zip(plan.parts, jobs):
@@ -601,6 +660,7 @@ class Muon(torch.optim.Optimizer):
                 if idx:
                     picked = ([params[i] for i in idx], [grads[i] for i in idx])
                     rest = ([state_a[i] for i in idx], [lays[i] for i in idx])
+                    rest += ([moments[i] for i in idx],)
                     part_jobs.append(MuonJob(part.name, group, *picked, *rest))
         for device in {w.device for *_, w in self._working}:  # offloaded momentum copied in
             self._storage.ready(device)
@@ -622,14 +682,14 @@ class Muon(torch.optim.Optimizer):
     ) -> tuple[MuonJob, _StepHalf | None]:
         """``job`` without its expert stacks sharded inside their experts, and their half
         (:meth:`_resharded_directions`; ``None`` without such stacks)."""
-        part, group, params, grads, bufs, layouts = job
+        part, group, params, grads, bufs, layouts, moments = job
         inside = [i for i, (p, lay) in enumerate(zip(params, layouts)) if needs_reshard(p, lay)]
         if not inside:
             return job, None
         picked = ([xs[i] for i in inside] for xs in (params, grads, bufs, layouts))
         half = self._resharded_directions(group, *picked, failure, walk)
         kept = [i for i in range(len(params)) if i not in set(inside)]
-        lists = ([xs[i] for i in kept] for xs in (params, grads, bufs, layouts))
+        lists = ([xs[i] for i in kept] for xs in (params, grads, bufs, layouts, moments))
         return MuonJob(part, group, *lists), half
 
     def _muon_directions(
@@ -649,7 +709,7 @@ class Muon(torch.optim.Optimizer):
         """
         from dmuon_compile.compiled_step import compile_enabled, compiled_step_for
 
-        part, group, params, grads, bufs, layouts = job
+        part, group, params, grads, bufs, layouts, moments = job
         tp_half = None
         if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (_tp/stage.py)
             lay_of = {id(p): lay for p, lay in zip(params, layouts)}
@@ -658,13 +718,15 @@ class Muon(torch.optim.Optimizer):
                 group, params, grads, bufs, orthogonalize, failure
             )
             layouts = [lay_of[id(p)] for p in params]
+            moments = [None] * len(params)  # NorMuon refuses TP (``_prepare``)
         # Expert stacks sharded inside their experts: NS on whole experts, a half of their own
         job, resharded = self._take_resharded(
-            MuonJob(part, group, params, grads, bufs, layouts), failure, walk
+            MuonJob(part, group, params, grads, bufs, layouts, moments), failure, walk
         )
         halves = [resharded] if resharded is not None else []
-        params, grads, bufs, layouts = _owned_locals(*job[2:])
+        params, grads, bufs, layouts, moments = _owned_locals(*job[2:])
         half = _StepHalf(group, params, grads, bufs, None, tp, tp_half, layouts=layouts)
+        half.moments = moments if self.normuon is not None else None
         halves.insert(0, half)
         if not params or failure:
             return halves
@@ -679,13 +741,18 @@ class Muon(torch.optim.Optimizer):
             # what a user's torch.compile(opt.step) traces).
             compiled = half.compiled = compiled_step_for(self, group, params, part=part)
             hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"], layouts=layouts)
+            if half.moments is not None:  # NorMuon: normalised per row; v′ comes back last
+                hypers.update(second_moments=half.moments, normuon=self.normuon)
             with label(NS):
                 if compiled is not None:
-                    ortho, half.finite = compiled.directions(
+                    ortho, half.finite, *new = compiled.directions(
                         grads, bufs, finite_flags=True, **hypers
                     )
+                    half.new_moments = new[0] if new else None
                     return ortho
                 ortho = F.muon_directions(grads, bufs, ns=self.ns, **hypers)
+                if half.moments is not None:
+                    ortho, half.new_moments = ortho
                 # NS's output is NaN wherever g or the momentum held a NaN/Inf: one norm of it
                 # checks both, in place of the gradients' read in ``check_finite``.
                 half.finite = directions_finite(ortho)
@@ -724,12 +791,12 @@ class Muon(torch.optim.Optimizer):
         for part_jobs in jobs:
             kept = []
             for job in part_jobs:
-                part, group, ps, gs, bs, ls = job
+                part, group, ps, gs, bs, ls, ms = job
                 keep = [i for i, p in enumerate(ps) if id(p) not in wanted]
                 for i, p in enumerate(ps):
                     if id(p) in wanted:
                         found[id(p)] = _SplitMatrix(group, p, gs[i], bs[i], ls[i])
-                lists = ([xs[i] for i in keep] for xs in (ps, gs, bs, ls))
+                lists = ([xs[i] for i in keep] for xs in (ps, gs, bs, ls, ms))
                 kept.append(MuonJob(part, group, *lists))
             kept_jobs.append(kept)
         by_group: dict[int, _StepHalf] = {}
@@ -862,6 +929,7 @@ class Muon(torch.optim.Optimizer):
             commit_if=commit_if,
             layouts=half.layouts,
             **({"matrix_shapes": half.matrix_shapes} if half.matrix_shapes else {}),
+            **half.normuon_commit(),
         )
         if half.tp is not None:  # TP rank 0's new plain masters and momentum to its column
             half.tp.broadcast_plain(half.params, half.bufs)
@@ -994,6 +1062,14 @@ class _StepHalf:
     layouts: list | None = None  # each matrix's Layout (what NS and the lr rule see)
     matrix_shapes: list | None = None  # whole matrices' shapes when the tensors are shards
     path: str | None = None  # who took ``finite``, when not the half's own NS (SPLIT)
+    moments: list | None = None  # NorMuon's second moments (the state), per matrix
+    new_moments: list | None = None  # their v′ from the directions, stored by the commit
+
+    def normuon_commit(self) -> dict:
+        """The commit's NorMuon arguments (none without it)."""
+        if self.new_moments is None:
+            return {}
+        return {"second_moments": self.moments, "new_second_moments": self.new_moments}
 
 
 def _finite_flags(halves: list[list[_StepHalf]]) -> list[FiniteFlags]:
@@ -1007,16 +1083,20 @@ def _finite_flags(halves: list[list[_StepHalf]]) -> list[FiniteFlags]:
     ]
 
 
-def _owned_locals(params: list, grads: list, bufs: list, layouts: list) -> tuple[list, ...]:
+def _owned_locals(
+    params: list, grads: list, bufs: list, layouts: list, moments: list
+) -> tuple[list, ...]:
     """Local tensors of the matrices this rank holds whole (plain tensors pass through), with
-    their layouts: a dedicated weight on its owner, an expert stack's local whole experts."""
-    kept: tuple[list, list, list, list] = ([], [], [], [])
-    for p, g, b, lay in zip(params, grads, bufs, layouts):
+    their layouts: a dedicated weight on its owner, an expert stack's local whole experts
+    (``moments``: NorMuon's second moments, ``None`` entries without it)."""
+    kept: tuple[list, list, list, list, list] = ([], [], [], [], [])
+    for p, g, b, lay, m in zip(params, grads, bufs, layouts, moments):
         if is_owned(p) or whole_expert_shards(p, lay):
             p, g, b = local_of(p), local_of(g), local_of(b)
+            m = None if m is None else local_of(m)
             if p.numel() == 0:
                 continue
-        for xs, x in zip(kept, (p, g, b, lay)):
+        for xs, x in zip(kept, (p, g, b, lay, m)):
             xs.append(x)
     return kept
 

@@ -489,6 +489,10 @@ class MuonOptimizers(OptimizersContainer):
         """``Muon(offload=...)``: ``"momentum"`` keeps the Muon momentum in host memory."""
         per_head: bool = False
         """``dmuon.set_head_layouts`` on every model part first: q, k, v and o per head."""
+        normuon: bool = False
+        """``Muon(normuon=...)``: NorMuon's per-neuron normalisation of each update."""
+        qk_clip: float | None = None
+        """``Muon(qk_clip=τ)``: QK-clip after every step (each model part's attention)."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if config.momentum_dtype not in MOMENTUM_DTYPES:  # configs hold the names
@@ -518,6 +522,8 @@ class MuonOptimizers(OptimizersContainer):
                 compile=config.compile,
                 momentum_dtype=config.momentum_dtype,
                 offload=config.offload,
+                normuon=config.normuon,
+                qk_clip=config.qk_clip,
             )
             for group in opt.param_groups:  # torchtitan's checkpoint state is keyed by these
                 group["param_names"] = [canonical_fqn(opt.param_name(p)) for p in group["params"]]

@@ -16,8 +16,8 @@ the decoder into pipeline stages as torchtitan does (each PP rank's ranks own it
 weights). Per rank it
 reports the dedicated Muon state it owns, the FSDP2-sharded state, the step's peak memory, the
 Newton–Schulz milliseconds (from the measured kernel rates of :mod:`dmuon_compile.ns_rates`),
-the communication volume per step, idle ranks and split matrices. docs/dry_run.md states the
-model behind every column.
+the communication volume per step, idle ranks and split matrices. docs/dry_run_reference.md
+states the model behind every column.
 
 The package: :mod:`~dmuon_compile.plan.models` (presets and meta-device models),
 :mod:`~dmuon_compile.plan.dispatch` (:func:`dry_run`: its arguments, one decoder or the pipeline

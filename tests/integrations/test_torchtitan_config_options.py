@@ -53,6 +53,15 @@ def test_int8_momentum_and_offload_reach_muon():
     assert opt.momentum_dtype is torch.int8 and opt.offload == "momentum"
 
 
+def test_normuon_and_qk_clip_reach_muon():
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    model = _model()
+    config = dmuon_tt.MuonOptimizers.Config(normuon=True, qk_clip=50.0, compile=False)
+    (opt,) = config.build(model_parts=[model]).optimizers
+    assert opt.normuon is not None and opt.qk_clip.tau == 50.0
+
+
 def test_a_bad_offload_names_the_choices():
     from dmuon_compile.integrations import torchtitan as dmuon_tt
 

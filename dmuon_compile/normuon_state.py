@@ -1,0 +1,54 @@
+"""Where NorMuon's second moments live: ``state["normuon_second_moment"]`` of each Muon matrix.
+
+The math is ``normuon.py``'s (below the runtime); this is the state ``Muon._init_group`` keeps,
+shaped by :func:`~dmuon_compile.normuon.moment_shape`, fp32. A parameter that is a DTensor gets
+a DTensor of the same kind, so ``torch.distributed.checkpoint`` saves and reshards it like the
+momentum: a dedicated weight's owner tensor (a one-rank owner mesh: the whole second moment on
+the owner, an empty piece elsewhere), an expert stack sharded along the expert dim (its mesh
+and placements: each rank holds its experts' rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from dmuon_compile.distributed._owned import is_owned, local_of, make_owned
+from dmuon_compile.layouts import Layout
+from dmuon_compile.normuon import SECOND_MOMENT, moment_shape
+
+
+def second_moment(state: dict, p: Tensor, layout: Layout) -> Tensor:
+    """``state["normuon_second_moment"]`` of Muon matrix ``p``: created (zeros, fp32) on first
+    use, converted to fp32 once when loaded in another dtype (torch's ``load_state_dict`` casts
+    state to the parameter's dtype).
+
+    >>> state = {}
+    >>> second_moment(state, torch.zeros(4, 3), Layout()).shape
+    torch.Size([4, 1])
+    """
+    v = state.get(SECOND_MOMENT)
+    if v is None:
+        v = state[SECOND_MOMENT] = _zeros(p, layout)
+    elif v.dtype != torch.float32:
+        v = state[SECOND_MOMENT] = v.to(torch.float32)
+    return v
+
+
+def _zeros(p: Tensor, layout: Layout) -> Tensor:
+    shape = moment_shape(layout, p.shape)
+    if not isinstance(p, DTensor):
+        return torch.zeros(shape, dtype=torch.float32, device=p.device)
+    local = local_of(p)
+    if is_owned(p):  # a one-rank owner mesh: the whole tensor on the owner, empty elsewhere
+        owner = tuple(local.shape) == tuple(p.shape)
+        held = torch.zeros(shape, dtype=torch.float32, device=local.device) if owner else None
+        return make_owned(held, p.device_mesh, shape, torch.float32, local.device)
+    # Sharded along the expert dim only (``layouts.whole_expert_shards``; the step refuses the
+    # rest): the local experts' rows, on the stack's mesh and placements.
+    piece = torch.zeros(moment_shape(layout, local.shape), dtype=torch.float32, device=local.device)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        piece, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride
+    )
