@@ -149,6 +149,9 @@ class MomentumStorage:
         """``state["momentum_buffer"]``, created (zeros like ``p``) or converted to the
         storage dtype (a loaded checkpoint of another setting) as needed."""
         dtype = self.working_dtype(p)
+        if MOMENTUM not in state and any(key in state for key in (HOST, CODES)):
+            self.synchronize()  # the setting changed on a live optimizer: its stored copy
+            state[MOMENTUM] = self.checkpoint_form(state, p)
         buf = state.get(MOMENTUM)
         if buf is None:
             buf = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -167,6 +170,12 @@ class MomentumStorage:
         the stored form first. ``name``: seeds the 8-bit rounding noise."""
         local = local_of(p)
         dtype = self.working_dtype(p)
+        stored = any(key in state for key in (HOST, CODES))
+        if stored and not self._holds_own_form(state, dtype, local.device):
+            self.synchronize()  # the setting changed on a live optimizer: into this form
+            state[MOMENTUM] = self.checkpoint_form(state, p)
+            for key in STORED_KEYS:
+                state.pop(key, None)
         if MOMENTUM in state:
             self._store(state, local_of(state.pop(MOMENTUM)).to(dtype), name, first=True)
         if not any(key in state for key in (HOST, CODES)):
@@ -216,6 +225,14 @@ class MomentumStorage:
         )
 
     # -- internals
+    def _holds_own_form(self, state: dict, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether ``state``'s stored copy is in this storage's form (not another setting's);
+        ``device``: the parameter's (on a CPU both places are one)."""
+        if self.dtype == torch.int8:
+            place = torch.device("cpu") if self.offload else device
+            return CODES in state and state[CODES].device == place
+        return HOST in state and state[HOST].dtype == dtype
+
     def _store(self, state: dict, work: Tensor, name: str, first: bool = False) -> None:
         if self.dtype == torch.int8:
             rounds = 0 if first else state.get(ROUNDS, 0) + 1

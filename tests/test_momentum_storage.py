@@ -179,6 +179,32 @@ def test_a_checkpoint_of_any_setting_loads_into_any_other(first, second):
     torch.testing.assert_close(resumed[0].detach(), ref[0].detach(), rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("second", sorted(SETTINGS))
+@pytest.mark.parametrize("first", sorted(SETTINGS))
+def test_the_setting_changed_on_a_live_optimizer_keeps_the_momentum(first, second):
+    gen = torch.Generator().manual_seed(12)
+    weights = [torch.randn(6, 10, generator=gen)]
+    grads = [[torch.randn(6, 10, generator=gen)] for _ in range(3)]
+    params, opt = _run(weights, grads[:2], compile=False, **SETTINGS[first])
+    held = opt.state_dict()["state"][0]["momentum_buffer"].float().clone()
+    start = params[0].detach().clone()
+    opt.momentum_dtype = SETTINGS[second].get("momentum_dtype")
+    opt.offload = SETTINGS[second].get("offload")
+    params[0].grad = grads[2][0].clone()
+    opt.step()
+    ref = [torch.nn.Parameter(start.clone())]
+    opt3 = dmuon.Muon(ref, lr=0.02, momentum=MU, ns_backend=NS, compile=False)
+    opt3.state[ref[0]]["momentum_buffer"] = held
+    ref[0].grad = grads[2][0].clone()
+    opt3.step()
+    tol = 2e-2 if "int8" in second or second == "bf16" else 0.0
+    torch.testing.assert_close(params[0].detach(), ref[0].detach(), rtol=0, atol=tol)
+    keys = {k for k in opt.state[params[0]] if k.startswith("momentum")}
+    assert keys == (
+        {"momentum_buffer"} if second in ("fp32", "bf16") else keys - {"momentum_buffer"}
+    )
+
+
 def test_a_skipped_step_leaves_the_stored_momentum_untouched():
     gen = torch.Generator().manual_seed(5)
     weights = [torch.randn(6, 10, generator=gen)]
