@@ -42,7 +42,7 @@ def test_the_8bit_error_is_within_its_bound(shape, log_scale, zeros, stochastic,
     x = x * torch.randn(shape, generator=gen).exp()  # values of several magnitudes per block
     if zeros:
         x.view(-1)[::3] = 0
-    codes, scales = S.quantize_blockwise(x, gen if stochastic else None)
+    codes, scales = S.quantize_blockwise(x, seed if stochastic else None)
     assert codes.dtype == torch.int8 and codes.shape == x.shape
     assert scales.numel() == -(-x.numel() // S.BLOCK)
     back = S.dequantize_blockwise(codes, scales, torch.float32)
@@ -55,14 +55,13 @@ def _decay(stochastic: bool, steps: int = 100) -> float:
     """A momentum left alone (g = 0) for ``steps`` steps of μ = 0.95, stored in 8 bits each
     step; the ratio of what is left to the exact μ^steps·x (1 = no bias), one block whose
     largest value is refreshed each step so the scale stays put."""
-    gen = torch.Generator().manual_seed(0)
     x = torch.full((S.BLOCK,), 0.3)
     x[0] = 1.0
-    codes, scales = S.quantize_blockwise(x, gen if stochastic else None)
-    for _ in range(steps):
+    codes, scales = S.quantize_blockwise(x, 0 if stochastic else None)
+    for step in range(steps):  # a new seed per store, as MomentumStorage counts them
         v = S.dequantize_blockwise(codes, scales, torch.float32) * 0.95
         v[0] = 1.0  # the block's maximum, refreshed (a busy neighbour in the row)
-        codes, scales = S.quantize_blockwise(v, gen if stochastic else None)
+        codes, scales = S.quantize_blockwise(v, step + 1 if stochastic else None)
     left = S.dequantize_blockwise(codes, scales, torch.float32)[1:].mean().item()
     return left / (0.3 * 0.95**steps)
 
@@ -270,3 +269,28 @@ def test_on_the_gpu_the_offloaded_momentum_is_pinned_and_steps_like_the_one_in_p
     assert all(s[S.CODES].is_cuda for s in int8_opt.state.values())
     for a, b in zip(on, int8):  # 8-bit: the same training, to the format's precision
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=5e-3)
+
+
+def test_the_rounding_noise_is_uniform_and_differs_by_seed():
+    """The counter hash behind stochastic rounding: uniform in [0, 1) (mean, spread, no
+    repeats between neighbours), the same for the same seed, unrelated for another."""
+    a, b = S.rounding_noise(1 << 16, 7, "cpu"), S.rounding_noise(1 << 16, 8, "cpu")
+    assert torch.equal(a, S.rounding_noise(1 << 16, 7, "cpu"))
+    assert 0 <= float(a.min()) and float(a.max()) < 1
+    assert abs(float(a.mean()) - 0.5) < 0.01 and abs(float(a.var()) - 1 / 12) < 0.005
+    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.02
+    assert abs(float(torch.corrcoef(torch.stack([a[1:], a[:-1]]))[0, 1])) < 0.02
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_compiled_codec_is_the_eager_one():
+    """CUDA runs the codec compiled: the same format (codes within one level of the eager
+    ops' — the division and square root may round differently — and the same error bound)."""
+    x = torch.randn(3, 1000, 77, device="cuda") * torch.rand(3, 1000, 1, device="cuda")
+    codes, scales = S.quantize_blockwise(x, seed=123)
+    eager_codes, eager_scales = S._quantize(x, 123, True)
+    assert torch.equal(scales, eager_scales)
+    assert int((codes.int() - eager_codes.int()).abs().max()) <= 1
+    back = S.dequantize_blockwise(codes, scales, torch.float32)
+    torch.testing.assert_close(back, S._dequantize(codes, scales, torch.float32))
+    assert bool(((back - x).abs() <= S.error_bound(x, scales) * (1 + 1e-5)).all())
