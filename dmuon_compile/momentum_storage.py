@@ -31,6 +31,7 @@ setting loads into any other (converted at the next step), through ``torch.save`
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import torch
@@ -104,7 +105,7 @@ def _hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def rounding_noise(n: int, seed: int, device) -> Tensor:
+def rounding_noise(n: int, seed: int | Tensor, device) -> Tensor:
     """``n`` uniform values in [0, 1) from a counter-based hash of each index and ``seed``:
     the same on every device and rank for the same ``seed``; no generator state."""
     idx = torch.arange(n, device=device, dtype=torch.int64) & MASK32
@@ -112,7 +113,7 @@ def rounding_noise(n: int, seed: int, device) -> Tensor:
     return (h >> 8).to(torch.float32) * 2.0**-24
 
 
-def _quantize(x: Tensor, seed: int, stochastic: bool) -> tuple[Tensor, Tensor]:
+def _quantize(x: Tensor, seed: Tensor, stochastic: bool) -> tuple[Tensor, Tensor]:
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     blocks = torch.nn.functional.pad(flat, (0, (-n) % BLOCK)).view(-1, BLOCK)
@@ -140,12 +141,29 @@ _COMPILED: dict[str, object] = {}
 
 def _on_device(name: str, fn, t: Tensor):
     """``fn`` compiled (one fused kernel or two instead of ~12 passes over the tensor) for CUDA
-    tensors; eager elsewhere (the same ops: a CPU runs it where it is tested)."""
-    if t.device.type != "cuda" or torch.compiler.is_compiling():
+    tensors; eager elsewhere (the same ops: a CPU runs it where it is tested). If the compiled
+    codec fails (a compiler that cannot build it), the eager ops run instead, from then on, with
+    a warning: the codec is a pure function, so nothing was written."""
+    if t.device.type != "cuda" or torch.compiler.is_compiling() or _COMPILED.get(name) is False:
         return fn
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
-    return _COMPILED[name]
+    compiled = _COMPILED[name]
+
+    def run(*args):
+        try:
+            return compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager ops instead
+            _COMPILED[name] = False
+            warnings.warn(
+                f"dmuon: the compiled 8-bit momentum {name} failed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); using the eager ops "
+                "(same format, more passes over memory)",
+                stacklevel=3,
+            )
+            return fn(*args)
+
+    return run
 
 
 def quantize_blockwise(x: Tensor, seed: int | None = None) -> tuple[Tensor, Tensor]:
@@ -153,7 +171,9 @@ def quantize_blockwise(x: Tensor, seed: int | None = None) -> tuple[Tensor, Tens
     ``x``'s shape, scales fp32 of ``ceil(numel / BLOCK)`` blocks. ``seed``: stochastic rounding
     with :func:`rounding_noise` of that seed; ``None``: round to nearest."""
     fn = _on_device("quantize", _quantize, x)
-    return fn(x, 0 if seed is None else int(seed), seed is not None)
+    # the seed as a tensor: compiled, an integer argument would be specialised or made symbolic
+    seed_t = torch.tensor(0 if seed is None else int(seed) & MASK32, device=x.device)
+    return fn(x, seed_t, seed is not None)
 
 
 def dequantize_blockwise(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:

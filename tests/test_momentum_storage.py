@@ -294,3 +294,23 @@ def test_on_the_gpu_the_compiled_codec_is_the_eager_one():
     back = S.dequantize_blockwise(codes, scales, torch.float32)
     torch.testing.assert_close(back, S._dequantize(codes, scales, torch.float32))
     assert bool(((back - x).abs() <= S.error_bound(x, scales) * (1 + 1e-5)).all())
+
+
+def test_a_failing_compiled_codec_falls_back_to_the_eager_ops(monkeypatch):
+    """The compiled codec runs on CUDA only; here a stand-in 'compiled' function that raises
+    takes its place, on a tensor that claims to be on CUDA: the eager ops answer, once warned."""
+
+    class CudaLike:  # what _on_device reads of its tensor
+        device = torch.device("cuda")
+
+    def broken(*args):
+        raise RuntimeError("a compiler that cannot build it")
+
+    monkeypatch.setitem(S._COMPILED, "quantize", broken)
+    x = torch.randn(3, 300)
+    with pytest.warns(UserWarning, match="compiled 8-bit momentum quantize failed"):
+        codes, scales = S._on_device("quantize", S._quantize, CudaLike())(x, 7, True)
+    want = S._quantize(x, 7, True)
+    assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
+    assert S._COMPILED["quantize"] is False  # from then on: eager, no warning
+    assert S._on_device("quantize", S._quantize, CudaLike()) is S._quantize
