@@ -14,6 +14,8 @@ With ``γ_h = tau / max_h`` for a head ``h`` whose max exceeded ``tau`` (1 for e
   of the kv up-projection times ``√γ_h``, the q rope rows times ``γ_h``; the shared rope key
   (the kv down-projection's rope rows) and v are left alone.
 
+A fused ``wqkv`` scales its q and k rows by these rules, in its row order: ``[q; k; v]``, or
+per kv head (its q heads, its k, its v) in torchtitan's ``FusedQKVLinear``.
 Biases of the scaled projections get their rows' factors (``q`` and ``k`` scale exactly).
 The logit is linear in ``W_q`` and in ``W_k`` (RoPE rotates within a head), so after the clip
 the same batch's max logit of every head is ``≤ tau``. A QK-norm after the projections
@@ -72,7 +74,9 @@ class _Attention:
     name: str
     module: nn.Module
     n_heads: int
-    rows_per_head: int  # q rows per head (a TP shard's head offset)
+    # (q weight rows, q heads) of the smallest whole piece a TP shard holds: one head's rows,
+    # or one kv group of torchtitan's fused wqkv (a shard's first head from its first row)
+    unit: tuple[int, int]
     q_owner: nn.Module  # holds the q weight: a TP shard's first head from its rows
     rows: list[_Rows]
     running: Tensor | None = None  # per-head max since the last apply (this rank)
@@ -128,7 +132,7 @@ def _mla(path: str, prefix: str, module: nn.Module, projs: dict, kv: str) -> _At
     rows = [_Rows(projs[q], q_owner, *_head_rows(n_heads, [(nope, 0.5), (rope, 1)]))]
     kv_owner = _sub(module, projs[kv], prefix)
     rows.append(_Rows(projs[kv], kv_owner, *_head_rows(n_heads, [(nope, 0.5), (v_dim, 0)])))
-    return _Attention(path, module, n_heads, nope + rope, q_owner, rows)
+    return _Attention(path, module, n_heads, (nope + rope, 1), q_owner, rows)
 
 
 def _plain(path: str, prefix: str, module: nn.Module, projs: dict, layouts: dict) -> _Attention:
@@ -154,17 +158,44 @@ def _plain(path: str, prefix: str, module: nn.Module, projs: dict, layouts: dict
     if n_kv <= 0 or n_heads % n_kv:
         raise ValueError(f"QKClip: {path!r} has {n_heads} q heads and {n_kv} kv heads")
     mha = n_kv == n_heads  # MHA: √γ on q and k; GQA: γ on q, k untouched
-    q_rows = _head_rows(n_heads, [(head_dim, 0.5 if mha else 1.0)])
-    k_rows = _head_rows(n_kv, [(head_dim, 0.5 if mha else 0.0)])
-    if q_name == "wqkv":
-        v_rows = _head_rows(n_kv, [(head_dim, 0.0)])
+    q_power, k_power = (0.5, 0.5) if mha else (1.0, 0.0)
+    unit = (head_dim, 1)
+    if q_name == "wqkv" and _grouped_qkv(module):
+        head, power = _grouped_rows(n_heads, n_kv, head_dim, q_power, k_power)
+        rows = [_Rows(projs[q_name], q_owner, head, power)]
+        unit = ((n_heads // n_kv + 2) * head_dim, n_heads // n_kv)
+    elif q_name == "wqkv":  # [q; k; v]
+        q_rows = _head_rows(n_heads, [(head_dim, q_power)])
+        k_rows, v_rows = (_head_rows(n_kv, [(head_dim, p)]) for p in (k_power, 0.0))
         head, power = (torch.cat(parts) for parts in zip(q_rows, k_rows, v_rows))
         rows = [_Rows(projs[q_name], q_owner, head, power)]
     else:
-        rows = [_Rows(projs[q_name], q_owner, *q_rows)]
+        rows = [_Rows(projs[q_name], q_owner, *_head_rows(n_heads, [(head_dim, q_power)]))]
         if mha:
+            k_rows = _head_rows(n_kv, [(head_dim, k_power)])
             rows.append(_Rows(projs[k_name], _sub(module, projs[k_name], prefix), *k_rows))
-    return _Attention(path, module, n_heads, head_dim, q_owner, rows)
+    return _Attention(path, module, n_heads, unit, q_owner, rows)
+
+
+def _grouped_qkv(module: nn.Module) -> bool:
+    """Whether the fused ``wqkv`` under ``module.qkv_linear`` is torchtitan's
+    ``FusedQKVLinear``, which stores its rows by kv head (``[q heads of kv head 0; k 0; v 0;
+    q heads of kv head 1; ...]``, so that a column-parallel shard holds whole groups), not
+    ``[q; k; v]``."""
+    holder = getattr(module, "qkv_linear", None)
+    return isinstance(getattr(holder, "heads_per_kv", None), int) and hasattr(holder, "r_dim")
+
+
+def _grouped_rows(n_heads: int, n_kv: int, head_dim: int, q_power: float, k_power: float):
+    """``(head, power)`` per row of torchtitan's grouped ``wqkv``: per kv head ``g``, its
+    ``n_heads // n_kv`` q heads, then its k (the group's first q head: under MHA the group's
+    only one; under GQA its power is 0), then its v (power 0)."""
+    per = n_heads // n_kv
+    q_head = torch.arange(n_heads).view(n_kv, per)
+    kv_head = (torch.arange(n_kv) * per).view(n_kv, 1).expand(n_kv, 2)
+    head = torch.cat([q_head, kv_head], 1).repeat_interleave(head_dim, 1).reshape(-1)
+    power = torch.tensor([q_power] * per + [k_power, 0.0], dtype=torch.float64)
+    return head, power.repeat_interleave(head_dim).repeat(n_kv)
 
 
 # ---------------------------------------------------------------------- shards
@@ -416,14 +447,15 @@ class QKClip:
         rows its q weight holds (whole heads, ``Shard(0)``)."""
         with torch.no_grad():
             _, start, stop = _local_rows(att.q_owner.weight, f"{att.name}'s q weight")
-        per = att.rows_per_head
-        if start % per or stop - start != n * per:
+        rows, heads = att.unit
+        if start % rows or (stop - start) * heads != n * rows:
             raise ValueError(
                 f"QKClip: the attention {att.name!r} computed {n} of its {att.n_heads} heads, "
-                f"but its q weight's local rows {start}:{stop} are not {n} whole heads of {per} "
-                "rows: shard q/k column-parallel by whole heads (Shard(0))"
+                f"but its q weight's local rows {start}:{stop} are not whole pieces of {rows} "
+                f"rows holding {heads} q head(s) each: shard q/k column-parallel by whole heads "
+                "(Shard(0))"
             )
-        return start // per
+        return start // rows * heads
 
     # ------------------------------------------------------------------ the clip itself
     def apply(self) -> int:
