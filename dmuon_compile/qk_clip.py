@@ -259,15 +259,35 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 
 # ---------------------------------------------------------------------- the clip
+def model_groups(model: nn.Module) -> list | None:
+    """The process groups whose product holds ``model`` (a pipeline stage's part): its
+    dedicated runtime's mesh dimensions, HSDP's replicate mesh and the TP group; ``None``
+    without a runtime (the default group then)."""
+    from dmuon_compile.dedicated_registry import runtime_of
+
+    runtime = runtime_of(model)
+    if runtime is None:
+        return None
+    groups = list(runtime.mesh.get_all_groups())
+    if runtime.replicate_mesh is not None:
+        groups += runtime.replicate_mesh.get_all_groups()
+    if runtime.tp is not None:
+        groups.append(runtime.tp.pg)
+    return groups
+
+
 class QKClip:
     """QK-clip of every attention module of ``model`` that
     :func:`~dmuon_compile.layouts.head_layouts` recognises (transformers', torchtitan's,
     multi-head latent attention): collects each head's max logit in the forward (training
     mode), and :meth:`apply` scales the q/k weights of the heads above ``tau`` (the module
     docstring's rules). ``group``: the process group whose ranks agree on the maxima (one
-    ``all_reduce(MAX)`` per :meth:`apply`, issued by every rank of it); default the default
-    group when one is initialised. Every rank of it must hold the same attention modules (with
-    pipeline parallelism: the stage's data- and tensor-parallel group).
+    ``all_reduce(MAX)`` per :meth:`apply`, issued by every rank of it), or a list of groups
+    whose product is that set (one reduction over each: a mesh's dimensions); default: the
+    groups of the model's dedicated runtime (``dmuon.dedicate_params``: its data-parallel mesh,
+    HSDP's replicate mesh, the TP group — with pipeline parallelism, the stage's own), else the
+    default group when one is initialised. Every rank of it must hold the same attention
+    modules.
 
     Weights may be plain tensors, dedicated weights (``dmuon.dedicate_params``), FSDP2
     ``Shard(0)`` and tensor-parallel ``Shard(0)`` DTensors; other placements raise
@@ -289,7 +309,7 @@ class QKClip:
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < math.inf:
             raise ValueError(f"QKClip: tau={tau!r}: give the largest logit allowed (> 0)")
         self.tau = float(tau)
-        self.group = group
+        self.group = group if group is not None else model_groups(model)
         self.attentions = _attentions(model)
         if not self.attentions:
             raise ValueError(
@@ -494,9 +514,10 @@ class QKClip:
             ]
         )
         if dist.is_available() and dist.is_initialized():
-            group = self.group if self.group is not None else dist.group.WORLD
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+            groups = self.group if self.group is not None else dist.group.WORLD
+            for group in groups if isinstance(groups, (list, tuple)) else [groups]:
+                if dist.get_world_size(group) > 1:  # MAX over each: over their product
+                    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
         return packed.float().cpu()
 
     def _device(self) -> torch.device:
@@ -505,7 +526,8 @@ class QKClip:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            if dist.get_backend(self.group) == "nccl":
+            groups = self.group if isinstance(self.group, (list, tuple)) else [self.group]
+            if dist.get_backend(groups[0] if groups else None) == "nccl":
                 return torch.device("cuda", torch.cuda.current_device())
         device = self.attentions[0].q_owner.weight.device
         return device if device.type != "meta" else torch.device("cpu")
