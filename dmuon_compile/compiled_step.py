@@ -455,7 +455,7 @@ _announced_user_trace = False
 
 def compiled_step_for(opt, group: dict, params, part: str = "all") -> CompiledMuonStep | None:
     """The ``CompiledMuonStep`` that runs this group's Muon math, or ``None`` for the eager calls
-    of ``functional.muon_directions`` and ``commit_muon_step`` (``Muon._muon_directions`` and
+    of ``functional.muon_directions`` and ``commit_muon_step`` (``Muon._directions`` and
     the commit dispatch on it).
 
     - traced by the user's ``torch.compile`` (``opt.step = torch.compile(opt.step)``): install

@@ -219,12 +219,8 @@ def refuse_unsupported(plan, muon_params: Sequence[tuple[Tensor, Layout]]) -> No
     the matrices without the normalisation: tensor parallelism, split Newton–Schulz, expert
     stacks sharded inside their experts. Decided from the plan and the placements, the same
     on every rank, before any collective."""
-    what = None
-    if plan.tp is not None:
-        what = "tensor parallelism"
-    elif plan.split:
-        what = "split Newton–Schulz (dedicate_params(split_size=...))"
-    else:
+    what = next((stage.what for stage in plan.stages), None)  # every stage: ``StepStage.what``
+    if what is None:
         from dmuon_compile.layouts import needs_reshard
 
         if any(needs_reshard(p, lay) for p, lay in muon_params):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -28,14 +27,10 @@ from torch.distributed.tensor import DTensor
 from dmuon_compile import functional as F
 from dmuon_compile import normuon as _normuon
 from dmuon_compile.between_steps import BetweenSteps
-from dmuon_compile.distributed._expert_shards import ExpertWalk, needs_reshard, ns_cost
-from dmuon_compile.distributed._owned import (
-    OwnerTensor,
-    is_owned,
-    local_of,
-)
-from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPlan, TPStep
-from dmuon_compile.layouts import Layout, whole_expert_shards
+from dmuon_compile.distributed._owned import OwnerTensor, local_of
+from dmuon_compile.distributed.stages import MuonJob, StepHalf, StepNS, StepStage, local_job
+from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPlan, expert_stage
+from dmuon_compile.layouts import Layout, needs_reshard, whole_expert_shards
 from dmuon_compile.momentum_storage import STORED_KEYS, MomentumStorage
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 from dmuon_compile.normuon_state import second_moment
@@ -52,7 +47,6 @@ from dmuon_compile.step_agreement import (  # noqa: F401 - MuonStepError: the pu
     COMPILED,
     EAGER,
     NONFINITE_MODES,
-    SPLIT,
     FiniteFlags,
     MuonStepError,
     StepAgreement,
@@ -75,21 +69,6 @@ from dmuon_compile.trace_labels import NS, STEP, label
 
 if TYPE_CHECKING:
     from dmuon_compile.compiled_step import CompiledMuonStep, StepKey
-    from dmuon_compile.distributed._split_step import SplitGroup
-    from dmuon_compile.distributed._tp import TPStepHalf
-
-
-class MuonJob(NamedTuple):
-    """Some of a Muon group's matrices for one part of the plan, as ``_prepare`` hands them to
-    the directions (one compiled graph per part and group)."""
-
-    part: str  # the plan's part (``StepPart.name``)
-    group: dict
-    params: list
-    grads: list
-    bufs: list  # momentum buffers
-    layouts: list  # each matrix's Layout
-    moments: list  # NorMuon's second moments (``None`` entries without normuon)
 
 
 class AdamWJob(NamedTuple):
@@ -101,16 +80,6 @@ class AdamWJob(NamedTuple):
     exp_avgs: list
     exp_avg_sqs: list
     steps: list
-
-
-class _SplitMatrix(NamedTuple):
-    """A matrix whose Newton–Schulz a group of ranks shares, found in the jobs."""
-
-    group: dict
-    param: Tensor
-    grad: Tensor
-    buf: Tensor
-    layout: Layout
 
 
 class Muon(torch.optim.Optimizer):
@@ -245,6 +214,8 @@ class Muon(torch.optim.Optimizer):
         self.compiled_steps: dict[StepKey, CompiledMuonStep] = {}
         # Whether every Muon matrix is compiled (``_defers``), by the groups' sizes.
         self._compiles_all: tuple[tuple, bool] = ((), False)
+        # The expert reshard stage of the Muon matrices (``_with_stages``), by their ids.
+        self._expert_stage: tuple[tuple, StepStage | None] = ((), None)
 
         muon_defaults = dict(
             use_muon=True,
@@ -476,7 +447,7 @@ class Muon(torch.optim.Optimizer):
         if self._agreement.pending is not None:
             self._agreement.settle()
         with label(STEP):
-            plan = _step_plan(self.model)  # the runtime's actions around the step
+            plan = _step_plan(self.model)  # the runtime's actions and stages around the step
             if plan is PLAIN_STEP:
                 return self._step(closure, plan)
             plan.before()
@@ -491,41 +462,52 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Two halves with one agreement between them: first every Muon matrix's update is
-        # computed (nothing written; a failure on this rank is recorded in ``failure`` and the
-        # step's collectives still go out), then all ranks agree on non-finite gradients and
-        # failures, and only then is anything written: a step that fails on one rank raises on
-        # every rank and changes nothing anywhere. Under the user's torch.compile(opt.step) the
-        # math is traced on plain local tensors: DTensors (meshes, process groups) stay eager.
+        # computed (the plan's stages, then the local math; nothing written; a failure on this
+        # rank is recorded in ``failure`` and the step's collectives still go out), then all
+        # ranks agree on non-finite gradients and failures, and only then is anything written:
+        # a step that fails on one rank raises on every rank and changes nothing anywhere.
+        # Under the user's torch.compile(opt.step) the local math is traced on plain local
+        # tensors: DTensors (meshes, process groups) and the stages stay eager.
         failure: list = []  # this rank's [(phase, exception)]
-        jobs, adamw, resharded = self._prepare(plan, torch.compiler.is_compiling(), failure)
-        halves = self._directions(plan, jobs, failure)
-        for part_halves, early in zip(halves, resharded):  # traced: computed in _prepare
-            part_halves += early
-        # Only the TP halves and (local gradients, flags, path) cross into the agreement
+        jobs, adamw, halves = self._prepare(plan, torch.compiler.is_compiling(), failure)
+        for part_jobs, part_halves in zip(jobs, halves):  # after the stages' halves
+            part_halves += [self._directions(job, failure) for job in part_jobs]
+        # Only the stages' halves and (local gradients, flags, path) cross into the agreement
         # (eager): the other halves' groups hold DTensors, whose meshes Dynamo cannot pass out.
-        tp_halves = [h.tp_half for part_halves in halves for h in part_halves]
+        unsent = [(h.stage, h.stage_half) for hs in halves for h in hs if h.stage is not None]
         self._agreement.check_finite(_finite_flags(halves), failure)
-        verdict = self._agreement.agree(failure, tp_halves, self._defers(plan))
+        verdict = self._agreement.agree(failure, unsent, self._defers(plan))
         if verdict is False:
             return loss  # skipped (nonfinite_grads="skip")
         # A deferred verdict stays on the device: the commit and AdamW select on it and the
         # host reads it at the next step() (``settle``), never waiting for this step's kernels.
         pending = None if isinstance(verdict, bool) else verdict  # else a PendingVerdict
-        # This rank's own work failed (deferred): its halves hold placeholders and the verdict
-        # is known to be false, so it writes nothing; its actions' collectives still go out.
-        failed_here = pending is not None and bool(pending.failure)
+        self._commit_all(plan, halves, adamw, pending)
+        if pending is not None:
+            self._agreement.hold(pending)
+        return loss
+
+    def _commit_all(self, plan: StepPlan, halves: list, adamw: list, pending) -> None:
+        """The second half, after the agreement: the plan's parts in order, each part's local
+        commits, then its stages' own (TP rank 0 broadcasts the plain weights it just
+        committed), then its action (HSDP: the group the next forward needs first is published
+        first, under the rest of the step; deferred, it publishes what the select wrote); the
+        stored momentum written back; AdamW. ``pending``: a deferred verdict (``None``: known
+        true); where this rank's own work failed, its halves hold placeholders and the verdict
+        is known to be false: it writes nothing, its actions' collectives still go out."""
+        write = pending is None or not pending.failure
         commit_if = None if pending is None else pending.ok
-        # The plan's parts in order, each followed by its action (HSDP: the group the next
-        # forward needs first is committed and published first, under the rest of the step;
-        # deferred, it publishes what the select wrote).
         for part, part_halves in zip(plan.parts, halves):
-            for half in part_halves if not failed_here else ():
+            for half in part_halves if write else ():
                 self._commit(half, commit_if)
+            for half in part_halves if write else ():
+                if half.stage is not None:
+                    half.stage.commit(half.stage_half, self.replicate_async)
             if part.after is not None:
                 part.after()
         if self._working:  # a stored momentum (8-bit, offloaded): the committed values back
             self._keep_working()
-        for job in adamw if not failed_here else ():
+        for job in adamw if write else ():
             hypers = {key: job.group[key] for key in ("lr", "betas", "eps", "weight_decay")}
             F.adamw_update(
                 job.params,
@@ -536,19 +518,21 @@ class Muon(torch.optim.Optimizer):
                 **hypers,
                 commit_if=commit_if,
             )
-        if pending is not None:
-            self._agreement.hold(pending)
-        return loss
 
     def _defers(self, plan: StepPlan) -> bool:
         """Whether this step leaves its verdict on the device (read at the next ``step()``):
         every Muon matrix is compiled (its commit's select fuses into the commit's kernel; the
         eager reference reads first), the momentum kept in place (a stored copy is written
-        back only after a verdict read on the host), no TP stage (its commit scatters updates
-        that the TP ranks apply), and not under the user's ``torch.compile`` (the commit is
-        traced into their graph). HSDP's publishes broadcast whatever the select wrote: the same
-        collectives either way. Decided from the configuration alone: the same on every rank."""
-        if plan.tp is not None or torch.compiler.is_compiling() or self._storage.stored:
+        back only after a verdict read on the host), every stage's commit a select
+        (``StepStage.defers``; not TP's: it scatters updates that the TP ranks apply), and not
+        under the user's ``torch.compile`` (the commit is traced into their graph). HSDP's
+        publishes broadcast whatever the select wrote: the same collectives either way. Decided
+        from the configuration alone: the same on every rank."""
+        if (
+            any(not stage.defers for stage in plan.stages)
+            or torch.compiler.is_compiling()
+            or self._storage.stored
+        ):
             return False
         key = tuple(len(g["params"]) for g in self.param_groups)
         if self._compiles_all[0] != key:  # the groups changed (add_param_group): look again
@@ -558,56 +542,38 @@ class Muon(torch.optim.Optimizer):
             self._compiles_all = (key, compile_enabled(self.compile, mats))
         return self._compiles_all[1]
 
-    def _directions(self, plan: StepPlan, jobs: list, failure: list) -> list[list[_StepHalf]]:
-        """The first half of the step, per part of ``plan``: the matrices whose NS a group of
-        ranks shares first, on every member (committed with the first part, before its
-        ``after``), then every job's halves."""
-        split_halves: list[_StepHalf] = []
-        if plan.split:
-            jobs, split_halves = self._split_directions(plan.split, jobs, failure)
-        walk = ExpertWalk(self._dedicated_ns_loads)  # who orthogonalises which experts
-        halves = [
-            [h for job in part_jobs for h in self._muon_directions(job, failure, plan.tp, walk)]
-            for part_jobs in jobs
-        ]
-        halves[0][:0] = split_halves
-        return halves
-
-    def _dedicated_ns_loads(self) -> dict[int, int]:
-        """Global rank → ``ns_cost`` of the dedicated weights it orthogonalises (owner
-        DTensors: one-rank meshes), for the expert reshard's walk; the same on every rank."""
+    def _with_stages(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with the expert reshard stage where some Muon matrices are expert stacks
+        sharded inside their experts (``step_plan.expert_stage``: the layouts are this
+        optimizer's), looked for once per set of Muon matrices."""
         mats = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
         key = tuple(map(id, mats))
-        cached = getattr(self, "_ns_loads", None)
-        if cached is None or cached[0] != key:
-            loads: dict[int, int] = {}
-            for p in mats:
-                if isinstance(p, DTensor) and p.device_mesh.size() == 1:
-                    lay, rank = self._layout(p), int(p.device_mesh.mesh.reshape(-1)[0])
-                    cost = ns_cost(lay.matrix_shape(p.shape)) * lay.count(p.shape)
-                    loads[rank] = loads.get(rank, 0) + cost
-            self._ns_loads = cached = (key, loads)
-        return cached[1]
+        if self._expert_stage[0] != key:
+            self._expert_stage = (key, expert_stage([(p, self._layout(p)) for p in mats]))
+        stage = self._expert_stage[1]
+        return plan if stage is None else plan.adding(stage)
 
-    @torch.compiler.disable  # DTensor bookkeeping and state creation stay eager
+    @torch.compiler.disable  # DTensor bookkeeping, state creation and the stages stay eager
     def _prepare(
-        self, plan: StepPlan, local: bool, failure: list
-    ) -> tuple[list[list[MuonJob]], list[AdamWJob], list[list[_StepHalf]]]:
-        """Create state and split the Muon groups into the plan's parts.
+        self, plan: StepPlan, traced: bool, failure: list
+    ) -> tuple[list[list[MuonJob]], list[AdamWJob], list[list[StepHalf]]]:
+        """Create state, split the Muon groups into the plan's parts and run the plan's stages.
 
-        Returns ``(jobs, adamw, resharded)``: per part of ``plan``, a :class:`MuonJob` of each
-        Muon group; an :class:`AdamWJob` per AdamW group; and with ``local`` (the user's
-        ``torch.compile(opt.step)``), per part, the halves of the expert stacks sharded inside
-        their experts, whose directions run here (their all-to-alls and meshes stay eager: no
-        DTensor crosses into the traced step), else nothing. Hands the agreement what it reads
-        (``StepAgreement.begin``: the parameters with gradients, those whose state this step
-        created: dropped again if the step does not commit; their finite flags are added after
-        the directions, by ``StepAgreement.check_finite``).
-        ``local=True`` gives the Muon jobs local tensors (the owners' whole matrices) instead
-        of DTensors; the AdamW lists are always local (FSDP2's shards: AdamW is elementwise).
+        Returns ``(jobs, adamw, halves)``: per part of ``plan``, a :class:`MuonJob` of each Muon
+        group holding the local tensors of the matrices left to this rank's own directions (the
+        owners' whole matrices); an :class:`AdamWJob` per AdamW group (local tensors: FSDP2's
+        shards, AdamW is elementwise); per part, the halves of the stages
+        (``distributed/stages.py``), which take their matrices out of the jobs first, in the
+        plan's order, on every rank (their collectives, meshes and process groups stay eager:
+        no DTensor crosses into a traced step). ``traced``: the user's
+        ``torch.compile(opt.step)`` traces the step (``StepNS.traced``). Hands the agreement what
+        it reads (``StepAgreement.begin``: the parameters with gradients, those whose state this
+        step created: dropped again if the step does not commit; their finite flags are added
+        after the directions, by ``StepAgreement.check_finite``).
         A failure here is appended to ``failure``; the lists then hold placeholders (the
         gradients): the step only sends them, never commits.
         """
+        plan = self._with_stages(plan)
         if self.normuon is not None:  # paths that would skip it: refused before any collective
             muon = [g["params"] for g in self.param_groups if g["use_muon"]]
             muon = [(p, self._layout(p)) for params in muon for p in params]
@@ -664,77 +630,34 @@ class Muon(torch.optim.Optimizer):
                     part_jobs.append(MuonJob(part.name, group, *picked, *rest))
         for device in {w.device for *_, w in self._working}:  # offloaded momentum copied in
             self._storage.ready(device)
-        resharded: list[list[_StepHalf]] = [[] for _ in plan.parts]
-        if local:
-            walk = ExpertWalk(self._dedicated_ns_loads)
-            for part_jobs, part_halves in zip(jobs, resharded):
-                for k, job in enumerate(part_jobs):
-                    job, half = self._take_resharded(job, failure, walk)
-                    part_jobs[k] = MuonJob(job.part, job.group, *_owned_locals(*job[2:]))
-                    part_halves += [half] if half is not None else []
+        halves: list[list[StepHalf]] = [[] for _ in plan.parts]
+        if plan.stages:
+            from dmuon_compile.compiled_step import compiled_step_for
+
+            compiled = functools.partial(compiled_step_for, self)
+            ns = StepNS(self.ns, compiled, directions_finite, traced)
+            for stage in plan.stages:  # in the plan's order: the same collectives everywhere
+                jobs, taken_halves = stage.directions(jobs, ns, failure)
+                for part_halves, more in zip(halves, taken_halves):
+                    part_halves += more
+        jobs = [[local_job(job) for job in part_jobs] for part_jobs in jobs]
         # The finite flags are taken after the directions (``check_finite``): the compiled
         # ones bring their matrices' flags from the norms NS takes anyway.
-        self._agreement.begin(_StepCheck(with_grad, None, fresh, plan.tp))
-        return jobs, adamw, resharded
+        self._agreement.begin(_StepCheck(with_grad, None, fresh))
+        return jobs, adamw, halves
 
-    def _take_resharded(
-        self, job: MuonJob, failure: list, walk: ExpertWalk | None
-    ) -> tuple[MuonJob, _StepHalf | None]:
-        """``job`` without its expert stacks sharded inside their experts, and their half
-        (:meth:`_resharded_directions`; ``None`` without such stacks)."""
-        part, group, params, grads, bufs, layouts, moments = job
-        inside = [i for i, (p, lay) in enumerate(zip(params, layouts)) if needs_reshard(p, lay)]
-        if not inside:
-            return job, None
-        picked = ([xs[i] for i in inside] for xs in (params, grads, bufs, layouts))
-        half = self._resharded_directions(group, *picked, failure, walk)
-        kept = [i for i in range(len(params)) if i not in set(inside)]
-        lists = ([xs[i] for i in kept] for xs in (params, grads, bufs, layouts, moments))
-        return MuonJob(part, group, *lists), half
-
-    def _muon_directions(
-        self, job: MuonJob, failure: list, tp: TPStep | None = None, walk: ExpertWalk | None = None
-    ) -> list[_StepHalf]:
-        """The first half of Muon for some of a group's matrices (``job.part`` names the
-        subset: one compiled graph each): the compiled step if enabled, else the eager reference.
-        Expert stacks sharded inside their experts get a half of their own
-        (:meth:`_resharded_directions`).
-
-        Dedicated parameters are owner DTensors (one-rank meshes): the math runs on their local
-        tensors (the whole matrix on its owner); ranks that hold no rows of a matrix skip it.
-        ``tp``: the plan's TP stage; its matrices go through ``tp.directions`` (their NS:
-        :meth:`_tp_orthogonalize`).
-        After a failure on this rank (``failure`` non-empty) only the collectives go out.
-        ``walk``: who orthogonalises which experts, one per step (``orthogonalize_resharded``).
-        """
+    def _directions(self, job: MuonJob, failure: list) -> StepHalf:
+        """The first half of Muon for the matrices of a job this rank holds whole (local
+        tensors; ``job.part`` names the subset: one compiled graph each): the compiled step if
+        enabled, else the eager reference. After a failure on this rank (``failure`` non-empty)
+        nothing is computed: the step only sends the stages' placeholders, never commits."""
         from dmuon_compile.compiled_step import compile_enabled, compiled_step_for
 
         part, group, params, grads, bufs, layouts, moments = job
-        tp_half = None
-        if tp is not None:  # TP shards: gather → NS on the whole matrix → scatter (_tp/stage.py)
-            lay_of = {id(p): lay for p, lay in zip(params, layouts)}
-            orthogonalize = self._tp_orthogonalize(tp, group, failure)
-            tp_half, params, grads, bufs = tp.directions(
-                group, params, grads, bufs, orthogonalize, failure
-            )
-            layouts = [lay_of[id(p)] for p in params]
-            moments = [None] * len(params)  # NorMuon refuses TP (``_prepare``)
-        # Expert stacks sharded inside their experts: NS on whole experts, a half of their own
-        job, resharded = self._take_resharded(
-            MuonJob(part, group, params, grads, bufs, layouts, moments), failure, walk
-        )
-        halves = [resharded] if resharded is not None else []
-        params, grads, bufs, layouts, moments = _owned_locals(*job[2:])
-        half = _StepHalf(group, params, grads, bufs, None, tp, tp_half, layouts=layouts)
+        half = StepHalf(group, params, grads, bufs, None, layouts=layouts)
         half.moments = moments if self.normuon is not None else None
-        halves.insert(0, half)
         if not params or failure:
-            return halves
-        if tp is not None and not tp.updates_plain():
-            # Plain weights of a TP model: one master per TP column, stepped on TP rank 0; the
-            # other TP ranks take weights and momentum from its broadcast in the commit.
-            half.receive_plain = True
-            return halves
+            return half
 
         def directions():
             # Both run functional.muon_directions: compiled (one graph) or called eagerly (also
@@ -767,155 +690,16 @@ class Muon(torch.optim.Optimizer):
             )
             if half.ortho is None:
                 half.finite = None  # a failed call's flags do not count
-        return halves
+        return half
 
-    @torch.compiler.disable  # process groups and host-side piece checks stay eager
-    def _split_directions(
-        self, split: tuple[SplitGroup, ...], jobs: list[list[MuonJob]], failure: list
-    ) -> tuple[list[list[MuonJob]], list[_StepHalf]]:
-        """The first half of Muon for the split matrices (``distributed/_split_step.py``):
-        taken out of ``jobs``; every rank walks them in the plan's order and joins the
-        collectives of its groups; the owner gets NS(u) and a half of its own to commit.
-        Under a user's ``torch.compile(opt.step)`` the jobs hold local tensors, nothing matches
-        and each owner runs its matrix's NS whole: the same math, on every rank the same.
-        Inside the step's failure guard: an exception in this rank's part (its Nesterov input,
-        its piece of a split NS) goes into ``failure`` and every collective still goes out, so
-        the agreement raises ``MuonStepError`` everywhere; the owner's half brings the finite
-        flags of its NS result (a non-finite piece from any member makes it NaN), as the
-        ordinary directions do."""
-        from dmuon_compile.distributed._split_step import orthogonalize_split
-
-        wanted = {s.param_id for s in split}
-        found: dict[int, _SplitMatrix] = {}
-        kept_jobs = []
-        for part_jobs in jobs:
-            kept = []
-            for job in part_jobs:
-                part, group, ps, gs, bs, ls, ms = job
-                keep = [i for i, p in enumerate(ps) if id(p) not in wanted]
-                for i, p in enumerate(ps):
-                    if id(p) in wanted:
-                        found[id(p)] = _SplitMatrix(group, p, gs[i], bs[i], ls[i])
-                lists = ([xs[i] for i in keep] for xs in (ps, gs, bs, ls, ms))
-                kept.append(MuonJob(part, group, *lists))
-            kept_jobs.append(kept)
-        by_group: dict[int, _StepHalf] = {}
-        for sg in split:
-            if sg.pg is None or sg.param_id not in found:  # not a member / no gradient anywhere
-                continue
-            group, p, g, b, lay = found[sg.param_id]
-            lp, lg, lb = local_of(p), local_of(g), local_of(b)
-            owner = lp.numel() > 0
-            u = None
-            if owner:
-                u = lg  # a placeholder (never committed) when this rank has failed
-                if not failure:
-                    momentum, nesterov = F.hyper(group["momentum"]), group["nesterov"]
-                    u = guarded(
-                        failure,
-                        PHASE_EAGER,
-                        lambda lg=lg, lb=lb: F.nesterov_input([lg], [lb], momentum, nesterov)[0],
-                        lg,
-                    )
-            with label(NS):  # a failure here: recorded, every collective still goes out
-                like = lg if owner else lp
-                ortho = orthogonalize_split(u, sg, self.ns, like=like, failure=failure)
-            if owner:
-                half = by_group.setdefault(
-                    id(group), _StepHalf(group, [], [], [], [], layouts=[], path=SPLIT)
-                )
-                for xs, x in zip(
-                    (half.params, half.grads, half.bufs, half.ortho, half.layouts),
-                    (lp, lg, lb, ortho, lay),
-                ):
-                    xs.append(x)
-        halves = list(by_group.values())
-        for half in halves:
-            # The check the ordinary directions get (``directions_finite``): the split result
-            # is NaN wherever the gradient, the momentum or any member's piece was not finite.
-            # After a failure the agreement raises anyway; a placeholder's flags do not count.
-            if not failure:
-                half.finite = guarded(
-                    failure, PHASE_SPLIT_NS, lambda h=half: directions_finite(h.ortho), None
-                )
-        return kept_jobs, halves
-
-    @torch.compiler.disable  # process groups, meshes and the all-to-alls stay eager
-    def _resharded_directions(
-        self,
-        group: dict,
-        params: list,
-        grads: list,
-        bufs: list,
-        layouts: list,
-        failure: list,
-        walk: ExpertWalk | None = None,
-    ) -> _StepHalf:
-        """The first half of Muon for expert stacks sharded inside their experts
-        (``distributed/_expert_shards.py``): the Nesterov inputs of the local shards,
-        gathered to whole experts by an all-to-all over each in-expert mesh dim,
-        orthogonalised, sent back by the inverse all-to-all. The all-to-alls go out on every
-        rank whatever happened here (placeholders after a failure); the commit applies the
-        local shards with each expert's whole shape."""
-        from dmuon_compile.distributed._expert_shards import orthogonalize_resharded
-
-        shapes = [lay.matrix_shape(p.shape) for p, lay in zip(params, layouts)]
-        lp, lg, lb = ([local_of(x) for x in xs] for xs in (params, grads, bufs))
-        updates = lg  # placeholders (never committed) when this rank has failed
-        if not failure:
-            updates = guarded(
-                failure,
-                PHASE_EAGER,
-                lambda: F.nesterov_input(lg, lb, F.hyper(group["momentum"]), group["nesterov"]),
-                lg,
-            )
-
-        def orthogonalize(mats, lays):
-            if failure:
-                return mats
-            return guarded(
-                failure, PHASE_EAGER, lambda: F.orthogonalize(mats, self.ns, layouts=lays), mats
-            )
-
-        with label(NS):
-            ortho = orthogonalize_resharded(
-                params, updates, layouts, orthogonalize, walk, batch_bytes=self.ns.stack_bytes
-            )
-        return _StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
-
-    def _tp_orthogonalize(
-        self, tp: TPStep, group: dict, failure: list
-    ) -> Callable[[list[Tensor]], list[Tensor]]:
-        """The Newton–Schulz that ``tp.directions`` runs on a TP owner's whole matrices (one
-        shape bucket at a time; none on a non-owner): compiled like the rest of the step with
-        ``compile=True`` (default on CUDA), else the stage's eager one. A failure is recorded in
-        ``failure`` and the input returned (placeholders: the scatter still goes out)."""
-        from dmuon_compile.compiled_step import compiled_step_for
-
-        def orthogonalize(mats: list[Tensor]) -> list[Tensor]:
-            if not mats or failure:
-                return mats
-            compiled = compiled_step_for(self, group, mats, part="tp")
-            if compiled is not None:
-                return guarded(
-                    failure, PHASE_TP_NS_COMPILED, lambda: compiled.orthogonalize(mats), mats
-                )
-            return guarded(
-                failure, PHASE_TP_NS_EAGER, lambda: tp.orthogonalize(mats, self.ns), mats
-            )
-
-        return orthogonalize
-
-    def _commit(self, half: _StepHalf, commit_if: Tensor | None = None) -> None:
-        """The second half: momentum and weights written (elementwise, after the agreement).
-        ``commit_if``: a deferred verdict (0-d bool on the device); every value is then written
-        as ``where(commit_if, new, old)``."""
-        group = half.group
-        if half.tp_half is not None:
-            half.tp.commit(half.tp_half, self.replicate_async)
-        if half.receive_plain:
-            half.tp.broadcast_plain(half.params, half.bufs)
+    def _commit(self, half: StepHalf, commit_if: Tensor | None = None) -> None:
+        """The second half of a half's local math: momentum and weights written (elementwise,
+        after the agreement; a stage's own part follows, ``_step``). ``commit_if``: a deferred
+        verdict (0-d bool on the device); every value is then written as
+        ``where(commit_if, new, old)``."""
+        if not half.params:  # a stage's half only (TP), or nothing of this job here
             return
+        group = half.group
         commit = F.commit_muon_step if half.compiled is None else half.compiled.commit
         commit(
             half.params,
@@ -931,8 +715,6 @@ class Muon(torch.optim.Optimizer):
             **({"matrix_shapes": half.matrix_shapes} if half.matrix_shapes else {}),
             **half.normuon_commit(),
         )
-        if half.tp is not None:  # TP rank 0's new plain masters and momentum to its column
-            half.tp.broadcast_plain(half.params, half.bufs)
 
     @torch.compiler.disable  # host copies and quantisation: eager
     def _keep_working(self) -> None:
@@ -1045,34 +827,7 @@ class Muon(torch.optim.Optimizer):
         restore_hypers(self.param_groups, before)
 
 
-@dataclass
-class _StepHalf:
-    """What the first half of a step leaves for the commit (or the abort) of one part."""
-
-    group: dict
-    params: list
-    grads: list
-    bufs: list
-    ortho: list | None
-    tp: TPStep | None = None  # the TP stage, when the model has one
-    tp_half: TPStepHalf | None = None  # its half of this part
-    receive_plain: bool = False  # plain TP-model weights this TP rank takes from TP rank 0
-    compiled: CompiledMuonStep | None = None  # the directions' compiled step: it commits too
-    finite: Tensor | None = None  # per matrix of ``grads``: finite? (gradient and momentum)
-    layouts: list | None = None  # each matrix's Layout (what NS and the lr rule see)
-    matrix_shapes: list | None = None  # whole matrices' shapes when the tensors are shards
-    path: str | None = None  # who took ``finite``, when not the half's own NS (SPLIT)
-    moments: list | None = None  # NorMuon's second moments (the state), per matrix
-    new_moments: list | None = None  # their v′ from the directions, stored by the commit
-
-    def normuon_commit(self) -> dict:
-        """The commit's NorMuon arguments (none without it)."""
-        if self.new_moments is None:
-            return {}
-        return {"second_moments": self.moments, "new_second_moments": self.new_moments}
-
-
-def _finite_flags(halves: list[list[_StepHalf]]) -> list[FiniteFlags]:
+def _finite_flags(halves: list[list[StepHalf]]) -> list[FiniteFlags]:
     """The Muon halves' finite flags (compiled: NS's norms; eager: a norm of NS's output),
     covering gradient and momentum; the agreement reads the other gradients itself."""
     return [
@@ -1081,24 +836,6 @@ def _finite_flags(halves: list[list[_StepHalf]]) -> list[FiniteFlags]:
         for h in part_halves
         if h.finite is not None
     ]
-
-
-def _owned_locals(
-    params: list, grads: list, bufs: list, layouts: list, moments: list
-) -> tuple[list, ...]:
-    """Local tensors of the matrices this rank holds whole (plain tensors pass through), with
-    their layouts: a dedicated weight on its owner, an expert stack's local whole experts
-    (``moments``: NorMuon's second moments, ``None`` entries without it)."""
-    kept: tuple[list, list, list, list, list] = ([], [], [], [], [])
-    for p, g, b, lay, m in zip(params, grads, bufs, layouts, moments):
-        if is_owned(p) or whole_expert_shards(p, lay):
-            p, g, b = local_of(p), local_of(g), local_of(b)
-            m = None if m is None else local_of(m)
-            if p.numel() == 0:
-                continue
-        for xs, x in zip(kept, (p, g, b, lay, m)):
-            xs.append(x)
-    return kept
 
 
 def _step_plan(model: nn.Module | None) -> StepPlan:

@@ -36,14 +36,12 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed._c10d_compat import default_group
 from dmuon_compile.distributed._collectives import scalar_device
 from dmuon_compile.distributed._owned import local_of
+
+# Where a parameter's finite flag came from (a half's ``path``: ``distributed/stages.py``).
+from dmuon_compile.distributed.stages import COMPILED, EAGER, READ, SPLIT
 from dmuon_compile.step_phases import PHASE_CHECK, STEP_PHASES, guarded
 
 NONFINITE_MODES = ("raise", "skip")
-# Where a parameter's finite flag came from: the compiled directions (NS's norms of u = g + μ·buf),
-# the eager directions (NS's output, NaN wherever u held a NaN/Inf) or a direct read of the
-# gradient (and the Muon momentum buffer) in ``_check_finite``; or the split NS's output, which a
-# group of ranks computed (``distributed/_split_step.py``: NaN wherever u or a member's piece was).
-COMPILED, EAGER, READ, SPLIT = "compiled", "eager", "read", "split"
 MOMENTUM = "momentum_buffer"  # a Muon matrix's state key
 GRADIENT, MOMENTUM_BUFFER = "gradient", "momentum buffer"  # what a non-finite error names
 # The path that found a non-finite value, as the error names it.
@@ -85,7 +83,7 @@ class MuonStepError(RuntimeError):
 if TYPE_CHECKING:
     from torch import nn
 
-    from dmuon_compile.distributed._tp.stage import TPStage, TPStepHalf
+    from dmuon_compile.distributed.stages import StepStage
 
 
 class AgreeingOptimizer(Protocol):
@@ -116,7 +114,6 @@ class _StepCheck:
     params: list  # the parameters with gradients
     finite: Tensor | None  # their finite flags, on the device
     fresh: list  # those whose state this step created: dropped if the step does not commit
-    tp: TPStage | None = None  # the plan's TP stage: drops a non-committed step's scatters
     # Per parameter, which check set its flag (COMPILED, EAGER or READ): only read to word the
     # error (a NaN with finite gradient and momentum means different things on each path).
     paths: list | None = None
@@ -330,14 +327,15 @@ class StepAgreement:
 
     @torch.compiler.disable  # a collective, the step's one host read, Python exceptions: eager
     def agree(
-        self, failure: list, tp_halves: list[TPStepHalf | None], defer: bool = False
+        self, failure: list, unsent: list[tuple[StepStage, object]], defer: bool = False
     ) -> bool | PendingVerdict:
         """Between the two halves of the step: whether to commit (``False``: skip), or raise.
 
         Every rank's verdict on its gradients (finite?) and on its local work (did it raise,
         in which phase?) goes into the one all-reduce of the step, so every rank commits, skips
-        or raises together; before raising or skipping, the TP scatters the step issued are
-        waited for and dropped (every member issued them): the ranks' collectives stay paired.
+        or raises together; before raising or skipping, the collectives the step's stages left
+        in flight (``unsent``: ``(stage, stage half)``, e.g. TP's scatters) are waited for and
+        dropped (``stage.abort``; every member issued them): the ranks' collectives stay paired.
 
         ``defer=True`` (``Muon._step`` decides it the same way on every rank: every commit is a
         collective-free select): the verdict stays on the device as a :class:`PendingVerdict`
@@ -358,10 +356,10 @@ class StepAgreement:
                 return PendingVerdict(check, ok, votes, list(failure))
             commit = self._read_verdict(check, votes, failure)
         except BaseException:
-            self._abort(tp_halves, check)
+            self._abort(unsent, check)
             raise
         if not commit:
-            self._abort(tp_halves, check)
+            self._abort(unsent, check)
         return commit
 
     def hold(self, pending: PendingVerdict) -> None:
@@ -502,14 +500,14 @@ class StepAgreement:
             what = "a norm past float32"
         return f"gradient and momentum finite, but {what}", found
 
-    def _abort(self, tp_halves: list, check: _StepCheck) -> None:
-        """A step that does not commit: no state of its own left behind, TP scatters drained."""
+    def _abort(self, unsent: list, check: _StepCheck) -> None:
+        """A step that does not commit: no state of its own left behind, the stages' collectives
+        drained."""
         state = self.opt.state
         for p in check.fresh:
             state.pop(p, None)
-        for half in tp_halves:
-            if half is not None:
-                check.tp.abort(half)
+        for stage, half in unsent:
+            stage.abort(half)
 
     def _grads_differ_across_ranks(self, params: list[Tensor]) -> bool:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):

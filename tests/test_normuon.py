@@ -344,12 +344,22 @@ def test_invalid_values_are_refused_naming_the_fix(bad, match):
 
 
 @pytest.mark.parametrize(
-    "plan, what",
+    "stage, what",
     [
-        (StepPlan(tp=object()), "tensor parallelism"),
-        (StepPlan(split=(object(),)), "split Newton–Schulz"),
+        ("TPStage", "tensor parallelism"),
+        ("SplitStage", "split Newton–Schulz"),
+        ("ExpertReshardStage", "expert stacks sharded inside their experts"),
     ],
 )
-def test_paths_that_would_skip_the_normalisation_are_refused(plan, what):
+def test_paths_that_would_skip_the_normalisation_are_refused(stage, what):
+    from dmuon_compile.distributed import _expert_shards, _split_step
+    from dmuon_compile.distributed._tp import stage as tp_stage
+
+    cls = {
+        "TPStage": tp_stage.TPStage,
+        "SplitStage": _split_step.SplitStage,
+        "ExpertReshardStage": _expert_shards.ExpertReshardStage,
+    }[stage]
+    plan = StepPlan(stages=(object.__new__(cls),))  # what a stage is: its class's
     with pytest.raises(NotImplementedError, match=f"normuon=True is not supported with {what}"):
         refuse_unsupported(plan, [])

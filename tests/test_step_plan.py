@@ -164,3 +164,104 @@ def test_the_step_side_needs_only_the_groups_and_the_comm_context():
         ("apply", "first"),
         ("apply", "second"),
     ]
+
+
+def _refuse(*_args, **_kwargs):
+    raise AssertionError("a dense model's step reached a stage's code")
+
+
+def test_a_dense_step_has_no_stages_and_runs_none_of_their_code(monkeypatch):
+    """A dense model's plan has no stages, and its steps never reach the split, TP or expert
+    reshard code (every entry point patched to raise); after the first step (which looks for
+    expert stacks once) not even the question whether a matrix needs a reshard is asked."""
+    from dmuon_compile import layouts
+    from dmuon_compile.distributed import _expert_shards, _split_step
+    from dmuon_compile.distributed._tp import stage as tp_stage
+
+    for cls in (_split_step.SplitStage, tp_stage.TPStage, _expert_shards.ExpertReshardStage):
+        for name in ("__init__", "directions", "commit", "abort"):
+            monkeypatch.setattr(cls, name, _refuse)
+    for module, name in (
+        (_expert_shards, "ExpertWalk"),
+        (_expert_shards, "orthogonalize_resharded"),
+        (_split_step, "orthogonalize_split"),
+    ):
+        monkeypatch.setattr(module, name, _refuse)
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = dmuon.Muon(model, lr=0.05, compile=False)
+    _backward(model, 1)
+    opt.step()
+    opt.zero_grad()
+    monkeypatch.setattr(layouts, "needs_reshard", _refuse)
+    monkeypatch.setattr(optimizer, "needs_reshard", _refuse)
+    _backward(model, 2)
+    opt.step()
+    plan = opt._with_stages(optimizer._step_plan(model))
+    assert plan is PLAIN_STEP and plan.stages == ()
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))  # it stepped
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo process group (DTensors on a one-rank mesh), destroyed afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_split_tp_and_expert_plans_get_their_stage(one_rank, monkeypatch):
+    """The control: a runtime with split groups and a TP stage plans both, in that order (TP
+    queues its scatters: the plan drains before the step); a Muon matrix that is an expert stack
+    sharded inside its experts gets the expert reshard stage, and its step runs it (the same
+    update as the stack stepped whole: one rank holds every piece)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dmuon_compile.distributed import _expert_shards
+    from dmuon_compile.distributed._pending import CommContext
+    from dmuon_compile.distributed._runtime import DedicatedRuntime
+    from dmuon_compile.distributed._runtime_step import StepSide
+    from dmuon_compile.distributed._split_step import SplitStage
+    from dmuon_compile.distributed._tp.stage import TPStage
+    from dmuon_compile.layouts import Layout, set_layout
+
+    tp = object.__new__(TPStage)
+    runtime = SimpleNamespace(split=(object(),), tp=tp, _split_stage=None)
+    stages = DedicatedRuntime.stages(runtime)
+    assert [type(s) for s in stages] == [SplitStage, TPStage] and stages[1] is tp
+    side = StepSide([], CommContext(), record_profile=False)
+    assert side.plan(stages[:1]).stages == stages[:1] and not side.plan(stages[:1]).parts[0].after
+    assert side.plan(stages).stages == stages and side.plan(stages).before == side.before_step
+
+    torch.manual_seed(0)
+    whole = torch.randn(2, 4, 6)
+    grad = torch.randn(2, 4, 6)
+    w = nn.Parameter(distribute_tensor(whole, one_rank, [Shard(1)]))
+    ref = nn.Parameter(whole.clone())
+    for p in (w, ref):
+        set_layout(p, Layout.experts())
+    calls = []
+    real = _expert_shards.ExpertReshardStage.directions
+
+    def recorded(self, jobs, ns, failure):
+        calls.append(self)
+        return real(self, jobs, ns, failure)
+
+    monkeypatch.setattr(_expert_shards.ExpertReshardStage, "directions", recorded)
+    opt = dmuon.Muon([w], lr=0.05, compile=False)
+    plan = opt._with_stages(optimizer._step_plan(None))
+    assert [type(s) for s in plan.stages] == [_expert_shards.ExpertReshardStage]
+    w.grad = distribute_tensor(grad, one_rank, [Shard(1)])
+    ref.grad = grad.clone()
+    opt.step()
+    dmuon.Muon([ref], lr=0.05, compile=False).step()
+    assert calls == [plan.stages[0]]
+    assert not torch.equal(ref, whole)
+    torch.testing.assert_close(w.full_tensor(), ref.detach())

@@ -8,6 +8,7 @@ docs/dedicated_params.md). Public:
 - ``policy.py``: the mixed-precision policy of dedicated weights (``ParamPolicy``).
 - ``mesh_checks.py``: validation of the shard and replicate meshes, errors with their fix.
 - ``step_plan.py``: the plan of one ``Muon.step``, built by the runtime, walked by ``Muon``.
+- ``stages.py``: ``StepStage``, the one seam through which Newton–Schulz reaches other ranks.
 - ``split_ns.py``: split Newton–Schulz, one matrix orthogonalised by a group of ranks.
 - ``checkpoint.py``: full (unsharded) model state dicts, dedicated weights included.
 - ``clip.py``: ``dmuon.clip_grad_norm_``, a thin alias of torch's.
@@ -23,11 +24,12 @@ The runtime:
 - ``_group_profile.py``: a hook group's counters.
 - ``_collectives.py``: every collective call, and the one place that knows their names.
 - ``_replicate.py``: HSDP's replicate stage: gradients to the global owner, weights back.
-- ``_split_step.py``: split Newton–Schulz inside ``Muon.step``.
-- ``_expert_shards.py``: expert stacks sharded inside each expert, resharded to whole experts.
+- ``_split_step.py``: split Newton–Schulz inside ``Muon.step`` (``SplitStage``).
+- ``_expert_shards.py``: expert stacks sharded inside each expert, resharded to whole experts
+  (``ExpertReshardStage``).
 - ``_tp/``: tensor parallelism (NS on the whole TP-sharded matrix, once): ``detect.py`` (the
   TP axis), ``plan.py`` (owners over DP × TP), ``param.py`` (a dedicated TP shard),
-  ``stage.py`` (the step's gather → NS → scatter).
+  ``stage.py`` (``TPStage``: the step's gather → NS → scatter).
 
 Owner tensors (a DTensor living whole on one rank):
 

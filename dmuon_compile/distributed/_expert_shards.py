@@ -38,14 +38,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
+from dmuon_compile import functional as F
+from dmuon_compile.distributed._owned import local_of
+from dmuon_compile.distributed.stages import (
+    MuonJob,
+    StageDirections,
+    StepHalf,
+    StepNS,
+    no_halves,
+)
 from dmuon_compile.layouts import Layout, needs_reshard, whole_expert_shards  # noqa: F401
+from dmuon_compile.step_phases import PHASE_EAGER, guarded
+from dmuon_compile.trace_labels import NS, label
 
 
 def _strided(placement) -> bool:
@@ -382,3 +394,84 @@ def _orthogonalize_resharded_reference(
     """:func:`orthogonalize_resharded` through ``DTensor.redistribute`` for every stack (the
     path before the direct all-to-alls; the tests' reference)."""
     return [_reference_one(p, u, lay, orthogonalize) for p, u, lay in zip(params, updates, layouts)]
+
+
+@dataclass(eq=False)
+class ExpertReshardStage:
+    """The expert stacks sharded inside their experts as a stage of ``Muon.step``
+    (``stages.StepStage``), added to the plan by ``step_plan.with_expert_stage``.
+
+    ``stacks``: ``id`` of those stacks; ``matrices``: every Muon matrix with its layout (the
+    dedicated weights among them weigh on the walk: :meth:`dedicated_loads`).
+    """
+
+    stacks: frozenset[int]
+    matrices: tuple = field(default=(), repr=False)
+    what: ClassVar[str] = "expert stacks sharded inside their experts (Shard(1)/Shard(2))"
+    defers: ClassVar[bool] = True  # its halves commit elementwise, like any other
+    queues: ClassVar[bool] = False
+    _loads: dict[int, int] | None = field(default=None, repr=False)
+
+    def dedicated_loads(self) -> dict[int, int]:
+        """Global rank → ``ns_cost`` of the dedicated weights it orthogonalises (owner
+        DTensors: one-rank meshes), for the walk; the same on every rank."""
+        if self._loads is None:
+            loads: dict[int, int] = {}
+            for p, lay in self.matrices:
+                if isinstance(p, DTensor) and p.device_mesh.size() == 1:
+                    rank = int(p.device_mesh.mesh.reshape(-1)[0])
+                    cost = ns_cost(lay.matrix_shape(p.shape)) * lay.count(p.shape)
+                    loads[rank] = loads.get(rank, 0) + cost
+            self._loads = loads
+        return self._loads
+
+    def directions(self, jobs: list[list[MuonJob]], ns: StepNS, failure: list) -> StageDirections:
+        """Per job, its stacks taken out and a half of their own: the Nesterov inputs of the
+        local shards, gathered to whole experts by an all-to-all over each in-expert mesh dim,
+        orthogonalised, sent back by the inverse all-to-all (one :class:`ExpertWalk` for the
+        step). The all-to-alls go out on every rank whatever happened here (placeholders after a
+        failure); the commit applies the local shards with each expert's whole shape."""
+        walk = ExpertWalk(self.dedicated_loads)  # who orthogonalises which experts
+        halves = no_halves(jobs)
+        kept_jobs = []
+        for part_jobs, part_halves in zip(jobs, halves):
+            kept = []
+            for job in part_jobs:
+                inside, rest = job.split([id(p) in self.stacks for p in job.params])
+                kept.append(rest)
+                if inside.params:
+                    part_halves.append(self._directions(inside, ns, failure, walk))
+            kept_jobs.append(kept)
+        return StageDirections(kept_jobs, halves)
+
+    def _directions(self, job: MuonJob, ns: StepNS, failure: list, walk: ExpertWalk) -> StepHalf:
+        group, params, grads, bufs, layouts = job[1:6]
+        shapes = [lay.matrix_shape(p.shape) for p, lay in zip(params, layouts)]
+        lp, lg, lb = ([local_of(x) for x in xs] for xs in (params, grads, bufs))
+        updates = lg  # placeholders (never committed) when this rank has failed
+        if not failure:
+            updates = guarded(
+                failure,
+                PHASE_EAGER,
+                lambda: F.nesterov_input(lg, lb, F.hyper(group["momentum"]), group["nesterov"]),
+                lg,
+            )
+
+        def orthogonalize(mats, lays):
+            if failure:
+                return mats
+            return guarded(
+                failure, PHASE_EAGER, lambda: F.orthogonalize(mats, ns.ns, layouts=lays), mats
+            )
+
+        with label(NS):
+            ortho = orthogonalize_resharded(
+                params, updates, layouts, orthogonalize, walk, batch_bytes=ns.ns.stack_bytes
+            )
+        return StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
+
+    def commit(self, half, defer: bool) -> None:  # noqa: ARG002 - the halves are Muon's
+        """Nothing: the halves are committed by the optimizer like any other."""
+
+    def abort(self, half) -> None:  # noqa: ARG002 - every all-to-all was waited for
+        """Nothing: every all-to-all was waited for in :meth:`directions`."""

@@ -55,6 +55,7 @@ from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupStat
 from dmuon_compile.distributed._dedicated_param import DedicatedParam
 from dmuon_compile.distributed._pending import CommContext, PendingUpdates
 from dmuon_compile.distributed._runtime_step import StepSide
+from dmuon_compile.distributed._split_step import SplitStage
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 from dmuon_compile.distributed.step_plan import StepPlan
 
@@ -150,6 +151,7 @@ class DedicatedRuntime:
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
         self.tp = None  # TP stage (``_tp/stage.py``), set by attach_tp
         self.split: tuple = ()  # split-NS groups (``_split_step.py``), set by dedicate_params
+        self._split_stage: SplitStage | None = None  # their stage (``stages``)
         self._fsdp_managers: dict[int, dict[str, nn.Module]] | None = None  # see follow_fsdp
         # Wrapped once: torch.compiler.disable would wrap on every forward otherwise.
         self._backward_hooks: dict[int, object] = {}
@@ -178,11 +180,24 @@ class DedicatedRuntime:
 
     # ------------------------------------------------------------------ step side
     def step_plan(self) -> StepPlan:
-        """The plan ``Muon.step`` walks (:meth:`StepSide.plan`). Weights a backward without
-        gradient sync kept unsharded are dropped first: the step changes them."""
+        """The plan ``Muon.step`` walks (:meth:`StepSide.plan`), with this runtime's stages
+        (:meth:`stages`). Weights a backward without gradient sync kept unsharded are dropped
+        first: the step changes them."""
         if self.kept:
             self.drop_kept()
-        return self.step_side.plan(self.tp, self.split)
+        return self.step_side.plan(self.stages())
+
+    def stages(self) -> tuple:
+        """The ways this model's Newton–Schulz reaches other ranks (``stages.StepStage``), in
+        the order every rank walks them: split NS (``_split_step.SplitStage``), then TP."""
+        stages: tuple = ()
+        if self.split:
+            if self._split_stage is None or self._split_stage.groups is not self.split:
+                self._split_stage = SplitStage(self.split)  # once per set of groups
+            stages += (self._split_stage,)
+        if self.tp is not None:
+            stages += (self.tp,)
+        return stages
 
     def publish(self, wait: bool = False) -> None:
         """Issue every group's replicate broadcast (global owners → replicate peers).

@@ -19,8 +19,7 @@ from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPart, StepPlan
 if TYPE_CHECKING:
     from dmuon_compile.distributed._dedicated_group import DedicatedGroup
     from dmuon_compile.distributed._pending import CommContext
-    from dmuon_compile.distributed._split_step import SplitGroup
-    from dmuon_compile.distributed.step_plan import TPStep
+    from dmuon_compile.distributed.stages import StepStage
 
 
 class StepSide:
@@ -69,25 +68,26 @@ class StepSide:
         first = order[0] if order else None
         return first if first is not None and first.replicate is not None else None
 
-    def plan(self, tp: TPStep | None = None, split: tuple[SplitGroup, ...] = ()) -> StepPlan:
-        """The plan ``Muon.step`` walks (``step_plan.py``): drain first, publish last (HSDP);
-        with HSDP and two or more groups, this rank's masters of :meth:`early_group` are stepped
-        first and that group is published at once, so its broadcast runs under the rest of the
-        step; with ``tp``, the TP stage; ``split``: the split-NS groups.
+    def plan(self, stages: tuple[StepStage, ...] = ()) -> StepPlan:
+        """The plan ``Muon.step`` walks (``step_plan.py``): drain first, publish last (HSDP, or
+        a stage that queues updates: TP); with HSDP and two or more groups, this rank's masters
+        of :meth:`early_group` are stepped first and that group is published at once, so its
+        broadcast runs under the rest of the step; ``stages``: the runtime's stages (split NS,
+        TP), in the order every rank walks them.
 
         The plan depends only on state every rank shares (owner plan, forward order), never on
         what this rank owns, so every rank issues the same collectives at the same points.
-        Without HSDP and TP: :data:`PLAIN_STEP`.
+        Without HSDP and stages: :data:`PLAIN_STEP`.
         """
-        if not self.published and tp is None:
-            return PLAIN_STEP if not split else StepPlan(split=split)
+        if not self.published and not any(stage.queues for stage in stages):
+            return PLAIN_STEP if not stages else StepPlan(stages=stages)
         parts = (StepPart("all"),)
         group = self.early_group()
         if group is not None and len(self.groups) >= 2:  # one group: nothing to overlap with
             mine = frozenset(id(p.param) for p in group.params if p.owns)
             publish = functools.partial(self._publish_early, group)
             parts = (StepPart("early", mine, after=publish), StepPart("rest"))
-        return StepPlan(parts, before=self.before_step, finish=self.after_step, tp=tp, split=split)
+        return StepPlan(parts, before=self.before_step, finish=self.after_step, stages=stages)
 
     @torch.compiler.disable
     def _publish_early(self, group: DedicatedGroup) -> None:

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dmuon_compile import functional as F
 from dmuon_compile.distributed import _collectives as C
+from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 from dmuon_compile.distributed.split_ns import (
     _finish_collectives,
@@ -28,7 +31,17 @@ from dmuon_compile.distributed.split_ns import (
     split_dim,
     split_newton_schulz,
 )
-from dmuon_compile.step_phases import PHASE_SPLIT_NS, guarded
+from dmuon_compile.distributed.stages import (
+    SPLIT,
+    MuonJob,
+    StageDirections,
+    StepHalf,
+    StepNS,
+    no_halves,
+)
+from dmuon_compile.layouts import Layout
+from dmuon_compile.step_phases import PHASE_EAGER, PHASE_SPLIT_NS, guarded
+from dmuon_compile.trace_labels import NS, label
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,101 @@ def build_split_groups(
         shape = (int(e.shape[0]), int(e.shape[1]))
         out.append(SplitGroup(e.fqn, id(params[e.fqn]), shape, ranks, global_rank(e.owner), pg))
     return tuple(out)
+
+
+class _SplitMatrix(NamedTuple):
+    """A split matrix found in the step's jobs."""
+
+    group: dict
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    layout: Layout
+
+
+@dataclass(frozen=True, eq=False)
+class SplitStage:
+    """The split matrices of one model as a stage of ``Muon.step`` (``stages.StepStage``):
+    ``groups`` in the owner plan's order, built by the runtime (``DedicatedRuntime.step_plan``).
+    """
+
+    groups: tuple[SplitGroup, ...]
+    what: ClassVar[str] = "split Newton–Schulz (dedicate_params(split_size=...))"
+    defers: ClassVar[bool] = True  # the owner's half commits like any other
+    queues: ClassVar[bool] = False
+
+    def directions(self, jobs: list[list[MuonJob]], ns: StepNS, failure: list) -> StageDirections:
+        """The first half of Muon for the split matrices: taken out of ``jobs`` (every part);
+        every rank walks them in the plan's order and joins the collectives of its groups; the
+        owner gets NS(u) and a half of its own (per Muon group, with the first part).
+
+        Under a user's ``torch.compile(opt.step)`` (``ns.traced``) nothing is taken: the jobs
+        become local tensors and each owner runs its matrix's NS whole, the same math, on every
+        rank the same. Inside the step's failure guard: an exception in this rank's part (its
+        Nesterov input, its piece of a split NS) goes into ``failure`` and every collective still
+        goes out, so the agreement raises ``MuonStepError`` everywhere; the owner's half brings
+        the finite flags of its NS result (a non-finite piece from any member makes it NaN), as
+        the ordinary directions do."""
+        halves = no_halves(jobs)
+        if ns.traced:
+            return StageDirections(jobs, halves)
+        wanted = {s.param_id for s in self.groups}
+        found: dict[int, _SplitMatrix] = {}
+        kept_jobs = []
+        for part_jobs in jobs:
+            kept = []
+            for job in part_jobs:
+                taken, rest = job.split([id(p) in wanted for p in job.params])
+                for p, g, b, lay in zip(*taken[2:6]):
+                    found[id(p)] = _SplitMatrix(job.group, p, g, b, lay)
+                kept.append(rest)
+            kept_jobs.append(kept)
+        by_group: dict[int, StepHalf] = {}
+        for sg in self.groups:
+            if sg.pg is None or sg.param_id not in found:  # not a member / no gradient anywhere
+                continue
+            group, p, g, b, lay = found[sg.param_id]
+            lp, lg, lb = local_of(p), local_of(g), local_of(b)
+            owner = lp.numel() > 0
+            u = None
+            if owner:
+                u = lg  # a placeholder (never committed) when this rank has failed
+                if not failure:
+                    momentum, nesterov = F.hyper(group["momentum"]), group["nesterov"]
+                    u = guarded(
+                        failure,
+                        PHASE_EAGER,
+                        lambda lg=lg, lb=lb: F.nesterov_input([lg], [lb], momentum, nesterov)[0],
+                        lg,
+                    )
+            with label(NS):  # a failure here: recorded, every collective still goes out
+                like = lg if owner else lp
+                ortho = orthogonalize_split(u, sg, ns.ns, like=like, failure=failure)
+            if owner:
+                half = by_group.setdefault(
+                    id(group), StepHalf(group, [], [], [], [], layouts=[], path=SPLIT)
+                )
+                for xs, x in zip(
+                    (half.params, half.grads, half.bufs, half.ortho, half.layouts),
+                    (lp, lg, lb, ortho, lay),
+                ):
+                    xs.append(x)
+        for half in by_group.values():
+            # The check the ordinary directions get (``ns.finite``): the split result is NaN
+            # wherever the gradient, the momentum or any member's piece was not finite. After a
+            # failure the agreement raises anyway; a placeholder's flags do not count.
+            if not failure:
+                half.finite = guarded(
+                    failure, PHASE_SPLIT_NS, lambda h=half: ns.finite(h.ortho), None
+                )
+        halves[0] += by_group.values()
+        return StageDirections(kept_jobs, halves)
+
+    def commit(self, half, defer: bool) -> None:  # noqa: ARG002 - the owner's half is Muon's
+        """Nothing: the owner's half is committed by the optimizer like any other."""
+
+    def abort(self, half) -> None:  # noqa: ARG002 - every collective was waited for
+        """Nothing: every collective of the walk was waited for in :meth:`directions`."""
 
 
 def orthogonalize_split(

@@ -178,7 +178,7 @@ def _run_group(
                 if cdt != p.dtype:  # the owner's column buffer next to its own master
                     rows[g].replica_bytes += local * citem
         shape, count = spec.matrix_shape, spec.matrix_count
-        if T == 1:  # the owner DTensor's one-rank mesh, as Muon._dedicated_ns_loads reads it
+        if T == 1:  # the owner DTensor's one-rank mesh, as the expert stage reads it
             ns_loads[e.owner] = ns_loads.get(e.owner, 0) + ns_cost(shape) * count
         split = tuple(e.split_ranks)
         if split:  # NS over the aligned block of data-parallel ranks, owner first

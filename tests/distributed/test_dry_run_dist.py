@@ -182,6 +182,7 @@ def _real_ep(rank: int, world: int) -> dict:
 
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import _expert_shards as es
+    from dmuon_compile.distributed.step_plan import PLAIN_STEP
 
     from . import moe_models
     from .harness import train_steps
@@ -210,7 +211,9 @@ def _real_ep(rank: int, world: int) -> dict:
         lay = dmuon.Layout.experts()
         got = {"weights": 0, "momentum": 0, "whole": 0, "reshards": [], "dims": set()}
         got["sent"] = got["received"] = 0
-        walk = es.ExpertWalk(opt._dedicated_ns_loads())  # one walk over the stacks, as a step's
+        stages = opt._with_stages(PLAIN_STEP).stages  # the step's ExpertReshardStage, if any
+        loads = stages[-1].dedicated_loads() if stages else {}
+        walk = es.ExpertWalk(loads)  # one walk over the stacks, as a step's
         for p in stacks:
             got["weights"] += p.to_local().numel() * p.element_size()
             m = opt.state[p]["momentum_buffer"]

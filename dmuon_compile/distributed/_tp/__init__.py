@@ -45,7 +45,7 @@ group's unsharded buffer, so ``parallelize_module``'s input/output redistributio
 
 Modules: ``detect.py`` (the TP axis: :class:`TPInfo`, the TP groups' ranks), ``plan.py`` (the
 owners over the DP × TP slots), ``param.py`` (:class:`TPDedicatedParam`, the owner groups'
-meshes), ``stage.py`` (:class:`TPStage`: the step's TP half — :meth:`TPStage.directions` runs
+meshes), ``stage.py`` (:class:`TPStage`: the step's TP stage — :meth:`TPStage.directions` runs
 momentum, gather, the optimizer's Newton–Schulz and scatter — its commit or abort, the
 plain-weight broadcast, the pending scatters, the norm and ``full_tensor`` meshes given to
 ``_owned``). What the rest of the package uses is imported here.
@@ -65,7 +65,6 @@ from dmuon_compile.distributed._tp.stage import (
     PLAIN_SOURCE,
     ScatterShard,
     ScatterUpdates,
-    TPDirections,
     TPProfile,
     TPRow,
     TPStage,
@@ -78,7 +77,6 @@ __all__ = [
     "ScatterShard",
     "ScatterUpdates",
     "TPDedicatedParam",
-    "TPDirections",
     "TPInfo",
     "TPOwners",
     "TPProfile",

@@ -1,13 +1,14 @@
-"""The TP stage of a step: gather the Nesterov inputs to each matrix's TP owner, Newton–Schulz
-there, scatter the update's shards back (applied now or queued as a pending update), and the
-one-master broadcast of a TP model's plain dedicated weights (see the package doc)."""
+"""The TP stage of a step (a ``stages.StepStage``): gather the Nesterov inputs to each matrix's TP
+owner, Newton–Schulz there, scatter the update's shards back (applied now or queued as a pending
+update), and the one-master broadcast of a TP model's plain dedicated weights (see the package
+doc)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,21 @@ from dmuon_compile.distributed._pending import PendingUpdates
 from dmuon_compile.distributed._tp.detect import TPInfo, tp_row
 from dmuon_compile.distributed._tp.param import TPDedicatedParam
 from dmuon_compile.distributed._tp.plan import TPOwners
-from dmuon_compile.step_phases import PHASE_TP_MOMENTUM, guarded
+from dmuon_compile.distributed.stages import (
+    MuonJob,
+    StageDirections,
+    StepHalf,
+    StepNS,
+    local_job,
+    no_halves,
+)
+from dmuon_compile.layouts import needs_reshard
+from dmuon_compile.step_phases import (
+    PHASE_TP_MOMENTUM,
+    PHASE_TP_NS_COMPILED,
+    PHASE_TP_NS_EAGER,
+    guarded,
+)
 from dmuon_compile.trace_labels import NS, TP_GATHER, TP_SCATTER, label
 
 
@@ -50,24 +65,18 @@ class ScatterShard(NamedTuple):
 
 @dataclass
 class TPStepHalf:
-    """What the directions of a part's TP matrices (:meth:`TPStage.directions`) leave for
-    :meth:`TPStage.commit` / :meth:`TPStage.abort`: their gradients and momentum buffers, the
-    pending scatters."""
+    """What the directions of a job (:meth:`TPStage.directions`) leave for :meth:`TPStage.commit`
+    / :meth:`TPStage.abort`: its TP matrices' gradients and momentum buffers, the pending
+    scatters; and its plain weights (local masters and momenta) for
+    :meth:`TPStage.broadcast_plain` (sent after the optimizer's commit on TP rank 0, received
+    elsewhere)."""
 
     grads: list[Tensor]
     bufs: list[Tensor]
     momentum: float | Tensor  # the group's momentum (a 0-d tensor in Muon groups)
     shards: list[ScatterShard]
-
-
-class TPDirections(NamedTuple):
-    """:meth:`TPStage.directions` of a Muon group's lists: the TP half (``None`` where this rank
-    steps no TP matrix of them) and the lists' other matrices, in order, for the optimizer."""
-
-    half: TPStepHalf | None
-    params: list
-    grads: list
-    bufs: list
+    plain_masters: list[Tensor] = field(default_factory=list)
+    plain_bufs: list[Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -99,7 +108,7 @@ PLAIN_SOURCE = 0  # the TP rank that updates a column's plain dedicated weights
 @dataclass(eq=False)
 class TPStage:
     """The TP stage of one model: gather → NS on the TP owner → scatter (see the package doc).
-    ``Muon.step`` drives it through :class:`~dmuon_compile.distributed.step_plan.TPStep`."""
+    ``Muon.step`` drives it as a ``stages.StepStage``."""
 
     info: TPInfo
     pg: dist.ProcessGroup
@@ -110,51 +119,96 @@ class TPStage:
     profile: TPProfile = field(default_factory=TPProfile)
     record_profile: bool = False
     owners: TPOwners | None = None
+    what: ClassVar[str] = "tensor parallelism"
+    defers: ClassVar[bool] = False  # its commit applies the updates the owners scattered
+    queues: ClassVar[bool] = True  # deferred scatters wait in the runtime's pending queue
 
     def __post_init__(self) -> None:
         self.by_param = {id(p.param): p for p in self.params}
 
-    def directions(
-        self,
-        group: dict,
-        params: list,
-        grads: list,
-        bufs: list,
-        orthogonalize: Callable[[list[Tensor]], list[Tensor]],
-        failure: list,
-    ) -> TPDirections:
-        """The first half of Muon on the TP matrices among a Muon group's lists, one shape
-        bucket at a time: each member's Nesterov inputs, gathered to their TP owners,
-        ``orthogonalize`` (the optimizer's Newton–Schulz on the owner's whole matrices) and the
-        updates' shards scattered back, left in flight for :meth:`commit` or :meth:`abort`.
-        Nothing is written. Returns the TP half and the lists' other matrices.
+    def directions(self, jobs: list[list[MuonJob]], ns: StepNS, failure: list) -> StageDirections:
+        """The first half of Muon on the TP matrices of every job, one shape bucket at a time:
+        each member's Nesterov inputs, gathered to their TP owners, the optimizer's Newton–Schulz
+        on the owner's whole matrices (:meth:`_orthogonalizer`) and the updates' shards
+        scattered back, left in flight for :meth:`commit` or :meth:`abort`. Nothing is written.
 
         The gather and the scatter go out on every member whatever happens locally: a member
-        whose momentum or ``orthogonalize`` raised (or whose step failed earlier: ``failure``
+        whose momentum or Newton–Schulz raised (or whose step failed earlier: ``failure``
         non-empty) sends placeholders, so the TP group's collectives stay paired and every rank
-        learns of the failure in the agreement. ``orthogonalize`` is called on every member
-        (with no matrices on a non-owner) and returns its input after a failure."""
-        rows, rest = self._split(params, grads, bufs)
-        if not rows:
-            return TPDirections(None, *rest)
+        learns of the failure in the agreement.
+
+        A job's plain weights (the matrices this rank holds whole, once per TP column) are
+        stepped by TP rank 0 only (:meth:`updates_plain`): elsewhere they are taken out of the
+        job and received in the commit. Under a user's ``torch.compile(opt.step)``
+        (``ns.traced``) no TP matrix is taken (the traced directions see local tensors); the
+        plain weights are."""
+        halves = no_halves(jobs)
+        kept_jobs = []
+        for part_jobs, part_halves in zip(jobs, halves):
+            kept = []
+            for job in part_jobs:
+                half, rest = self._job_directions(job, ns, failure)
+                kept.append(rest)
+                if half is not None:
+                    part_halves.append(
+                        StepHalf(job.group, [], [], [], None, stage=self, stage_half=half)
+                    )
+            kept_jobs.append(kept)
+        return StageDirections(kept_jobs, halves)
+
+    def _job_directions(
+        self, job: MuonJob, ns: StepNS, failure: list
+    ) -> tuple[TPStepHalf | None, MuonJob]:
+        """One job's TP half (``None`` if nothing of it here) and its other matrices."""
+        group = job.group
+        tp = [None if ns.traced else self.by_param.get(id(p)) for p in job.params]
+        taken, rest = job.split([dp is not None for dp in tp])
+        # The whole owner TP group owns a row (SPMD inside that group); other ranks skip it.
+        rows = [
+            TPRow(dp, local_of(p), local_of(g), local_of(b))
+            for dp, p, g, b in zip(
+                [dp for dp in tp if dp is not None], taken.params, taken.grads, taken.bufs
+            )
+            if dp.owns
+        ]
         shards: list[ScatterShard] = []
+        orthogonalize = self._orthogonalizer(group, ns, failure)
         for bucket in _tp_buckets(rows):
             shards += self._bucket_directions(group, bucket, orthogonalize, failure)
-        half = TPStepHalf([r.grad for r in rows], [r.buf for r in rows], group["momentum"], shards)
-        return TPDirections(half, *rest)
+        # The plain weights: what the optimizer steps here after the stages (neither the expert
+        # stacks the reshard takes nor other ranks' owner tensors).
+        stacks, plain = rest.split(
+            [needs_reshard(p, lay) for p, lay in zip(rest.params, rest.layouts)]
+        )
+        plain = local_job(plain)
+        if not self.updates_plain():  # received from TP rank 0 in the commit
+            rest = stacks
+        if not rows and not plain.params:
+            return None, rest
+        grads, bufs = [r.grad for r in rows], [r.buf for r in rows]
+        return TPStepHalf(grads, bufs, group["momentum"], shards, plain.params, plain.bufs), rest
 
-    def _split(self, params, grads, bufs) -> tuple[list[TPRow], tuple[list, list, list]]:
-        """``(TP rows, (params, grads, bufs) of the rest)`` of a Muon group's lists."""
-        rows: list[TPRow] = []
-        rest: tuple[list, list, list] = ([], [], [])
-        for p, g, b in zip(params, grads, bufs):
-            dp = self.by_param.get(id(p))
-            if dp is None:
-                for xs, x in zip(rest, (p, g, b)):
-                    xs.append(x)
-            elif dp.owns:  # the whole owner TP group owns it: SPMD inside that group
-                rows.append(TPRow(dp, local_of(p), local_of(g), local_of(b)))
-        return rows, rest
+    def _orthogonalizer(
+        self, group: dict, ns: StepNS, failure: list
+    ) -> Callable[[list[Tensor]], list[Tensor]]:
+        """The Newton–Schulz run on a TP owner's whole matrices (one shape bucket at a time;
+        none on a non-owner): compiled like the rest of the step with ``compile=True`` (default
+        on CUDA), else :meth:`orthogonalize`. A failure is recorded in ``failure`` and the input
+        returned (placeholders: the scatter still goes out)."""
+
+        def orthogonalize(mats: list[Tensor]) -> list[Tensor]:
+            if not mats or failure:
+                return mats
+            compiled = ns.compiled(group, mats, part="tp")
+            if compiled is not None:
+                return guarded(
+                    failure, PHASE_TP_NS_COMPILED, lambda: compiled.orthogonalize(mats), mats
+                )
+            return guarded(
+                failure, PHASE_TP_NS_EAGER, lambda: self.orthogonalize(mats, ns.ns), mats
+            )
+
+        return orthogonalize
 
     def _bucket_directions(
         self, group: dict, bucket: list[TPRow], orthogonalize: Callable, failure: list
@@ -263,8 +317,10 @@ class TPStage:
     def commit(self, half: TPStepHalf, defer: bool) -> None:
         """Store the momentum and apply the scattered update shards now, or with ``defer`` (and
         no HSDP) queue them in the runtime's pending updates: applied before the group's next
-        unshard or any read of the weight."""
-        F.store_momentum(half.grads, half.bufs, F.hyper(half.momentum))
+        unshard or any read of the weight. Then the job's plain weights from TP rank 0 (after
+        the optimizer committed them there) to the TP group."""
+        if half.grads:
+            F.store_momentum(half.grads, half.bufs, F.hyper(half.momentum))
         by_group: dict[int, list[ScatterShard]] = {}
         for shard in half.shards:
             by_group.setdefault(shard.hook_group, []).append(shard)
@@ -273,6 +329,8 @@ class TPStage:
                 self.pending.add(key, ScatterUpdates(self, shards))
             else:
                 self._apply(shards, forward=False)
+        if half.plain_masters:
+            self.broadcast_plain(half.plain_masters, half.plain_bufs)
 
     def abort(self, half: TPStepHalf) -> None:
         """A step that failed on some rank: wait for the scatters (every member issued them)
@@ -282,8 +340,7 @@ class TPStage:
 
     def orthogonalize(self, mats: list[Tensor], ns) -> list[Tensor]:
         """Newton–Schulz on whole matrices, eager (the reference's ``functional.orthogonalize``):
-        what the optimizer's ``orthogonalize`` for :meth:`directions` runs where ``compile`` is
-        off (tests replace it)."""
+        what :meth:`directions` runs where ``compile`` is off (tests replace it)."""
         return F.orthogonalize(mats, ns)
 
     def _apply(self, shards: list[ScatterShard], forward: bool) -> None:
