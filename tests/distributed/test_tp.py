@@ -401,3 +401,20 @@ def test_sequence_parallel_plan_matches_single_process():
     results = run_ranks(_train_sequence_parallel, 2, 4, timeout=200)
     ref_losses, ref_state = reference(1, steps=4)
     _check(results, ref_losses, ref_state)
+
+
+def _user_compiled_tp_step(rank, world):
+    model, dp_rank = build_tp(rank, world, 1, world)
+    opt = _muon(model)
+    opt.step = torch.compile(opt.step)
+    model(models.batches(1, 1)[0]).square().mean().backward()
+    opt.step()
+
+
+def test_a_user_compiled_step_with_tp_weights_raises_naming_the_fix():
+    """``torch.compile(opt.step)`` would trace NS on one TP shard: refused on every rank alike,
+    before any collective of the step (the control, the uncompiled step, trains above)."""
+    errors = run_ranks_expect_errors(_user_compiled_tp_step, 2)
+    for text in errors.values():
+        assert text is not None and "NotImplementedError" in text
+        assert "Muon(compile=True)" in text

@@ -140,8 +140,17 @@ class TPStage:
         A job's plain weights (the matrices this rank holds whole, once per TP column) are
         stepped by TP rank 0 only (:meth:`updates_plain`): elsewhere they are taken out of the
         job and received in the commit. Under a user's ``torch.compile(opt.step)``
-        (``ns.traced``) no TP matrix is taken (the traced directions see local tensors); the
-        plain weights are."""
+        (``ns.traced``) a TP matrix raises: its traced directions would see one shard, and
+        Newton–Schulz of a shard is not the shard of Newton–Schulz (``Muon(compile=True)``
+        compiles the step's math around the gather and scatter instead). The same on every
+        rank (which parameters are TP-sharded is the configuration), before any collective."""
+        if ns.traced and any(id(p) in self.by_param for js in jobs for j in js for p in j.params):
+            raise NotImplementedError(
+                "torch.compile(opt.step) with tensor-parallel dedicated weights is not "
+                "supported: Newton–Schulz needs each TP matrix gathered whole, outside the "
+                "traced step. Call opt.step() uncompiled and let Muon compile its math "
+                "(Muon(compile=True), the default on CUDA)"
+            )
         halves = no_halves(jobs)
         kept_jobs = []
         for part_jobs, part_halves in zip(jobs, halves):
@@ -161,7 +170,7 @@ class TPStage:
     ) -> tuple[TPStepHalf | None, MuonJob]:
         """One job's TP half (``None`` if nothing of it here) and its other matrices."""
         group = job.group
-        tp = [None if ns.traced else self.by_param.get(id(p)) for p in job.params]
+        tp = [self.by_param.get(id(p)) for p in job.params]
         taken, rest = job.split([dp is not None for dp in tp])
         # The whole owner TP group owns a row (SPMD inside that group); other ranks skip it.
         rows = [
