@@ -312,6 +312,23 @@ def apply_muon_update(
         p.add_(o.to(p.dtype), alpha=-lr * scale)
 
 
+def scale_blocks_as_whole(ortho: Tensor, layout: Layout, adjust_lr_fn: str | None) -> Tensor:
+    """``ortho``, one whole 2-D matrix orthogonalised by ``layout``'s blocks, with each block
+    times its own learning-rate scale over the whole matrix's: shards of it applied with the
+    whole matrix's scale (the TP stage's commit) then move each block by its own scale, as
+    :func:`apply_muon_update` with ``layouts`` does. Not blocked: ``ortho`` itself."""
+    if not layout.blocked:
+        return ortho
+    whole = lr_scale(ortho.shape, adjust_lr_fn)
+    split = _split_pieces([ortho], [layout])
+    if split is None:  # blocks of one shape: one factor
+        return ortho * (lr_scale(layout.matrix_shape(ortho.shape), adjust_lr_fn) / whole)
+    out = ortho.clone()
+    for piece, lay in zip(*_split_pieces([out], [layout])[:2]):
+        piece.mul_(lr_scale(lay.matrix_shape(piece.shape), adjust_lr_fn) / whole)
+    return out
+
+
 def _apply_traced(params, ortho, lr: Tensor, weight_decay: Tensor, scales: list[float]) -> None:
     """``apply_muon_update`` while traced: ``foreach`` ops, one traced call per list or per
     distinct scale (same-shape matrices share one), not several per matrix.

@@ -435,8 +435,9 @@ def check_blocked_placement(param: Tensor, layout: Layout, name: str = "the para
     """Refuse a blocked layout on a DTensor whose local shards are not whole matrices: the
     tensor-parallel step and the in-expert reshard orthogonalise one matrix per tensor (they
     would silently ignore the blocks). Supported: one process, dedicated weights (each on its
-    owner: a one-rank mesh), replicated DTensors, and expert stacks sharded along the expert
-    dim only (:func:`whole_expert_shards`)."""
+    owner: a one-rank mesh; TP-sharded ones, gathered whole to their TP owner: a class that
+    says ``orthogonalised_whole``), replicated DTensors, and expert stacks sharded along the
+    expert dim only (:func:`whole_expert_shards`)."""
     import torch.distributed as dist
 
     if not layout.blocked or not dist.is_available():
@@ -445,6 +446,8 @@ def check_blocked_placement(param: Tensor, layout: Layout, name: str = "the para
 
     if not isinstance(param, DTensor) or param.device_mesh.size() == 1:
         return
+    if getattr(type(param), "orthogonalised_whole", False):
+        return
     if all(isinstance(pl, Replicate) for pl in param.placements):
         return
     if whole_expert_shards(param, layout):
@@ -452,10 +455,11 @@ def check_blocked_placement(param: Tensor, layout: Layout, name: str = "the para
     raise NotImplementedError(
         f"{name} is a DTensor sharded {tuple(param.placements)} on {param.device_mesh} with "
         f"the blocked layout {layout}: blocked layouts (per-head / fused-part Newton–Schulz) "
-        "run where each rank holds whole matrices: one process, dedicated weights "
-        "(dmuon.dedicate_params without tensor parallelism), and expert stacks sharded along "
-        "the expert dim only. Tensor-parallel and in-expert shards are not supported yet: "
-        "declare Layout.matrix() / Layout.experts() for this weight, or dedicate it"
+        "run where Newton–Schulz sees whole matrices: one process, dedicated weights (with "
+        "tensor parallelism too: dmuon.dedicate_params gathers them to their TP owner), and "
+        "expert stacks sharded along the expert dim only. Other shards (FSDP2's, in-expert) "
+        "are not supported: declare Layout.matrix() / Layout.experts() for this weight, or "
+        "dedicate it"
     )
 
 

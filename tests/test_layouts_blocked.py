@@ -331,3 +331,47 @@ def test_compiled_step_equals_eager_with_blocked_layouts():
     for k in eager:
         torch.testing.assert_close(compiled[k], eager[k], atol=1e-6, rtol=0)
         assert (whole[k] - eager[k]).abs().max() > 1e-4, k
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    layout=st.sampled_from(
+        [
+            Layout.heads(4),
+            Layout.heads(4, dim=1),
+            Layout.fused((8, 4, 4)),
+            Layout.fused((4, 12), heads=(4, 0)),
+            Layout.gate_up(),
+            Layout.matrix(),
+        ]
+    ),
+    fn=st.sampled_from(list(F.ADJUST_LR_FNS)),
+    seed=st.integers(0, 2**16),
+)
+def test_blocks_scaled_as_whole_then_applied_with_the_whole_scale_move_by_their_own(
+    layout, fn, seed
+):
+    """The TP stage applies shards of a blocked matrix's update with the whole matrix's
+    learning-rate scale: ``scale_blocks_as_whole`` first makes that each block's own scale,
+    the update ``apply_muon_update`` makes with the layout (the one-process step). Control:
+    without it, a layout whose blocks' scale differs from the whole's moves elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    w, o = (
+        torch.randn(16, 16, generator=gen, dtype=torch.float64),
+        torch.randn(16, 16, generator=gen, dtype=torch.float64),
+    )
+    want, got, plain = w.clone(), w.clone(), w.clone()
+    F.apply_muon_update([want], [o], 0.1, 0.0, fn, layouts=[layout])
+    F.apply_muon_update([got], [F.scale_blocks_as_whole(o, layout, fn)], 0.1, 0.0, fn, [(16, 16)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    F.apply_muon_update([plain], [o], 0.1, 0.0, fn, [(16, 16)])
+    if layout == Layout.heads(4, dim=1) and fn == "original":  # 16×4 blocks: √4 vs 1
+        assert not torch.allclose(plain, want)
+
+
+def test_control_blocks_applied_with_the_whole_scale_alone_move_elsewhere():
+    o, w = torch.ones(16, 16, dtype=torch.float64), torch.zeros(16, 16, dtype=torch.float64)
+    want, plain = w.clone(), w.clone()
+    F.apply_muon_update([want], [o], 0.1, 0.0, "original", layouts=[Layout.heads(4, dim=1)])
+    F.apply_muon_update([plain], [o], 0.1, 0.0, "original", [(16, 16)])
+    assert not torch.allclose(plain, want)  # 16×4 heads: scale √4, the whole matrix: 1

@@ -105,6 +105,10 @@ class OwnerTensor(DTensor):
     ``OwnerTensor`` too (``detach``, ``zeros_like``, arithmetic).
     """
 
+    # Its Newton–Schulz sees whole matrices (on the owner, or gathered to the TP owner), so a
+    # blocked layout's blocks are cut there (``layouts.check_blocked_placement`` reads this).
+    orthogonalised_whole = True
+
     def full_tensor(self, *, grad_placements=None) -> Tensor:  # noqa: ARG002 - DTensor's signature
         return full_tensor(self)
 

@@ -418,3 +418,43 @@ def test_a_user_compiled_step_with_tp_weights_raises_naming_the_fix():
     for text in errors.values():
         assert text is not None and "NotImplementedError" in text
         assert "Muon(compile=True)" in text
+
+
+PER_HEAD_STEPS = 4
+
+
+def _per_head_reference(per_head: bool):
+    import dmuon_compile as dmuon
+
+    model = models.build_llama()
+    if per_head:
+        dmuon.set_head_layouts(model)
+    opt = _muon(model, predicate=models.proj_predicate, adjust_lr_fn="original")
+    losses = train_steps(model, opt, models.batches(PER_HEAD_STEPS, 1))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_per_head_tp(rank, world):
+    import dmuon_compile as dmuon
+
+    model, dp_rank = build_tp(rank, world, 1, world)
+    dmuon.set_head_layouts(model)  # on the TP-sharded dedicated weights: blocks of the whole
+    opt = _muon(model, adjust_lr_fn="original")  # o's (dim, head_dim) blocks: scale 2, whole 1
+    losses = train_steps(model, opt, models.batches(PER_HEAD_STEPS, 1), dp_rank, 1)
+    q = model.layers[0].self_attn.q_proj.weight
+    o = model.layers[0].self_attn.o_proj.weight
+    layouts = [str(dmuon.get_layout(q)), str(dmuon.get_layout(o))]
+    return {"losses": losses, "state": _whole_state(model), "layouts": layouts}
+
+
+def test_per_head_ns_under_tp_matches_single_process():
+    """q, k, v per head (rows) and o per head (columns) on TP-sharded dedicated weights: each
+    TP owner cuts the gathered whole matrix into its heads, and each head moves by its own
+    learning-rate scale. Control: whole-matrix NS ends elsewhere."""
+    results = run_ranks(_train_per_head_tp, 2, timeout=200)
+    ref_losses, ref_state = _per_head_reference(True)
+    assert all("head_dims" in text for text in results[0]["layouts"])
+    _check(results, ref_losses, ref_state)
+    _, whole_state = _per_head_reference(False)
+    gap = max((whole_state[k] - ref_state[k]).abs().max() for k in ref_state)
+    assert gap > 100 * WEIGHT_ATOL, gap

@@ -30,7 +30,7 @@ from dmuon_compile.distributed.stages import (
     local_job,
     no_halves,
 )
-from dmuon_compile.layouts import needs_reshard
+from dmuon_compile.layouts import Layout, needs_reshard
 from dmuon_compile.step_phases import (
     PHASE_TP_MOMENTUM,
     PHASE_TP_NS_COMPILED,
@@ -48,6 +48,7 @@ class TPRow(NamedTuple):
     master: Tensor
     grad: Tensor
     buf: Tensor
+    layout: Layout  # its blocks (per head) are cut from the whole matrix on the TP owner
 
 
 class ScatterShard(NamedTuple):
@@ -97,7 +98,7 @@ def _tp_buckets(rows: list[TPRow]) -> list[list[TPRow]]:
     collectives stay SPMD), one batched NS stack per owner and bucket."""
     buckets: dict[tuple, list[TPRow]] = {}
     for row in rows:
-        key = (tuple(row.param.global_shape), row.master.dtype)
+        key = (tuple(row.param.global_shape), row.master.dtype, row.layout)
         buckets.setdefault(key, []).append(row)
     return list(buckets.values())
 
@@ -174,9 +175,13 @@ class TPStage:
         taken, rest = job.split([dp is not None for dp in tp])
         # The whole owner TP group owns a row (SPMD inside that group); other ranks skip it.
         rows = [
-            TPRow(dp, local_of(p), local_of(g), local_of(b))
-            for dp, p, g, b in zip(
-                [dp for dp in tp if dp is not None], taken.params, taken.grads, taken.bufs
+            TPRow(dp, local_of(p), local_of(g), local_of(b), lay)
+            for dp, p, g, b, lay in zip(
+                [dp for dp in tp if dp is not None],
+                taken.params,
+                taken.grads,
+                taken.bufs,
+                taken.layouts,
             )
             if dp.owns
         ]
@@ -199,22 +204,30 @@ class TPStage:
 
     def _orthogonalizer(
         self, group: dict, ns: StepNS, failure: list
-    ) -> Callable[[list[Tensor]], list[Tensor]]:
+    ) -> Callable[[list[Tensor], Layout], list[Tensor]]:
         """The Newton–Schulz run on a TP owner's whole matrices (one shape bucket at a time;
         none on a non-owner): compiled like the rest of the step with ``compile=True`` (default
         on CUDA), else :meth:`orthogonalize`. A failure is recorded in ``failure`` and the input
         returned (placeholders: the scatter still goes out)."""
 
-        def orthogonalize(mats: list[Tensor]) -> list[Tensor]:
+        def orthogonalize(mats: list[Tensor], layout: Layout) -> list[Tensor]:
             if not mats or failure:
                 return mats
+            lays = [layout] * len(mats) if layout.blocked else None
             compiled = ns.compiled(group, mats, part="tp")
             if compiled is not None:
                 return guarded(
-                    failure, PHASE_TP_NS_COMPILED, lambda: compiled.orthogonalize(mats), mats
+                    failure,
+                    PHASE_TP_NS_COMPILED,
+                    lambda: compiled.orthogonalize(mats, lays),
+                    mats,
                 )
+            by_block = {} if lays is None else {"layouts": lays}
             return guarded(
-                failure, PHASE_TP_NS_EAGER, lambda: self.orthogonalize(mats, ns.ns), mats
+                failure,
+                PHASE_TP_NS_EAGER,
+                lambda: self.orthogonalize(mats, ns.ns, **by_block),
+                mats,
             )
 
         return orthogonalize
@@ -238,8 +251,12 @@ class TPStage:
                 grads,
             )
         whole = self._gather(bucket, updates)  # {row index: whole matrix} on the TP owner
+        layout = bucket[0].layout  # one per bucket (``_tp_buckets``)
         with label(NS):
-            out = orthogonalize(list(whole.values()))
+            out = orthogonalize(list(whole.values()), layout)
+        if layout.blocked and not failure:  # each block's own lr scale, on the owner
+            fn = group["adjust_lr_fn"]
+            out = [F.scale_blocks_as_whole(o.float(), layout, fn) for o in out]
         ortho = dict(zip(whole, out))
         whole = out = None  # the whole matrices: freed once orthogonalised
         lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
@@ -347,10 +364,11 @@ class TPStage:
         for shard in half.shards:
             C.wait(shard.work, "the TP scatter of Newton–Schulz updates", self.pg)
 
-    def orthogonalize(self, mats: list[Tensor], ns) -> list[Tensor]:
+    def orthogonalize(self, mats: list[Tensor], ns, layouts=None) -> list[Tensor]:
         """Newton–Schulz on whole matrices, eager (the reference's ``functional.orthogonalize``):
-        what :meth:`directions` runs where ``compile`` is off (tests replace it)."""
-        return F.orthogonalize(mats, ns)
+        what :meth:`directions` runs where ``compile`` is off (tests replace it). ``layouts``:
+        each matrix's, when blocked (per head)."""
+        return F.orthogonalize(mats, ns, layouts=layouts)
 
     def _apply(self, shards: list[ScatterShard], forward: bool) -> None:
         with label(TP_SCATTER):
