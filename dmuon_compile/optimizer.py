@@ -135,6 +135,9 @@ class Muon(torch.optim.Optimizer):
             GPU. The same math as on the GPU, bit for bit. Combines with ``momentum_dtype``.
             A checkpoint of any of these settings loads into any other (converted at the
             next step): checkpoints hold ``momentum_buffer`` in the parameter's dtype.
+        per_head: ``True`` runs ``dmuon.set_head_layouts(model)`` first (needs ``Muon(model)``):
+            the attention projections it recognises are orthogonalised head by head
+            (docs/recipes.md). Default ``False``: layouts as declared.
         qk_clip: ``None`` (default) or τ > 0: QK-clip (MuonClip) after every step, the heads
             whose max attention logit in the last forward exceeded τ get W_q and W_k scaled
             back to τ (``dmuon.QKClip``; needs ``Muon(model)``). The clip is
@@ -176,6 +179,7 @@ class Muon(torch.optim.Optimizer):
         momentum_dtype: torch.dtype | str | None = None,
         offload: str | None = None,
         qk_clip: float | None = None,
+        per_head: bool = False,
     ) -> None:
         _check_nonneg("lr", lr)
         _check_nonneg("weight_decay", weight_decay)
@@ -195,6 +199,15 @@ class Muon(torch.optim.Optimizer):
             )
 
         self.model = params if isinstance(params, nn.Module) else None
+        if per_head:  # before routing reads the layouts
+            if self.model is None:
+                raise ValueError(
+                    "Muon(per_head=True) needs the model (Muon(model, ...)) to find its attention "
+                    "modules; with parameters, call dmuon.set_head_layouts(model) first"
+                )
+            from dmuon_compile.layouts import set_head_layouts
+
+            set_head_layouts(self.model)
         # Where and in what form the Muon momentum lives between steps (momentum_storage.py):
         # in place (the default, bf16), or a stored copy (8-bit, host memory) that each step
         # materialises as working buffers and writes back after the commit.

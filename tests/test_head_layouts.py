@@ -94,6 +94,53 @@ def test_the_real_transformers_llama_attention_is_recognised():
     assert got["model.layers.0.self_attn.k_proj.weight"] == Layout.heads(8)
 
 
+def test_the_real_transformers_gpt_oss_is_recognised():
+    """GPT-OSS: attention per head (transformers' names), and its expert stacks as the preset
+    table says: ``gate_up_proj`` (E, dim, 2·I) with gate and up interleaved along its columns,
+    ``down_proj`` (E, I, dim), both stored (in, out)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no GPT-OSS")
+    config = transformers.GptOssConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention"],
+    )
+    model = transformers.GptOssForCausalLM(config)
+    opt = dmuon.Muon(model, compile=False, per_head=True)
+    names = {n: p for n, p in model.named_parameters()}
+    layout = opt._layouts
+    prefix = "model.layers.0."
+    assert layout[id(names[prefix + "self_attn.q_proj.weight"])] == Layout.heads(8)
+    assert layout[id(names[prefix + "self_attn.o_proj.weight"])] == Layout.heads(8, dim=1)
+    gate_up = Layout.gate_up(interleaved=True, experts=True, transposed=True)
+    assert layout[id(names[prefix + "mlp.experts.gate_up_proj"])] == gate_up
+    down = layout[id(names[prefix + "mlp.experts.down_proj"])]
+    assert (down.kind, down.transposed, down.split, down.blocked) == ("experts", True, None, False)
+    # the halves the layout cuts are the model's gate and up: columns ::2 and 1::2
+    w = names[prefix + "mlp.experts.gate_up_proj"].detach()
+    halves = gate_up.matrices(w)
+    assert halves.shape[0] == 2 * w.shape[0]
+    wanted = [w[e][..., k::2] for e in range(4) for k in (0, 1)]  # (dim, I): in, out
+
+    def found(h):
+        return any(torch.equal(h, x) or torch.equal(h, x.T) for x in wanted)
+
+    assert all(found(h) for h in halves)
+
+
+def test_muon_per_head_needs_the_model():
+    with pytest.raises(ValueError, match="needs the model"):
+        dmuon.Muon([torch.nn.Parameter(torch.randn(4, 4))], per_head=True)
+
+
 def _step(model, x):
     opt = dmuon.Muon(model, lr=0.02, compile=False, adamw_lr=0.0)
     model(x).square().mean().backward()

@@ -33,6 +33,7 @@ SLOW = {
     "tests/test_head_layouts.py": [
         "test_the_real_transformers_llama_attention_is_recognised",
         "test_the_real_transformers_deepseek_v3_attention_is_recognised",
+        "test_the_real_transformers_gpt_oss_is_recognised",
     ],
     "tests/integrations/test_torchtitan_config_options.py": [
         "test_momentum_dtype_and_per_head_reach_muon"
