@@ -7,7 +7,7 @@ MoE load-balancing hook), with ``dedicating(parallelize_fn)``.
   the attention weights at the end, each step's per-head max logits and the clip counts. 2
   ranks: torchtitan's Llama-3 debug model under 1-D FSDP2 (per-head NS and QK-clip, and with
   NorMuon too), TP 2 (a grouped-query variant, its fused ``wqkv`` column-parallel by whole kv
-  groups; QK-clip only: TP shards take no per-head layouts) and its DeepSeek-V3 debug model
+  groups; per-head NS on the TP owners, and QK-clip) and its DeepSeek-V3 debug model
   (multi-head latent attention; all three recipes, NorMuon on the expert stacks too) at expert
   parallelism 2. 4 ranks: HSDP 2 × 2.
 - ``tau`` is below the logits these models reach: the clip fires on every rank, and heads that
@@ -268,7 +268,7 @@ SCENARIOS_2 = {
     "fsdp": {},
     "fsdp_normuon": {"normuon": True},
     "fsdp_no_clip": {"clip": False},
-    "tp": {"arch": "llama_gqa", "tp": 2, "per_head": False},
+    "tp": {"arch": "llama_gqa", "tp": 2},
     "ep": {"arch": "dsv3", "ep": 2, "normuon": True},
 }
 
@@ -277,7 +277,7 @@ SCENARIOS_2 = {
 def test_per_head_normuon_and_qk_clip_train_like_one_process_on_fsdp_tp_and_ep(tmp_path):
     """2 ranks, torchtitan's ``train_step``: 1-D FSDP2 with dedicated weights (per-head NS and
     QK-clip; NorMuon too), TP 2 (grouped-query attention, its fused ``wqkv`` column-parallel by
-    whole kv groups; QK-clip without per-head NS, which TP shards do not support) and EP 2
+    whole kv groups; per-head NS on the TP owners, and QK-clip) and EP 2
     (DeepSeek-V3, multi-head latent attention; per-head NS, NorMuon and QK-clip) each equal one
     process. Controls: the clip off ends elsewhere than the clipped run; per-head NS off
     ends elsewhere than per-head on."""
@@ -285,7 +285,7 @@ def test_per_head_normuon_and_qk_clip_train_like_one_process_on_fsdp_tp_and_ep(t
     results = run_ranks(_scenarios, 2, str(tmp_path), SCENARIOS_2, timeout=220)
     fsdp = _check(results, "fsdp", "llama", 2)
     _check(results, "fsdp_normuon", "llama", 2, normuon=True)
-    _check(results, "tp", "llama_gqa", 1, per_head=False)
+    _check(results, "tp", "llama_gqa", 1)
     _check(results, "ep", "dsv3", 2, normuon=True)
     assert _one_rank_over_tau(results, "fsdp", "llama") > 0
     assert _one_rank_over_tau(results, "ep", "dsv3") > 0
