@@ -6,6 +6,11 @@ per-rank results (tensors come back as CPU tensors). A rank that raises makes th
 with that rank's traceback; a run that outlives ``timeout`` kills every process and fails —
 a distributed test never hangs.
 
+A rank killed by the C runtime (SIGABRT, SIGSEGV or SIGBUS: a heap corruption or fault inside
+torch's or gloo's native code, which Python code cannot cause) makes :func:`run_ranks` run the
+whole call again, once, with a warning that names the signal; a second crash fails the test.
+Exceptions, assertion failures and timeouts are never retried.
+
 ``device="cuda"`` runs every rank on ``cuda:0`` (still gloo, on CUDA tensors): several ranks
 share one GPU, which exercises CUDA streams, events and the allocator with several ranks on a
 one-GPU machine. ``backend="nccl"`` puts rank r on ``cuda:r`` instead (one GPU per rank).
@@ -25,8 +30,10 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import time
 import traceback
+import warnings
 
 import torch
 import torch.multiprocessing as mp
@@ -35,6 +42,9 @@ DEFAULT_TIMEOUT_S = 90.0
 # Set by tests/conftest.py while a test without the ``distributed`` marker runs (tests/tiers.py).
 NOT_DISTRIBUTED_ENV = "DMUON_TEST_NOT_DISTRIBUTED"
 DEVICES = ("cpu", "cuda")
+# Signals by which a worker dies of a native crash (faulthandler prints, then re-raises them).
+NATIVE_CRASH_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
+NATIVE_CRASH_RETRIES = 1
 
 
 def local_device(device: str) -> torch.device:
@@ -179,6 +189,66 @@ def _raise_first_error(got: dict, ranks) -> None:
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
 
 
+class NativeCrash(RuntimeError):
+    """A worker died of a signal raised in native code (see :data:`NATIVE_CRASH_SIGNALS`)."""
+
+
+def _native_crashes(launch, wait_s: float) -> dict[int, str]:
+    """``{rank: signal name}`` of the workers that died of a native crash; waits up to
+    ``wait_s`` for a crashing worker to finish dying (faulthandler is still printing)."""
+    deadline = time.monotonic() + wait_s
+    crashed: dict[int, str] = {}
+    for rank, p in enumerate(launch.procs):
+        p.join(timeout=max(0.0, deadline - time.monotonic()) if p.is_alive() else 0)
+        code = p.exitcode
+        if code is not None and code < 0 and -code in NATIVE_CRASH_SIGNALS:
+            crashed[rank] = signal.Signals(-code).name
+    return crashed
+
+
+def _run_once(fn, world_size, args, env, backend, device, timeout) -> dict[int, tuple]:
+    launch = _Launch(fn, world_size, args, env, backend, None, device)
+    deadline = time.monotonic() + timeout
+    got: dict[int, tuple] = {}
+    failed = False
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"distributed test did not finish within {timeout:.0f}s "
+                    f"(ranks done: {sorted(got)}); killed all ranks"
+                )
+            try:
+                rank, status, payload = launch.results.get(timeout=min(left, 1.0))
+                got[rank] = (status, payload)
+                if status == "error":
+                    failed = True
+                    break  # other ranks may now wait forever on a collective: stop them
+            except queue.Empty as empty:
+                procs = launch.procs
+                dead = [
+                    i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got
+                ]
+                if dead:
+                    failed = True
+                    crashed = _native_crashes(launch, wait_s=0)
+                    if crashed:
+                        raise NativeCrash(f"ranks died of {crashed}") from empty
+                    raise RuntimeError(
+                        f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})"
+                    ) from empty
+        if failed:
+            # a peer's native crash shows on the other ranks as a lost connection
+            crashed = _native_crashes(launch, wait_s=2.0)
+            if crashed:
+                errors = {r: msg.splitlines()[0] for r, (st, msg) in got.items() if st == "error"}
+                raise NativeCrash(f"ranks died of {crashed}; the others reported {errors}")
+    finally:
+        launch.stop(grace_s=0.5 if len(got) == world_size else 0)
+    return got
+
+
 def run_ranks(
     fn,
     world_size: int,
@@ -192,36 +262,21 @@ def run_ranks(
 
     gloo on the CPU by default; ``device="cuda"``: gloo with every rank on ``cuda:0``;
     ``backend="nccl"``: rank r on ``cuda:r``. ``env`` is set in each worker before anything
-    else (e.g. ``CUDA_LAUNCH_BLOCKING``)."""
+    else (e.g. ``CUDA_LAUNCH_BLOCKING``). A native crash of a rank reruns the call once."""
     if backend == "nccl":
         device = "cuda"
-    launch = _Launch(fn, world_size, args, dict(env or {}), backend, None, device)
-    deadline = time.monotonic() + timeout
-    got: dict[int, tuple] = {}
-    try:
-        while len(got) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"distributed test did not finish within {timeout:.0f}s "
-                    f"(ranks done: {sorted(got)}); killed all ranks"
-                )
-            try:
-                rank, status, payload = launch.results.get(timeout=min(left, 1.0))
-                got[rank] = (status, payload)
-                if status == "error":
-                    break  # other ranks may now wait forever on a collective: stop them
-            except queue.Empty as empty:
-                procs = launch.procs
-                dead = [
-                    i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got
-                ]
-                if dead:
-                    raise RuntimeError(
-                        f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})"
-                    ) from empty
-    finally:
-        launch.stop(grace_s=0.5 if len(got) == world_size else 0)
+    for attempt in range(NATIVE_CRASH_RETRIES + 1):
+        try:
+            got = _run_once(fn, world_size, args, dict(env or {}), backend, device, timeout)
+            break
+        except NativeCrash as crash:
+            if attempt == NATIVE_CRASH_RETRIES:
+                raise
+            warnings.warn(
+                f"{getattr(fn, '__name__', fn)}: {crash}; running the call again",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     _raise_first_error(got, range(world_size))
     return [_restore(got[r][1]) for r in range(world_size)]
 

@@ -1,4 +1,5 @@
-"""The harness itself: the rendezvous port cannot be taken from under a run.
+"""The harness itself: the rendezvous port cannot be taken from under a run; a native crash
+reruns a call once, nothing else does.
 
 The race a bind-to-0-then-release launcher loses: between the launcher closing its probe socket
 and rank 0 binding the port, another process takes it, and rank 0 fails with ``EADDRINUSE``.
@@ -72,3 +73,47 @@ def test_whole_tensor_without_functional_collectives_equals_full_tensor():
     assert len(res) > 5
     for name, (plain, full) in res.items():
         assert torch.equal(plain, full), name
+
+
+def _abort_first_time(rank, world, marker):
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1 and not Path(marker).exists():
+        try:
+            Path(marker).touch()
+        except OSError:
+            pass  # no marker: the rerun crashes too
+        os.abort()  # a native crash: SIGABRT, as glibc's heap checks raise it
+    return _rank_sum(rank, world)
+
+
+def _count_and_fail(rank, world, log):
+    with open(log, "a") as f:
+        f.write(f"{rank}\n")
+    raise ValueError("an ordinary failure")
+
+
+def test_native_crash_reruns_the_call_once(tmp_path):
+    marker = tmp_path / "crashed"
+    with pytest.warns(RuntimeWarning, match="SIGABRT.*running the call again"):
+        assert run_ranks(_abort_first_time, 2, str(marker), timeout=60) == [3.0, 3.0]
+    assert marker.exists()  # control: the first run did crash
+
+
+def test_native_crash_twice_fails():
+    from .harness import NativeCrash
+
+    # the marker cannot be written in a missing directory: every attempt crashes
+    with pytest.warns(RuntimeWarning), pytest.raises(NativeCrash, match="SIGABRT"):
+        run_ranks(_abort_first_time, 2, "/nonexistent-dir/marker", timeout=60)
+
+
+def test_an_exception_is_not_rerun(tmp_path):
+    log = tmp_path / "log"
+    with pytest.raises(AssertionError, match="an ordinary failure"):
+        run_ranks(_count_and_fail, 2, str(log), timeout=60)
+    assert len(log.read_text().split()) <= 2  # one run: each rank at most once
