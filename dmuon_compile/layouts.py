@@ -388,6 +388,42 @@ def _head_sizes(heads, n_parts: int) -> tuple[int, ...]:
     return heads if any(heads) else ()
 
 
+def block_shard_layouts(layout: Layout, shape, dim: int, size: int) -> list[Layout] | None:
+    """Per shard, the layout of its blocks when a 2-D matrix of ``shape`` cut into ``size``
+    equal shards along ``dim`` (tensor parallelism's ``Shard(dim)``) leaves every block of the
+    blocked ``layout`` whole in one shard; else ``None``. A function of the configuration only,
+    so every rank decides the same. Each shard's layout cuts it into the blocks it holds, in
+    order: heads of one size, or the blocks as parts when their sizes differ.
+
+    >>> block_shard_layouts(Layout.heads(8), (64, 32), 0, 2)[1].head_dims
+    (8,)
+    >>> block_shard_layouts(Layout.heads(8), (48, 32), 0, 4) is None  # 6 heads over 4 shards
+    True
+    """
+    if not layout.blocked or layout.kind != "matrix" or len(shape) != 2 or size < 1:
+        return None
+    length = int(shape[dim])
+    if dim != layout.block_dim(shape) or length % size:
+        return None
+    chunk = length // size
+    per_shard: list[list[int]] = [[] for _ in range(size)]
+    start = 0
+    for block in layout.block_sizes(shape):
+        shard = start // chunk
+        if (start + block - 1) // chunk != shard:  # the block straddles a shard boundary
+            return None
+        per_shard[shard].append(block)
+        start += block
+    out = []
+    for blocks in per_shard:
+        if len(set(blocks)) == 1:
+            parts, heads = (), (blocks[0],)
+        else:
+            parts, heads = tuple(blocks), ()
+        out.append(Layout("matrix", None, layout.split_dim, layout.transposed, parts, heads))
+    return out
+
+
 def whole_expert_shards(param: Tensor, layout: Layout) -> bool:
     """Whether ``param`` is a DTensor expert stack each of whose local shards holds whole
     experts: sharded only along the expert dim (FSDP2's default ``Shard(0)``, expert
@@ -418,6 +454,20 @@ def needs_reshard(param: Tensor, layout: Layout) -> bool:
             isinstance(pl, (Shard, Replicate)) or type(pl).__name__ == "_StridedShard"
             for pl in param.placements
         )
+    )
+
+
+def replicated_stack(param: Tensor, layout: Layout) -> bool:
+    """Whether ``param`` is a DTensor expert stack replicated over some mesh dim of more than
+    one rank (HSDP's replicate dim): its replicas can split the stack's Newton–Schulz
+    (``Muon(expert_ns="once")``, ``distributed/_expert_shards.py``)."""
+    if layout.kind != "experts":
+        return False
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return isinstance(param, DTensor) and any(
+        isinstance(pl, Replicate) and param.device_mesh.size(i) > 1
+        for i, pl in enumerate(param.placements)
     )
 
 

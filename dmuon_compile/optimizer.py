@@ -29,7 +29,7 @@ from dmuon_compile import normuon as _normuon
 from dmuon_compile.between_steps import BetweenSteps
 from dmuon_compile.distributed._owned import OwnerTensor, local_of
 from dmuon_compile.distributed.stages import MuonJob, StepHalf, StepNS, StepStage, local_job
-from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPlan, expert_stage
+from dmuon_compile.distributed.step_plan import EXPERT_NS, PLAIN_STEP, StepPlan, expert_stage
 from dmuon_compile.layouts import Layout, needs_reshard, whole_expert_shards
 from dmuon_compile.momentum_storage import STORED_KEYS, MomentumStorage
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
@@ -138,6 +138,12 @@ class Muon(torch.optim.Optimizer):
         per_head: ``True`` runs ``dmuon.set_head_layouts(model)`` first (needs ``Muon(model)``):
             the attention projections it recognises are orthogonalised head by head
             (docs/recipes.md). Default ``False``: layouts as declared.
+        expert_ns: where HSDP replicates expert stacks: ``"per_replica"`` (default) — each
+            replica orthogonalises its copy of its experts (R replicas: the expert NS R times
+            in the job) — or ``"once"``: the replicas split the experts between them and one
+            all-gather over the replicate dim (in NS's output dtype) gives each all the
+            results; per-rank expert NS falls R×, for that all-gather's bytes (docs/moe.md).
+            No effect without expert stacks replicated over a mesh dim.
         qk_clip: ``None`` (default) or τ > 0: QK-clip (MuonClip) after every step, the heads
             whose max attention logit in the last forward exceeded τ get W_q and W_k scaled
             back to τ (``dmuon.QKClip``; needs ``Muon(model)``). The clip is
@@ -180,6 +186,7 @@ class Muon(torch.optim.Optimizer):
         offload: str | None = None,
         qk_clip: float | None = None,
         per_head: bool = False,
+        expert_ns: str = "per_replica",
     ) -> None:
         _check_nonneg("lr", lr)
         _check_nonneg("weight_decay", weight_decay)
@@ -218,6 +225,7 @@ class Muon(torch.optim.Optimizer):
         self.nonfinite_grads = nonfinite_grads
         self.normuon = _normuon.resolve(normuon)  # None: off
         self.replicate_async = bool(replicate_async)
+        self.expert_ns = expert_ns  # validated by the property
         from dmuon_compile.compiled_step import check_compile_args  # late: loads the passes
 
         check_compile_args(compile, compile_mode)
@@ -555,14 +563,27 @@ class Muon(torch.optim.Optimizer):
             self._compiles_all = (key, compile_enabled(self.compile, mats))
         return self._compiles_all[1]
 
+    @property
+    def expert_ns(self) -> str:
+        """``"per_replica"`` or ``"once"`` (see the class's arguments); settable between steps:
+        the next step plans its expert stage again."""
+        return self._expert_ns
+
+    @expert_ns.setter
+    def expert_ns(self, value: str) -> None:
+        if value not in EXPERT_NS:
+            raise ValueError(f"expert_ns={value!r}: choose one of {EXPERT_NS}")
+        self._expert_ns = value
+
     def _with_stages(self, plan: StepPlan) -> StepPlan:
         """``plan`` with the expert reshard stage where some Muon matrices are expert stacks
         sharded inside their experts (``step_plan.expert_stage``: the layouts are this
         optimizer's), looked for once per set of Muon matrices."""
         mats = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
-        key = tuple(map(id, mats))
+        key = (self.expert_ns, *map(id, mats))
         if self._expert_stage[0] != key:
-            self._expert_stage = (key, expert_stage([(p, self._layout(p)) for p in mats]))
+            matrices = [(p, self._layout(p)) for p in mats]
+            self._expert_stage = (key, expert_stage(matrices, self.expert_ns))
         stage = self._expert_stage[1]
         return plan if stage is None else plan.adding(stage)
 

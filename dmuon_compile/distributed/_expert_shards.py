@@ -28,6 +28,13 @@ all ranks), moving ``ep`` times the stack; it stays as the reference
 (:func:`_orthogonalize_resharded_reference`) and as the path for layouts the direct one does
 not cut (:func:`_direct_cuts`).
 
+Under HSDP the stacks are copies over the replicate mesh dim, and by default every replica
+orthogonalises its copy (R replicas: R times the expert NS of the job). With
+``split_replicas`` (``Muon(expert_ns="once")``) the members of the replicate group split each
+batch's whole experts between them by the same walk (the dedicated loads weigh there, where
+NS runs) and one all-gather over that group, in NS's output dtype, gives every replica all the
+results: each expert is orthogonalised once per job, for the bytes of an all-gather.
+
 Every rank issues the same collectives in the same order (the parameter lists and their
 placements are the same everywhere; the split sizes follow from the global shape and the mesh,
 never from the data); a rank whose step already failed sends its placeholders, as the TP stage
@@ -44,7 +51,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon_compile import functional as F
 from dmuon_compile.distributed._owned import local_of
@@ -55,7 +62,12 @@ from dmuon_compile.distributed.stages import (
     StepNS,
     no_halves,
 )
-from dmuon_compile.layouts import Layout, needs_reshard, whole_expert_shards  # noqa: F401
+from dmuon_compile.layouts import (  # noqa: F401 - the tests ask here
+    Layout,
+    needs_reshard,
+    replicated_stack,
+    whole_expert_shards,
+)
 from dmuon_compile.step_phases import PHASE_EAGER, guarded
 from dmuon_compile.trace_labels import NS, label
 
@@ -162,6 +174,42 @@ def _direct_cuts(param: DTensor) -> tuple[_Cut, ...] | None:
     return kept[1]
 
 
+@dataclass(frozen=True)
+class _Replicas:
+    """The mesh dim over which a stack's local shards are copies (HSDP's replicate dim): its
+    process group, this rank's index there and the members' global ranks."""
+
+    group: dist.ProcessGroup
+    member: int
+    ranks: tuple[int, ...]
+
+
+def replicas_of(param: DTensor) -> _Replicas | None:
+    """The largest mesh dim ``param`` is ``Replicate()`` over (size > 1), kept on the parameter
+    like its cuts; ``None`` without one, or where the mesh's group ranks along it are not its
+    coordinates (the replicas then each orthogonalise their copy)."""
+    key = (id(param.device_mesh), tuple(param.placements))
+    kept = getattr(param, "_dmuon_expert_replicas", None)
+    if kept is None or kept[0] != key:
+        kept = (key, _replicas_from(param.device_mesh, key[1]))
+        param._dmuon_expert_replicas = kept
+    return kept[1]
+
+
+def _replicas_from(mesh, placements: tuple) -> _Replicas | None:
+    coord = mesh.get_coordinate()
+    dims = [i for i, pl in enumerate(placements) if isinstance(pl, Replicate) and mesh.size(i) > 1]
+    if coord is None or not dims:
+        return None
+    i = max(dims, key=mesh.size)
+    group = mesh.get_group(i)
+    ranks = [dist.get_global_rank(group, j) for j in range(mesh.size(i))]
+    along = [slice(None) if k == i else c for k, c in enumerate(coord)]
+    if mesh.mesh[tuple(along)].tolist() != ranks:
+        return None
+    return _Replicas(group, coord[i], tuple(ranks))
+
+
 def _cuts_of(mesh, placements: tuple, shape: tuple) -> tuple[_Cut, ...] | None:
     """The in-expert mesh dims of a stack in the order the direct path undoes them (the
     last mesh dim first: where two mesh dims cut the same tensor dim, the later one cuts the
@@ -206,6 +254,11 @@ def _all_to_all(out: Tensor, inp: Tensor, out_splits, in_splits, group) -> None:
     """One all-to-all of flat buffers (element counts per member, by group rank). A module
     function so that tests can record what goes out."""
     dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group)
+
+
+def _all_gather(out: Tensor, inp: Tensor, group) -> None:
+    """One all-gather of equal flat buffers (a module function: tests record it)."""
+    dist.all_gather_into_tensor(out, inp, group=group)
 
 
 def _piece_shape(shape, dim: int, size: int) -> list[int]:
@@ -289,6 +342,8 @@ def orthogonalize_resharded(
     orthogonalize,
     walk: ExpertWalk | None = None,
     batch_bytes: int | None = None,
+    split_replicas: bool = False,
+    gather_dtype: torch.dtype | None = None,
 ) -> list[Tensor]:
     """``orthogonalize(mats, layouts)`` of each stack's whole experts, returned as this rank's
     local shards in the stacks' own placements. ``updates``: the local Nesterov inputs (or
@@ -302,24 +357,27 @@ def orthogonalize_resharded(
     stack. ``batch_bytes`` bounds what a member can get in one batch (the most it could get of
     each stack, from the shapes alone: the same batches on every rank); ``None``: one batch per
     group. Then the stacks cut by several mesh dims, one by one, then the layouts the direct
-    path does not cut (the reference path)."""
+    path does not cut (the reference path).
+
+    ``split_replicas``: a stack replicated over a mesh dim (:func:`replicas_of`) has its whole
+    experts split between that dim's members, each orthogonalising its share, and gathered
+    back by one all-gather per batch in ``gather_dtype`` (default: the stacks' dtype; NS's
+    output dtype loses nothing). Stacks with no in-expert cut then batch too."""
     walk = ExpertWalk() if walk is None else walk
-    batches: dict[tuple, list[list[int]]] = {}  # (group, dtype) -> batches of stack indices
+    batches: dict[tuple, list[list[int]]] = {}  # (group, replicas, dtype) -> stack batches
     filled: dict[tuple, int] = {}
     alone, reference = [], []
     for i, p in enumerate(params):
         cuts = _direct_cuts(p)
+        reps = replicas_of(p) if split_replicas else None
         if cuts is None:  # a layout the direct path does not cut (see _direct_cuts)
             reference.append(i)
         elif len(cuts) > 1:
             alone.append([i])
         else:
-            key = (cuts[0].group, p.dtype)
-            most = (
-                -(-updates[i].shape[0] // len(cuts[0].pieces))
-                * math.prod(p.shape[1:])
-                * p.element_size()
-            )
+            members = len(cuts[0].pieces) if cuts else 1
+            key = (cuts[0].group if cuts else None, reps and reps.group, p.dtype)
+            most = -(-updates[i].shape[0] // members) * math.prod(p.shape[1:]) * p.element_size()
             chunks = batches.setdefault(key, [[]])
             if chunks[-1] and batch_bytes is not None and filled[key] + most > batch_bytes:
                 chunks.append([])
@@ -328,16 +386,21 @@ def orthogonalize_resharded(
             filled[key] = filled.get(key, 0) + most
     out: list[Tensor | None] = [None] * len(params)
     for idx in [b for chunks in batches.values() for b in chunks] + alone:
-        for i, y in zip(idx, _resharded(idx, params, updates, layouts, orthogonalize, walk)):
+        reps = replicas_of(params[idx[0]]) if split_replicas else None
+        got = _resharded(idx, params, updates, layouts, orthogonalize, walk, reps, gather_dtype)
+        for i, y in zip(idx, got):
             out[i] = y
     for i in reference:
         out[i] = _reference_one(params[i], updates[i], layouts[i], orthogonalize)
     return out  # type: ignore[return-value]
 
 
-def _resharded(idx, params, updates, layouts, orthogonalize, walk) -> list[Tensor]:
+def _resharded(
+    idx, params, updates, layouts, orthogonalize, walk, reps=None, gather_dtype=None
+) -> list[Tensor]:
     """Stacks ``idx`` (at each cut depth, one process group for all) to whole experts, through
-    one ``orthogonalize`` call, and back."""
+    one ``orthogonalize`` call (``reps``: split over the replicas, :func:`_over_replicas`), and
+    back."""
     xs = [updates[i].to(params[i].dtype) for i in idx]
     all_cuts = [_direct_cuts(params[i]) for i in idx]
     costs = [  # per expert
@@ -348,20 +411,60 @@ def _resharded(idx, params, updates, layouts, orthogonalize, walk) -> list[Tenso
     depth, undo = len(all_cuts[0]), []
     for k in range(depth):
         cuts = [c[k] for c in all_cuts]
+        last = k == depth - 1 and reps is None  # the dedicated loads weigh where NS runs
         shares = [
-            walk.shares(cut.group, cut.ranks, x.shape[0], cost, last=k == depth - 1)
+            walk.shares(cut.group, cut.ranks, x.shape[0], cost, last=last)
             for cut, x, cost in zip(cuts, xs, costs)
         ]
         xs = _to_whole(xs, cuts, shares)
         undo.append((cuts, shares))
-    full = [j for j, x in enumerate(xs) if x.numel()]  # fewer experts than members: some none
-    if full:
-        done = orthogonalize([xs[j] for j in full], [layouts[idx[j]] for j in full])
-        for j, y in zip(full, done):
-            xs[j] = y.to(params[idx[j]].dtype)
+    lays = [layouts[i] for i in idx]
+    if reps is None:
+        xs = _orthogonalize_some(xs, lays, orthogonalize)
+    else:
+        xs = _over_replicas(xs, lays, costs, reps, walk, orthogonalize, gather_dtype)
+    if not undo:  # whole experts stay in NS's output dtype until the commit (less memory)
+        return xs
+    xs = [x.to(params[i].dtype) for x, i in zip(xs, idx)]
     for cuts, shares in reversed(undo):
         xs = _to_pieces(xs, cuts, shares)
     return xs
+
+
+def _orthogonalize_some(xs: list[Tensor], lays: list[Layout], orthogonalize) -> list[Tensor]:
+    """``orthogonalize`` of the stacks that hold experts (with fewer experts than members some
+    hold none); the empty ones pass through."""
+    xs = list(xs)
+    full = [j for j, x in enumerate(xs) if x.numel()]
+    if full:
+        done = orthogonalize([xs[j] for j in full], [lays[j] for j in full])
+        for j, y in zip(full, done):
+            xs[j] = y
+    return xs
+
+
+def _over_replicas(xs, lays, costs, reps: _Replicas, walk, orthogonalize, gather_dtype):
+    """The whole experts ``xs`` (the same on every member of ``reps``: copies) split between
+    the replicas by the walk, each orthogonalising its share, then one all-gather of every
+    member's results (padded to the largest share) in ``gather_dtype``."""
+    n, me = len(reps.ranks), reps.member
+    shares = [walk.shares(reps.group, reps.ranks, x.shape[0], c) for x, c in zip(xs, costs)]
+    starts = [sum(share[:me]) for share in shares]
+    mine = [x.narrow(0, o, share[me]) for x, o, share in zip(xs, starts, shares)]
+    done = _orthogonalize_some(mine, lays, orthogonalize)
+    dtype = gather_dtype or xs[0].dtype
+    per_expert = [math.prod(x.shape[1:]) for x in xs]
+    sizes = [[share[j] * per for share, per in zip(shares, per_expert)] for j in range(n)]
+    most = max(map(sum, sizes))
+    send = xs[0].new_zeros(most, dtype=dtype)
+    torch.cat([y.reshape(-1).to(dtype) for y in done], out=send[: sum(sizes[me])])
+    got = send.new_empty(n * most)
+    _all_gather(got, send, reps.group)
+    by_member = [got[j * most : j * most + sum(sizes[j])].split(sizes[j]) for j in range(n)]
+    return [
+        torch.cat([by_member[j][k].view(shares[k][j], *x.shape[1:]) for j in range(n)])
+        for k, x in enumerate(xs)
+    ]
 
 
 def _as_dtensor(local: Tensor, like: DTensor, placements=None) -> DTensor:
@@ -398,16 +501,22 @@ def _orthogonalize_resharded_reference(
 
 @dataclass(eq=False)
 class ExpertReshardStage:
-    """The expert stacks sharded inside their experts as a stage of ``Muon.step``
-    (``stages.StepStage``), added to the plan by ``step_plan.with_expert_stage``.
+    """The expert stacks sharded inside their experts (and, with ``split_replicas``, those
+    replicated over HSDP's replicate dim) as a stage of ``Muon.step`` (``stages.StepStage``),
+    added to the plan by ``step_plan.expert_stage``.
 
     ``stacks``: ``id`` of those stacks; ``matrices``: every Muon matrix with its layout (the
-    dedicated weights among them weigh on the walk: :meth:`dedicated_loads`).
+    dedicated weights among them weigh on the walk: :meth:`dedicated_loads`);
+    ``split_replicas``: each expert orthogonalised once per job (``Muon(expert_ns="once")``).
     """
 
     stacks: frozenset[int]
     matrices: tuple = field(default=(), repr=False)
-    what: ClassVar[str] = "expert stacks sharded inside their experts (Shard(1)/Shard(2))"
+    split_replicas: bool = False
+    what: ClassVar[str] = (
+        "expert stacks sharded inside their experts (Shard(1)/Shard(2)) or split over "
+        "replicas (expert_ns='once')"
+    )
     defers: ClassVar[bool] = True  # its halves commit elementwise, like any other
     queues: ClassVar[bool] = False
     _loads: dict[int, int] | None = field(default=None, repr=False)
@@ -464,9 +573,19 @@ class ExpertReshardStage:
                 failure, PHASE_EAGER, lambda: F.orthogonalize(mats, ns.ns, layouts=lays), mats
             )
 
+        gather_dtype = None
+        if self.split_replicas and lg:  # NS's results, gathered in its output dtype
+            gather_dtype = ns.ns.work_dtype_for(lg[0].device)
         with label(NS):
             ortho = orthogonalize_resharded(
-                params, updates, layouts, orthogonalize, walk, batch_bytes=ns.ns.stack_bytes
+                params,
+                updates,
+                layouts,
+                orthogonalize,
+                walk,
+                batch_bytes=ns.ns.stack_bytes,
+                split_replicas=self.split_replicas,
+                gather_dtype=gather_dtype,
             )
         return StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
 

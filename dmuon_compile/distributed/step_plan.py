@@ -76,22 +76,36 @@ PLAIN_STEP = StepPlan()
 """The plan of a step without a runtime (or one with neither HSDP nor TP): one part, no action."""
 
 
-def expert_stage(matrices: list[tuple[Tensor, Layout]]) -> StepStage | None:
+# ``Muon(expert_ns=...)``: where HSDP replicates expert stacks, each replica orthogonalises its
+# copy, or the replicas split the experts and all-gather the results (each expert once per job).
+EXPERT_NS = ("per_replica", "once")
+
+
+def expert_stage(
+    matrices: list[tuple[Tensor, Layout]], expert_ns: str = "per_replica"
+) -> StepStage | None:
     """The expert reshard stage (``_expert_shards.ExpertReshardStage``) of ``matrices`` (every
     Muon matrix with its layout: the optimizer's routing decides the layouts, so the optimizer
     asks, once per set of matrices), or ``None`` when none of them is an expert stack sharded
-    inside its experts: a dense model's step never reaches the reshard's code.
+    inside its experts — nor, with ``expert_ns="once"``, replicated over HSDP's replicate
+    dim: a dense model's step never reaches the reshard's code.
 
     >>> import torch
     >>> from dmuon_compile.layouts import Layout
     >>> expert_stage([(torch.zeros(2, 3), Layout.matrix())]) is None
     True
     """
-    from dmuon_compile.layouts import needs_reshard
+    from dmuon_compile.layouts import needs_reshard, replicated_stack, whole_expert_shards
 
-    stacks = frozenset(id(p) for p, lay in matrices if needs_reshard(p, lay))
+    once = expert_ns == "once"
+    stacks = frozenset(
+        id(p)
+        for p, lay in matrices
+        if needs_reshard(p, lay)
+        or (once and whole_expert_shards(p, lay) and replicated_stack(p, lay))
+    )
     if not stacks:
         return None
     from dmuon_compile.distributed._expert_shards import ExpertReshardStage
 
-    return ExpertReshardStage(stacks, tuple(matrices))
+    return ExpertReshardStage(stacks, tuple(matrices), split_replicas=once)

@@ -493,6 +493,9 @@ class MuonOptimizers(OptimizersContainer):
         """``Muon(normuon=...)``: NorMuon's per-neuron normalisation of each update."""
         qk_clip: float | None = None
         """``Muon(qk_clip=τ)``: QK-clip after every step (each model part's attention)."""
+        expert_ns: str = "per_replica"
+        """``Muon(expert_ns=...)``: ``"once"`` splits HSDP's replicated expert stacks' NS
+        between the replicas (each expert orthogonalised once per job)."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if config.momentum_dtype not in MOMENTUM_DTYPES:  # configs hold the names
@@ -524,6 +527,7 @@ class MuonOptimizers(OptimizersContainer):
                 offload=config.offload,
                 normuon=config.normuon,
                 qk_clip=config.qk_clip,
+                expert_ns=config.expert_ns,
             )
             for group in opt.param_groups:  # torchtitan's checkpoint state is keyed by these
                 group["param_names"] = [canonical_fqn(opt.param_name(p)) for p in group["params"]]

@@ -2,7 +2,9 @@
 (``distributed/_expert_shards.py``: an all-to-all over each in-expert mesh dim) against the
 reference through ``DTensor.redistribute``, on 2 and 4 gloo ranks: hypothesis draws the stacks'
 shapes, expert counts and mesh layouts (1-D, ep × efsdp, HSDP replicate × shard, two in-expert
-dims), uneven pieces and shares included; one spawn per drawn batch."""
+dims, stacks replicated whole), uneven pieces and shares included; one spawn per drawn batch.
+The same stacks split over their replicas (``split_replicas``) give the same bits, with each
+expert orthogonalised once over the replicas."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 S0, S1, S2, R = ("S", 0), ("S", 1), ("S", 2), ("R",)
 # (mesh shape, placements): what each world size draws from.
 LAYOUTS = {
-    2: [((2,), (S1,)), ((2,), (S2,))],
+    2: [((2,), (S1,)), ((2,), (S2,)), ((2,), (R,))],
     4: [
         ((4,), (S1,)),
         ((4,), (S2,)),
@@ -31,6 +33,8 @@ LAYOUTS = {
         ((2, 2), (S1, S2)),  # two in-expert dims
         ((2, 2), (S2, S1)),
         ((2, 2), (S1, S1)),  # one tensor dim cut twice: the later dim cuts the earlier's piece
+        ((2, 2), (R, S0)),  # HSDP with whole experts: nothing to reshard, replicas to split
+        ((4,), (R,)),  # every rank a replica
     ],
 }
 CASES_PER_SPAWN = 10
@@ -86,7 +90,7 @@ def _compare(rank: int, world: int, cases: list) -> list:
 
     meshes = {}
     lay = dmuon.Layout.experts()
-    inputs = {"new": [], "ref": []}
+    inputs = {"new": [], "ref": [], "split": []}
     batched = _batched_ns()
     sent = []
     original = es._all_to_all
@@ -109,9 +113,10 @@ def _compare(rank: int, world: int, cases: list) -> list:
         full = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
         p = distribute_tensor(full, mesh, [_placement(c) for c in codes])
         u = p.to_local()
-        assert es.needs_reshard(p, lay)
+        assert es.needs_reshard(p, lay) or es.replicated_stack(p, lay)
         sent.clear()
-        inputs["new"].clear(), inputs["ref"].clear()
+        for seen in inputs.values():
+            seen.clear()
         cuts = es._direct_cuts(p) or []
 
         def walk(loads=loads):  # the dedicated weights' loads of global ranks 0..3
@@ -133,9 +138,16 @@ def _compare(rank: int, world: int, cases: list) -> list:
             )[0],
             # what each path hands NS on this rank (none: an empty tensor)
             "ns_in": [
-                torch.cat(inputs[k]).float() if inputs[k] else torch.empty(0) for k in inputs
+                torch.cat(inputs[k]).float() if inputs[k] else torch.empty(0)
+                for k in ("new", "ref")
             ],
             "new_batched": es.orthogonalize_resharded([p], [u], [lay], batched, walk())[0],
+            # split over the replicas: the same bits, each expert once over them
+            "split": es.orthogonalize_resharded(
+                [p], [u], [lay], _per_expert_ns(inputs["split"]), walk(), split_replicas=True
+            )[0],
+            "split_count": sum(len(x) for x in inputs["split"]),
+            "replicas": math.prod(n for n, c in zip(mesh_shape, codes) if c[0] == "R"),
             "ref_batched": es._orthogonalize_resharded_reference([p], [u], [lay], batched)[0],
             # no NS (a failed rank's placeholders): the round trip gives back the input
             "round_trip": torch.equal(
@@ -169,6 +181,7 @@ def _compare(rank: int, world: int, cases: list) -> list:
         got = es.orthogonalize_resharded(list(ps), list(us), [lay] * len(ps), ns)
         cuts = [es._direct_cuts(p) for p in ps]
         single = {(c[0].group, p.dtype) for c, p in zip(cuts, ps) if len(c) == 1}
+        whole = {p.dtype for c, p in zip(cuts, ps) if not c}  # replicated whole: no all-to-all
         several = sum(len(c) for c in cuts if len(c) > 1)
         together.append(
             {
@@ -176,7 +189,7 @@ def _compare(rank: int, world: int, cases: list) -> list:
                 "calls": len(sent),
                 "want_calls": 2 * (len(single) + several),
                 "ns_calls": len(calls),
-                "most_ns_calls": len(single) + sum(len(c) > 1 for c in cuts),
+                "most_ns_calls": len(single) + len(whole) + sum(len(c) > 1 for c in cuts),
             }
         )
     return out, together
@@ -238,10 +251,15 @@ def _check(world: int, cases: list) -> None:
             assert t["calls"] == t["want_calls"], (rank, t)
             assert t["ns_calls"] <= t["most_ns_calls"], (rank, t)
     for k, case in enumerate(cases):
+        # split over the replicas: the job orthogonalises each expert once (not once a replica)
+        once = sum(ranks[k]["split_count"] for ranks in results)
+        every = sum(ranks[k]["ns_count"] for ranks in results)
+        assert once * results[0][k]["replicas"] == every, (case, once, every)
         for rank, ranks in enumerate(results):
             got, where = ranks[k], (case, rank)
             assert got["direct"], where
             assert torch.equal(got["new"], got["ref"]), where  # bit for bit
+            assert torch.equal(got["split"], got["new"]), where
             assert got["dtype"] == str(case[3]) and got["new"].shape == got["ref"].shape
             # each rank's experts differ by path where a dim-0 shard or a second in-expert dim
             # regroups them (the reference cuts all E experts over the whole mesh); a batched

@@ -74,15 +74,32 @@ def train(
     dedicate_experts: bool,
     device: str = "cpu",
     compile: bool = False,
+    expert_ns: str = "per_replica",
+    expert_shard_dim: int = 0,
 ):
     """``replicas`` > 1: HSDP ``replicas × (world / replicas)``; ``compile``: the compiled
-    step (``device="cuda"``: ranks sharing the one GPU over gloo)."""
+    step (``device="cuda"``: ranks sharing the one GPU over gloo); ``expert_ns``: Muon's;
+    ``expert_shard_dim``: FSDP2's shard dim of the expert stacks. Also returns how many expert
+    matrices this rank orthogonalised over the run."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     import dmuon_compile as dmuon
+    from dmuon_compile import functional as F
 
     from .harness import local_device
+
+    experts_done = []
+    original = F.orthogonalize
+
+    def counting(updates, *args, layouts=None, **kwargs):
+        for u, lay in zip(updates, F.layouts_of(updates, layouts)):
+            if lay.kind == "experts":
+                experts_done.append(lay.count(u.shape))
+        return original(updates, *args, layouts=layouts, **kwargs)
+
+    F.orthogonalize = counting
 
     dev = local_device(device)
     model = moe_models.build_moe().to(dev)
@@ -98,9 +115,11 @@ def train(
         mesh = init_device_mesh(device, (world,))
         owners = dmuon.dedicate_params(model, mesh, predicate=predicate)
     for block in model.layers:
+        placement = Shard(expert_shard_dim)
+        fully_shard(block.experts, mesh=mesh, shard_placement_fn=lambda _: placement)
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, ns_backend=_ns(), **{**HYPER, "compile": compile})
+    opt = dmuon.Muon(model, ns_backend=_ns(), **{**HYPER, "compile": compile}, expert_ns=expert_ns)
     layouts = _muon_layouts(opt)
     per_rank = moe_models.expert_batches(moe_models.build_moe(), STEPS, world)
     losses, reached = [], []
@@ -110,7 +129,8 @@ def train(
         )
         losses.append(_step(model, opt, x.to(dev), rank, world))
     state = {k: v.cpu() for k, v in full_state(model).items()}
-    return losses, state, owners, layouts, reached[0], len(opt.compiled_steps)
+    compiled = len(opt.compiled_steps)
+    return losses, state, owners, layouts, reached[0], compiled, sum(experts_done)
 
 
 @pytest.mark.parametrize(
@@ -129,7 +149,7 @@ def check_expert_stacks(world, replicas, dedicate_experts, device="cpu", compile
     results = run_ranks(
         train, world, replicas, dedicate_experts, device, compile, device=device, timeout=200
     )
-    losses, state, owners, layouts, _, compiled = results[0]
+    losses, state, owners, layouts, _, compiled, _ = results[0]
     assert compiled == (1 if compile else 0)
     assert layouts["layers.0.experts.w1"] == "experts"
     assert ("layers.0.experts.w1" in owners) == dedicate_experts
@@ -145,6 +165,29 @@ def check_expert_stacks(world, replicas, dedicate_experts, device="cpu", compile
     _, flat_state = reference(world, flattened=True)
     gap = (flat_state["layers.0.experts.w1"] - state["layers.0.experts.w1"]).abs().max()
     assert gap > 1e-2, gap
+
+
+@pytest.mark.parametrize("expert_shard_dim", [0, 1], ids=["shard0", "shard1"])
+def test_hsdp_expert_stacks_orthogonalised_once_per_job(expert_shard_dim):
+    """HSDP 2 × 2 with ``expert_ns="once"``: the replicas split each stack's experts (after the
+    in-expert all-to-all with ``Shard(1)``) and all-gather the results: the training equals one
+    process's, and the job orthogonalises each expert once per step — the control,
+    ``"per_replica"``, twice (once per replica)."""
+    world, replicas = 4, 2
+    ref_losses, ref_state = reference(world)
+    runs = {
+        mode: run_ranks(
+            train, world, replicas, False, "cpu", False, mode, expert_shard_dim, timeout=200
+        )
+        for mode in ("once", "per_replica")
+    }
+    per_step = 2 * 3 * moe_models.EXPERTS  # 2 layers × w1, w2, w3 of 4 experts
+    done = {mode: sum(r[-1] for r in results) for mode, results in runs.items()}
+    assert done == {"once": STEPS * per_step, "per_replica": replicas * STEPS * per_step}
+    losses, state = runs["once"][0][:2]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(state[name], ref, atol=2e-4, rtol=0, msg=name)
 
 
 def train_ep(

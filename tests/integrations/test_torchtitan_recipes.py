@@ -53,7 +53,7 @@ TAU = {"llama": 0.35, "llama_gqa": 0.35, "dsv3": 0.8}
 REL = {"llama": 1e-4, "llama_gqa": 1e-4, "dsv3": 1e-3}
 
 
-def _config(arch: str, per_head=True, normuon=False, clip=True):
+def _config(arch: str, per_head=True, normuon=False, clip=True, expert_ns="per_replica"):
     """The job's optimizer config (one process's too): ``tau`` of ``arch`` unless ``clip`` is
     off."""
     from dmuon_compile.integrations import torchtitan as dmuon_tt
@@ -65,6 +65,7 @@ def _config(arch: str, per_head=True, normuon=False, clip=True):
         normuon=normuon,
         qk_clip=TAU[arch] if clip else None,
         compile=False,
+        expert_ns=expert_ns,
     )
 
 
@@ -173,7 +174,10 @@ def _train(rank, world, folder, arch="llama", tp=1, ep=1, replicate=1, **config)
         "losses": [m["loss"] for m in trainer.metrics_processor.logged],
         "final": {n: t for n, t in whole(model).items() if ".attention." in n},
         "clipped": None if opt.qk_clip is None else opt.qk_clip.clipped.clone(),
+        "expert_stage": repr(opt._expert_stage[1]),
     }
+    if arch == "dsv3":
+        out["experts"] = {n: t for n, t in whole(model).items() if ".routed_experts." in n}
     if local:
         out.update(local=torch.stack(local), reduced=torch.stack(reduced))
     return out
@@ -225,8 +229,9 @@ def _distance(a: dict, b: dict) -> float:
 
 def _check(results, label, arch, dp, **config) -> dict:
     """Every rank of ``label`` against one process from its initial weights: the losses, the
-    attention weights at the end, each step's per-head maxima and the clip counts; the clip
-    fired, and every rank's maxima are the largest of the ranks' own. Returns the reference."""
+    attention weights (or ``final``'s) at the end, each step's per-head maxima and the clip
+    counts; the clip fired, and every rank's maxima are the largest of the ranks' own. Returns
+    the reference."""
     runs = [r[label] for r in results]
     ref = _reference(arch, runs[0]["initial"], dp, **config)
     if ref["reduced"] is not None:  # no max so near tau that rounding could flip its clip
@@ -341,3 +346,27 @@ def test_the_clip_brings_torchtitans_clipped_heads_to_tau_and_leaves_the_others(
     assert fired.sum() == len(before) // 2
     torch.testing.assert_close(after[fired], torch.full_like(after[fired], clip.tau))
     assert torch.equal(after[~fired], before[~fired])
+
+
+@pytest.mark.distributed  # spawns 4 gloo ranks
+def test_deepseek_v3_experts_once_per_job_under_hsdp_2x2(tmp_path):
+    """4 ranks, torchtitan's DeepSeek-V3 debug model under HSDP (dp_replicate 2 × fsdp 2) with
+    ``MuonOptimizers.Config(expert_ns="once")`` through ``train_step``: the replicas split the
+    routed experts' NS and all-gather it. It trains like one process (losses, attention) and
+    its routed experts end bit for bit where ``"per_replica"``'s do (who orthogonalises
+    changes, not the math; the expert weights are not compared with one process: rarely
+    routed experts' gradients are near rank-deficient, and NS turns torchtitan's ~2e-3
+    gradient differences into a few % of their update). Control: the plan splits over the
+    replicas only with ``"once"``."""
+    pytest.importorskip("torchtitan")
+    hsdp = {"arch": "dsv3", "replicate": 2, "clip": False}
+    scenarios = {"once": {**hsdp, "expert_ns": "once"}, "per_replica": hsdp}
+    results = run_ranks(_scenarios, 4, str(tmp_path), scenarios, timeout=220)
+    _check(results, "once", "dsv3", 4, clip=False, expert_ns="once")
+    for r in results:
+        once, each = r["once"]["experts"], r["per_replica"]["experts"]
+        assert once and once.keys() == each.keys()
+        for name, w in once.items():
+            assert torch.equal(w, each[name]), name
+        assert "split_replicas=True" in r["once"]["expert_stage"]
+        assert r["per_replica"]["expert_stage"] == "None"
