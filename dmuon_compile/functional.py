@@ -312,14 +312,18 @@ def apply_muon_update(
         p.add_(o.to(p.dtype), alpha=-lr * scale)
 
 
-def scale_blocks_as_whole(ortho: Tensor, layout: Layout, adjust_lr_fn: str | None) -> Tensor:
+def scale_blocks_as_whole(
+    ortho: Tensor, layout: Layout, adjust_lr_fn: str | None, whole_shape=None
+) -> Tensor:
     """``ortho``, one whole 2-D matrix orthogonalised by ``layout``'s blocks, with each block
     times its own learning-rate scale over the whole matrix's: shards of it applied with the
     whole matrix's scale (the TP stage's commit) then move each block by its own scale, as
-    :func:`apply_muon_update` with ``layouts`` does. Not blocked: ``ortho`` itself."""
+    :func:`apply_muon_update` with ``layouts`` does. ``whole_shape``: the whole matrix's shape
+    when ``ortho`` is a shard of it holding whole blocks (``layout`` then its shard's). Not
+    blocked: ``ortho`` itself."""
     if not layout.blocked:
         return ortho
-    whole = lr_scale(ortho.shape, adjust_lr_fn)
+    whole = lr_scale(ortho.shape if whole_shape is None else whole_shape, adjust_lr_fn)
     split = _split_pieces([ortho], [layout])
     if split is None:  # blocks of one shape: one factor
         return ortho * (lr_scale(layout.matrix_shape(ortho.shape), adjust_lr_fn) / whole)

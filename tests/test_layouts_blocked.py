@@ -375,3 +375,112 @@ def test_control_blocks_applied_with_the_whole_scale_alone_move_elsewhere():
     F.apply_muon_update([want], [o], 0.1, 0.0, "original", layouts=[Layout.heads(4, dim=1)])
     F.apply_muon_update([plain], [o], 0.1, 0.0, "original", [(16, 16)])
     assert not torch.allclose(plain, want)  # 16×4 heads: scale √4, the whole matrix: 1
+
+
+# ---------------------------------------------------------------- TP shards of whole blocks
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "dim", "tp", "whole"),
+    [
+        (Layout.heads(8), (64, 32), 0, 2, True),  # 8 heads over TP 2: 4 whole heads each
+        (Layout.heads(8), (48, 32), 0, 4, False),  # 6 heads over TP 4: heads straddle
+        (Layout.heads(8), (48, 32), 0, 3, True),
+        (Layout.heads(8), (64, 32), 0, 8, True),  # a head per rank
+        (Layout.heads(8), (64, 32), 0, 16, False),  # half a head per rank
+        (Layout.heads(8), (64, 32), 1, 2, False),  # sharded across the heads' columns
+        (Layout.heads(8, dim=1), (32, 64), 1, 2, True),  # o row-parallel
+        (Layout.heads(8, dim=1), (32, 64), 0, 2, False),
+        (Layout.heads(8), (60, 32), 0, 8, False),  # uneven shards: the gathered path
+        (Layout.qkv(8, 2, 4), (48, 32), 0, 2, True),  # 12 blocks of 4 rows
+        (Layout.qkv(3, 1, 4), (20, 32), 0, 2, False),  # 5 blocks over 2
+        (Layout.qkv(8, 2, 4, per_head=False), (48, 32), 0, 2, False),  # q straddles
+        (Layout.fused((16, 8, 8)), (32, 32), 0, 2, True),  # q | k, v
+        (Layout.fused((16, 48)), (64, 32), 0, 2, False),
+        (Layout.matrix(), (64, 32), 0, 2, False),  # not blocked: one matrix, gathered
+        (Layout.heads(8, experts=True), (2, 64, 32), 1, 2, False),  # expert stacks: gathered
+    ],
+)
+def test_block_shard_decision(layout, shape, dim, tp, whole):
+    from dmuon_compile.layouts import block_shard_layouts
+
+    got = block_shard_layouts(layout, shape, dim, tp)
+    assert (got is not None) == whole
+    if whole:
+        assert len(got) == tp
+        chunk = shape[dim] // tp
+        assert [sum(lay.block_sizes((chunk, 32) if dim == 0 else (32, chunk))) for lay in got] == [
+            chunk
+        ] * tp
+
+
+def test_block_shard_layouts_of_blocks_of_different_sizes():
+    from dmuon_compile.layouts import block_shard_layouts
+
+    first, second = block_shard_layouts(Layout.fused((16, 8, 8)), (32, 32), 0, 2)
+    assert first.block_sizes((16, 32)) == [16] and second.block_sizes((16, 32)) == [8, 8]
+    a, b = block_shard_layouts(Layout.fused((8, 4, 4), heads=(0, 4, 0)), (16, 8), 0, 2)
+    assert a.block_sizes((8, 8)) == [8] and b.block_sizes((8, 8)) == [4, 4]
+    assert b.parts == () and b.head_dims == (4,)
+    c, d = block_shard_layouts(Layout.fused((4, 8, 4), heads=4), (16, 8), 0, 2)
+    assert c.block_sizes((8, 8)) == [4, 4] and d.block_sizes((8, 8)) == [4, 4]
+    assert c.head_dims == (4,)  # blocks of two parts: the shard's own cut
+    assert block_shard_layouts(Layout.fused((4, 8, 4)), (16, 8), 0, 2) is None  # 8 straddles
+
+
+@st.composite
+def sharded(draw):
+    """A blocked 2-D layout and its shape, its blocks' starts, a TP size and a shard dim: half
+    the time one segment of blocks per shard (whole blocks by construction), else blocks drawn
+    freely (mostly straddling); now and then sharded across the blocks."""
+    tp = draw(st.integers(2, 4))
+    dim = draw(st.integers(0, 1))
+    if draw(st.booleans()):
+        sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)) * tp
+    else:
+        sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=8))
+    transposed = draw(st.booleans())
+    if len(set(sizes)) == 1:
+        layout = Layout.heads(sizes[0], dim, transposed=transposed)
+    else:
+        layout = Layout.fused(tuple(sizes), dim, transposed=transposed)
+    other = draw(st.integers(1, 5))
+    shape = (sum(sizes), other) if dim == 0 else (other, sum(sizes))
+    starts = {sum(sizes[:i]) for i in range(len(sizes))}
+    shard_dim = 1 - dim if draw(st.integers(0, 4)) == 0 else dim
+    return layout, shape, starts, tp, shard_dim
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    case=sharded(),
+    fn=st.sampled_from(["original", "match_rms_adamw"]),
+    seed=st.integers(0, 2**16),
+)
+def test_shards_of_whole_blocks_orthogonalise_as_the_whole(case, fn, seed):
+    """Each shard orthogonalised by its own blocks and scaled over the whole matrix's shape
+    is the shard of the whole matrix's per-block update (what the TP owner scatters); a shard
+    is whole-blocked exactly when every shard boundary starts a block (the drawn blocks, not
+    the layout's arithmetic)."""
+    from dmuon_compile.layouts import block_shard_layouts
+
+    layout, shape, starts, tp, dim = case
+    got = block_shard_layouts(layout, shape, dim, tp)
+    chunk = shape[dim] // tp
+    whole = (
+        dim == layout.split_dim
+        and shape[dim] % tp == 0
+        and all(k * chunk in starts for k in range(1, tp))
+    )
+    assert (got is not None) == whole
+    if not whole:
+        return
+    torch.manual_seed(seed)
+    u = torch.randn(shape, dtype=torch.float64)
+    ortho = F.orthogonalize([u], NS64, layouts=[layout])[0]
+    want = F.scale_blocks_as_whole(ortho, layout, fn)
+    pieces = []
+    for shard, lay in zip(u.chunk(tp, dim), got):
+        o = F.orthogonalize([shard.clone()], NS64, layouts=[lay])[0]
+        pieces.append(F.scale_blocks_as_whole(o, lay, fn, shape))
+    torch.testing.assert_close(torch.cat(pieces, dim), want, atol=1e-12, rtol=0)

@@ -448,9 +448,10 @@ def _train_per_head_tp(rank, world):
 
 
 def test_per_head_ns_under_tp_matches_single_process():
-    """q, k, v per head (rows) and o per head (columns) on TP-sharded dedicated weights: each
-    TP owner cuts the gathered whole matrix into its heads, and each head moves by its own
-    learning-rate scale. Control: whole-matrix NS ends elsewhere."""
+    """q, k, v per head (rows) and o per head (columns) on TP-sharded dedicated weights (4 heads
+    over TP 2: each shard holds whole heads, so each member orthogonalises its own heads,
+    test_tp_local_heads.py), and each head moves by its own learning-rate scale. Control:
+    whole-matrix NS ends elsewhere."""
     results = run_ranks(_train_per_head_tp, 2, timeout=200)
     ref_losses, ref_state = _per_head_reference(True)
     assert all("head_dims" in text for text in results[0]["layouts"])

@@ -24,6 +24,15 @@ TP owner holds one bucket's gathered pieces and whole matrices, not all of its m
    earlier step left pending, so two ``step()`` calls without a forward are safe. With HSDP the
    scatter is applied inside ``step()``, before the replicate publish reads the new weights.
 
+A blocked matrix (per-head layouts) whose every shard holds whole blocks — the TP shard dim is
+the dim its blocks are cut along, and the shard boundaries fall on block boundaries (8 heads
+over TP 2; q/k/v column-parallel, o row-parallel) — skips steps 2 and 3: each member runs
+Newton–Schulz on its own blocks (they are matrices of their own: the same result as on the
+owner) and scales each by its own learning-rate rule over the whole matrix's. The choice is a
+function of the layout, the global shape, the shard dim and the TP size, the same on every
+member, so the other matrices' gathers and scatters stay paired. Heads straddling a shard
+boundary (6 heads over TP 4) go through the gather.
+
 The owners ``(d, t*)`` are spread by LPT over all DP × TP slots (:func:`plan_tp_owners`): a
 TP matrix costs its whole-matrix NS on one slot; a plain (TP-replicated) matrix is charged on
 every TP slot of its DP column.
@@ -63,6 +72,7 @@ from dmuon_compile.distributed._tp.param import TPDedicatedParam, make_tp_param,
 from dmuon_compile.distributed._tp.plan import TPOwners, plan_tp_owners
 from dmuon_compile.distributed._tp.stage import (
     PLAIN_SOURCE,
+    LocalUpdate,
     ScatterShard,
     ScatterUpdates,
     TPProfile,
@@ -70,10 +80,12 @@ from dmuon_compile.distributed._tp.stage import (
     TPStage,
     TPStepHalf,
     build_stage,
+    local_blocks_layout,
 )
 
 __all__ = [
     "PLAIN_SOURCE",
+    "LocalUpdate",
     "ScatterShard",
     "ScatterUpdates",
     "TPDedicatedParam",
@@ -88,6 +100,7 @@ __all__ = [
     "detect_tp_mesh",
     "dp_grid_mesh",
     "dp_tp_mesh",
+    "local_blocks_layout",
     "make_tp_param",
     "owner_group_ranks",
     "owner_tp_mesh",

@@ -1,10 +1,12 @@
 """The TP stage of a step (a ``stages.StepStage``): gather the Nesterov inputs to each matrix's TP
 owner, Newton–Schulz there, scatter the update's shards back (applied now or queued as a pending
-update), and the one-master broadcast of a TP model's plain dedicated weights (see the package
-doc)."""
+update), or, for a blocked matrix whose shards hold whole blocks, Newton–Schulz of each member's
+own blocks with no collective; and the one-master broadcast of a TP model's plain dedicated
+weights (see the package doc)."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from dmuon_compile.distributed.stages import (
     local_job,
     no_halves,
 )
-from dmuon_compile.layouts import Layout, needs_reshard
+from dmuon_compile.layouts import Layout, block_shard_layouts, get_layout, needs_reshard
 from dmuon_compile.step_phases import (
     PHASE_TP_MOMENTUM,
     PHASE_TP_NS_COMPILED,
@@ -48,7 +50,8 @@ class TPRow(NamedTuple):
     master: Tensor
     grad: Tensor
     buf: Tensor
-    layout: Layout  # its blocks (per head) are cut from the whole matrix on the TP owner
+    layout: Layout  # the whole matrix's; its blocks (per head) are cut on the TP owner, or on
+    # each member when every shard holds whole blocks (``local_blocks_layout``)
 
 
 class ScatterShard(NamedTuple):
@@ -58,6 +61,17 @@ class ScatterShard(NamedTuple):
     master: Tensor
     out: Tensor  # the received update shard
     work: dist.Work  # the async scatter's work handle
+    lr: float
+    wd: float
+    adjust_lr_fn: str
+    global_shape: tuple  # the whole matrix's shape: the lr scale
+
+
+class LocalUpdate(NamedTuple):
+    """One matrix's update shard computed on this member from its own whole blocks."""
+
+    master: Tensor
+    out: Tensor
     lr: float
     wd: float
     adjust_lr_fn: str
@@ -78,6 +92,7 @@ class TPStepHalf:
     shards: list[ScatterShard]
     plain_masters: list[Tensor] = field(default_factory=list)
     plain_bufs: list[Tensor] = field(default_factory=list)
+    local: list[LocalUpdate] = field(default_factory=list)  # the blocks orthogonalised here
 
 
 @dataclass
@@ -90,6 +105,7 @@ class TPProfile:
     not_ready: int = 0  # ... that found it not finished yet
     wait_s: float = 0.0
     plain_broadcasts: int = 0  # plain dedicated weights and momenta from the TP source
+    local_matrices: int = 0  # TP matrices orthogonalised block by block on their shards
 
 
 def _tp_buckets(rows: list[TPRow]) -> list[list[TPRow]]:
@@ -104,6 +120,22 @@ def _tp_buckets(rows: list[TPRow]) -> list[list[TPRow]]:
 
 
 PLAIN_SOURCE = 0  # the TP rank that updates a column's plain dedicated weights
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_layouts(layout: Layout, shape: tuple, dim: int, size: int) -> list[Layout] | None:
+    return block_shard_layouts(layout, shape, dim, size)
+
+
+def local_blocks_layout(dp: TPDedicatedParam, layout: Layout, size: int, rank: int):
+    """The layout of TP rank ``rank``'s shard of ``dp`` when every shard holds whole blocks of
+    ``layout`` (then each member orthogonalises its own blocks: no gather, no scatter), else
+    ``None``. Decided from the configuration alone (layout, global shape, shard dim, TP size):
+    every member of the TP group takes the same path, so the collectives stay paired."""
+    if not layout.blocked or size < 2:
+        return None
+    shards = _shard_layouts(layout, tuple(int(s) for s in dp.global_shape), dp.shard_dim, size)
+    return None if shards is None else shards[rank]
 
 
 @dataclass(eq=False)
@@ -126,12 +158,16 @@ class TPStage:
 
     def __post_init__(self) -> None:
         self.by_param = {id(p.param): p for p in self.params}
+        self.layouts: dict[int, Layout] = {}  # id(TPDedicatedParam) -> its last step's layout
 
     def directions(self, jobs: list[list[MuonJob]], ns: StepNS, failure: list) -> StageDirections:
         """The first half of Muon on the TP matrices of every job, one shape bucket at a time:
         each member's Nesterov inputs, gathered to their TP owners, the optimizer's Newton–Schulz
         on the owner's whole matrices (:meth:`_orthogonalizer`) and the updates' shards
         scattered back, left in flight for :meth:`commit` or :meth:`abort`. Nothing is written.
+        A blocked matrix whose shards each hold whole blocks (per-head q/k/v column-parallel, o
+        row-parallel, the heads not straddling a shard boundary: :func:`local_blocks_layout`)
+        skips the gather and the scatter on every member: each orthogonalises its own blocks.
 
         The gather and the scatter go out on every member whatever happens locally: a member
         whose momentum or Newton–Schulz raised (or whose step failed earlier: ``failure``
@@ -185,9 +221,18 @@ class TPStage:
             )
             if dp.owns
         ]
-        shards: list[ScatterShard] = []
+        for row in rows:
+            self.layouts[id(row.param)] = row.layout
+        here = [self._local_layout(row.param, row.layout) is not None for row in rows]
+        local_rows = [row for row, h in zip(rows, here) if h]
+        gathered_rows = [row for row, h in zip(rows, here) if not h]
         orthogonalize = self._orthogonalizer(group, ns, failure)
-        for bucket in _tp_buckets(rows):
+        # No collective in the local buckets: where they run among the others changes nothing.
+        local: list[LocalUpdate] = []
+        for bucket in _tp_buckets(local_rows):
+            local += self._local_directions(group, bucket, orthogonalize, failure)
+        shards: list[ScatterShard] = []
+        for bucket in _tp_buckets(gathered_rows):
             shards += self._bucket_directions(group, bucket, orthogonalize, failure)
         # The plain weights: what the optimizer steps here after the stages (neither the expert
         # stacks the reshard takes nor other ranks' owner tensors).
@@ -200,15 +245,17 @@ class TPStage:
         if not rows and not plain.params:
             return None, rest
         grads, bufs = [r.grad for r in rows], [r.buf for r in rows]
-        return TPStepHalf(grads, bufs, group["momentum"], shards, plain.params, plain.bufs), rest
+        half = TPStepHalf(grads, bufs, group["momentum"], shards, plain.params, plain.bufs, local)
+        return half, rest
 
     def _orthogonalizer(
         self, group: dict, ns: StepNS, failure: list
     ) -> Callable[[list[Tensor], Layout], list[Tensor]]:
         """The Newton–Schulz run on a TP owner's whole matrices (one shape bucket at a time;
-        none on a non-owner): compiled like the rest of the step with ``compile=True`` (default
-        on CUDA), else :meth:`orthogonalize`. A failure is recorded in ``failure`` and the input
-        returned (placeholders: the scatter still goes out)."""
+        none on a non-owner), or on a member's shards of whole blocks: compiled like the rest
+        of the step with ``compile=True`` (default on CUDA), else :meth:`orthogonalize`. A
+        failure is recorded in ``failure`` and the input returned (placeholders: the scatter
+        still goes out)."""
 
         def orthogonalize(mats: list[Tensor], layout: Layout) -> list[Tensor]:
             if not mats or failure:
@@ -261,6 +308,45 @@ class TPStage:
         whole = out = None  # the whole matrices: freed once orthogonalised
         lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
         return self._scatter(bucket, updates, ortho, lr, wd, group["adjust_lr_fn"])
+
+    def _local_layout(self, dp: TPDedicatedParam, layout: Layout) -> Layout | None:
+        return local_blocks_layout(dp, layout, self.info.size, self.info.rank)
+
+    @torch.no_grad()
+    def _local_directions(
+        self, group: dict, bucket: list[TPRow], orthogonalize: Callable, failure: list
+    ) -> list[LocalUpdate]:
+        """One shape bucket of matrices whose shards hold whole blocks: each member's Nesterov
+        inputs orthogonalised block by block where they are, each block scaled by its own
+        learning-rate rule over the whole matrix's (what the TP owner would have scattered:
+        the same blocks, the same scale)."""
+        grads, bufs = [r.grad for r in bucket], [r.buf for r in bucket]
+        updates = grads  # placeholders (never committed) when this rank has failed
+        if not failure:
+            updates = guarded(
+                failure,
+                PHASE_TP_MOMENTUM,
+                lambda: F.nesterov_input(
+                    grads, bufs, F.hyper(group["momentum"]), group["nesterov"]
+                ),
+                grads,
+            )
+        layout = self._local_layout(bucket[0].param, bucket[0].layout)  # one per bucket
+        with label(NS):
+            out = orthogonalize(list(updates), layout)
+        fn = group["adjust_lr_fn"]
+        if not failure:
+            out = [
+                F.scale_blocks_as_whole(o.float(), layout, fn, r.param.global_shape)
+                for o, r in zip(out, bucket)
+            ]
+        if self.record_profile:
+            self.profile.local_matrices += len(bucket)
+        lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
+        return [
+            LocalUpdate(r.master, o.to(u.dtype), lr, wd, fn, r.param.global_shape)
+            for r, o, u in zip(bucket, out, updates)
+        ]
 
     def _global(self, tp_rank: int) -> int:
         return dist.get_global_rank(self.pg, tp_rank)
@@ -347,6 +433,8 @@ class TPStage:
         the optimizer committed them there) to the TP group."""
         if half.grads:
             F.store_momentum(half.grads, half.bufs, F.hyper(half.momentum))
+        for u in half.local:  # nothing in flight: applied now, like a scatter without defer
+            F.apply_muon_update([u.master], [u.out], u.lr, u.wd, u.adjust_lr_fn, [u.global_shape])
         by_group: dict[int, list[ScatterShard]] = {}
         for shard in half.shards:
             by_group.setdefault(shard.hook_group, []).append(shard)
@@ -420,7 +508,9 @@ class TPStage:
         for p in self.params:
             nbytes = p.numel * torch.empty((), dtype=p.orig_dtype).element_size()
             owns = p.owns
-            if owns and me != p.tp_owner:
+            layout = self.layouts.get(id(p)) or get_layout(p.param)
+            local = layout is not None and self._local_layout(p, layout) is not None
+            if owns and me != p.tp_owner and not local:
                 gather += nbytes
                 scatter += nbytes
             rows.append(
@@ -431,7 +521,8 @@ class TPStage:
                     "dp_owner": p.owner,
                     "tp_owner": p.tp_owner,
                     "this_rank_in_owner_group": owns,
-                    "ns_here": owns and me == p.tp_owner,
+                    "ns_here": owns and (local or me == p.tp_owner),
+                    "local_blocks": local,  # each member orthogonalises its own whole blocks
                 }
             )
         return {
