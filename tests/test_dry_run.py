@@ -7,6 +7,7 @@ come from. No processes
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -427,6 +428,119 @@ def test_ep_errors_from_the_function():
     with pytest.raises(ValueError, match="not divisible by 8"):
         dry_run(uneven, 16, ep=2)
     assert dry_run(uneven, 8, ep=2).expert_layout["shard_dims"] == [0]  # whole experts: fine
+
+
+# ----------------------------------------------------------------------------- expert NS once
+def _whole_expert_elements(model, shards: int) -> int:
+    """Elements of the whole experts one rank holds of every stack: E / shards of each."""
+    stacks = [p for n, p in model.named_parameters() if ".experts." in n]
+    return sum(p.numel() // shards for p in stacks)
+
+
+def _expert_ns_pair(model, world, **kwargs):
+    return (
+        dry_run(model, world, expert_ns="per_replica", **kwargs),
+        dry_run(model, world, expert_ns="once", **kwargs),
+    )
+
+
+@pytest.mark.parametrize(
+    "world, hsdp, kwargs",
+    [
+        (8, 2, {}),  # plain FSDP2 Shard(0): 2 whole experts per rank and stack
+        (8, 2, {"ep": 2}),  # EP 2 × efsdp 2, Shard(0): the same 2 per rank
+        (32, 2, {"ep": 2}),  # efsdp 8 × 2 > 8 experts: Shard(1), after the reshard
+        (16, 2, {"pp": 2}),  # pipeline stages, each split over the replicas
+        (12, 3, {}),  # three replicas
+    ],
+)
+def test_expert_ns_once_orthogonalises_each_expert_once_per_job(world, hsdp, kwargs):
+    """Muon(expert_ns="once"): the R replicas split their whole experts, so the job's expert
+    matrices fall by exactly R; per_replica (the control) runs every expert R times."""
+    per, once = _expert_ns_pair(SMALL_MOE, world, replicate_size=hsdp, **kwargs)
+    assert sum(r.expert_matrices for r in per.rows) == hsdp * SMALL_EXPERT_MATRICES
+    assert sum(r.expert_matrices for r in once.rows) == SMALL_EXPERT_MATRICES
+    assert all(r.expert_gather_comm_bytes == 0 for r in per.rows)
+    assert all(r.expert_gather_comm_bytes > 0 for r in once.rows)
+    # the gather is HSDP traffic: part of the replicate column, of Muon extra and of comm (a
+    # Shard(1) reshard moves other bytes: its walk leaves the dedicated loads to the replicas')
+    for a, b in zip(per.rows, once.rows):
+        assert b.replicate_comm_bytes - a.replicate_comm_bytes == b.expert_gather_comm_bytes
+        extra = b.expert_gather_comm_bytes + b.expert_reshard_comm_bytes
+        assert b.comm_bytes - extra == a.comm_bytes - a.expert_reshard_comm_bytes
+    assert [r.sharded_muon_bytes for r in per.rows] == [r.sharded_muon_bytes for r in once.rows]
+    assert per.owners == once.owners  # the dedicated plan is the same
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"ep": 2}])
+def test_expert_ns_once_gathers_the_other_replicas_share_in_two_bytes(kwargs):
+    """8 ranks, HSDP 2 × 4: each rank holds 2 of every stack's 8 experts, one per replica
+    after the split; the all-gather brings each rank the other half of its whole experts'
+    results in NS's 2-byte output dtype: (R - 1) / R × elements × 2."""
+    model = build_model(SMALL_MOE)[1]
+    per, once = _expert_ns_pair(model, 8, replicate_size=2, **kwargs)
+    expected = (2 - 1) * _whole_expert_elements(model, 4) * 2 // 2
+    assert expected == 2 * 3 * 2 * 32 * 64 * 2 // 2  # 2 layers, 3 stacks, 2 experts 32 × 64
+    assert [r.expert_gather_comm_bytes for r in once.rows] == [expected] * 8
+    assert {r.expert_matrices for r in once.rows} == {2 * 3 * 1}
+    assert {r.expert_matrices for r in per.rows} == {2 * 3 * 2}
+    text = once.table()
+    assert "expert NS=once" in text and re.search(r"replica gather [KM]iB/step", text)
+    assert "expert all-gather over replicas" in text and "expert_ns='once'" in text
+    assert "expert NS=once" not in per.table() and "replica gather" not in per.table()
+    if kwargs:
+        assert once.expert_layout["expert_ns"] == "once" and "expert NS once per job" in text
+    d = once.to_dict()
+    assert d["expert_ns"] == "once" and d["settings"]["expert NS"] == "once"
+    assert {r["expert_gather_comm_bytes"] for r in d["rows"]} == {expected}
+    plain = per.to_dict()
+    assert "expert_ns" not in plain and "expert_gather_comm_bytes" not in plain["rows"][0]
+
+
+def test_expert_ns_once_divides_each_ranks_expert_ns_by_the_replicas():
+    """Experts large enough for their FLOPs to count: each rank's expert NS ms falls to its
+    per-replica ms / R, plus the call overhead of its now smaller calls (one per shape)."""
+    moe = ModelConfig(1024, 1, 8, 1024, vocab=100, experts=8, expert_ffn=2048)
+    for hsdp, ep in ((2, None), (2, 2), (4, None)):
+        per, once = _expert_ns_pair(moe, 8 * hsdp, replicate_size=hsdp, ep=ep)
+        call = ns_rates.H200.call_ms
+        shapes = 2  # w1/w3 (2048, 1024) and w2 (1024, 2048)
+        for a, b in zip(per.rows, once.rows):
+            overhead = (1 - 1 / hsdp) * shapes * call
+            assert b.expert_ns_ms <= a.expert_ns_ms / hsdp + overhead + 1e-9, (hsdp, ep, a, b)
+            assert b.expert_ns_ms < 0.6 * a.expert_ns_ms
+        assert sum(r.expert_matrices for r in per.rows) == hsdp * sum(
+            r.expert_matrices for r in once.rows
+        )
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"ep": 2}, {"ep": 8}])
+def test_expert_ns_once_without_replicas_is_per_replica(kwargs):
+    """One replica: nothing to split, the report is per_replica's, key for key."""
+    per, once = _expert_ns_pair(SMALL_MOE, 16, **kwargs)
+    a, b = per.to_dict(), once.to_dict()
+    for d in (a, b):
+        del d["plan_s"], d["total_s"]
+    assert a == b
+    strip = re.compile(r"planned in [\d.]+ s, reported in [\d.]+ s")
+    assert strip.sub("", per.table()) == strip.sub("", once.table())
+
+
+def test_expert_ns_is_checked_and_on_the_command_line(capsys):
+    with pytest.raises(ValueError, match="choose one of per_replica, once"):
+        dry_run(SMALL_MOE, 8, expert_ns="twice")
+    with pytest.raises(SystemExit):
+        main(["--model", "E", "--gpus", "8", "--expert-ns", "twice"])
+    err = capsys.readouterr().err
+    assert "--expert-ns" in err and "'per_replica', 'once'" in err
+    argv = ["--model", "E", "--gpus", "16", "--hsdp", "2", "--json"]
+    assert main([*argv, "--expert-ns", "once"]) == 0
+    (once,) = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    (per,) = json.loads(capsys.readouterr().out)
+    assert once["expert_ns"] == "once" and "expert_ns" not in per
+    matrices = [sum(r["expert_matrices"] for r in x["rows"]) for x in (per, once)]
+    assert matrices[0] == 2 * matrices[1]
 
 
 # ----------------------------------------------------------------------------- pipeline (--pp)

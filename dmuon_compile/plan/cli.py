@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from dmuon_compile.distributed.step_plan import EXPERT_NS
 from dmuon_compile.momentum_storage import MOMENTUM_DTYPES
 from dmuon_compile.ns_rates import H200, NSRates
 from dmuon_compile.plan.dispatch import dry_run
@@ -86,6 +87,15 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         choices=(0, 1),
         help="with --ep: force the expert FSDP shard dim (default: torchtitan's rule)",
+    )
+    ap.add_argument(
+        "--expert-ns",
+        choices=EXPERT_NS,
+        default="per_replica",
+        help="Muon(expert_ns=...) under --hsdp R > 1: per_replica (default), each replica "
+        "orthogonalises its copy of the expert stacks; once, the R replicas split the whole "
+        "experts (expert NS per rank / R) and all-gather the results in 2 bytes per element "
+        "over the replicate dim ('replica gather' column)",
     )
     ap.add_argument(
         "--pp",
@@ -216,6 +226,7 @@ def main(argv=None) -> int:
                 stack_bytes=None if args.stack_gib is None else int(args.stack_gib * GiB),
                 ep=args.ep,
                 expert_shard_dim=args.expert_shard_dim,
+                expert_ns=args.expert_ns,
                 pp=args.pp,
                 stages_per_rank=args.stages_per_rank,
                 pp_first_stage_less_layers=args.pp_first_less_layers,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from dmuon_compile.distributed.step_plan import EXPERT_NS
 from dmuon_compile.ns_rates import H200, NSRates
 from dmuon_compile.plan.advice import advise as add_notes
 from dmuon_compile.plan.momentum import momentum_cost, storage_note
@@ -40,6 +41,7 @@ def dry_run(
     ns=None,
     ep: int | None = None,
     expert_shard_dim: int | None = None,
+    expert_ns: str = "per_replica",
     pp: int | None = None,
     stages_per_rank: int = 1,
     pp_first_stage_less_layers: int = 1,
@@ -76,6 +78,11 @@ def dry_run(
     ``shard/ep`` ranks, ``Shard(0)`` unless ``efsdp · ep > E`` (then ``Shard(1)``, inside the
     experts: the step reshards to whole experts for NS). ``expert_shard_dim`` (0 or 1)
     overrides that choice. ``ep=1`` is torchtitan without EP (``Shard(1)`` when ``shard > E``).
+    ``expert_ns``: ``Muon(expert_ns=...)``, where HSDP replicates the expert stacks:
+    ``"per_replica"`` (default), each replica orthogonalises its copy of its whole experts;
+    ``"once"``, the ``replicate_size`` replicas split them, each orthogonalising its share, and
+    all-gather the results in NS's 2-byte output dtype (``replica gather`` column, in
+    ``replicate_comm_bytes``). No effect with ``replicate_size=1``.
     ``pp``: pipeline parallelism as torchtitan's ``pipeline_llm`` splits a decoder
     (:func:`pipeline_stages`): the model's ``layers`` cut into ``pp · stages_per_rank``
     contiguous stages (``pp_first_stage_less_layers``/``pp_last_stage_less_layers``: torchtitan's
@@ -96,6 +103,11 @@ def dry_run(
         print(report.table())
     """
     arguments = dict(locals())
+    if expert_ns not in EXPERT_NS:
+        raise ValueError(
+            f"dry_run: expert_ns={expert_ns!r}: choose one of {', '.join(EXPERT_NS)} "
+            "(as Muon(expert_ns=...), --expert-ns)"
+        )
     momentum = momentum_cost(momentum_dtype, offload, host_link_gbps)
     if stack_bytes is not None and (
         isinstance(stack_bytes, bool) or not isinstance(stack_bytes, int) or stack_bytes < 1
@@ -148,6 +160,7 @@ def _dry_run(
     ns,
     ep,
     expert_shard_dim,
+    expert_ns,
     pp,
     stages_per_rank,
     pp_first_stage_less_layers,
@@ -172,6 +185,7 @@ def _dry_run(
         ns=ns,
         ep=ep,
         expert_shard_dim=expert_shard_dim,
+        expert_ns=expert_ns,
     )
     if pp is None:
         if (stages_per_rank, pp_first_stage_less_layers, pp_last_stage_less_layers) != (1, 1, 1):

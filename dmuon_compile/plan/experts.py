@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dmuon_compile.distributed._expert_shards import ExpertWalk, chunk_size, ns_cost
 from dmuon_compile.plan.momentum import MomentumCost
-from dmuon_compile.plan.report import WORKING_SET_FACTOR
+from dmuon_compile.plan.report import NS_WORK_ITEMSIZE, WORKING_SET_FACTOR
 
 
 def _merge_expert_layout(a: dict | None, b: dict) -> dict:
@@ -60,6 +60,10 @@ class _EPContext:
         self.batch, self.batch_fill = 0, 0  # the reshard's batches, cut as the step cuts them
         # The Muon momentum's storage (Muon(momentum_dtype=..., offload=...)).
         self.momentum = MomentumCost()
+        # Muon(expert_ns="once") under HSDP: the replicas split each stack's whole experts.
+        self.once = False
+        self.whole_batches: dict = {}  # replicate group -> [batch, bytes, stacks] (whole stacks)
+        self.gathers: dict = {}  # (replicate group, batch) -> [members, shares' elements, whole]
 
 
 def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem) -> int:
@@ -108,6 +112,10 @@ def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem
         if dim == 0 and n:  # whole local experts: NS where they lie
             count = layout.count((n, *p.shape[1:]))
             for s in range(lo, hi):
+                if ctx.once:
+                    members = [ctx.gpu(r * S + s, 0) for r in range(R)]
+                    whole_experts_once(ctx, members, n, a, b, item, layout, shape)
+                    continue
                 for r in range(R):
                     ctx.add_ns(ctx.gpu(r * S + s, 0), shape, count, True)
     if dim == 1:
@@ -125,17 +133,21 @@ def _ep_reshard(ctx: _EPContext, layout, shape, local: int, F: int, a: int, b: i
     the rows. Received (= sent): there the other rows of its ``m`` experts, back its rows of
     the other local experts. The step exchanges and orthogonalises the stacks in batches (one
     all-to-all each way and one NS call per shape for a batch), cut where the most a member
-    could get passes the stack cap: NS is priced per batch (:func:`finish_reshard_ns`)."""
+    could get passes the stack cap: NS is priced per batch (:func:`finish_reshard_ns`). With
+    ``ctx.once`` the replicas then split each member's ``m`` whole experts
+    (:func:`split_over_replicas`); the dedicated loads weigh there, not on the efsdp walk."""
     ep, S = ctx.ep, ctx.shards
     most = -(-local // F) * a * b * item
     if ctx.batch_fill and ctx.batch_fill + most > ctx.stack_cap:
         ctx.batch, ctx.batch_fill = ctx.batch + 1, 0
     ctx.batch_fill += most
     cost = ns_cost(layout.matrix_shape((local, a, b))) * layout.count((1, a, b))
+    whole: dict[int, tuple[int, ...]] = {}  # EP rank e -> whole experts per efsdp member
     for r in range(ctx.replicas):
         for e in range(ep):
             members = [ctx.gpu(r * S + f * ep + e, 0) for f in range(F)]
-            shares = ctx.walk.shares((r, e), members, local, cost)
+            shares = ctx.walk.shares((r, e), members, local, cost, last=not ctx.once)
+            whole[e] = shares  # the same in every replica without the dedicated loads
             for f, g in enumerate(members):
                 rows_f, m = chunk_size(a, F, f), shares[f]
                 own = local * rows_f * b
@@ -146,12 +158,76 @@ def _ep_reshard(ctx: _EPContext, layout, shape, local: int, F: int, a: int, b: i
                 row._elements += own  # momentum, Nesterov input and commit on the local rows
                 row.step_extra_bytes += own * item  # the result back on the rows, until commit
                 if m:  # the pieces received and the whole experts they form
-                    count = layout.count((m, a, b))
-                    key = (ctx.batch, shape)
-                    row._reshard_calls[key] = row._reshard_calls.get(key, 0) + count
-                    row.expert_matrices += count
                     old = row._reshard_bytes.get(ctx.batch, 0)
                     row._reshard_bytes[ctx.batch] = old + 2 * m * a * b * item
+                    if not ctx.once:
+                        count = layout.count((m, a, b))
+                        key = (ctx.batch, shape)
+                        row._reshard_calls[key] = row._reshard_calls.get(key, 0) + count
+                        row.expert_matrices += count
+    if ctx.once:  # member f's whole experts are copies over the replicas: they split them
+        for e, shares in whole.items():
+            for f, m in enumerate(shares):
+                if m:
+                    replicas = [ctx.gpu(r * S + f * ep + e, 0) for r in range(ctx.replicas)]
+                    split_over_replicas(ctx, replicas, m, a, b, layout, shape, ctx.batch)
+
+
+def whole_experts_once(ctx: _EPContext, members, n: int, a: int, b: int, item, layout, shape):
+    """``n`` whole local experts ``(a, b)`` of a stack with no in-expert cut, the same on every
+    rank of ``members`` (HSDP's replicate group), under ``expert_ns="once"``: the step's expert
+    stage takes them (no longer the bucketed NS), in batches per replicate group cut as the
+    step cuts them (``orthogonalize_resharded``: the rank's local experts' bytes, up to the
+    stack cap), and the replicas split them (:func:`split_over_replicas`). Every member keeps
+    momentum, Nesterov input and commit on its ``n`` experts, and their result in NS's output
+    dtype until the commit (whole experts are not cast back: no in-expert cut to undo)."""
+    key = ("replicas", tuple(members))
+    most = n * a * b * item
+    state = ctx.whole_batches.setdefault(key, [0, 0, 0])
+    if state[2] and state[1] + most > ctx.stack_cap:
+        state[0], state[1] = state[0] + 1, 0
+    state[1] += most
+    state[2] += 1
+    for g in members:
+        ctx.rows[g]._elements += n * a * b
+        ctx.rows[g].step_extra_bytes += n * a * b * NS_WORK_ITEMSIZE
+    split_over_replicas(ctx, members, n, a, b, layout, shape, ("whole", state[0]))
+
+
+def split_over_replicas(ctx: _EPContext, members, whole: int, a: int, b: int, layout, shape, batch):
+    """``whole`` experts ``(a, b)`` held alike by every rank of ``members`` (a replicate group)
+    split between them by the walk, as the step's ``_over_replicas`` splits them (keyed by the
+    group; the dedicated loads weigh here, where NS runs): each member's share joins its NS
+    calls of ``batch``; the all-gather of the results is priced per batch
+    (:func:`finish_replica_gathers`)."""
+    key = ("replicas", tuple(members))
+    cost = ns_cost(layout.matrix_shape((whole, a, b))) * layout.count((1, a, b))
+    shares = ctx.walk.shares(key, members, whole, cost)
+    gather = ctx.gathers.setdefault((key, batch), [members, [0] * len(members), 0])
+    gather[2] += whole * a * b
+    for j, (g, m) in enumerate(zip(members, shares)):
+        gather[1][j] += m * a * b
+        if m:
+            count = layout.count((m, a, b))
+            row = ctx.rows[g]
+            row._reshard_calls[(batch, shape)] = row._reshard_calls.get((batch, shape), 0) + count
+            row.expert_matrices += count
+
+
+def finish_replica_gathers(ctx: _EPContext) -> None:
+    """Per replicate group and batch, the step's one all-gather of the members' NS results in
+    NS's output dtype (2 bytes on a GPU), each share padded to the largest: every member
+    receives (and, in a ring, forwards) the ``R - 1`` other padded shares. Its transient: the
+    send and receive buffers, ``R + 1`` padded shares, and the gathered whole experts."""
+    for (_key, batch), (members, sizes, whole) in ctx.gathers.items():
+        n, most = len(members), max(sizes)
+        moved = (n - 1) * most * NS_WORK_ITEMSIZE
+        for g in members:
+            row = ctx.rows[g]
+            row.expert_gather_comm_bytes += moved
+            row.replicate_comm_bytes += moved
+            held = ((n + 1) * most + whole) * NS_WORK_ITEMSIZE
+            row._reshard_bytes[batch] = row._reshard_bytes.get(batch, 0) + held
 
 
 def finish_reshard_ns(rows, rates, stack_cap: int, ns) -> None:

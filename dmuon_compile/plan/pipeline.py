@@ -30,6 +30,7 @@ _SUMMED = (  # RankRow fields a PP rank adds up over its stages (each stage's ow
     "expert_matrices",
     "expert_ns_ms",
     "expert_reshard_comm_bytes",
+    "expert_gather_comm_bytes",
     "host_bytes",
     "host_link_bytes",
     "_momentum_gpu_bytes",
@@ -174,12 +175,14 @@ def _pipeline_run(model_or_config, world_size, pp, per_rank, less, options) -> D
     plan_s = 0.0
     totals = {"dedicated_matrices": 0, "dedicated_params": 0, "adamw": 0, "sharded": 0}
     expert = None
+    once = False  # expert_ns="once" split some stage's expert stacks over the replicas
     for p in range(pp):
         carried = None  # NS FLOPs per data-parallel slot of this PP rank's stages so far
         base = p * group
         for k in range(p, num_stages, pp):
             report, planned = _run_group(model, group, keep=keeps[k], base_loads=carried, **options)
             first = first or report
+            once = once or report.expert_ns is not None
             plan_s += report.plan_s
             loads = planned.plan.ns_loads() if planned.plan is not None else []
             if loads:
@@ -260,12 +263,13 @@ def _pipeline_run(model_or_config, world_size, pp, per_rank, less, options) -> D
         sharded_muon_params=totals["sharded"],
         split=split_rows,
         rates=first.rates,
-        settings=first.settings,
+        settings={**first.settings, "expert NS": "once"} if once else first.settings,
         plan_s=plan_s,
         notes=notes,
         ep=options["ep"],
         expert_layout=expert,
         offload=options["momentum"].offload,
+        expert_ns="once" if once else None,
         pp=pp,
         stages_per_rank=per_rank,
         stage_less_layers=list(less),

@@ -31,7 +31,7 @@ class RankRow:
     step_ms: float = 0.0
     fsdp_comm_bytes: int = 0
     dedicated_comm_bytes: int = 0
-    replicate_comm_bytes: int = 0
+    replicate_comm_bytes: int = 0  # over the replicate dim (HSDP's column reduce/broadcast, ...)
     tp_comm_bytes: int = 0
     split_comm_bytes: int = 0  # split NS: inside the group, and the pieces to/from the owner
     # Expert stacks left to FSDP2 / EP (part of the columns above): the per-expert matrices this
@@ -40,6 +40,9 @@ class RankRow:
     expert_matrices: int = 0
     expert_ns_ms: float = 0.0
     expert_reshard_comm_bytes: int = 0
+    # ``expert_ns="once"`` under HSDP: the all-gather of the replicas' shares of the whole
+    # experts' NS results (part of ``replicate_comm_bytes``; JSON only with "once").
+    expert_gather_comm_bytes: int = 0
     # offload="momentum": the Muon momentum this rank keeps in pinned host memory (out of the
     # columns above), and what crosses the host link per step (copied in + written back).
     host_bytes: int = 0
@@ -78,8 +81,8 @@ class RankRow:
     @property
     def muon_extra_bytes(self) -> int:
         """What owning whole matrices adds: HSDP's column reduce and broadcast (in place of
-        FSDP2's all-reduce of those weights), TP's gather to the TP owner, split NS, the
-        expert reshard."""
+        FSDP2's all-reduce of those weights; with ``expert_ns="once"`` the experts' all-gather
+        over the replicas), TP's gather to the TP owner, split NS, the expert reshard."""
         return (
             self.replicate_comm_bytes
             + self.tp_comm_bytes
@@ -127,6 +130,8 @@ HOST_COLUMNS = (
     ("host link {unit}/step", lambda r: r.host_link_bytes, "bytes"),
 )
 _HOST_FIELDS = ("host_bytes", "host_link_bytes")
+# Shown with expert_ns="once" (dry_run(expert_ns=...)) in effect only, after the comm columns.
+ONCE_COLUMNS = (("replica gather {unit}/step", lambda r: r.expert_gather_comm_bytes, "bytes"),)
 UNITS = (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 
@@ -172,6 +177,9 @@ class DryRunReport:
     # The momentum in host memory (dry_run(offload="momentum")); None: on the GPU, and the
     # host columns and keys left out of table() and to_dict().
     offload: str | None = None
+    # "once" where the HSDP replicas split the expert stacks' NS (dry_run(expert_ns="once")
+    # with replicate_size > 1 and expert stacks); None otherwise, and left out of to_dict().
+    expert_ns: str | None = None
 
     @property
     def idle_ranks(self) -> list[int]:
@@ -208,6 +216,10 @@ class DryRunReport:
             for row in out["rows"]:
                 for key in _HOST_FIELDS:
                     del row[key]
+        if self.expert_ns is None:  # per-replica expert NS: the keys as before
+            del out["expert_ns"]
+            for row in out["rows"]:
+                del row["expert_gather_comm_bytes"]
         if self.pp is None:  # the report without PP keeps its keys
             for key in ("pp", "stages_per_rank", "stage_less_layers", "stages", "pp_ranks"):
                 del out[key]
@@ -289,10 +301,14 @@ class DryRunReport:
         total = sum(r.comm_bytes for r in self.rows)
         if not total:
             return ""
+        gather = sum(r.expert_gather_comm_bytes for r in self.rows)
+        column = sum(r.replicate_comm_bytes for r in self.rows) - gather
         parts = [
+            ("HSDP column reduce/broadcast", column),
+            ("expert all-gather over replicas", gather),
+        ] + [
             (name, sum(getattr(r, field) for r in self.rows))
             for name, field in (
-                ("HSDP column reduce/broadcast", "replicate_comm_bytes"),
                 ("TP gather/scatter", "tp_comm_bytes"),
                 ("split NS", "split_comm_bytes"),
                 ("expert reshard", "expert_reshard_comm_bytes"),
@@ -328,7 +344,10 @@ class DryRunReport:
         unit, scale = next(((u, s) for u, s in UNITS if biggest >= s), UNITS[-1])
         out = []
         any_comm = any(r.comm_bytes for r in self.rows)
-        columns = COLUMNS + (EP_COLUMNS if self.ep is not None else ())
+        experts = self.ep is not None or self.expert_ns is not None
+        columns = COLUMNS + (EP_COLUMNS if experts else ())
+        if self.expert_ns is not None:
+            columns += ONCE_COLUMNS
         if self.offload is not None:
             after_peak = [t for t, _, _ in columns].index("peak {unit}") + 1
             columns = columns[:after_peak] + HOST_COLUMNS + columns[after_peak:]
@@ -409,6 +428,11 @@ def _expert_layout_line(info: dict, world: int) -> str:
             "experts after a reshard, an all-to-all over efsdp and back)"
         )
     line += f"; {info['ranks_with_experts']} of {world} ranks orthogonalise experts"
+    if info.get("expert_ns") == "once":
+        line += (
+            "; expert NS once per job: the replicas split the whole experts and all-gather "
+            "the results"
+        )
     return line
 
 

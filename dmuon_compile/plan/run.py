@@ -11,7 +11,14 @@ from torch import nn
 
 from dmuon_compile.distributed._expert_shards import ExpertWalk, ns_cost
 from dmuon_compile.ns_rates import NSRates, TargetFlops, default_stack_bytes, useful_flops
-from dmuon_compile.plan.experts import _check_ep, _ep_stack, _EPContext, finish_reshard_ns
+from dmuon_compile.plan.experts import (
+    _check_ep,
+    _ep_stack,
+    _EPContext,
+    finish_replica_gathers,
+    finish_reshard_ns,
+    whole_experts_once,
+)
 from dmuon_compile.plan.models import build_model
 from dmuon_compile.plan.momentum import MomentumCost, finish_rows
 from dmuon_compile.plan.report import (
@@ -81,11 +88,13 @@ def _run_group(
     expert_shard_dim: int | None,
     keep: set[str] | None = None,
     base_loads: list[float] | None = None,
+    expert_ns: str = "per_replica",
 ):
     """:func:`dry_run` of one data-parallel group (``world_size`` ranks): ``(report, the
     plan_dedicated result)``. ``momentum``: the Muon momentum's storage (default: in place, the
     weight's dtype). ``keep``: plan only these parameters (a pipeline stage's; the others are
-    not on these ranks). ``base_loads``: as ``plan_dedicated``'s."""
+    not on these ranks). ``base_loads``: as ``plan_dedicated``'s. ``expert_ns``: as
+    ``Muon(expert_ns=...)``."""
     from dmuon_compile.distributed.dedicate import plan_dedicated
     from dmuon_compile.distributed.policy import MixedPrecision, ParamPolicy, resolve_dtypes
     from dmuon_compile.layouts import get_layout, infer_layout
@@ -232,6 +241,7 @@ def _run_group(
     walk = ExpertWalk(ns_loads)
     ctx = _EPContext(ep, S, R, rows, per_shard, gpu, add_ns, rates, stack_cap, rate_ns, walk)
     ctx.momentum = momentum
+    ctx.once = expert_ns == "once" and R > 1  # one replica: nothing to split
     citem_default = _itemsize(param_dtype) if param_dtype is not None else None
     for pname, p in model.named_parameters():
         if pname in dedicated or not p.requires_grad or (keep is not None and pname not in keep):
@@ -273,10 +283,17 @@ def _run_group(
             if muon and lo < hi:
                 momentum.charge(per_shard.adder(lo, hi), state, n_rows * rest, item)
                 matrices = layout.count((n_rows, *p.shape[1:]))
+                shape = layout.stacked_shape(p.shape)
                 for s in range(lo, min(hi, S)):
+                    if ctx.once:  # the replicas split the shard's whole experts
+                        a, b = int(p.shape[1]), rest // int(p.shape[1])
+                        for t in range(T):
+                            members = [gpu(r * S + s, t) for r in range(R)]
+                            whole_experts_once(ctx, members, n_rows, a, b, item, layout, shape)
+                        continue
                     for r in range(R):
                         for t in range(T):
-                            add_ns(gpu(r * S + s, t), layout.stacked_shape(p.shape), matrices, True)
+                            add_ns(gpu(r * S + s, t), shape, matrices, True)
         if muon and padded * S > 1.25 * p.numel():
             padding.append(pname)
     per_shard.apply(rows, S, T)
@@ -300,6 +317,8 @@ def _run_group(
             "resharded_stacks": resharded,
             "ranks_with_experts": sum(1 for r in rows if r.expert_matrices),
         }
+        if ctx.once and ep_stacks:
+            expert_layout["expert_ns"] = "once"
         if ctx.padding:
             notes.append(
                 f"{len(ctx.padding)} expert stacks are cut unevenly over the {S // ep} expert-"
@@ -321,7 +340,17 @@ def _run_group(
             f"ranks (e.g. {padding[0]}): FSDP2 pads each rank's chunk, so its collectives move "
             "padding too"
         )
-    if sharded_muon_params and R > 1:
+    once = ctx.once and bool(sharded_muon_params)
+    if once:
+        notes.append(
+            f"FSDP2-sharded expert stacks, expert_ns='once': the {R} replicas split each "
+            "stack's whole experts (each expert orthogonalised once in the job, in the step's "
+            "expert stage: one NS call per batch and shape) and one all-gather per batch over "
+            "the replicate dim, in NS's 2-byte output dtype, gives every replica all the "
+            "results ('replica gather' column, part of the HSDP traffic; not overlapped with "
+            "the next forward)"
+        )
+    elif sharded_muon_params and R > 1:
         notes.append(
             "FSDP2-sharded expert stacks: every replica orthogonalises its own copy (R times "
             "the NS of one shard group)"
@@ -333,6 +362,7 @@ def _run_group(
         )
 
     # -- NS ms, step ms and the step's working set from each rank's shape buckets
+    finish_replica_gathers(ctx)
     finish_reshard_ns(rows, rates, stack_cap, rate_ns)
     factor = WORKING_SET_FACTOR["compiled" if compiled else "eager"]
     for row in rows:
@@ -374,12 +404,14 @@ def _run_group(
             "step": "compiled" if compiled else "eager",
             "stack cap GiB": round(stack_cap / GiB, 2),
             "NS flops": "as a Triton GPU" if ns is None else type(ns).__name__,
+            **({"expert NS": "once"} if once else {}),
         },
         plan_s=plan_s,
         notes=notes,
         ep=ep,
         expert_layout=expert_layout,
         offload=momentum.offload,
+        expert_ns="once" if once else None,
     )
     report.total_s = time.perf_counter() - t_start
     return report, planned
