@@ -29,6 +29,35 @@ copy of the parameters:
 4. ``ours_compiled``: ``dmuon.Muon(compile=True)`` (one compiled graph + the NS-chain pass);
 5. ``ours_compiled_cudagraphs`` (CUDA only): ``compile_mode="reduce-overhead"``.
 
+Peers that take the expert stacks whole (3-D, one Newton–Schulz per expert, as ours), each run
+with its own code, on one device without communication (issue 49):
+
+6. ``dion_muon``: microsoft/dion's ``dion.Muon`` (``pip install .wheels/dion-*.whl``,
+   benchmarks/README.md §B1 "peers") with ``distributed_mesh=None`` (one device, no process
+   group), plain tensors, ``flatten=False`` (a 3-D stack is a batch of 2-D matrices),
+   ``adjust_lr="rms_norm"`` (lr·0.2·sqrt(max(rows, cols)), our ``match_rms_adamw``),
+   ``nesterov=True`` and ``weight_decay=0`` (ours); its default NS: ``use_polar_express=True,
+   use_triton=False``, i.e. ``dion.polar_express.polar_express`` — 5 Polar Express iterations
+   in bf16, no restart, under ``torch.compile(dynamic=False, fullgraph=True)``, every
+   same-shape parameter stacked into one batched call; momentum ``M = mu·M + G`` and the
+   update, each one compiled ``_foreach`` graph per shape group;
+   ``dion_muon_triton`` (CUDA only): the same with ``use_triton=True``
+   (``polar_express_triton``: its symmetric Triton kernels for X·Xᵀ and c·A·A + b·A; the first
+   step tunes them, minutes by dion's README);
+7. ``titan_distmuon``: torchtitan's ``DistMuon``
+   (``torchtitan.distributed.flex_shard.build_dist_muon``) on one rank: the benchmark opens a
+   1-rank process group if none is open (nccl on CUDA, gloo on CPU, an in-process store) and a
+   1-device mesh named ``dp``; every parameter is a DTensor ``Shard(0)`` on it (FSDP2's
+   storage, the whole tensor on one rank) sharing the storage of the plain parameter, with a
+   DTensor gradient; compute layouts ``Owned()`` for a 2-D matrix and ``Shard(0)`` for an
+   expert stack ``[E, R, C]`` (the batch-first 3-D path: whole experts per rank), one bucket
+   ``*``; ``adjust_lr_fn="match_rms_adamw"``, ``weight_decay=0``, its default NS: Keller
+   Jordan's coefficients (3.4445, −4.7750, 2.0315), 5 steps, bf16, eager ``addmm`` per matrix /
+   ``baddbmm`` per stack (no compile), parameter by parameter. On one rank every bucket is
+   local: no collective runs. ``DistMuon`` refuses non-CUDA parameters ("DistMuon requires one
+   CUDA device per process"); for the CPU smoke run only, the benchmark builds it through a
+   subclass whose storage check accepts the CPU (everything else is torchtitan's code).
+
 Per configuration: median step time (CUDA events on GPU, perf_counter on CPU) over
 ``--repeats`` steps after ``--warmup``; the first step's wall time (trace + compile + run, with
 an empty Inductor cache: ``--fresh-cache``, default on) and, for ours compiled, the first step
@@ -73,7 +102,7 @@ MOE = {
     "E": (64, 768, 6),
     "tiny_E": (8, 32, 2),
 }
-CONFIGS = (
+DEFAULT_CONFIGS = (  # what runs without --configs
     "torch_muon",
     "torch_muon_compiled",
     "ours_eager_cublas",
@@ -81,7 +110,31 @@ CONFIGS = (
     "ours_compiled",
     "ours_compiled_cudagraphs",
 )
+PEERS = ("dion_muon", "dion_muon_triton", "titan_distmuon")  # only when named in --configs
+CONFIGS = DEFAULT_CONFIGS + PEERS
+CUDA_ONLY = ("ours_compiled_cudagraphs", "dion_muon_triton")
+DION_INSTALL = (
+    "microsoft/dion is not installed: build its wheel and install it "
+    "(benchmarks/README.md §B1 'peers'): pip install --no-deps .wheels/dion-*.whl"
+)
+
+
+class PeerMissing(RuntimeError):
+    """A peer's package is not importable: main() reports it and goes on with the others."""
+
+
 LR = 0.02
+# What each peer runs (the table's footnote; ours: opt.ns.describe()).
+PEER_NS = {
+    "torch_muon": "torch.optim.Muon: Keller Jordan NS, 5 steps, bf16, per 2-D matrix "
+    "(each expert a parameter of its own)",
+    "dion_muon": "microsoft/dion Muon: Polar Express, 5 iterations, bf16, torch.compile, "
+    "same-shape parameters stacked (a stack: its experts), lr rule rms_norm",
+    "dion_muon_triton": "microsoft/dion Muon: Polar Express with its symmetric Triton "
+    "kernels (use_triton=True), bf16, same-shape parameters stacked, lr rule rms_norm",
+    "titan_distmuon": "torchtitan DistMuon (1 rank): Keller Jordan NS, 5 steps, bf16, eager "
+    "addmm per matrix / baddbmm per expert stack, lr rule match_rms_adamw",
+}
 PROFILE_STEPS = 3
 SAVED_TRACES = ("ours_compiled",)
 
@@ -156,7 +209,135 @@ def build(config: str, params):
         return dmuon.Muon(params, lr=LR, compile=True, **OURS)
     if config == "ours_compiled_cudagraphs":
         return dmuon.Muon(params, lr=LR, compile=True, compile_mode="reduce-overhead", **OURS)
+    if config.startswith("dion_muon"):
+        return build_dion(params, use_triton=config == "dion_muon_triton")
+    if config == "titan_distmuon":
+        return build_titan(params)
     raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
+
+
+def build_dion(params, use_triton: bool = False):
+    """microsoft/dion's Muon on one device (configuration 6 of the module docstring)."""
+    try:
+        from dion import Muon as DionMuon
+    except ImportError as e:
+        raise PeerMissing(f"{DION_INSTALL} ({e})") from e
+    return DionMuon(
+        params,
+        distributed_mesh=None,  # one device: no process group, no communication
+        lr=LR,
+        mu=0.95,
+        weight_decay=0.0,
+        nesterov=True,
+        adjust_lr="rms_norm",  # lr·0.2·sqrt(max(rows, cols)) = our match_rms_adamw
+        flatten=False,  # a 3-D expert stack is a batch of 2-D matrices: NS per expert
+        use_polar_express=True,  # dion's default NS
+        use_triton=use_triton,
+    )
+
+
+# The 1-rank process group this module opened for titan_distmuon (closed by release_group).
+_OWN_GROUP: list = []
+
+
+def one_rank_mesh(device):
+    """A 1-device mesh named ``dp``, opening a 1-rank process group (nccl on CUDA, gloo on CPU,
+    an in-process store) where none is open."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        _OWN_GROUP.append(True)
+    if dist.get_world_size() != 1:
+        raise RuntimeError("titan_distmuon runs on one rank: launch bench_step.py as one process")
+    return DeviceMesh(device.type, [dist.get_rank()], mesh_dim_names=("dp",))
+
+
+def release_group() -> None:
+    """Close the process group that ``one_rank_mesh`` opened, if it opened one."""
+    import torch.distributed as dist
+
+    if _OWN_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWN_GROUP.clear()
+
+
+def titan_names(params) -> list[str]:
+    """Parameter FQNs for DistMuon: ``matrices.i`` (2-D) and ``experts.i`` (3-D stacks)."""
+    return [f"{'experts' if p.ndim == 3 else 'matrices'}.{i}" for i, p in enumerate(params)]
+
+
+def build_titan(params):
+    """torchtitan's DistMuon on one rank (configuration 7 of the module docstring): each
+    parameter becomes a DTensor ``Shard(0)`` on a 1-device mesh, holding the same storage (its
+    updates land in ``params``), with a DTensor gradient over the same gradient storage."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from torchtitan_steps import _torchtitan_on_this_torch
+
+    _torchtitan_on_this_torch()  # torchtitan 0.3.0 on torch < 2.12
+    try:
+        from torchtitan.distributed.flex_shard import BucketConfig, ComputeLayout, Owned, dist_muon
+    except ImportError as e:
+        raise PeerMissing(
+            "torchtitan's DistMuon (torchtitan >= 0.3.0, torchtitan.distributed.flex_shard) is "
+            f"not importable: {e}; carry its wheels (benchmarks/README.md §B1 'peers')"
+        ) from e
+
+    try:
+        return _build_titan(params, dist_muon, BucketConfig, ComputeLayout, Owned)
+    except BaseException:
+        release_group()
+        raise
+
+
+def _build_titan(params, dist_muon, BucketConfig, ComputeLayout, Owned):
+    from torch.distributed.tensor import DTensor, Shard
+
+    device = params[0].device
+    mesh = one_rank_mesh(device)
+    names = titan_names(params)
+    dparams = []
+    for p in params:
+        d = torch.nn.Parameter(DTensor.from_local(p.detach(), mesh, [Shard(0)], run_check=False))
+        d.grad = DTensor.from_local(p.grad, mesh, [Shard(0)], run_check=False)
+        dparams.append(d)
+    layouts = {
+        # A 2-D matrix: whole-matrix compute on one owner; a 3-D stack [E, R, C]: whole
+        # experts sharded over the ranks (Shard(0)), one batched NS per rank.
+        name: ComputeLayout({"dp": Shard(0) if p.ndim == 3 else Owned()})
+        for name, p in zip(names, params)
+    }
+    kwargs = dict(
+        compute_sharding_by_fqn=layouts,
+        bucket_configs=[BucketConfig(patterns=("*",), name="all")],
+        lr=LR,
+        weight_decay=0.0,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    groups = [{"params": dparams, "param_names": names}]
+    if device.type == "cuda":
+        opt = dist_muon.build_dist_muon(groups, **kwargs)
+    else:
+        # DistMuon checks for one CUDA device per process; the CPU smoke run accepts the CPU.
+        class CPUDistMuon(dist_muon.DistMuon):
+            def _validate_parameter_storage(self):
+                for group in self.param_groups:
+                    for param in group["params"]:
+                        if not isinstance(param, DTensor):
+                            raise TypeError("DistMuon requires DTensor parameters")
+                return device
+
+        opt = CPUDistMuon(dist_muon._normalize_param_groups(groups), **kwargs)
+    opt.dtensor_params = dparams  # keeps the DTensor views alive with the optimizer
+    return opt
 
 
 def sync(device) -> None:
@@ -232,6 +413,8 @@ def run_config(
     row["finite"] = finite
     del opt, params
     gc.collect()
+    if config == "titan_distmuon":
+        release_group()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -269,6 +452,11 @@ def markdown(rows: list[dict], header: str) -> str:
     ns = sorted({r["ns"] for r in rows if "ns" in r})
     if ns:
         lines += ["", "NS backend (ours): " + "; ".join(ns)]
+    peers = [
+        c for c in dict.fromkeys(r["config"] for r in rows) if c.split("_compiled")[0] in PEER_NS
+    ]
+    if peers:
+        lines += [""] + [f"- {c}: {PEER_NS[c.split('_compiled')[0]]}" for c in peers]
     profiled = [r for r in rows if r.get("profile", {}).get("gpu_events")]
     if profiled:
         cats = list(profiled[0]["profile"]["breakdown_ms_per_step"])
@@ -322,6 +510,16 @@ def headline(rows: list[dict]) -> list[str]:
                 f"{model}: ours compiled vs ours eager (Triton where tuned) = "
                 f"{by['ours_eager']['median_ms'] / comp['median_ms']:.2f}x"
             )
+        for peer, label in (
+            ("dion_muon", "microsoft/dion Muon"),
+            ("dion_muon_triton", "microsoft/dion Muon (Triton NS)"),
+            ("titan_distmuon", "torchtitan DistMuon"),
+        ):
+            if peer in by:
+                out.append(
+                    f"{model}: ours compiled vs {label} = "
+                    f"{by[peer]['median_ms'] / comp['median_ms']:.2f}x"
+                )
         out.append(
             f"{model}: first compiled step {comp['first_step_s']:.1f} s cold "
             "(target <= 60 s on M), "
@@ -413,9 +611,9 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but no CUDA device; pass --device cpu for a smoke run")
     models = args.model or (["tiny"] if device.type == "cpu" else ["S", "M"])
-    configs = list(args.configs or CONFIGS)
-    if device.type != "cuda" and "ours_compiled_cudagraphs" in configs:
-        configs.remove("ours_compiled_cudagraphs")  # CUDA graphs need CUDA
+    configs = list(args.configs or DEFAULT_CONFIGS)
+    if device.type != "cuda":  # CUDA graphs, dion's Triton kernels: CUDA only
+        configs = [c for c in configs if c not in CUDA_ONLY]
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
     repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
     if args.fresh_cache:
@@ -440,9 +638,17 @@ def main(argv=None) -> int:
         )
 
     rows = []
+    missing = {}
     for model in models:
         for config in configs:
-            row = run_config(config, model, device, warmup, repeats, args.profile)
+            if config in missing:
+                continue
+            try:
+                row = run_config(config, model, device, warmup, repeats, args.profile)
+            except PeerMissing as e:  # the others still run; the exit status says it
+                missing[config] = str(e)
+                print(f"{config}: NOT RUN: {e}", flush=True)
+                continue
             rows.append(row)
             print(
                 f"{model:5s} {config:26s} median {row['median_ms']:9.2f} ms  first step "
@@ -457,6 +663,8 @@ def main(argv=None) -> int:
                     f.write(markdown(rows, header()))
 
     table = markdown(rows, header())
+    if missing:
+        table += "\n" + "".join(f"NOT RUN {c}: {why}\n" for c, why in missing.items())
     print()
     print(table)
     if args.out:
@@ -464,7 +672,7 @@ def main(argv=None) -> int:
             f.write(table)
     for line in headline(rows):
         print(line)
-    return 0
+    return 2 if missing else 0
 
 
 if __name__ == "__main__":

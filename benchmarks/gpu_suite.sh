@@ -32,7 +32,10 @@
 #               peer gets every expert as a 2-D matrix, 796 in one Dynamo graph, minutes of
 #               compile (CPU: 50 matrices 57 s, 200 matrices 274 s); run it in a call of its own,
 #               STAGES=step_E STEP_CONFIGS="torch_muon_compiled ours_compiled" STEP_TIMEOUT=560
-#               (bench_step.py writes its table after each configuration: a cut-off run keeps it)
+#               (bench_step.py writes its table after each configuration: a cut-off run keeps it);
+#               E against the peers that take expert stacks whole (microsoft/dion, torchtitan's
+#               DistMuon; their wheels carried, benchmarks/README.md §B1): STEP_CONFIGS=
+#               "ours_compiled dion_muon titan_distmuon torch_muon" STEP_TIMEOUT=500
 #   shortlist_S/M/E  bench_step.py ours_compiled with the autotune's Gluon candidates set to
 #               SHORTLIST_BASE, then SHORTLIST_NEW (gluon_probe.py --configs syntax, or auto:
 #               what the gluon stage of the same call picked, gluon_probe.py --pick; the new
@@ -86,7 +89,10 @@ if ls .wheels/*.whl >/dev/null 2>&1; then
     [ -e "$t" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$t" /tmp/peers
   done
   export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}
-  python3 -c "import gram_newton_schulz, quack; print('peers: gram_newton_schulz', gram_newton_schulz.__version__)" 2>&1 | tail -3
+  # Which peers import (§A: Dao-AILab's NS; §B1 model E: microsoft/dion, torchtitan's DistMuon).
+  for peer in gram_newton_schulz dion torchtitan.distributed.flex_shard.dist_muon; do
+    python3 -c "import importlib, sys; sys.path.insert(0, 'benchmarks'); from torchtitan_steps import _torchtitan_on_this_torch as f; f(); importlib.import_module('$peer'); print('peer: $peer imports')" 2>&1 | tail -1
+  done
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton, dmuon_compile as d; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count(), 'GPUs'); print(d.get_ns_backend())"
