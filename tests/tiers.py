@@ -10,6 +10,12 @@ without the `distributed` marker from spawning ranks. Read by conftest.py and th
 # tests/test_tiers.py checks that each entry exists.
 SLOW = {
     "tests/kernels/test_syrk_interpret.py": ["*"],
+    "tests/test_layouts_blocked.py": ["test_compiled_step_equals_eager_with_blocked_layouts"],
+    "tests/benchmarks/test_bench_peers.py": [
+        "test_peer_step_is_an_orthogonalised_update_per_matrix_and_expert",
+        "test_peer_runs_model_tiny_e_on_cpu",
+        "test_dion_missing_names_the_wheel_and_the_others_run",
+    ],
     "tests/passes/test_compiled_step.py": [
         "test_compiled_step_equals_eager_step",
         "test_pass_fires_in_inductor_direct_2d_bf16_and_wraps_user_pass",
