@@ -25,6 +25,13 @@ reshards it like the momentum (``normuon_state.py`` creates it).
 The math runs in the step's first half (``functional.muon_directions``: ``v′`` out of place,
 the normalised direction returned); the commit stores ``v′`` with the momentum
 (``functional.commit_muon_step``), so a step that does not commit leaves ``v`` unchanged.
+
+Expert stacks sharded inside their experts (FSDP2's ``Shard(1)``/``Shard(2)``) or split over
+HSDP's replicas (``Muon(expert_ns="once")``) go through the expert reshard stage
+(``distributed/_expert_shards.py``): ``v`` travels with ``u`` to the members that hold whole
+experts, :func:`normalize` runs there right after Newton–Schulz, and each member gets its rows of
+``v′`` back with its pieces of the direction; its commit stores them like any other. Tensor
+parallelism and split Newton–Schulz are refused (:func:`refuse_unsupported`).
 """
 
 from __future__ import annotations
@@ -216,11 +223,13 @@ def moments_finite(moments: Sequence[Tensor]) -> Tensor:
 
 def refuse_unsupported(plan, muon_params: Sequence[tuple[Tensor, Layout]]) -> None:
     """Raise ``NotImplementedError`` when ``Muon(normuon=...)`` meets a path that would step
-    the matrices without the normalisation: tensor parallelism, split Newton–Schulz, expert
-    stacks sharded inside their experts. Decided from the plan and the placements, the same
-    on every rank, before any collective."""
-    what = next((stage.what for stage in plan.stages), None)  # every stage: ``StepStage.what``
-    if what is None:
+    the matrices without the normalisation: tensor parallelism, split Newton–Schulz. A stage
+    that normalises (``normuon_ok``: the expert reshard, ``_expert_shards.py``) passes; expert
+    stacks sharded inside their experts need it in the plan. Decided from the plan and the
+    placements, the same on every rank, before any collective."""
+    stages = [stage for stage in plan.stages if not getattr(stage, "normuon_ok", False)]
+    what = next((stage.what for stage in stages), None)  # every stage: ``StepStage.what``
+    if what is None and len(stages) == len(plan.stages):  # no expert reshard in the plan
         from dmuon_compile.layouts import needs_reshard
 
         if any(needs_reshard(p, lay) for p, lay in muon_params):
@@ -230,5 +239,5 @@ def refuse_unsupported(plan, muon_params: Sequence[tuple[Tensor, Layout]]) -> No
             f"normuon=True is not supported with {what} yet: those steps orthogonalise gathered "
             "or split matrices and would skip the per-row normalisation. Build dmuon.Muon "
             "without normuon for this model, or dedicate whole matrices (dedicate_params "
-            "without tp_mesh, split_size=1; expert stacks sharded along the expert dim only)"
+            "without tp_mesh, split_size=1)"
         )

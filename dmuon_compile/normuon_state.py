@@ -4,8 +4,9 @@ The math is ``normuon.py``'s (below the runtime); this is the state ``Muon._init
 shaped by :func:`~dmuon_compile.normuon.moment_shape`, fp32. A parameter that is a DTensor gets
 a DTensor of the same kind, so ``torch.distributed.checkpoint`` saves and reshards it like the
 momentum: a dedicated weight's owner tensor (a one-rank owner mesh: the whole second moment on
-the owner, an empty piece elsewhere), an expert stack sharded along the expert dim (its mesh
-and placements: each rank holds its experts' rows).
+the owner, an empty piece elsewhere), an expert stack (``_expert_shards.moment_placements``:
+the stack's mesh and placements, but replicated where they cut the matrices' input dim, which
+the moment reduces to one column: each rank holds every moment of its rows).
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ def _zeros(p: Tensor, layout: Layout) -> Tensor:
         owner = tuple(local.shape) == tuple(p.shape)
         held = torch.zeros(shape, dtype=torch.float32, device=local.device) if owner else None
         return make_owned(held, p.device_mesh, shape, torch.float32, local.device)
-    # Sharded along the expert dim only (``layouts.whole_expert_shards``; the step refuses the
-    # rest): the local experts' rows, on the stack's mesh and placements.
-    piece = torch.zeros(moment_shape(layout, local.shape), dtype=torch.float32, device=local.device)
+    # An expert stack (the step refuses other sharded matrices): the local experts' rows, on
+    # the stack's mesh and placements, replicated where they cut the matrices' input dim (the
+    # expert reshard's ``moment_placements``: it moves them).
+    from dmuon_compile.distributed._expert_shards import local_moment_shape, moment_placements
+
+    piece = torch.zeros(local_moment_shape(p, layout), dtype=torch.float32, device=local.device)
     stride = torch.empty(shape, device="meta").stride()
+    placements = moment_placements(p, layout)
     return DTensor.from_local(
-        piece, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride
+        piece, p.device_mesh, placements, run_check=False, shape=shape, stride=stride
     )

@@ -121,8 +121,9 @@ class Muon(torch.optim.Optimizer):
             per output neuron by a second moment of its rows, its Frobenius norm kept.
             ``False`` (default), ``True`` (β₂ = 0.95, ε = 1e-10) or ``dmuon.NorMuon(beta2=...,
             eps=...)``. State: ``normuon_second_moment`` (fp32, one value per row of each
-            matrix). Not with tensor parallelism, split Newton–Schulz or expert stacks
-            sharded inside their experts (the first step raises).
+            matrix). With dedicated weights and expert stacks in any FSDP2/EP/HSDP layout,
+            stacks sharded inside their experts and ``expert_ns="once"`` included; not with
+            tensor parallelism or split Newton–Schulz (the first step raises).
         momentum_dtype: the dtype the Muon momentum is stored in: ``None`` (default, the
             parameter's), ``torch.bfloat16`` (half the momentum's memory and bytes per step;
             μ·buf + g is computed in the gradient's dtype and rounded once to nearest where
@@ -669,7 +670,7 @@ class Muon(torch.optim.Optimizer):
             from dmuon_compile.compiled_step import compiled_step_for
 
             compiled = functools.partial(compiled_step_for, self)
-            ns = StepNS(self.ns, compiled, directions_finite, traced)
+            ns = StepNS(self.ns, compiled, directions_finite, traced, normuon=self.normuon)
             for stage in plan.stages:  # in the plan's order: the same collectives everywhere
                 jobs, taken_halves = stage.directions(jobs, ns, failure)
                 for part_halves, more in zip(halves, taken_halves):

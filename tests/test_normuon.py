@@ -345,21 +345,24 @@ def test_invalid_values_are_refused_naming_the_fix(bad, match):
 
 @pytest.mark.parametrize(
     "stage, what",
-    [
-        ("TPStage", "tensor parallelism"),
-        ("SplitStage", "split Newton–Schulz"),
-        ("ExpertReshardStage", "expert stacks sharded inside their experts"),
-    ],
+    [("TPStage", "tensor parallelism"), ("SplitStage", "split Newton–Schulz")],
 )
 def test_paths_that_would_skip_the_normalisation_are_refused(stage, what):
     from dmuon_compile.distributed import _expert_shards, _split_step
     from dmuon_compile.distributed._tp import stage as tp_stage
 
-    cls = {
-        "TPStage": tp_stage.TPStage,
-        "SplitStage": _split_step.SplitStage,
-        "ExpertReshardStage": _expert_shards.ExpertReshardStage,
-    }[stage]
-    plan = StepPlan(stages=(object.__new__(cls),))  # what a stage is: its class's
-    with pytest.raises(NotImplementedError, match=f"normuon=True is not supported with {what}"):
-        refuse_unsupported(plan, [])
+    cls = {"TPStage": tp_stage.TPStage, "SplitStage": _split_step.SplitStage}[stage]
+    expert = object.__new__(_expert_shards.ExpertReshardStage)
+    for stages in ((object.__new__(cls),), (expert, object.__new__(cls))):
+        plan = StepPlan(stages=stages)  # what a stage is: its class's
+        with pytest.raises(NotImplementedError, match=f"normuon=True is not supported with {what}"):
+            refuse_unsupported(plan, [])
+
+
+def test_the_expert_reshard_normalises_and_is_not_refused():
+    """The expert reshard normalises whole experts (``_expert_shards.py``; trained against one
+    process in tests/distributed/test_normuon_experts.py): its plan passes."""
+    from dmuon_compile.distributed import _expert_shards
+
+    assert _expert_shards.ExpertReshardStage.normuon_ok
+    refuse_unsupported(StepPlan(stages=(object.__new__(_expert_shards.ExpertReshardStage),)), [])

@@ -35,6 +35,16 @@ batch's whole experts between them by the same walk (the dedicated loads weigh t
 NS runs) and one all-gather over that group, in NS's output dtype, gives every replica all the
 results: each expert is orthogonalised once per job, for the bytes of an all-gather.
 
+NorMuon (``Muon(normuon=True)``, ``normuon.py``) needs each whole expert and its rows' second
+moments ``v``: ``v`` (fp32, the stack's rows, :func:`moment_placements`) goes to whole
+experts by the same walk — by its own all-to-all where the cut is along the rows (a member's rows
+of ``v`` are its rows of the stack), taken locally where it cuts the input dim (every member
+holds all rows' ``v``) — and :func:`normuon.normalize` runs right after Newton–Schulz, on whole
+experts (with ``split_replicas``: on every replica, after the all-gather of NS's results, so
+each computes the same ``v′`` and no more bytes move). ``v′`` goes back by one more all-to-all
+per cut: each member's rows, or every row to every member. Exact: the same ``(Ô, v′)`` per
+expert as one process.
+
 Every rank issues the same collectives in the same order (the parameter lists and their
 placements are the same everywhere; the split sizes follow from the global shape and the mesh,
 never from the data); a rank whose step already failed sends its placeholders, as the TP stage
@@ -54,8 +64,10 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon_compile import functional as F
+from dmuon_compile import normuon as _normuon
 from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed.stages import (
+    READ,
     MuonJob,
     StageDirections,
     StepHalf,
@@ -68,6 +80,7 @@ from dmuon_compile.layouts import (  # noqa: F401 - the tests ask here
     replicated_stack,
     whole_expert_shards,
 )
+from dmuon_compile.normuon import moment_shape
 from dmuon_compile.step_phases import PHASE_EAGER, guarded
 from dmuon_compile.trace_labels import NS, label
 
@@ -126,8 +139,11 @@ class ExpertWalk:
         >>> walk = ExpertWalk(base={0: 5})
         >>> walk.shares("g", [0, 1, 2], local=2, cost=1)  # rank 0 owns a dedicated weight
         (0, 1, 1)
-        >>> walk.shares("g", [0, 1, 2], local=2, cost=1)  # ties: round from member 0
-        (1, 1, 0)
+        >>> walk.shares("g", [0, 1, 2], local=2, cost=1)  # rank 0 is still the most loaded
+        (0, 1, 1)
+        >>> even = ExpertWalk()  # ties: round from where the last extra experts ended
+        >>> [even.shares("h", [0, 1, 2], local=1, cost=1) for _ in range(2)]
+        [(1, 0, 0), (0, 1, 0)]
         """
         n = len(ranks)
         state = self._groups.setdefault(key, [0, [0] * n])
@@ -344,7 +360,9 @@ def orthogonalize_resharded(
     batch_bytes: int | None = None,
     split_replicas: bool = False,
     gather_dtype: torch.dtype | None = None,
-) -> list[Tensor]:
+    moments: list[Tensor] | None = None,
+    normalize: Callable | None = None,
+) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
     """``orthogonalize(mats, layouts)`` of each stack's whole experts, returned as this rank's
     local shards in the stacks' own placements. ``updates``: the local Nesterov inputs (or
     placeholders of their shapes). ``walk``: who gets which experts (:class:`ExpertWalk`, one
@@ -362,7 +380,12 @@ def orthogonalize_resharded(
     ``split_replicas``: a stack replicated over a mesh dim (:func:`replicas_of`) has its whole
     experts split between that dim's members, each orthogonalising its share, and gathered
     back by one all-gather per batch in ``gather_dtype`` (default: the stacks' dtype; NS's
-    output dtype loses nothing). Stacks with no in-expert cut then batch too."""
+    output dtype loses nothing). Stacks with no in-expert cut then batch too.
+
+    ``moments`` (NorMuon): each stack's local second moment ``v`` (fp32, in
+    :func:`local_moment_shape`); ``normalize(mats, vs, layouts) -> (mats, vs)``
+    normalises whole experts right after ``orthogonalize``. Returns ``(directions, v′)``, ``v′``
+    in the local shapes of ``moments``."""
     walk = ExpertWalk() if walk is None else walk
     batches: dict[tuple, list[list[int]]] = {}  # (group, replicas, dtype) -> stack batches
     filled: dict[tuple, int] = {}
@@ -385,23 +408,124 @@ def orthogonalize_resharded(
             chunks[-1].append(i)
             filled[key] = filled.get(key, 0) + most
     out: list[Tensor | None] = [None] * len(params)
+    new: list[Tensor | None] = [None] * len(params)
+    norm = None if moments is None else _Normalize(moments, normalize)
     for idx in [b for chunks in batches.values() for b in chunks] + alone:
         reps = replicas_of(params[idx[0]]) if split_replicas else None
-        got = _resharded(idx, params, updates, layouts, orthogonalize, walk, reps, gather_dtype)
-        for i, y in zip(idx, got):
-            out[i] = y
+        got, vs = _resharded(
+            idx, params, updates, layouts, orthogonalize, walk, reps, gather_dtype, norm
+        )
+        for k, i in enumerate(idx):
+            out[i], new[i] = got[k], None if vs is None else vs[k]
     for i in reference:
-        out[i] = _reference_one(params[i], updates[i], layouts[i], orthogonalize)
-    return out  # type: ignore[return-value]
+        out[i], new[i] = _reference_one(params[i], updates[i], layouts[i], orthogonalize, norm, i)
+    if moments is None:
+        return out  # type: ignore[return-value]
+    return out, new  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------- NorMuon's moments
+def _input_dim(p: Tensor, layout: Layout) -> int:
+    """The tensor dim of ``p`` that holds its matrices' input (the one ``moment_shape`` cuts)."""
+    return p.ndim - (2 if layout.transposed else 1)
+
+
+def _cuts(placement, dim: int) -> bool:
+    strided = type(placement).__name__ == "_StridedShard"  # not a Shard on torch 2.13
+    return (isinstance(placement, Shard) or strided) and getattr(placement, "dim", None) == dim
+
+
+def moment_placements(p: DTensor, layout: Layout) -> tuple:
+    """The placements of the second moment of expert stack ``p``: ``p``'s, except that a mesh
+    dim cutting the matrices' input dim (FSDP2's ``Shard(2)`` of an ``(E, m, n)`` stack)
+    replicates the moment: its input dim is one column (``moment_shape``), and each member of
+    that mesh dim needs every row of its experts. ``Shard(0)`` (the experts) and a cut of the
+    output dim (``Shard(1)``) stay: the moment's rows are the stack's rows.
+
+    >>> from torch.distributed.tensor import Replicate, Shard
+    >>> class P:  # what is read of a DTensor here
+    ...     ndim, placements = 3, (Shard(0), Shard(2))
+    >>> moment_placements(P(), Layout.experts())
+    (Shard(dim=0), Replicate())
+    >>> moment_placements(P(), Layout.experts(transposed=True))  # (E, in, out): rows on dim 2
+    (Shard(dim=0), Shard(dim=2))
+    """
+    if layout.kind != "experts":
+        return tuple(p.placements)
+    dim = _input_dim(p, layout)
+    return tuple(Replicate() if _cuts(pl, dim) else pl for pl in p.placements)
+
+
+def local_moment_shape(p: Tensor, layout: Layout) -> tuple[int, ...]:
+    """The shape of this rank's piece of the second moment of ``p`` (a DTensor expert stack, or
+    a plain tensor): ``p``'s local shape, its input dim that of :func:`moment_shape` (never cut:
+    :func:`moment_placements`)."""
+    local = local_of(p)
+    if not isinstance(p, DTensor) or layout.kind != "experts":
+        return moment_shape(layout, local.shape)
+    whole = moment_shape(layout, p.shape)
+    dim = _input_dim(p, layout)
+    return tuple(whole[d] if d == dim else int(s) for d, s in enumerate(local.shape))
+
+
+@dataclass(frozen=True)
+class _Normalize:
+    """NorMuon through :func:`orthogonalize_resharded`: every stack's local second moment and
+    ``normalize(mats, vs, layouts) -> (mats, vs)`` of whole experts."""
+
+    moments: list[Tensor]
+    normalize: Callable
+
+
+def _out_dim(ndim: int, lay: Layout) -> int:
+    """The tensor dim of a stack's rows (its matrices' output dim)."""
+    return ndim - (1 if lay.transposed else 2)
+
+
+def _moments_to_whole(vs, cuts, shares, lays) -> list[Tensor]:
+    """:func:`_to_whole` of the second moments: where the cut is along the rows, ``v`` moves
+    like the stack (one all-to-all for those stacks); elsewhere each member holds every row's
+    ``v`` and takes its run of experts."""
+    out = list(vs)
+    rows = [
+        j for j, (v, cut, lay) in enumerate(zip(vs, cuts, lays)) if cut.dim == _out_dim(v.ndim, lay)
+    ]
+    if rows:
+        got = _to_whole([vs[j] for j in rows], [cuts[j] for j in rows], [shares[j] for j in rows])
+        for j, v in zip(rows, got):
+            out[j] = v
+    for j, (v, cut, share) in enumerate(zip(vs, cuts, shares)):
+        if j not in rows:
+            out[j] = v.narrow(0, sum(share[: cut.member]), share[cut.member])
+    return out
+
+
+def _moments_to_pieces(vs, cuts, shares, lays) -> list[Tensor]:
+    """The inverse of :func:`_moments_to_whole`, in one all-to-all: each member gets its rows of
+    ``v′`` of every local expert (a cut of the input dim: every row, as the member's piece of a
+    ``v′`` repeated once per member along that dim)."""
+    ys, sent = [], []
+    for v, cut, lay in zip(vs, cuts, lays):
+        if cut.dim == _out_dim(v.ndim, lay):
+            ys.append(v)
+            sent.append(cut)
+            continue
+        n, width = len(cut.pieces), v.shape[cut.dim]
+        ys.append(v.repeat(*[n if d == cut.dim else 1 for d in range(v.ndim)]))
+        sent.append(_Cut(cut.group, cut.dim, (width,) * n, cut.member, cut.ranks))
+    return _to_pieces(ys, sent, shares)
 
 
 def _resharded(
-    idx, params, updates, layouts, orthogonalize, walk, reps=None, gather_dtype=None
-) -> list[Tensor]:
+    idx, params, updates, layouts, orthogonalize, walk, reps=None, gather_dtype=None, norm=None
+) -> tuple[list[Tensor], list[Tensor] | None]:
     """Stacks ``idx`` (at each cut depth, one process group for all) to whole experts, through
     one ``orthogonalize`` call (``reps``: split over the replicas, :func:`_over_replicas`), and
-    back."""
+    back. ``norm`` (NorMuon): their second moments go along, the whole experts are normalised
+    after ``orthogonalize``, and ``v′`` comes back; else ``None`` in its place."""
     xs = [updates[i].to(params[i].dtype) for i in idx]
+    vs = None if norm is None else [norm.moments[i] for i in idx]
+    lays = [layouts[i] for i in idx]
     all_cuts = [_direct_cuts(params[i]) for i in idx]
     costs = [  # per expert
         ns_cost(layouts[i].matrix_shape(params[i].shape))
@@ -417,18 +541,23 @@ def _resharded(
             for cut, x, cost in zip(cuts, xs, costs)
         ]
         xs = _to_whole(xs, cuts, shares)
+        if vs is not None:
+            vs = _moments_to_whole(vs, cuts, shares, lays)
         undo.append((cuts, shares))
-    lays = [layouts[i] for i in idx]
     if reps is None:
         xs = _orthogonalize_some(xs, lays, orthogonalize)
     else:
         xs = _over_replicas(xs, lays, costs, reps, walk, orthogonalize, gather_dtype)
+    if vs is not None:  # every replica normalises all the whole experts: the same v′ on each
+        xs, vs = _normalize_some(xs, vs, lays, norm.normalize)
     if not undo:  # whole experts stay in NS's output dtype until the commit (less memory)
-        return xs
+        return xs, vs
     xs = [x.to(params[i].dtype) for x, i in zip(xs, idx)]
     for cuts, shares in reversed(undo):
         xs = _to_pieces(xs, cuts, shares)
-    return xs
+        if vs is not None:
+            vs = _moments_to_pieces(vs, cuts, shares, lays)
+    return xs, vs
 
 
 def _orthogonalize_some(xs: list[Tensor], lays: list[Layout], orthogonalize) -> list[Tensor]:
@@ -441,6 +570,17 @@ def _orthogonalize_some(xs: list[Tensor], lays: list[Layout], orthogonalize) -> 
         for j, y in zip(full, done):
             xs[j] = y
     return xs
+
+
+def _normalize_some(xs, vs, lays, normalize) -> tuple[list[Tensor], list[Tensor]]:
+    """NorMuon's ``normalize`` of the stacks that hold whole experts; the empty ones pass."""
+    xs, vs = list(xs), list(vs)
+    full = [j for j, x in enumerate(xs) if x.numel()]
+    if full:
+        done, new = normalize([xs[j] for j in full], [vs[j] for j in full], [lays[j] for j in full])
+        for j, y, v in zip(full, done, new):
+            xs[j], vs[j] = y, v
+    return xs, vs
 
 
 def _over_replicas(xs, lays, costs, reps: _Replicas, walk, orthogonalize, gather_dtype):
@@ -478,16 +618,48 @@ def _as_dtensor(local: Tensor, like: DTensor, placements=None) -> DTensor:
     )
 
 
-def _reference_one(p: DTensor, u: Tensor, lay: Layout, orthogonalize) -> Tensor:
+def _reference_one(
+    p: DTensor, u: Tensor, lay: Layout, orthogonalize, norm: _Normalize | None = None, i: int = 0
+):
     """One stack through ``DTensor.redistribute`` to :func:`whole_expert_placements` and back:
-    the same per-expert result, over the collectives DTensor plans."""
+    the same per-expert result, over the collectives DTensor plans. ``norm`` (NorMuon): its
+    second moment ``norm.moments[i]`` goes the same way (in its own placements,
+    :func:`moment_placements`) and ``(direction, v′)`` comes back; else the
+    direction and ``None``."""
     whole = whole_expert_placements(p.placements)
     experts = _as_dtensor(u.to(p.dtype), p).redistribute(p.device_mesh, whole)
     local = experts.to_local()
+    if norm is not None:
+        shape = moment_shape(lay, p.shape)
+        stride = torch.empty(shape, device="meta").stride()
+        placed = moment_placements(p, lay)
+
+        def moment(v, placements):
+            return DTensor.from_local(
+                v, p.device_mesh, placements, run_check=False, shape=shape, stride=stride
+            )
+
+        v = moment(norm.moments[i], placed).redistribute(p.device_mesh, whole).to_local()
     if local.numel():  # fewer experts than ranks: some hold none
-        local = orthogonalize([local], [lay])[0].to(p.dtype)
+        local = orthogonalize([local], [lay])[0]
+        if norm is not None:
+            (local,), (v,) = norm.normalize([local], [v], [lay])
+        local = local.to(p.dtype)
     back = _as_dtensor(local, p, whole).redistribute(p.device_mesh, p.placements)
-    return back.to_local()
+    if norm is None:
+        return back.to_local(), None
+    return back.to_local(), moment(v, whole).redistribute(p.device_mesh, placed).to_local()
+
+
+def _finite(grads: list[Tensor], bufs: list[Tensor], moments: list[Tensor]) -> Tensor:
+    """Per matrix: its local gradient, momentum and ``v′`` all finite (1-D bool), by one
+    ``foreach`` norm (what ``StepAgreement.check_finite`` reads, and ``v′``)."""
+    k = len(grads)
+    if not k:
+        return torch.zeros(0, dtype=torch.bool)
+    tensors = [t.float() if t.dtype != torch.float32 else t for t in [*grads, *bufs, *moments]]
+    norms = torch.stack([n.to(grads[0].device) for n in torch._foreach_norm(tensors)])
+    return torch.isfinite(norms).reshape(3, k).all(0)
 
 
 @torch.no_grad()
@@ -496,7 +668,9 @@ def _orthogonalize_resharded_reference(
 ) -> list[Tensor]:
     """:func:`orthogonalize_resharded` through ``DTensor.redistribute`` for every stack (the
     path before the direct all-to-alls; the tests' reference)."""
-    return [_reference_one(p, u, lay, orthogonalize) for p, u, lay in zip(params, updates, layouts)]
+    return [
+        _reference_one(p, u, lay, orthogonalize)[0] for p, u, lay in zip(params, updates, layouts)
+    ]
 
 
 @dataclass(eq=False)
@@ -519,6 +693,7 @@ class ExpertReshardStage:
     )
     defers: ClassVar[bool] = True  # its halves commit elementwise, like any other
     queues: ClassVar[bool] = False
+    normuon_ok: ClassVar[bool] = True  # NorMuon on whole experts (``normuon.refuse_unsupported``)
     _loads: dict[int, int] | None = field(default=None, repr=False)
 
     def dedicated_loads(self) -> dict[int, int]:
@@ -554,9 +729,25 @@ class ExpertReshardStage:
         return StageDirections(kept_jobs, halves)
 
     def _directions(self, job: MuonJob, ns: StepNS, failure: list, walk: ExpertWalk) -> StepHalf:
-        group, params, grads, bufs, layouts = job[1:6]
+        group, params, grads, bufs, layouts, moments = job[1:7]
         shapes = [lay.matrix_shape(p.shape) for p, lay in zip(params, layouts)]
         lp, lg, lb = ([local_of(x) for x in xs] for xs in (params, grads, bufs))
+        config = ns.normuon
+        lm = normalize = None
+        if config is not None:  # NorMuon: v goes with u (placeholders after a failure here)
+            lm = [
+                torch.zeros(local_moment_shape(p, lay), dtype=torch.float32, device=g.device)
+                if m is None
+                else local_of(m)
+                for p, g, lay, m in zip(params, lg, layouts, moments)
+            ]
+
+            def normalize(mats, vs, lays):
+                if failure:
+                    return mats, vs
+                compute = lambda: _normuon.normalize_all(mats, vs, lays, config)  # noqa: E731
+                return guarded(failure, PHASE_EAGER, compute, (mats, vs))
+
         updates = lg  # placeholders (never committed) when this rank has failed
         if not failure:
             updates = guarded(
@@ -586,8 +777,19 @@ class ExpertReshardStage:
                 batch_bytes=ns.ns.stack_bytes,
                 split_replicas=self.split_replicas,
                 gather_dtype=gather_dtype,
+                moments=lm,
+                normalize=normalize,
             )
-        return StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
+        half = StepHalf(group, lp, lg, lb, ortho, layouts=layouts, matrix_shapes=shapes)
+        if lm is not None:  # committed with the momentum, under the same verdict
+            half.ortho, half.new_moments = ortho
+            half.moments = lm
+            if not failure:  # the agreement's read, with v′ (a loaded non-finite v) too
+                half.finite = guarded(
+                    failure, PHASE_EAGER, lambda: _finite(lg, lb, half.new_moments), None
+                )
+                half.path = READ
+        return half
 
     def commit(self, half, defer: bool) -> None:  # noqa: ARG002 - the halves are Muon's
         """Nothing: the halves are committed by the optimizer like any other."""

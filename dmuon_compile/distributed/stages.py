@@ -120,6 +120,9 @@ class StepNS:
     # The user's ``torch.compile(opt.step)`` traces this step: the jobs the directions get become
     # local tensors, so a stage whose owners hold whole matrices leaves them to those owners.
     traced: bool = False
+    # NorMuon's β₂ and ε (``normuon.NorMuon``; ``None``: off) for a stage that normalises
+    # (``StepStage.normuon_ok``).
+    normuon: Any = None
 
 
 class StageDirections(NamedTuple):
@@ -133,7 +136,9 @@ class StageDirections(NamedTuple):
 class StepStage(Protocol):
     """One way a matrix's Newton–Schulz reaches other ranks, as ``Muon.step`` drives it."""
 
-    # What it is, as an error names it (NorMuon refuses every stage: ``refuse_unsupported``).
+    # What it is, as an error names it. NorMuon refuses a stage (``normuon.refuse_unsupported``)
+    # unless its class says ``normuon_ok = True``: its halves come normalised, with their
+    # ``moments`` and ``new_moments`` (the expert reshard; TP and split NS do not).
     what: ClassVar[str]
     # A step with this stage may leave its verdict on the device (``Muon._defers``): its commit
     # is the optimizer's elementwise select, with no collective of its own.
