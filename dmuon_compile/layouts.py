@@ -532,11 +532,13 @@ def set_layout(param: Tensor, layout: Layout) -> Tensor:
 # The attention modules ``head_layouts`` recognises: their q/k/v/o projections by name
 # (transformers' and torchtitan's), and where their head counts live.
 _PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("wq", "wk", "wv", "wo"))
-_N_HEADS = ("num_heads", "n_heads", "heads", "num_attention_heads")
+HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "heads", "num_attention_heads")
 _N_KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
 
 
-def _count(module: nn.Module, names) -> int | None:
+def config_count(module: nn.Module, names) -> int | None:
+    """The first positive int among ``names`` on ``module`` or its ``config`` (a head count, a
+    head dim), else ``None``. Shared with QK-clip, which finds the same attention modules."""
     config = getattr(module, "config", None)
     for owner in (module, config):
         for name in names:
@@ -554,8 +556,8 @@ def _weight(module: nn.Module | None, name: str) -> Tensor | None:
 
 # Multi-head latent attention (DeepSeek-V2/V3): the up-projections to the heads, by name
 # (transformers', torchtitan's): q (``q_proj``/``q_b_proj``, ``wq``/``wq_b``), kv and o.
-_MLA_Q = ("q_b_proj", "q_proj", "wq_b", "wq")
-_MLA_KV = ("kv_b_proj", "wkv_b")
+MLA_Q_PROJECTIONS = ("q_b_proj", "q_proj", "wq_b", "wq")
+MLA_KV_PROJECTIONS = ("kv_b_proj", "wkv_b")
 _MLA_O = ("o_proj", "wo")
 
 
@@ -563,11 +565,11 @@ def _mla_layouts(module: nn.Module, base: str) -> dict[str, Layout]:
     """Per-head layouts of a multi-head latent attention module: each head's q rows (its nope
     and rope parts together), each head's k and v parts of the kv up-projection, each head's
     columns of o. The low-rank down-projections stay whole. Empty for any other module."""
-    nope = _count(module, ("qk_nope_head_dim",))
-    rope = _count(module, ("qk_rope_head_dim",))
-    v_dim = _count(module, ("v_head_dim",))
-    n_heads = _count(module, _N_HEADS)
-    kv = next((n for n in _MLA_KV if _weight(module, n) is not None), None)
+    nope = config_count(module, ("qk_nope_head_dim",))
+    rope = config_count(module, ("qk_rope_head_dim",))
+    v_dim = config_count(module, ("v_head_dim",))
+    n_heads = config_count(module, HEAD_COUNT_ATTRS)
+    kv = next((n for n in MLA_KV_PROJECTIONS if _weight(module, n) is not None), None)
     if None in (nope, rope, v_dim, n_heads) or kv is None:
         return {}
     found = {
@@ -576,7 +578,7 @@ def _mla_layouts(module: nn.Module, base: str) -> dict[str, Layout]:
         if nope == v_dim
         else Layout.fused((nope, v_dim) * n_heads)
     }
-    q = next((n for n in _MLA_Q if _weight(module, n) is not None), None)
+    q = next((n for n in MLA_Q_PROJECTIONS if _weight(module, n) is not None), None)
     if q is not None:
         found[f"{base}{q}.weight"] = Layout.heads(nope + rope)
     o = next((n for n in _MLA_O if _weight(module, n) is not None), None)
@@ -619,7 +621,7 @@ def head_layouts(model: nn.Module) -> dict[str, Layout]:
                 fused = _weight(where, "wqkv")
                 if out is None or (None in ws and fused is None):
                     continue
-                n_heads = _count(module, _N_HEADS)
+                n_heads = config_count(module, HEAD_COUNT_ATTRS)
                 head_dim = getattr(module, "head_dim", None)
                 if not isinstance(head_dim, int) or head_dim <= 0:
                     if n_heads is None:
@@ -631,7 +633,7 @@ def head_layouts(model: nn.Module) -> dict[str, Layout]:
                     for name in (q, k, v):
                         found[f"{base}{sub}{name}.weight"] = Layout.heads(head_dim)
                 else:
-                    n_kv = _count(module, _N_KV_HEADS) or n_heads
+                    n_kv = config_count(module, _N_KV_HEADS) or n_heads
                     if n_heads is None:
                         continue
                     found[f"{base}{sub}wqkv.weight"] = Layout.qkv(n_heads, n_kv, head_dim)

@@ -48,7 +48,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from dmuon_compile.layouts import _MLA_KV, _MLA_Q, _N_HEADS, _count, head_layouts
+from dmuon_compile.layouts import (
+    HEAD_COUNT_ATTRS,
+    MLA_KV_PROJECTIONS,
+    MLA_Q_PROJECTIONS,
+    config_count,
+    head_layouts,
+)
 from dmuon_compile.qk_logits import max_logits
 
 # Norms after the q/k projections that undo a weight scaling (Qwen3, OLMo2, torchtitan).
@@ -108,7 +114,7 @@ def _attentions(model: nn.Module) -> list[_Attention]:
     found = []
     for path, projs in by_module.items():
         module, prefix = modules[path], f"{path}." if path else ""
-        kv = next((n for n in _MLA_KV if n in projs), None)
+        kv = next((n for n in MLA_KV_PROJECTIONS if n in projs), None)
         if kv is not None:
             found.append(_mla(path, prefix, module, projs, kv))
         else:
@@ -121,13 +127,15 @@ def _sub(module: nn.Module, fqn: str, prefix: str) -> nn.Module:
 
 
 def _mla(path: str, prefix: str, module: nn.Module, projs: dict, kv: str) -> _Attention:
-    nope = _count(module, ("qk_nope_head_dim",))
-    rope = _count(module, ("qk_rope_head_dim",))
-    v_dim = _count(module, ("v_head_dim",))
-    n_heads = _count(module, _N_HEADS)
-    q = next((n for n in _MLA_Q if n in projs), None)
+    nope = config_count(module, ("qk_nope_head_dim",))
+    rope = config_count(module, ("qk_rope_head_dim",))
+    v_dim = config_count(module, ("v_head_dim",))
+    n_heads = config_count(module, HEAD_COUNT_ATTRS)
+    q = next((n for n in MLA_Q_PROJECTIONS if n in projs), None)
     if q is None:
-        raise ValueError(f"QKClip: the MLA module {path!r} has no q up-projection {_MLA_Q}")
+        raise ValueError(
+            f"QKClip: the MLA module {path!r} has no q up-projection {MLA_Q_PROJECTIONS}"
+        )
     q_owner = _sub(module, projs[q], prefix)
     rows = [_Rows(projs[q], q_owner, *_head_rows(n_heads, [(nope, 0.5), (rope, 1)]))]
     kv_owner = _sub(module, projs[kv], prefix)
@@ -147,7 +155,7 @@ def _plain(path: str, prefix: str, module: nn.Module, projs: dict, layouts: dict
     q_owner = _sub(module, projs[q_name], prefix)
     if q_name == "wqkv":
         q_part, kv_part, _ = layouts[projs[q_name]].parts
-        n_heads = _count(module, _N_HEADS)
+        n_heads = config_count(module, HEAD_COUNT_ATTRS)
         head_dim = q_part // n_heads
         n_kv = kv_part // head_dim
     else:
