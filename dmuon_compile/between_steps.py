@@ -296,16 +296,21 @@ class BetweenSteps:
             for key, value in values.items():
                 if key == "step" or not isinstance(value, Tensor):
                     continue
-                want, of = tuple(p.shape), "the parameter"
+                want, of, like = tuple(p.shape), "the parameter", p
                 if key == SECOND_MOMENT and index_to_layout.get(index) is not None:
-                    want, of = moment_shape(index_to_layout[index], p.shape), "NorMuon wants"
+                    from dmuon_compile.normuon_state import fresh
+
+                    layout = index_to_layout[index]
+                    want, of = moment_shape(layout, p.shape), "NorMuon wants"
+                    like = fresh(p, layout)  # its own placements (a TP row-parallel v: Replicate)
                 if tuple(value.shape) != want:
                     raise ValueError(
                         f"Muon.load_state_dict: {key} of {param_name(p)} has shape "
                         f"{tuple(value.shape)}, {of} {want}. {fix}"
                     )
-                if not _fits(value, p):
+                if not _fits(value, like):
+                    here = "the parameter is" if like is p else "NorMuon wants it as"
                     raise ValueError(
                         f"Muon.load_state_dict: {key} of {param_name(p)} was saved as "
-                        f"{_layout(value)}; the parameter is {_layout(p)}. {fix}"
+                        f"{_layout(value)}; {here} {_layout(like)}. {fix}"
                     )

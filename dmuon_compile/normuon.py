@@ -30,13 +30,24 @@ Expert stacks sharded inside their experts (FSDP2's ``Shard(1)``/``Shard(2)``) o
 HSDP's replicas (``Muon(expert_ns="once")``) go through the expert reshard stage
 (``distributed/_expert_shards.py``): ``v`` travels with ``u`` to the members that hold whole
 experts, :func:`normalize` runs there right after Newton–Schulz, and each member gets its rows of
-``v′`` back with its pieces of the direction; its commit stores them like any other. Tensor
-parallelism and split Newton–Schulz are refused (:func:`refuse_unsupported`).
+``v′`` back with its pieces of the direction; its commit stores them like any other.
+
+Tensor-parallel dedicated weights go through the TP stage (``distributed/_tp/stage.py``): ``v``
+lives on the weight's owner TP group, each member its rows (or all of them where TP cuts the
+input dim: ``_tp/moments.py``); the TP owner normalises the whole matrix right after
+Newton–Schulz (before a per-head matrix's per-block learning-rate scale, as here), with the
+members' rows of ``v`` gathered there, and sends each member its rows of ``v′``; where every
+member holds whole blocks (per head) it normalises its own. ``v′`` is stored with the momentum
+by the TP stage's commit. Split Newton–Schulz (``dedicate_params(split_size=k)``) gathers the
+whole result back to the owner, which holds the whole ``v`` and normalises there
+(``distributed/_split_step.py``). A stage that would skip the normalisation is refused
+(:func:`refuse_unsupported`).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -223,21 +234,29 @@ def moments_finite(moments: Sequence[Tensor]) -> Tensor:
 
 def refuse_unsupported(plan, muon_params: Sequence[tuple[Tensor, Layout]]) -> None:
     """Raise ``NotImplementedError`` when ``Muon(normuon=...)`` meets a path that would step
-    the matrices without the normalisation: tensor parallelism, split Newton–Schulz. A stage
-    that normalises (``normuon_ok``: the expert reshard, ``_expert_shards.py``) passes; expert
-    stacks sharded inside their experts need it in the plan. Decided from the plan and the
-    placements, the same on every rank, before any collective."""
+    the matrices without the normalisation: a stage whose class does not say ``normuon_ok``
+    (the expert reshard, ``_expert_shards.py``; tensor parallelism, ``_tp/stage.py``; split
+    Newton–Schulz, ``_split_step.py`` all do), or expert stacks sharded inside their experts
+    without the reshard in the plan. Decided from the plan and the placements, the same on
+    every rank, before any collective."""
     stages = [stage for stage in plan.stages if not getattr(stage, "normuon_ok", False)]
     what = next((stage.what for stage in stages), None)  # every stage: ``StepStage.what``
-    if what is None and len(stages) == len(plan.stages):  # no expert reshard in the plan
+    if what is None and not any(_reshards(stage) for stage in plan.stages):
         from dmuon_compile.layouts import needs_reshard
 
         if any(needs_reshard(p, lay) for p, lay in muon_params):
             what = "expert stacks sharded inside their experts (Shard(1)/Shard(2))"
     if what is not None:
         raise NotImplementedError(
-            f"normuon=True is not supported with {what} yet: those steps orthogonalise gathered "
-            "or split matrices and would skip the per-row normalisation. Build dmuon.Muon "
-            "without normuon for this model, or dedicate whole matrices (dedicate_params "
-            "without tp_mesh, split_size=1)"
+            f"normuon=True is not supported with {what} yet: that step would orthogonalise the "
+            "matrices without the per-row normalisation. Build dmuon.Muon without normuon for "
+            "this model"
         )
+
+
+def _reshards(stage) -> bool:
+    """Whether ``stage`` is the expert reshard (it takes the stacks sharded inside experts).
+    Looked up, not imported (that module imports this one): a plan holding one has it loaded."""
+    module = sys.modules.get("dmuon_compile.distributed._expert_shards")
+    cls = getattr(module, "ExpertReshardStage", None)
+    return cls is not None and isinstance(stage, cls)

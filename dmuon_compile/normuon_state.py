@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon_compile.distributed._owned import is_owned, local_of, make_owned
+from dmuon_compile.distributed._owned import OwnerTensor, is_owned, local_of, make_owned
 from dmuon_compile.layouts import Layout
 from dmuon_compile.normuon import SECOND_MOMENT, moment_shape
 
@@ -37,6 +37,12 @@ def second_moment(state: dict, p: Tensor, layout: Layout) -> Tensor:
     return v
 
 
+def fresh(p: Tensor, layout: Layout) -> Tensor:
+    """A zero second moment of ``p``, laid out as the step creates it (a loaded one must sit on
+    the same owner, mesh and placements: ``Muon.load_state_dict`` checks against this)."""
+    return _zeros(p, layout)
+
+
 def _zeros(p: Tensor, layout: Layout) -> Tensor:
     shape = moment_shape(layout, p.shape)
     if not isinstance(p, DTensor):
@@ -46,6 +52,10 @@ def _zeros(p: Tensor, layout: Layout) -> Tensor:
         owner = tuple(local.shape) == tuple(p.shape)
         held = torch.zeros(shape, dtype=torch.float32, device=local.device) if owner else None
         return make_owned(held, p.device_mesh, shape, torch.float32, local.device)
+    if isinstance(p, OwnerTensor):  # a TP weight on its owner TP group
+        from dmuon_compile.distributed._tp.moments import zeros
+
+        return zeros(p, layout)
     # An expert stack (the step refuses other sharded matrices): the local experts' rows, on
     # the stack's mesh and placements, replicated where they cut the matrices' input dim (the
     # expert reshard's ``moment_placements``: it moves them).

@@ -121,9 +121,9 @@ class Muon(torch.optim.Optimizer):
             per output neuron by a second moment of its rows, its Frobenius norm kept.
             ``False`` (default), ``True`` (β₂ = 0.95, ε = 1e-10) or ``dmuon.NorMuon(beta2=...,
             eps=...)``. State: ``normuon_second_moment`` (fp32, one value per row of each
-            matrix). With dedicated weights and expert stacks in any FSDP2/EP/HSDP layout,
-            stacks sharded inside their experts and ``expert_ns="once"`` included; not with
-            tensor parallelism or split Newton–Schulz (the first step raises).
+            matrix). With dedicated weights (tensor-parallel ones and split Newton–Schulz
+            included) and expert stacks in any FSDP2/EP/HSDP layout, stacks sharded inside
+            their experts and ``expert_ns="once"`` included.
         momentum_dtype: the dtype the Muon momentum is stored in: ``None`` (default, the
             parameter's), ``torch.bfloat16`` (half the momentum's memory and bytes per step;
             μ·buf + g is computed in the gradient's dtype and rounded once to nearest where

@@ -343,20 +343,165 @@ def test_invalid_values_are_refused_naming_the_fix(bad, match):
         dmuon.Muon([torch.nn.Parameter(torch.randn(4, 4))], normuon=bad)
 
 
-@pytest.mark.parametrize(
-    "stage, what",
-    [("TPStage", "tensor parallelism"), ("SplitStage", "split Newton–Schulz")],
-)
-def test_paths_that_would_skip_the_normalisation_are_refused(stage, what):
+class _Skipping:
+    """A stage that orthogonalises without the normalisation (no ``normuon_ok``)."""
+
+    what = "a stage of its own"
+
+
+def test_a_stage_that_would_skip_the_normalisation_is_refused():
+    from dmuon_compile.distributed import _expert_shards, _split_step
+    from dmuon_compile.distributed._tp import stage as tp_stage
+
+    expert = object.__new__(_expert_shards.ExpertReshardStage)
+    tp = object.__new__(tp_stage.TPStage)
+    split = object.__new__(_split_step.SplitStage)
+    for stages in ((_Skipping(),), (expert, tp, split, _Skipping())):
+        plan = StepPlan(stages=stages)  # what a stage is: its class's
+        match = "normuon=True is not supported with a stage of its own"
+        with pytest.raises(NotImplementedError, match=match):
+            refuse_unsupported(plan, [])
+
+
+@pytest.mark.parametrize("stage", ["TPStage", "SplitStage"])
+def test_tp_and_split_ns_normalise_and_are_not_refused(stage):
+    """The TP stage normalises each matrix where it is whole (``_tp/stage.py``), split NS on
+    the owner's gathered result (``_split_step.py``); trained against one process in
+    tests/distributed/test_normuon_tp.py: their plans pass."""
     from dmuon_compile.distributed import _expert_shards, _split_step
     from dmuon_compile.distributed._tp import stage as tp_stage
 
     cls = {"TPStage": tp_stage.TPStage, "SplitStage": _split_step.SplitStage}[stage]
-    expert = object.__new__(_expert_shards.ExpertReshardStage)
-    for stages in ((object.__new__(cls),), (expert, object.__new__(cls))):
-        plan = StepPlan(stages=stages)  # what a stage is: its class's
-        with pytest.raises(NotImplementedError, match=f"normuon=True is not supported with {what}"):
-            refuse_unsupported(plan, [])
+    assert cls.normuon_ok
+    mine, expert = object.__new__(cls), object.__new__(_expert_shards.ExpertReshardStage)
+    refuse_unsupported(StepPlan(stages=(mine,)), [])
+    refuse_unsupported(StepPlan(stages=(expert, mine)), [])
+
+
+def test_stacks_cut_inside_experts_need_the_reshard_whatever_other_stages_normalise(
+    monkeypatch,
+):
+    """Expert stacks that need the reshard, in a plan without it (a TP stage that normalises
+    does not stand in for it): refused; with the reshard in the plan: passed."""
+    import dmuon_compile.layouts as layouts
+    from dmuon_compile.distributed import _expert_shards
+    from dmuon_compile.distributed._tp import stage as tp_stage
+
+    class Stack:  # a stack sharded inside its experts, as needs_reshard tells
+        pass
+
+    monkeypatch.setattr(layouts, "needs_reshard", lambda p, lay: isinstance(p, Stack))
+    tp, expert = object.__new__(tp_stage.TPStage), object.__new__(_expert_shards.ExpertReshardStage)
+    stacks = [(Stack(), Layout.experts())]
+    with pytest.raises(NotImplementedError, match="expert stacks sharded inside"):
+        refuse_unsupported(StepPlan(stages=(tp,)), stacks)
+    refuse_unsupported(StepPlan(stages=(tp, expert)), stacks)
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+TP_CASES = [  # (layout, global shape, TP shard dim, size): the TP stage's two paths' layouts
+    (Layout(), (8, 6), 0, 2),  # column-parallel: v's rows cut like the weight's
+    (Layout(), (8, 6), 1, 2),  # row-parallel: v one column, replicated
+    (Layout.heads(2), (8, 6), 0, 2),  # q/k/v per head: whole heads on each shard
+    (Layout.heads(2, dim=1), (6, 8), 1, 2),  # o per head: whole heads, v's head columns cut
+    (Layout.heads(2, dim=1), (6, 8), 1, 4),
+    (Layout.heads(2, dim=1), (6, 12), 1, 4),  # 6 heads over 4: straddling, v replicated
+    (Layout.heads(2, dim=1), (8, 6), 0, 2),  # heads along the input dim, rows cut
+    (Layout.fused((2, 6)), (8, 6), 0, 2),  # a part straddles: gathered, rows still cut
+    (Layout.fused((2, 2, 4), dim=1), (6, 8), 1, 2),  # whole parts, 2 | 1 columns: replicated
+    (Layout.heads(2, transposed=True), (8, 6), 0, 2),  # stored (in, out): heads along in
+    (Layout.gate_up(interleaved=True), (8, 6), 0, 2),
+    (Layout.matrix(split="chunk", split_dim=1), (6, 8), 1, 2),  # halves along in: replicated
+]
+
+
+@pytest.mark.parametrize("layout, shape, dim, size", TP_CASES)
+def test_a_tp_weights_second_moment_is_cut_like_its_rows_or_replicated(layout, shape, dim, size):
+    """``_tp/moments.py``: ``v`` is cut along the TP shard dim where that is the output dim
+    (its rows are the weight's) or where each shard holds whole blocks along the input dim,
+    one moment column each and as many on every member; else every member holds all of it.
+    The pieces tile ``moment_shape``."""
+    from dmuon_compile.distributed._tp.moments import member_moment_shape, moment_sharded
+
+    whole = moment_shape(layout, shape)
+    out_dim = 1 if layout.transposed else 0
+    sharded = moment_sharded(layout, shape, dim, size)
+    piece = member_moment_shape(layout, shape, dim, size)
+    expect = {
+        (Layout.heads(2, dim=1), (6, 8), 1, 2): True,
+        (Layout.heads(2, dim=1), (6, 8), 1, 4): True,
+        (Layout.heads(2, transposed=True), (8, 6), 0, 2): True,
+    }.get((layout, shape, dim, size), dim == out_dim)
+    assert sharded is expect
+    if sharded:
+        assert piece[dim] * size == whole[dim]
+        assert piece[1 - dim] == whole[1 - dim]
+    else:
+        assert piece == whole
+
+
+def _cut(t: torch.Tensor, dim: int, size: int) -> list[torch.Tensor]:
+    return list(t.chunk(size, dim))
+
+
+@pytest.mark.parametrize("layout, shape, dim, size", TP_CASES)
+def test_the_tp_paths_normalise_as_one_process(layout, shape, dim, size):
+    """What the TP stage computes from the members' pieces equals one process's ``(Ô, v′)``:
+    the whole matrix on the owner (v's pieces put together, or a replicated v) with ``v′`` cut
+    back the same way; and, where each member holds whole blocks (``local_blocks_layout``) and
+    ``v`` is cut like them, each member's own blocks with its piece of ``v``."""
+    from dmuon_compile.distributed._tp.moments import moment_sharded
+    from dmuon_compile.layouts import block_shard_layouts
+    from dmuon_compile.normuon import normalize
+
+    config = NorMuon(beta2=0.5)
+    gen = torch.Generator().manual_seed(7)
+    o = F.orthogonalize([torch.randn(shape, generator=gen)], NS, layouts=[layout])[0]
+    v = torch.rand(moment_shape(layout, shape), generator=gen)
+    want_o, want_v = normalize(o, v, layout, config)
+    sharded = moment_sharded(layout, shape, dim, size)
+    pieces = _cut(v, dim, size) if sharded else [v] * size
+    # the gathered path: v whole on the owner, v′ back as the pieces
+    whole_v = torch.cat(pieces, dim) if sharded else pieces[0]
+    got_o, got_v = normalize(o, whole_v, layout, config)
+    torch.testing.assert_close(got_o, want_o, rtol=0, atol=0)
+    back = _cut(got_v, dim, size) if sharded else [got_v] * size
+    torch.testing.assert_close(torch.cat(back, dim) if sharded else back[0], want_v)
+    # the local path: each member's blocks and its piece of v
+    shards = block_shard_layouts(layout, shape, dim, size)
+    if shards is None or not sharded:
+        return
+    outs = [
+        normalize(piece, vp, lay, config)
+        for piece, vp, lay in zip(_cut(o, dim, size), pieces, shards)
+    ]
+    torch.testing.assert_close(torch.cat([a for a, _ in outs], dim), want_o)
+    torch.testing.assert_close(torch.cat([b for _, b in outs], dim), want_v)
+
+
+@pytest.mark.parametrize("fn", ["match_rms_adamw", "original"])
+def test_the_tp_owner_normalises_before_the_blocks_scale(fn):
+    """The TP owner's order, ``normalize`` then ``functional.scale_blocks_as_whole`` and the
+    whole matrix's learning-rate scale, is one process's update (``apply_muon_update`` with the
+    layout then scales each normalised block by its own rule). Control: scaling first would
+    feed the scaled rows into the second moment (``v′`` off by each block's factor squared)."""
+    from dmuon_compile.normuon import normalize
+
+    layout, shape = Layout.fused((2, 6)), (8, 6)  # blocks of two shapes: two scales
+    config = NorMuon()
+    gen = torch.Generator().manual_seed(3)
+    o = F.orthogonalize([torch.randn(shape, generator=gen)], NS, layouts=[layout])[0]
+    v = torch.rand(moment_shape(layout, shape), generator=gen)
+    w = torch.randn(shape, generator=gen)
+    want = w.clone()
+    F.apply_muon_update([want], [normalize(o, v, layout, config)[0]], LR, 0.0, fn, layouts=[layout])
+    owner = F.scale_blocks_as_whole(normalize(o, v, layout, config)[0], layout, fn)
+    got = w.clone()
+    F.apply_muon_update([got], [owner], LR, 0.0, fn, matrix_shapes=[shape])
+    torch.testing.assert_close(got, want)
+    right_v = normalize(o, v, layout, config)[1]
+    wrong_v = normalize(F.scale_blocks_as_whole(o, layout, fn), v, layout, config)[1]
+    assert (wrong_v - right_v).abs().max() > 1e-3 * right_v.abs().max()
 
 
 def test_the_expert_reshard_normalises_and_is_not_refused():

@@ -8,6 +8,12 @@ walks the split matrices in the plan's order and takes part in those of its grou
 collectives in the same order on every member (SPMD). A rank that failed earlier in the step
 still sends (zeros as the owner's input), so its peers never wait on it; the step then aborts
 everywhere at the agreement.
+
+NorMuon (``Muon(normuon=True)``, ``normuon.py``): the owner gets the whole Newton–Schulz result
+back and holds the whole second moment (a dedicated weight's state), so it normalises there,
+right after the gather, as one process does; its half carries ``v′`` to the optimizer's commit
+(stored under the step's verdict) and ``v′``'s finiteness joins its flags. No other member
+takes part: the split math is unchanged.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from dmuon_compile.distributed.stages import (
     no_halves,
 )
 from dmuon_compile.layouts import Layout
+from dmuon_compile.normuon import moments_finite, normalize_all
 from dmuon_compile.step_phases import PHASE_EAGER, PHASE_SPLIT_NS, guarded
 from dmuon_compile.trace_labels import NS, label
 
@@ -102,6 +109,7 @@ class _SplitMatrix(NamedTuple):
     grad: Tensor
     buf: Tensor
     layout: Layout
+    moment: Tensor | None  # NorMuon's second moment (the whole one on the owner; None: off)
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,6 +122,7 @@ class SplitStage:
     what: ClassVar[str] = "split Newton–Schulz (dedicate_params(split_size=...))"
     defers: ClassVar[bool] = True  # the owner's half commits like any other
     queues: ClassVar[bool] = False
+    normuon_ok: ClassVar[bool] = True  # the owner normalises the gathered result (module doc)
 
     def directions(self, jobs: list[list[MuonJob]], ns: StepNS, failure: list) -> StageDirections:
         """The first half of Muon for the split matrices: taken out of ``jobs`` (every part);
@@ -137,15 +146,15 @@ class SplitStage:
             kept = []
             for job in part_jobs:
                 taken, rest = job.split([id(p) in wanted for p in job.params])
-                for p, g, b, lay in zip(*taken[2:6]):
-                    found[id(p)] = _SplitMatrix(job.group, p, g, b, lay)
+                for p, g, b, lay, m in zip(*taken[2:7]):
+                    found[id(p)] = _SplitMatrix(job.group, p, g, b, lay, m)
                 kept.append(rest)
             kept_jobs.append(kept)
         by_group: dict[int, StepHalf] = {}
         for sg in self.groups:
             if sg.pg is None or sg.param_id not in found:  # not a member / no gradient anywhere
                 continue
-            group, p, g, b, lay = found[sg.param_id]
+            group, p, g, b, lay, m = found[sg.param_id]
             lp, lg, lb = local_of(p), local_of(g), local_of(b)
             owner = lp.numel() > 0
             u = None
@@ -171,13 +180,15 @@ class SplitStage:
                     (lp, lg, lb, ortho, lay),
                 ):
                     xs.append(x)
+                if ns.normuon is not None:  # on the owner's whole result, as one process
+                    _normalize_into(half, local_of(m) if m is not None else None, ns, failure)
         for half in by_group.values():
             # The check the ordinary directions get (``ns.finite``): the split result is NaN
             # wherever the gradient, the momentum or any member's piece was not finite. After a
             # failure the agreement raises anyway; a placeholder's flags do not count.
             if not failure:
                 half.finite = guarded(
-                    failure, PHASE_SPLIT_NS, lambda h=half: ns.finite(h.ortho), None
+                    failure, PHASE_SPLIT_NS, lambda h=half: _finite_flags(h, ns), None
                 )
         halves[0] += by_group.values()
         return StageDirections(kept_jobs, halves)
@@ -187,6 +198,35 @@ class SplitStage:
 
     def abort(self, half) -> None:  # noqa: ARG002 - every collective was waited for
         """Nothing: every collective of the walk was waited for in :meth:`directions`."""
+
+
+def _normalize_into(half: StepHalf, v: Tensor | None, ns: StepNS, failure: list) -> None:
+    """NorMuon of the owner's last split result in ``half`` (its whole ``v``): the direction
+    replaced by ``Ô``, ``v`` and ``v′`` appended to the half's ``moments``/``new_moments``
+    (committed by the optimizer). After a failure nothing is computed (never committed)."""
+    if half.moments is None:
+        half.moments, half.new_moments = [], []
+    if failure or v is None:
+        return
+    o, lay = half.ortho[-1], half.layouts[-1]
+    (o,), (new,) = guarded(
+        failure,
+        PHASE_SPLIT_NS,
+        lambda: normalize_all([o], [v], [lay], ns.normuon),
+        ([o], [v]),
+    )
+    half.ortho[-1] = o
+    half.moments.append(v)
+    half.new_moments.append(new)
+
+
+def _finite_flags(half: StepHalf, ns: StepNS) -> Tensor:
+    """Per matrix of ``half``: its direction finite (``ns.finite``), and with NorMuon its
+    ``v′`` (a loaded non-finite ``v``), as ``functional.muon_directions`` flags them."""
+    flags = ns.finite(half.ortho)
+    if flags is not None and half.new_moments:
+        flags = flags & moments_finite(half.new_moments).to(flags.device)
+    return flags
 
 
 def orthogonalize_split(

@@ -138,7 +138,7 @@ class StepStage(Protocol):
 
     # What it is, as an error names it. NorMuon refuses a stage (``normuon.refuse_unsupported``)
     # unless its class says ``normuon_ok = True``: its halves come normalised, with their
-    # ``moments`` and ``new_moments`` (the expert reshard; TP and split NS do not).
+    # ``moments`` and ``new_moments`` (the expert reshard, TP and split NS all do).
     what: ClassVar[str]
     # A step with this stage may leave its verdict on the device (``Muon._defers``): its commit
     # is the optimizer's elementwise select, with no collective of its own.

@@ -57,7 +57,8 @@ owners over the DP × TP slots), ``param.py`` (:class:`TPDedicatedParam`, the ow
 meshes), ``stage.py`` (:class:`TPStage`: the step's TP stage — :meth:`TPStage.directions` runs
 momentum, gather, the optimizer's Newton–Schulz and scatter — its commit or abort, the
 plain-weight broadcast, the pending scatters, the norm and ``full_tensor`` meshes given to
-``_owned``). What the rest of the package uses is imported here.
+``_owned``), ``moments.py`` (NorMuon's second moments of TP weights: where they live, which the
+stage moves to the TP owner and back). What the rest of the package uses is imported here.
 """
 
 from dmuon_compile.distributed._tp.detect import (

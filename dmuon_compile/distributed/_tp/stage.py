@@ -2,7 +2,18 @@
 owner, Newton–Schulz there, scatter the update's shards back (applied now or queued as a pending
 update), or, for a blocked matrix whose shards hold whole blocks, Newton–Schulz of each member's
 own blocks with no collective; and the one-master broadcast of a TP model's plain dedicated
-weights (see the package doc)."""
+weights (see the package doc).
+
+NorMuon (``Muon(normuon=True)``, ``normuon.py``): right after Newton–Schulz, before a blocked
+matrix's per-block learning-rate scale (the one-process order: ``functional.muon_directions``
+normalises, ``apply_muon_update`` scales), each matrix is normalised row by row where it is
+whole: on its TP owner, with the whole second moment ``v`` (its members' rows gathered with the
+Nesterov inputs; a replicated ``v``: the owner's own, ``moments.py``), each member getting its
+rows of ``v′`` back (a scatter, or a broadcast of a replicated ``v′``) before the update's
+scatter goes out; or, where each member holds whole blocks, on the member, block by block (a
+block is a matrix of its own: its rows and its Frobenius norm are the member's). ``v′`` is
+stored by :meth:`TPStage.commit` with the momentum, only for a step that commits; a plain
+weight's ``v`` goes with its master and momentum from TP rank 0."""
 
 from __future__ import annotations
 
@@ -21,10 +32,12 @@ from dmuon_compile.distributed import _collectives as C
 from dmuon_compile.distributed import _owner_meshes
 from dmuon_compile.distributed._owned import local_of
 from dmuon_compile.distributed._pending import PendingUpdates
+from dmuon_compile.distributed._tp import moments as _moments
 from dmuon_compile.distributed._tp.detect import TPInfo, tp_row
 from dmuon_compile.distributed._tp.param import TPDedicatedParam
 from dmuon_compile.distributed._tp.plan import TPOwners
 from dmuon_compile.distributed.stages import (
+    READ,
     MuonJob,
     StageDirections,
     StepHalf,
@@ -33,6 +46,7 @@ from dmuon_compile.distributed.stages import (
     no_halves,
 )
 from dmuon_compile.layouts import Layout, block_shard_layouts, get_layout, needs_reshard
+from dmuon_compile.normuon import normalize_all
 from dmuon_compile.step_phases import (
     PHASE_TP_MOMENTUM,
     PHASE_TP_NS_COMPILED,
@@ -52,6 +66,7 @@ class TPRow(NamedTuple):
     buf: Tensor
     layout: Layout  # the whole matrix's; its blocks (per head) are cut on the TP owner, or on
     # each member when every shard holds whole blocks (``local_blocks_layout``)
+    moment: Tensor | None = None  # NorMuon: this member's piece of v (``moments.py``)
 
 
 class ScatterShard(NamedTuple):
@@ -93,6 +108,11 @@ class TPStepHalf:
     plain_masters: list[Tensor] = field(default_factory=list)
     plain_bufs: list[Tensor] = field(default_factory=list)
     local: list[LocalUpdate] = field(default_factory=list)  # the blocks orthogonalised here
+    # NorMuon: the TP matrices' second moments (this member's pieces, the state) and their v′,
+    # in ``grads``' order, stored by the commit; the plain weights' v (sent from TP rank 0).
+    moments: list[Tensor] = field(default_factory=list)
+    new_moments: list[Tensor] = field(default_factory=list)
+    plain_moments: list[Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -120,6 +140,15 @@ def _tp_buckets(rows: list[TPRow]) -> list[list[TPRow]]:
 
 
 PLAIN_SOURCE = 0  # the TP rank that updates a column's plain dedicated weights
+
+
+def _finite(grads: list[Tensor], bufs: list[Tensor], moments: list[Tensor]) -> Tensor:
+    """Per TP matrix: this member's gradient, momentum and ``v′`` all finite (1-D bool), by one
+    ``foreach`` norm (what ``StepAgreement.check_finite`` would read, and ``v′``)."""
+    k = len(grads)
+    tensors = [t.float() if t.dtype != torch.float32 else t for t in [*grads, *bufs, *moments]]
+    norms = torch.stack([n.to(grads[0].device) for n in torch._foreach_norm(tensors)])
+    return torch.isfinite(norms).reshape(3, k).all(0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -155,10 +184,12 @@ class TPStage:
     what: ClassVar[str] = "tensor parallelism"
     defers: ClassVar[bool] = False  # its commit applies the updates the owners scattered
     queues: ClassVar[bool] = True  # deferred scatters wait in the runtime's pending queue
+    normuon_ok: ClassVar[bool] = True  # NorMuon where each matrix is whole (the module doc)
 
     def __post_init__(self) -> None:
         self.by_param = {id(p.param): p for p in self.params}
         self.layouts: dict[int, Layout] = {}  # id(TPDedicatedParam) -> its last step's layout
+        self.normuon = None  # the last step's NorMuon config (``StepNS.normuon``; None: off)
 
     def directions(self, jobs: list[list[MuonJob]], ns: StepNS, failure: list) -> StageDirections:
         """The first half of Muon on the TP matrices of every job, one shape bucket at a time:
@@ -188,6 +219,7 @@ class TPStage:
                 "traced step. Call opt.step() uncompiled and let Muon compile its math "
                 "(Muon(compile=True), the default on CUDA)"
             )
+        self.normuon = ns.normuon
         halves = no_halves(jobs)
         kept_jobs = []
         for part_jobs, part_halves in zip(jobs, halves):
@@ -196,11 +228,25 @@ class TPStage:
                 half, rest = self._job_directions(job, ns, failure)
                 kept.append(rest)
                 if half is not None:
-                    part_halves.append(
-                        StepHalf(job.group, [], [], [], None, stage=self, stage_half=half)
-                    )
+                    part_halves.append(self._step_half(job.group, half, failure))
             kept_jobs.append(kept)
         return StageDirections(kept_jobs, halves)
+
+    def _step_half(self, group: dict, half: TPStepHalf, failure: list) -> StepHalf:
+        """The optimizer's view of a TP half: committed by :meth:`commit`. With NorMuon its
+        finite flags are read here, ``v′`` included (a loaded non-finite ``v`` would reach the
+        weights through the owner's normalisation)."""
+        out = StepHalf(group, [], [], [], None, stage=self, stage_half=half)
+        if half.new_moments and not failure:
+            flags = guarded(
+                failure,
+                PHASE_TP_MOMENTUM,
+                lambda: _finite(half.grads, half.bufs, half.new_moments),
+                None,
+            )
+            if flags is not None:
+                out.grads, out.finite, out.path = list(half.grads), flags, READ
+        return out
 
     def _job_directions(
         self, job: MuonJob, ns: StepNS, failure: list
@@ -211,13 +257,14 @@ class TPStage:
         taken, rest = job.split([dp is not None for dp in tp])
         # The whole owner TP group owns a row (SPMD inside that group); other ranks skip it.
         rows = [
-            TPRow(dp, local_of(p), local_of(g), local_of(b), lay)
-            for dp, p, g, b, lay in zip(
+            TPRow(dp, local_of(p), local_of(g), local_of(b), lay, self._moment(dp, lay, g, m))
+            for dp, p, g, b, lay, m in zip(
                 [dp for dp in tp if dp is not None],
                 taken.params,
                 taken.grads,
                 taken.bufs,
                 taken.layouts,
+                taken.moments,
             )
             if dp.owns
         ]
@@ -229,11 +276,19 @@ class TPStage:
         orthogonalize = self._orthogonalizer(group, ns, failure)
         # No collective in the local buckets: where they run among the others changes nothing.
         local: list[LocalUpdate] = []
+        walked: list[TPRow] = []  # the rows in the order their v′ come (NorMuon)
+        new_moments: list[Tensor] = []
         for bucket in _tp_buckets(local_rows):
-            local += self._local_directions(group, bucket, orthogonalize, failure)
+            updates, new = self._local_directions(group, bucket, orthogonalize, failure)
+            local += updates
+            walked += bucket
+            new_moments += new
         shards: list[ScatterShard] = []
         for bucket in _tp_buckets(gathered_rows):
-            shards += self._bucket_directions(group, bucket, orthogonalize, failure)
+            updates, new = self._bucket_directions(group, bucket, orthogonalize, failure)
+            shards += updates
+            walked += bucket
+            new_moments += new
         # The plain weights: what the optimizer steps here after the stages (neither the expert
         # stacks the reshard takes nor other ranks' owner tensors).
         stacks, plain = rest.split(
@@ -244,9 +299,23 @@ class TPStage:
             rest = stacks
         if not rows and not plain.params:
             return None, rest
-        grads, bufs = [r.grad for r in rows], [r.buf for r in rows]
+        grads, bufs = [r.grad for r in walked], [r.buf for r in walked]
         half = TPStepHalf(grads, bufs, group["momentum"], shards, plain.params, plain.bufs, local)
+        if self.normuon is not None:
+            half.moments = [r.moment for r in walked]
+            half.new_moments = new_moments
+            half.plain_moments = [m for m in plain.moments if m is not None]
         return half, rest
+
+    def _moment(self, dp: TPDedicatedParam, layout: Layout, grad, moment) -> Tensor | None:
+        """This member's piece of a TP matrix's second moment with NorMuon (zeros of its shape
+        after a failure: the collectives still go out), else ``None``."""
+        if self.normuon is None:
+            return None
+        if moment is not None:
+            return local_of(moment)
+        shape, dim, size = dp.global_shape, dp.shard_dim, self.info.size
+        return _moments.placeholder(layout, shape, dim, size, local_of(grad))
 
     def _orthogonalizer(
         self, group: dict, ns: StepNS, failure: list
@@ -281,11 +350,14 @@ class TPStage:
 
     def _bucket_directions(
         self, group: dict, bucket: list[TPRow], orthogonalize: Callable, failure: list
-    ) -> list[ScatterShard]:
+    ) -> tuple[list[ScatterShard], list[Tensor]]:
         """One shape bucket's Nesterov inputs, gather to the TP owners, ``orthogonalize`` on
         the whole matrices and the scatter of the updates. The bucket's inputs, gathered pieces
         and whole matrices are freed when it returns, before the next bucket's are made: a TP
-        owner holds one bucket's whole matrices."""
+        owner holds one bucket's whole matrices. With NorMuon the second moments go with the
+        inputs, the owner normalises its whole matrices (before a blocked matrix's per-block
+        scale) and each member's ``v′`` comes back before the update's scatter goes out;
+        returns ``(update shards, v′ of the bucket's rows)`` (no ``v′`` without NorMuon)."""
         grads, bufs = [r.grad for r in bucket], [r.buf for r in bucket]
         updates = grads  # placeholders (never committed) when this rank has failed
         if not failure:
@@ -298,28 +370,134 @@ class TPStage:
                 grads,
             )
         whole = self._gather(bucket, updates)  # {row index: whole matrix} on the TP owner
+        moments = None
+        if self.normuon is not None:
+            with label(TP_GATHER):
+                moments = self._gather_moments(bucket)
         layout = bucket[0].layout  # one per bucket (``_tp_buckets``)
         with label(NS):
             out = orthogonalize(list(whole.values()), layout)
+        new: dict[int, Tensor] = {}
+        if moments is not None:  # NorMuon on the whole matrices, before the blocks' scale
+            vs = [moments[i] for i in whole]
+            out, vs = self._normalize(out, vs, [layout] * len(out), failure)
+            new = dict(zip(whole, vs))
         if layout.blocked and not failure:  # each block's own lr scale, on the owner
             fn = group["adjust_lr_fn"]
             out = [F.scale_blocks_as_whole(o.float(), layout, fn) for o in out]
         ortho = dict(zip(whole, out))
-        whole = out = None  # the whole matrices: freed once orthogonalised
+        whole = out = moments = None  # the whole matrices: freed once orthogonalised
+        # v′ first: waiting for it below does not wait for the update's scatter behind it.
+        works, received = [], []
+        if self.normuon is not None:
+            with label(TP_SCATTER):
+                works, received = self._return_moments(bucket, new)
         lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
-        return self._scatter(bucket, updates, ortho, lr, wd, group["adjust_lr_fn"])
+        shards = self._scatter(bucket, updates, ortho, lr, wd, group["adjust_lr_fn"])
+        for w in works:
+            C.wait(w, "the TP scatter of NorMuon's second moments", self.pg)
+        return shards, received
+
+    def _normalize(self, mats, vs, layouts, failure: list) -> tuple[list[Tensor], list[Tensor]]:
+        """NorMuon's ``normalize_all`` of whole matrices (or blocks): ``(mats, v′)``; after a
+        failure here or earlier, the inputs as placeholders."""
+        if failure or not mats:
+            return list(mats), list(vs)
+        config = self.normuon
+        return guarded(
+            failure,
+            PHASE_TP_NS_EAGER,
+            lambda: normalize_all(mats, vs, layouts, config),
+            (list(mats), list(vs)),
+        )
+
+    @torch.no_grad()
+    def _gather_moments(self, bucket: list[TPRow]) -> dict[int, Tensor]:
+        """Each matrix's whole second moment on its TP owner (``{row index: v}``, none
+        elsewhere): a sharded ``v`` gathered from the members (every member issues the gather,
+        placeholders after a failure), a replicated one the owner's own."""
+        size, me = self.info.size, self.info.rank
+        works, parts_of = [], {}
+        for i, row in enumerate(bucket):
+            dp, v = row.param, row.moment
+            if not self._moment_sharded(row) or size < 2:
+                if me == dp.tp_owner:
+                    parts_of[i] = [v]
+                continue
+            v = v.contiguous()
+            parts = [torch.empty_like(v) for _ in range(size)] if me == dp.tp_owner else None
+            works.append(
+                dist.gather(v, parts, dst=self._global(dp.tp_owner), group=self.pg, async_op=True)
+            )
+            if parts is not None:
+                parts_of[i] = parts
+        for w in works:
+            C.wait(w, "the TP gather of NorMuon's second moments", self.pg)
+        return {
+            i: torch.cat(parts, dim=bucket[i].param.shard_dim) if len(parts) > 1 else parts[0]
+            for i, parts in parts_of.items()
+        }
+
+    @torch.no_grad()
+    def _return_moments(
+        self, bucket: list[TPRow], new: dict[int, Tensor]
+    ) -> tuple[list, list[Tensor]]:
+        """The owners' ``v′`` (``new``: row index → whole ``v′``, on the owner) to the members,
+        async: a sharded one scattered (each member its rows), a replicated one broadcast. A
+        row whose owner failed sends its placeholder (the old ``v``). Returns the works and this
+        member's ``v′`` per row, in bucket order (valid once the works are waited for)."""
+        size, me = self.info.size, self.info.rank
+        works, received = [], []
+        for i, row in enumerate(bucket):
+            dp, v = row.param, row.moment
+            if size < 2:  # the owner is the only member
+                received.append(new.get(i, v))
+                continue
+            owner = self._global(dp.tp_owner)
+            whole = new.get(i)
+            if whole is None and me == dp.tp_owner:  # a failure before the gather: placeholders
+                whole = v if not self._moment_sharded(row) else torch.cat([v] * size, dp.shard_dim)
+            out = torch.empty_like(v)
+            if self._moment_sharded(row):
+                chunks = None
+                if me == dp.tp_owner:
+                    chunks = [c.contiguous() for c in whole.chunk(size, dim=dp.shard_dim)]
+                works.append(dist.scatter(out, chunks, src=owner, group=self.pg, async_op=True))
+            else:
+                if me == dp.tp_owner:
+                    out = whole.contiguous()
+                works.append(dist.broadcast(out, src=owner, group=self.pg, async_op=True))
+            received.append(out)
+        return works, received
+
+    def _moment_sharded(self, row: TPRow) -> bool:
+        dp = row.param
+        shape = tuple(int(s) for s in dp.global_shape)
+        return _moments.moment_sharded(row.layout, shape, dp.shard_dim, self.info.size)
 
     def _local_layout(self, dp: TPDedicatedParam, layout: Layout) -> Layout | None:
-        return local_blocks_layout(dp, layout, self.info.size, self.info.rank)
+        """This member's blocks' layout where it orthogonalises them itself (``None``: the
+        matrix goes through its TP owner). With NorMuon, also only where the second moment is
+        cut like the blocks (``moments.moment_sharded``): each member then holds its blocks'
+        ``v``; else the owner normalises the whole matrix."""
+        lay = local_blocks_layout(dp, layout, self.info.size, self.info.rank)
+        if lay is not None and self.normuon is not None:
+            shape = tuple(int(s) for s in dp.global_shape)
+            if not _moments.moment_sharded(layout, shape, dp.shard_dim, self.info.size):
+                return None
+        return lay
 
     @torch.no_grad()
     def _local_directions(
         self, group: dict, bucket: list[TPRow], orthogonalize: Callable, failure: list
-    ) -> list[LocalUpdate]:
+    ) -> tuple[list[LocalUpdate], list[Tensor]]:
         """One shape bucket of matrices whose shards hold whole blocks: each member's Nesterov
         inputs orthogonalised block by block where they are, each block scaled by its own
         learning-rate rule over the whole matrix's (what the TP owner would have scattered:
-        the same blocks, the same scale)."""
+        the same blocks, the same scale). With NorMuon each block is normalised before that
+        scale, with the member's piece of ``v`` (its blocks' rows or columns: each block is a
+        matrix of its own, so its rows and its Frobenius norm are all here). Returns
+        ``(updates, v′ of the bucket's rows)`` (no ``v′`` without NorMuon)."""
         grads, bufs = [r.grad for r in bucket], [r.buf for r in bucket]
         updates = grads  # placeholders (never committed) when this rank has failed
         if not failure:
@@ -334,6 +512,10 @@ class TPStage:
         layout = self._local_layout(bucket[0].param, bucket[0].layout)  # one per bucket
         with label(NS):
             out = orthogonalize(list(updates), layout)
+        new: list[Tensor] = []
+        if self.normuon is not None:  # per block, before the blocks' scale
+            vs = [r.moment for r in bucket]
+            out, new = self._normalize(out, vs, [layout] * len(out), failure)
         fn = group["adjust_lr_fn"]
         if not failure:
             out = [
@@ -343,10 +525,11 @@ class TPStage:
         if self.record_profile:
             self.profile.local_matrices += len(bucket)
         lr, wd = float(group["lr"]), float(group["weight_decay"])  # 0-d tensors in Muon groups
-        return [
+        updates = [
             LocalUpdate(r.master, o.to(u.dtype), lr, wd, fn, r.param.global_shape)
             for r, o, u in zip(bucket, out, updates)
         ]
+        return updates, new
 
     def _global(self, tp_rank: int) -> int:
         return dist.get_global_rank(self.pg, tp_rank)
@@ -433,6 +616,8 @@ class TPStage:
         the optimizer committed them there) to the TP group."""
         if half.grads:
             F.store_momentum(half.grads, half.bufs, F.hyper(half.momentum))
+        if half.moments:  # NorMuon's v′, with the momentum
+            torch._foreach_copy_(half.moments, half.new_moments)
         for u in half.local:  # nothing in flight: applied now, like a scatter without defer
             F.apply_muon_update([u.master], [u.out], u.lr, u.wd, u.adjust_lr_fn, [u.global_shape])
         by_group: dict[int, list[ScatterShard]] = {}
@@ -444,7 +629,8 @@ class TPStage:
             else:
                 self._apply(shards, forward=False)
         if half.plain_masters:
-            self.broadcast_plain(half.plain_masters, half.plain_bufs)
+            more = {"moments": half.plain_moments} if half.plain_moments else {}
+            self.broadcast_plain(half.plain_masters, half.plain_bufs, **more)
 
     def abort(self, half: TPStepHalf) -> None:
         """A step that failed on some rank: wait for the scatters (every member issued them)
@@ -487,15 +673,19 @@ class TPStage:
 
     @torch.compiler.disable  # collectives stay eager (the user may compile opt.step)
     @torch.no_grad()
-    def broadcast_plain(self, masters: list[Tensor], bufs: list[Tensor]) -> None:
-        """The TP source's plain masters and momentum buffers, in place on every TP rank.
+    def broadcast_plain(
+        self, masters: list[Tensor], bufs: list[Tensor], moments: list[Tensor] = ()
+    ) -> None:
+        """The TP source's plain masters and momentum buffers (and NorMuon's second moments,
+        ``moments``), in place on every TP rank.
 
         ``masters`` are this rank's owned plain weights of one Muon group part (their local
         tensors): every member of the TP group holds the same list (they share the DP
         coordinate that owns them), so the broadcasts pair up. In place, no packing buffer:
         the step's memory stays that of the update.
         """
-        works = [C.broadcast(t, PLAIN_SOURCE, self.pg) for pair in zip(masters, bufs) for t in pair]
+        tensors = [t for pair in zip(masters, bufs) for t in pair] + list(moments)
+        works = [C.broadcast(t, PLAIN_SOURCE, self.pg) for t in tensors]
         for work in works:
             C.wait(work, "the TP broadcast of plain dedicated weights", self.pg)
         if self.record_profile:
