@@ -31,7 +31,12 @@ from distributed.harness import run_ranks
 
 from integrations.test_torchtitan import PER_RANK, SEQ, loss_of, parallelize_on_cpu, tokens
 from integrations.test_torchtitan_moe import _full
-from integrations.test_torchtitan_train_step_ep import batches, titan_trainer
+from integrations.test_torchtitan_train_step_ep import (
+    batches,
+    constant_lr,
+    disabled_checkpointer,
+    titan_trainer,
+)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.distributed]
 
@@ -79,8 +84,6 @@ def _config():
 def _train(rank, world, folder, ep=1):
     """``STEPS`` torchtitan train steps through ``dedicating`` and ``MuonOptimizers``."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.optimizer import LRSchedulersContainer
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
@@ -100,22 +103,9 @@ def _train(rank, world, folder, ep=1):
     initial = _full(model)
     optimizers = _config().build(model_parts=[model])
     (opt,) = optimizers.optimizers
-    checkpointer = CheckpointManager(
-        CheckpointManager.Config(enable=False),
-        dataloader=None,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=folder,
-    )
+    checkpointer = disabled_checkpointer(model, optimizers, folder)
     trainer = titan_trainer(spec, dims, parallelism, [model], optimizers, checkpointer)
-    trainer.config.training.max_norm = MAX_NORM
-    # A constant learning rate (the one-process reference steps without a scheduler).
-    trainer.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0).build(
-        optimizers=optimizers, training_steps=STEPS
-    )
+    constant_lr(trainer, optimizers, STEPS, MAX_NORM)
     batch_mesh = dims.get_mesh("batch")
     dp, dp_rank = batch_mesh.size(), batch_mesh.get_local_rank()
     for step in range(STEPS):

@@ -39,7 +39,12 @@ from integrations.test_torchtitan import (
     tokens,
 )
 from integrations.test_torchtitan_moe import _full, build_dsv3
-from integrations.test_torchtitan_train_step_ep import batches, titan_trainer
+from integrations.test_torchtitan_train_step_ep import (
+    batches,
+    constant_lr,
+    disabled_checkpointer,
+    titan_trainer,
+)
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -111,8 +116,6 @@ def _build(arch: str, ep: bool = False):
 def _train(rank, world, folder, arch="llama", tp=1, ep=1, replicate=1, **config):
     """``STEPS`` torchtitan train steps through ``dedicating`` and ``MuonOptimizers``."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.optimizer import LRSchedulersContainer
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
@@ -136,22 +139,9 @@ def _train(rank, world, folder, arch="llama", tp=1, ep=1, replicate=1, **config)
     initial = whole(model)
     optimizers = _config(arch, **config).build(model_parts=[model])
     (opt,) = optimizers.optimizers
-    checkpointer = CheckpointManager(
-        CheckpointManager.Config(enable=False),
-        dataloader=None,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=folder,
-    )
+    checkpointer = disabled_checkpointer(model, optimizers, folder)
     trainer = titan_trainer(spec, dims, parallelism, [model], optimizers, checkpointer)
-    trainer.config.training.max_norm = MAX_NORM
-    # A constant learning rate (the one-process reference steps without a scheduler).
-    trainer.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0).build(
-        optimizers=optimizers, training_steps=STEPS
-    )
+    constant_lr(trainer, optimizers, STEPS, MAX_NORM)
     local, reduced = [], []  # per step: this rank's per-head maxima, and all ranks' (the clip's)
     if opt.qk_clip is not None:
         clip = opt.qk_clip

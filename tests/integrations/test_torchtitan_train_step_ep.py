@@ -41,6 +41,33 @@ class Metrics:
         self.logged.append({"step": step, "loss": float(global_avg_loss), "norm": grad_norm})
 
 
+def disabled_checkpointer(model, optimizers, folder):
+    """torchtitan's ``CheckpointManager`` switched off, as ``train_step`` needs one."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    return CheckpointManager(
+        CheckpointManager.Config(enable=False),
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=folder,
+    )
+
+
+def constant_lr(trainer, optimizers, steps: int, max_norm: float) -> None:
+    """``trainer`` clipping at ``max_norm`` with a constant learning rate (a one-process
+    reference steps without a scheduler)."""
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    trainer.config.training.max_norm = max_norm
+    trainer.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0).build(
+        optimizers=optimizers, training_steps=steps
+    )
+
+
 def titan_trainer(spec, dims, parallelism, model_parts, optimizers, checkpointer, *, pp=None):
     """A ``torchtitan.trainer.Trainer`` whose ``train_step`` runs as in a job: the attributes
     its ``__init__`` sets from the config (model parts, optimizers, LR schedulers, loss,
@@ -103,7 +130,6 @@ def _train(rank, world, folder, dmuon_path, initial=None, unnamed=False):
     """Two torchtitan train steps at EP 2 (``dmuon_path``: ``dedicating`` and
     ``MuonOptimizers``; else torchtitan's parallelize_fn and AdamW from ``initial``)."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
     from torchtitan.config import ParallelismConfig
@@ -146,16 +172,7 @@ def _train(rank, world, folder, dmuon_path, initial=None, unnamed=False):
 
         for mesh in MESHES.owner_meshes.values():
             mesh._mesh_dim_names = None
-    checkpointer = CheckpointManager(
-        CheckpointManager.Config(enable=False),
-        dataloader=None,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=folder,
-    )
+    checkpointer = disabled_checkpointer(model, optimizers, folder)
     trainer = titan_trainer(spec, dims, parallelism, [model], optimizers, checkpointer)
     batch_mesh = dims.get_mesh("batch")
     dp, dp_rank = batch_mesh.size(), batch_mesh.get_local_rank()

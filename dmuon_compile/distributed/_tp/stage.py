@@ -142,6 +142,17 @@ def _tp_buckets(rows: list[TPRow]) -> list[list[TPRow]]:
 PLAIN_SOURCE = 0  # the TP rank that updates a column's plain dedicated weights
 
 
+def _nesterov_inputs(group: dict, bucket: list[TPRow], failure: list) -> list[Tensor]:
+    """The bucket's Nesterov inputs from this member's shards, or (after a failure here, which
+    ``failure`` records) its gradients as placeholders that are sent but never committed."""
+    grads, bufs = [r.grad for r in bucket], [r.buf for r in bucket]
+    if failure:
+        return grads
+    momentum = F.hyper(group["momentum"])
+    compute = lambda: F.nesterov_input(grads, bufs, momentum, group["nesterov"])  # noqa: E731
+    return guarded(failure, PHASE_TP_MOMENTUM, compute, grads)
+
+
 def _finite(grads: list[Tensor], bufs: list[Tensor], moments: list[Tensor]) -> Tensor:
     """Per TP matrix: this member's gradient, momentum and ``v′`` all finite (1-D bool), by one
     ``foreach`` norm (what ``StepAgreement.check_finite`` would read, and ``v′``)."""
@@ -358,17 +369,7 @@ class TPStage:
         inputs, the owner normalises its whole matrices (before a blocked matrix's per-block
         scale) and each member's ``v′`` comes back before the update's scatter goes out;
         returns ``(update shards, v′ of the bucket's rows)`` (no ``v′`` without NorMuon)."""
-        grads, bufs = [r.grad for r in bucket], [r.buf for r in bucket]
-        updates = grads  # placeholders (never committed) when this rank has failed
-        if not failure:
-            updates = guarded(
-                failure,
-                PHASE_TP_MOMENTUM,
-                lambda: F.nesterov_input(
-                    grads, bufs, F.hyper(group["momentum"]), group["nesterov"]
-                ),
-                grads,
-            )
+        updates = _nesterov_inputs(group, bucket, failure)
         whole = self._gather(bucket, updates)  # {row index: whole matrix} on the TP owner
         moments = None
         if self.normuon is not None:
@@ -498,17 +499,7 @@ class TPStage:
         scale, with the member's piece of ``v`` (its blocks' rows or columns: each block is a
         matrix of its own, so its rows and its Frobenius norm are all here). Returns
         ``(updates, v′ of the bucket's rows)`` (no ``v′`` without NorMuon)."""
-        grads, bufs = [r.grad for r in bucket], [r.buf for r in bucket]
-        updates = grads  # placeholders (never committed) when this rank has failed
-        if not failure:
-            updates = guarded(
-                failure,
-                PHASE_TP_MOMENTUM,
-                lambda: F.nesterov_input(
-                    grads, bufs, F.hyper(group["momentum"]), group["nesterov"]
-                ),
-                grads,
-            )
+        updates = _nesterov_inputs(group, bucket, failure)
         layout = self._local_layout(bucket[0].param, bucket[0].layout)  # one per bucket
         with label(NS):
             out = orthogonalize(list(updates), layout)
