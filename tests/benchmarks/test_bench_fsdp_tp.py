@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from native_crash import run_torchrun  # tests/ is on sys.path
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fsdp.py"
 _spec = importlib.util.spec_from_file_location("bench_fsdp", _PATH)
@@ -54,16 +52,9 @@ def test_tp_plan_covers_every_projection():
 
 
 def _bench(args, timeout=150):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DMUON_RECORD_FORWARD_PROFILE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    return subprocess.run(
-        [*cmd, str(_PATH), "--quick", "--device", "cpu", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    env = {"DMUON_RECORD_FORWARD_PROFILE": "1"}
+    argv = [str(_PATH), "--quick", "--device", "cpu", *args]
+    return run_torchrun(argv, 2, timeout=timeout, env=env)
 
 
 @pytest.mark.distributed

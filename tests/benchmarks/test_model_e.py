@@ -8,13 +8,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from native_crash import run_torchrun  # tests/ is on sys.path
 
 import dmuon_compile as dmuon
 from dmuon_compile import functional as F
@@ -140,17 +139,9 @@ def test_bench_fsdp_model_e_one_iteration_on_cpu(tmp_path):
     """One FSDP2 iteration of the tiny model E per configuration (one gloo process), through
     the grouped-GEMM experts the GPU runs."""
     out = tmp_path / "e.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     args = ["--quick", "--device", "cpu", "--model", "E", "--moe-impl", "grouped_mm"]
     args += ["--configs", "adamw,naive_muon,ours_eager", "--iters", "1", "--warmup", "0"]
-    proc = subprocess.run(
-        [*cmd, str(_DIR / "bench_fsdp.py"), *args, "--out", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = run_torchrun([str(_DIR / "bench_fsdp.py"), *args, "--out", str(out)], 1, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(out.read_text())
     assert report["errors"] == {} and report["model"] == "quick_E"

@@ -37,14 +37,12 @@ import warnings
 
 import torch
 import torch.multiprocessing as mp
+from native_crash import NATIVE_CRASH_RETRIES, NATIVE_CRASH_SIGNALS  # tests/ is on sys.path
 
 DEFAULT_TIMEOUT_S = 90.0
 # Set by tests/conftest.py while a test without the ``distributed`` marker runs (tests/tiers.py).
 NOT_DISTRIBUTED_ENV = "DMUON_TEST_NOT_DISTRIBUTED"
 DEVICES = ("cpu", "cuda")
-# Signals by which a worker dies of a native crash (faulthandler prints, then re-raises them).
-NATIVE_CRASH_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
-NATIVE_CRASH_RETRIES = 1
 
 
 def local_device(device: str) -> torch.device:

@@ -1,5 +1,5 @@
 """The harness itself: the rendezvous port cannot be taken from under a run; a native crash
-reruns a call once, nothing else does.
+reruns a call (or a torchrun launch) once, nothing else does.
 
 The race a bind-to-0-then-release launcher loses: between the launcher closing its probe socket
 and rank 0 binding the port, another process takes it, and rank 0 fails with ``EADDRINUSE``.
@@ -13,6 +13,7 @@ import socket
 
 import pytest
 import torch
+from native_crash import native_crash_signals, run_torchrun  # tests/ is on sys.path
 
 from .harness import run_ranks
 
@@ -117,3 +118,44 @@ def test_an_exception_is_not_rerun(tmp_path):
     with pytest.raises(AssertionError, match="an ordinary failure"):
         run_ranks(_count_and_fail, 2, str(log), timeout=60)
     assert len(log.read_text().split()) <= 2  # one run: each rank at most once
+
+
+# torchrun launches (tests/native_crash.py): one rank, a script that counts its runs.
+_SCRIPT = """
+import os, sys
+runs = os.path.join(sys.argv[1], "runs")
+with open(runs, "a") as f:
+    f.write("x")
+n = len(open(runs).read())
+if sys.argv[2] == "abort" and n <= int(sys.argv[3]):
+    os.abort()
+if sys.argv[2] == "raise":
+    raise ValueError("an ordinary error")
+print("done")
+"""
+
+
+def _torchrun(tmp_path, mode, aborts=0):
+    script = tmp_path / "count.py"
+    script.write_text(_SCRIPT)
+    done = run_torchrun([str(script), str(tmp_path), mode, str(aborts)], 1, timeout=60)
+    return done, len((tmp_path / "runs").read_text())
+
+
+def test_torchrun_native_crash_reruns_once(tmp_path):
+    with pytest.warns(RuntimeWarning, match="SIGABRT"):
+        done, runs = _torchrun(tmp_path, "abort", aborts=1)
+    assert done.returncode == 0 and "done" in done.stdout and runs == 2
+
+
+def test_torchrun_native_crash_twice_fails(tmp_path):
+    with pytest.warns(RuntimeWarning, match="SIGABRT"):
+        done, runs = _torchrun(tmp_path, "abort", aborts=2)
+    assert done.returncode != 0 and runs == 2
+    assert native_crash_signals(done.stderr) == ["SIGABRT"]
+
+
+def test_torchrun_exception_is_not_rerun(tmp_path):
+    done, runs = _torchrun(tmp_path, "raise")
+    assert done.returncode != 0 and runs == 1
+    assert "ValueError" in done.stderr and native_crash_signals(done.stderr) == []

@@ -7,13 +7,12 @@ process group) fails under the same launcher.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from native_crash import run_torchrun  # tests/ is on sys.path
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(200)]
 
@@ -32,12 +31,8 @@ def launch(code: str, folder: Path, timeout: float = 150) -> subprocess.Complete
     """``torchrun --standalone --nproc-per-node 4`` of ``code`` saved as a script."""
     script = folder / "moe_ep.py"
     script.write_text(code)
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(script)],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    return run_torchrun([str(script)], 4, timeout=timeout, env=env, cwd=folder)
 
 
 def test_moe_page_expert_parallel_example_runs_as_given(tmp_path):

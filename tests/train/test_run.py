@@ -3,10 +3,9 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
+from native_crash import run_torchrun  # tests/ is on sys.path
 
 from dmuon_compile.train import cli
 from dmuon_compile.train.metrics import read_csv
@@ -99,21 +98,7 @@ def test_single_process_prints_the_breakdown(tmp_path, capsys):
 
 
 def _torchrun(args, timeout=150):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "dmuon_compile.train",
-        *args,
-    ]
-    proc = subprocess.run(
-        cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env
-    )
+    proc = run_torchrun(["-m", "dmuon_compile.train", *args], 2, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
