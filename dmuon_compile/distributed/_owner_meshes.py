@@ -31,15 +31,19 @@ from dmuon_compile.distributed import _dtensor_compat as _dt
 class MeshRegistry:
     """What is known about the meshes of dedicated weights, in one object.
 
-    Process-wide, not per model: owner meshes are built once per ``(device type, rank)`` and
-    shared by every model (``owner_mesh``), and the lookups run inside DTensor dispatch, where
-    only the tensor's mesh is at hand. Keyed by ``id(mesh)`` (a DeviceMesh compares by its
-    layout, and an owner group's mesh may be equal to this rank's own TP mesh); ``keep`` holds
-    the meshes so no id is reused.
+    Process-wide, because the lookups run inside DTensor dispatch, where only the tensor's
+    mesh is at hand; but an owner mesh is built per ``(device type, rank, data-parallel mesh)``
+    (``owner_mesh``), so two models of one process (a TP model, then a plain one; a model and
+    its teacher) never read each other's norm mesh or broadcast source. Keyed by ``id(mesh)`` (a
+    DeviceMesh compares by its layout, and an owner group's mesh may be equal to this rank's own
+    TP mesh); ``keep`` holds the meshes so no id is reused.
     """
 
     def __init__(self) -> None:
-        self.owner_meshes: dict[tuple[str, int], DeviceMesh] = {}  # (device type, rank) -> mesh
+        # (device type, rank, id(data-parallel mesh)) -> the one-rank owner mesh
+        self.owner_meshes: dict[tuple[str, int, int], DeviceMesh] = {}
+        # (device type, rank) -> the latest of them: an unpickled copy's stand-in (_owned.py)
+        self.latest: dict[tuple[str, int], DeviceMesh] = {}
         self.owner_of: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot path)
         # id(owner mesh) -> (norm mesh, placements): where the norms of its tensors are given.
         self.norm_of: dict[int, tuple] = {}
@@ -97,18 +101,21 @@ def is_owner_mesh(mesh: DeviceMesh) -> bool:
     return id(mesh) in MESHES.owner_of or id(mesh) in MESHES.group_ranks
 
 
-def owner_mesh(device_type: str, global_rank: int) -> DeviceMesh:
-    """The one-rank mesh of ``global_rank`` (cached; built the same way on every rank).
+def owner_mesh(device_type: str, global_rank: int, dp_mesh: DeviceMesh) -> DeviceMesh:
+    """The one-rank mesh of ``global_rank`` for the weights dedicated over ``dp_mesh`` (cached;
+    built the same way on every rank).
 
     It needs no process group (a one-rank DTensor never communicates), so none is created where
     the torch version allows it.
     """
-    key = (device_type, int(global_rank))
+    key = (device_type, int(global_rank), id(dp_mesh))
     mesh = MESHES.owner_meshes.get(key)
     if mesh is None:
         mesh = _dt.mesh_without_backend(device_type, [global_rank], (OWNER_DIM,))
         MESHES.owner_meshes[key] = mesh
         MESHES.owner_of[id(mesh)] = int(global_rank)
+        MESHES.keep.append(dp_mesh)  # its id is in the key
+    MESHES.latest[(device_type, int(global_rank))] = mesh
     return mesh
 
 
@@ -142,7 +149,7 @@ def is_owned(t) -> bool:
     return (
         mesh.ndim == 1
         and mesh.size() == 1
-        and MESHES.owner_meshes.get((mesh.device_type, int(mesh.mesh.reshape(-1)[0]))) == mesh
+        and MESHES.latest.get((mesh.device_type, int(mesh.mesh.reshape(-1)[0]))) == mesh
     )
 
 

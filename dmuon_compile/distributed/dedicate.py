@@ -623,7 +623,7 @@ def dedicate_params(
         groups.append(g)
     for dp in params:
         global_owner = int(rank_grid[dp.replica_owner, dp.owner])
-        omesh = owner_mesh(mesh.device_type, global_owner)
+        omesh = owner_mesh(mesh.device_type, global_owner, dp_mesh)
         set_dp_mesh(omesh, dp_mesh)  # where its norms go: FSDP2's mesh (clip_grad_norm_)
         dp.register(omesh, masters.get(dp.fqn), device)
         set_layout(dp.param, layouts[dp.fqn])  # Muon(model) reads it: per-expert NS on the owner

@@ -185,9 +185,8 @@ def _split(rank, world) -> dict:
 
 
 def _split_and_tp(rank, world):
-    """Split NS first: the owner meshes' registrations (``_owner_meshes``: each one-rank owner
-    mesh's norm mesh and broadcast source) are per process, and a TP model's plain weights
-    leave theirs on the meshes a later model of the same ranks would reuse."""
+    """Split NS, then a TP model, in the same ranks (each model has its own owner meshes:
+    tests/distributed/test_two_models.py)."""
     split = _split(rank, world)
     return _train(rank, world, 2, 2, False, False), split
 
