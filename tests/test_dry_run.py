@@ -260,13 +260,9 @@ def test_own_rates_from_json(tmp_path):
 def test_dry_run_check_quick_prints_the_table(capsys):
     """benchmarks/dry_run_check.py --quick on the CPU: the predictions beside the RESULTS.md
     numbers, and the measuring path on the tiny model."""
-    import importlib.util
-    from pathlib import Path
+    from bench_scripts import load_benchmark  # tests/ is on sys.path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dry_run_check.py"
-    spec = importlib.util.spec_from_file_location("_dmuon_dry_run_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("dry_run_check")
     assert module.main(["--quick", "--device", "cpu", "--models", "S", "G"]) == 0
     out = capsys.readouterr().out
     assert "| S | 56 |" in out and "| G | 56 |" in out and "| tiny |" in out

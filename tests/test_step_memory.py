@@ -13,11 +13,9 @@ per-matrix float64 reference of the math (hypothesis).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,11 +23,7 @@ import dmuon_compile as dmuon
 from dmuon_compile import functional as F
 from dmuon_compile.newton_schulz import NewtonSchulz
 
-_SPEC = importlib.util.spec_from_file_location(
-    "step_memory", Path(__file__).resolve().parents[1] / "benchmarks" / "step_memory.py"
-)
-step_memory = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(step_memory)
+step_memory = load_benchmark("step_memory")
 
 # One bucket's fp32 working set in the eager step on the CPU (fp32 NS) above the directions:
 # the Nesterov inputs and their stack (the inputs freed once stacked), NS's iterate, its next

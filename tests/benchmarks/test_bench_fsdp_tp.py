@@ -3,17 +3,14 @@ that finishes with its table, the TP stage's counters and the 1-D configurations
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from bench_scripts import BENCHMARKS, load_benchmark  # tests/ is on sys.path
 from native_crash import run_torchrun  # tests/ is on sys.path
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fsdp.py"
-_spec = importlib.util.spec_from_file_location("bench_fsdp", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+_PATH = BENCHMARKS / "bench_fsdp.py"
+bench = load_benchmark("bench_fsdp")
 
 
 @pytest.mark.parametrize(

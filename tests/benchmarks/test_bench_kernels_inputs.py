@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(_DIR))  # bench_kernels imports its sibling modules
-_spec = importlib.util.spec_from_file_location("bench_kernels", _DIR / "bench_kernels.py")
-bench_kernels = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_kernels)
+bench_kernels = load_benchmark("bench_kernels")
 
 
 @settings(max_examples=8, deadline=None)

@@ -5,29 +5,18 @@ orthogonalised update per matrix and per expert at our learning-rate rule."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 
-_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 CPU = torch.device("cpu")
 
 
-def _load(name):
-    if str(_DIR) not in sys.path:
-        sys.path.insert(0, str(_DIR))  # the benchmarks import their sibling modules
-    spec = importlib.util.spec_from_file_location(f"_test_bench_peers_{name}", _DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_step = _load("bench_step")
+bench_step = load_benchmark("bench_step")
 
 
 def _dion_available() -> bool:

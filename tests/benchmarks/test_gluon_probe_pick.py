@@ -3,17 +3,12 @@ send to the autotune (no GPU: the timings are given)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 
 pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon (3.5+ has)")
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gluon_probe.py"
-_spec = importlib.util.spec_from_file_location("gluon_probe", _PATH)
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
+probe = load_benchmark("gluon_probe")
 
 
 def rows(**times):

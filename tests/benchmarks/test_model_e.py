@@ -5,33 +5,19 @@ the routing of its parameters) and one FSDP2 iteration of the tiny model on CPU.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import BENCHMARKS, load_benchmark  # tests/ is on sys.path
 from native_crash import run_torchrun  # tests/ is on sys.path
 
 import dmuon_compile as dmuon
 from dmuon_compile import functional as F
 
-_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name):
-    if str(_DIR) not in sys.path:
-        sys.path.insert(0, str(_DIR))  # the benchmarks import their sibling modules
-    spec = importlib.util.spec_from_file_location(f"_test_model_e_{name}", _DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_step = _load("bench_step")
-bench_fsdp = _load("bench_fsdp")
+bench_step = load_benchmark("bench_step")
+bench_fsdp = load_benchmark("bench_fsdp")
 CPU = torch.device("cpu")
 
 
@@ -141,7 +127,8 @@ def test_bench_fsdp_model_e_one_iteration_on_cpu(tmp_path):
     out = tmp_path / "e.json"
     args = ["--quick", "--device", "cpu", "--model", "E", "--moe-impl", "grouped_mm"]
     args += ["--configs", "adamw,naive_muon,ours_eager", "--iters", "1", "--warmup", "0"]
-    proc = run_torchrun([str(_DIR / "bench_fsdp.py"), *args, "--out", str(out)], 1, timeout=150)
+    script = str(BENCHMARKS / "bench_fsdp.py")
+    proc = run_torchrun([script, *args, "--out", str(out)], 1, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(out.read_text())
     assert report["errors"] == {} and report["model"] == "quick_E"

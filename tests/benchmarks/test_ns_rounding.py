@@ -3,20 +3,15 @@ the kernels' (one fp16 rounding per product)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dmuon_compile.coefficients import polar_express
 from dmuon_compile.newton_schulz import TorchPrimitives, gram_ns
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "ns_rounding.py"
-_spec = importlib.util.spec_from_file_location("ns_rounding", _PATH)
-rounding = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rounding)
+rounding = load_benchmark("ns_rounding")
 
 
 class W64(TorchPrimitives):

@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 from hypothesis import given
 from hypothesis import strategies as st
 
-_ROOT = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-parity = _load("loss_parity")
-scaling = _load("plot_scaling")
+parity = load_benchmark("loss_parity")
+scaling = load_benchmark("plot_scaling")
 
 
 def _log(path: Path, losses: dict[int, float | None]) -> Path:
@@ -132,7 +122,7 @@ def test_where_the_time_goes_lists_gpu_kernels_per_call():
     """bench_kernels.py --profile-ns and bench_step.py --profile: per-call ms and launches of the
     top kernels (trace_analysis.profile_calls result), and a clear line when there were no GPU
     events."""
-    ta = _load("trace_analysis")
+    ta = load_benchmark("trace_analysis")
     profile = {
         "steps": 3,
         "gpu_events": 48,
@@ -166,7 +156,7 @@ def test_where_the_time_goes_lists_gpu_kernels_per_call():
 def test_profile_calls_on_cpu_reports_no_gpu_events():
     import torch
 
-    ta = _load("trace_analysis")
+    ta = load_benchmark("trace_analysis")
     x = torch.randn(32, 32)
     found = ta.profile_calls(lambda: x @ x, 2, x.device)
     assert found["steps"] == 2 and found["gpu_events"] == 0

@@ -4,18 +4,14 @@ a real CPU-only torch.profiler trace (no GPU events), and a brute-force property
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 from hypothesis import given
 from hypothesis import strategies as st
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "trace_analysis.py"
-_spec = importlib.util.spec_from_file_location("trace_analysis", _PATH)
-ta = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ta)
+ta = load_benchmark("trace_analysis")
 
 AG = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
 RS = "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"

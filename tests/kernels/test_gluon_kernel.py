@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon (3.5+ has)")
 
-import importlib.util  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from dmuon_compile.kernels import syrk_gluon as gluon_kernel  # noqa: E402
 
 GluonConfig = gluon_kernel.GluonConfig
 
 # The offline compile for sm_90 is benchmark tooling (benchmarks/kernel_resources.py).
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_resources.py"
-_spec = importlib.util.spec_from_file_location("kernel_resources", _PATH)
-resources = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(resources)
+resources = load_benchmark("kernel_resources")
 
 # What the GPU tests run: every partition layout (one 8-warp consumer, two 4-warp consumers),
 # both tile widths and both staging rings, each within the shared-memory budget with a C term.

@@ -4,12 +4,12 @@ spills where the epilogue's pointer loads of C spill them (``benchmarks/kernel_r
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 
 triton = pytest.importorskip("triton")
 _TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -22,10 +22,7 @@ from dmuon_compile.kernels.syrk_tma import _triton_has_descriptors  # noqa: E402
 if not _triton_has_descriptors():
     pytest.skip("this Triton has no host-side TMA descriptors", allow_module_level=True)
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_resources.py"
-_spec = importlib.util.spec_from_file_location("kernel_resources", _PATH)
-resources = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(resources)
+resources = load_benchmark("kernel_resources")
 
 STRIPS = next(c for c in SHORTLIST if c.cols == 2 * c.block)
 

@@ -6,12 +6,12 @@ control, one process with another learning rate, must miss by more than that, so
 comparison can fail.
 """
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark  # tests/ is on sys.path
 from test_run import TINY, _torchrun  # tests/train is on sys.path (rootdir-less modules)
 
 from dmuon_compile.train import cli
@@ -19,9 +19,7 @@ from dmuon_compile.train import cli
 RTOL = 1e-4  # the CSV keeps 6 significant digits; fp32 NS on CPU agrees to about that
 ARGS = [*TINY, "--steps", "6", "--log-every", "1", "--eval-every", "6"]  # 6 steps, each logged
 _PARITY = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_parity.py"
-_spec = importlib.util.spec_from_file_location("loss_parity", _PARITY)
-parity = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(parity)
+parity = load_benchmark("loss_parity")
 
 
 @pytest.fixture(autouse=True)
