@@ -47,7 +47,6 @@ whole result back to the owner, which holds the whole ``v`` and normalises there
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -241,7 +240,7 @@ def refuse_unsupported(plan, muon_params: Sequence[tuple[Tensor, Layout]]) -> No
     every rank, before any collective."""
     stages = [stage for stage in plan.stages if not getattr(stage, "normuon_ok", False)]
     what = next((stage.what for stage in stages), None)  # every stage: ``StepStage.what``
-    if what is None and not any(_reshards(stage) for stage in plan.stages):
+    if what is None and not any(getattr(s, "whole_experts", False) for s in plan.stages):
         from dmuon_compile.layouts import needs_reshard
 
         if any(needs_reshard(p, lay) for p, lay in muon_params):
@@ -252,11 +251,3 @@ def refuse_unsupported(plan, muon_params: Sequence[tuple[Tensor, Layout]]) -> No
             "matrices without the per-row normalisation. Build dmuon.Muon without normuon for "
             "this model"
         )
-
-
-def _reshards(stage) -> bool:
-    """Whether ``stage`` is the expert reshard (it takes the stacks sharded inside experts).
-    Looked up, not imported (that module imports this one): a plan holding one has it loaded."""
-    module = sys.modules.get("dmuon_compile.distributed._expert_shards")
-    cls = getattr(module, "ExpertReshardStage", None)
-    return cls is not None and isinstance(stage, cls)

@@ -694,6 +694,7 @@ class ExpertReshardStage:
     defers: ClassVar[bool] = True  # its halves commit elementwise, like any other
     queues: ClassVar[bool] = False
     normuon_ok: ClassVar[bool] = True  # NorMuon on whole experts (``normuon.refuse_unsupported``)
+    whole_experts: ClassVar[bool] = True
     _loads: dict[int, int] | None = field(default=None, repr=False)
 
     def dedicated_loads(self) -> dict[int, int]:

@@ -146,6 +146,9 @@ class StepStage(Protocol):
     # Its commit may leave updates in the runtime's pending-update queue: the plan drains that
     # queue before the next step (``StepSide.plan``).
     queues: ClassVar[bool]
+    # It takes the expert stacks sharded inside their experts (``Shard(1)``/``Shard(2)``) to
+    # whole experts: without such a stage those stacks cannot be stepped per expert.
+    whole_experts: ClassVar[bool] = False
 
     def directions(self, jobs: list[list[MuonJob]], ns: StepNS, failure: list) -> StageDirections:
         """Take this stage's matrices out of ``jobs`` and compute their directions with the
