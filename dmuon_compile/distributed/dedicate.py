@@ -266,6 +266,7 @@ def _plan_selected(
     layer_id_fn,
     tp_size: int | None,
     tp_fqns: set[str],
+    tp_shard_dims: dict[str, int] | None = None,
     split_size: int = 1,
     ns=None,
     base_loads: Sequence[float] | None = None,
@@ -320,7 +321,13 @@ def _plan_selected(
             )
         kwargs = {} if ns is None else {"ns": ns}
         plan, tp_owners = _tp.plan_tp_owners(
-            specs, ranks, tp_size, tp_fqns, layer_id_fn=layer_id_fn, **kwargs
+            specs,
+            ranks,
+            tp_size,
+            tp_fqns,
+            tp_shard_dims=tp_shard_dims,
+            layer_id_fn=layer_id_fn,
+            **kwargs,
         )
     plan.replicate_size = replicate_size
     return DedicatedPlan(
@@ -338,6 +345,7 @@ def plan_dedicated(
     layer_id_fn: Callable[[str], str | None] | None = None,
     tp_size: int = 1,
     tp_fqns: set[str] | None = None,
+    tp_shard_dims: dict[str, int] | None = None,
     split_size: int = 1,
     ns=None,
     base_loads: Sequence[float] | None = None,
@@ -349,7 +357,10 @@ def plan_dedicated(
 
     ``world_size`` is the shard group's size (``mesh.size()``). ``tp_size > 1``: plan over the
     DP × TP slots as ``dedicate_params`` does for a TP model, with ``tp_fqns`` the TP-sharded
-    weights (default: every selected 2-D weight). ``split_size``: passed to ``plan_owners``
+    weights (default: every selected 2-D weight) and ``tp_shard_dims`` their TP shard dims
+    (``{fqn: 0 or 1}``: a weight whose shards hold whole heads loads each TP slot with its own
+    heads; default: every TP weight gathered whole on one slot). ``split_size``: passed to
+    ``plan_owners``
     (split planning). ``ns``: the object whose ``flops(m, n)`` prices Newton–Schulz (default
     ``NewtonSchulz()`` on this machine, as ``dedicate_params``). ``base_loads``: as in
     ``dedicate_params``.
@@ -385,6 +396,7 @@ def plan_dedicated(
         layer_id_fn=layer_id_fn,
         tp_size=tp_size if tp_size > 1 else None,
         tp_fqns=set(tp_fqns),
+        tp_shard_dims=tp_shard_dims,
         split_size=split_size,
         ns=ns,
         base_loads=base_loads,
@@ -520,6 +532,11 @@ def dedicate_params(
         layer_id_fn=layer_id_fn,
         tp_size=tp.size if tp is not None else None,
         tp_fqns={n for n, p in selected if isinstance(p, DTensor)},
+        tp_shard_dims={
+            n: p.placements[0].dim
+            for n, p in selected
+            if isinstance(p, DTensor) and p.placements[0].is_shard()
+        },
         split_size=split_size,
         base_loads=base_loads,
     )

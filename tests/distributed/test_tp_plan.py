@@ -62,3 +62,50 @@ def test_plan_is_deterministic():
     a = plan_tp_owners(specs, 4, 2, {s.fqn for s in specs[::2]})
     b = plan_tp_owners(list(reversed(specs)), 4, 2, {s.fqn for s in specs[::2]})
     assert a[0].digest() == b[0].digest() and a[1].digest_text() == b[1].digest_text()
+
+
+def _heads_specs(heads: int, head_dim: int = 16, dim: int = 64, layers: int = 4):
+    from dmuon_compile.layouts import Layout
+
+    specs = []
+    for i in range(layers):
+        specs.append(MatrixSpec(f"layers.{i}.wq.weight", (heads * head_dim, dim), 4,
+                                Layout.heads(head_dim)))  # fmt: skip
+        specs.append(MatrixSpec(f"layers.{i}.wo.weight", (dim, heads * head_dim), 4,
+                                Layout.heads(head_dim, dim=1)))  # fmt: skip
+        specs.append(MatrixSpec(f"layers.{i}.w1.weight", (4 * dim, dim)))
+    return specs
+
+
+def test_per_head_matrices_cost_every_head():
+    from dmuon_compile.distributed.owner_plan import ns_cost_fn
+
+    flops = ns_cost_fn()
+    specs = _heads_specs(heads=8)
+    dp_plan, _ = plan_tp_owners(specs, 2, 2, {s.fqn for s in specs})
+    for e in dp_plan.entries:
+        if ".wq." in e.fqn:  # 8 heads of (16, 64), not one
+            assert e.ns_flops == pytest.approx(8 * flops(16, 64))
+        if ".wo." in e.fqn:
+            assert e.ns_flops == pytest.approx(8 * flops(16, 64))
+
+
+@pytest.mark.parametrize(("heads", "local"), [(8, True), (6, False)])
+def test_shards_of_whole_heads_load_every_slot_of_their_column(heads, local):
+    """TP 4: 8 heads leave 2 whole heads on each shard (each member runs its own: the column's
+    4 slots carry a quarter each); 6 heads straddle the shards (gathered on one slot)."""
+    specs = _heads_specs(heads)
+    tp_fqns = {s.fqn for s in specs}
+    dims = {s.fqn: 1 if ".wo." in s.fqn else 0 for s in specs}
+    dp_plan, owners = plan_tp_owners(specs, 2, 4, tp_fqns, tp_shard_dims=dims)
+    heads_fqns = {s.fqn for s in specs if s.layout is not None}
+    assert owners.local == (heads_fqns if local else set())
+    total = sum(e.ns_flops for e in dp_plan.entries)
+    assert sum(owners.slot_flops) == pytest.approx(total)  # counted once
+    if local:  # the gathered w1 matrices fill whole slots; the heads spread over their columns
+        alone = plan_tp_owners([s for s in specs if s.layout is None], 2, 4, tp_fqns)[1]
+        extra = [a - b for a, b in zip(owners.slot_flops, alone.slot_flops)]
+        # every slot of a column got the same share of the heads (2 of 8 heads per slot)
+        for d in range(2):
+            col = extra[d * 4 : (d + 1) * 4]
+            assert max(col) - min(col) <= 1e-9 * max(total, 1.0)

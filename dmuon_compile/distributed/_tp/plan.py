@@ -14,6 +14,7 @@ from dmuon_compile.distributed.owner_plan import (
     improve_some,
     ns_cost_fn,
 )
+from dmuon_compile.layouts import block_shard_layouts
 
 
 @dataclass
@@ -24,7 +25,10 @@ class TPOwners:
     tp_size: int
     tp_owner: dict[str, int] = field(default_factory=dict)  # TP matrices only: t*
     slot_flops: list[float] = field(default_factory=list)
-    matrix_flops: list[float] = field(default_factory=list)  # TP matrices (one slot each)
+    matrix_flops: list[float] = field(default_factory=list)  # gathered TP matrices (one slot)
+    # TP matrices whose shards hold whole blocks (heads): each member of the owner column runs
+    # its own blocks, so they load every slot of the column (``TPStage``'s local path).
+    local: set[str] = field(default_factory=set)
 
     def lower_bound(self) -> float:
         """A lower bound on the most loaded slot of *any* plan with whole matrices.
@@ -71,14 +75,18 @@ def plan_tp_owners(
     tp_size: int,
     tp_fqns: set[str],
     *,
+    tp_shard_dims: dict[str, int] | None = None,
     ns=None,
     layer_id_fn=None,
     improve_rounds: int = 2000,
 ) -> tuple[OwnerPlan, TPOwners]:
     """LPT over the ``dp_size × tp_size`` slots; deterministic (a function of the specs).
 
-    ``specs`` carry *global* shapes (the NS cost is that of the whole matrix). A matrix in
-    ``tp_fqns`` takes one slot ``(d, t*)``; any other matrix takes its cost on all ``tp_size``
+    ``specs`` carry *global* shapes (the NS cost is that of all the matrix's blocks: heads,
+    experts). A matrix in ``tp_fqns`` takes one slot ``(d, t*)`` (its owner gathers it); one
+    whose TP shards hold whole blocks (its layout cut along its shard dim in
+    ``tp_shard_dims``: ``layouts.block_shard_layouts``) loads each slot ``(d, t)`` of one DP
+    column with the blocks of shard ``t``; any other matrix takes its cost on all ``tp_size``
     slots of one DP column ``d``. Returns the DP plan (owner = ``d``, what the DP machinery
     uses) and the TP plan (``t*`` per TP matrix, the slot loads).
 
@@ -92,9 +100,25 @@ def plan_tp_owners(
     specs = sorted(specs, key=lambda s: s.fqn)
     layer_of = layer_id_fn or default_layer_key
     layers = [str(layer_of(s.fqn) or default_layer_key(s.fqn)) for s in specs]
-    flops = [float(flops_of(*s.matrix_shape)) for s in specs]
+    flops = [float(s.matrix_count * flops_of(*s.matrix_shape)) for s in specs]
     sizes = [s.numel * s.itemsize for s in specs]
-    total = sum(f * (1 if s.fqn in tp_fqns else tp_size) for f, s in zip(flops, specs)) or 1.0
+    # Per slot of its column, the NS of the blocks a TP shard holds (where every shard holds
+    # whole blocks, each member of the owner column runs its own: no gather).
+    local: dict[int, list[float]] = {}
+    for i, s in enumerate(specs):
+        dim = (tp_shard_dims or {}).get(s.fqn)
+        pieces = _shard_pieces(s, dim, tp_size) if s.fqn in tp_fqns and dim is not None else None
+        if pieces is not None:
+            local[i] = [
+                float(lay.count(sh) * flops_of(*lay.stacked_shape(sh))) for lay, sh in pieces
+            ]
+    total = (
+        sum(
+            sum(local[i]) if i in local else f * (1 if s.fqn in tp_fqns else tp_size)
+            for i, (f, s) in enumerate(zip(flops, specs))
+        )
+        or 1.0
+    )
     cost = [f / total for f in flops]
     slots = dp_size * tp_size
     loads = [0.0] * slots
@@ -104,7 +128,7 @@ def plan_tp_owners(
     order = sorted(range(len(specs)), key=lambda i: (-cost[i], layers[i], specs[i].fqn))
     for i in order:
         lb = layer_bytes[layers[i]]
-        if specs[i].fqn in tp_fqns:
+        if specs[i].fqn in tp_fqns and i not in local:
             low = min(loads)
             k = min(
                 range(slots),
@@ -116,8 +140,12 @@ def plan_tp_owners(
                 ),
             )
             loads[k] += cost[i]
-        else:  # every TP rank of column d runs NS on its own copy
-            col = [max(loads[d * tp_size : (d + 1) * tp_size]) for d in range(dp_size)]
+        else:  # every TP rank of column d runs NS: on its own copy, or on its shard's blocks
+            share = [c / total for c in local[i]] if i in local else [cost[i]] * tp_size
+            col = [
+                max(x + c for x, c in zip(loads[d * tp_size : (d + 1) * tp_size], share))
+                for d in range(dp_size)
+            ]
             low = min(col)
             d = min(
                 range(dp_size),
@@ -125,12 +153,12 @@ def plan_tp_owners(
             )
             k = d * tp_size
             for t in range(tp_size):
-                loads[k + t] += cost[i]
+                loads[k + t] += share[t]
         slot_of[i] = k
         lb[k // tp_size] += sizes[i]
         column_bytes[k // tp_size] += sizes[i]
     # keep the plain matrices' columns fixed; move the TP ones only
-    movable = [i for i, s in enumerate(specs) if s.fqn in tp_fqns]
+    movable = [i for i, s in enumerate(specs) if s.fqn in tp_fqns and i not in local]
     improve_some(slot_of, cost, loads, improve_rounds, movable)
     entries = [
         PlanEntry(
@@ -148,6 +176,20 @@ def plan_tp_owners(
         tp_size,
         {s.fqn: slot_of[i] % tp_size for i, s in enumerate(specs) if s.fqn in tp_fqns},
         [x * total for x in loads],
-        [f for f, s in zip(flops, specs) if s.fqn in tp_fqns],
+        [f for i, (f, s) in enumerate(zip(flops, specs)) if s.fqn in tp_fqns and i not in local],
+        {specs[i].fqn for i in local},
     )
     return OwnerPlan(world_size=dp_size, entries=entries), tp_owners
+
+
+def _shard_pieces(spec: MatrixSpec, dim: int, size: int):
+    """Per TP shard of ``spec``'s matrix, ``(layout of its blocks, shard shape)`` when every
+    shard holds whole blocks of its layout, else ``None``."""
+    if spec.layout is None or len(spec.shape) != 2:
+        return None
+    layouts = block_shard_layouts(spec.layout, tuple(spec.shape), dim, size)
+    if layouts is None:
+        return None
+    piece = list(spec.shape)
+    piece[dim] //= size
+    return [(lay, tuple(piece)) for lay in layouts]
