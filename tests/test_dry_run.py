@@ -1012,3 +1012,59 @@ def test_the_momentum_storage_is_on_the_command_line(capsys):
         with pytest.raises(SystemExit) as info:
             main(["--model", "tiny", "--gpus", "2", *bad])
         assert info.value.code == 2 and message in capsys.readouterr().err, bad
+
+
+# ----------------------------------------------------------------------------- per-head NS
+def _ns_matrices(report) -> dict[tuple, int]:
+    """Over all ranks: how many matrices of each shape Newton–Schulz runs."""
+    out: dict[tuple, int] = {}
+    for row in report.rows:
+        for shape, n in row._buckets.items():
+            out[tuple(shape)] = out.get(tuple(shape), 0) + n
+    return out
+
+
+def test_per_head_prices_every_head_of_each_projection():
+    """llama3-8b: q and o are 32 heads of 128, k and v 8 each (per layer), each an NS matrix."""
+    c = PRESETS["llama3-8b"]
+    whole = _ns_matrices(dry_run("llama3-8b", 8, advise=False))
+    heads = _ns_matrices(dry_run("llama3-8b", 8, per_head=True, advise=False))
+    hd = c.dim // c.heads
+    assert (hd, c.dim) not in whole
+    # per layer: q's 32 heads and k's and v's 8 kv heads of rows, o's 32 heads of columns
+    assert heads[(hd, c.dim)] == c.layers * (c.heads + 2 * c.kv_heads)
+    assert heads[(c.dim, hd)] == c.layers * c.heads
+    assert (c.dim, c.dim) in whole and (c.dim, c.dim) not in heads
+
+
+def test_per_head_under_tp_runs_whole_heads_on_each_tp_rank_without_the_gather():
+    """TP 2: every attention projection's shards hold 16 (q, o) or 4 (k, v) whole heads, so each
+    TP rank of the owner column runs its own (the NS matrices the same in number, spread over
+    both TP ranks) and the TP gather/scatter moves the MLP matrices only."""
+    c = PRESETS["llama3-8b"]
+    hd = c.dim // c.heads
+    whole = dry_run("llama3-8b", 16, tp_size=2, advise=False)
+    heads = dry_run("llama3-8b", 16, tp_size=2, per_head=True, advise=False)
+    ns = _ns_matrices(heads)
+    assert ns[(hd, c.dim)] == c.layers * (c.heads + 2 * c.kv_heads)
+    assert ns[(c.dim, hd)] == c.layers * c.heads
+    for shape in ((hd, c.dim), (c.dim, hd)):  # both TP ranks of a column run as many heads
+        per_rank = [r._buckets.get(shape, 0) for r in heads.rows]
+        assert all(per_rank[2 * d] == per_rank[2 * d + 1] for d in range(8)), per_rank
+    mlp = sum(
+        p.numel() for n, p in build_model("llama3-8b")[1].named_parameters() if ".mlp." in n
+    )
+    gathered = sum(r.tp_comm_bytes for r in heads.rows)
+    # per MLP matrix: the other TP rank sends its shard of u (fp32) and gets its shard of the
+    # update (the fp32 weight) back, counted on both ends: 2 × (4 + 4) bytes per half element
+    assert gathered == pytest.approx(2 * 8 * mlp / 2, rel=1e-6)
+    assert sum(r.tp_comm_bytes for r in whole.rows) > gathered  # the control: q, k, v, o too
+
+
+def test_per_head_needs_an_attention_module_and_is_on_the_command_line(capsys):
+    with torch.device("meta"):
+        mlp = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+    with pytest.raises(ValueError, match="no attention module recognised"):
+        dry_run(mlp, 4, per_head=True, advise=False)
+    assert main(["--model", "tiny", "--gpus", "4", "--tp", "2", "--per-head", "--top", "1"]) == 0
+    assert "rank" in capsys.readouterr().out

@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         help="with --ep: force the expert FSDP shard dim (default: torchtitan's rule)",
     )
     ap.add_argument(
+        "--per-head",
+        action="store_true",
+        help="Muon(per_head=True): q, k, v and o orthogonalised head by head (with --tp: "
+        "a projection whose TP shards hold whole heads runs them on each TP rank, no gather)",
+    )
+    ap.add_argument(
         "--expert-ns",
         choices=EXPERT_NS,
         default="per_replica",
@@ -227,6 +233,7 @@ def main(argv=None) -> int:
                 ep=args.ep,
                 expert_shard_dim=args.expert_shard_dim,
                 expert_ns=args.expert_ns,
+                per_head=args.per_head,
                 pp=args.pp,
                 stages_per_rank=args.stages_per_rank,
                 pp_first_stage_less_layers=args.pp_first_less_layers,

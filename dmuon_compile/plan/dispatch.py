@@ -42,6 +42,7 @@ def dry_run(
     ep: int | None = None,
     expert_shard_dim: int | None = None,
     expert_ns: str = "per_replica",
+    per_head: bool = False,
     pp: int | None = None,
     stages_per_rank: int = 1,
     pp_first_stage_less_layers: int = 1,
@@ -83,6 +84,10 @@ def dry_run(
     ``"once"``, the ``replicate_size`` replicas split them, each orthogonalising its share, and
     all-gather the results in NS's 2-byte output dtype (``replica gather`` column, in
     ``replicate_comm_bytes``). No effect with ``replicate_size=1``.
+    ``per_head``: ``dmuon.set_head_layouts`` on the model first (``Muon(per_head=True)``): q,
+    k, v and o orthogonalised head by head, planned and priced per head; with ``tp_size > 1``
+    (q/k/v/gate/up column-parallel, o/down row-parallel, as torchtitan's and transformers' TP
+    plans) a projection whose TP shards hold whole heads runs them on each TP rank, no gather.
     ``pp``: pipeline parallelism as torchtitan's ``pipeline_llm`` splits a decoder
     (:func:`pipeline_stages`): the model's ``layers`` cut into ``pp · stages_per_rank``
     contiguous stages (``pp_first_stage_less_layers``/``pp_last_stage_less_layers``: torchtitan's
@@ -161,6 +166,7 @@ def _dry_run(
     ep,
     expert_shard_dim,
     expert_ns,
+    per_head,
     pp,
     stages_per_rank,
     pp_first_stage_less_layers,
@@ -186,6 +192,7 @@ def _dry_run(
         ep=ep,
         expert_shard_dim=expert_shard_dim,
         expert_ns=expert_ns,
+        per_head=per_head,
     )
     if pp is None:
         if (stages_per_rank, pp_first_stage_less_layers, pp_last_stage_less_layers) != (1, 1, 1):

@@ -84,6 +84,7 @@ class _Attention(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         kv = (c.kv_heads or c.heads) * c.hd
+        self.head_dim, self.num_heads = c.hd, c.heads  # what dmuon.set_head_layouts reads
         self.q_proj = nn.Linear(c.dim, c.heads * c.hd, bias=False)
         self.k_proj = nn.Linear(c.dim, kv, bias=False)
         self.v_proj = nn.Linear(c.dim, kv, bias=False)
@@ -99,6 +100,8 @@ class _MLA(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         qk = c.hd + c.rope_dim
+        self.num_heads, self.v_head_dim = c.heads, c.v_head_dim  # what set_head_layouts reads
+        self.qk_nope_head_dim, self.qk_rope_head_dim = c.hd, c.rope_dim
         self.q_a_proj = nn.Linear(c.dim, c.q_lora, bias=False)
         self.q_a_layernorm = nn.RMSNorm(c.q_lora)
         self.q_b_proj = nn.Linear(c.q_lora, c.heads * qk, bias=False)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dmuon_compile.distributed._expert_shards import ExpertWalk, ns_cost
+from dmuon_compile.distributed._tp.plan import local_shard_layouts
 from dmuon_compile.ns_rates import NSRates, TargetFlops, default_stack_bytes, useful_flops
 from dmuon_compile.plan.experts import (
     _check_ep,
@@ -89,12 +90,13 @@ def _run_group(
     keep: set[str] | None = None,
     base_loads: list[float] | None = None,
     expert_ns: str = "per_replica",
+    per_head: bool = False,
 ):
     """:func:`dry_run` of one data-parallel group (``world_size`` ranks): ``(report, the
     plan_dedicated result)``. ``momentum``: the Muon momentum's storage (default: in place, the
     weight's dtype). ``keep``: plan only these parameters (a pipeline stage's; the others are
     not on these ranks). ``base_loads``: as ``plan_dedicated``'s. ``expert_ns``: as
-    ``Muon(expert_ns=...)``."""
+    ``Muon(expert_ns=...)``; ``per_head``: ``dmuon.set_head_layouts`` first."""
     from dmuon_compile.distributed.dedicate import plan_dedicated
     from dmuon_compile.distributed.policy import MixedPrecision, ParamPolicy, resolve_dtypes
     from dmuon_compile.layouts import get_layout, infer_layout
@@ -105,6 +107,10 @@ def _run_group(
     shard = _check_sizes(world_size, replicate_size, tp_size, split_size)
     _check_ep(ep, expert_shard_dim, shard, replicate_size, tp_size)
     name, model = build_model(model_or_config)
+    if per_head:
+        from dmuon_compile.layouts import set_head_layouts
+
+        set_head_layouts(model)  # raises naming what to declare when it finds no attention
     stack_cap = default_stack_bytes() if stack_bytes is None else int(stack_bytes)
     plan_ns = TargetFlops() if ns is None else ns
     rate_ns = getattr(plan_ns, "ns", plan_ns)  # the NS configuration the rates price
@@ -119,6 +125,7 @@ def _run_group(
         hook_boundary_predicate=hook_boundary_predicate,
         layer_id_fn=layer_id_fn,
         tp_size=tp_size,
+        tp_shard_dims=_tp_shard_dims(model) if tp_size > 1 else None,
         split_size=split_size,
         ns=plan_ns,
         base_loads=base_loads,
@@ -160,6 +167,8 @@ def _run_group(
     plan = planned.plan
     entries = plan.entries if plan is not None else []
     tp_owner = planned.tp_owners.tp_owner if planned.tp_owners is not None else {}
+    tp_local = planned.tp_owners.local if planned.tp_owners is not None else set()
+    shard_dims = _tp_shard_dims(model) if T > 1 else {}
     groups: dict[tuple, list[tuple[str, int, int]]] = {}  # key -> [(fqn, shard owner, numel)]
     column_numel: dict[tuple, dict[tuple[int, int], int]] = {}  # per group: (shard, rep) -> n
     ns_loads: dict[int, int] = {}  # rank -> ns_cost of its dedicated weights (the expert walk's)
@@ -211,6 +220,11 @@ def _run_group(
                 }
             )
             _split_comm(rows, split, spec, rate_ns, gpu)
+        elif e.fqn in tp_local:  # each TP rank of the column runs its shard's whole heads
+            pieces = local_shard_layouts(spec, shard_dims[e.fqn], T)
+            for t, (lay, piece) in enumerate(pieces):
+                add_ns(gpu(e.owner, t), lay.stacked_shape(piece), lay.count(piece))
+                rows[gpu(e.owner, t)].matrices += 1
         else:
             # TP matrix: whole-matrix NS on its TP owner; a plain matrix of a TP model: TP rank
             # 0 of the column runs it and broadcasts weight and momentum to the others.
@@ -419,6 +433,21 @@ def _run_group(
 
 def _dtype_name(dt) -> str:
     return "as stored" if dt is None else str(dt).replace("torch.", "")
+
+
+# Row-parallel projections of torchtitan's and transformers' TP plans (Shard(1)); the other
+# projections are column-parallel (Shard(0)).
+_ROW_PARALLEL = ("o_proj", "down_proj", "wo", "w2")
+
+
+def _tp_shard_dims(model: nn.Module) -> dict[str, int]:
+    """Each 2-D weight's TP shard dim in the dry run's TP plan."""
+    dims = {}
+    for name, p in model.named_parameters():
+        if p.ndim == 2:
+            module = name.split(".")[-2] if "." in name else ""
+            dims[name] = 1 if module in _ROW_PARALLEL else 0
+    return dims
 
 
 def _adder(row: RankRow):

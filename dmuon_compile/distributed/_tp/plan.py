@@ -107,7 +107,9 @@ def plan_tp_owners(
     local: dict[int, list[float]] = {}
     for i, s in enumerate(specs):
         dim = (tp_shard_dims or {}).get(s.fqn)
-        pieces = _shard_pieces(s, dim, tp_size) if s.fqn in tp_fqns and dim is not None else None
+        if s.fqn not in tp_fqns or dim is None:
+            continue
+        pieces = local_shard_layouts(s, dim, tp_size)
         if pieces is not None:
             local[i] = [
                 float(lay.count(sh) * flops_of(*lay.stacked_shape(sh))) for lay, sh in pieces
@@ -182,9 +184,9 @@ def plan_tp_owners(
     return OwnerPlan(world_size=dp_size, entries=entries), tp_owners
 
 
-def _shard_pieces(spec: MatrixSpec, dim: int, size: int):
-    """Per TP shard of ``spec``'s matrix, ``(layout of its blocks, shard shape)`` when every
-    shard holds whole blocks of its layout, else ``None``."""
+def local_shard_layouts(spec: MatrixSpec, dim: int, size: int):
+    """Per TP shard of ``spec``'s matrix cut into ``size`` along ``dim``, ``(layout of its
+    blocks, shard shape)`` when every shard holds whole blocks of its layout, else ``None``."""
     if spec.layout is None or len(spec.shape) != 2:
         return None
     layouts = block_shard_layouts(spec.layout, tuple(spec.shape), dim, size)
