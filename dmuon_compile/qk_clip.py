@@ -21,15 +21,27 @@ The logit is linear in ``W_q`` and in ``W_k`` (RoPE rotates within a head), so a
 the same batch's max logit of every head is ``≤ tau``. A QK-norm after the projections
 (``q_norm``/``k_norm``) would undo the scaling: such modules raise instead.
 
-Collection: inside each recognised attention module's forward (training mode), a
-``TorchFunctionMode`` sees every ``torch.nn.functional.scaled_dot_product_attention`` call and
-computes the per-head max of ``q·kᵀ·scale`` from its ``q`` and ``k``
-(:func:`~dmuon_compile.qk_logits.max_logits`: FlexAttention's fused max scores on CUDA, else
-query blocks in fp32; causal and ``attn_mask`` honoured; never the whole score matrix). A
-kernel that reports the maxima itself (FlexAttention's
-``return_aux=AuxRequest(max_scores=True)``, CUDA only) hands them over with
-:meth:`QKClip.observe`. At :meth:`QKClip.apply` all layers' maxima are packed in one tensor
-and reduced with one ``all_reduce(MAX)`` over ``group``: every rank scales by the same maxima.
+Collection, automatic inside each recognised attention module's forward (training mode),
+from the ``q`` and ``k`` the kernel gets, never the whole score matrix:
+
+- ``torch.nn.functional.scaled_dot_product_attention``: seen by a ``TorchFunctionMode``;
+  :func:`~dmuon_compile.qk_logits.max_logits` (causal and ``attn_mask`` honoured);
+- FlexAttention: torchtitan's ``FlexAttention`` wrapper through a forward pre-hook (its q, k,
+  ``BlockMask``, ``score_mod``, ``scale``), any other ``flex_attention(...)`` call (compiled or
+  not) through the same mode, which sees the ``flex_attention`` higher-order op the Python
+  function calls (the function itself is no torch function). The wrapper's hook comes first
+  where it applies: it runs in the model's own mode instead of being traced into torchtitan's
+  compiled kernel region, and the op inside it is then skipped.
+  :func:`~dmuon_compile.qk_logits.max_logits_flex`: the block mask's ``mask_mod`` and block
+  sparsity honoured as the kernel honours them; the logit is the raw ``q·kᵀ·scale`` (MuonClip's,
+  the one the scaling moves linearly), a ``score_mod`` only leaves out the positions it sends
+  to ``-inf``.
+
+Both take FlexAttention's fused max scores on CUDA, else query blocks in fp32. Any other
+kernel hands its maxima over with :meth:`QKClip.observe`; a recognised module whose forwards
+recorded nothing warns once. At :meth:`QKClip.apply` all layers' maxima are packed in one
+tensor and reduced with one ``all_reduce(MAX)`` over ``group``: every rank scales by the same
+maxima.
 
 Example::
 
@@ -55,7 +67,7 @@ from dmuon_compile.layouts import (
     config_count,
     head_layouts,
 )
-from dmuon_compile.qk_logits import max_logits
+from dmuon_compile.qk_logits import max_logits, max_logits_flex, max_logits_of_flex_call
 
 # Norms after the q/k projections that undo a weight scaling (Qwen3, OLMo2, torchtitan).
 _QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
@@ -89,6 +101,8 @@ class _Attention:
     forwards: int = 0  # eager forwards in training mode since the last apply
     records: int = 0  # maxima recorded (SDPA calls, observe) since the last apply
     modes: list = field(default_factory=list)  # the collecting modes of running forwards
+    # a record made inside a compiled region (not counted) was seen: no "nothing seen" warning
+    traced: bool = False
 
 
 def _head_rows(n_heads: int, parts) -> tuple[Tensor, Tensor]:
@@ -214,6 +228,12 @@ def _dtensor_type():
     return getattr(module, "DTensor", None)
 
 
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local tensor (q/k of TP without local outputs: this rank's heads)."""
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
 def _local_rows(t: Tensor, name: str) -> tuple[Tensor, int, int]:
     """``(local tensor, first global row, stop)`` of ``t``: a plain tensor is all its rows; a
     DTensor replicated or sharded along its rows (``Shard(0)`` on any mesh dims: FSDP2, TP
@@ -250,17 +270,42 @@ def _local_rows(t: Tensor, name: str) -> tuple[Tensor, int, int]:
 
 # ---------------------------------------------------------------------- collection
 class _Collect(TorchFunctionMode):
-    """Active inside one attention module's forward: sees its SDPA calls."""
+    """Active inside one attention module's forward: sees its SDPA calls and its FlexAttention
+    kernel calls (the ``flex_attention`` higher-order op: the Python function
+    ``flex_attention`` is no torch function, the op it calls dispatches to torch function
+    modes, eagerly and, since torch 2.9, inside Dynamo's trace too; ``flex_attention`` always
+    compiles its op, so a flex record is made in a trace)."""
 
     def __init__(self, clip: QKClip, attention: _Attention) -> None:
         super().__init__()
         self.clip, self.attention = clip, attention
+        self.wrapped = 0  # inside a FlexAttention wrapper whose pre-hook recorded: skip its op
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.clip._record_sdpa(self.attention, args, kwargs)
+        elif func is self.clip.flex_op and not self.wrapped:
+            self.clip._record_flex_call(self.attention, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _flex_op():
+    """FlexAttention's higher-order op (``None`` on a torch without one)."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401 - registers the op
+
+        return getattr(torch.ops.higher_order, "flex_attention", None)
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+def _flex_wrappers(module: nn.Module) -> list[nn.Module]:
+    """torchtitan's ``FlexAttention`` modules under ``module`` (none when torchtitan was never
+    imported: then no module is one)."""
+    titan = sys.modules.get("torchtitan.models.common.attention")
+    cls = getattr(titan, "FlexAttention", None)
+    return [] if cls is None else [m for m in module.modules() if isinstance(m, cls)]
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -288,14 +333,14 @@ class QKClip:
     """QK-clip of every attention module of ``model`` that
     :func:`~dmuon_compile.layouts.head_layouts` recognises (transformers', torchtitan's,
     multi-head latent attention): collects each head's max logit in the forward (training
-    mode), and :meth:`apply` scales the q/k weights of the heads above ``tau`` (the module
-    docstring's rules). ``group``: the process group whose ranks agree on the maxima (one
-    ``all_reduce(MAX)`` per :meth:`apply`, issued by every rank of it), or a list of groups
-    whose product is that set (one reduction over each: a mesh's dimensions); default: the
-    groups of the model's dedicated runtime (``dmuon.dedicate_params``: its data-parallel mesh,
-    HSDP's replicate mesh, the TP group — with pipeline parallelism, the stage's own), else the
-    default group when one is initialised. Every rank of it must hold the same attention
-    modules.
+    mode; SDPA and FlexAttention kernels), and :meth:`apply` scales the q/k weights of the
+    heads above ``tau`` (the module docstring's rules). ``group``: the process group whose
+    ranks agree on the maxima (one ``all_reduce(MAX)`` per :meth:`apply`, issued by every rank
+    of it), or a list of groups whose product is that set (one reduction over each: a mesh's
+    dimensions); default: the groups of the model's dedicated runtime
+    (``dmuon.dedicate_params``: its data-parallel mesh, HSDP's replicate mesh, the TP group —
+    with pipeline parallelism, the stage's own), else the default group when one is
+    initialised. Every rank of it must hold the same attention modules.
 
     Weights may be plain tensors, dedicated weights (``dmuon.dedicate_params``), FSDP2
     ``Shard(0)`` and tensor-parallel ``Shard(0)`` DTensors; other placements raise
@@ -331,11 +376,21 @@ class QKClip:
         self.last_max = torch.full((heads,), float("nan"))  # per head: the last step's max
         self._warned: set[str] = set()
         self._handles: list = []
+        self.flex_op = _flex_op()
         for att in self.attentions:
             self._handles.append(att.module.register_forward_pre_hook(self._enter(att)))
             self._handles.append(
                 att.module.register_forward_hook(self._leave(att), always_call=True)
             )
+            for wrapper in _flex_wrappers(att.module):
+                self._handles.append(
+                    wrapper.register_forward_pre_hook(self._enter_flex(att), with_kwargs=True)
+                )
+                self._handles.append(
+                    wrapper.register_forward_hook(
+                        self._leave_flex(att), with_kwargs=True, always_call=True
+                    )
+                )
 
     # ------------------------------------------------------------------ wiring
     def attach(self, optimizer: torch.optim.Optimizer) -> QKClip:
@@ -414,6 +469,11 @@ class QKClip:
                 att.modes.append(mode)
                 if not torch.compiler.is_compiling():  # a Python count would guard: recompiles
                     att.forwards += 1
+                    # made here, not first in a compiled kernel region (flex_attention's): a
+                    # region traced before it existed would be traced again after
+                    x = next((a for a in args if isinstance(a, Tensor)), None)
+                    if att.running is None and x is not None and x.device.type != "meta":
+                        att.running = torch.full((att.n_heads,), -math.inf, device=x.device)
 
         return hook
 
@@ -424,12 +484,48 @@ class QKClip:
 
         return hook
 
+    def _enter_flex(self, att: _Attention):
+        """Pre-hook of torchtitan's ``FlexAttention`` wrapper: its ``q``, ``k`` (``(B, L, N,
+        H)``), ``BlockMask``, ``score_mod`` and ``scale``, before its compiled kernel. Taken
+        here rather than from the op it calls: this runs in the model's own mode (eager
+        or compiled), not traced into torchtitan's compiled kernel region."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        def hook(module, args, kwargs):
+            if not att.modes:  # eval mode, or not inside the attention's forward
+                return
+            q = args[0] if len(args) > 0 else kwargs.get("q_BLNH")
+            k = args[1] if len(args) > 1 else kwargs.get("k_BLNH")
+            mask = kwargs.get("attention_masks")
+            if not (isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == 4):
+                return  # the op's own call is seen instead
+            q, k = _local(q).transpose(1, 2), _local(k).transpose(1, 2)
+            lengths = (q.shape[-2], k.shape[-2])
+            if not isinstance(mask, BlockMask) or tuple(mask.seq_lengths) != lengths:
+                return  # e.g. context parallelism rewrote them: the op's call is seen instead
+            att.modes[-1].wrapped += 1
+            maxima = max_logits_flex(
+                q, k, block_mask=mask, score_mod=kwargs.get("score_mod"), scale=kwargs.get("scale")
+            )
+            self._record(att, maxima)
+
+        return hook
+
+    def _leave_flex(self, att: _Attention):
+        def hook(module, args, kwargs, output):
+            if att.modes and att.modes[-1].wrapped:
+                att.modes[-1].wrapped -= 1
+
+        return hook
+
+    def _record_flex_call(self, att: _Attention, args, kwargs) -> None:
+        """A ``flex_attention`` op call seen by the mode: its q, k, block mask and score_mod."""
+        args = tuple(_local(a) if isinstance(a, Tensor) else a for a in args)
+        self._record(att, max_logits_of_flex_call(args, kwargs))
+
     def _record_sdpa(self, att: _Attention, args, kwargs) -> None:
         call = dict(zip(_SDPA_ARGS, args), **kwargs)
-        q, k = call["query"], call["key"]
-        dtensor = _dtensor_type()
-        if dtensor is not None:  # q/k as DTensors (TP without local outputs): their heads
-            q, k = (t.to_local() if isinstance(t, dtensor) else t for t in (q, k))
+        q, k = _local(call["query"]), _local(call["key"])
         maxima = max_logits(
             q,
             k,
@@ -441,10 +537,11 @@ class QKClip:
 
     def observe(self, module: nn.Module | str, max_scores: Tensor) -> None:
         """Hand over max logits a kernel reported for ``module`` (the attention module or its
-        name): FlexAttention's ``aux.max_scores`` (``(B, H, L)``, from
+        name), for kernels QK-clip does not see (SDPA and FlexAttention calls are collected
+        automatically): FlexAttention's ``aux.max_scores`` (``(B, H, L)``, from
         ``return_aux=AuxRequest(max_scores=True)``; CUDA only on torch 2.11 and 2.13), or any
-        tensor with the heads on dim -2, or a ``(H,)`` per-head max. Kept as the SDPA fallback
-        keeps its maxima (the max since the last :meth:`apply`).
+        tensor with the heads on dim -2, or a ``(H,)`` per-head max. Kept as the automatic
+        collection keeps its maxima (the max since the last :meth:`apply`).
 
         Example (inside the attention's forward)::
 
@@ -542,15 +639,21 @@ class QKClip:
 
     def _warn_unseen(self) -> None:
         for att in self.attentions:
-            if att.forwards and not att.records and att.name not in self._warned:
-                self._warned.add(att.name)
-                warnings.warn(
-                    f"QKClip: the attention {att.name!r} ran forward without a "
-                    "scaled_dot_product_attention call (eager attention, FlexAttention or "
-                    "another kernel): its heads are not clipped. Use SDPA there, or hand its "
-                    "max logits over with clip.observe(module, max_scores)",
-                    stacklevel=3,
-                )
+            if not att.forwards or att.records or att.traced or att.name in self._warned:
+                continue
+            # records made in a compiled region (flex_attention compiles its op) are not
+            # counted: finite maxima show them (one check per attention, then remembered)
+            if att.running is not None and bool(torch.isfinite(att.running).any()):
+                att.traced = True
+                continue
+            self._warned.add(att.name)
+            warnings.warn(
+                f"QKClip: the attention {att.name!r} ran forward without a "
+                "scaled_dot_product_attention or flex_attention call (eager attention or "
+                "another kernel): its heads are not clipped. Use SDPA or FlexAttention there, "
+                "or hand its max logits over with clip.observe(module, max_scores)",
+                stacklevel=3,
+            )
 
     def _scale(self, gamma: Tensor) -> None:
         writes, start = [], 0
