@@ -6,12 +6,22 @@
   offload): ``state["momentum_buffer"]`` is the tensor the step reads and writes, as in every
   torch optimizer. Nothing here runs during a step.
 - **Stored** (``momentum_dtype=torch.int8`` — blockwise 8-bit —, or ``offload="momentum"``):
-  the state holds a compact or host-side copy; each step materialises a *working* buffer on the
-  parameter's device in the compute dtype (:meth:`MomentumStorage.working`), runs the unchanged
-  step on it, and writes it back after the commit (:meth:`MomentumStorage.keep`). A step that
-  does not commit never writes back, so the stored copy is exactly what the last committed step
-  left. Between steps (the forward and backward, where activations peak) the GPU holds no
-  momentum (offload) or a quarter of it (8-bit).
+  the state holds a compact or host-side copy; the step materialises a *working* buffer on the
+  parameter's device in the compute dtype and runs the unchanged math on it. Streamed (the
+  default, :meth:`MomentumStorage.stream`): shape bucket by shape bucket, the buckets of
+  ``NewtonSchulz.stack_bytes`` the step already walks for Newton–Schulz, at most ``in_flight``
+  buckets materialised at once (the next ones copied in or decoded on a side stream under the
+  current one's Newton–Schulz); each bucket's new momentum buf′ goes to a *shadow* of the
+  stored form (new 8-bit codes, a new host copy) and its working buffers are freed; the commit,
+  after the step's verdict, puts the shadows in the state (:meth:`MomentumStorage.commit_staged`).
+  All at once (``in_flight=None``; also where the step cannot stream: a plan with stages —
+  tensor parallelism, split NS, the expert reshard — or a step traced by the user's
+  ``torch.compile``): every working buffer before the first Newton–Schulz
+  (:meth:`MomentumStorage.working`), written back after the commit
+  (:meth:`MomentumStorage.keep`). Either way a step that does not commit writes nothing, so
+  the stored copy is exactly what the last committed step left. Between steps (the forward and
+  backward, where activations peak) the GPU holds no momentum (offload) or a quarter of it
+  (8-bit).
 
 The 8-bit format: the local tensor is cut into blocks of :data:`BLOCK` consecutive values;
 each block keeps its absolute maximum ``s`` (fp32) and one int8 code per value,
@@ -31,7 +41,9 @@ setting loads into any other (converted at the next step), through ``torch.save`
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+import weakref
 import zlib
 
 import torch
@@ -59,6 +71,9 @@ MOMENTUM_DTYPES: dict[str, torch.dtype | None] = {
     "int8": torch.int8,
 }
 OFFLOADS = (None, "momentum")
+# Streamed stored momentum: the shape buckets whose working buffers exist at once (the one
+# stepped and the next, copied in or decoded under its Newton–Schulz). ``None``: every matrix's.
+IN_FLIGHT = 2
 
 
 def resolve_momentum_dtype(value) -> torch.dtype | None:
@@ -85,6 +100,17 @@ def check_offload(value) -> str | None:
             "'momentum' (kept in host memory between steps, streamed in for the step)"
         )
     return value
+
+
+def check_in_flight(value) -> int | None:
+    """``momentum_in_flight``'s value (a positive int or ``None``), or a ``ValueError``."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(
+        f"momentum_in_flight={value!r}: give a positive number of shape buckets (default "
+        f"{IN_FLIGHT}: the bucket stepped and the next one, materialised under its "
+        "Newton-Schulz) or None (every matrix's working momentum at once)"
+    )
 
 
 # ---------------------------------------------------------------------------- 8-bit format
@@ -189,26 +215,89 @@ def error_bound(x: Tensor, scales: Tensor) -> Tensor:
     return 2 * (x.abs().float() * s).sqrt() / LEVELS + s / LEVELS**2
 
 
+def compiled_store_momentum():
+    """``functional.store_momentum`` (buf ← μ·buf + g in place) compiled as the compiled
+    step's commit compiles it (its own code object, static shapes, no NS pass): a streamed
+    compiled step computes each bucket's buf′ with the same fused kernel as that commit."""
+    from dmuon_compile import functional as F
+    from dmuon_compile.compiled_step import _fresh_copy, default_compile_options
+
+    return torch.compile(
+        _fresh_copy(F.store_momentum),
+        fullgraph=True,
+        dynamic=False,
+        options=default_compile_options(None, rewrite=False),
+    )
+
+
 # ---------------------------------------------------------------------------- the storage
+class Streamed:
+    """A Muon matrix whose stored momentum the step materialises with its shape bucket: what a
+    job's ``bufs`` hold in place of a working buffer when the step streams
+    (:meth:`MomentumStorage.stream`)."""
+
+    __slots__ = ("state", "param", "name")
+
+    def __init__(self, state: dict, param: Tensor, name: str) -> None:
+        self.state, self.param, self.name = state, param, name
+
+    def __repr__(self) -> str:
+        return f"Streamed({self.name})"
+
+
+def is_streamed(bufs) -> bool:
+    """Whether a job's ``bufs`` are streamed (:class:`Streamed` entries)."""
+    return any(isinstance(b, Streamed) for b in bufs)
+
+
 class MomentumStorage:
     """One optimizer's momentum storage (module docstring). ``dtype``: the storage dtype
     (``None``: the parameter's; ``torch.int8``: the 8-bit format); ``offload``: ``None`` or
-    ``"momentum"``."""
+    ``"momentum"``; ``in_flight``: the shape buckets whose working buffers a streamed step
+    holds at once (``None``: every matrix's, materialised before the first Newton–Schulz).
 
-    def __init__(self, dtype: torch.dtype | None = None, offload: str | None = None) -> None:
+    ``working_bytes`` / ``peak_working_bytes``: the bytes of working buffers alive now and at
+    most since :meth:`begin_step` (counted while each tensor lives: what the step really holds,
+    not what it meant to free)."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype | None = None,
+        offload: str | None = None,
+        in_flight: int | None = IN_FLIGHT,
+    ) -> None:
         self.dtype = resolve_momentum_dtype(dtype)
         self.offload = check_offload(offload)
+        self.in_flight = check_in_flight(in_flight)
+        # Per device: the side stream that copies in and decodes, the one that copies out.
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._out_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._begun: set[torch.device] = set()  # devices whose side stream this step ordered
+        self._staged: list[tuple[dict, dict]] = []  # (state, its shadow), for commit_staged
+        self.working_bytes = 0
+        self.peak_working_bytes = 0
 
     @property
     def stored(self) -> bool:
         """Whether the step works on a materialised copy (8-bit or offload), not in place."""
         return self.dtype == torch.int8 or self.offload is not None
 
+    @property
+    def streaming(self) -> bool:
+        """Whether a step may materialise the stored momentum bucket by bucket."""
+        return self.stored and self.in_flight is not None
+
     def working_dtype(self, p: Tensor) -> torch.dtype:
         """The dtype the step computes the momentum in: the storage dtype, or the parameter's
         where that is 8-bit (the codes are no arithmetic type)."""
         return p.dtype if self.dtype in (None, torch.int8) else self.dtype
+
+    def begin_step(self) -> None:
+        """A step starts: shadows a step left uncommitted are dropped, the peak counter starts
+        from what is alive now."""
+        self._staged = []
+        self._begun = set()
+        self.peak_working_bytes = self.working_bytes
 
     # -- the in-place form
     def in_place(self, state: dict, p: Tensor) -> Tensor:
@@ -228,33 +317,16 @@ class MomentumStorage:
             state.pop(key, None)
         return buf
 
-    # -- the stored form
+    # -- the stored form, all at once
     def working(self, state: dict, p: Tensor, name: str) -> Tensor:
         """The step's momentum buffer of ``p`` (a plain tensor: ``p``'s local tensor's shape,
-        on its device): zeros on the first step, else the stored copy materialised. A state
-        holding ``momentum_buffer`` (a checkpoint loaded, or another setting's) is taken into
-        the stored form first. ``name``: seeds the 8-bit rounding noise."""
-        local = local_of(p)
-        dtype = self.working_dtype(p)
-        stored = any(key in state for key in (HOST, CODES))
-        if stored and not self._holds_own_form(state, dtype, local.device):
-            self.synchronize()  # the setting changed on a live optimizer: into this form
-            state[MOMENTUM] = self.checkpoint_form(state, p)
-            for key in STORED_KEYS:
-                state.pop(key, None)
-        if MOMENTUM in state:
-            self._store(state, local_of(state.pop(MOMENTUM)).to(dtype), name, first=True)
-        if not any(key in state for key in (HOST, CODES)):
-            return torch.zeros_like(local, dtype=dtype)
-        if CODES in state:
-            codes, scales = state[CODES], state[SCALES]
-            if codes.device != local.device:  # 8-bit and offloaded
-                codes, scales = (
-                    self._to_device(codes, local.device),
-                    self._to_device(scales, local.device),
-                )
-            return dequantize_blockwise(codes, scales, dtype)
-        return self._to_device(state[HOST], local.device, copy=True)
+        on its device): zeros on the first step, else the stored copy materialised (offload on
+        CUDA: on the side stream, :meth:`ready` orders it before the step). A state holding
+        ``momentum_buffer`` (a checkpoint loaded, or another setting's) is taken into the
+        stored form first. ``name``: seeds the 8-bit rounding noise."""
+        local, dtype = self._into_own_form(state, p, name)
+        side = self._side(local.device) if self.offload is not None else None
+        return self._materialise(state, local, dtype, side)
 
     def keep(self, kept: list[tuple[dict, Tensor, str, Tensor]]) -> None:
         """Write back the step's working buffers ``(state, p, name, working)`` after the
@@ -268,9 +340,31 @@ class MomentumStorage:
         if stream is not None:
             torch.cuda.current_stream(device).wait_stream(stream)
 
+    # -- the stored form, streamed
+    def streamed(self, state: dict, p: Tensor, name: str) -> Streamed:
+        """``p``'s entry in a streamed step's ``bufs``: nothing materialised yet (the state
+        taken into this storage's form first, as :meth:`working` does)."""
+        self._into_own_form(state, p, name)
+        return Streamed(state, p, name)
+
+    def stream(self, bufs: list, buckets: list[list[int]]) -> BucketStream:
+        """The working buffers of ``bufs`` (:class:`Streamed` entries, or tensors passed
+        through) by ``buckets`` (indices into ``bufs``), :attr:`in_flight` at a time."""
+        return BucketStream(self, bufs, buckets)
+
+    def commit_staged(self) -> None:
+        """After the commit: each streamed matrix's shadow becomes its stored copy."""
+        staged, self._staged = self._staged, []
+        for state, shadow in staged:
+            state.update(shadow)
+
+    def drop_staged(self) -> None:
+        """A step that does not commit: its shadows are dropped, the stored copies unchanged."""
+        self._staged = []
+
     def synchronize(self) -> None:
-        """Wait for the write-backs in flight (before the host reads a stored copy)."""
-        for stream in self._streams.values():
+        """Wait for the copies in flight (before the host reads a stored copy)."""
+        for stream in (*self._streams.values(), *self._out_streams.values()):
             stream.synchronize()
 
     def checkpoint_form(self, state: dict, p: Tensor) -> Tensor:
@@ -291,6 +385,70 @@ class MomentumStorage:
         )
 
     # -- internals
+    def _into_own_form(self, state: dict, p: Tensor, name: str) -> tuple[Tensor, torch.dtype]:
+        """``state`` converted to this storage's stored form where it holds another (a
+        checkpoint's ``momentum_buffer``, another setting's copy); ``(p's local tensor, the
+        working dtype)``."""
+        local = local_of(p)
+        dtype = self.working_dtype(p)
+        stored = any(key in state for key in (HOST, CODES))
+        if stored and not self._holds_own_form(state, dtype, local.device):
+            self.synchronize()  # the setting changed on a live optimizer: into this form
+            state[MOMENTUM] = self.checkpoint_form(state, p)
+            for key in STORED_KEYS:
+                state.pop(key, None)
+        if MOMENTUM in state:
+            self._store(state, local_of(state.pop(MOMENTUM)).to(dtype), name, first=True)
+            self._begun.discard(local.device)  # its copy out: the next copy in waits for it
+        return local, dtype
+
+    def _materialise(self, state: dict, local: Tensor, dtype: torch.dtype, side) -> Tensor:
+        """A fresh working buffer of ``state``'s stored copy (zeros without one) on
+        ``local``'s device; ``side``: a CUDA stream to issue the copy and decode on (the
+        caller orders the step after it), else the current stream."""
+        if not any(key in state for key in (HOST, CODES)):
+            return self._count(torch.zeros_like(local, dtype=dtype))
+        device = local.device
+        if side is not None:
+            self._begin(device)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if CODES in state:
+                codes, scales = state[CODES], state[SCALES]
+                if codes.device != device:  # 8-bit and offloaded
+                    codes = codes.to(device, non_blocking=True)
+                    scales = scales.to(device, non_blocking=True)
+                elif side is not None:  # read on the side stream: freed after that read
+                    codes.record_stream(side)
+                    scales.record_stream(side)
+                out = dequantize_blockwise(codes, scales, dtype)
+            else:
+                out = state[HOST].to(device, non_blocking=True, copy=True)
+        if side is not None:
+            out.record_stream(torch.cuda.current_stream(device))
+        return self._count(out)
+
+    def _begin(self, device: torch.device) -> None:
+        """Once per step and device, before the side stream reads a stored copy: after the
+        copies out that wrote it (the last step's) and, for codes on the device, after the
+        step's stream (where they were quantised)."""
+        if device in self._begun:
+            return
+        self._begun.add(device)
+        side = self._side(device)
+        side.wait_stream(self._out(device))
+        if self.offload is None:
+            side.wait_stream(torch.cuda.current_stream(device))
+
+    def _count(self, t: Tensor) -> Tensor:
+        nbytes = t.numel() * t.element_size()
+        self.working_bytes += nbytes
+        self.peak_working_bytes = max(self.peak_working_bytes, self.working_bytes)
+        weakref.finalize(t, self._uncount, nbytes)
+        return t
+
+    def _uncount(self, nbytes: int) -> None:
+        self.working_bytes -= nbytes
+
     def _holds_own_form(self, state: dict, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether ``state``'s stored copy is in this storage's form (not another setting's);
         ``device``: the parameter's (on a CPU both places are one)."""
@@ -299,45 +457,54 @@ class MomentumStorage:
             return CODES in state and state[CODES].device == place
         return HOST in state and state[HOST].dtype == dtype
 
-    def _store(self, state: dict, work: Tensor, name: str, first: bool = False) -> None:
+    def _stored_form(self, state: dict, work: Tensor, name: str, first: bool, into) -> dict:
+        """The stored form of ``work`` as state entries. ``into``: ``state`` itself (its host
+        buffers reused) or ``None`` (new ones: a shadow)."""
         if self.dtype == torch.int8:
             rounds = 0 if first else state.get(ROUNDS, 0) + 1
             seed = zlib.crc32(f"{name}#{rounds}".encode())
             codes, scales = quantize_blockwise(work, seed)
             if self.offload is not None:
-                codes, scales = (
-                    self._to_host(codes, state.get(CODES)),
-                    self._to_host(scales, state.get(SCALES)),
-                )
-            state[CODES], state[SCALES], state[ROUNDS] = codes, scales, rounds
-            return
-        state[HOST] = self._to_host(work, state.get(HOST))
+                codes = self._to_host(codes, None if into is None else into.get(CODES))
+                scales = self._to_host(scales, None if into is None else into.get(SCALES))
+            return {CODES: codes, SCALES: scales, ROUNDS: rounds}
+        return {HOST: self._to_host(work, None if into is None else into.get(HOST))}
 
-    def _stream(self, device: torch.device):
+    def _store(self, state: dict, work: Tensor, name: str, first: bool = False) -> None:
+        state.update(self._stored_form(state, work, name, first, state))
+
+    def _stage(self, entries: list, work: list[Tensor]) -> None:
+        """A bucket's new momentum (``work``: buf′ of each entry) to the shadows of its
+        :class:`Streamed` entries; the state is untouched until :meth:`commit_staged`."""
+        for entry, buf in zip(entries, work):
+            if isinstance(entry, Streamed):
+                shadow = self._stored_form(entry.state, buf, entry.name, False, None)
+                self._staged.append((entry.state, shadow))
+
+    def _side(self, device: torch.device):
+        """``device``'s side stream for copies in and decodes (``None`` off CUDA)."""
         if device.type != "cuda":
             return None
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def _to_device(self, host: Tensor, device: torch.device, copy: bool = False) -> Tensor:
-        """``host`` on ``device``: on CUDA issued on the side stream (``ready`` orders it
-        before the step); a fresh tensor (the step writes it, never the stored copy)."""
-        stream = self._stream(device)
-        if stream is None:
-            return host.to(device, copy=copy)
-        with torch.cuda.stream(stream):
-            out = host.to(device, non_blocking=True, copy=copy)
-        out.record_stream(torch.cuda.current_stream(device))
-        return out
+    def _out(self, device: torch.device):
+        """``device``'s side stream for copies out (``None`` off CUDA): apart from the copies
+        in, so that a bucket's copy out does not hold up the next bucket's copy in."""
+        if device.type != "cuda":
+            return None
+        if device not in self._out_streams:
+            self._out_streams[device] = torch.cuda.Stream(device)
+        return self._out_streams[device]
 
     def _to_host(self, work: Tensor, into: Tensor | None) -> Tensor:
         """``work`` copied into host memory (``into`` reused when it fits; pinned where a GPU
-        exists); from CUDA on the side stream after the step's kernels."""
+        exists); from CUDA on the out stream after the step's kernels so far."""
         if into is None or into.shape != work.shape or into.dtype != work.dtype:
             pin = work.device.type == "cuda"
             into = torch.empty(work.shape, dtype=work.dtype, device="cpu", pin_memory=pin)
-        stream = self._stream(work.device)
+        stream = self._out(work.device)
         if stream is None:
             into.copy_(work)
             return into
@@ -346,3 +513,69 @@ class MomentumStorage:
             into.copy_(work, non_blocking=True)
         work.record_stream(stream)
         return into
+
+
+class BucketStream:
+    """One job's stored momentum materialised bucket by bucket (:meth:`MomentumStorage.stream`).
+
+    ``take(k)`` gives bucket ``k``'s working buffers; the caller computes its directions and its
+    new momentum buf′ in them, then ``stage(k, bufs)`` stores buf′ to the shadows and releases
+    them (the caller drops its references too). Bucket ``k + in_flight − 1`` is issued in
+    ``stage(k)``, after bucket ``k``'s kernels are queued, so on CUDA its copy runs on the side
+    stream under them; before that, the host waits until bucket ``k − 1``'s buffers are no
+    longer used on the device, so that no more than ``in_flight`` buckets' buffers exist there
+    at once (a host running ahead would otherwise allocate every bucket before the device frees
+    any). On a CPU everything runs in order."""
+
+    def __init__(self, storage: MomentumStorage, bufs: list, buckets: list[list[int]]) -> None:
+        self.storage, self.bufs, self.buckets = storage, bufs, buckets
+        self.limit = storage.in_flight or len(buckets)
+        self._issued = 0
+        self._work: dict[int, list] = {}  # issued, not yet staged
+        self._ready: dict[int, object] = {}  # CUDA: the event after bucket k's copies in
+        self._released: dict[int, object] = {}  # CUDA: the event after bucket k's last use
+
+    def take(self, k: int) -> list:
+        self._issue_through(k)
+        ready = self._ready.pop(k, None)
+        if ready is not None:  # (event, device): the step's stream waits for this bucket only
+            torch.cuda.current_stream(ready[1]).wait_event(ready[0])
+        return self._work[k]
+
+    def stage(self, k: int, work: list) -> None:
+        entries = [self.bufs[i] for i in self.buckets[k]]
+        self.storage._stage(entries, work)
+        device = next((b.device for b in work if isinstance(b, Tensor)), None)
+        out = None if device is None else self.storage._out(device)
+        if out is not None:  # after buf′ and its copies out: the buffers are free again
+            out.wait_stream(torch.cuda.current_stream(device))
+            event = torch.cuda.Event()
+            event.record(out)
+            self._released[k] = event
+            for buf in work:
+                buf.record_stream(out)
+        del self._work[k]
+        self._issue_through(k + self.limit - 1)
+
+    def _issue_through(self, last: int) -> None:
+        last = min(last, len(self.buckets) - 1)
+        while self._issued <= last:
+            k = self._issued
+            freed = self._released.pop(k - self.limit, None)
+            if freed is not None:  # the host waits: the device bound, not the host's
+                freed.synchronize()
+            work, side, device = [], None, None
+            for i in self.buckets[k]:
+                entry = self.bufs[i]
+                if isinstance(entry, Streamed):
+                    local = local_of(entry.param)
+                    device, side = local.device, self.storage._side(local.device)
+                    dtype = self.storage.working_dtype(entry.param)
+                    entry = self.storage._materialise(entry.state, local, dtype, side)
+                work.append(entry)
+            if side is not None:
+                event = torch.cuda.Event()
+                event.record(side)
+                self._ready[k] = (event, device)
+            self._work[k] = work
+            self._issued += 1

@@ -31,7 +31,7 @@ from dmuon_compile.distributed._owned import OwnerTensor, local_of
 from dmuon_compile.distributed.stages import MuonJob, StepHalf, StepNS, StepStage, local_job
 from dmuon_compile.distributed.step_plan import EXPERT_NS, PLAIN_STEP, StepPlan, expert_stage
 from dmuon_compile.layouts import Layout, needs_reshard, whole_expert_shards
-from dmuon_compile.momentum_storage import STORED_KEYS, MomentumStorage
+from dmuon_compile.momentum_storage import IN_FLIGHT, STORED_KEYS, MomentumStorage, is_streamed
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 from dmuon_compile.normuon_state import second_moment
 from dmuon_compile.param_groups import (
@@ -131,11 +131,21 @@ class Muon(torch.optim.Optimizer):
             the step computes in the parameter's dtype, stochastic rounding; see
             ``dmuon_compile.momentum_storage``); names (``"bf16"``, ``"int8"``) work too.
         offload: ``None`` (default) or ``"momentum"``: the Muon momentum lives in host
-            memory (pinned) between steps; each step copies it in on a side stream and writes
-            it back behind the commit, so the forward and backward run with none of it on the
-            GPU. The same math as on the GPU, bit for bit. Combines with ``momentum_dtype``.
+            memory (pinned) between steps; each step copies it in on a side stream, bucket by
+            bucket (``momentum_in_flight``), and the commit keeps the new momentum copied out,
+            so the forward and backward run with none of it on the GPU. The same math as on
+            the GPU, bit for bit. Combines with ``momentum_dtype``.
             A checkpoint of any of these settings loads into any other (converted at the
             next step): checkpoints hold ``momentum_buffer`` in the parameter's dtype.
+        momentum_in_flight: with a stored momentum (8-bit or offloaded): how many shape
+            buckets' working momentum the step holds at once (default 2: the bucket whose
+            Newton–Schulz runs and the next, copied in or decoded under it on a side stream);
+            each bucket's new momentum goes to a shadow of the stored form, which the commit
+            keeps. Buckets are Newton–Schulz's (``NewtonSchulz(stack_bytes=...)`` bounds
+            them). ``None``: every matrix's working buffer at once, before the first
+            Newton–Schulz (the step's peak of an in-place momentum). Steps with tensor
+            parallelism, split NS or the expert reshard, and steps traced by the user's
+            ``torch.compile``, materialise all at once whatever this says (docs/memory.md).
         per_head: ``True`` runs ``dmuon.set_head_layouts(model)`` first (needs ``Muon(model)``):
             the attention projections it recognises are orthogonalised head by head
             (docs/recipes.md). Default ``False``: layouts as declared.
@@ -188,6 +198,7 @@ class Muon(torch.optim.Optimizer):
         qk_clip: float | None = None,
         per_head: bool = False,
         expert_ns: str = "per_replica",
+        momentum_in_flight: int | None = IN_FLIGHT,
     ) -> None:
         _check_nonneg("lr", lr)
         _check_nonneg("weight_decay", weight_decay)
@@ -218,9 +229,12 @@ class Muon(torch.optim.Optimizer):
             set_head_layouts(self.model)
         # Where and in what form the Muon momentum lives between steps (momentum_storage.py):
         # in place (the default, bf16), or a stored copy (8-bit, host memory) that each step
-        # materialises as working buffers and writes back after the commit.
-        self._storage = MomentumStorage(momentum_dtype, offload)
-        self._working: list[tuple[dict, Tensor, str, Tensor]] = []  # this step's, for keep
+        # materialises as working buffers, bucket by bucket (streamed) or all at once.
+        self._storage = MomentumStorage(momentum_dtype, offload, momentum_in_flight)
+        self._working: list[tuple[dict, Tensor, str, Tensor]] = []  # all at once: for keep
+        self._streams_momentum = False  # this step streams its stored momentum (_prepare)
+        # The streamed step's compiled buf′ = μ·buf + g, one graph per bucket (StepKey).
+        self._momentum_graphs: dict[StepKey, Callable] = {}
         self.ns = resolve_ns_backend(ns_backend)
         set_active_ns(self.ns)
         self.nonfinite_grads = nonfinite_grads
@@ -335,7 +349,8 @@ class Muon(torch.optim.Optimizer):
     @momentum_dtype.setter
     def momentum_dtype(self, value) -> None:
         self._storage.synchronize()  # write-backs in flight land in the old form first
-        self._storage = MomentumStorage(value, self._storage.offload)
+        storage = self._storage
+        self._storage = MomentumStorage(value, storage.offload, storage.in_flight)
 
     @property
     def offload(self) -> str | None:
@@ -345,7 +360,19 @@ class Muon(torch.optim.Optimizer):
     @offload.setter
     def offload(self, value) -> None:
         self._storage.synchronize()
-        self._storage = MomentumStorage(self._storage.dtype, value)
+        self._storage = MomentumStorage(self._storage.dtype, value, self._storage.in_flight)
+
+    @property
+    def momentum_in_flight(self) -> int | None:
+        """A stored momentum's shape buckets materialised at once during a step (``None``:
+        all); settable between steps."""
+        return self._storage.in_flight
+
+    @momentum_in_flight.setter
+    def momentum_in_flight(self, value) -> None:
+        self._storage.synchronize()
+        storage = self._storage
+        self._storage = MomentumStorage(storage.dtype, storage.offload, value)
 
     def param_name(self, p: Tensor) -> str:
         """``p``'s name (from the model or the groups), or its shape when it has none."""
@@ -386,6 +413,9 @@ class Muon(torch.optim.Optimizer):
                     state_a.append(self._storage.in_place(state, p))
                     continue
                 name = self.param_name(p)
+                if self._streams_momentum and local_of(p).numel():  # by bucket, in _directions
+                    state_a.append(self._storage.streamed(state, p, name))
+                    continue
                 work = self._storage.working(state, p, name)
                 self._working.append((state, p, name, work))
                 state_a.append(work)
@@ -498,7 +528,7 @@ class Muon(torch.optim.Optimizer):
         # (eager): the other halves' groups hold DTensors, whose meshes Dynamo cannot pass out.
         unsent = [(h.stage, h.stage_half) for hs in halves for h in hs if h.stage is not None]
         self._agreement.check_finite(_finite_flags(halves), failure)
-        verdict = self._agreement.agree(failure, unsent, self._defers(plan))
+        verdict = self._agree(failure, unsent, self._defers(plan))
         if verdict is False:
             return loss  # skipped (nonfinite_grads="skip")
         # A deferred verdict stays on the device: the commit and AdamW select on it and the
@@ -527,7 +557,7 @@ class Muon(torch.optim.Optimizer):
                     half.stage.commit(half.stage_half, self.replicate_async)
             if part.after is not None:
                 part.after()
-        if self._working:  # a stored momentum (8-bit, offloaded): the committed values back
+        if self._storage.stored:  # a stored momentum (8-bit, offloaded): the committed values
             self._keep_working()
         for job in adamw if write else ():
             hypers = {key: job.group[key] for key in ("lr", "betas", "eps", "weight_decay")}
@@ -618,6 +648,11 @@ class Muon(torch.optim.Optimizer):
         ]
         fresh = [p for p in with_grad if not self.state.get(p)]  # state created by this step
         self._working = []
+        self._storage.begin_step()
+        # A stored momentum streams by bucket in ``_directions`` unless a stage takes matrices
+        # (it reads their buffers before the local directions run) or the user's compile traces
+        # the directions (host copies per bucket would break its graph): then all at once.
+        self._streams_momentum = self._storage.streaming and not plan.stages and not traced
         if fresh:
             self._check_whole_matrices({id(p) for p in fresh})
         jobs: list[list[MuonJob]] = [[] for _ in plan.parts]
@@ -698,6 +733,8 @@ class Muon(torch.optim.Optimizer):
             # Both run functional.muon_directions: compiled (one graph) or called eagerly (also
             # what a user's torch.compile(opt.step) traces).
             compiled = half.compiled = compiled_step_for(self, group, params, part=part)
+            if is_streamed(bufs):  # a stored momentum, bucket by bucket
+                return self._streamed_directions(half, part)
             hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"], layouts=layouts)
             if half.moments is not None:  # NorMuon: normalised per row; v′ comes back last
                 hypers.update(second_moments=half.moments, normuon=self.normuon)
@@ -736,10 +773,13 @@ class Muon(torch.optim.Optimizer):
             return
         group = half.group
         commit = F.commit_muon_step if half.compiled is None else half.compiled.commit
+        grads, bufs = half.grads, half.bufs
+        if is_streamed(bufs):  # buf′ is in its shadows (_streamed_directions): weights only
+            grads, bufs = _scratch_momentum(grads[0])
         commit(
             half.params,
-            half.grads,
-            half.bufs,
+            grads,
+            bufs,
             half.ortho or [],
             lr=group["lr"],
             weight_decay=group["weight_decay"],
@@ -751,11 +791,99 @@ class Muon(torch.optim.Optimizer):
             **half.normuon_commit(),
         )
 
+    def _streamed_directions(self, half: StepHalf, part: str) -> list[Tensor]:
+        """``_directions``' math for a half whose stored momentum streams
+        (``momentum_storage.BucketStream``), one shape bucket of Newton–Schulz at a time (the
+        buckets ``functional.muon_directions`` walks): the bucket's working buffers taken, its
+        directions (compiled: a graph per bucket), its buf′ = μ·buf + g computed in them by the
+        commit's own ``functional.store_momentum`` (compiled as the commit compiles it) and
+        staged to the stored form's shadows, its buffers released. The same operations per
+        matrix as the step that materialises everything; the commit then writes the weights."""
+        group, grads, lays, moments = half.group, half.grads, half.layouts, half.moments
+        mu = group["momentum"]
+        buckets = F.shape_buckets(grads, lays, self.ns.stack_bytes)
+        stream = self._storage.stream(half.bufs, buckets)
+        ortho: list = [None] * len(grads)
+        new_moments = None if moments is None else [None] * len(grads)
+        flags, order = [], []
+        for k, idx in enumerate(buckets):
+            mine = [grads[i] for i in idx]
+            hypers = dict(momentum=mu, nesterov=group["nesterov"], layouts=[lays[i] for i in idx])
+            if moments is not None:
+                hypers.update(second_moments=[moments[i] for i in idx], normuon=self.normuon)
+            new = None
+            with label(NS):
+                work = stream.take(k)
+                if half.compiled is None:
+                    out = F.muon_directions(mine, work, ns=self.ns, **hypers)
+                    if moments is not None:
+                        out, new = out
+                    F.store_momentum(mine, work, F.hyper(mu))
+                else:
+                    out, finite, new = self._bucket_directions(half, part, k, idx, work, hypers)
+                    flags.append(finite)
+                    order += idx
+                stream.stage(k, work)
+                del work  # released: the next buckets may take its memory
+            for j, i in enumerate(idx):
+                ortho[i] = out[j]
+                if new_moments is not None:
+                    new_moments[i] = new[j]
+        half.new_moments = new_moments
+        if half.compiled is None:
+            half.finite = directions_finite(ortho)
+        elif flags:  # in grads' order, as the one graph returns them
+            where = [0] * len(order)
+            for position, i in enumerate(order):
+                where[i] = position
+            half.finite = torch.cat(flags)[where]
+        return ortho
+
+    def _bucket_directions(self, half: StepHalf, part: str, k: int, idx, work, hypers):
+        """One bucket of ``_streamed_directions``, compiled: its own ``CompiledMuonStep``
+        (``StepKey(group, "<part>/momentum bucket <k>")``: one graph per bucket, each with its
+        own recompile budget), then buf′ by a compiled ``store_momentum`` of the bucket.
+        Returns ``(directions, finite flags, NorMuon's v′ or None)``."""
+        from dmuon_compile.compiled_step import StepKey, compiled_step_for
+
+        group = half.group
+        name = f"{part}/momentum bucket {k}"
+        step = compiled_step_for(self, group, [half.params[i] for i in idx], part=name)
+        mine = [half.grads[i] for i in idx]
+        out, finite, *new = step.directions(mine, work, finite_flags=True, **hypers)
+        key = StepKey(next(i for i, g in enumerate(self.param_groups) if g is group), name)
+        graph = self._momentum_graphs.get(key)
+        if graph is None:
+            from dmuon_compile.momentum_storage import compiled_store_momentum
+
+            graph = self._momentum_graphs[key] = compiled_store_momentum()
+        graph(mine, work, step.hyper_tensor(mine[0].device, group["momentum"]))
+        return out, finite, new[0] if new else None
+
+    @torch.compiler.disable  # a collective, a host read, the stored momentum's shadows: eager
+    def _agree(self, failure: list, unsent: list, defer: bool):
+        """``StepAgreement.agree``; a step that will not commit (skipped, or raising) drops
+        its stored momentum's shadows and working buffers at once: nothing of it is written."""
+        try:
+            verdict = self._agreement.agree(failure, unsent, defer)
+        except BaseException:
+            self._drop_working()
+            raise
+        if verdict is False:
+            self._drop_working()
+        return verdict
+
+    def _drop_working(self) -> None:
+        self._working = []
+        self._storage.drop_staged()
+
     @torch.compiler.disable  # host copies and quantisation: eager
     def _keep_working(self) -> None:
-        """Write this step's working momentum buffers back to their stored form."""
+        """Write this step's working momentum buffers back to their stored form, and put the
+        streamed buckets' shadows in the state."""
         self._storage.keep(self._working)
         self._working = []
+        self._storage.commit_staged()
 
     # ------------------------------------------------------------------ between steps
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -860,6 +988,14 @@ class Muon(torch.optim.Optimizer):
         # Saved floats go back into the groups' own 0-d tensors (the same ones as before the
         # load): a user-compiled step sees a new value, not a new input, and never recompiles.
         restore_hypers(self.param_groups, before)
+
+
+def _scratch_momentum(grad: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    """A one-value (gradient, momentum) pair for the commit of a half whose momentum a streamed
+    step stored already: the commit's momentum ops need a non-empty list, the weights'
+    update is the same."""
+    z = torch.zeros(1, dtype=grad.dtype, device=grad.device)
+    return [z], [z.clone()]
 
 
 def _finite_flags(halves: list[list[StepHalf]]) -> list[FiniteFlags]:

@@ -35,6 +35,7 @@ SLOW = {
     ],
     "tests/test_deferred_verdict.py": ["test_the_flags_and_the_normalisation_share_one_norm"],
     "tests/test_momentum_dtype.py": ["test_the_compiled_step_equals_the_eager_one"],
+    "tests/test_momentum_streaming_compiled.py": ["*"],
     "tests/test_normuon.py": ["test_the_compiled_step_equals_the_eager_one"],
     "tests/test_head_layouts.py": [
         "test_the_real_transformers_llama_attention_is_recognised",
