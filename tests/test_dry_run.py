@@ -1051,9 +1051,7 @@ def test_per_head_under_tp_runs_whole_heads_on_each_tp_rank_without_the_gather()
     for shape in ((hd, c.dim), (c.dim, hd)):  # both TP ranks of a column run as many heads
         per_rank = [r._buckets.get(shape, 0) for r in heads.rows]
         assert all(per_rank[2 * d] == per_rank[2 * d + 1] for d in range(8)), per_rank
-    mlp = sum(
-        p.numel() for n, p in build_model("llama3-8b")[1].named_parameters() if ".mlp." in n
-    )
+    mlp = sum(p.numel() for n, p in build_model("llama3-8b")[1].named_parameters() if ".mlp." in n)
     gathered = sum(r.tp_comm_bytes for r in heads.rows)
     # per MLP matrix: the other TP rank sends its shard of u (fp32) and gets its shard of the
     # update (the fp32 weight) back, counted on both ends: 2 × (4 + 4) bytes per half element
