@@ -864,10 +864,11 @@ def _owned_numel(model, report) -> dict[int, list[int]]:
 
 def test_an_8bit_momentum_is_a_byte_per_value_and_a_scale_per_block_of_each_tensor():
     """Owned dedicated weights: fp32 weight + codes + scales, counted per tensor (a sum over
-    the rank's values would miss the started blocks); the step's working buffers in fp32."""
+    the rank's values would miss the started blocks); the step's working buffers in fp32, all
+    at once (``momentum_in_flight=None``)."""
     model = build_model(ODD_DENSE)[1]
     fp32 = dry_run(model, 2, advise=False)
-    int8 = dry_run(model, 2, momentum_dtype=torch.int8, advise=False)
+    int8 = dry_run(model, 2, momentum_dtype=torch.int8, momentum_in_flight=None, advise=False)
     owned = _owned_numel(model, int8)
     assert all(len(v) > 1 for v in owned.values())
     for a, b in zip(fp32.rows, int8.rows):
@@ -891,7 +892,9 @@ def test_an_8bit_momentum_of_expert_stacks_counts_each_ranks_piece(world, ep, pi
     stacks = [p for n, p in model.named_parameters() if ".experts." in n]
     assert len(stacks) == 6 and all(p.numel() // world == piece for p in stacks)
     fp32 = dry_run(model, world, ep=ep, advise=False)
-    int8 = dry_run(model, world, ep=ep, momentum_dtype="int8", advise=False)
+    int8 = dry_run(
+        model, world, ep=ep, momentum_dtype="int8", momentum_in_flight=None, advise=False
+    )
     for a, b in zip(fp32.rows, int8.rows):
         assert a.sharded_muon_bytes == 6 * 8 * piece
         assert b.sharded_muon_bytes == 6 * (4 * piece + _int8_bytes(piece))
@@ -933,7 +936,14 @@ def test_offload_adds_the_copy_in_at_the_host_links_rate_to_the_step():
 
     gpu = dry_run("tiny", 2, advise=False)
     for gbps in (None, 10, 2.5):
-        host = dry_run("tiny", 2, offload="momentum", host_link_gbps=gbps, advise=False)
+        host = dry_run(
+            "tiny",
+            2,
+            offload="momentum",
+            host_link_gbps=gbps,
+            momentum_in_flight=None,
+            advise=False,
+        )
         rate = (gbps or HOST_LINK_GBPS) * 1e9
         for a, b in zip(gpu.rows, host.rows):
             assert b.host_bytes == a.dedicated_bytes // 2  # the fp32 momentum
@@ -946,7 +956,15 @@ def test_pipeline_stages_add_up_their_host_bytes_and_copy_ins():
     """Two stages on one PP rank: each stage's optimizer copies its momentum in before its
     step, one stage's working buffers at a time, so offload lowers the step's peak here."""
     gpu = dry_run("tiny", 2, pp=1, stages_per_rank=2, advise=False)
-    host = dry_run("tiny", 2, pp=1, stages_per_rank=2, offload="momentum", advise=False)
+    host = dry_run(
+        "tiny",
+        2,
+        pp=1,
+        stages_per_rank=2,
+        offload="momentum",
+        momentum_in_flight=None,
+        advise=False,
+    )
     for a, b in zip(gpu.rows, host.rows):
         assert b.host_bytes == a.dedicated_bytes // 2 and b.host_link_bytes == 2 * b.host_bytes
         assert b.step_ms - a.step_ms == pytest.approx(b.host_bytes / 25e9 * 1e3, rel=1e-9)
@@ -958,16 +976,15 @@ def test_the_memory_note_tries_the_momentum_storages():
     """A peak above the card: bf16 lowers it; 8-bit and offload only where not every matrix's
     working buffer is live at once (here two pipeline stages), and the note says so by
     leaving them out of a one-stage job."""
-    (note,) = [n for n in dry_run("tiny", 2, gpu_memory_gib=1e-4).notes if "does not fit" in n]
+    at_once = dict(gpu_memory_gib=1e-4, momentum_in_flight=None)
+    (note,) = [n for n in dry_run("tiny", 2, **at_once).notes if "does not fit" in n]
     assert "momentum_dtype=torch.bfloat16 (--momentum-dtype bf16): peak" in note
     assert "int8" not in note and "offload" not in note
-    staged = dry_run("tiny", 2, pp=1, stages_per_rank=2, gpu_memory_gib=1e-4)
+    staged = dry_run("tiny", 2, pp=1, stages_per_rank=2, **at_once)
     (note,) = [n for n in staged.notes if "does not fit" in n]
     assert 'offload="momentum" (--offload momentum' in note and "torch.int8" in note
     (note,) = [  # an offloaded job is not told to offload
-        n
-        for n in dry_run("tiny", 2, offload="momentum", gpu_memory_gib=1e-4).notes
-        if "does not fit" in n
+        n for n in dry_run("tiny", 2, offload="momentum", **at_once).notes if "does not fit" in n
     ]
     assert "--offload" not in note and "--momentum-dtype bf16" in note
 
@@ -1066,3 +1083,62 @@ def test_per_head_needs_an_attention_module_and_is_on_the_command_line(capsys):
         dry_run(mlp, 4, per_head=True, advise=False)
     assert main(["--model", "tiny", "--gpus", "4", "--tp", "2", "--per-head", "--top", "1"]) == 0
     assert "rank" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------- a streamed stored momentum
+def test_a_streamed_offload_holds_the_buckets_in_flight_and_hides_the_copy_under_ns():
+    """llama3-70b on 8 GPUs, offloaded: the step holds the working momentum of at most
+    ``in_flight`` shape buckets (each at most the stack cap of fp32 values), fewer buckets
+    less, all at once the whole; the copy-in beyond the first bucket hides under NS."""
+    cap = 1 << 30
+    kw = dict(offload="momentum", stack_bytes=cap, advise=False)
+    gpu = dry_run("llama3-70b", 8, stack_bytes=cap, advise=False)
+    runs = {n: dry_run("llama3-70b", 8, momentum_in_flight=n, **kw) for n in (1, 2, None)}
+    for g, one, two, every in zip(gpu.rows, *(r.rows for r in runs.values())):
+        total = every._momentum_step_bytes
+        assert total == every._momentum_working_bytes > 4 * cap
+        assert one._momentum_step_bytes <= cap < two._momentum_step_bytes <= 2 * cap
+        for row in (one, two):
+            saved = total - row._momentum_step_bytes
+            assert every.step_extra_bytes - row.step_extra_bytes == saved > 0
+            assert row.host_bytes == every.host_bytes and row.host_link_bytes == 2 * row.host_bytes
+            # the first bucket's copy is exposed; with NS longer than the rest's copy, no more
+            first = row.host_bytes * one._momentum_step_bytes / total
+            assert row.step_ms - g.step_ms == pytest.approx(first / 25e9 * 1e3, rel=1e-6)
+        assert every.step_ms - g.step_ms == pytest.approx(every.host_bytes / 25e9 * 1e3, rel=1e-9)
+    note = runs[2].notes[-1]
+    assert "2 shape buckets' momentum at a time" in note and "bucket by bucket" in note
+
+
+def test_a_streamed_8bit_momentum_keeps_the_new_codes_beside_the_old_until_the_commit():
+    model = build_model(ODD_DENSE)[1]
+    fp32 = dry_run(model, 2, stack_bytes=4096, advise=False)
+    int8 = dry_run(model, 2, momentum_dtype="int8", stack_bytes=4096, advise=False)
+    for a, b in zip(fp32.rows, int8.rows):
+        held = b._momentum_step_bytes - b._momentum_gpu_bytes  # the buckets in flight
+        assert 0 < held < b._momentum_working_bytes
+        assert b.step_extra_bytes - a.step_extra_bytes == held + b._momentum_gpu_bytes
+
+
+def test_a_step_with_stages_materialises_the_momentum_at_once_whatever_in_flight_says():
+    """TP 2 (a TP stage reads every buffer before the local directions run)."""
+    kw = dict(tp_size=2, offload="momentum", stack_bytes=1 << 30, advise=False)
+    streamed = dry_run("llama3-8b", 8, **kw)
+    every = dry_run("llama3-8b", 8, momentum_in_flight=None, **kw)
+    assert [r.step_extra_bytes for r in streamed.rows] == [r.step_extra_bytes for r in every.rows]
+    assert [r.step_ms for r in streamed.rows] == [r.step_ms for r in every.rows]
+
+
+@pytest.mark.parametrize("value, ok", [("all", True), ("1", True), ("0", False), ("x", False)])
+def test_momentum_in_flight_on_the_command_line(value, ok, capsys):
+    argv = ["--model", "tiny", "--gpus", "2", "--offload", "momentum"]
+    if ok:
+        assert main([*argv, "--momentum-in-flight", value]) == 0
+        want = "all" if value == "all" else value
+        assert f"momentum in flight={want}" in capsys.readouterr().out
+    else:
+        with pytest.raises(SystemExit):
+            main([*argv, "--momentum-in-flight", value])
+        assert "shape buckets >= 1, or all" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^dry_run: momentum_in_flight=0"):
+        dry_run("tiny", 2, offload="momentum", momentum_in_flight=0)

@@ -8,7 +8,7 @@ import math
 import sys
 
 from dmuon_compile.distributed.step_plan import EXPERT_NS
-from dmuon_compile.momentum_storage import MOMENTUM_DTYPES
+from dmuon_compile.momentum_storage import IN_FLIGHT, MOMENTUM_DTYPES
 from dmuon_compile.ns_rates import H200, NSRates
 from dmuon_compile.plan.dispatch import dry_run
 from dmuon_compile.plan.models import PRESETS, build_model
@@ -49,6 +49,15 @@ def _positive(what: str):
         return value
 
     return parse
+
+
+def _in_flight(text: str) -> int | None:
+    """``--momentum-in-flight``: a number of buckets >= 1, or ``all``."""
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of shape buckets >= 1, or all")
+    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -168,6 +177,15 @@ def _parser() -> argparse.ArgumentParser:
         "the next forward",
     )
     ap.add_argument(
+        "--momentum-in-flight",
+        type=_in_flight,
+        default=IN_FLIGHT,
+        metavar="N|all",
+        help="with an int8 or offloaded momentum: the shape buckets the step materialises at "
+        f"once (Muon(momentum_in_flight=...); default {IN_FLIGHT}: the copy-in of each under the "
+        "NS before it); all: every working buffer at once, the copy-in waited for",
+    )
+    ap.add_argument(
         "--host-link-gbps",
         type=_positive("the pinned host-to-device copy rate in GB/s"),
         metavar="R",
@@ -226,6 +244,7 @@ def main(argv=None) -> int:
                 momentum_dtype=args.momentum_dtype,
                 offload=args.offload,
                 host_link_gbps=args.host_link_gbps,
+                momentum_in_flight=args.momentum_in_flight,
                 reshard_after_forward=False if args.no_reshard else None,
                 compiled=not args.eager,
                 rates=rates,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from dmuon_compile.distributed.step_plan import EXPERT_NS
+from dmuon_compile.momentum_storage import IN_FLIGHT
 from dmuon_compile.ns_rates import H200, NSRates
 from dmuon_compile.plan.advice import advise as add_notes
 from dmuon_compile.plan.momentum import momentum_cost, storage_note
@@ -34,6 +35,7 @@ def dry_run(
     momentum_dtype: torch.dtype | str | None = None,
     offload: str | None = None,
     host_link_gbps: float | None = None,
+    momentum_in_flight: int | None = IN_FLIGHT,
     reshard_after_forward: bool | None = None,
     compiled: bool = True,
     rates: NSRates = H200,
@@ -66,6 +68,10 @@ def dry_run(
     steps (the ``host`` columns), the step's working buffers on the GPU, the copy-in timed at
     ``host_link_gbps`` (GB/s, default :data:`~dmuon_compile.plan.momentum.HOST_LINK_GBPS`,
     PCIe 5.0) in the step's ms (the write-back overlaps the next forward, not counted).
+    ``momentum_in_flight``: ``Muon(momentum_in_flight=...)`` with a stored momentum: the shape
+    buckets the step materialises at once (their copy-in under the NS before them; ``None``:
+    every working buffer at once, the copy-in waited for; a step with TP, split NS or the
+    expert reshard materialises all at once whatever this says).
     ``reshard_after_forward``: of FSDP2 and the dedicated groups (two all-gathers per step, or
     one); ``None``: torchtitan's "default" policy, True without ``pp`` and False with it.
     ``compiled``: the step's working set (``Muon(compile=True)`` holds one stack, eager about
@@ -113,7 +119,7 @@ def dry_run(
             f"dry_run: expert_ns={expert_ns!r}: choose one of {', '.join(EXPERT_NS)} "
             "(as Muon(expert_ns=...), --expert-ns)"
         )
-    momentum = momentum_cost(momentum_dtype, offload, host_link_gbps)
+    momentum = momentum_cost(momentum_dtype, offload, host_link_gbps, momentum_in_flight)
     if stack_bytes is not None and (
         isinstance(stack_bytes, bool) or not isinstance(stack_bytes, int) or stack_bytes < 1
     ):
@@ -124,7 +130,14 @@ def dry_run(
     memory = rates.memory_gib if gpu_memory_gib is None else gpu_memory_gib
     if memory is not None and not (isinstance(memory, (int, float)) and 0 < memory < float("inf")):
         raise ValueError(f"dry_run: gpu_memory_gib={memory!r}: give one GPU's memory in GiB, > 0")
-    skip = ("gpu_memory_gib", "advise", "momentum_dtype", "offload", "host_link_gbps")
+    skip = (
+        "gpu_memory_gib",
+        "advise",
+        "momentum_dtype",
+        "offload",
+        "host_link_gbps",
+        "momentum_in_flight",
+    )
     report = _dry_run(**{k: v for k, v in arguments.items() if k not in skip}, momentum=momentum)
     note = storage_note(report, momentum)
     if note:

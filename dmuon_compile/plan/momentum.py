@@ -4,9 +4,12 @@ bytes per rank (on the GPU, in host memory, over the host link) and the copy-in'
 The storage itself is :mod:`dmuon_compile.momentum_storage`; this module prices it. In place
 (``None``, ``torch.float32``, ``torch.bfloat16`` without offload) the momentum is one tensor of
 the storage dtype per parameter. Stored (8-bit or offloaded) each step materialises a working
-buffer of every Muon matrix the rank steps (the weights' dtype; bf16 offloaded: bf16), all at
-once before the first Newton–Schulz call and until the write-back after the commit: the
-step's extra memory.
+buffer per Muon matrix the rank steps (the weights' dtype; bf16 offloaded: bf16). Streamed
+(``Muon(momentum_in_flight=N)``, the default N = 2): N of the step's Newton–Schulz shape
+buckets at a time, each next one's copy-in under the previous one's NS, the new momentum kept
+in a shadow of the stored form until the commit (8-bit on the GPU: new codes beside the old;
+offloaded: a second host copy). All at once (``None``, or a step with stages: TP, split NS,
+the expert reshard): every buffer before the first NS call, the copy-in waited for.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon_compile.momentum_storage import BLOCK, check_offload, resolve_momentum_dtype
+from dmuon_compile.momentum_storage import (
+    BLOCK,
+    IN_FLIGHT,
+    check_in_flight,
+    check_offload,
+    resolve_momentum_dtype,
+)
 
 # Pinned host-to-device copies over PCIe 5.0 x16 (64 GB/s per direction), a planning figure: one
 # H100 copying alone moved 55 GB/s (1 and 4 GiB, torch 2.11), but a host's 8 GPUs copy at once
@@ -35,7 +44,8 @@ class MomentumCost:
     """What one momentum setting costs per tensor. ``dtype``: the storage dtype as
     :func:`~dmuon_compile.momentum_storage.resolve_momentum_dtype` gives it (``None``: the
     weight's); ``offload``: ``None`` or ``"momentum"``; ``host_link_gbps``: the pinned
-    host-to-device rate (GB/s, 1e9 bytes) the copy-in is timed at.
+    host-to-device rate (GB/s, 1e9 bytes) the copy-in is timed at; ``in_flight``: the shape
+    buckets a streamed step materialises at once (``None``: all at once).
 
     Example::
 
@@ -46,6 +56,7 @@ class MomentumCost:
     dtype: torch.dtype | None = None
     offload: str | None = None
     host_link_gbps: float = HOST_LINK_GBPS
+    in_flight: int | None = IN_FLIGHT
 
     @property
     def stored(self) -> bool:
@@ -59,6 +70,11 @@ class MomentumCost:
         if self.dtype == torch.int8:
             return numel + SCALE_BYTES * -(-numel // BLOCK)
         return numel * (item if self.dtype is None else _itemsize(self.dtype))
+
+    @property
+    def streaming(self) -> bool:
+        """Whether a step without stages materialises the stored momentum bucket by bucket."""
+        return self.stored and self.in_flight is not None
 
     def working_bytes(self, numel: int, item: int) -> int:
         """Bytes of one tensor's working buffer during the step (0 in place), in the dtype the
@@ -94,19 +110,24 @@ class MomentumCost:
             out["momentum"] = str(self.dtype).replace("torch.", "")
         if self.offload:
             out["offload"] = f"{self.offload} (pinned host memory, {self.host_link_gbps:g} GB/s)"
+        if self.stored:
+            out["momentum in flight"] = "all" if self.in_flight is None else self.in_flight
         return out
 
 
-def momentum_cost(momentum_dtype, offload, host_link_gbps) -> MomentumCost:
+def momentum_cost(
+    momentum_dtype, offload, host_link_gbps, in_flight: int | None = IN_FLIGHT
+) -> MomentumCost:
     """:class:`MomentumCost` of ``dry_run``'s arguments, checked as ``Muon`` checks them; a bad
     value raises ``ValueError`` naming the choices."""
     try:
         dtype = resolve_momentum_dtype(momentum_dtype)
         check_offload(offload)
+        check_in_flight(in_flight)
     except ValueError as e:
         raise ValueError(f"dry_run: {e}") from None
     if host_link_gbps is None:
-        return MomentumCost(dtype, offload)
+        return MomentumCost(dtype, offload, in_flight=in_flight)
     if offload is None:
         raise ValueError(
             f"dry_run: host_link_gbps={host_link_gbps!r} needs offload='momentum' (--offload "
@@ -121,18 +142,54 @@ def momentum_cost(momentum_dtype, offload, host_link_gbps) -> MomentumCost:
             f"dry_run: host_link_gbps={host_link_gbps!r}: give the pinned host-to-device rate "
             f"in GB/s, a number > 0 (default {HOST_LINK_GBPS:g}, PCIe 5.0 x16)"
         )
-    return MomentumCost(dtype, offload, float(host_link_gbps))
+    return MomentumCost(dtype, offload, float(host_link_gbps), in_flight)
 
 
-def finish_rows(rows, cost: MomentumCost) -> None:
-    """Per rank: the host link's bytes per step (copied in, written back) and the copy-in's ms
-    in the step's (the step waits for it; the write-back overlaps the next forward, not
-    added)."""
+def finish_rows(rows, cost: MomentumCost, streams: bool = False, stack_cap: int = 0) -> None:
+    """Per rank: the momentum the step materialises, the host link's bytes per step (copied in,
+    written back) and the copy-in's ms in the step's (the write-back overlaps the next
+    forward, not added). ``streams``: the step has no stages, so a streamed setting
+    materialises ``cost.in_flight`` of its shape buckets (``stack_cap`` bytes at most each,
+    the rank's ``_buckets``) at a time, the first one's copy-in waited for and the others' under
+    the NS before them; else all at once, the whole copy-in waited for."""
     for row in rows:
-        row._momentum_step_bytes = row._momentum_working_bytes
+        total = row._momentum_working_bytes
+        row._momentum_step_bytes = total
+        exposed = row.host_bytes
+        if streams and cost.streaming and total:
+            largest = _bucket_bytes(row, total, stack_cap)[: cost.in_flight]
+            held = min(total, sum(largest))
+            # the shadows until the commit: 8-bit codes on the GPU beside the old ones
+            shadow = 0 if cost.offload else row._momentum_gpu_bytes
+            row.step_extra_bytes += held + shadow - total
+            row._momentum_step_bytes = held + shadow
+            first = row.host_bytes * largest[0] // total if largest else 0
+            exposed = first + max(0.0, (row.host_bytes - first) - _hidden_bytes(row, cost))
         if cost.offload:
             row.host_link_bytes = 2 * row.host_bytes
-            row.step_ms += cost.copy_in_ms(row.host_bytes)
+            row.step_ms += cost.copy_in_ms(exposed)
+
+
+def _bucket_bytes(row, total: int, stack_cap: int) -> list[int]:
+    """The working momentum of each of the rank's NS shape buckets (matrices of one shape, at
+    most ``stack_cap`` bytes of them, as ``functional.shape_buckets`` cuts them), largest first;
+    ``total`` spread over the matrices' elements."""
+    elements = sum(count * shape[0] * shape[1] for shape, count in row._buckets.items())
+    if not elements:
+        return [total]
+    per_element = total / elements
+    sizes = []
+    for shape, count in row._buckets.items():
+        one = shape[0] * shape[1] * per_element
+        per_bucket = max(1, int(stack_cap // one)) if stack_cap else count
+        full, rest = divmod(count, per_bucket)
+        sizes += [int(per_bucket * one)] * full + ([int(rest * one)] if rest else [])
+    return sorted(sizes, reverse=True)
+
+
+def _hidden_bytes(row, cost: MomentumCost) -> float:
+    """The host-link bytes that fit under the rank's Newton–Schulz."""
+    return row.ns_ms / 1e3 * cost.host_link_gbps * 1e9
 
 
 def storage_note(report, cost: MomentumCost) -> str | None:
@@ -150,14 +207,27 @@ def storage_note(report, cost: MomentumCost) -> str | None:
     form = "8-bit codes and scales" if cost.dtype == torch.int8 else "the momentum"
     where = "pinned host memory" if cost.offload else "GPU memory"
     lower = in_place - kept - step
+    streamed = cost.streaming and step != in_place
+    what = (
+        f"{cost.in_flight} shape buckets' momentum at a time in {_working_dtype(cost)}"
+        + (", and the new 8-bit codes beside the old until the commit" if not cost.offload else "")
+        if streamed
+        else f"the momentum of every Muon matrix it steps in {_working_dtype(cost)}"
+    )
     text = (
         f"momentum storage: {form} in {where} between steps; rank {top.rank} keeps "
         f"{kept / gib:.2f} GiB of momentum on the GPU through the forward and backward instead "
-        f"of {in_place / gib:.2f} GiB in place, and its step materialises the momentum of every "
-        f"Muon matrix it steps in {_working_dtype(cost)} ({step / gib:.2f} GiB in 'step extra', "
-        "until the write-back after the commit), so " + _peak_words(lower)
+        f"of {in_place / gib:.2f} GiB in place, and its step materialises {what} "
+        f"({step / gib:.2f} GiB in 'step extra'), so " + _peak_words(lower)
     )
-    if cost.offload:
+    if cost.offload and streamed:
+        text += (
+            f"; its {top.host_bytes / gib:.2f} GiB cross the host link at "
+            f"{cost.host_link_gbps:g} GB/s ({cost.copy_in_ms(top.host_bytes):.2f} ms) bucket by "
+            "bucket, under the Newton-Schulz of the bucket before (the first bucket's copy and "
+            "what NS does not cover are in 'step ms'); the write-back overlaps the next forward"
+        )
+    elif cost.offload:
         text += (
             f"; the step first copies its {top.host_bytes / gib:.2f} GiB in from host memory at "
             f"{cost.host_link_gbps:g} GB/s ({cost.copy_in_ms(top.host_bytes):.2f} ms, in 'step "

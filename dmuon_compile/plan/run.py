@@ -393,7 +393,9 @@ def _run_group(
             row.expert_ns_ms += rates.bucket_ms(shape, count, stack_cap, rate_ns)
         if row.ns_ms:
             row.step_ms = row.ns_ms + rates.elementwise_ms(row._elements) + rates.start_ms
-    finish_rows(rows, momentum)  # offload: the host link per step, the copy-in in step ms
+    # A plan with stages (TP, split NS, the expert reshard) materialises the momentum at once.
+    staged = T > 1 or bool(split_rows) or ctx.once or any(d for _, _, d in ep_stacks)
+    finish_rows(rows, momentum, streams=not staged, stack_cap=stack_cap)
     if plan is None and keep is None:
         notes.append("nothing matched the predicate: every parameter stays on FSDP2")
     report = DryRunReport(
