@@ -706,10 +706,16 @@ def infer_layout(name: str, param: Tensor, module: nn.Module | None) -> Layout |
 
 
 def resolve_layout(
-    name: str, param: Tensor, module: nn.Module | None = None, chosen: object = None
+    name: str,
+    param: Tensor,
+    module: nn.Module | None = None,
+    chosen: object = None,
+    dedicating: bool = False,
 ) -> Layout:
     """The layout of a parameter selected for Muon: declared (``set_layout``), returned by
-    the predicate (``chosen``), told by its module, or an error naming it and the fix."""
+    the predicate (``chosen``), told by its module, or an error naming it and the fix.
+    ``dedicating``: ``dedicate_params`` is about to dedicate it (a TP shard is then gathered
+    whole to its TP owner, or holds whole blocks: any blocked layout runs)."""
     layout = get_layout(param)
     if layout is None and isinstance(chosen, Layout):
         layout = chosen
@@ -723,5 +729,6 @@ def resolve_layout(
             f"not say what its matrices are. {DECLARE_HINT}."
         )
     layout.checked().check_shape(param.shape, repr(name))
-    check_blocked_placement(param, layout, repr(name))
+    if not dedicating:
+        check_blocked_placement(param, layout, repr(name))
     return layout

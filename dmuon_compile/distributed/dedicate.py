@@ -290,7 +290,9 @@ def _plan_selected(
     # What each selected weight's matrices are (an expert stack: one per expert); an unknown
     # ≥3-D layout raises here, before anything changed.
     layouts = {
-        name: resolve_layout(name, p, routing_module(module_of[id(p)]), verdicts[name])
+        name: resolve_layout(
+            name, p, routing_module(module_of[id(p)]), verdicts[name], dedicating=True
+        )
         for name, p in selected
     }
     specs = [MatrixSpec(n, tuple(p.shape), p.element_size(), layouts[n]) for n, p in selected]

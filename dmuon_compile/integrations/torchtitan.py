@@ -65,7 +65,13 @@ from torch import nn
 
 import dmuon_compile as dmuon
 from dmuon_compile.dedicated_registry import runtime_of
-from dmuon_compile.momentum_storage import MOMENTUM_DTYPES, check_offload
+from dmuon_compile.layouts import head_layouts
+from dmuon_compile.momentum_storage import (
+    IN_FLIGHT,
+    MOMENTUM_DTYPES,
+    check_in_flight,
+    check_offload,
+)
 from dmuon_compile.routing import is_router
 
 __all__ = [
@@ -233,6 +239,7 @@ def dedicating(
     predicate: Callable[[str, torch.Tensor], bool] = default_predicate,
     *,
     balance_stages: bool = True,
+    per_head: bool = False,
     **dedicate_kwargs,
 ) -> Callable:
     """``parallelize_fn`` (e.g. torchtitan's ``parallelize_llama``) with ``dedicate_params``
@@ -259,6 +266,11 @@ def dedicating(
     the mesh): the ranks' summed work is balanced instead of each stage's alone. Every rank of
     the mesh holds the same stages and plans them in the same order, so the records agree.
     ``False``: each stage planned alone.
+
+    ``per_head``: ``dmuon.set_head_layouts`` on each model part before it is planned, as
+    ``MuonOptimizers.Config(per_head=True)`` does before its ``Muon`` (give both): the owner
+    plan then prices each head's Newton–Schulz, and under TP spreads a projection whose shards
+    hold whole heads over its owner column's TP ranks, instead of pricing whole matrices.
     """
     if getattr(parallelize_fn, "_dmuon_dedicating", False):
         raise TypeError("dmuon: this parallelize_fn is already wrapped by dedicating(...)")
@@ -307,8 +319,11 @@ def dedicating(
                 )
             if carry:
                 options["base_loads"] = _carried_loads(planned, dp_mesh)
+            chosen = predicate
+            if per_head:  # the head layouts as the predicate's verdicts: planned per head
+                chosen = _with_layouts(predicate, head_layouts(module))
             dmuon.dedicate_params(
-                module, shard, predicate=predicate, replicate_mesh=replicate, **options
+                module, shard, predicate=chosen, replicate_mesh=replicate, **options
             )
             if carry:
                 _record_loads(planned, dp_mesh, runtime_of(module))
@@ -335,6 +350,18 @@ def dedicating(
 
     parallelize._dmuon_dedicating = True
     return parallelize
+
+
+def _with_layouts(predicate, layouts: dict) -> Callable:
+    """``predicate`` returning ``layouts[name]`` where it selects a weight that has one."""
+
+    def chosen(name: str, param: torch.Tensor):
+        verdict = predicate(name, param)
+        if name in layouts and verdict and not isinstance(verdict, dmuon.Layout):
+            return layouts[name]
+        return verdict
+
+    return chosen
 
 
 def _fsdp_reshards_after_forward(fsdp_step, module, dp_mesh, args, kw) -> bool:
@@ -487,8 +514,12 @@ class MuonOptimizers(OptimizersContainer):
         ``"int8"`` (blockwise 8-bit)."""
         offload: str | None = None
         """``Muon(offload=...)``: ``"momentum"`` keeps the Muon momentum in host memory."""
+        momentum_in_flight: int | None = IN_FLIGHT
+        """``Muon(momentum_in_flight=...)``: with an 8-bit or offloaded momentum, the shape
+        buckets the step materialises at once (``None``: all)."""
         per_head: bool = False
-        """``dmuon.set_head_layouts`` on every model part first: q, k, v and o per head."""
+        """``dmuon.set_head_layouts`` on every model part first: q, k, v and o per head (give
+        ``dedicating(..., per_head=True)`` too: the owner plan then prices per-head NS)."""
         normuon: bool = False
         """``Muon(normuon=...)``: NorMuon's per-neuron normalisation of each update."""
         qk_clip: float | None = None
@@ -504,6 +535,7 @@ class MuonOptimizers(OptimizersContainer):
                 f"{sorted(MOMENTUM_DTYPES)}"
             )
         check_offload(config.offload)
+        check_in_flight(config.momentum_in_flight)
         self.model_parts = model_parts
         self.optimizers = []
         all_params = []
@@ -525,6 +557,7 @@ class MuonOptimizers(OptimizersContainer):
                 compile=config.compile,
                 momentum_dtype=config.momentum_dtype,
                 offload=config.offload,
+                momentum_in_flight=config.momentum_in_flight,
                 normuon=config.normuon,
                 qk_clip=config.qk_clip,
                 expert_ns=config.expert_ns,

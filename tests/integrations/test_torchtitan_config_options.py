@@ -83,3 +83,16 @@ def test_a_bad_momentum_dtype_names_the_choices():
 
     with pytest.raises(ValueError, match="bf16"):
         dmuon_tt.MuonOptimizers.Config(momentum_dtype="fp8").build(model_parts=[_model()])
+
+
+def test_momentum_in_flight_reaches_muon_and_is_checked():
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    for value in (1, None):
+        config = dmuon_tt.MuonOptimizers.Config(
+            momentum_dtype="int8", momentum_in_flight=value, compile=False
+        )
+        (opt,) = config.build(model_parts=[_model()]).optimizers
+        assert opt.momentum_in_flight == value
+    with pytest.raises(ValueError, match="momentum_in_flight=0"):
+        dmuon_tt.MuonOptimizers.Config(momentum_in_flight=0).build(model_parts=[_model()])

@@ -132,8 +132,9 @@ def _train(rank, world, folder, arch="llama", tp=1, ep=1, replicate=1, **config)
     )  # fmt: skip
     dims.build_mesh()
     spec, model = _build(arch, ep > 1)
-    model = parallelize_on_cpu(dmuon_tt.dedicating(spec.parallelize_fn), model, dims, parallelism,
-                               folder)  # fmt: skip
+    per_head = config.get("per_head", True)  # planned per head as the optimizer steps
+    model = parallelize_on_cpu(dmuon_tt.dedicating(spec.parallelize_fn, per_head=per_head), model,
+                               dims, parallelism, folder)  # fmt: skip
     dedicated_runtime(model).publish(wait=True)
     whole = _whole_state if tp > 1 else (_full if arch == "dsv3" else full_state)
     initial = whole(model)
@@ -165,6 +166,8 @@ def _train(rank, world, folder, arch="llama", tp=1, ep=1, replicate=1, **config)
         "final": {n: t for n, t in whole(model).items() if ".attention." in n},
         "clipped": None if opt.qk_clip is None else opt.qk_clip.clipped.clone(),
         "expert_stage": repr(opt._expert_stage[1]),
+        # TP: the projections whose shards hold whole heads, planned on every TP rank
+        "tp_local": sorted(tp.owners.local) if (tp := dedicated_runtime(model).tp) else [],
     }
     if arch == "dsv3":
         out["experts"] = {n: t for n, t in whole(model).items() if ".routed_experts." in n}
@@ -281,6 +284,10 @@ def test_per_head_normuon_and_qk_clip_train_like_one_process_on_fsdp_tp_and_ep(t
     fsdp = _check(results, "fsdp", "llama", 2)
     _check(results, "fsdp_normuon", "llama", 2, normuon=True)
     _check(results, "tp", "llama_gqa", 1)
+    # dedicating(per_head=True): wqkv's and wo's TP shards hold whole kv groups and heads, so the
+    # owner plan loads both TP ranks of the owner column with their own heads
+    local = results[0]["tp"]["tp_local"]
+    assert local and all(n.endswith((".wqkv.weight", ".wo.weight")) for n in local), local
     _check(results, "ep", "dsv3", 2, normuon=True)
     assert _one_rank_over_tau(results, "fsdp", "llama") > 0
     assert _one_rank_over_tau(results, "ep", "dsv3") > 0
