@@ -258,6 +258,39 @@ def tree_map(fn, tree):
     return _TREE_MAP.get()(fn, tree)
 
 
+# torch.distributed.pipelining: the forwards a stage runs only to infer shapes and metadata
+# (2.13: ``_forward_metadata_inference``, on empty tensors past the first stage; earlier
+# versions: ``_shape_inference``).
+PIPELINE_METADATA_FORWARDS = ("_forward_metadata_inference", "_shape_inference")
+
+
+def wrap_pipeline_metadata_forwards(context) -> list[str]:
+    """Run ``PipelineStage``'s metadata-only forwards inside ``context()`` (a context-manager
+    factory), once per process; returns the names wrapped (none on a torch without pipelining
+    or without such a method: then there is nothing to keep out)."""
+    try:
+        from torch.distributed.pipelining import PipelineStage
+    except ImportError:
+        return []
+    wrapped = []
+    for name in PIPELINE_METADATA_FORWARDS:
+        owner = next((c for c in PipelineStage.__mro__ if name in c.__dict__), None)
+        if owner is None:
+            continue
+        original = owner.__dict__[name]
+        if not getattr(original, "_dmuon_wrapped", False):
+
+            def run(self, *args, _original=original, **kwargs):
+                with context():
+                    return _original(self, *args, **kwargs)
+
+            run._dmuon_wrapped = True
+            run.__wrapped__ = original
+            setattr(owner, name, run)
+        wrapped.append(name)
+    return wrapped
+
+
 def caller_frame(depth: int):
     """The frame of the function ``depth`` frames above the caller of this one.
 

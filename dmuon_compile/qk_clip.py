@@ -50,8 +50,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -60,6 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from dmuon_compile import _compat
 from dmuon_compile.layouts import (
     HEAD_COUNT_ATTRS,
     MLA_KV_PROJECTIONS,
@@ -310,6 +313,20 @@ def _flex_wrappers(module: nn.Module) -> list[nn.Module]:
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
+_PAUSED = threading.local()  # depth of not_collecting() blocks on this thread
+
+
+@contextlib.contextmanager
+def not_collecting():
+    """No QK-clip collects inside this block (forwards that are no training step's: torch's
+    pipeline stages run one on empty tensors to infer shapes, which every ``QKClip`` keeps out
+    this way)."""
+    _PAUSED.depth = getattr(_PAUSED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PAUSED.depth -= 1
+
 
 # ---------------------------------------------------------------------- the clip
 def model_groups(model: nn.Module) -> list | None:
@@ -377,6 +394,8 @@ class QKClip:
         self._warned: set[str] = set()
         self._handles: list = []
         self.flex_op = _flex_op()
+        # a pipeline stage's metadata forward (empty inputs past the first stage) is no step's
+        _compat.wrap_pipeline_metadata_forwards(not_collecting)
         for att in self.attentions:
             self._handles.append(att.module.register_forward_pre_hook(self._enter(att)))
             self._handles.append(
@@ -463,7 +482,7 @@ class QKClip:
     # ------------------------------------------------------------------ collection
     def _enter(self, att: _Attention):
         def hook(module, args):
-            if module.training:
+            if module.training and not getattr(_PAUSED, "depth", 0):
                 mode = _Collect(self, att)
                 mode.__enter__()
                 att.modes.append(mode)

@@ -31,14 +31,14 @@ MAX_NORM = 0.5  # below the gradients' norm: clipping scales them
 SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 
 
-def build_model():
-    """torchtitan's Llama-3 debug model, its first ``LAYERS`` layers, on the meta device (CPU
+def build_model(layers: int = LAYERS):
+    """torchtitan's Llama-3 debug model, its first ``layers`` layers, on the meta device (CPU
     workaround: its FlexAttention has no backward there, so the inner attention is its SDPA)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
 
     spec = model_registry("debugmodel")
-    spec.model.layers = spec.model.layers[:LAYERS]
+    spec.model.layers = spec.model.layers[:layers]
     for layer in spec.model.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     with torch.device("meta"):
@@ -50,6 +50,36 @@ def tokens(step: int, dp: int) -> torch.Tensor:
     """The global batch of ``dp`` data-parallel ranks at ``step``."""
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(0, VOCAB, (dp * LOCAL_BATCH, SEQ + 1), generator=g)
+
+
+def pipeline_stages(spec, model, dims, parallelism, folder, local_batch: int = LOCAL_BATCH):
+    """torchtitan's ``pipelining_fn`` (``pipeline_llm``) with ``dedicating(parallelize_fn)`` on
+    the CPU (fp32, compile and AC off, its cross-entropy loss), each model part materialised
+    (``materialize_on_cpu``): ``(schedule, parts, has_first, has_last)``."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import CompileConfig, TrainingConfig
+
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    compile_config = CompileConfig()
+    schedule, parts, has_first, has_last = spec.pipelining_fn(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(
+            mixed_precision_param="float32", local_batch_size=local_batch, seq_len=SEQ
+        ),
+        parallelism=parallelism,
+        compile_config=compile_config,
+        ac_config=None,
+        dump_folder=folder,
+        device=torch.device("cpu"),
+        model_config=spec.model,
+        parallelize_fn=dmuon_tt.dedicating(spec.parallelize_fn),
+        loss_fn=CrossEntropyLoss.Config().build(compile_config=compile_config),
+    )
+    for part in parts:
+        materialize_on_cpu(part)
+    return schedule, parts, has_first, has_last
 
 
 def _stage_state(parts, grads: bool = False) -> dict:
@@ -83,8 +113,7 @@ def _train(rank, world, folder, schedule_name):
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torch.distributed.pipelining import PipelineStage
-    from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
@@ -109,24 +138,8 @@ def _train(rank, world, folder, schedule_name):
     batch_mesh = dims.get_optional_mesh("batch")  # the data-parallel ranks (none at dp 1)
     dp_rank = 0 if batch_mesh is None else batch_mesh.get_local_rank()
     spec, model = build_model()
-    compile_config = CompileConfig()
-    schedule, parts, has_first, has_last = spec.pipelining_fn(
-        model,
-        parallel_dims=dims,
-        training=TrainingConfig(
-            mixed_precision_param="float32", local_batch_size=LOCAL_BATCH, seq_len=SEQ
-        ),
-        parallelism=parallelism,
-        compile_config=compile_config,
-        ac_config=None,
-        dump_folder=folder,
-        device=torch.device("cpu"),
-        model_config=spec.model,
-        parallelize_fn=dmuon_tt.dedicating(spec.parallelize_fn),
-        loss_fn=CrossEntropyLoss.Config().build(compile_config=compile_config),
-    )
+    schedule, parts, has_first, has_last = pipeline_stages(spec, model, dims, parallelism, folder)
     for part in parts:
-        materialize_on_cpu(part)
         dedicated_runtime(part)  # every stage has dedicated weights
     initial = _stage_state(parts)
     optimizers = dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=parts)
