@@ -568,3 +568,25 @@ class MuonOptimizers(OptimizersContainer):
             self.optimizers.append(opt)
         self._validate_params(all_params)
         self._post_init(all_params)
+
+    def state_dict(self) -> dict:
+        self._check_state_exists("save")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._check_state_exists("load")
+        super().load_state_dict(state_dict)
+
+    def _check_state_exists(self, what: str) -> None:
+        """torchtitan's container creates the optimizers' state with a zero step that it skips
+        while any gradient is set: a checkpoint would then hold (save) or take (load) no
+        momentum at all, silently."""
+        for opt in self.optimizers:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if not opt.state and any(p.grad is not None for p in params):
+                raise RuntimeError(
+                    f"MuonOptimizers: cannot {what} the optimizer state before the first step "
+                    "while gradients are set (torchtitan's container would skip creating it, "
+                    f"and the checkpoint would {'hold' if what == 'save' else 'take'} no "
+                    "momentum): call optimizers.zero_grad() first"
+                )

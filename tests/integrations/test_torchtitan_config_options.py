@@ -96,3 +96,21 @@ def test_momentum_in_flight_reaches_muon_and_is_checked():
         assert opt.momentum_in_flight == value
     with pytest.raises(ValueError, match="momentum_in_flight=0"):
         dmuon_tt.MuonOptimizers.Config(momentum_in_flight=0).build(model_parts=[_model()])
+
+
+def test_a_checkpoint_before_the_first_step_with_gradients_set_raises_naming_zero_grad():
+    """torchtitan's container skips creating the state while a gradient is set: the checkpoint
+    would silently hold no momentum. After zero_grad the state (momentum included) is there."""
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    model = _model()
+    optimizers = dmuon_tt.MuonOptimizers.Config(compile=False).build(model_parts=[model])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    for call in (optimizers.state_dict, lambda: optimizers.load_state_dict({})):
+        with pytest.raises(RuntimeError, match=r"optimizers\.zero_grad\(\) first"):
+            call()
+    optimizers.zero_grad()
+    state = optimizers.state_dict()
+    assert any(k.startswith("state.") and k.endswith("momentum_buffer") for k in state), state
+    optimizers.load_state_dict(state)

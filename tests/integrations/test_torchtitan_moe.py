@@ -26,16 +26,16 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.distributed]
 SEQ, PER_RANK, STEPS, LAYERS = 16, 2, 3, 2
 
 
-def build_dsv3(ep: bool):
-    """The DeepSeek-V3 debug model's first two layers (one dense, one MoE) on the meta device.
-    Workaround for CPU: its FlexAttention has no backward there, so the inner attention is
-    torchtitan's SDPA module (same layout, no parameters)."""
+def build_dsv3(ep: bool, layers: int = LAYERS):
+    """The DeepSeek-V3 debug model's first ``layers`` layers (the first dense, the others MoE)
+    on the meta device. Workaround for CPU: its FlexAttention has no backward there, so the
+    inner attention is torchtitan's SDPA module (same layout, no parameters)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.deepseek_v3 import model_registry
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 
     spec = model_registry("debugmodel")
-    spec.model.layers = spec.model.layers[:LAYERS]
+    spec.model.layers = spec.model.layers[:layers]
     for layer in spec.model.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     set_deepseek_v3_sharding_config(spec.model, enable_sp=False, enable_ep=ep)
