@@ -321,7 +321,7 @@ def dedicating(
                 options["base_loads"] = _carried_loads(planned, dp_mesh)
             chosen = predicate
             if per_head:  # the head layouts as the predicate's verdicts: planned per head
-                chosen = _with_layouts(predicate, head_layouts(module))
+                chosen = _with_layouts(predicate or default_predicate, head_layouts(module))
             dmuon.dedicate_params(
                 module, shard, predicate=chosen, replicate_mesh=replicate, **options
             )
