@@ -157,8 +157,11 @@ def _train_torchtitan(
         )
         checkpointer.save(curr_step=STEPS)
         out["after_save"] = step(STEPS)
+        out["after_save_state"] = full_state(model)
         assert checkpointer.load(step=STEPS)
         out["resumed"] = step(STEPS)
+        # the weights after the resumed step: they differ unless the momentum came back too
+        out["resumed_state"] = full_state(model)
     return out
 
 
@@ -223,6 +226,8 @@ def test_torchtitan_llama_fsdp_and_tp_train_like_one_process_and_resume(tmp_path
         r = r["fsdp"]
         assert r["resumed"] == pytest.approx(r["after_save"], rel=1e-6)
         assert r["after_save"] != pytest.approx(r["losses"][-1], rel=1e-4)
+        for name, want in r["after_save_state"].items():  # optimizer state resumed as well
+            torch.testing.assert_close(r["resumed_state"][name], want, rtol=1e-6, atol=1e-7)
     assert results[0]["tp"]["groups"] == r0["groups"]
     _check_against_one_process([r["tp"] for r in results], 1)
 
