@@ -133,12 +133,14 @@ def _train(rank, world, folder, ep, load_from=None, save=False, plain=None, repl
     if load_from is not None:
         assert checkpointer.load(step=STEPS)
         out["resumed"] = step(STEPS)
+        out["resumed_state"] = _full(model)  # equal only if the momentum came back too
         return out
     out["losses"] = [step(i) for i in range(STEPS)]
     out["grads"] = grads
     if save:
         checkpointer.save(curr_step=STEPS)
         out["after_save"] = step(STEPS)
+        out["after_save_state"] = _full(model)
     return out
 
 
@@ -211,3 +213,13 @@ def test_deepseek_v3_with_expert_parallelism_trains_like_one_process_and_resumes
         )
         # EP 1 after the EP 2 save: the expert stacks resharded (FSDP2 Shard(0) over 4 ranks)
         assert r["ep1_resumed"]["resumed"] == pytest.approx(r["ep2"]["after_save"], rel=1e-5)
+        for name, want in r["ep2"]["after_save_state"].items():  # the optimizer state too
+            got = r["ep1_resumed"]["resumed_state"][name]
+            if ".routed_experts." not in name:
+                assert torch.equal(got, want), name
+                continue
+            # EP 1 groups each expert's tokens otherwise than EP 2: torchtitan's bf16 expert
+            # products round differently and NS carries that into the update (seen: 0.6-1.1%;
+            # with the experts' momentum lost on resume: 14-23%)
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 3e-2, (name, err)
