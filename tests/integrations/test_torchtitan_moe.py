@@ -216,7 +216,7 @@ def test_deepseek_v3_with_expert_parallelism_trains_like_one_process_and_resumes
         for name, want in r["ep2"]["after_save_state"].items():  # the optimizer state too
             got = r["ep1_resumed"]["resumed_state"][name]
             if ".routed_experts." not in name:
-                assert torch.equal(got, want), name
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
                 continue
             # EP 1 groups each expert's tokens otherwise than EP 2: torchtitan's bf16 expert
             # products round differently and NS carries that into the update (seen: 0.6-1.1%;
