@@ -79,6 +79,26 @@ def materialize_on_cpu(part) -> None:
         part.init_weights(buffer_device=None)
 
 
+def checkpoint_manager(parts, optimizers, folder, enable: bool = True):
+    """torchtitan's ``CheckpointManager`` of ``parts`` and ``optimizers`` saving every step
+    under ``folder/ckpt`` (``enable=False``: switched off, as ``train_step`` needs one)."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    config = CheckpointManager.Config(enable=False)
+    if enable:
+        config = CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0)
+    return CheckpointManager(
+        config,
+        dataloader=None,
+        model_parts=list(parts),
+        optimizers=optimizers,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=folder,
+    )
+
+
 def parallelize_on_cpu(parallelize, model, dims, parallelism, folder, **configs):
     """``parallelize`` (torchtitan's ``parallelize_fn``, wrapped by ``dedicating`` or not) with
     fp32 training and, unless ``configs`` give them, compile and AC off; then
@@ -105,7 +125,6 @@ def _train_torchtitan(
     fsdp × ``tp``); with ``checkpoint``, a save, one more step, a resume and that step again."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
@@ -145,16 +164,7 @@ def _train_torchtitan(
     groups = [(g["use_muon"], g["param_names"]) for opt in optimizers for g in opt.param_groups]
     out = {"initial": initial, "losses": losses, "groups": groups}
     if checkpoint:
-        checkpointer = CheckpointManager(
-            CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0),
-            dataloader=None,
-            model_parts=[model],
-            optimizers=optimizers,
-            lr_schedulers=None,
-            states={},
-            sd_adapter=None,
-            base_folder=folder,
-        )
+        checkpointer = checkpoint_manager([model], optimizers, folder)
         checkpointer.save(curr_step=STEPS)
         out["after_save"] = step(STEPS)
         out["after_save_state"] = full_state(model)

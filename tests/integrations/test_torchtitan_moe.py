@@ -19,7 +19,7 @@ import torch
 from distributed.harness import full_state, run_ranks
 from torch.distributed.tensor import DTensor
 
-from integrations.test_torchtitan import loss_of, parallelize_on_cpu, tokens
+from integrations.test_torchtitan import checkpoint_manager, loss_of, parallelize_on_cpu, tokens
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.distributed]
 
@@ -58,7 +58,6 @@ def _train(rank, world, folder, ep, load_from=None, save=False, plain=None, repl
     weights: only the first step's gradients."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
@@ -114,16 +113,7 @@ def _train(rank, world, folder, ep, load_from=None, save=False, plain=None, repl
         dist.all_reduce(total)
         return total.item()
 
-    checkpointer = CheckpointManager(
-        CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0),
-        dataloader=None,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=load_from or folder,
-    )
+    checkpointer = checkpoint_manager([model], optimizers, load_from or folder)
     out = {
         "initial": initial,
         "local_experts": experts.to_local().shape[0],

@@ -28,7 +28,8 @@ import pytest
 import torch
 from distributed.harness import run_ranks
 
-from integrations.test_torchtitan import materialize_on_cpu
+from integrations.test_torchtitan import checkpoint_manager
+from integrations.test_torchtitan_pp import pipeline_stages
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.distributed]
 
@@ -71,9 +72,6 @@ def _parallelism():
 
 def _build(rank, world, folder, old_gather=False):
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
@@ -85,24 +83,9 @@ def _build(rank, world, folder, old_gather=False):
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
     spec, model = _build_model()
-    compile_config = CompileConfig()
-    schedule, parts, has_first, has_last = spec.pipelining_fn(
-        model,
-        parallel_dims=dims,
-        training=TrainingConfig(
-            mixed_precision_param="float32", local_batch_size=MICROBATCHES, seq_len=SEQ
-        ),
-        parallelism=parallelism,
-        compile_config=compile_config,
-        ac_config=None,
-        dump_folder=folder,
-        device=torch.device("cpu"),
-        model_config=spec.model,
-        parallelize_fn=dmuon_tt.dedicating(spec.parallelize_fn),
-        loss_fn=CrossEntropyLoss.Config().build(compile_config=compile_config),
+    schedule, parts, has_first, has_last = pipeline_stages(
+        spec, model, dims, parallelism, folder, MICROBATCHES
     )
-    for part in parts:
-        materialize_on_cpu(part)
     optimizers = dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=parts)
     if old_gather:  # the gather as it was: broadcasts on the default group
         import torch.distributed as dist
@@ -111,16 +94,7 @@ def _build(rank, world, folder, old_gather=False):
 
         _owned.broadcast_on_mesh = lambda buf, src, mesh: dist.broadcast(buf, src=src)
         open(f"{folder}/built_rank{rank}", "w").close()  # all that is left: the checkpointer
-    checkpointer = CheckpointManager(
-        CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0),
-        dataloader=None,
-        model_parts=parts,
-        optimizers=optimizers,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=folder,
-    )
+    checkpointer = checkpoint_manager(parts, optimizers, folder)
     return dims, schedule, parts, has_first, has_last, optimizers, checkpointer
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from distributed.harness import run_ranks
 
-from integrations.test_torchtitan import parallelize_on_cpu, tokens
+from integrations.test_torchtitan import checkpoint_manager, parallelize_on_cpu, tokens
 from integrations.test_torchtitan_moe import _full, build_dsv3
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.distributed]
@@ -43,18 +43,7 @@ class Metrics:
 
 def disabled_checkpointer(model, optimizers, folder):
     """torchtitan's ``CheckpointManager`` switched off, as ``train_step`` needs one."""
-    from torchtitan.components.checkpoint import CheckpointManager
-
-    return CheckpointManager(
-        CheckpointManager.Config(enable=False),
-        dataloader=None,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=folder,
-    )
+    return checkpoint_manager([model], optimizers, folder, enable=False)
 
 
 def constant_lr(trainer, optimizers, steps: int, max_norm: float) -> None:
