@@ -247,6 +247,14 @@ def _orthogonalize_bucket(
     shapes = [u.shape for u in bucket]
     mats = [lay.matrices(u) for u, lay in zip(bucket, layouts)]
     counts = [1 if m.dim() == 2 else m.shape[0] for m in mats]
+    if _normalize_each(mats, ns):
+        bucket.clear()
+        x, norms, transposed = ns.normalize_each(mats)
+        del mats
+        if finite is not None:
+            finite.append(_finite_flags(norms, counts))
+        ortho = ns.orthogonalize_normalized(x, transposed)
+        return _bucket_results(ortho, counts, shapes, layouts)
     if len(mats) == 1:
         stack = mats[0]
     elif all(m.dim() == 2 for m in mats):
@@ -258,12 +266,31 @@ def _orthogonalize_bucket(
     norms = None
     if finite is not None:  # NS normalises by the same norms: one reduction, not two
         norms = frobenius_norm(stack, ns.work_dtype_for(stack.device))
-        flags = torch.isfinite(norms).reshape(-1)
-        if any(c != 1 for c in counts):  # an update is finite when all its matrices are
-            flags = torch.stack([f.all() for f in flags.split(counts)])
-        finite.append(flags)
-    ortho = ns(stack, norms)
-    if stack.dim() == 2 or len(counts) == 1:
+        finite.append(_finite_flags(norms, counts))
+    return _bucket_results(ns(stack, norms), counts, shapes, layouts)
+
+
+def _normalize_each(mats: list[Tensor], ns: NewtonSchulz) -> bool:
+    """Whether a traced bucket stacks its matrices normalised (``NewtonSchulz.normalize_each``)
+    rather than as they are: several matrices (one is not copied into a stack), all in one
+    Newton–Schulz call (a stack past ``stack_bytes`` goes in pieces, each normalised apart)."""
+    if len(mats) < 2 or not torch.compiler.is_compiling():
+        return False
+    total = sum(1 if m.dim() == 2 else m.shape[0] for m in mats)
+    return total <= ns.matrices_per_call(mats[0].shape[-2:], mats[0].element_size())
+
+
+def _finite_flags(norms: Tensor, counts: list[int]) -> Tensor:
+    """One flag per update from its matrices' norms: finite when all of them are."""
+    flags = torch.isfinite(norms).reshape(-1)
+    if any(c != 1 for c in counts):
+        flags = torch.stack([f.all() for f in flags.split(counts)])
+    return flags
+
+
+def _bucket_results(ortho: Tensor, counts: list[int], shapes, layouts) -> list[Tensor]:
+    """A bucket's Newton–Schulz output cut back into its updates, in their shapes."""
+    if ortho.dim() == 2 or len(counts) == 1:
         results = [ortho]
     elif all(c == 1 for c in counts):
         results = list(ortho.unbind(0))

@@ -595,26 +595,43 @@ class NewtonSchulz:
         )
 
     def _orthogonalize(self, g: Tensor, norm: Tensor | None = None) -> Tensor:
-        wide, transposed = _as_matrix_stack(g)  # validates the shape; (…, m, n) with m ≤ n
-        m, n = wide.shape[-2], wide.shape[-1]
-        del wide
+        _, transposed = _as_matrix_stack(g)  # validates the shape
         work_dtype = self.work_dtype_for(g.device)
-        ops = self.primitives_for(m, g.shape[0] if g.dim() == 3 else 1, g.device.type, work_dtype)
         # The normalised input goes straight in (no local name here): NS frees it after its
         # first step instead of keeping a matrix-sized copy alive to the end.
+        return self.orthogonalize_normalized(
+            normalize(g, work_dtype, self.eps, transpose=transposed, norm=norm), transposed
+        )
+
+    def normalize_each(self, mats: Sequence[Tensor]) -> tuple[Tensor, Tensor, bool]:
+        """Same-shape matrices (2-D, or 3-D stacks) normalised one by one and stacked in the work
+        dtype, wide (m ≤ n; ``transposed``: each was tall): ``(x, norms, transposed)``, ``norms``
+        fp32 ``(count, 1, 1)``, what :meth:`orthogonalize_normalized` takes.
+
+        The stack of their normalised inputs, not of the inputs: traced, each input is then
+        computed where it is read (the compiled step's Nesterov input, never written) and the
+        only full-size write is the work-dtype stack; a stack of fp32 inputs would be written
+        whole first and read twice (its norm, its scaled cast)."""
+        first = mats[0]
+        _, transposed = _as_matrix_stack(first)
+        work_dtype = self.work_dtype_for(first.device)
+        xs, norms = [], []
+        for m in mats:
+            norm = frobenius_norm(m, work_dtype)
+            x = normalize(m, work_dtype, self.eps, transpose=transposed, norm=norm)
+            xs.append(x if x.dim() == 3 else x.unsqueeze(0))
+            norms.append(norm.reshape(-1, 1, 1))
+        return torch.cat(xs), torch.cat(norms), transposed
+
+    def orthogonalize_normalized(self, x: Tensor, transposed: bool = False) -> Tensor:
+        """Newton–Schulz of ``x``, already normalised, in the work dtype and wide (m ≤ n);
+        the result transposed back where ``transposed``."""
+        m, n = x.shape[-2], x.shape[-1]
+        ops = self.primitives_for(m, x.shape[0] if x.dim() == 3 else 1, x.device.type, x.dtype)
         if self.uses_gram(m, n):
-            x = gram_ns(
-                normalize(g, work_dtype, self.eps, transpose=transposed, norm=norm),
-                self.coefficients,
-                self.restart_iterations,
-                ops,
-            )
+            x = gram_ns(x, self.coefficients, self.restart_iterations, ops)
         else:
-            x = direct_ns(
-                normalize(g, work_dtype, self.eps, transpose=transposed, norm=norm),
-                self.coefficients,
-                ops,
-            )
+            x = direct_ns(x, self.coefficients, ops)
         return x.mT if transposed else x
 
     def __repr__(self) -> str:

@@ -432,3 +432,51 @@ def test_max_logits_flex_block_elements_bounds_each_block(monkeypatch):
     causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, 32, 32, device="cpu")
     max_logits_flex(q, k, block_mask=causal, block_elements=2 * 4 * 32 * 5)
     assert len(sizes) == 7 and max(sizes) <= 2 * 4 * 32 * 5
+
+
+# ---------------------------------------------------------------------- CUDA: the fused path
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["none", "causal", "window", "document", "heads"])
+@pytest.mark.parametrize("score", ["none", "softcap", "hide_every_third_key"])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_cuda_fused_max_scores_equal_the_float64_reference(kind, score, hkv):
+    """FlexAttention's fused max scores (bf16 q, k on CUDA) give the raw ``q·kᵀ·scale`` maxima
+    of the attended positions: the float64 reference within bf16's rounding, and the fused way
+    really ran (no fallback warning, not turned off)."""
+    qk_logits._FLEX["failed"] = False
+    gen = torch.Generator().manual_seed(7)
+    b, hq, length, e = 2, 4, 256, 64
+    q = torch.randn(b, hq, length, e, generator=gen).mul_(3.0)
+    k = torch.randn(b, hkv, length, e, generator=gen)
+    docs = torch.randint(0, 3, (b, length), generator=gen).sort(dim=1).values
+    mask_mod = _mask_mod(kind, 48, docs.cuda())
+    ref = dense_max(q, k, mask_mod=_mask_mod(kind, 48, docs), score_mod=SCORE_MODS[score])
+    qc, kc = q.cuda().bfloat16(), k.cuda().bfloat16()
+    bm = None
+    if mask_mod is not None:
+        bm = create_block_mask(mask_mod, b, hq, length, length, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = max_logits_flex(qc, kc, block_mask=bm, score_mod=SCORE_MODS[score])
+    assert not qk_logits._FLEX["failed"], "the fused way fell back to the blockwise one"
+    assert got.device.type == "cuda" and got.dtype == torch.float32
+    # bf16 q, k: each score within ~2^-8 of its magnitude (|s| <~ 3·8)
+    torch.testing.assert_close(got.cpu().double(), ref, rtol=2e-2, atol=0.25)
+    blockwise = max_logits_flex(qc, kc, block_mask=bm, score_mod=SCORE_MODS[score], flex=False)
+    torch.testing.assert_close(got, blockwise, rtol=2e-2, atol=0.25)
+
+
+@pytest.mark.gpu
+def test_cuda_sdpa_causal_max_logits_through_flex_equal_the_blockwise_way():
+    """``max_logits(is_causal=True)`` on CUDA (the SDPA path, through a causal BlockMask) equals
+    the blockwise way and the float64 reference."""
+    qk_logits._FLEX["failed"] = False
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, 200, 64, generator=gen).mul_(2.0)
+    k = torch.randn(2, 2, 200, 64, generator=gen)
+    ref = dense_max(q, k, mask_mod=_mask_mod("causal", 0, None))
+    qc, kc = q.cuda().bfloat16(), k.cuda().bfloat16()
+    got = qk_logits.max_logits(qc, kc, is_causal=True)
+    assert not qk_logits._FLEX["failed"], "the fused way fell back to the blockwise one"
+    torch.testing.assert_close(got.cpu().double(), ref, rtol=2e-2, atol=0.25)
+    torch.testing.assert_close(got, qk_logits.max_logits(qc, kc, is_causal=True, flex=False))
