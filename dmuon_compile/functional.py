@@ -270,11 +270,24 @@ def _orthogonalize_bucket(
     return _bucket_results(ns(stack, norms), counts, shapes, layouts)
 
 
+# A traced step computes the Nesterov inputs of tensors this large where they are read, and
+# stacks their buckets normalised: bandwidth-bound tensors save a full write and two reads;
+# smaller ones keep the foreach ops (a few traced calls per matrix instead of ~15: compile time).
+COMPUTED_WHERE_READ_MIN_VALUES = 1 << 20
+
+
+def _computed_where_read(tensors: Sequence[Tensor]) -> bool:
+    return torch.compiler.is_compiling() and all(
+        t.numel() >= COMPUTED_WHERE_READ_MIN_VALUES for t in tensors
+    )
+
+
 def _normalize_each(mats: list[Tensor], ns: NewtonSchulz) -> bool:
     """Whether a traced bucket stacks its matrices normalised (``NewtonSchulz.normalize_each``)
-    rather than as they are: several matrices (one is not copied into a stack), all in one
-    Newton–Schulz call (a stack past ``stack_bytes`` goes in pieces, each normalised apart)."""
-    if len(mats) < 2 or not torch.compiler.is_compiling():
+    rather than as they are: several large matrices (one is not copied into a stack), all in
+    one Newton–Schulz call (a stack past ``stack_bytes`` goes in pieces, each normalised
+    apart)."""
+    if len(mats) < 2 or not _computed_where_read(mats):
         return False
     total = sum(1 if m.dim() == 2 else m.shape[0] for m in mats)
     return total <= ns.matrices_per_call(mats[0].shape[-2:], mats[0].element_size())
@@ -479,11 +492,16 @@ def nesterov_input(
     grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor, nesterov: bool
 ) -> list[Tensor]:
     """The Newton–Schulz input ``u`` of a step, ``bufs`` left unchanged: buf' = μ·buf + g
-    (what :func:`commit_muon_step` stores, by the same two ``foreach`` operations, in the
-    gradients' dtype); u = g + μ·buf' (Nesterov) or buf'. One new tensor per matrix (buf'
-    becomes u in place)."""
+    (what :func:`commit_muon_step` stores, by the same operations, in the gradients' dtype);
+    u = g + μ·buf' (Nesterov) or buf'. One new tensor per matrix (eager: buf' becomes u in
+    place, by ``foreach`` operations)."""
     if not grads:
         return []
+    if _computed_where_read(grads):
+        # Per tensor, not foreach: Inductor writes a foreach op's outputs whole on GPUs, and u is
+        # best computed where its bucket's norm and scaled cast read it, never written.
+        u = [b.to(g.dtype) * momentum + g for g, b in zip(grads, bufs)]
+        return [v * momentum + g for g, v in zip(grads, u)] if nesterov else u
     u = new_momentum(grads, bufs, momentum)
     if nesterov:
         torch._foreach_mul_(u, momentum)

@@ -286,14 +286,15 @@ def test_compiled_steps_are_keyed_by_group_position_and_part():
 def test_a_buckets_fp32_inputs_are_never_written_whole(normalize_each, monkeypatch):
     """The directions graph stacks a bucket's inputs normalised, in the work dtype: its only
     full-size buffers are the bf16 stack NS reads and NS's own; the fp32 Nesterov inputs are
-    computed where the norm and the scaled cast read them, never written. Control: stacking the
-    fp32 inputs first (the way before) writes an fp32 buffer of the whole stack."""
-    if not normalize_each:
-        monkeypatch.setattr(F, "_normalize_each", lambda mats, ns: False)
+    computed where the norm and the scaled cast read them, never written. Control: below the
+    size where it does so, the fp32 inputs are stacked first, an fp32 buffer of the whole stack."""
+    monkeypatch.setattr(F, "COMPUTED_WHERE_READ_MIN_VALUES", 1 if normalize_each else 1 << 30)
     ns = NewtonSchulz(kernel="cublas", work_dtype=torch.bfloat16)
-    experts = [torch.randn(4, 24, 40) for _ in range(3)]
-    grads, bufs = experts, [torch.randn_like(g) for g in experts]
-    lays = [dmuon.Layout.experts()] * 3
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4, 24, 40)] * 3 + [(40, 24)] * 2  # expert stacks; tall matrices (transposed)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    bufs = [torch.randn(s, generator=gen) for s in shapes]
+    lays = [dmuon.Layout.experts()] * 3 + [dmuon.Layout()] * 2
 
     def directions(grads, bufs, mu):
         return F.muon_directions(
@@ -304,8 +305,8 @@ def test_a_buckets_fp32_inputs_are_never_written_whole(normalize_each, monkeypat
     fn = torch.compile(directions, fullgraph=True, dynamic=False)
     (out, flags), (code, *_) = run_and_get_code(fn, grads, bufs, torch.tensor(0.95))
     eager, eager_flags = directions(grads, bufs, torch.tensor(0.95))
-    for a, b in zip(out, eager):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=0)
-    assert flags.tolist() == eager_flags.tolist() == [True] * 3
+    for a, b in zip(out, eager):  # bf16 iterations: the two differ by its rounding
+        assert (a.float() - b.float()).norm() <= 2e-2 * b.float().norm()
+    assert flags.tolist() == eager_flags.tolist() == [True] * 5
     whole = re.findall(r"empty_strided_cpu\(\(12, 24, 40\), \([^)]*\), torch\.(\w+)\)", code)
     assert ("float32" in whole) is not normalize_each, whole
