@@ -112,17 +112,31 @@ def shape_buckets(
         return list(groups.values())
     buckets: list[list[int]] = []
     for idx in groups.values():
-        current: list[int] = []
-        size = 0
-        for i in idx:
-            nbytes = tensors[i].numel() * tensors[i].element_size()
-            if current and size + nbytes > max_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        buckets.append(current)
+        sizes = [tensors[i].numel() * tensors[i].element_size() for i in idx]
+        buckets += [[idx[j] for j in run] for run in cut_by_bytes(sizes, max_bytes)]
     return buckets
+
+
+def cut_by_bytes(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
+    """Positions of ``sizes`` cut into consecutive runs of at most ``max_bytes`` (a size alone
+    past it is a run of its own): how :func:`shape_buckets` cuts a group, and how the dry run
+    predicts it.
+
+    >>> cut_by_bytes([4, 4, 4, 9], 8)
+    [[0, 1], [2], [3]]
+    """
+    runs: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for j, nbytes in enumerate(sizes):
+        if current and total + nbytes > max_bytes:
+            runs.append(current)
+            current, total = [], 0
+        current.append(j)
+        total += nbytes
+    if current:
+        runs.append(current)
+    return runs
 
 
 def _bucket_shape(lay: Layout, shape) -> tuple:

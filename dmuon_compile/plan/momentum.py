@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dmuon_compile.functional import cut_by_bytes
 from dmuon_compile.momentum_storage import (
     BLOCK,
     IN_FLIGHT,
@@ -181,9 +182,8 @@ def _bucket_bytes(row, total: int, stack_cap: int) -> list[int]:
     sizes = []
     for shape, count in row._buckets.items():
         one = shape[0] * shape[1] * per_element
-        per_bucket = max(1, int(stack_cap // one)) if stack_cap else count
-        full, rest = divmod(count, per_bucket)
-        sizes += [int(per_bucket * one)] * full + ([int(rest * one)] if rest else [])
+        runs = cut_by_bytes([one] * count, stack_cap) if stack_cap else [range(count)]
+        sizes += [int(len(run) * one) for run in runs]
     return sorted(sizes, reverse=True)
 
 
