@@ -282,8 +282,11 @@ def test_compiled_steps_are_keyed_by_group_position_and_part():
     assert compiled_step_for(dmuon.Muon(ps, compile=False), group, ps) is None  # eager
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)  # CUDA: Inductor writes foreach outputs whole there (not on the CPU)
 @pytest.mark.parametrize("normalize_each", [True, False])
-def test_a_buckets_fp32_inputs_are_never_written_whole(normalize_each, monkeypatch):
+def test_a_buckets_fp32_inputs_are_never_written_whole(normalize_each, device, monkeypatch):
     """The directions graph stacks a bucket's inputs normalised, in the work dtype: its only
     full-size buffers are the bf16 stack NS reads and NS's own; the fp32 Nesterov inputs are
     computed where the norm and the scaled cast read them, never written. Control: below the
@@ -292,8 +295,8 @@ def test_a_buckets_fp32_inputs_are_never_written_whole(normalize_each, monkeypat
     ns = NewtonSchulz(kernel="cublas", work_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     shapes = [(4, 24, 40)] * 3 + [(40, 24)] * 2  # expert stacks; tall matrices (transposed)
-    grads = [torch.randn(s, generator=gen) for s in shapes]
-    bufs = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    bufs = [torch.randn(s, generator=gen).to(device) for s in shapes]
     lays = [dmuon.Layout.experts()] * 3 + [dmuon.Layout()] * 2
 
     def directions(grads, bufs, mu):
@@ -303,10 +306,12 @@ def test_a_buckets_fp32_inputs_are_never_written_whole(normalize_each, monkeypat
 
     torch._dynamo.reset()
     fn = torch.compile(directions, fullgraph=True, dynamic=False)
-    (out, flags), (code, *_) = run_and_get_code(fn, grads, bufs, torch.tensor(0.95))
-    eager, eager_flags = directions(grads, bufs, torch.tensor(0.95))
+    mu = torch.tensor(0.95, device=device)
+    (out, flags), (code, *_) = run_and_get_code(fn, grads, bufs, mu)
+    eager, eager_flags = directions(grads, bufs, mu)
     for a, b in zip(out, eager):  # bf16 iterations: the two differ by its rounding
         assert (a.float() - b.float()).norm() <= 2e-2 * b.float().norm()
     assert flags.tolist() == eager_flags.tolist() == [True] * 5
-    whole = re.findall(r"empty_strided_cpu\(\(12, 24, 40\), \([^)]*\), torch\.(\w+)\)", code)
+    pattern = rf"empty_strided_{device}\(\(12, 24, 40\), \([^)]*\), torch\.(\w+)\)"
+    whole = re.findall(pattern, code)
     assert ("float32" in whole) is not normalize_each, whole
