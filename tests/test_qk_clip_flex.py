@@ -443,7 +443,10 @@ def test_cuda_fused_max_scores_equal_the_float64_reference(kind, score, hkv):
     """FlexAttention's fused max scores (bf16 q, k on CUDA) give the raw ``q·kᵀ·scale`` maxima
     of the attended positions: the float64 reference within bf16's rounding, and the fused way
     really ran (no fallback warning, not turned off)."""
-    qk_logits._FLEX["failed"] = False
+    # Each case brings new mask_mod / score_mod code: a fresh Dynamo cache keeps the compiled
+    # kernel under its recompile limit (past it Dynamo would run flex_attention eagerly).
+    torch._dynamo.reset()
+    qk_logits._FLEX.update(failed=False, fn=None)
     gen = torch.Generator().manual_seed(7)
     b, hq, length, e = 2, 4, 256, 64
     q = torch.randn(b, hq, length, e, generator=gen).mul_(3.0)
@@ -456,7 +459,7 @@ def test_cuda_fused_max_scores_equal_the_float64_reference(kind, score, hkv):
     if mask_mod is not None:
         bm = create_block_mask(mask_mod, b, hq, length, length, device="cuda")
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("error", message="QK-clip")  # our fallback's warning
         got = max_logits_flex(qc, kc, block_mask=bm, score_mod=SCORE_MODS[score])
     assert not qk_logits._FLEX["failed"], "the fused way fell back to the blockwise one"
     assert got.device.type == "cuda" and got.dtype == torch.float32
@@ -470,7 +473,8 @@ def test_cuda_fused_max_scores_equal_the_float64_reference(kind, score, hkv):
 def test_cuda_sdpa_causal_max_logits_through_flex_equal_the_blockwise_way():
     """``max_logits(is_causal=True)`` on CUDA (the SDPA path, through a causal BlockMask) equals
     the blockwise way and the float64 reference."""
-    qk_logits._FLEX["failed"] = False
+    torch._dynamo.reset()
+    qk_logits._FLEX.update(failed=False, fn=None)
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 8, 200, 64, generator=gen).mul_(2.0)
     k = torch.randn(2, 2, 200, 64, generator=gen)
