@@ -54,7 +54,7 @@ _LAZY: dict[str, tuple[str, str]] = {
         "dmuon_compile.distributed",
         "wait_all_replicate_broadcasts",
     ),
-    "full_tensor": ("dmuon_compile.distributed._owned", "full_tensor"),
+    "full_tensor": ("dmuon_compile.distributed._owner.tensor", "full_tensor"),
     "get_model_state_dict": ("dmuon_compile.distributed.checkpoint", "get_model_state_dict"),
     "set_model_state_dict": ("dmuon_compile.distributed.checkpoint", "set_model_state_dict"),
     "clip_grad_norm_": ("dmuon_compile.distributed.clip", "clip_grad_norm_"),
@@ -91,7 +91,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         summarize_param_groups,
         wait_all_replicate_broadcasts,
     )
-    from dmuon_compile.distributed._owned import full_tensor
+    from dmuon_compile.distributed._owner.tensor import full_tensor
     from dmuon_compile.distributed.checkpoint import get_model_state_dict, set_model_state_dict
     from dmuon_compile.distributed.clip import clip_grad_norm_
     from dmuon_compile.distributed.owner_plan import (  # noqa: F401

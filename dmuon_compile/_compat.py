@@ -41,10 +41,10 @@ def check_torch_version(version: str) -> None:
 #
 # - this module: torch core, Dynamo, Inductor (the NS-chain pass of ``passes/`` included), the
 #   profiler and ``torch._logging``;
-# - ``distributed/_dtensor_compat.py``: DTensor and DeviceMesh internals;
-# - ``distributed/_fsdp_compat.py``: FSDP2 internals;
-# - ``distributed/_autograd_compat.py``: the autograd engine;
-# - ``distributed/_c10d_compat.py``: c10d process groups and their backend options.
+# - ``distributed/_compat/dtensor.py``: DTensor and DeviceMesh internals;
+# - ``distributed/_compat/fsdp.py``: FSDP2 internals;
+# - ``distributed/_compat/autograd.py``: the autograd engine;
+# - ``distributed/_compat/c10d.py``: c10d process groups and their backend options.
 #
 # An accessor never falls back to a default when the API is missing: it raises
 # :class:`TorchInternalsError`, naming the torch version, the missing API and the feature of
@@ -144,7 +144,7 @@ _CORRECT_FAN = PrivateAPI(
     "torch.nn.init", "_calculate_correct_fan", "Kaiming init of dedicated weights"
 )
 _AGREEMENT = "Muon.zero_grad's agreement after an exception in forward or backward"
-# c10d internals read by that agreement (here: distributed/_c10d_compat.py is another area's).
+# c10d internals read by that agreement (here: distributed/_compat/c10d.py is another area's).
 _DEFAULT_STORE = PrivateAPI("torch.distributed.distributed_c10d", "_get_default_store", _AGREEMENT)
 _SEQUENCE_NUMBER = PrivateAPI(
     "torch.distributed", "ProcessGroup._get_sequence_number_for_group", _AGREEMENT
@@ -155,8 +155,8 @@ _TREE_MAP = PrivateAPI("torch.utils._pytree", "tree_map", "owner tensors' torch 
 
 def disable_torch_function_subclass():
     """``torch._C.DisableTorchFunctionSubclass()``: run a ``__torch_function__`` override's
-    default behaviour (owner tensors and their norms, ``distributed/_owned.py``,
-    ``_owner_norms.py``)."""
+    default behaviour (owner tensors and their norms, ``distributed/_owner/tensor.py``,
+    ``_owner/norms.py``)."""
     return _DISABLE_TORCH_FUNCTION.get()()
 
 
@@ -228,7 +228,7 @@ def reparse_torch_logs() -> None:
 
 def calculate_correct_fan(tensor, mode: str) -> int:
     """``torch.nn.init._calculate_correct_fan``: the fan the Kaiming initialisers use, for an
-    owner tensor initialised on its owner (``distributed/_owner_init.py``)."""
+    owner tensor initialised on its owner (``distributed/_owner/init.py``)."""
     return _CORRECT_FAN.get()(tensor, mode)
 
 
@@ -254,7 +254,7 @@ def tree_flatten(tree):
 
 
 def tree_map(fn, tree):
-    """``torch.utils._pytree.tree_map`` (owner tensors' local tensors, ``_owned.py``)."""
+    """``torch.utils._pytree.tree_map`` (owner tensors' local tensors, ``_owner/tensor.py``)."""
     return _TREE_MAP.get()(fn, tree)
 
 
@@ -294,9 +294,10 @@ def wrap_pipeline_metadata_forwards(context) -> list[str]:
 def caller_frame(depth: int):
     """The frame of the function ``depth`` frames above the caller of this one.
 
-    Owner tensors (``distributed/_owned.py``) and the holder class (``_holder.py``, through
-    ``_fsdp_compat.called_by_fsdp``) tell apart calls made by torch's own code (``torch.nn.init``,
-    DDP, ``fully_shard``) by the module of the calling frame: those calls come from user code
-    that runs after ``dedicate_params`` returned, with no code of ours around them to set a flag.
+    Owner tensors (``distributed/_owner/tensor.py``) and the holder class (``_owner/holder.py``,
+    through ``distributed._compat.fsdp.called_by_fsdp``) tell apart calls made by torch's own code
+    (``torch.nn.init``, DDP, ``fully_shard``) by the module of the calling frame: those calls come
+    from user code that runs after ``dedicate_params`` returned, with no code of ours around them
+    to set a flag.
     """
     return sys._getframe(depth + 1)

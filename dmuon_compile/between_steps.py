@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon_compile.distributed._owned import OwnerTensor, is_owned, owner_rank
+from dmuon_compile.distributed._owner.tensor import OwnerTensor, is_owned, owner_rank
 from dmuon_compile.normuon import SECOND_MOMENT, moment_shape
 
 if TYPE_CHECKING:
@@ -60,8 +60,8 @@ def _fits(value: Tensor, p: Tensor) -> bool:
 
 def _fsdp_backward_aborted(model) -> bool:
     """Whether FSDP2's end-of-backward callback is still due: a backward raised before it ran
-    (what ``_fsdp_compat.finish_aborted_backward`` would finish, collectively)."""
-    from dmuon_compile.distributed import _fsdp_compat
+    (what ``_compat.fsdp.finish_aborted_backward`` would finish, collectively)."""
+    from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
 
     feature = "Muon.zero_grad after a failed backward"
     for module in _fsdp_compat.fsdp_modules(model):
@@ -89,7 +89,7 @@ _AGREEMENTS = itertools.count()
 def _process_groups(model, runtime) -> dict[str, object]:
     """The process groups the model's collectives go over, by name: the default group, the
     meshes of its DTensor parameters (FSDP2's, TP's) and the dedicated runtime's."""
-    from dmuon_compile.distributed._c10d_compat import default_group
+    from dmuon_compile.distributed._compat.c10d import default_group
 
     groups = [default_group()]
     meshes = {}
@@ -122,8 +122,8 @@ def _agree_to_skip(model, runtime) -> None:
     import torch.distributed as dist
 
     from dmuon_compile import _compat
-    from dmuon_compile.distributed import _collectives as C
-    from dmuon_compile.distributed._c10d_compat import default_group
+    from dmuon_compile.distributed._comm import collectives as C
+    from dmuon_compile.distributed._compat.c10d import default_group
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -203,9 +203,9 @@ class BetweenSteps:
         """``zero()`` (torch's ``zero_grad``), after finishing or dropping a pass that raised
         and the dedicated gradients still in flight: see ``Muon.zero_grad``."""
         from dmuon_compile.dedicated_registry import runtime_of
-        from dmuon_compile.distributed import _fsdp_compat
-        from dmuon_compile.distributed._autograd_compat import in_backward
-        from dmuon_compile.distributed._pending import gradient_writes
+        from dmuon_compile.distributed._comm.pending import gradient_writes
+        from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
+        from dmuon_compile.distributed._compat.autograd import in_backward
 
         runtime = runtime_of(self.model)
         if self.model is not None and not in_backward():

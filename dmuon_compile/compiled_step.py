@@ -413,9 +413,9 @@ class CompiledMuonStep:
 
     def orthogonalize(self, mats: list[Tensor], layouts=None) -> list[Tensor]:
         """Newton–Schulz of whole matrices in one compiled graph with this step's options and
-        pass: the TP owners' part of a step (``distributed/_tp/stage.py`` gathers the shards before
-        and scatters the result after; momentum and the update run on the shards). ``layouts``:
-        each matrix's (blocked: per head), constants of the graph."""
+        pass: the TP owners' part of a step (``distributed/_stages/tp/stage.py`` gathers the shards
+        before and scatters the result after; momentum and the update run on the shards).
+        ``layouts``: each matrix's (blocked: per head), constants of the graph."""
         if self._orthogonalize is None:
             self._orthogonalize = torch.compile(
                 _fresh_copy(F.orthogonalize), fullgraph=True, dynamic=False, options=self.options

@@ -1,8 +1,9 @@
 """Where a model's dedicated runtime lives, and which of its parameters are dedicated.
 
-``dedicate_params`` attaches its :class:`~dmuon_compile.distributed._runtime.DedicatedRuntime`
-to the model; everything else finds it with :func:`runtime_of`. Kept tiny so the optimizer does
-not import the distributed runtime.
+``dedicate_params`` attaches its
+:class:`~dmuon_compile.distributed._runtime.runtime.DedicatedRuntime` to the model; everything else
+finds it with :func:`runtime_of`. Kept tiny so the optimizer does not import the distributed
+runtime.
 """
 
 from __future__ import annotations

@@ -442,7 +442,7 @@ def whole_expert_shards(param: Tensor, layout: Layout) -> bool:
 def needs_reshard(param: Tensor, layout: Layout) -> bool:
     """Whether ``param`` is a DTensor expert stack some of whose mesh dims shard inside the
     experts (its Newton–Schulz needs the experts gathered whole first:
-    ``distributed/_expert_shards.py``)."""
+    ``distributed/_stages/expert_shards.py``)."""
     if layout.kind != "experts":
         return False
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -460,7 +460,7 @@ def needs_reshard(param: Tensor, layout: Layout) -> bool:
 def replicated_stack(param: Tensor, layout: Layout) -> bool:
     """Whether ``param`` is a DTensor expert stack replicated over some mesh dim of more than
     one rank (HSDP's replicate dim): its replicas can split the stack's Newton–Schulz
-    (``Muon(expert_ns="once")``, ``distributed/_expert_shards.py``)."""
+    (``Muon(expert_ns="once")``, ``distributed/_stages/expert_shards.py``)."""
     if layout.kind != "experts":
         return False
     from torch.distributed.tensor import DTensor, Replicate

@@ -50,8 +50,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon_compile.distributed._owned import OwnerTensor, wrap_like
-from dmuon_compile.distributed._owner_meshes import local_of
+from dmuon_compile.distributed._owner.meshes import local_of
+from dmuon_compile.distributed._owner.tensor import OwnerTensor, wrap_like
 
 MOMENTUM = "momentum_buffer"  # the in-place (and checkpoint) form
 HOST = "momentum_host"  # offload: the momentum in host memory (pinned where a GPU exists)

@@ -28,19 +28,19 @@ the normalised direction returned); the commit stores ``v′`` with the momentum
 
 Expert stacks sharded inside their experts (FSDP2's ``Shard(1)``/``Shard(2)``) or split over
 HSDP's replicas (``Muon(expert_ns="once")``) go through the expert reshard stage
-(``distributed/_expert_shards.py``): ``v`` travels with ``u`` to the members that hold whole
+(``distributed/_stages/expert_shards.py``): ``v`` travels with ``u`` to the members that hold whole
 experts, :func:`normalize` runs there right after Newton–Schulz, and each member gets its rows of
 ``v′`` back with its pieces of the direction; its commit stores them like any other.
 
-Tensor-parallel dedicated weights go through the TP stage (``distributed/_tp/stage.py``): ``v``
-lives on the weight's owner TP group, each member its rows (or all of them where TP cuts the
-input dim: ``_tp/moments.py``); the TP owner normalises the whole matrix right after
+Tensor-parallel dedicated weights go through the TP stage (``distributed/_stages/tp/stage.py``):
+``v`` lives on the weight's owner TP group, each member its rows (or all of them where TP cuts the
+input dim: ``_stages/tp/moments.py``); the TP owner normalises the whole matrix right after
 Newton–Schulz (before a per-head matrix's per-block learning-rate scale, as here), with the
 members' rows of ``v`` gathered there, and sends each member its rows of ``v′``; where every
 member holds whole blocks (per head) it normalises its own. ``v′`` is stored with the momentum
 by the TP stage's commit. Split Newton–Schulz (``dedicate_params(split_size=k)``) gathers the
 whole result back to the owner, which holds the whole ``v`` and normalises there
-(``distributed/_split_step.py``). A stage that would skip the normalisation is refused
+(``distributed/_stages/split_step.py``). A stage that would skip the normalisation is refused
 (:func:`refuse_unsupported`).
 """
 
@@ -234,9 +234,9 @@ def moments_finite(moments: Sequence[Tensor]) -> Tensor:
 def refuse_unsupported(plan, muon_params: Sequence[tuple[Tensor, Layout]]) -> None:
     """Raise ``NotImplementedError`` when ``Muon(normuon=...)`` meets a path that would step
     the matrices without the normalisation: a stage whose class does not say ``normuon_ok``
-    (the expert reshard, ``_expert_shards.py``; tensor parallelism, ``_tp/stage.py``; split
-    Newton–Schulz, ``_split_step.py`` all do), or expert stacks sharded inside their experts
-    without the reshard in the plan. Decided from the plan and the placements, the same on
+    (the expert reshard, ``_stages/expert_shards.py``; tensor parallelism, ``_stages/tp/stage.py``;
+    split Newton–Schulz, ``_stages/split_step.py`` all do), or expert stacks sharded inside their
+    experts without the reshard in the plan. Decided from the plan and the placements, the same on
     every rank, before any collective."""
     stages = [stage for stage in plan.stages if not getattr(stage, "normuon_ok", False)]
     what = next((stage.what for stage in stages), None)  # every stage: ``StepStage.what``

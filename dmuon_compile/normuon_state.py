@@ -4,7 +4,7 @@ The math is ``normuon.py``'s (below the runtime); this is the state ``Muon._init
 shaped by :func:`~dmuon_compile.normuon.moment_shape`, fp32. A parameter that is a DTensor gets
 a DTensor of the same kind, so ``torch.distributed.checkpoint`` saves and reshards it like the
 momentum: a dedicated weight's owner tensor (a one-rank owner mesh: the whole second moment on
-the owner, an empty piece elsewhere), an expert stack (``_expert_shards.moment_placements``:
+the owner, an empty piece elsewhere), an expert stack (``_stages.expert_shards.moment_placements``:
 the stack's mesh and placements, but replicated where they cut the matrices' input dim, which
 the moment reduces to one column: each rank holds every moment of its rows).
 """
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon_compile.distributed._owned import OwnerTensor, is_owned, local_of, make_owned
+from dmuon_compile.distributed._owner.tensor import OwnerTensor, is_owned, local_of, make_owned
 from dmuon_compile.layouts import Layout
 from dmuon_compile.normuon import SECOND_MOMENT, moment_shape
 
@@ -53,13 +53,16 @@ def _zeros(p: Tensor, layout: Layout) -> Tensor:
         held = torch.zeros(shape, dtype=torch.float32, device=local.device) if owner else None
         return make_owned(held, p.device_mesh, shape, torch.float32, local.device)
     if isinstance(p, OwnerTensor):  # a TP weight on its owner TP group
-        from dmuon_compile.distributed._tp.moments import zeros
+        from dmuon_compile.distributed._stages.tp.moments import zeros
 
         return zeros(p, layout)
     # An expert stack (the step refuses other sharded matrices): the local experts' rows, on
     # the stack's mesh and placements, replicated where they cut the matrices' input dim (the
     # expert reshard's ``moment_placements``: it moves them).
-    from dmuon_compile.distributed._expert_shards import local_moment_shape, moment_placements
+    from dmuon_compile.distributed._stages.expert_shards import (
+        local_moment_shape,
+        moment_placements,
+    )
 
     piece = torch.zeros(local_moment_shape(p, layout), dtype=torch.float32, device=local.device)
     stride = torch.empty(shape, device="meta").stride()

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from dmuon_compile import functional as F
 from dmuon_compile import normuon as _normuon
 from dmuon_compile.between_steps import BetweenSteps
-from dmuon_compile.distributed._owned import OwnerTensor, local_of
+from dmuon_compile.distributed._owner.tensor import OwnerTensor, local_of
 from dmuon_compile.distributed.stages import MuonJob, StepHalf, StepNS, StepStage, local_job
 from dmuon_compile.distributed.step_plan import EXPERT_NS, PLAIN_STEP, StepPlan, expert_stage
 from dmuon_compile.layouts import Layout, needs_reshard, whole_expert_shards

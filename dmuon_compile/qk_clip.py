@@ -701,8 +701,8 @@ class QKClip:
     def _note_owner_writes(tensors) -> None:
         """Dedicated weights are about to be written between steps: pending updates land
         first and the next forward publishes (HSDP replicas, TP members)."""
-        owned = sys.modules.get("dmuon_compile.distributed._owned")
+        owned = sys.modules.get("dmuon_compile.distributed._owner.tensor")
         if owned is not None and any(isinstance(t, owned.OwnerTensor) for t in tensors):
-            from dmuon_compile.distributed import _pending
+            from dmuon_compile.distributed._comm import pending as _pending
 
             _pending.before_access(write=True)

@@ -119,7 +119,7 @@ def route_model(
         if chosen and hasattr(p, "to_local") and id(p) not in dedicated:  # FSDP2/TP/EP shard
             layout = _layout_or_none(name, p, module, verdict)
             if layout is not None and (whole_expert_shards(p, layout) or needs_reshard(p, layout)):
-                pass  # whole experts: held, or redistributed for NS (_expert_shards.py)
+                pass  # whole experts: held, or redistributed for NS (_stages/expert_shards.py)
             elif dedicated:
                 chosen = False  # an FSDP2 shard next to dedicated params: NS on a shard is wrong
             else:

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed._c10d_compat import default_group
-from dmuon_compile.distributed._collectives import scalar_device
-from dmuon_compile.distributed._owned import local_of
+from dmuon_compile.distributed._comm import collectives as C
+from dmuon_compile.distributed._comm.collectives import scalar_device
+from dmuon_compile.distributed._compat.c10d import default_group
+from dmuon_compile.distributed._owner.tensor import local_of
 
 # Where a parameter's finite flag came from (a half's ``path``: ``distributed/stages.py``).
 from dmuon_compile.distributed.stages import COMPILED, EAGER, READ, SPLIT

@@ -1,7 +1,7 @@
 """The phases of ``Muon.step`` that can fail on one rank only (named in ``MuonStepError``).
 
 Below both the optimizer and the runtime (``MuonStepError`` names them; the TP phases are the
-optimizer's work on the TP stage's gathered matrices, ``distributed/_tp/stage.py``).
+optimizer's work on the TP stage's gathered matrices, ``distributed/_stages/tp/stage.py``).
 """
 
 from __future__ import annotations

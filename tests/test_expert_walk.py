@@ -1,4 +1,4 @@
-"""``ExpertWalk`` (distributed/_expert_shards.py): who orthogonalises which experts of the
+"""``ExpertWalk`` (distributed/_stages/expert_shards.py): who orthogonalises which experts of the
 stacks sharded inside their experts. Pure bookkeeping, no process group: hypothesis draws walks
 (stacks of local experts and costs over groups of members, dedicated loads) and checks them
 against the rule written out plainly, and the properties the step's balance rests on."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmuon_compile.distributed._expert_shards import ExpertWalk, ns_cost
+from dmuon_compile.distributed._stages.expert_shards import ExpertWalk, ns_cost
 
 stacks = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 5)), min_size=1, max_size=12)
 

@@ -350,8 +350,9 @@ class _Skipping:
 
 
 def test_a_stage_that_would_skip_the_normalisation_is_refused():
-    from dmuon_compile.distributed import _expert_shards, _split_step
-    from dmuon_compile.distributed._tp import stage as tp_stage
+    from dmuon_compile.distributed._stages import expert_shards as _expert_shards
+    from dmuon_compile.distributed._stages import split_step as _split_step
+    from dmuon_compile.distributed._stages.tp import stage as tp_stage
 
     expert = object.__new__(_expert_shards.ExpertReshardStage)
     tp = object.__new__(tp_stage.TPStage)
@@ -365,11 +366,12 @@ def test_a_stage_that_would_skip_the_normalisation_is_refused():
 
 @pytest.mark.parametrize("stage", ["TPStage", "SplitStage"])
 def test_tp_and_split_ns_normalise_and_are_not_refused(stage):
-    """The TP stage normalises each matrix where it is whole (``_tp/stage.py``), split NS on
-    the owner's gathered result (``_split_step.py``); trained against one process in
+    """The TP stage normalises each matrix where it is whole (``_stages/tp/stage.py``), split NS on
+    the owner's gathered result (``_stages/split_step.py``); trained against one process in
     tests/distributed/test_normuon_tp.py: their plans pass."""
-    from dmuon_compile.distributed import _expert_shards, _split_step
-    from dmuon_compile.distributed._tp import stage as tp_stage
+    from dmuon_compile.distributed._stages import expert_shards as _expert_shards
+    from dmuon_compile.distributed._stages import split_step as _split_step
+    from dmuon_compile.distributed._stages.tp import stage as tp_stage
 
     cls = {"TPStage": tp_stage.TPStage, "SplitStage": _split_step.SplitStage}[stage]
     assert cls.normuon_ok
@@ -384,8 +386,8 @@ def test_stacks_cut_inside_experts_need_the_reshard_whatever_other_stages_normal
     """Expert stacks that need the reshard, in a plan without it (a TP stage that normalises
     does not stand in for it): refused; with the reshard in the plan: passed."""
     import dmuon_compile.layouts as layouts
-    from dmuon_compile.distributed import _expert_shards
-    from dmuon_compile.distributed._tp import stage as tp_stage
+    from dmuon_compile.distributed._stages import expert_shards as _expert_shards
+    from dmuon_compile.distributed._stages.tp import stage as tp_stage
 
     class Stack:  # a stack sharded inside its experts, as needs_reshard tells
         pass
@@ -417,11 +419,11 @@ TP_CASES = [  # (layout, global shape, TP shard dim, size): the TP stage's two p
 
 @pytest.mark.parametrize("layout, shape, dim, size", TP_CASES)
 def test_a_tp_weights_second_moment_is_cut_like_its_rows_or_replicated(layout, shape, dim, size):
-    """``_tp/moments.py``: ``v`` is cut along the TP shard dim where that is the output dim
+    """``_stages/tp/moments.py``: ``v`` is cut along the TP shard dim where that is the output dim
     (its rows are the weight's) or where each shard holds whole blocks along the input dim,
     one moment column each and as many on every member; else every member holds all of it.
     The pieces tile ``moment_shape``."""
-    from dmuon_compile.distributed._tp.moments import member_moment_shape, moment_sharded
+    from dmuon_compile.distributed._stages.tp.moments import member_moment_shape, moment_sharded
 
     whole = moment_shape(layout, shape)
     out_dim = 1 if layout.transposed else 0
@@ -450,7 +452,7 @@ def test_the_tp_paths_normalise_as_one_process(layout, shape, dim, size):
     the whole matrix on the owner (v's pieces put together, or a replicated v) with ``v′`` cut
     back the same way; and, where each member holds whole blocks (``local_blocks_layout``) and
     ``v`` is cut like them, each member's own blocks with its piece of ``v``."""
-    from dmuon_compile.distributed._tp.moments import moment_sharded
+    from dmuon_compile.distributed._stages.tp.moments import moment_sharded
     from dmuon_compile.layouts import block_shard_layouts
     from dmuon_compile.normuon import normalize
 
@@ -505,9 +507,9 @@ def test_the_tp_owner_normalises_before_the_blocks_scale(fn):
 
 
 def test_the_expert_reshard_normalises_and_is_not_refused():
-    """The expert reshard normalises whole experts (``_expert_shards.py``; trained against one
-    process in tests/distributed/test_normuon_experts.py): its plan passes."""
-    from dmuon_compile.distributed import _expert_shards
+    """The expert reshard normalises whole experts (``_stages/expert_shards.py``; trained against
+    one process in tests/distributed/test_normuon_experts.py): its plan passes."""
+    from dmuon_compile.distributed._stages import expert_shards as _expert_shards
 
     assert _expert_shards.ExpertReshardStage.normuon_ok
     refuse_unsupported(StepPlan(stages=(object.__new__(_expert_shards.ExpertReshardStage),)), [])

@@ -269,7 +269,9 @@ def test_the_runtime_does_not_import_the_optimizer():
 def test_import_graph_check_has_teeth():
     late = "def f():\n    from dmuon_compile import optimizer as O\n"
     relative = "from ..optimizer import Muon\n"
-    assert "dmuon_compile.optimizer" in imported_modules(late, "dmuon_compile.distributed._tp")
+    assert "dmuon_compile.optimizer" in imported_modules(
+        late, "dmuon_compile.distributed._stages.tp"
+    )
     assert "dmuon_compile.optimizer" in imported_modules(relative, "dmuon_compile.distributed.x")
     assert "dmuon_compile.optimizer" not in imported_modules(
         "from dmuon_compile.routing import route_model\n", "dmuon_compile.distributed.x"
@@ -471,7 +473,10 @@ def test_the_circle_check_has_teeth():
     """The control: the circles the package used to have, planted back, are found, late imports
     and ``TYPE_CHECKING`` imports included; an ``__init__.py`` re-export is not one."""
     late = "def f():\n    from dmuon_compile.newton_schulz import get_ns_backend\n"
-    typed = "if TYPE_CHECKING:\n    from dmuon_compile.distributed._split_step import SplitGroup\n"
+    typed = (
+        "if TYPE_CHECKING:\n"
+        "    from dmuon_compile.distributed._stages.split_step import SplitGroup\n"
+    )
     uses_plan = "from dmuon_compile.step_plan import TPStep\n"
     face, through_face = "from ._runtime import x\n", "from dmuon_compile.distributed import x\n"
     planted = [
@@ -482,8 +487,16 @@ def test_the_circle_check_has_teeth():
             "from . import kernel_choice\n",
         ),
         ("dmuon_compile/step_plan.py", "dmuon_compile.step_plan", typed),
-        ("dmuon_compile/distributed/_split_step.py", "dmuon_compile.distributed._split_step", ""),
-        ("dmuon_compile/distributed/_runtime.py", "dmuon_compile.distributed._runtime", uses_plan),
+        (
+            "dmuon_compile/distributed/_stages/split_step.py",
+            "dmuon_compile.distributed._stages.split_step",
+            "",
+        ),
+        (
+            "dmuon_compile/distributed/_runtime/runtime.py",
+            "dmuon_compile.distributed._runtime.runtime",
+            uses_plan,
+        ),
         ("dmuon_compile/distributed/__init__.py", "dmuon_compile.distributed.__init__", face),
         ("dmuon_compile/dedicate.py", "dmuon_compile.dedicate", through_face),
     ]
@@ -494,6 +507,108 @@ def test_the_circle_check_has_teeth():
         ["dmuon_compile/kernel_choice.py", "dmuon_compile/newton_schulz.py"],
     ]
     assert "dmuon_compile/dedicate.py" not in room_edges(edges)  # only a face: no edge
+
+
+# ------------------------------------------------------------ distributed/: its rooms in layers
+
+# The private rooms of ``distributed/``, lowest first: a room's modules import no room after it.
+# The public modules beside them are files of their own (the circle check above holds them).
+DISTRIBUTED_ROOMS = ("_compat", "_comm", "_owner", "_stages", "_runtime")
+
+
+def imported_names(source: str, module: str) -> set[str]:
+    """Every dotted name ``source`` imports, late and relative imports included; ``from a import
+    b`` gives ``a`` and ``a.b`` (``b`` may be a module of the package ``a``)."""
+    import ast
+
+    package = module.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return out
+
+
+def distributed_room(name: str) -> str | None:
+    """The room of ``distributed/`` a module (or a name in one) is in; ``None`` outside them."""
+    parts = name.split(".")
+    if parts[:2] == ["dmuon_compile", "distributed"] and len(parts) > 2:
+        return parts[2] if parts[2] in DISTRIBUTED_ROOMS else None
+    return None
+
+
+def upward_room_imports(modules) -> dict[str, list[str]]:
+    """``{path: the rooms after its own it imports}`` over the modules of the rooms."""
+    found = {}
+    for rel, module, text in modules:
+        room = distributed_room(module)
+        if room is None:
+            continue
+        rank = DISTRIBUTED_ROOMS.index(room)
+        rooms = {distributed_room(n) for n in imported_names(text, module)} - {None}
+        above = sorted(r for r in rooms if DISTRIBUTED_ROOMS.index(r) > rank)
+        if above:
+            found[rel] = above
+    return found
+
+
+def test_the_distributed_rooms_are_layered():
+    """torch's internals (``_compat/``), then the collectives and the pending queue
+    (``_comm/``), the owner tensors (``_owner/``), the step's stages (``_stages/``) and the
+    runtime (``_runtime/``): each room imports only the rooms before it."""
+    folder = ROOT / "dmuon_compile" / "distributed"
+    assert {p.parent.name for p in folder.glob("*/__init__.py")} == set(DISTRIBUTED_ROOMS)
+    violations = upward_room_imports(package_modules())
+    assert not violations, violations
+
+
+def test_the_room_check_has_teeth():
+    """The control: an import up the rooms is found however it is written (by module, late and
+    relative, by name through the folder's face, for type checking only); down, none is."""
+    planted = [
+        (
+            "dmuon_compile/distributed/_owner/tensor.py",
+            "dmuon_compile.distributed._owner.tensor",
+            "from dmuon_compile.distributed._runtime.runtime import DedicatedRuntime\n",
+        ),
+        (
+            "dmuon_compile/distributed/_comm/pending.py",
+            "dmuon_compile.distributed._comm.pending",
+            "def f():\n    from .._owner import param\n",
+        ),
+        (
+            "dmuon_compile/distributed/_stages/tp/param.py",
+            "dmuon_compile.distributed._stages.tp.param",
+            "from dmuon_compile.distributed import _runtime\n",
+        ),
+        (
+            "dmuon_compile/distributed/_compat/fsdp.py",
+            "dmuon_compile.distributed._compat.fsdp",
+            "if TYPE_CHECKING:\n    from dmuon_compile.distributed._stages import split_step\n",
+        ),
+    ]
+    assert set(upward_room_imports(planted)) == {p[0] for p in planted}
+    clean = [
+        (
+            "dmuon_compile/distributed/_runtime/group.py",
+            "dmuon_compile.distributed._runtime.group",
+            "from dmuon_compile.distributed._owner import param\nfrom .. import step_plan\n",
+        ),
+        (
+            "dmuon_compile/distributed/step_plan.py",
+            "dmuon_compile.distributed.step_plan",
+            "from dmuon_compile.distributed._stages import expert_shards\n",
+        ),
+    ]
+    assert upward_room_imports(clean) == {}
 
 
 # ---------------------------------------------------------------- DMUON_* variables: env.py
@@ -584,10 +699,10 @@ def test_the_env_check_has_teeth():
 # ``kernels/`` read theirs through ``dmuon_compile/_compat.py``: neither folder has its own.
 COMPAT_MODULES = {
     "dmuon_compile/_compat.py",
-    "dmuon_compile/distributed/_dtensor_compat.py",
-    "dmuon_compile/distributed/_fsdp_compat.py",
-    "dmuon_compile/distributed/_autograd_compat.py",
-    "dmuon_compile/distributed/_c10d_compat.py",
+    "dmuon_compile/distributed/_compat/dtensor.py",
+    "dmuon_compile/distributed/_compat/fsdp.py",
+    "dmuon_compile/distributed/_compat/autograd.py",
+    "dmuon_compile/distributed/_compat/c10d.py",
 }
 PRIVATE_TORCH = re.compile(
     r"\btorch\._(?!foreach_|_)\w|\b_C\.|distributed_c10d\._|\._get_fsdp_state\b|"
@@ -636,7 +751,7 @@ def test_private_torch_apis_are_read_in_the_compat_modules_only():
     offenders = private_torch_readers(package_modules())
     assert not offenders, (
         "private torch APIs outside the compat modules (read them through "
-        f"dmuon_compile/_compat.py or distributed/_*_compat.py): {offenders}"
+        f"dmuon_compile/_compat.py or distributed/_compat/): {offenders}"
     )
     assert all((ROOT / rel).is_file() for rel in COMPAT_MODULES)
 

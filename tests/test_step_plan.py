@@ -141,11 +141,11 @@ class _Group:
 
 
 def test_the_step_side_needs_only_the_groups_and_the_comm_context():
-    """``StepSide`` (``distributed/_runtime_step.py``), held by the runtime: without HSDP and TP
+    """``StepSide`` (``distributed/_runtime/step.py``), held by the runtime: without HSDP and TP
     the plain plan; with two HSDP groups the first forward group's masters stepped first and
     published at once, the rest published last, each once."""
-    from dmuon_compile.distributed._pending import CommContext
-    from dmuon_compile.distributed._runtime_step import StepSide
+    from dmuon_compile.distributed._comm.pending import CommContext
+    from dmuon_compile.distributed._runtime.step import StepSide
 
     assert StepSide([], CommContext(), record_profile=False).plan() is PLAIN_STEP
     log: list = []
@@ -175,8 +175,9 @@ def test_a_dense_step_has_no_stages_and_runs_none_of_their_code(monkeypatch):
     reshard code (every entry point patched to raise); after the first step (which looks for
     expert stacks once) not even the question whether a matrix needs a reshard is asked."""
     from dmuon_compile import layouts
-    from dmuon_compile.distributed import _expert_shards, _split_step
-    from dmuon_compile.distributed._tp import stage as tp_stage
+    from dmuon_compile.distributed._stages import expert_shards as _expert_shards
+    from dmuon_compile.distributed._stages import split_step as _split_step
+    from dmuon_compile.distributed._stages.tp import stage as tp_stage
 
     for cls in (_split_step.SplitStage, tp_stage.TPStage, _expert_shards.ExpertReshardStage):
         for name in ("__init__", "directions", "commit", "abort"):
@@ -224,12 +225,12 @@ def test_split_tp_and_expert_plans_get_their_stage(one_rank, monkeypatch):
 
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from dmuon_compile.distributed import _expert_shards
-    from dmuon_compile.distributed._pending import CommContext
-    from dmuon_compile.distributed._runtime import DedicatedRuntime
-    from dmuon_compile.distributed._runtime_step import StepSide
-    from dmuon_compile.distributed._split_step import SplitStage
-    from dmuon_compile.distributed._tp.stage import TPStage
+    from dmuon_compile.distributed._comm.pending import CommContext
+    from dmuon_compile.distributed._runtime.runtime import DedicatedRuntime
+    from dmuon_compile.distributed._runtime.step import StepSide
+    from dmuon_compile.distributed._stages import expert_shards as _expert_shards
+    from dmuon_compile.distributed._stages.split_step import SplitStage
+    from dmuon_compile.distributed._stages.tp.stage import TPStage
     from dmuon_compile.layouts import Layout, set_layout
 
     tp = object.__new__(TPStage)

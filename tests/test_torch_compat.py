@@ -12,19 +12,17 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_compile import _compat
 from dmuon_compile._compat import PRIVATE_APIS, TorchInternalsError
-from dmuon_compile.distributed import (
-    _autograd_compat,
-    _c10d_compat,  # noqa: F401 - registers its APIs
-    _dtensor_compat,
-    _fsdp_compat,
-)
+from dmuon_compile.distributed._compat import autograd as _autograd_compat
+from dmuon_compile.distributed._compat import c10d as _c10d_compat  # noqa: F401 - registers its APIs
+from dmuon_compile.distributed._compat import dtensor as _dtensor_compat
+from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
 
 AREAS = {
     "_compat.py",
-    "distributed/_dtensor_compat.py",
-    "distributed/_fsdp_compat.py",
-    "distributed/_autograd_compat.py",
-    "distributed/_c10d_compat.py",
+    "distributed/_compat/dtensor.py",
+    "distributed/_compat/fsdp.py",
+    "distributed/_compat/autograd.py",
+    "distributed/_compat/c10d.py",
 }
 
 

@@ -8,8 +8,8 @@ cluster shape. torch's ``get_model_state_dict(full_state_dict=True)`` gathers ea
 ``redistribute(Replicate)``, which an owner tensor answers with the whole weight on every rank
 (a plain dedicated weight, or a TP weight's shards from its owner group), so that works too,
 and so do torch's full-state loads, ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
-``full_state_dict=True`` (with or without ``broadcast_from_rank0``; ``_owned.py`` says how), the
-HF Trainer's FSDP2 ``FULL_STATE_DICT`` checkpoints included. The two helpers here are the
+``full_state_dict=True`` (with or without ``broadcast_from_rank0``; ``_owner/tensor.py`` says how),
+the HF Trainer's FSDP2 ``FULL_STATE_DICT`` checkpoints included. The two helpers here are the
 full-state-dict pair: one dict with every tensor whole and a copy (for ``torch.save``, HF
 ``save_pretrained(state_dict=...)``, or a single-process model), and its way back in.
 """

@@ -1,7 +1,7 @@
 """``dmuon.clip_grad_norm_``: a thin alias of ``torch.nn.utils.clip_grad_norm_``.
 
 Dedicated gradients are ``OwnerTensor`` DTensors whose norms land on FSDP2's mesh (on a TP
-model, on the DP × TP mesh, with FSDP2's norms lifted onto it; ``_owner_norms.py``), so torch's own
+model, on the DP × TP mesh, with FSDP2's norms lifted onto it; ``_owner/norms.py``), so torch's own
 ``clip_grad_norm_(model.parameters(), max_norm)`` sees them and returns the norm one process
 would. This alias also accepts the model itself and returns the norm as a plain 0-d tensor
 (torch returns a DTensor when the gradients are DTensors: call ``.full_tensor()`` on it).

@@ -2,11 +2,11 @@
 
 Each dedicated weight stays a registered parameter of its module under its original name: an
 ``nn.Parameter`` holding a DTensor of its global shape on its owner's one-rank mesh (whole on the
-owner, empty elsewhere; ``_owned.py``), the way FSDP2 registers its sharded parameters as
+owner, empty elsewhere; ``_owner/tensor.py``), the way FSDP2 registers its sharded parameters as
 ``Shard(0)`` DTensors. Its module's class becomes a holder subclass
-(``_holder.py``) so that the user's plain ``fully_shard(block); fully_shard(model)`` calls (made
-afterwards, the documented order) leave it alone. The group hooks (``_runtime.py``) swap the
-unsharded compute copy in for forward and backward. The design, tensor by tensor:
+(``_owner/holder.py``) so that the user's plain ``fully_shard(block); fully_shard(model)`` calls
+(made afterwards, the documented order) leave it alone. The group hooks (``_runtime/runtime.py``)
+swap the unsharded compute copy in for forward and backward. The design, tensor by tensor:
 docs/dedicated_params.md.
 
 The planning (which weights, their layouts and hook groups, the owner plan) is
@@ -16,7 +16,7 @@ The planning (which weights, their layouts and hook groups, the owner plan) is
 HSDP (``replicate_mesh`` of size R > 1 next to the shard mesh of size S): the plan balances the
 owners over all R × S ranks, so every matrix has exactly one global owner and Newton–Schulz
 runs once per matrix in the whole job; the owner's shard coordinate in the other replicas keeps
-a copy that the replicate broadcast refreshes after each step (see ``_replicate.py``).
+a copy that the replicate broadcast refreshes after each step (see ``_runtime/replicate.py``).
 """
 
 from __future__ import annotations
@@ -33,16 +33,18 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_compile import env
 from dmuon_compile.dedicated_registry import attach_runtime, runtime_of
-from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed import _fsdp_compat, _tp, mesh_checks
-from dmuon_compile.distributed._dedicated_group import DedicatedGroup
-from dmuon_compile.distributed._dedicated_param import DedicatedParam
-from dmuon_compile.distributed._holder import make_holder, mark_ancestors
-from dmuon_compile.distributed._owner_init import key_fills
-from dmuon_compile.distributed._owner_meshes import owner_mesh, set_dp_mesh
-from dmuon_compile.distributed._replicate import ReplicateStage
-from dmuon_compile.distributed._runtime import DedicatedRuntime
-from dmuon_compile.distributed._split_step import build_split_groups
+from dmuon_compile.distributed import mesh_checks
+from dmuon_compile.distributed._comm import collectives as C
+from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
+from dmuon_compile.distributed._owner.holder import make_holder, mark_ancestors
+from dmuon_compile.distributed._owner.init import key_fills
+from dmuon_compile.distributed._owner.meshes import owner_mesh, set_dp_mesh
+from dmuon_compile.distributed._owner.param import DedicatedParam
+from dmuon_compile.distributed._runtime.group import DedicatedGroup
+from dmuon_compile.distributed._runtime.replicate import ReplicateStage
+from dmuon_compile.distributed._runtime.runtime import DedicatedRuntime
+from dmuon_compile.distributed._stages import tp as _tp
+from dmuon_compile.distributed._stages.split_step import build_split_groups
 from dmuon_compile.distributed.owner_plan import (
     MatrixSpec,
     OwnerPlan,
@@ -663,7 +665,7 @@ def dedicate_params(
     runtime.split = build_split_groups(
         plan, {dp.fqn: dp.param for dp in params}, rank_grid, timeout
     )
-    for dp in params:  # random fills of the weight draw from its own generator (_owner_init.py)
+    for dp in params:  # random fills of the weight draw from its own generator (_owner/init.py)
         if dp.owns:
             shard = tp.rank if isinstance(dp, _tp.TPDedicatedParam) else 0
             key_fills(dp.param, dp.fqn, shard)

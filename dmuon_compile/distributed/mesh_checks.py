@@ -1,6 +1,6 @@
 """Mesh validation for ``dedicate_params``: shard mesh, HSDP replicate mesh (TP detection:
-``_tp.detect_tp``, with :data:`TP_ERROR`). The fix snippets in the errors name the job's device
-type (:func:`job_device_type`): ``init_device_mesh("cpu", ...)`` on a gloo job on CPUs."""
+``_stages.tp.detect_tp``, with :data:`TP_ERROR`). The fix snippets in the errors name the job's
+device type (:func:`job_device_type`): ``init_device_mesh("cpu", ...)`` on a gloo job on CPUs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dmuon_compile.distributed import _dtensor_compat, _fsdp_compat
+from dmuon_compile.distributed._compat import dtensor as _dtensor_compat
+from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
 
 
 def job_device_type(mesh=None) -> str:

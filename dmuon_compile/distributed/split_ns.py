@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon_compile.distributed import _collectives
+from dmuon_compile.distributed._comm import collectives as _collectives
 from dmuon_compile.newton_schulz import NewtonSchulz, frobenius_norm, normalize
 
 Bounds = list[tuple[int, int]]

@@ -1,12 +1,12 @@
 """Stages: the one seam through which a matrix's Newton–Schulz in ``Muon.step`` reaches other ranks.
 
 A stage (:class:`StepStage`) takes its matrices out of the step's jobs and orthogonalises them
-with other ranks: the TP stage (``_tp/stage.py``: Nesterov inputs gathered to each matrix's TP
-owner, NS there, the update's shards scattered back), split NS (``_split_step.py``: a group of
-ranks shares one owner's NS) and the expert reshard (``_expert_shards.py``: stacks sharded inside
-their experts, NS on whole experts). The step's plan lists them in the order every rank walks
-them (``step_plan.StepPlan.stages``); a dense model's plan has none, and its step runs none of
-their code.
+with other ranks: the TP stage (``_stages/tp/stage.py``: Nesterov inputs gathered to each matrix's
+TP owner, NS there, the update's shards scattered back), split NS (``_stages/split_step.py``: a
+group of ranks shares one owner's NS) and the expert reshard (``_stages/expert_shards.py``: stacks
+sharded inside their experts, NS on whole experts). The step's plan lists them in the order every
+rank walks them (``step_plan.StepPlan.stages``); a dense model's plan has none, and its step runs
+none of their code.
 
 ``Muon`` keeps the local math. Per step it hands every stage, in order and eagerly (collectives,
 meshes and process groups never enter a traced step), the jobs (:class:`MuonJob`), its
@@ -26,14 +26,14 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 
 from torch import Tensor
 
-from dmuon_compile.distributed._owned import is_owned, local_of
+from dmuon_compile.distributed._owner.tensor import is_owned, local_of
 from dmuon_compile.layouts import whole_expert_shards
 
 # Where a Muon half's finite flags came from (``StepHalf.path``, the agreement's error names it):
 # the compiled directions (NS's norms of u = g + μ·buf), the eager directions (NS's output, NaN
 # wherever u held a NaN/Inf) or a direct read of the gradient (and the Muon momentum buffer) in
 # ``StepAgreement.check_finite``; or the split NS's output, which a group of ranks computed
-# (``_split_step.py``: NaN wherever u or a member's piece was).
+# (``_stages/split_step.py``: NaN wherever u or a member's piece was).
 COMPILED, EAGER, READ, SPLIT = "compiled", "eager", "read", "split"
 
 

@@ -63,8 +63,9 @@ class StepPlan:
     # leaving them in flight for the next forward (``Muon(replicate_async=False)``).
     finish: Callable[[bool], None] = _publish_nothing
     # The ways Newton–Schulz reaches other ranks (``stages.StepStage``), in the order every rank
-    # walks them: split NS (``_split_step.SplitStage``), the TP stage (``_tp/stage.TPStage``),
-    # the expert reshard (``_expert_shards.ExpertReshardStage``). None on a dense model.
+    # walks them: split NS (``_stages.split_step.SplitStage``), the TP stage
+    # (``_stages.tp.stage.TPStage``), the expert reshard
+    # (``_stages.expert_shards.ExpertReshardStage``). None on a dense model.
     stages: tuple[StepStage, ...] = ()
 
     def adding(self, *stages: StepStage) -> StepPlan:
@@ -84,10 +85,10 @@ EXPERT_NS = ("per_replica", "once")
 def expert_stage(
     matrices: list[tuple[Tensor, Layout]], expert_ns: str = "per_replica"
 ) -> StepStage | None:
-    """The expert reshard stage (``_expert_shards.ExpertReshardStage``) of ``matrices`` (every
-    Muon matrix with its layout: the optimizer's routing decides the layouts, so the optimizer
-    asks, once per set of matrices), or ``None`` when none of them is an expert stack sharded
-    inside its experts — nor, with ``expert_ns="once"``, replicated over HSDP's replicate
+    """The expert reshard stage (``_stages.expert_shards.ExpertReshardStage``) of ``matrices``
+    (every Muon matrix with its layout: the optimizer's routing decides the layouts, so the
+    optimizer asks, once per set of matrices), or ``None`` when none of them is an expert stack
+    sharded inside its experts — nor, with ``expert_ns="once"``, replicated over HSDP's replicate
     dim: a dense model's step never reaches the reshard's code.
 
     >>> import torch
@@ -106,6 +107,6 @@ def expert_stage(
     )
     if not stacks:
         return None
-    from dmuon_compile.distributed._expert_shards import ExpertReshardStage
+    from dmuon_compile.distributed._stages.expert_shards import ExpertReshardStage
 
     return ExpertReshardStage(stacks, tuple(matrices), split_replicas=once)

@@ -3,7 +3,7 @@ or ``Shard(1)`` inside experts), their bytes, NS and reshard traffic per rank.""
 
 from __future__ import annotations
 
-from dmuon_compile.distributed._expert_shards import ExpertWalk, chunk_size, ns_cost
+from dmuon_compile.distributed._stages.expert_shards import ExpertWalk, chunk_size, ns_cost
 from dmuon_compile.plan.momentum import MomentumCost
 from dmuon_compile.plan.report import NS_WORK_ITEMSIZE, WORKING_SET_FACTOR
 
@@ -126,7 +126,7 @@ def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem
 
 
 def _ep_reshard(ctx: _EPContext, layout, shape, local: int, F: int, a: int, b: int, item) -> None:
-    """A ``Shard(1)`` stack's step (``distributed/_expert_shards.py``): per efsdp group (one
+    """A ``Shard(1)`` stack's step (``distributed/_stages/expert_shards.py``): per efsdp group (one
     per EP rank ``e`` and replica ``r``), an all-to-all among the ranks that hold rows of the
     same ``local`` experts gives member ``f`` ``m`` of them whole (``ExpertWalk``, as the step
     walks it: none for some when ``local < F``); after NS the inverse brings the result back to

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dmuon_compile.distributed._expert_shards import ExpertWalk, ns_cost
-from dmuon_compile.distributed._tp.plan import local_shard_layouts
+from dmuon_compile.distributed._stages.expert_shards import ExpertWalk, ns_cost
+from dmuon_compile.distributed._stages.tp.plan import local_shard_layouts
 from dmuon_compile.ns_rates import NSRates, TargetFlops, default_stack_bytes, useful_flops
 from dmuon_compile.plan.experts import (
     _check_ep,
@@ -504,7 +504,7 @@ def _dedicated_comm(per_shard: _PerShard, groups, column_numel, R, S, unshards) 
     gradient reduce-scatter over the shard group, owner-packed as ``DedicatedGroup.build``
     packs them (each rank receives the buffer less its own chunk); HSDP adds per group one
     reduce and one broadcast of this rank's column chunk over the replicate group."""
-    from dmuon_compile.distributed._dedicated_group import MAX_GATHER_PADDING
+    from dmuon_compile.distributed._runtime.group import MAX_GATHER_PADDING
 
     for (key, citem, ritem), col in column_numel.items():
         chunk: dict[int, int] = {}

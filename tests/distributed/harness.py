@@ -342,7 +342,7 @@ def whole_tensor(p, plain_collectives: bool | None = None):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from dmuon_compile.distributed._owned import OwnerTensor
+    from dmuon_compile.distributed._owner.tensor import OwnerTensor
 
     if not isinstance(p, DTensor) or isinstance(p, OwnerTensor):
         return p.full_tensor()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon_compile.distributed._dedicated_group import GroupState
+from dmuon_compile.distributed._runtime.group import GroupState
 
 from . import models
 from .harness import local_device, run_ranks, train_steps
@@ -67,7 +67,7 @@ def _train(rank: int, world: int, config: str, device: str = "cpu"):
 
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
-    from dmuon_compile.distributed._dedicated_group import DedicatedGroup
+    from dmuon_compile.distributed._runtime.group import DedicatedGroup
 
     dev = local_device(device)
     mesh = init_device_mesh(device, (world,))
@@ -158,7 +158,7 @@ def _reentrant(rank: int, world: int, device: str = "cpu") -> str:
 def _all(rank: int, world: int, device: str = "cpu"):
     """Every configuration, the reentrant error and the controls; on CUDA also each
     configuration's peak of allocated device memory on this rank (``peak_bytes``)."""
-    from dmuon_compile.distributed._runtime import DedicatedRuntime
+    from dmuon_compile.distributed._runtime.runtime import DedicatedRuntime
 
     out, peaks = {}, {}
     for config in CONFIGS:

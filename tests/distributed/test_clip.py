@@ -71,7 +71,8 @@ def test_bad_norm_type():
 
 def _clip_tp(rank, world, dp, attention, use_torch, control, device="cpu"):
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _owner_meshes, dedicated_runtime, mesh_checks
+    from dmuon_compile.distributed import dedicated_runtime, mesh_checks
+    from dmuon_compile.distributed._owner import meshes as _owner_meshes
 
     from .test_tp import build_tp
 

@@ -64,8 +64,8 @@ def _count_groups(rank, world):
     import torch.distributed as dist
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _collectives as C
     from dmuon_compile.distributed import dedicated_runtime
+    from dmuon_compile.distributed._comm import collectives as C
 
     from .test_tp import _muon
 
@@ -112,7 +112,7 @@ def _mesh_timeouts() -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon_compile.distributed import _collectives as C
+    from dmuon_compile.distributed._comm import collectives as C
 
     names = ("replicate", "shard")
     plain = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)

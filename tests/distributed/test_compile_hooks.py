@@ -25,7 +25,7 @@ STEPS = 3
 
 def _trace_hooks() -> None:
     """The control: register the hooks without ``torch.compiler.disable``."""
-    from dmuon_compile.distributed import _runtime
+    from dmuon_compile.distributed._runtime import runtime as _runtime
 
     _runtime._eager_hook = lambda fn: fn
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon_compile.distributed._dedicated_group import GroupState
-from dmuon_compile.distributed._runtime import RuntimeState
+from dmuon_compile.distributed._runtime.group import GroupState
+from dmuon_compile.distributed._runtime.runtime import RuntimeState
 
 from . import models
 from .harness import full_state, local_device, run_ranks
@@ -46,9 +46,10 @@ def _accum_distributed(rank, world, device="cpu", keep=False):
     last (as torch's pipeline schedules set it): the dedicated groups stay unsharded, so the
     next micro-batch's forward gathers nothing."""
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _fsdp_compat, dedicated_runtime
-    from dmuon_compile.distributed._autograd_compat import in_backward
-    from dmuon_compile.distributed._dedicated_group import DedicatedGroup
+    from dmuon_compile.distributed import dedicated_runtime
+    from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
+    from dmuon_compile.distributed._compat.autograd import in_backward
+    from dmuon_compile.distributed._runtime.group import DedicatedGroup
 
     model, _ = models.build_dedicated(world, device=device)
     opt = dmuon.Muon(model, ns_backend=_ns(), **HYPER)
@@ -395,7 +396,7 @@ def _private_groups(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from dmuon_compile.distributed import _collectives as C
+    from dmuon_compile.distributed._comm import collectives as C
 
     flat = init_device_mesh("cpu", (world,))
     own = C.private_group(flat)

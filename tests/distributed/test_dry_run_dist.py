@@ -155,7 +155,7 @@ def _transforms(p) -> dict:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
-    from dmuon_compile.distributed._expert_shards import whole_expert_placements
+    from dmuon_compile.distributed._stages.expert_shards import whole_expert_placements
 
     src = p._spec
     dst = DTensorSpec(src.mesh, whole_expert_placements(p.placements), tensor_meta=src.tensor_meta)
@@ -181,7 +181,7 @@ def _real_ep(rank: int, world: int) -> dict:
     from torch.distributed.tensor import Shard
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _expert_shards as es
+    from dmuon_compile.distributed._stages import expert_shards as es
     from dmuon_compile.distributed.step_plan import PLAIN_STEP
 
     from . import moe_models

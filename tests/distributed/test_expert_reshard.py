@@ -1,5 +1,5 @@
 """The direct reshard of expert stacks sharded inside their experts
-(``distributed/_expert_shards.py``: an all-to-all over each in-expert mesh dim) against the
+(``distributed/_stages/expert_shards.py``: an all-to-all over each in-expert mesh dim) against the
 reference through ``DTensor.redistribute``, on 2 and 4 gloo ranks: hypothesis draws the stacks'
 shapes, expert counts and mesh layouts (1-D, ep × efsdp, HSDP replicate × shard, two in-expert
 dims, stacks replicated whole), uneven pieces and shares included; one spawn per drawn batch.
@@ -86,7 +86,7 @@ def _compare(rank: int, world: int, cases: list) -> list:
     from torch.distributed.tensor import distribute_tensor
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _expert_shards as es
+    from dmuon_compile.distributed._stages import expert_shards as es
 
     meshes = {}
     lay = dmuon.Layout.experts()
@@ -302,7 +302,7 @@ def _fallback(rank: int, world: int) -> dict:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _expert_shards as es
+    from dmuon_compile.distributed._stages import expert_shards as es
 
     calls = []
     original = es._all_to_all

@@ -96,8 +96,8 @@ def test_dead_or_frozen_peer_ends_every_survivor(where, how):
 def _group_timeouts(rank, world):
     import torch.distributed as dist
 
-    from dmuon_compile.distributed import _collectives as C
     from dmuon_compile.distributed import dedicated_runtime
+    from dmuon_compile.distributed._comm import collectives as C
 
     model, _ = _dedicated_only_model(rank, world)
     plain = dist.new_group([0, 1])  # what the runtime's groups got before: torch's default

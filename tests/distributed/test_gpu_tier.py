@@ -539,7 +539,7 @@ def test_one_rank_failure_in_step_raises_everywhere_then_trains_exactly(
 def _gqa_counted(rank, world, device):
     """GQA training with every unshard's and reduce's collectives counted; the padding
     threshold at 0 so 2 ranks take the uneven path (as 4+ ranks do on their own)."""
-    from dmuon_compile.distributed import _dedicated_group as G
+    from dmuon_compile.distributed._runtime import group as G
 
     G.MAX_GATHER_PADDING = 0.0
     return gqa.train(rank, world, gqa.STEPS, gqa._count_group_collectives(), device)

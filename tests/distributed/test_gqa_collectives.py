@@ -2,7 +2,7 @@
 collective launch per unshard and one per gradient reduce, and train like one process.
 
 The collectives are counted by a wrapper around every ``torch.distributed`` collective the
-runtime can reach (and ``_collectives``' bound all-gather / reduce-scatter), attributed to the
+runtime can reach (and ``_comm.collectives``' bound all-gather / reduce-scatter), attributed to the
 group method that issued them (``_issue_unshard``, ``reduce_grads``). The control replaces the
 uneven collectives with one broadcast / reduce per owner (what such groups cost before): the
 same counter then sees one launch per owner.
@@ -46,8 +46,8 @@ def _count_group_collectives() -> list[dict]:
     list that fills with one ``{"phase", "group", "ops"}`` per unshard / reduce issued."""
     import torch.distributed as dist
 
-    from dmuon_compile.distributed import _collectives as C
-    from dmuon_compile.distributed import _dedicated_group as G
+    from dmuon_compile.distributed._comm import collectives as C
+    from dmuon_compile.distributed._runtime import group as G
 
     calls: list[dict] = []
     current: list = [None]
@@ -103,7 +103,7 @@ def _use_per_owner_collectives() -> None:
     """The control: one broadcast / reduce per owner instead of one uneven collective."""
     import torch.distributed as dist
 
-    from dmuon_compile.distributed import _collectives as C
+    from dmuon_compile.distributed._comm import collectives as C
 
     def gather(chunks, group):
         return _Works([C.broadcast(c, r, group) for r, c in enumerate(chunks) if c.numel()])
@@ -164,7 +164,7 @@ def _all_cases(rank: int, world: int) -> dict:
       uneven chunks, as they do on their own from 4 ranks on, 38%);
     - ``per_owner``: the control, one step with one broadcast / reduce per owner, counted.
     """
-    from dmuon_compile.distributed import _dedicated_group as G
+    from dmuon_compile.distributed._runtime import group as G
 
     out = {"roundtrip": _uneven_roundtrip(rank, world, "cpu")}
     G.MAX_GATHER_PADDING = 0.0
@@ -249,7 +249,7 @@ def _uneven_roundtrip(rank: int, world: int, device: str):
     """``all_gather_v`` / ``reduce_scatter_v_sum`` on chunks of different sizes, one empty."""
     import torch.distributed as dist
 
-    from dmuon_compile.distributed import _collectives as C
+    from dmuon_compile.distributed._comm import collectives as C
 
     dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
     sizes = _sizes(world)

@@ -109,7 +109,7 @@ def _grads(rank, world, setting, dedicated, hsdp):
 
 
 def _all_settings(rank, world, names, hsdp):
-    from dmuon_compile.distributed import _fsdp_compat
+    from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
 
     out = {}
     for name in names:
@@ -278,7 +278,7 @@ def test_settings_that_cannot_be_followed_raise_naming_the_fix(one_d):
 
 
 def test_fsdp_internals_moved_raise():
-    from dmuon_compile.distributed import _fsdp_compat
+    from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
 
     class State:
         _fsdp_param_groups = [object()]  # a parameter group without the settings
@@ -287,7 +287,7 @@ def test_fsdp_internals_moved_raise():
         def _get_fsdp_state(self):
             return State()
 
-    with pytest.raises(RuntimeError, match="_fsdp_compat.py"):
+    with pytest.raises(RuntimeError, match="_compat/fsdp.py"):
         _fsdp_compat.grad_reduction(Module())
 
 
@@ -295,7 +295,7 @@ def test_fsdp_internals_moved_raise():
 @pytest.mark.parametrize("factor", [1.0, 2.0, 3.0, 8.0, 12.0])
 def test_divide_split_matches_fsdp(dtype, factor):
     """The pre/post split of the divide factor is FSDP2's (its private helper, where present)."""
-    from dmuon_compile.distributed import _fsdp_compat
+    from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
 
     collectives = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_collectives")
     theirs = getattr(collectives, "_get_gradient_divide_factors", None)

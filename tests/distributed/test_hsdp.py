@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from dmuon_compile.distributed._dedicated_group import GroupState
+from dmuon_compile.distributed._runtime.group import GroupState
 
 from . import models
 from .harness import full_state, local_device, run_ranks, run_ranks_expect_errors, train_steps
@@ -230,7 +230,7 @@ DEEP = 6  # layers: more hook groups than replicate reduces may be in flight
 
 
 def _deep_2x1(rank, world):
-    from dmuon_compile.distributed import _runtime
+    from dmuon_compile.distributed._runtime import runtime as _runtime
 
     bounded = train_hsdp(rank, world, 2, 3, True, layers=DEEP)
     _runtime.REPLICATE_REDUCES_IN_FLIGHT = 10**6  # control: every group's sums until the end
@@ -484,7 +484,8 @@ def _early_publish_order(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _replicate, dedicated_runtime
+    from dmuon_compile.distributed import dedicated_runtime
+    from dmuon_compile.distributed._runtime import replicate as _replicate
 
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     model = models.build_llama()

@@ -210,7 +210,7 @@ def train_ep(
     from torch.distributed.tensor import Shard
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _expert_shards as es
+    from dmuon_compile.distributed._stages import expert_shards as es
 
     from .harness import local_device, whole_tensor
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dmuon_compile.distributed._dedicated_group import GroupState
+from dmuon_compile.distributed._runtime.group import GroupState
 
 from . import models
 from .harness import full_state, local_device, run_ranks
@@ -189,7 +189,7 @@ def _train(rank: int, world: int, case: str, steps: int, device: str = "cpu"):
 
 
 def _cases(rank: int, world: int, device: str = "cpu"):
-    from dmuon_compile.distributed._runtime import DedicatedRuntime
+    from dmuon_compile.distributed._runtime.runtime import DedicatedRuntime
 
     out = {case: _train(rank, world, case, STEPS, device) for case in CASES}
     fixed = DedicatedRuntime._finished_before

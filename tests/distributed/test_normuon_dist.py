@@ -39,7 +39,7 @@ def _moments(opt) -> dict:
     a dedicated weight's from its owner only: the other ranks' pieces are empty)."""
     from torch.distributed.tensor import DTensor
 
-    from dmuon_compile.distributed._owned import is_owned, local_of
+    from dmuon_compile.distributed._owner.tensor import is_owned, local_of
 
     out = {}
     for p, state in opt.state.items():
@@ -69,7 +69,7 @@ def _train_and_save(rank: int, world: int, path: str):
     from torch.distributed.tensor import DTensor
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed._owned import is_owned
+    from dmuon_compile.distributed._owner.tensor import is_owned
 
     model = moe_models.build_moe()
     mesh = init_device_mesh("cpu", (world,))

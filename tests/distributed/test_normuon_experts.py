@@ -78,7 +78,7 @@ def _train(rank: int, world: int, replicas: int, shard_dims, expert_ns: str, fol
     from torch.distributed.tensor import Shard
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _expert_shards as es
+    from dmuon_compile.distributed._stages import expert_shards as es
 
     calls = {"all_to_all": 0, "all_gather": 0}
     for name in calls:
@@ -146,8 +146,8 @@ def _paths(stacks) -> dict:
     from torch.distributed.tensor import distribute_tensor
 
     from dmuon_compile import functional as F
-    from dmuon_compile.distributed import _expert_shards as es
-    from dmuon_compile.distributed._expert_shards import moment_placements
+    from dmuon_compile.distributed._stages import expert_shards as es
+    from dmuon_compile.distributed._stages.expert_shards import moment_placements
     from dmuon_compile.layouts import Layout
     from dmuon_compile.normuon import NorMuon, moment_shape, normalize_all
 

@@ -1,6 +1,6 @@
 """NorMuon (``Muon(normuon=True)``) under tensor parallelism and split Newton–Schulz: the TP stage
-normalises each matrix where it is whole (``_tp/stage.py``, ``_tp/moments.py``), the split
-owner its gathered result (``_split_step.py``), and both train equal to one process.
+normalises each matrix where it is whole (``_stages/tp/stage.py``, ``_stages/tp/moments.py``), the
+split owner its gathered result (``_stages/split_step.py``), and both train equal to one process.
 
 - dp 1 × tp 2, every TP matrix whole (q/k/v/gate/up column-parallel: ``v``'s rows gathered to
   the TP owner and scattered back; o/down row-parallel: ``v`` replicated, ``v′`` broadcast);
@@ -54,7 +54,7 @@ def _moments(model, opt) -> dict:
 def _local_copies(model, opt) -> dict:
     """``{name: this rank's whole copy}`` of the second moments of plain dedicated weights it
     owns (one owner per TP column)."""
-    from dmuon_compile.distributed._owned import is_owned, local_of
+    from dmuon_compile.distributed._owner.tensor import is_owned, local_of
 
     out = {}
     for name, p in model.named_parameters():
@@ -101,7 +101,7 @@ def _train(rank, world, dp, tp, per_head: bool, attention: bool = True, path=Non
 
         model_sd, optim_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    from dmuon_compile.distributed._owned import local_of
+    from dmuon_compile.distributed._owner.tensor import local_of
 
     placed = {}  # where each TP weight's second moment lives on this rank
     tp_names = {p.fqn for p in stage.params}
@@ -138,7 +138,7 @@ def _train(rank, world, dp, tp, per_head: bool, attention: bool = True, path=Non
 def _nan_step(model, opt, module, rank, x) -> tuple:
     """A step with a NaN in member 1's piece of ``module``'s second moment: what this rank
     raised, and whether the weight's shard and the moment stayed as they were."""
-    from dmuon_compile.distributed._owned import local_of
+    from dmuon_compile.distributed._owner.tensor import local_of
 
     w = module.weight
     v = local_of(opt.state[w][KEY])

@@ -60,7 +60,7 @@ def _local(t):
 def _diffs(got, want, path: str = "") -> list[str]:
     """Where ``got`` differs from ``want``: tensor type, global shape, mesh, placements, values
     of this rank's local tensor; containers and other values by equality."""
-    from dmuon_compile.distributed._owned import OwnerTensor
+    from dmuon_compile.distributed._owner.tensor import OwnerTensor
 
     if isinstance(want, dict):
         if set(got) != set(want):
@@ -113,7 +113,7 @@ def _save_and_resume(rank, world, layout, path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed._owned import OwnerTensor
+    from dmuon_compile.distributed._owner.tensor import OwnerTensor
 
     model, dp_rank, dp = _build(layout, world, seed=0)
     opt = _opt(model)

@@ -53,9 +53,9 @@ class _Writes(TorchDispatchMode):
 
 def _one_backward(rank: int, world: int, hsdp: bool = False) -> dict:
     from dmuon_compile.dedicated_registry import runtime_of
-    from dmuon_compile.distributed import _collectives as C
-    from dmuon_compile.distributed._dedicated_group import DedicatedGroup
-    from dmuon_compile.distributed._replicate import ReplicateStage
+    from dmuon_compile.distributed._comm import collectives as C
+    from dmuon_compile.distributed._runtime.group import DedicatedGroup
+    from dmuon_compile.distributed._runtime.replicate import ReplicateStage
 
     model, _ = models.build_dedicated(world, hsdp=hsdp)
     x = models.batches(1, world)[0][rank * 2 : rank * 2 + 2]

@@ -50,7 +50,7 @@ def _train(rank: int, world: int, blockwise: bool, hsdp: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _split_step
+    from dmuon_compile.distributed._stages import split_step as _split_step
 
     calls = []
     real = _split_step.split_newton_schulz

@@ -58,7 +58,8 @@ class InjectedError(RuntimeError):
 
 def _inject(kind: str, step: list) -> None:
     """Rank ``FAILING``'s fault at step ``FAIL_AT`` (only in its split NS work)."""
-    from dmuon_compile.distributed import _split_step, split_ns
+    from dmuon_compile.distributed import split_ns
+    from dmuon_compile.distributed._stages import split_step as _split_step
 
     def at_fail(original, fault):
         def wrapper(*args, **kwargs):
@@ -95,7 +96,8 @@ def _inject(kind: str, step: list) -> None:
 
 
 def _undo() -> dict:
-    from dmuon_compile.distributed import _split_step, split_ns
+    from dmuon_compile.distributed import split_ns
+    from dmuon_compile.distributed._stages import split_step as _split_step
 
     return {
         (_split_step, "split_newton_schulz"): _split_step.split_newton_schulz,
@@ -119,7 +121,7 @@ def _train(rank: int, world: int, kind: str, control: bool = False) -> dict:
     if control and kind == "nonfinite":  # the split result's finite check taken out
         optimizer.directions_finite = lambda ortho: None
     if control and kind == "raise_mid":  # the split NS outside the step's failure guard
-        from dmuon_compile.distributed import _split_step
+        from dmuon_compile.distributed._stages import split_step as _split_step
 
         real = _split_step.orthogonalize_split
         _split_step.orthogonalize_split = lambda *a, failure=None, **k: real(*a, **k)

@@ -65,7 +65,8 @@ def _whole_state(model) -> dict:
     """Every parameter whole on every rank (TP shards summed in from their owners)."""
     import torch.distributed as dist
 
-    from dmuon_compile.distributed import _tp, dedicated_runtime
+    from dmuon_compile.distributed import dedicated_runtime
+    from dmuon_compile.distributed._stages import tp as _tp
 
     runtime = dedicated_runtime(model)
     runtime.wait_all()

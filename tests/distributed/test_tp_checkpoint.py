@@ -133,7 +133,7 @@ def _full_state(rank, world, dp, attention, offload, replicas=1):
     from torch.distributed.tensor import DTensor
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed._owned import OwnerTensor
+    from dmuon_compile.distributed._owner.tensor import OwnerTensor
 
     model, dp_rank = build_tp(rank, world, dp, 2, replicas=replicas, attention=attention)
     opt = _muon(model)  # HSDP: replicate_async, the last step's publish is left in flight

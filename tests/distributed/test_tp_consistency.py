@@ -40,8 +40,9 @@ def _train_perturbed(rank, world, dp, tp, replicas, control, compile_cache, only
     """``only_plain``: the TP-sharded MLP stays on FSDP2; every dedicated weight is plain."""
     import torch.distributed as dist
 
-    from dmuon_compile.distributed import _tp, dedicated_runtime
-    from dmuon_compile.distributed._owned import local_of
+    from dmuon_compile.distributed import dedicated_runtime
+    from dmuon_compile.distributed._owner.tensor import local_of
+    from dmuon_compile.distributed._stages import tp as _tp
 
     predicate = _attention_only if only_plain else models.proj_predicate
     model, dp_rank = build_tp(rank, world, dp, tp, replicas, attention=False, predicate=predicate)

@@ -1,5 +1,5 @@
 """Per-head Newton–Schulz under TP 2 where each TP shard holds whole heads: every member
-orthogonalises its own heads, no gather, no scatter (``_tp.stage.local_blocks_layout``).
+orthogonalises its own heads, no gather, no scatter (``_stages.tp.stage.local_blocks_layout``).
 
 q/k/v (column-parallel, 4 heads over TP 2) and o (row-parallel, its head columns) hold whole
 heads; gate (heads cut across the sharded rows), up (a fused part straddling the shard

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dmuon_compile.distributed._tp import plan_tp_owners
+from dmuon_compile.distributed._stages.tp import plan_tp_owners
 from dmuon_compile.distributed.owner_plan import MatrixSpec, llama_matrix_specs
 
 LLAMA = {

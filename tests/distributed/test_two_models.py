@@ -1,7 +1,7 @@
 """Two models dedicated in one process: a TP model's registrations never reach a later model.
 
 An owner's one-rank mesh carries where its tensors' norms are given and which rank
-``full_tensor`` broadcasts from (``_owner_meshes``). A TP model's plain weights broadcast from
+``full_tensor`` broadcasts from (``_owner/meshes.py``). A TP model's plain weights broadcast from
 their owner in TP column 0; when a later plain model of the same ranks reused those meshes, its
 ``full_tensor`` broadcast from the wrong rank and the ranks hung. Owner meshes are now built per
 data-parallel mesh. Test: a TP model (dp 1 × tp 2) trains a step, then a plain FSDP2 model on the
@@ -45,7 +45,8 @@ def _sources(rank, world, one_mesh_per_rank):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon_compile as dmuon
-    from dmuon_compile.distributed import _owner_meshes, dedicate
+    from dmuon_compile.distributed import dedicate
+    from dmuon_compile.distributed._owner import meshes as _owner_meshes
 
     from . import models
 

@@ -75,7 +75,7 @@ def _train(
     from torchtitan.distributed import ParallelDims
 
     from dmuon_compile.distributed import dedicated_runtime
-    from dmuon_compile.distributed._dedicated_group import DedicatedGroup
+    from dmuon_compile.distributed._runtime.group import DedicatedGroup
     from dmuon_compile.integrations import torchtitan as dmuon_tt
 
     parallel_dims_module.device_type = "cpu"  # Workaround for CPU (see test_torchtitan.py)

@@ -160,8 +160,8 @@ def _train(rank, world, folder, schedule_name):
         return total.item()
 
     out = {"initial": initial, "losses": [], "norms": [], "gathers": []}
-    from dmuon_compile.distributed._autograd_compat import in_backward
-    from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupState
+    from dmuon_compile.distributed._compat.autograd import in_backward
+    from dmuon_compile.distributed._runtime.group import DedicatedGroup, GroupState
 
     unshard = DedicatedGroup.unshard
 

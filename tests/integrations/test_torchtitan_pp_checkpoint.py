@@ -90,7 +90,7 @@ def _build(rank, world, folder, old_gather=False):
     if old_gather:  # the gather as it was: broadcasts on the default group
         import torch.distributed as dist
 
-        from dmuon_compile.distributed import _owned
+        from dmuon_compile.distributed._owner import tensor as _owned
 
         _owned.broadcast_on_mesh = lambda buf, src, mesh: dist.broadcast(buf, src=src)
         open(f"{folder}/built_rank{rank}", "w").close()  # all that is left: the checkpointer
@@ -109,7 +109,7 @@ def _record_broadcasts():
     original = dist.broadcast
 
     def broadcast(tensor, src=None, group=None, *args, **kwargs):
-        if sys._getframe(1).f_globals.get("__name__") == "dmuon_compile.distributed._owned":
+        if sys._getframe(1).f_globals.get("__name__") == "dmuon_compile.distributed._owner.tensor":
             seen.append(None if group is None else tuple(dist.get_process_group_ranks(group)))
         return original(tensor, src, group, *args, **kwargs)
 

@@ -157,7 +157,7 @@ def _train(rank, world, folder, dmuon_path, initial=None, unnamed=False):
             implementation="for-loop",
         ).build(model_parts=[model])  # fmt: skip
     if unnamed:  # the owner meshes as they were before they had dimension names
-        from dmuon_compile.distributed._owner_meshes import MESHES
+        from dmuon_compile.distributed._owner.meshes import MESHES
 
         for mesh in MESHES.owner_meshes.values():
             mesh._mesh_dim_names = None

@@ -9,7 +9,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dmuon_compile.distributed import _fsdp_compat, mesh_checks
+from dmuon_compile.distributed import mesh_checks
+from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
 
 
 @dataclass(frozen=True)

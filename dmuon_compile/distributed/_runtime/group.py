@@ -17,9 +17,9 @@ gradient reduce; two collective shapes move the chunks, chosen per group at set-
 Every collective is async; its ``Work`` is kept and waited on only when the data is needed
 (forward pre-hook of the group, end of backward).
 
-With HSDP the group has a ``replicate`` stage (``_replicate.py``): the owner-chunk gradient
+With HSDP the group has a ``replicate`` stage (``_runtime/replicate.py``): the owner-chunk gradient
 sums go on to the global owner over the replicate group. ``unshard`` first applies the group's
-entries of the runtime's pending-update queue (``_pending.py``: the replicate broadcast that
+entries of the runtime's pending-update queue (``_comm/pending.py``: the replicate broadcast that
 refreshed this rank's weights after the last step, the deferred TP update shards).
 """
 
@@ -36,13 +36,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed import _fsdp_compat
-from dmuon_compile.distributed._dedicated_param import DedicatedParam
-from dmuon_compile.distributed._group_profile import GroupProfile
-from dmuon_compile.distributed._owned import local_of
-from dmuon_compile.distributed._pending import CommContext
-from dmuon_compile.distributed._replicate import ReplicateStage
+from dmuon_compile.distributed._comm import collectives as C
+from dmuon_compile.distributed._comm.pending import CommContext
+from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
+from dmuon_compile.distributed._owner.param import DedicatedParam
+from dmuon_compile.distributed._owner.tensor import local_of
+from dmuon_compile.distributed._runtime.group_profile import GroupProfile
+from dmuon_compile.distributed._runtime.replicate import ReplicateStage
 from dmuon_compile.trace_labels import REDUCE, UNSHARD, label
 
 # Padding above this fraction of the group's bytes makes the group gather uneven chunks.
@@ -96,7 +96,7 @@ class DedicatedGroup:
     # FSDP2's set_reshard_after_backward(False) on its managing module (``follow_fsdp``): a
     # backward without gradient sync keeps the weights unsharded for the next micro-batch
     keep_after_backward: bool = False
-    comm: CommContext | None = None  # the runtime's (``_pending.py``): its pending updates
+    comm: CommContext | None = None  # the runtime's (``_comm/pending.py``): its pending updates
     # FSDP2's gradient scaling (``follow_fsdp``): the reduced gradient is the sum over the
     # data-parallel ranks divided by ``divide_factor``; None: their mean (FSDP2's default).
     divide_factor: float | None = None

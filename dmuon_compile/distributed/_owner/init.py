@@ -22,10 +22,10 @@ change nothing elsewhere:
   shape (shape arithmetic works, fills are no-ops, scalar reads such as the rejection test
   never read a value that is not there).
 - every such write, on every rank (the holder and the others run the same ``nn.init`` call),
-  makes a publish due (``_pending.py``): the next forward sends the global owners' new weights
+  makes a publish due (``_comm/pending.py``): the next forward sends the global owners' new weights
   to the other replicas first.
 
-The ops of an ``nn.init`` body on an owner tensor are handled in ``_owned.py``
+The ops of an ``nn.init`` body on an owner tensor are handled in ``_owner/tensor.py``
 (``_in_init``).
 """
 
@@ -39,8 +39,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon_compile import _compat
-from dmuon_compile.distributed import _dtensor_compat as _dt
-from dmuon_compile.distributed import _pending
+from dmuon_compile.distributed._comm import pending as _pending
+from dmuon_compile.distributed._compat import dtensor as _dt
 
 INIT_MODULE = "torch.nn.init"
 # DistributedDataParallel's module: it would broadcast and all-reduce every parameter as a

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dmuon_compile._compat import PrivateAPI
 
-_MODULE = "distributed/_autograd_compat.py"
+_MODULE = "distributed/_compat/autograd.py"
 
 _GRAPH_TASK_ID = PrivateAPI(
     "torch", "_C._current_graph_task_id", "the dedicated runtime's backward detection", _MODULE

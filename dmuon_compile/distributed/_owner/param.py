@@ -1,7 +1,7 @@
 """One dedicated parameter's life (the design, with diagrams: docs/dedicated_params.md).
 
 - ``param``: the registered ``nn.Parameter`` under the original name (``module.weight``), on
-  every rank: a DTensor of the global shape on the owner's one-rank mesh (``_owned.py``). Its
+  every rank: a DTensor of the global shape on the owner's one-rank mesh (``_owner/tensor.py``). Its
   local tensor is the **master** on the owner (whole, original dtype; the optimizer updates it in
   place) and empty elsewhere. This is what ``named_parameters()``, ``state_dict()``, DCP and the
   optimizer see between steps, as they see FSDP2's sharded DTensors.
@@ -17,8 +17,8 @@
   ``clip_grad_norm_`` issues the same collectives everywhere.
 
 FSDP2 must not shard ``param``: ``fully_shard`` collects ``module.named_parameters(recurse=False)``,
-and the holder module's class (``_holder.py``) leaves dedicated names out of that one call when
-FSDP2 makes it.
+and the holder module's class (``_owner/holder.py``) leaves dedicated names out of that one call
+when FSDP2 makes it.
 
 HSDP (replicate × shard): ``owner`` is the shard rank of the *owner column* (that shard
 coordinate in every replica) and ``replica_owner`` the replica whose column member is the
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from dmuon_compile.distributed._owned import local_of, make_owned, wrap_like
+from dmuon_compile.distributed._owner.tensor import local_of, make_owned, wrap_like
 
 
 @dataclass(eq=False)

@@ -2,8 +2,8 @@
 
 An owner mesh is a rank's one-rank mesh (:func:`owner_mesh`), or a TP weight's owner group mesh
 (:func:`register_group`); :data:`MESHES` holds, per mesh, the norm mesh its tensors' norms are
-given on (``_owner_norms.py``), its group's ranks and the rank ``full_tensor`` broadcasts from
-(``_owned.py``). Also the queries on a tensor's holder: :func:`is_owned`, :func:`owner_rank`,
+given on (``_owner/norms.py``), its group's ranks and the rank ``full_tensor`` broadcasts from
+(``_owner/tensor.py``). Also the queries on a tensor's holder: :func:`is_owned`, :func:`owner_rank`,
 :func:`local_of`.
 
 Every owner mesh has a named dimension, as the meshes torchtitan builds do: a one-rank owner
@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dmuon_compile.distributed import _dtensor_compat as _dt
+from dmuon_compile.distributed._compat import dtensor as _dt
 
 
 class MeshRegistry:
@@ -42,13 +42,13 @@ class MeshRegistry:
     def __init__(self) -> None:
         # (device type, rank, id(data-parallel mesh)) -> the one-rank owner mesh
         self.owner_meshes: dict[tuple[str, int, int], DeviceMesh] = {}
-        # (device type, rank) -> the latest of them: an unpickled copy's stand-in (_owned.py)
+        # (device type, rank) -> the latest of them: an unpickled copy's stand-in (_owner/tensor.py)
         self.latest: dict[tuple[str, int], DeviceMesh] = {}
         self.owner_of: dict[int, int] = {}  # id(owner mesh) -> the owner's global rank (hot path)
         # id(owner mesh) -> (norm mesh, placements): where the norms of its tensors are given.
         self.norm_of: dict[int, tuple] = {}
         # id(owner group mesh) -> its global ranks in mesh order: a TP weight's owner group,
-        # shard t on the t-th rank (its mesh may be this rank's TP mesh, _tp.owner_tp_mesh).
+        # shard t on the t-th rank (its mesh may be this rank's TP mesh, _stages.tp.owner_tp_mesh).
         self.group_ranks: dict[int, tuple[int, ...]] = {}
         # id(one-rank owner mesh) -> the rank full_tensor broadcasts from. In a TP model a plain
         # weight has one owner per TP column (each column's copy is the same): all ranks agree

@@ -1,9 +1,9 @@
 """The step side of a runtime: the plan ``Muon.step`` walks, and the HSDP publishes around it.
 
-A :class:`~dmuon_compile.distributed._runtime.DedicatedRuntime` holds one :class:`StepSide`
+A :class:`~dmuon_compile.distributed._runtime.runtime.DedicatedRuntime` holds one :class:`StepSide`
 (``runtime.step_side``), built from its groups and its comm context only: the step side never
 sees the hooks' state. A publish is the replicate broadcast of the global owners' new weights,
-queued as a pending update (``_pending.py``) that the group's next unshard, or any read of its
+queued as a pending update (``_comm/pending.py``) that the group's next unshard, or any read of its
 weights, waits for.
 """
 
@@ -17,8 +17,8 @@ import torch
 from dmuon_compile.distributed.step_plan import PLAIN_STEP, StepPart, StepPlan
 
 if TYPE_CHECKING:
-    from dmuon_compile.distributed._dedicated_group import DedicatedGroup
-    from dmuon_compile.distributed._pending import CommContext
+    from dmuon_compile.distributed._comm.pending import CommContext
+    from dmuon_compile.distributed._runtime.group import DedicatedGroup
     from dmuon_compile.distributed.stages import StepStage
 
 

@@ -65,7 +65,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon_compile import functional as F
 from dmuon_compile import normuon as _normuon
-from dmuon_compile.distributed._owned import local_of
+from dmuon_compile.distributed._owner.tensor import local_of
 from dmuon_compile.distributed.stages import (
     READ,
     MuonJob,

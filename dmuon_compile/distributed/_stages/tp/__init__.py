@@ -16,7 +16,7 @@ TP owner holds one bucket's gathered pieces and whole matrices, not all of its m
    whole matrix (never blockwise on shards: that changes the update);
 3. ``t*`` scatters the update's shards back; each member applies its shard with the learning-
    rate scale of the *global* shape. With ``Muon(replicate_async=True)`` (and no HSDP) the
-   scatter is left in flight — an entry of the runtime's pending-update queue (``_pending.py``)
+   scatter is left in flight — an entry of the runtime's pending-update queue (``_comm/pending.py``)
    — and applied right before the group's next unshard (its forward pre-hook or the prefetch
    before it), or before anything reads or writes the weight (``p.full_tensor()``,
    ``p.to_local()``, ``model.state_dict()``, DCP, an in-place edit);
@@ -44,8 +44,8 @@ choices differ per rank) — so only TP rank 0 of the owner TP group updates the
 the new weight and its momentum over the TP group (:meth:`TPStage.broadcast_plain`): one
 master per weight, the copy ``full_tensor()`` already reads.
 
-The registered parameter is an ``OwnerTensor`` (a DTensor, ``_owned.py``) of the global shape on
-the owner TP group (the TP ranks at DP coordinate ``d``) with the plan's placement: there its
+The registered parameter is an ``OwnerTensor`` (a DTensor, ``_owner/tensor.py``) of the global shape
+on the owner TP group (the TP ranks at DP coordinate ``d``) with the plan's placement: there its
 local tensor is the master shard, elsewhere it is empty. DCP therefore sees a TP-sharded weight
 and reshards it; ``full_tensor()``, torch's full state dict and ``clip_grad_norm_`` work on it
 as on a plain dedicated weight. The compute copy
@@ -57,11 +57,11 @@ owners over the DP × TP slots), ``param.py`` (:class:`TPDedicatedParam`, the ow
 meshes), ``stage.py`` (:class:`TPStage`: the step's TP stage — :meth:`TPStage.directions` runs
 momentum, gather, the optimizer's Newton–Schulz and scatter — its commit or abort, the
 plain-weight broadcast, the pending scatters, the norm and ``full_tensor`` meshes given to
-``_owned``), ``moments.py`` (NorMuon's second moments of TP weights: where they live, which the
-stage moves to the TP owner and back). What the rest of the package uses is imported here.
+``_owner/tensor.py``), ``moments.py`` (NorMuon's second moments of TP weights: where they live,
+which the stage moves to the TP owner and back). What the rest of the package uses is imported here.
 """
 
-from dmuon_compile.distributed._tp.detect import (
+from dmuon_compile.distributed._stages.tp.detect import (
     TPInfo,
     detect_tp,
     detect_tp_mesh,
@@ -69,9 +69,13 @@ from dmuon_compile.distributed._tp.detect import (
     dp_tp_mesh,
     owner_group_ranks,
 )
-from dmuon_compile.distributed._tp.param import TPDedicatedParam, make_tp_param, owner_tp_mesh
-from dmuon_compile.distributed._tp.plan import TPOwners, plan_tp_owners
-from dmuon_compile.distributed._tp.stage import (
+from dmuon_compile.distributed._stages.tp.param import (
+    TPDedicatedParam,
+    make_tp_param,
+    owner_tp_mesh,
+)
+from dmuon_compile.distributed._stages.tp.plan import TPOwners, plan_tp_owners
+from dmuon_compile.distributed._stages.tp.stage import (
     PLAIN_SOURCE,
     LocalUpdate,
     ScatterShard,

@@ -1,6 +1,6 @@
 """A dedicated TP shard (:class:`TPDedicatedParam`): its compute copy (a DTensor on this rank's TP
 mesh over the group's unsharded buffer) and its registered parameter (an ``OwnerTensor`` on the
-owner TP group, ``_owned.py``), with the owner groups' meshes it needs."""
+owner TP group, ``_owner/tensor.py``), with the owner groups' meshes it needs."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dmuon_compile.distributed import _dtensor_compat as _dt
-from dmuon_compile.distributed._dedicated_param import DedicatedParam
-from dmuon_compile.distributed._owned import local_of, make_owned, wrap_like
-from dmuon_compile.distributed._tp.detect import TPInfo
+from dmuon_compile.distributed._compat import dtensor as _dt
+from dmuon_compile.distributed._owner.param import DedicatedParam
+from dmuon_compile.distributed._owner.tensor import local_of, make_owned, wrap_like
+from dmuon_compile.distributed._stages.tp.detect import TPInfo
 
 _TP_MESHES: dict[tuple, DeviceMesh] = {}
 
@@ -52,7 +52,7 @@ class TPDedicatedParam(DedicatedParam):
 
     def register(self, mesh, master: Tensor | None, device: torch.device) -> None:  # noqa: ARG002
         # An OwnerTensor on the owner group: full_tensor(), clip_grad_norm_ and DCP's full state
-        # dict treat it like a plain dedicated weight (_owned.py).
+        # dict treat it like a plain dedicated weight (_owner/tensor.py).
         self.param = make_owned(
             master,
             self.reg_mesh,

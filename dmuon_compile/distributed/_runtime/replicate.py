@@ -12,8 +12,8 @@ others as a plain ``replica``), because their shard groups unshard it from them.
 2. ``Muon.step`` runs Newton–Schulz on the global owner only (one NS per matrix in the job);
 3. publish: the global owner broadcasts the new weight over the replicate group to its column
    peers. Async (default) it is issued at the end of ``step()`` as a :class:`Publish` entry of
-   the runtime's pending-update queue (``_pending.py``) and waited for in the next forward, right
-   before the group's unshard reads the weight (``DedicatedGroup.unshard``; on CUDA on a side
+   the runtime's pending-update queue (``_comm/pending.py``) and waited for in the next forward,
+   right before the group's unshard reads the weight (``DedicatedGroup.unshard``; on CUDA on a side
    stream, so only that unshard, not the compute stream, waits for it), or before anything reads
    or writes a dedicated weight in between.
 
@@ -41,12 +41,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed._dedicated_param import DedicatedParam
+from dmuon_compile.distributed._comm import collectives as C
+from dmuon_compile.distributed._owner.param import DedicatedParam
 from dmuon_compile.trace_labels import PUBLISH, REDUCE, label
 
 if TYPE_CHECKING:
-    from dmuon_compile.distributed._group_profile import GroupProfile
+    from dmuon_compile.distributed._runtime.group_profile import GroupProfile
 
 
 class ReplicateReduce(NamedTuple):
@@ -171,7 +171,7 @@ class ReplicateStage:
     @torch.no_grad()
     def publish(self, profile=None) -> Publish:
         """Broadcast each global owner's weights to its column peers (async): the pending
-        update the runtime queues (``_pending.py``), applied by :meth:`finish_publish`. The
+        update the runtime queues (``_comm/pending.py``), applied by :meth:`finish_publish`. The
         caller has applied this group's earlier entries (a previous publish still in flight)."""
         with label(PUBLISH, self.name or None):
             for p, view in self.copy_in:
@@ -225,7 +225,7 @@ class ReplicateStage:
 
 @dataclass(eq=False)
 class Publish:
-    """A pending update (``_pending.py``): a group's replicate broadcasts in flight."""
+    """A pending update (``_comm/pending.py``): a group's replicate broadcasts in flight."""
 
     stage: ReplicateStage
     works: list

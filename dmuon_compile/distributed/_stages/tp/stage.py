@@ -28,14 +28,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_compile import functional as F
-from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed import _owner_meshes
-from dmuon_compile.distributed._owned import local_of
-from dmuon_compile.distributed._pending import PendingUpdates
-from dmuon_compile.distributed._tp import moments as _moments
-from dmuon_compile.distributed._tp.detect import TPInfo, tp_row
-from dmuon_compile.distributed._tp.param import TPDedicatedParam
-from dmuon_compile.distributed._tp.plan import TPOwners
+from dmuon_compile.distributed._comm import collectives as C
+from dmuon_compile.distributed._comm.pending import PendingUpdates
+from dmuon_compile.distributed._owner import meshes as _owner_meshes
+from dmuon_compile.distributed._owner.tensor import local_of
+from dmuon_compile.distributed._stages.tp import moments as _moments
+from dmuon_compile.distributed._stages.tp.detect import TPInfo, tp_row
+from dmuon_compile.distributed._stages.tp.param import TPDedicatedParam
+from dmuon_compile.distributed._stages.tp.plan import TPOwners
 from dmuon_compile.distributed.stages import (
     READ,
     MuonJob,
@@ -188,7 +188,7 @@ class TPStage:
     params: list[TPDedicatedParam]
     deferrable: bool  # False with HSDP: the replicate publish needs the applied weights
     group_of: dict[int, int] = field(default_factory=dict)  # id(param) -> id(hook group)
-    pending: PendingUpdates | None = None  # the runtime's (``_pending.py``): deferred scatters
+    pending: PendingUpdates | None = None  # the runtime's (``_comm/pending.py``): deferred scatters
     profile: TPProfile = field(default_factory=TPProfile)
     record_profile: bool = False
     owners: TPOwners | None = None
@@ -720,7 +720,7 @@ class TPStage:
 
 @dataclass(eq=False)
 class ScatterUpdates:
-    """A pending update (``_pending.py``): one hook group's TP update shards in flight."""
+    """A pending update (``_comm/pending.py``): one hook group's TP update shards in flight."""
 
     stage: TPStage
     shards: list[ScatterShard]
@@ -749,7 +749,7 @@ def build_stage(info, pg, owners: TPOwners, params, groups, replicated: bool) ->
 
 
 def _register_owner_meshes(info: TPInfo, params) -> None:
-    """What ``_owner_meshes`` needs for the registered weights of a TP model.
+    """What ``_owner/meshes.py`` needs for the registered weights of a TP model.
 
     Norms (``clip_grad_norm_``) are given on the DP × TP mesh: a TP shard is held by one rank
     of the whole job (partial over every dim); a plain weight once per TP column (partial over

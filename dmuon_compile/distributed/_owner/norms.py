@@ -1,6 +1,7 @@
 """The norm of an owner tensor (:class:`_OwnerNorm`) and the in-place scaling by a clip
 coefficient: what lets ``torch.nn.utils.clip_grad_norm_`` run on a model with dedicated weights
-(see ``_owned.py``'s module docstring). The op handlers that call these are in ``_owned.py``.
+(see ``_owner/tensor.py``'s module docstring). The op handlers that call these are in
+``_owner/tensor.py``.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon_compile import _compat
-from dmuon_compile.distributed import _dtensor_compat as _dt
-from dmuon_compile.distributed._owner_meshes import MESHES, local_of
+from dmuon_compile.distributed._compat import dtensor as _dt
+from dmuon_compile.distributed._owner.meshes import MESHES, local_of
 
 
 class _OwnerNorm(DTensor):

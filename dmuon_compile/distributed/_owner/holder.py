@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dmuon_compile.distributed._fsdp_compat import called_by_fsdp, check_parameter_collection
+from dmuon_compile.distributed._compat.fsdp import called_by_fsdp, check_parameter_collection
 
 _HOLDER_CLASSES: dict[type, type] = {}
 

@@ -11,7 +11,7 @@ The placement is DTensor's own (no placement of ours), so every DTensor op means
 saved layout back into it (another owner, FSDP2's ``Shard(0)``, a plain tensor on one process),
 which is what lets checkpoints move between cluster shapes.
 
-A TP-sharded dedicated weight (``_tp/``) is an ``OwnerTensor`` too, on its *owner group*
+A TP-sharded dedicated weight (``_stages/tp/``) is an ``OwnerTensor`` too, on its *owner group*
 mesh (the TP ranks at its DP owner coordinate) with its TP placement ``Shard(d)``: shard ``t`` on
 the group's ``t``-th rank, empty elsewhere. Every piece of an owner tensor is thus held by one
 rank of the whole job (a plain weight of a TP model: by one rank per TP column, the same copy).
@@ -44,7 +44,7 @@ on torch 2.13 and 2.11):
   (the dict on every rank: a broadcast on the mesh, which an owner mesh has no process group
   for) or slice it for this rank (``broadcast_from_rank0``: a rank outside the mesh gets the
   whole tensor, not its empty piece). Both calls are routed here for owner meshes
-  (``_dtensor_compat.route_full_state_loads``): each holder takes its piece of its own copy.
+  (``_compat.dtensor.route_full_state_loads``): each holder takes its piece of its own copy.
 - A shard-like placement on FSDP2's mesh (``Shard(0)`` subclass) was tried first and dropped:
   DTensor's sharding rules rebuild plain ``Shard(0)`` for its outputs (wrong labels), and its
   foreach rules mixed it up with FSDP2's own ``Shard(0)`` gradients of the same shape (a hang).
@@ -54,9 +54,9 @@ torch), so ``torch.save`` (``torch.load`` with its default ``weights_only``), ``
 and ``dcp.async_save`` take an owner tensor by its local tensor; a loaded or copied one is back
 on this process's owner mesh object, which the lookups here go by.
 
-Beside this module: ``_owner_meshes.py`` (the owner meshes and what is known about each),
-``_owner_norms.py`` (the norm of an owner tensor, the clip's local scaling) and
-``_owner_init.py`` (``nn.init`` and random fills on dedicated weights).
+Beside this module: ``_owner/meshes.py`` (the owner meshes and what is known about each),
+``_owner/norms.py`` (the norm of an owner tensor, the clip's local scaling) and
+``_owner/init.py`` (``nn.init`` and random fills on dedicated weights).
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon_compile import _compat
-from dmuon_compile.distributed import _dtensor_compat as _dt
-from dmuon_compile.distributed import _pending
-from dmuon_compile.distributed._owner_init import (
+from dmuon_compile.distributed._comm import pending as _pending
+from dmuon_compile.distributed._compat import dtensor as _dt
+from dmuon_compile.distributed._owner.init import (
     DDP_MODULE,
     INIT_ENTRIES,
     INIT_MODULE,
@@ -83,7 +83,7 @@ from dmuon_compile.distributed._owner_init import (
     note_init_write,
     random_fill,
 )
-from dmuon_compile.distributed._owner_meshes import (
+from dmuon_compile.distributed._owner.meshes import (
     MESHES,
     collective_mesh,
     empty_local,
@@ -93,7 +93,7 @@ from dmuon_compile.distributed._owner_meshes import (
     mesh_device,
     owner_rank,
 )
-from dmuon_compile.distributed._owner_norms import norm_of, scale_locally
+from dmuon_compile.distributed._owner.norms import norm_of, scale_locally
 
 _aten = torch.ops.aten
 
@@ -104,6 +104,10 @@ class OwnerTensor(DTensor):
     Everything else is DTensor's; results of ops on it that land on an owner mesh are
     ``OwnerTensor`` too (``detach``, ``zeros_like``, arithmetic).
     """
+
+    # Pickled (torch.save of a state dict) by its public path, which a move of this module
+    # does not change; dmuon_compile.distributed exports it and loads the older path too.
+    __module__ = "dmuon_compile.distributed"
 
     # Its Newton–Schulz sees whole matrices (on the owner, or gathered to the TP owner), so a
     # blocked layout's blocks are cut there (``layouts.check_blocked_placement`` reads this).
@@ -136,7 +140,7 @@ class OwnerTensor(DTensor):
             _dt.set_spec_mesh(self, known)
 
     def to_local(self, *, grad_placements=None) -> Tensor:
-        _pending.before_access(write=False)  # a pending update lands first (_pending.py)
+        _pending.before_access(write=False)  # a pending update lands first (_comm/pending.py)
         return super().to_local(grad_placements=grad_placements)
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs) -> DTensor:
@@ -171,7 +175,7 @@ class OwnerTensor(DTensor):
         if _pending.watched:  # an HSDP or TP runtime lives (one flag: this runs on every op)
             name = getattr(func, "__name__", "")
             if name not in _ACCESSORS:
-                # Reads see the pending updates; writes make a publish due (_pending.py).
+                # Reads see the pending updates; writes make a publish due (_comm/pending.py).
                 _pending.before_access(_writes(name, kwargs))
         if func in RANDOM_FILLS and args and isinstance(args[0], OwnerTensor):
             return random_fill(func, args, kwargs, _compat.caller_frame(1))
@@ -474,7 +478,7 @@ def full_tensor(t: Tensor) -> Tensor:
 
 
 def _gather_mesh(t: DTensor, sources) -> DeviceMesh:
-    """The mesh ``t``'s gather runs on (:func:`_owner_meshes.collective_mesh`: the ranks of the
+    """The mesh ``t``'s gather runs on (:func:`_owner.meshes.collective_mesh`: the ranks of the
     model part that holds it), after checking that this rank and every holder are in it: a rank
     outside it (another pipeline stage's) would wait for ranks that never join, so it raises."""
     mesh = collective_mesh(t.device_mesh)

@@ -40,9 +40,9 @@ from dmuon_compile._compat import (
     caller_frame,
     torch_internals_error,
 )
-from dmuon_compile.distributed import _dtensor_compat
+from dmuon_compile.distributed._compat import dtensor as _dtensor_compat
 
-_MODULE = "distributed/_fsdp_compat.py"
+_MODULE = "distributed/_compat/fsdp.py"
 _GET_STATE = PrivateAPI(
     "torch.distributed.fsdp", "FSDPModule._get_fsdp_state", "FSDP2's gradient settings", _MODULE
 )
@@ -228,7 +228,7 @@ def joined_mesh(meshes) -> DeviceMesh:
 def check_parameter_collection() -> None:
     """Raise unless ``fully_shard`` still collects a module's parameters by calling
     ``named_parameters(recurse=False)`` from its own package, which is what lets the holder
-    class hide dedicated weights from it (``_holder.py``, :func:`called_by_fsdp`)."""
+    class hide dedicated weights from it (``_owner/holder.py``, :func:`called_by_fsdp`)."""
     collect = _MANAGED_STATES.get()
     code = getattr(collect, "__code__", None)
     names = code.co_names if code is not None else ()

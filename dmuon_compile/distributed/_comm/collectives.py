@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon_compile.distributed._c10d_compat import backend_timeout, default_group
+from dmuon_compile.distributed._compat.c10d import backend_timeout, default_group
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -1,6 +1,6 @@
 """What dmuon_compile reads from DTensor and DeviceMesh internals, in one module.
 
-Owner tensors (``_owned.py``) are DTensors built from a local tensor and a ``DTensorSpec``
+Owner tensors (``_owner/tensor.py``) are DTensors built from a local tensor and a ``DTensorSpec``
 (DTensor's own constructor, no redistribution), whose norms are ``_NormPartial``; the owner
 meshes are one-rank ``DeviceMesh`` objects built without a backend (``_init_backend=False``:
 no process group per owner); the HSDP and TP checks read a slice's root mesh. Each accessor
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_compile._compat import PrivateAPI, torch_internals_error
 
-_MODULE = "distributed/_dtensor_compat.py"
+_MODULE = "distributed/_compat/dtensor.py"
 _OWNER = "owner tensors (dedicated weights)"
 
 _SPEC = PrivateAPI("torch.distributed.tensor._dtensor_spec", "DTensorSpec", _OWNER, _MODULE)

@@ -2,14 +2,14 @@
 a publish due.
 
 A step can leave a dedicated weight's new value in flight: the HSDP publish (the global owner's
-broadcast to its replicate peers, ``_replicate.py``) and the deferred TP scatter (the TP owner's
-update shards, ``_tp/stage.py``). Both are entries of the runtime's :class:`PendingUpdates`, keyed
-by hook group and applied in issue order: before the group's next unshard reads its masters
-(on CUDA from the unshard side stream, so the compute stream does not wait); before any other
-read or write through a registered parameter (``OwnerTensor`` ops, ``to_local``,
-``full_tensor``, ``state_dict`` and so DCP: :func:`before_access`); at the next ``Muon.step``
-and in ``wait_all``. Applying only waits for collectives every rank issued, so one rank may do
-it alone.
+broadcast to its replicate peers, ``_runtime/replicate.py``) and the deferred TP scatter (the TP
+owner's update shards, ``_stages/tp/stage.py``). Both are entries of the runtime's
+:class:`PendingUpdates`, keyed by hook group and applied in issue order: before the group's next
+unshard reads its masters (on CUDA from the unshard side stream, so the compute stream does not
+wait); before any other read or write through a registered parameter (``OwnerTensor`` ops,
+``to_local``, ``full_tensor``, ``state_dict`` and so DCP: :func:`before_access`); at the next
+``Muon.step`` and in ``wait_all``. Applying only waits for collectives every rank issued, so one
+rank may do it alone.
 
 Publishing is collective. An in-place write through a registered parameter outside a step
 (``p.mul_``, ``nn.init``, a DCP load) marks a publish due on every rank — the user runs the same

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_compile import functional as F
-from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed._owned import local_of
+from dmuon_compile.distributed._comm import collectives as C
+from dmuon_compile.distributed._owner.tensor import local_of
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 from dmuon_compile.distributed.split_ns import (
     _finish_collectives,

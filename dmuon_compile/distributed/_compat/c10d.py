@@ -12,7 +12,7 @@ import datetime
 
 from dmuon_compile._compat import PrivateAPI, torch_internals_error
 
-_MODULE = "distributed/_c10d_compat.py"
+_MODULE = "distributed/_compat/c10d.py"
 _TIMEOUT = "the dedicated groups' timeout (inherited from init_process_group)"
 
 _DEFAULT_GROUP = PrivateAPI(

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dmuon_compile.distributed._owned import local_of, make_owned
+from dmuon_compile.distributed._owner.tensor import local_of, make_owned
 from dmuon_compile.layouts import Layout, block_shard_layouts
 from dmuon_compile.normuon import moment_shape
 

@@ -24,10 +24,10 @@ end of backward       (autograd callback) wait all reduces: each owned ``param.g
 Muon.step()           NS on this rank's masters, walking the plan of :class:`StepSide`; the next
                       forward's unshard reads the new masters, which publishes them
 
-HSDP adds the replicate stage (``_replicate.py``): the reduce to owners goes on over the replicate
-group to the global owner, and the step ends with the global owners' broadcast of their new
-weights, left in flight (``Muon(replicate_async=True)``, the default) as a pending update
-(``_pending.py``) that each group applies right before its next unshard. On CUDA a side stream
+HSDP adds the replicate stage (``_runtime/replicate.py``): the reduce to owners goes on over the
+replicate group to the global owner, and the step ends with the global owners' broadcast of their
+new weights, left in flight (``Muon(replicate_async=True)``, the default) as a pending update
+(``_comm/pending.py``) that each group applies right before its next unshard. On CUDA a side stream
 makes that wait and then issues the unshard, so a prefetch never holds the current group's
 forward back. Weights updated by anything but ``Muon(model).step`` (another optimizer, a
 parameter-list ``Muon``) are published by the first forward after a synchronising backward.
@@ -48,14 +48,14 @@ from enum import Enum, auto
 import torch
 from torch import Tensor, nn
 
-from dmuon_compile.distributed import _collectives as C
-from dmuon_compile.distributed import _fsdp_compat
-from dmuon_compile.distributed._autograd_compat import in_backward, queue_callback
-from dmuon_compile.distributed._dedicated_group import DedicatedGroup, GroupState
-from dmuon_compile.distributed._dedicated_param import DedicatedParam
-from dmuon_compile.distributed._pending import CommContext, PendingUpdates
-from dmuon_compile.distributed._runtime_step import StepSide
-from dmuon_compile.distributed._split_step import SplitStage
+from dmuon_compile.distributed._comm import collectives as C
+from dmuon_compile.distributed._comm.pending import CommContext, PendingUpdates
+from dmuon_compile.distributed._compat import fsdp as _fsdp_compat
+from dmuon_compile.distributed._compat.autograd import in_backward, queue_callback
+from dmuon_compile.distributed._owner.param import DedicatedParam
+from dmuon_compile.distributed._runtime.group import DedicatedGroup, GroupState
+from dmuon_compile.distributed._runtime.step import StepSide
+from dmuon_compile.distributed._stages.split_step import SplitStage
 from dmuon_compile.distributed.owner_plan import OwnerPlan
 from dmuon_compile.distributed.step_plan import StepPlan
 
@@ -122,7 +122,7 @@ class DedicatedRuntime:
         self.rank = rank
         self.world = world
         self.record_profile = record_profile
-        self.comm = CommContext()  # its groups and the TP stage share it (``_pending.py``)
+        self.comm = CommContext()  # its groups and the TP stage share it (``_comm/pending.py``)
         self.step_side = StepSide(groups, self.comm, record_profile)
         self._index: dict[int, int] = {}
         # By forward *end*, the order of backward prefetches: a root group enclosing others ends
@@ -149,8 +149,9 @@ class DedicatedRuntime:
         self.replicated = bool(self.step_side.published)
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
-        self.tp = None  # TP stage (``_tp/stage.py``), set by attach_tp
-        self.split: tuple = ()  # split-NS groups (``_split_step.py``), set by dedicate_params
+        self.tp = None  # TP stage (``_stages/tp/stage.py``), set by attach_tp
+        # split-NS groups (``_stages/split_step.py``), set by dedicate_params
+        self.split: tuple = ()
         self._split_stage: SplitStage | None = None  # their stage (``stages``)
         self._fsdp_managers: dict[int, dict[str, nn.Module]] | None = None  # see follow_fsdp
         # Wrapped once: torch.compiler.disable would wrap on every forward otherwise.
@@ -189,7 +190,7 @@ class DedicatedRuntime:
 
     def stages(self) -> tuple:
         """The ways this model's Newton–Schulz reaches other ranks (``stages.StepStage``), in
-        the order every rank walks them: split NS (``_split_step.SplitStage``), then TP."""
+        the order every rank walks them: split NS (``_stages.split_step.SplitStage``), then TP."""
         stages: tuple = ()
         if self.split:
             if self._split_stage is None or self._split_stage.groups is not self.split:
@@ -431,7 +432,7 @@ class DedicatedRuntime:
 
     def follow_fsdp(self) -> bool:
         """Give every group the gradient settings of the ``fully_shard`` module that would
-        manage its weights were they not dedicated (``_fsdp_compat.managing_module``): divide
+        manage its weights were they not dedicated (``_compat.fsdp.managing_module``): divide
         factor and reduce dtype (``DedicatedGroup.follow_fsdp``). Returns whether this backward
         synchronises (``set_requires_gradient_sync``). Reads local state only (no collective);
         settings the dedicated reduce cannot follow raise here, on every rank alike."""
