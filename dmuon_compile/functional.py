@@ -284,10 +284,13 @@ def _orthogonalize_bucket(
     return _bucket_results(ns(stack, norms), counts, shapes, layouts)
 
 
-# A traced step computes the Nesterov inputs of tensors this large where they are read, and
-# stacks their buckets normalised: bandwidth-bound tensors save a full write and two reads;
-# smaller ones keep the foreach ops (a few traced calls per matrix instead of ~15: compile time).
-COMPUTED_WHERE_READ_MIN_VALUES = 1 << 20
+# A traced step computes the Nesterov inputs of tensors this large (an expert stack, a 70B-scale
+# matrix) where they are read, and stacks their buckets normalised: a full fp32 write and two
+# reads fewer per value, for one norm reduction per tensor instead of one per bucket. Smaller
+# tensors keep the foreach ops and the stacked norm: there the per-tensor reductions cost more
+# than the bytes save (benchmarks/RESULTS.md §20, §27), and each tensor costs ~15 traced calls
+# instead of a few (compile time).
+COMPUTED_WHERE_READ_MIN_VALUES = 1 << 26
 
 
 def _computed_where_read(tensors: Sequence[Tensor]) -> bool:
