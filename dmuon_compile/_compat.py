@@ -210,6 +210,19 @@ def detect_fake_mode(inputs=None):
     return _DETECT_FAKE_MODE.get()(inputs)
 
 
+def no_eager_after_recompile_limit():
+    """A context in which a function compiled by ``torch.compile`` raises
+    ``FailOnRecompileLimitHit`` past Dynamo's recompile limit instead of running eagerly
+    (``torch._dynamo.config.fail_on_recompile_limit_hit``; a torch without it: no change)."""
+    import contextlib
+
+    import torch._dynamo
+
+    if not hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
 def mark_static_address(t) -> None:
     """``torch._dynamo.mark_static_address``: the compiled step's state keeps its address, so
     CUDA graphs and guards never copy or recompile for it."""

@@ -8,7 +8,8 @@ one result (per q head, float32):
 - on CUDA: FlexAttention's fused kernel with ``return_aux=AuxRequest(max_scores=True)`` (torch
   2.11 and 2.13; CUDA only there) and a 16-wide zero ``v``, under the same block mask: one pass
   over the scores, none of them in memory (SDPA calls with an ``attn_mask`` take the other way);
-- otherwise (the CPU, an SDPA ``attn_mask``, or where FlexAttention fails: it warns once):
+- otherwise (the CPU, an SDPA ``attn_mask``, or where FlexAttention fails — past Dynamo's
+  recompile limit too, where the compiled kernel would run eagerly: it warns once):
   query blocks of ``q @ kᵀ`` accumulated in fp32 (the matmul's fp32 output for half inputs on
   CUDA), at most ``block_elements`` scores at a time; under a causal mask the keys every row of
   a block attends are taken without a mask, the diagonal part with one; under a block mask its
@@ -23,6 +24,7 @@ is the logit the clip's ``W_q``/``W_k`` scaling moves linearly (MuonClip's defin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable
@@ -30,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from dmuon_compile._compat import no_eager_after_recompile_limit
 
 # Query-block size of the blockwise way: at most this many fp32 scores per block (64 MiB).
 BLOCK_ELEMENTS = 1 << 24
@@ -284,20 +288,25 @@ def _flex_max(q: Tensor, k: Tensor, scale: float, block_mask, score_mod) -> Tens
             return None
         if torch.compiler.is_compiling():
             fn = flex_attention  # traced into the caller's graph
+            context = contextlib.nullcontext()
         else:
             fn = _FLEX["fn"] = _FLEX["fn"] or torch.compile(flex_attention, dynamic=False)
+            # Past Dynamo's recompile limit (new shapes, masks, score_mods) the kernel would run
+            # eagerly, materialising every score: raise instead, and the blockwise way follows.
+            context = no_eager_after_recompile_limit()
         hq, hkv = q.shape[1], k.shape[1]
         v = q.new_zeros(k.shape[0], hkv, k.shape[2], 16)  # the kernel's P·V, as narrow as it goes
-        _, aux = fn(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=hq != hkv,
-            return_aux=AuxRequest(max_scores=True),
-        )
+        with context:
+            _, aux = fn(
+                q,
+                k,
+                v,
+                score_mod=score_mod,
+                block_mask=block_mask,
+                scale=scale,
+                enable_gqa=hq != hkv,
+                return_aux=AuxRequest(max_scores=True),
+            )
         return aux.max_scores.amax(dim=(0, 2)).float()
     except Exception as exc:  # noqa: BLE001 - any failure: the blockwise way is exact too
         _FLEX["failed"] = True

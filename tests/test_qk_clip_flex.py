@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -484,3 +485,43 @@ def test_cuda_sdpa_causal_max_logits_through_flex_equal_the_blockwise_way():
     assert not qk_logits._FLEX["failed"], "the fused way fell back to the blockwise one"
     torch.testing.assert_close(got.cpu().double(), ref, rtol=2e-2, atol=0.25)
     torch.testing.assert_close(got, qk_logits.max_logits(qc, kc, is_causal=True, flex=False))
+
+
+def test_past_the_recompile_limit_the_fused_way_hands_over_instead_of_running_eagerly(
+    monkeypatch,
+):
+    """``_flex_max`` calls its compiled kernel where Dynamo raises past its recompile limit
+    (else the kernel would run eagerly, holding every score): the failure turns the fused way
+    off with the warning, and the blockwise way answers. Control: outside that context the same
+    compiled function runs eagerly past the limit, silently."""
+    from dmuon_compile._compat import no_eager_after_recompile_limit
+
+    def recompiles(context) -> bool:
+        torch._dynamo.reset()
+        double = torch.compile(lambda x: x * 2, dynamic=False, backend="eager")
+        with torch._dynamo.config.patch(recompile_limit=2), context:
+            try:
+                for n in range(1, 5):  # a new shape each call
+                    double(torch.ones(n))
+            except Exception as exc:  # noqa: BLE001 - the type is Dynamo's
+                return type(exc).__name__ == "FailOnRecompileLimitHit"
+        return False
+
+    assert recompiles(no_eager_after_recompile_limit())
+    assert not recompiles(contextlib.nullcontext())  # control: eager past the limit
+
+    seen = {}
+
+    def limited(*args, **kwargs):  # the compiled kernel at its limit, under _flex_max's context
+        seen["fail"] = torch._dynamo.config.fail_on_recompile_limit_hit
+        raise RuntimeError("recompile limit")
+
+    monkeypatch.setitem(qk_logits._FLEX, "fn", limited)
+    monkeypatch.setitem(qk_logits._FLEX, "failed", False)
+    q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    with pytest.warns(UserWarning, match="max scores failed"):
+        assert qk_logits._flex_max(q, k, 0.5, None, None) is None
+    assert seen["fail"] is True and qk_logits._FLEX["failed"]
+    torch.testing.assert_close(
+        max_logits_flex(q, k).double(), dense_max(q, k), rtol=1e-6, atol=1e-6
+    )
