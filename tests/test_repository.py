@@ -295,26 +295,34 @@ FLOOR_LEAVES = {"dmuon_compile.env", "dmuon_compile.log", "dmuon_compile._compat
 KERNELS = "dmuon_compile.kernels"
 
 
-def package_imports(source: str, module: str) -> set[str]:
-    """The package's modules ``source`` imports: ``from dmuon_compile import env`` is
-    ``dmuon_compile.env``; a bare ``import dmuon_compile`` is the package root."""
+def import_statements(source: str, module: str):
+    """Each import of ``source`` as ``(base, names)``: ``import a.b`` is ``("a.b", ())``,
+    ``from a import b, c`` is ``("a", ("b", "c"))``, a relative base resolved from ``module``."""
     import ast
 
     package = module.rsplit(".", 1)[0]
-    out = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
+            for alias in node.names:
+                yield alias.name, ()
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 parts = parts[: len(parts) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
-            if base == "dmuon_compile":  # from the root: its submodules or its names
-                out.update(f"{base}.{alias.name}" for alias in node.names)
-            else:
-                out.add(base)
+            yield base, tuple(alias.name for alias in node.names)
+
+
+def package_imports(source: str, module: str) -> set[str]:
+    """The package's modules ``source`` imports: ``from dmuon_compile import env`` is
+    ``dmuon_compile.env``; a bare ``import dmuon_compile`` is the package root."""
+    out = set()
+    for base, names in import_statements(source, module):
+        if base == "dmuon_compile" and names:  # from the root: its submodules or its names
+            out.update(f"{base}.{name}" for name in names)
+        else:
+            out.add(base)
     return {m for m in out if m == "dmuon_compile" or m.startswith("dmuon_compile.")}
 
 
@@ -519,21 +527,10 @@ DISTRIBUTED_ROOMS = ("_compat", "_comm", "_owner", "_stages", "_runtime")
 def imported_names(source: str, module: str) -> set[str]:
     """Every dotted name ``source`` imports, late and relative imports included; ``from a import
     b`` gives ``a`` and ``a.b`` (``b`` may be a module of the package ``a``)."""
-    import ast
-
-    package = module.rsplit(".", 1)[0]
     out = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[: len(parts) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            out.add(base)
-            out.update(f"{base}.{alias.name}" for alias in node.names)
+    for base, names in import_statements(source, module):
+        out.add(base)
+        out.update(f"{base}.{name}" for name in names)
     return out
 
 
