@@ -218,7 +218,8 @@ def finish_replica_gathers(ctx: _EPContext) -> None:
     """Per replicate group and batch, the step's one all-gather of the members' NS results in
     NS's output dtype (2 bytes on a GPU), each share padded to the largest: every member
     receives (and, in a ring, forwards) the ``R - 1`` other padded shares. Its transient: the
-    send and receive buffers, ``R + 1`` padded shares, and the gathered whole experts."""
+    send and receive buffers, ``R + 1`` padded shares, and the gathered whole experts; the
+    buffers stay in flight under the next batch's NS (:func:`finish_reshard_ns` adds them)."""
     for (_key, batch), (members, sizes, whole) in ctx.gathers.items():
         n, most = len(members), max(sizes)
         moved = (n - 1) * most * NS_WORK_ITEMSIZE
@@ -226,14 +227,17 @@ def finish_replica_gathers(ctx: _EPContext) -> None:
             row = ctx.rows[g]
             row.expert_gather_comm_bytes += moved
             row.replicate_comm_bytes += moved
-            held = ((n + 1) * most + whole) * NS_WORK_ITEMSIZE
+            buffers = (n + 1) * most * NS_WORK_ITEMSIZE
+            held = buffers + whole * NS_WORK_ITEMSIZE
             row._reshard_bytes[batch] = row._reshard_bytes.get(batch, 0) + held
+            row._gather_in_flight[batch] = row._gather_in_flight.get(batch, 0) + buffers
 
 
 def finish_reshard_ns(rows, rates, stack_cap: int, ns) -> None:
     """Each rank's NS of its resharded whole experts, one call per batch and shape (cut at the
     stack cap, as every NS call), and the largest batch's transient memory with its NS working
-    set."""
+    set and, under ``expert_ns="once"``, another batch's all-gather buffers in flight (the
+    largest other one: an upper bound, whatever order the step takes them in)."""
     for row in rows:
         work: dict[int, float] = {}
         for (batch, shape), count in row._reshard_calls.items():
@@ -243,5 +247,8 @@ def finish_reshard_ns(rows, rates, stack_cap: int, ns) -> None:
             one = 4 * shape[0] * shape[1]
             ws = WORKING_SET_FACTOR["eager"] * min(count * one, max(one, stack_cap))
             work[batch] = max(work.get(batch, 0.0), ws)
+        flights = row._gather_in_flight
         for batch, transient in row._reshard_bytes.items():
-            row._reshard_peak = max(row._reshard_peak, transient + int(work.get(batch, 0.0)))
+            other = max((b for k, b in flights.items() if k != batch), default=0)
+            peak = transient + int(work.get(batch, 0.0)) + other
+            row._reshard_peak = max(row._reshard_peak, peak)

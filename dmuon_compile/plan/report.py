@@ -54,6 +54,8 @@ class RankRow:
     # the expert reshard's batches: (batch, shape) -> whole experts; batch -> transient bytes
     _reshard_calls: dict = field(default_factory=dict, repr=False)
     _reshard_bytes: dict = field(default_factory=dict, repr=False)
+    # expert_ns="once": batch -> its all-gather's buffers (in flight under the next batch's NS)
+    _gather_in_flight: dict = field(default_factory=dict, repr=False)
     # The Muon momentum (8-bit, offload; the storage note's): its stored bytes on the GPU, its
     # working buffers (all the rank's; with PP the largest stage's at once: ``_step``)
     _momentum_gpu_bytes: int = field(default=0, repr=False)

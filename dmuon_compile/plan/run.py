@@ -361,7 +361,8 @@ def _run_group(
             "stack's whole experts (each expert orthogonalised once in the job, in the step's "
             "expert stage: one NS call per batch and shape) and one all-gather per batch over "
             "the replicate dim, in NS's 2-byte output dtype, gives every replica all the "
-            "results ('replica gather' column, part of the HSDP traffic; not overlapped with "
+            "results ('replica gather' column, part of the HSDP traffic; each batch's under "
+            "the next batch's NS, the last one's waited for in the step, not overlapped with "
             "the next forward)"
         )
     elif sharded_muon_params and R > 1:

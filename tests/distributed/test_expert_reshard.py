@@ -334,3 +334,94 @@ def test_layouts_the_direct_path_does_not_cut_take_the_reference():
         for name in ("strided", "permuted"):
             assert got[name] == {"direct": False, "calls": 0, "same": True}, (name, rank)
         assert got["direct"] == {"direct": True, "calls": 2, "same": True}, rank
+
+
+def _pipelined(rank: int, world: int) -> dict:
+    """Stacks split over 2 replicas × 2 in-expert members in one batch each (``batch_bytes``
+    of one stack): what happens in which order, and the results against one batch and against
+    every replica orthogonalising its copy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed._stages import expert_shards as es
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    lay = dmuon.Layout.experts()
+    params = [
+        distribute_tensor(
+            torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(k)),
+            mesh,
+            [_placement(("R",)), _placement(("S", 1))],
+        )
+        for k in range(3)
+    ]
+    updates = [p.to_local() for p in params]
+    events: list[str] = []
+    original = es._all_gather
+
+    class Recorded:
+        def __init__(self, work, k):
+            self.work, self.k = work, k
+
+        def wait(self):
+            events.append(f"wait {self.k}")
+            return self.work.wait()
+
+    def all_gather(out, inp, group):
+        k = sum(e.startswith("gather") for e in events)
+        events.append(f"gather {k}")
+        return Recorded(original(out, inp, group), k)
+
+    def ns(mats, lays):
+        events.append(f"ns {sum(e.startswith('ns') for e in events)}")
+        return (
+            _per_expert_ns([])(mats, lays)
+            if len(mats) == 1
+            else [_per_expert_ns([])([m], [la])[0] for m, la in zip(mats, lays)]
+        )
+
+    one_stack = updates[0].numel() * updates[0].element_size()
+    es._all_gather = all_gather
+    try:
+        batched = es.orthogonalize_resharded(
+            params, updates, [lay] * 3, ns, batch_bytes=one_stack, split_replicas=True
+        )
+        order = list(events)
+        events.clear()
+        whole = es.orthogonalize_resharded(params, updates, [lay] * 3, ns, split_replicas=True)
+        one_batch = list(events)
+    finally:
+        es._all_gather = original
+    each = es.orthogonalize_resharded(params, updates, [lay] * 3, ns)
+    return {
+        "order": order,
+        "one_batch": one_batch,
+        "same_as_one_batch": all(torch.equal(a, b) for a, b in zip(batched, whole)),
+        "same_as_per_replica": all(torch.equal(a, b) for a, b in zip(batched, each)),
+    }
+
+
+def _waits_under_the_next_batch(order: list[str]) -> bool:
+    """Whether every all-gather but the last is waited for only after the next batch's
+    Newton–Schulz has run (and each after its own was issued)."""
+    gathers = [e for e in order if e.startswith("gather")]
+    for k in range(len(gathers)):
+        waited = order.index(f"wait {k}")
+        if waited < order.index(f"gather {k}"):
+            return False
+        if k + 1 < len(gathers) and waited < order.index(f"ns {k + 1}"):
+            return False
+    return True
+
+
+def test_split_replicas_all_gathers_run_under_the_next_batch():
+    # the check has teeth: all-gathers waited for at once are rejected
+    assert not _waits_under_the_next_batch(
+        ["ns 0", "gather 0", "wait 0", "ns 1", "gather 1", "wait 1"]
+    )
+    for rank, got in enumerate(run_ranks(_pipelined, 4, timeout=120)):
+        assert got["order"].count("ns 2") == 1 and "gather 2" in got["order"], (rank, got)
+        assert _waits_under_the_next_batch(got["order"]), (rank, got["order"])
+        assert got["one_batch"] == ["ns 0", "gather 0", "wait 0"], (rank, got["one_batch"])
+        assert got["same_as_one_batch"] and got["same_as_per_replica"], (rank, got)

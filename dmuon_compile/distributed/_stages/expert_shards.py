@@ -33,7 +33,8 @@ orthogonalises its copy (R replicas: R times the expert NS of the job). With
 ``split_replicas`` (``Muon(expert_ns="once")``) the members of the replicate group split each
 batch's whole experts between them by the same walk (the dedicated loads weigh there, where
 NS runs) and one all-gather over that group, in NS's output dtype, gives every replica all the
-results: each expert is orthogonalised once per job, for the bytes of an all-gather.
+results: each expert is orthogonalised once per job, for the bytes of an all-gather, which
+runs under the next batch's all-to-all and Newton–Schulz (one batch's all-gather in flight).
 
 NorMuon (``Muon(normuon=True)``, ``normuon.py``) needs each whole expert and its rows' second
 moments ``v``: ``v`` (fp32, the stack's rows, :func:`moment_placements`) goes to whole
@@ -272,9 +273,10 @@ def _all_to_all(out: Tensor, inp: Tensor, out_splits, in_splits, group) -> None:
     dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group)
 
 
-def _all_gather(out: Tensor, inp: Tensor, group) -> None:
-    """One all-gather of equal flat buffers (a module function: tests record it)."""
-    dist.all_gather_into_tensor(out, inp, group=group)
+def _all_gather(out: Tensor, inp: Tensor, group):
+    """One all-gather of equal flat buffers, issued asynchronously: its work, to wait for
+    before ``out`` is read (a module function: tests record it)."""
+    return dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
 
 
 def _piece_shape(shape, dim: int, size: int) -> list[int]:
@@ -380,7 +382,9 @@ def orthogonalize_resharded(
     ``split_replicas``: a stack replicated over a mesh dim (:func:`replicas_of`) has its whole
     experts split between that dim's members, each orthogonalising its share, and gathered
     back by one all-gather per batch in ``gather_dtype`` (default: the stacks' dtype; NS's
-    output dtype loses nothing). Stacks with no in-expert cut then batch too.
+    output dtype loses nothing), issued asynchronously and waited for after the next batch's
+    all-to-all and Newton–Schulz (one batch in flight: its bytes run under that work). Stacks
+    with no in-expert cut then batch too.
 
     ``moments`` (NorMuon): each stack's local second moment ``v`` (fp32, in
     :func:`local_moment_shape`); ``normalize(mats, vs, layouts) -> (mats, vs)``
@@ -410,13 +414,23 @@ def orthogonalize_resharded(
     out: list[Tensor | None] = [None] * len(params)
     new: list[Tensor | None] = [None] * len(params)
     norm = None if moments is None else _Normalize(moments, normalize)
+    # A batch split over replicas leaves its all-gather in flight under the next batch's
+    # all-to-all and Newton–Schulz, then comes back (the same collectives in the same order on
+    # every rank); any other batch comes back at once.
+    flight = None
     for idx in [b for chunks in batches.values() for b in chunks] + alone:
         reps = replicas_of(params[idx[0]]) if split_replicas else None
-        got, vs = _resharded(
+        started = _start(
             idx, params, updates, layouts, orthogonalize, walk, reps, gather_dtype, norm
         )
-        for k, i in enumerate(idx):
-            out[i], new[i] = got[k], None if vs is None else vs[k]
+        if flight is not None:
+            _land(flight, params, norm, out, new)
+        flight = started
+        if not started.in_flight:
+            _land(started, params, norm, out, new)
+            flight = None
+    if flight is not None:
+        _land(flight, params, norm, out, new)
     for i in reference:
         out[i], new[i] = _reference_one(params[i], updates[i], layouts[i], orthogonalize, norm, i)
     if moments is None:
@@ -516,13 +530,30 @@ def _moments_to_pieces(vs, cuts, shares, lays) -> list[Tensor]:
     return _to_pieces(ys, sent, shares)
 
 
-def _resharded(
+@dataclass
+class _Flight:
+    """A batch of stacks between :func:`_start` and :func:`_finish`: its Newton–Schulz has run
+    and, split over replicas, the all-gather of the results is in flight (``gathered`` waits
+    for it), so the next batch's all-to-all and Newton–Schulz run under it."""
+
+    idx: list[int]
+    xs: list[Tensor] | Callable[[], list[Tensor]]  # whole experts, or what gathers them
+    vs: list[Tensor] | None
+    lays: list[Layout]
+    undo: list  # (cuts, shares) per cut depth, to go back through in reverse
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether its all-gather over the replicas may still be running."""
+        return callable(self.xs)
+
+
+def _start(
     idx, params, updates, layouts, orthogonalize, walk, reps=None, gather_dtype=None, norm=None
-) -> tuple[list[Tensor], list[Tensor] | None]:
-    """Stacks ``idx`` (at each cut depth, one process group for all) to whole experts, through
-    one ``orthogonalize`` call (``reps``: split over the replicas, :func:`_over_replicas`), and
-    back. ``norm`` (NorMuon): their second moments go along, the whole experts are normalised
-    after ``orthogonalize``, and ``v′`` comes back; else ``None`` in its place."""
+) -> _Flight:
+    """Stacks ``idx`` (at each cut depth, one process group for all) to whole experts and
+    through one ``orthogonalize`` call (``reps``: split over the replicas, :func:`_over_replicas`,
+    whose all-gather stays in flight). ``norm`` (NorMuon): their second moments go along."""
     xs = [updates[i].to(params[i].dtype) for i in idx]
     vs = None if norm is None else [norm.moments[i] for i in idx]
     lays = [layouts[i] for i in idx]
@@ -545,19 +576,36 @@ def _resharded(
             vs = _moments_to_whole(vs, cuts, shares, lays)
         undo.append((cuts, shares))
     if reps is None:
-        xs = _orthogonalize_some(xs, lays, orthogonalize)
-    else:
-        xs = _over_replicas(xs, lays, costs, reps, walk, orthogonalize, gather_dtype)
+        return _Flight(list(idx), _orthogonalize_some(xs, lays, orthogonalize), vs, lays, undo)
+    gathered = _over_replicas(xs, lays, costs, reps, walk, orthogonalize, gather_dtype)
+    return _Flight(list(idx), gathered, vs, lays, undo)
+
+
+def _finish(flight: _Flight, params, norm=None) -> tuple[list[Tensor], list[Tensor] | None]:
+    """A batch's results back in the local shards: the gathered results waited for, NorMuon's
+    normalisation (``norm``) of the whole experts, and the all-to-alls back. Returns the
+    directions and ``v′`` (``None`` without ``norm``)."""
+    xs, vs, lays, undo = flight.xs, flight.vs, flight.lays, flight.undo
+    if flight.in_flight:
+        xs = xs()
     if vs is not None:  # every replica normalises all the whole experts: the same v′ on each
         xs, vs = _normalize_some(xs, vs, lays, norm.normalize)
     if not undo:  # whole experts stay in NS's output dtype until the commit (less memory)
         return xs, vs
-    xs = [x.to(params[i].dtype) for x, i in zip(xs, idx)]
+    xs = [x.to(params[i].dtype) for x, i in zip(xs, flight.idx)]
     for cuts, shares in reversed(undo):
         xs = _to_pieces(xs, cuts, shares)
         if vs is not None:
             vs = _moments_to_pieces(vs, cuts, shares, lays)
     return xs, vs
+
+
+def _land(flight: _Flight, params, norm, out: list, new: list) -> None:
+    """:func:`_finish` a batch into each stack's place in ``out`` (directions) and ``new``
+    (``v′``)."""
+    got, vs = _finish(flight, params, norm)
+    for k, i in enumerate(flight.idx):
+        out[i], new[i] = got[k], None if vs is None else vs[k]
 
 
 def _orthogonalize_some(xs: list[Tensor], lays: list[Layout], orthogonalize) -> list[Tensor]:
@@ -586,7 +634,8 @@ def _normalize_some(xs, vs, lays, normalize) -> tuple[list[Tensor], list[Tensor]
 def _over_replicas(xs, lays, costs, reps: _Replicas, walk, orthogonalize, gather_dtype):
     """The whole experts ``xs`` (the same on every member of ``reps``: copies) split between
     the replicas by the walk, each orthogonalising its share, then one all-gather of every
-    member's results (padded to the largest share) in ``gather_dtype``."""
+    member's results (padded to the largest share) in ``gather_dtype``, left in flight: returns
+    the function that waits for it and gives every stack's results (:class:`_Flight`)."""
     n, me = len(reps.ranks), reps.member
     shares = [walk.shares(reps.group, reps.ranks, x.shape[0], c) for x, c in zip(xs, costs)]
     starts = [sum(share[:me]) for share in shares]
@@ -594,17 +643,24 @@ def _over_replicas(xs, lays, costs, reps: _Replicas, walk, orthogonalize, gather
     done = _orthogonalize_some(mine, lays, orthogonalize)
     dtype = gather_dtype or xs[0].dtype
     per_expert = [math.prod(x.shape[1:]) for x in xs]
+    shapes = [x.shape[1:] for x in xs]
     sizes = [[share[j] * per for share, per in zip(shares, per_expert)] for j in range(n)]
     most = max(map(sum, sizes))
     send = xs[0].new_zeros(most, dtype=dtype)
     torch.cat([y.reshape(-1).to(dtype) for y in done], out=send[: sum(sizes[me])])
+    del xs, mine, done  # the inputs are not needed while the all-gather is in flight
     got = send.new_empty(n * most)
-    _all_gather(got, send, reps.group)
-    by_member = [got[j * most : j * most + sum(sizes[j])].split(sizes[j]) for j in range(n)]
-    return [
-        torch.cat([by_member[j][k].view(shares[k][j], *x.shape[1:]) for j in range(n)])
-        for k, x in enumerate(xs)
-    ]
+    work = _all_gather(got, send, reps.group)
+
+    def gathered() -> list[Tensor]:
+        work.wait()
+        by_member = [got[j * most : j * most + sum(sizes[j])].split(sizes[j]) for j in range(n)]
+        return [
+            torch.cat([by_member[j][k].view(shares[k][j], *shape) for j in range(n)])
+            for k, shape in enumerate(shapes)
+        ]
+
+    return gathered
 
 
 def _as_dtensor(local: Tensor, like: DTensor, placements=None) -> DTensor:
