@@ -77,6 +77,7 @@ class GroupRouting:
                 runtime.check_registered()
                 runtime.check_compute_dtypes()
             muon, adamw = _route_model(params, self.predicate, layouts=self.layouts)
+            _refuse_cpu_offloaded(params, muon)
             if not muon and not _has_dedicated(params):
                 warnings.warn(
                     "Muon: no parameter was routed to Muon (all get AdamW). Check predicate= or "
@@ -389,3 +390,23 @@ def _check_nonneg(name: str, value: float) -> None:
         value = float(value)
     if not (value >= 0.0 and math.isfinite(value)):  # NaN fails the first test
         raise ValueError(f"Muon: {name} must be a finite number >= 0, got {value}")
+
+
+def _refuse_cpu_offloaded(model: nn.Module, muon: list[tuple[str, Tensor]]) -> None:
+    """Raise if FSDP2 keeps any Muon matrix of ``model`` in host memory: its Newton–Schulz
+    would run on the CPU, hundreds of times slower than on the GPU, with nothing to tell."""
+    from dmuon_compile.distributed._compat.fsdp import cpu_offloaded  # late: FSDP2's internals
+
+    offloaded = cpu_offloaded(model)
+    names = [name for name, p in muon if id(p) in offloaded]
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ValueError(
+            f"Muon: FSDP2 CPU offload (fully_shard(offload_policy=CPUOffloadPolicy()), "
+            f"torchtitan's training.enable_cpu_offload) keeps {len(names)} Muon matrices in "
+            f"host memory ({shown}), where their Newton-Schulz would run on the CPU. Turn the "
+            "offload policy off for the modules holding them; to save the optimizer's memory, "
+            "keep the momentum in host memory instead (Muon(offload='momentum'), streamed in "
+            "for the step) and/or in a smaller dtype (momentum_dtype=torch.bfloat16 or "
+            "torch.int8)."
+        )

@@ -123,6 +123,14 @@ SPMD_TYPES_ERROR = (
     'without dmuon). Set parallelism.spmd_backend="partial_dtensor" (the tested and cheaper '
     'path) or "full_dtensor" (the same meshes, DTensor parameters).'
 )
+CPU_OFFLOAD_ERROR = (
+    "dmuon: training.enable_cpu_offload (FSDP2's CPUOffloadPolicy) is not supported with "
+    "dedicated weights: each lives whole on its owner's GPU, where its Newton-Schulz runs, and "
+    "torchtitan's offload builds the model in host memory. Set training.enable_cpu_offload = "
+    "false; to save the optimizer's memory, keep the Muon momentum in host memory "
+    '(MuonOptimizers.Config(offload="momentum"), streamed in for the step) and/or in a smaller '
+    'dtype (momentum_dtype="bf16" or "int8").'
+)
 
 
 def _check_backend(backend: str, parallel_dims) -> None:
@@ -296,6 +304,8 @@ def dedicating(
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *, parallel_dims, parallelism, **kwargs):
         _check_backend(parallelism.spmd_backend, parallel_dims)
+        if getattr(kwargs.get("training"), "enable_cpu_offload", False):
+            raise ValueError(CPU_OFFLOAD_ERROR)
         if parallel_dims.pp_enabled:
             _reduce_at_stage_end()
         # Without PP one part is planned per job; the TP planner takes no carried loads.

@@ -85,6 +85,23 @@ def _api_checks(rank, world):
         out["order_error"] = None
     except RuntimeError as exc:
         out["order_error"] = str(exc)
+    # FSDP2 CPU offload over Muon matrices (expert stacks left to FSDP2): Muon refuses them,
+    # their NS would run on the CPU; the control: the same model without the offload policy
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from . import moe_models
+
+    for label, policy in (("offload", CPUOffloadPolicy(pin_memory=False)), ("kept", None)):
+        moe = moe_models.build_moe()
+        dmuon.dedicate_params(moe, mesh)
+        kw = {} if policy is None else {"offload_policy": policy}
+        for block in moe.layers:
+            fully_shard(block.experts, mesh=mesh, **kw)
+            fully_shard(block, mesh=mesh)
+        try:
+            out[label] = len(dmuon.Muon(moe).param_groups)
+        except ValueError as exc:
+            out[label] = str(exc)
     return out
 
 
@@ -103,6 +120,11 @@ def test_api_checks_two_ranks():
         assert "init_device_mesh(" in err and 'mesh_dim_names=("replicate", "shard")' in err
     assert r["hsdp_ok"] == 7 * models.LAYERS
     assert r["order_error"] is not None and "must run before fully_shard" in r["order_error"]
+    err = r["offload"]
+    assert isinstance(err, str) and "FSDP2 CPU offload" in err, err
+    assert "keeps 6 Muon matrices in host memory (layers.0.experts.w1" in err, err
+    assert "Muon(offload='momentum')" in err and "and 3 more" in err, err
+    assert r["kept"] == 2, r["kept"]  # the control: Muon and AdamW groups
     assert r["tp_error"] is not None and r["tp_error"].startswith(
         "DMuon requires named DeviceMesh for TP detection"
     )

@@ -114,3 +114,32 @@ def test_a_checkpoint_before_the_first_step_with_gradients_set_raises_naming_zer
     state = optimizers.state_dict()
     assert any(k.startswith("state.") and k.endswith("momentum_buffer") for k in state), state
     optimizers.load_state_dict(state)
+
+
+def test_cpu_offload_is_refused_before_anything_is_parallelised():
+    """torchtitan's ``training.enable_cpu_offload`` builds the model in host memory, which
+    dedicated weights cannot follow: ``dedicating`` refuses it first, naming the fix. Control:
+    without it the call goes on into torchtitan's own parallelize function."""
+    from types import SimpleNamespace
+
+    from torchtitan.config import TrainingConfig
+    from torchtitan.models.llama3 import parallelize_llama
+
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    parallelize = dmuon_tt.dedicating(parallelize_llama)
+    dims = SimpleNamespace(pp_enabled=False, tp_enabled=False, cp_enabled=False)
+    parallelism = SimpleNamespace(spmd_backend="partial_dtensor")
+    with pytest.raises(ValueError, match="enable_cpu_offload") as refused:
+        parallelize(
+            None,
+            parallel_dims=dims,
+            parallelism=parallelism,
+            training=TrainingConfig(enable_cpu_offload=True),
+        )
+    assert 'offload="momentum"' in str(refused.value)
+    rest = dict(compile_config=None, ac_config=None, dump_folder="")
+    with pytest.raises(AttributeError):  # torchtitan's own code runs, on the empty arguments
+        parallelize(
+            None, parallel_dims=dims, parallelism=parallelism, training=TrainingConfig(), **rest
+        )

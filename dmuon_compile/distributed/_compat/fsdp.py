@@ -210,6 +210,22 @@ def compute_dtypes(model: nn.Module) -> set:
     return dtypes
 
 
+def cpu_offloaded(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> path of its fully_shard module`` for the parameters FSDP2 keeps in
+    host memory (``fully_shard(offload_policy=CPUOffloadPolicy())``; torchtitan's
+    ``training.enable_cpu_offload``): there an optimizer steps them on the CPU."""
+    out: dict[int, str] = {}
+    feature = "the FSDP2 CPU offload check"
+    paths = {id(m): name for name, m in model.named_modules()}
+    for module in fsdp_modules(model):
+        for group in _param_groups(module):
+            for fsdp_param in _require(group, "fsdp_params", feature) if group is not None else []:
+                if _require(fsdp_param, "offload_to_cpu", feature):
+                    sharded = _require(fsdp_param, "sharded_param", feature)
+                    out[id(sharded)] = paths.get(id(module), "<root>") or "<root>"
+    return out
+
+
 def joined_mesh(meshes) -> DeviceMesh:
     """The mesh whose dims are the dims of ``meshes`` (slices of one mesh), in order: how FSDP2
     builds the DP × TP mesh of a TP parameter (``DeviceMesh._concatenate``), so it equals the
