@@ -7,10 +7,17 @@ with bf16 mixed precision, optional per-block compile) wrapped by ``dmuon_tt.ded
 ``OptimizersContainer`` (``default_adamw``). Both train the same synthetic next-token data
 (a fixed random bigram table: the loss can fall well below ln(vocab)) from the same seed.
 Prints per-step losses and times, then a summary (median step time after warm-up, last loss).
+``--momentum-dtype {fp32,bf16,int8}`` stores dmuon's Muon momentum in fp32 (the default), bf16
+or blockwise 8-bit (``MuonOptimizers.Config.momentum_dtype``; AdamW's run is unchanged).
 
 One process on one GPU::
 
     PYTHONPATH=. python benchmarks/torchtitan_steps.py --steps 50
+
+One process on the CPU (gloo, one rank), dmuon only, bf16 momentum, a loss every step::
+
+    PYTHONPATH=. python benchmarks/torchtitan_steps.py --device cpu --optimizers dmuon \
+        --momentum-dtype bf16 --print-every 1 --steps 300
 
 Several ranks (NCCL, one GPU each; or gloo ranks sharing cuda:0 with ``--backend gloo``)::
 
@@ -118,7 +125,9 @@ def build(args, use_dmuon: bool, dims, device):
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     if use_dmuon:
-        config = dmuon_tt.MuonOptimizers.Config(lr=args.lr, adamw_lr=args.adamw_lr)
+        config = dmuon_tt.MuonOptimizers.Config(
+            lr=args.lr, adamw_lr=args.adamw_lr, momentum_dtype=args.momentum_dtype
+        )
     else:
         config = default_adamw(lr=args.adamw_lr)
         config.implementation = "fused" if device.type == "cuda" else "for-loop"
@@ -173,6 +182,12 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=0.02, help="Muon lr")
     p.add_argument("--adamw-lr", type=float, default=3e-3)
+    p.add_argument(
+        "--momentum-dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "int8"],
+        help="dmuon's Muon momentum storage (int8: blockwise 8-bit)",
+    )
     p.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--compile", action="store_true", help="torchtitan's per-block compile")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "flex"])
@@ -225,7 +240,8 @@ def main() -> None:
         print(
             f"\ntorch {torch.__version__}, {args.flavor} (layers {args.layers or 'all'}), world "
             f"{world} {backend} on {device.type}, batch {args.batch} x seq {args.seq}, "
-            f"{args.param_dtype}, compile={args.compile}, {args.steps} steps"
+            f"{args.param_dtype}, compile={args.compile}, {args.steps} steps, dmuon momentum "
+            f"{args.momentum_dtype}"
         )
         head = ("optimizer", "median ms", "tok/s", "loss 0", "last", "min")
         print(" ".join(f"{h:>10}" for h in head))
