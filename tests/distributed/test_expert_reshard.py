@@ -179,6 +179,17 @@ def _compare(rank: int, world: int, cases: list) -> list:
             )
 
         got = es.orthogonalize_resharded(list(ps), list(us), [lay] * len(ps), ns)
+        sent_calls = len(sent)
+        # split over the replicas, one stack per batch: each batch's all-gather in flight under
+        # the next batch's work, the same bits
+        piecewise = es.orthogonalize_resharded(
+            list(ps),
+            list(us),
+            [lay] * len(ps),
+            lambda mats, lays: [_per_expert_ns([])([m], [la])[0] for m, la in zip(mats, lays)],
+            batch_bytes=1,
+            split_replicas=True,
+        )
         cuts = [es._direct_cuts(p) for p in ps]
         single = {(c[0].group, p.dtype) for c, p in zip(cuts, ps) if len(c) == 1}
         whole = {p.dtype for c, p in zip(cuts, ps) if not c}  # replicated whole: no all-to-all
@@ -186,7 +197,8 @@ def _compare(rank: int, world: int, cases: list) -> list:
         together.append(
             {
                 "same": all(torch.equal(a, b) for a, b in zip(got, alone)),
-                "calls": len(sent),
+                "same_split": all(torch.equal(a, b) for a, b in zip(piecewise, alone)),
+                "calls": sent_calls,
                 "want_calls": 2 * (len(single) + several),
                 "ns_calls": len(calls),
                 "most_ns_calls": len(single) + len(whole) + sum(len(c) > 1 for c in cuts),
@@ -247,7 +259,7 @@ def _check(world: int, cases: list) -> None:
     results = [r[0] for r in both]
     for rank, (_, together) in enumerate(both):
         for t in together:
-            assert t["same"], (rank, t)
+            assert t["same"] and t["same_split"], (rank, t)
             assert t["calls"] == t["want_calls"], (rank, t)
             assert t["ns_calls"] <= t["most_ns_calls"], (rank, t)
     for k, case in enumerate(cases):
