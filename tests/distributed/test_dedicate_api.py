@@ -85,6 +85,14 @@ def _api_checks(rank, world):
         out["order_error"] = None
     except RuntimeError as exc:
         out["order_error"] = str(exc)
+    # the process-wide mesh registry holds each mesh once, however many models are dedicated
+    from dmuon_compile.distributed._owner.meshes import MESHES
+
+    held = []
+    for _ in range(3):
+        dmuon.dedicate_params(models.build_llama(), mesh, predicate=models.proj_predicate)
+        held.append(len(MESHES.keep))
+    out["held"] = held
     # FSDP2 CPU offload over Muon matrices (expert stacks left to FSDP2): Muon refuses them,
     # their NS would run on the CPU; the control: the same model without the offload policy
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -120,6 +128,7 @@ def test_api_checks_two_ranks():
         assert "init_device_mesh(" in err and 'mesh_dim_names=("replicate", "shard")' in err
     assert r["hsdp_ok"] == 7 * models.LAYERS
     assert r["order_error"] is not None and "must run before fully_shard" in r["order_error"]
+    assert r["held"][0] == r["held"][-1], r["held"]  # not one more entry per model
     err = r["offload"]
     assert isinstance(err, str) and "FSDP2 CPU offload" in err, err
     assert "keeps 6 Muon matrices in host memory (layers.0.experts.w1" in err, err

@@ -36,7 +36,8 @@ class MeshRegistry:
     (``owner_mesh``), so two models of one process (a TP model, then a plain one; a model and
     its teacher) never read each other's norm mesh or broadcast source. Keyed by ``id(mesh)`` (a
     DeviceMesh compares by its layout, and an owner group's mesh may be equal to this rank's own
-    TP mesh); ``keep`` holds the meshes so no id is reused.
+    TP mesh); ``keep`` holds the meshes so no id is reused (by id: a mesh recorded again, at each
+``dedicate_params`` over it, is held once).
     """
 
     def __init__(self) -> None:
@@ -54,7 +55,11 @@ class MeshRegistry:
         # weight has one owner per TP column (each column's copy is the same): all ranks agree
         # on column 0's.
         self.source_of: dict[int, int] = {}
-        self.keep: list[DeviceMesh] = []
+        self.keep: dict[int, DeviceMesh] = {}
+
+    def hold(self, mesh: DeviceMesh) -> None:
+        """Keep ``mesh`` alive as long as the registry (its id is a key here)."""
+        self.keep[id(mesh)] = mesh
 
 
 # The name of a one-rank owner mesh's dimension (not "ep": a dedicated weight is a dense one).
@@ -72,7 +77,7 @@ def set_norm_mesh(mesh: DeviceMesh, norm_mesh: DeviceMesh, partial_dims=None) ->
     names = norm_mesh.mesh_dim_names or (None,) * norm_mesh.ndim
     partial = [partial_dims is None or n in partial_dims for n in names]
     MESHES.norm_of[id(mesh)] = (norm_mesh, partial, _dt.norm_partial())
-    MESHES.keep.append(mesh)
+    MESHES.hold(mesh)
 
 
 def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
@@ -83,7 +88,7 @@ def set_dp_mesh(mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
 def register_group(mesh: DeviceMesh, ranks) -> None:
     """Record an owner group mesh (a TP weight's owner TP group) and its global ranks."""
     MESHES.group_ranks[id(mesh)] = tuple(int(r) for r in ranks)
-    MESHES.keep.append(mesh)
+    MESHES.hold(mesh)
 
 
 def set_source(mesh: DeviceMesh, rank: int) -> None:
@@ -114,7 +119,7 @@ def owner_mesh(device_type: str, global_rank: int, dp_mesh: DeviceMesh) -> Devic
         mesh = _dt.mesh_without_backend(device_type, [global_rank], (OWNER_DIM,))
         MESHES.owner_meshes[key] = mesh
         MESHES.owner_of[id(mesh)] = int(global_rank)
-        MESHES.keep.append(dp_mesh)  # its id is in the key
+        MESHES.hold(dp_mesh)  # its id is in the key
     MESHES.latest[(device_type, int(global_rank))] = mesh
     return mesh
 

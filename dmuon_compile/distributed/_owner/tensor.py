@@ -209,7 +209,7 @@ def _known_owner_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     if mesh.ndim == 1 and mesh.size() == 1:
         known = MESHES.latest.get((mesh.device_type, int(mesh.mesh.reshape(-1)[0])))
         return known if known == mesh else None
-    for known in MESHES.keep:  # TP owner group meshes
+    for known in MESHES.keep.values():  # TP owner group meshes
         if id(known) in MESHES.group_ranks and known == mesh:
             return known
     return None
