@@ -58,6 +58,17 @@ def _inject(kind: str, model, step: list) -> None:
 
     if kind == "eager":
         F.orthogonalize = failing(F.orthogonalize, InjectedError("simulated NS failure"))
+    elif kind == "eager_late":  # at the step's second NS call (a streamed step's second bucket)
+        original, calls = F.orthogonalize, []
+
+        def second_fails(*args, **kwargs):
+            if step[0] == FAIL_AT:
+                calls.append(1)
+                if len(calls) == 2:
+                    raise InjectedError("simulated NS failure")
+            return original(*args, **kwargs)
+
+        F.orthogonalize = second_fails
     elif kind == "oom":
         oom = torch.OutOfMemoryError("simulated: CUDA out of memory. Tried to allocate 2.00 GiB")
         F.orthogonalize = failing(F.orthogonalize, oom)
@@ -99,7 +110,10 @@ class _TorchWith:
         return getattr(torch, name)
 
 
-def _train(rank, world, kind, layout, fold=True, device="cpu"):
+def _train(rank, world, kind, layout, fold=True, device="cpu", storage=None, leak=False):
+    """``storage``: ``Muon``'s momentum storage options (e.g. ``offload="momentum"``);
+    ``leak``: the control of the stored momentum's test (a step's staged momentum is kept even
+    when the step failed)."""
     import dmuon_compile as dmuon
     from dmuon_compile import optimizer
 
@@ -126,7 +140,10 @@ def _train(rank, world, kind, layout, fold=True, device="cpu"):
         ns_backend=dmuon.NewtonSchulz(work_dtype=torch.float32),
         compile=kind == "compiled",
         **HYPER,
+        **(storage or {}),
     )
+    if leak:  # a failed step's verdict keeps its staged momentum instead of dropping it
+        opt._storage.drop_staged = opt._storage.commit_staged
     out = {"error": None, "cause": None, "failed": None, "after_s": None, "losses": []}
     for i, x in enumerate(models.batches(STEPS + 1, dp)):
         step[0] = i
@@ -224,6 +241,27 @@ def test_one_rank_failure_in_step_raises_everywhere_then_trains_exactly(kind, la
     # The compiled step leaves its verdict on the device: every rank raises at the next call.
     at = FAIL_AT + 1 if kind == "compiled" else FAIL_AT
     assert _problems(results, phase, cause, ref, at) == []
+
+
+@pytest.mark.parametrize("layout", ["1d", "hsdp"])
+def test_an_offloaded_momentum_after_a_one_rank_failure_trains_exactly(layout):
+    """``Muon(offload="momentum")``, streamed, failing at rank 1's second bucket: the first
+    bucket's new momentum stays in its shadow, which the next step drops, so the host copy is
+    the last committed step's: every rank raises, then trains like one process that skipped the
+    batch (offloaded training is the in-place one bit for bit). Control: with the failed step's
+    shadows kept, the weights differ."""
+    from dmuon_compile import optimizer
+
+    phase = optimizer.PHASE_EAGER
+    storage = {"offload": "momentum"}
+    args = ("eager_late", layout, True, "cpu", storage)
+    results = run_ranks(_train, WORLD, *args, timeout=120)
+    assert _problems(results, phase, "InjectedError", reference(WORLD)) == []
+    leaked = run_ranks(_train, WORLD, *args, True, timeout=120)
+    assert any(
+        "differs from the reference" in p
+        for p in _problems(leaked, phase, "InjectedError", reference(WORLD))
+    )
 
 
 def test_control_without_the_agreement_the_ranks_fall_apart():
