@@ -535,6 +535,17 @@ def test_one_rank_failure_in_step_raises_everywhere_then_trains_exactly(
     assert faults._problems(results, phase, cause, ref, at) == []
 
 
+# ----------------------------------------------------------------------- stored momentum
+@pytest.mark.parametrize("kind", ["dense", "hsdp"])
+def test_an_offloaded_momentum_trains_bit_for_bit_like_the_one_on_the_device(tier_device, kind):
+    """``Muon(offload="momentum")`` on 2 ranks sharing the GPU: the pinned host copy streamed
+    in and out on each rank's side streams (events, the allocator's record_stream) trains bit
+    for bit like the momentum kept on the device."""
+    from .test_momentum_storage_dist import check_offloaded_equals_on_device
+
+    check_offloaded_equals_on_device(kind, tier_device)
+
+
 # ---------------------------------------------------------------------------------- GQA
 def _gqa_counted(rank, world, device):
     """GQA training with every unshard's and reduce's collectives counted; the padding

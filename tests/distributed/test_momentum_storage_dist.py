@@ -23,12 +23,12 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 STEPS = 4
 
 
-def _build(kind: str, rank: int, world: int):
-    """``(model, dp_rank, dp_size)`` for ``kind``."""
+def _build(kind: str, rank: int, world: int, device: str = "cpu"):
+    """``(model, dp_rank, dp_size)`` for ``kind`` (``device``: dense and HSDP only)."""
     if kind == "dense":
-        return models.build_dedicated(world)[0], rank, world
+        return models.build_dedicated(world, device=device)[0], rank, world
     if kind == "hsdp":
-        return models.build_dedicated(world, hsdp=True)[0], rank, world
+        return models.build_dedicated(world, hsdp=True, device=device)[0], rank, world
     if kind == "tp":
         from .test_tp import build_tp
 
@@ -56,12 +56,15 @@ def _batches(kind: str, world: int):
     return models.batches(STEPS, world)
 
 
-def _train(rank, world, kind, settings):
+def _train(rank, world, kind, settings, device="cpu"):
     import dmuon_compile as dmuon
 
-    model, dp_rank, dp = _build(kind, rank, world)
+    from .harness import local_device
+
+    model, dp_rank, dp = _build(kind, rank, world, device)
     opt = dmuon.Muon(model, compile=False, **settings)
-    losses = train_steps(model, opt, _batches(kind, dp), dp_rank, dp)
+    batches = _batches(kind, dp)
+    losses = train_steps(model, opt, batches, dp_rank, dp, device=local_device(device))
     stored = sorted({k for s in opt.state.values() for k in s if k.startswith("momentum")})
     state = {k: v.detach().cpu().clone() for k, v in full_state(model).items()}
     return {"losses": losses, "state": state, "keys": stored}
@@ -69,16 +72,22 @@ def _train(rank, world, kind, settings):
 
 @pytest.mark.parametrize("kind", ["dense", "hsdp", "moe", "tp"])
 def test_an_offloaded_momentum_trains_bit_for_bit_like_the_one_on_the_device(kind):
+    check_offloaded_equals_on_device(kind)
+
+
+def check_offloaded_equals_on_device(kind: str, device: str = "cpu") -> None:
+    """2 ranks: the streamed, offloaded momentum against the one on the device, bit for bit."""
     world = 2
-    on = run_ranks(_train, world, kind, {})
-    off = run_ranks(_train, world, kind, {"offload": "momentum"})
+    on = run_ranks(_train, world, kind, {}, device, device=device)
+    off = run_ranks(_train, world, kind, {"offload": "momentum"}, device, device=device)
     assert on[0]["keys"] == ["momentum_buffer"] and off[0]["keys"] == ["momentum_host"]
     for a, b in zip(on, off):
         assert a["losses"] == b["losses"]
         for name, ref in a["state"].items():
             torch.testing.assert_close(b["state"][name], ref, rtol=0, atol=0, msg=name)
     if kind == "dense":  # control: another μ moves the weights elsewhere
-        other = run_ranks(_train, world, kind, {"offload": "momentum", "momentum": 0.5})[0]
+        settings = {"offload": "momentum", "momentum": 0.5}
+        other = run_ranks(_train, world, kind, settings, device, device=device)[0]
         assert any(not torch.equal(other["state"][k], v) for k, v in on[0]["state"].items())
 
 
