@@ -36,8 +36,8 @@ class MeshRegistry:
     (``owner_mesh``), so two models of one process (a TP model, then a plain one; a model and
     its teacher) never read each other's norm mesh or broadcast source. Keyed by ``id(mesh)`` (a
     DeviceMesh compares by its layout, and an owner group's mesh may be equal to this rank's own
-    TP mesh); ``keep`` holds the meshes so no id is reused (by id: a mesh recorded again, at each
-``dedicate_params`` over it, is held once).
+    TP mesh); ``keep`` holds the meshes so no id is reused (by id: a mesh recorded again, at
+    each ``dedicate_params`` over it, is held once).
     """
 
     def __init__(self) -> None:
