@@ -28,14 +28,14 @@ from dmuon_compile.kernels.autotune import (  # noqa: F401  (UNTIMED_MIN_ROWS: r
 # symmetric kernels lose to cuBLAS. Expert stacks pass it: stacks of 1536-row matrices, and of
 # 768-row ones when the stack is large (a step's bucket of expert stacks); there the Gluon and
 # TMA kernels beat cuBLAS's full product, which also copies C into its output before every
-# product with a beta·C term. Stacks of 64 768-row matrices pass since the plain X·Xᵀ has the
-# Gluon ping-pong (benchmarks/RESULTS.md §27; before it they lost, §22). The autotune keeps
-# cuBLAS per shape where it wins, at the cost of a mirror pass.
+# product with a beta·C term. Stacks of 32 768-row matrices pass since the plain X·Xᵀ has the
+# Gluon ping-pong (benchmarks/RESULTS.md §27, §29; before it they lost, §22); stacks of 16 still
+# lose. The autotune keeps cuBLAS per shape where it wins, at the cost of a mirror pass.
 TRITON_MIN_ROWS = 4096
 TRITON_MIN_ROWS_BATCHED = 1536
 TRITON_MIN_BATCH = 8
 TRITON_MIN_ROWS_LARGE_STACK = 768
-TRITON_MIN_BATCH_LARGE_STACK = 64
+TRITON_MIN_BATCH_LARGE_STACK = 32
 # The op's untimed fallback (UNTIMED_MIN_ROWS, HALF_DTYPES) is the kernel package's rule,
 # kernels/autotune.py, imported above under the same names.
 # kernel="quack": products with fewer output rows than one of quack's symmetric tiles run cuBLAS
@@ -65,9 +65,9 @@ class KernelChoice:
 def size_gate(m: int, batch: int = 1) -> bool:
     """Whether an m×m symmetric product (a stack of ``batch``) is large enough for Triton.
 
-    >>> size_gate(4096), size_gate(1536, batch=8), size_gate(2048), size_gate(768, batch=32)
+    >>> size_gate(4096), size_gate(1536, batch=8), size_gate(2048), size_gate(768, batch=16)
     (True, True, False, False)
-    >>> size_gate(768, batch=64)
+    >>> size_gate(768, batch=32)
     True
     """
     return (

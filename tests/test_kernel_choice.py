@@ -6,9 +6,9 @@ step's ``pass_enabled``, the pass's ``below_size_gate``, autotune's ``heuristic_
 hypothesis compares them with the new function and with the callers that now ask it, over
 random sizes, stacks, dtypes, devices and kernel settings, with the thresholds' edges sampled
 often. The one deliberate change since: stacks of ≥ 8 pass the gate from 1536 rows, not
-2048, and stacks of ≥ 64 from 768 rows (expert stacks; benchmarks/RESULTS.md §22, §27). Control:
-the same comparison over a grid of those edges catches a rule set whose row threshold is off
-by one.
+2048, and stacks of ≥ 32 from 768 rows (expert stacks; benchmarks/RESULTS.md §22, §27, §29).
+Control: the same comparison over a grid of those edges catches a rule set whose row
+threshold is off by one.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dmuon_compile.newton_schulz import CustomOpPrimitives, NewtonSchulz, TorchP
 HALF = (torch.float16, torch.bfloat16)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 EDGES_M = (1, 511, 512, 767, 768, 769, 1023, 1024, 1448, 1535, 1536, 2047, 2048, 4095, 4096)
-EDGES_BATCH = (1, 2, 3, 4, 7, 8, 9, 63, 64, 65, 128)
+EDGES_BATCH = (1, 2, 3, 4, 7, 8, 9, 31, 32, 33, 63, 64, 65, 128)
 DEVICES = ("cuda", "cpu", "meta")
 REQUESTED = ("auto", "triton", "cublas")
 RESOLVED = ("triton", "cublas")
@@ -40,7 +40,7 @@ RESOLVED = ("triton", "cublas")
 
 # ----------------------------------------------------------------------------- the old rules
 def old_triton_worthwhile(m, batch, min_rows=4096):
-    return m >= min_rows or (m >= 1536 and batch >= 8) or (m >= 768 and batch >= 64)
+    return m >= min_rows or (m >= 1536 and batch >= 8) or (m >= 768 and batch >= 32)
 
 
 def old_eager_uses_op(resolved, m, batch, min_rows=4096):
