@@ -185,9 +185,8 @@ def wait(work, what: str, group) -> None:
     try:
         work.wait()
     except Exception as err:  # noqa: BLE001 - re-raised with what failed and what to do
-        ranks = dist.get_process_group_ranks(group) if group is not None else "?"
         raise RuntimeError(
-            f"dmuon_compile: {what} over ranks {ranks} failed (group timeout "
+            f"dmuon_compile: {what} over ranks {_ranks(group)} failed (group timeout "
             f"{group_timeout(group)}): {err}. A peer rank died, froze or did not issue the same "
             "collective: see the other ranks' logs. The dedicated runtime's groups use the "
             "default process group's timeout (init_process_group(timeout=...)), or the one "
@@ -210,14 +209,18 @@ def wait_finished(work, what: str, group, poll_s: float = 1e-3) -> None:
     deadline = time.monotonic() + (timeout.total_seconds() if timeout is not None else 1800.0)
     while not _finished(work):
         if time.monotonic() > deadline:
-            ranks = dist.get_process_group_ranks(group) if group is not None else "?"
             raise RuntimeError(
-                f"dmuon_compile: {what} over ranks {ranks} did not finish within the group "
+                f"dmuon_compile: {what} over ranks {_ranks(group)} did not finish within the group "
                 f"timeout {timeout}: a peer rank did not issue it (an exception on some ranks "
                 "only in forward or backward, not caught on every rank). The ranks' collectives "
                 "no longer pair: restart from a checkpoint; catch such exceptions on every rank."
             )
         time.sleep(poll_s)
+
+
+def _ranks(group):
+    """The group's global ranks, for an error message (``"?"`` without a group)."""
+    return dist.get_process_group_ranks(group) if group is not None else "?"
 
 
 def _host_blocking(group) -> bool:
