@@ -139,6 +139,10 @@ def gram_ns_peer():
     return GramNewtonSchulz(gram_newton_schulz_reset_iterations=[2])
 
 
+# Extra NewtonSchulz arguments of our NS in section A (``--gram-min-aspect``).
+OURS_NS: dict = {}
+
+
 def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list[str], dict, dict]:
     peer = gram_ns_peer()
     peer_ratios = {}
@@ -150,14 +154,15 @@ def run_ns_section(shapes, nan_inputs: int, profile: bool = False) -> tuple[list
         "| (5) ours-quack ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    ours_cublas, ours_triton = NewtonSchulz(kernel="cublas"), NewtonSchulz(kernel="triton")
+    ours_cublas = NewtonSchulz(kernel="cublas", **OURS_NS)
+    ours_triton = NewtonSchulz(kernel="triton", **OURS_NS)
     try:  # (5): our NS with quack's symmetric kernel (kernel="quack"), where quack is carried
-        ours_quack = NewtonSchulz(kernel="quack")
+        ours_quack = NewtonSchulz(kernel="quack", **OURS_NS)
     except (ImportError, RuntimeError) as exc:
         ours_quack = None
         print(f"(5) ours with kernel='quack' not run: {exc}")
     print(f"ours: {ours_triton.describe()}", flush=True)
-    ours64 = NewtonSchulz(kernel="cublas", work_dtype=torch.float64)
+    ours64 = NewtonSchulz(kernel="cublas", work_dtype=torch.float64, **OURS_NS)
     speedups = {}
     for shape in shapes:
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -446,9 +451,18 @@ def main(argv=None) -> int:
         "kernels (default gate: dmuon_compile.kernel_choice, 2048 rows in stacks of 8), e.g. "
         "512,8 to time the MoE expert stacks on them",
     )
+    parser.add_argument(
+        "--gram-min-aspect",
+        type=float,
+        default=None,
+        help="section A: NewtonSchulz(gram_min_aspect=...) for ours (default 1.5); e.g. 3 to "
+        "time 768x2048 and 1536x4096 stacks on direct NS instead of Gram NS",
+    )
     args = parser.parse_args(argv)
     if args.size_gate:
         set_size_gate(args.size_gate)
+    if args.gram_min_aspect is not None:
+        OURS_NS["gram_min_aspect"] = args.gram_min_aspect
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

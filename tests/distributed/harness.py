@@ -80,6 +80,8 @@ def _worker(fn, rank, world_size, store_port, args, env, results, backend, pg_ti
     from torch.distributed.constants import default_pg_timeout
 
     faulthandler.enable(all_threads=True)  # a crashed rank prints where (the parent says "died")
+    # a hung rank prints where when the launcher gives up on it (_dump_stacks)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(env)
     shared_gpu = device == "cuda" and backend != "nccl"
     os.environ.update(
@@ -204,6 +206,18 @@ def _native_crashes(launch, wait_s: float) -> dict[int, str]:
     return crashed
 
 
+def _dump_stacks(launch, wait_s: float = 3.0) -> None:
+    """Ask every live worker to print its threads' Python stacks to stderr (faulthandler's
+    SIGUSR1), so a timed-out test shows where each rank waited."""
+    for p in launch.procs:
+        if p.is_alive() and p.pid is not None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(wait_s)
+
+
 def _run_once(fn, world_size, args, env, backend, device, timeout) -> dict[int, tuple]:
     launch = _Launch(fn, world_size, args, env, backend, None, device)
     deadline = time.monotonic() + timeout
@@ -213,9 +227,10 @@ def _run_once(fn, world_size, args, env, backend, device, timeout) -> dict[int, 
         while len(got) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
+                _dump_stacks(launch)
                 raise TimeoutError(
                     f"distributed test did not finish within {timeout:.0f}s "
-                    f"(ranks done: {sorted(got)}); killed all ranks"
+                    f"(ranks done: {sorted(got)}); killed all ranks (their stacks: stderr)"
                 )
             try:
                 rank, status, payload = launch.results.get(timeout=min(left, 1.0))
@@ -300,6 +315,7 @@ def run_ranks_with_victim(
         while not survivors <= set(got):
             left = deadline - time.monotonic()
             if left <= 0:
+                _dump_stacks(launch)
                 raise TimeoutError(
                     f"survivors {sorted(survivors - set(got))} did not finish within "
                     f"{timeout:.0f}s after rank {victim} died or froze: a hang"

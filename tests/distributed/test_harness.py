@@ -159,3 +159,22 @@ def test_torchrun_exception_is_not_rerun(tmp_path):
     done, runs = _torchrun(tmp_path, "raise")
     assert done.returncode != 0 and runs == 1
     assert "ValueError" in done.stderr and native_crash_signals(done.stderr) == []
+
+
+def _rank0_stays_in_here(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        time.sleep(60)
+    dist.barrier()
+
+
+def test_a_timeout_prints_where_each_rank_waited(capfd):
+    with pytest.raises(TimeoutError, match="their stacks: stderr"):
+        run_ranks(_rank0_stays_in_here, 2, timeout=8)
+    err = capfd.readouterr().err
+    # both ranks' stacks (rank 0 in its sleep, rank 1 in the barrier rank 0 never reached):
+    # nothing else prints the function's name
+    assert err.count("_rank0_stays_in_here") >= 2, err
