@@ -288,6 +288,36 @@ def test_a_given_norm_gives_the_same_result(shape, backend, seed):
     assert not torch.equal(ns(g, norm * 4), ns(g))
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.sampled_from([(6, 10), (10, 6), (3, 5, 9), (2, 40, 7), (1, 1)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    log_scale=st.integers(-30, 30),
+    bad=st.sampled_from([None, float("inf"), float("nan")]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_norm_by_rows_is_the_frobenius_norm(shape, dtype, log_scale, bad, seed):
+    """``frobenius_norm_by_rows`` (the compiled step's norm of large inputs) equals the float64
+    Frobenius norm of each matrix to fp32 rounding, over scales from 1e-9 to 1e9, and is
+    non-finite exactly where ``frobenius_norm`` is (the step's finite flags)."""
+    from dmuon_compile.newton_schulz import frobenius_norm, frobenius_norm_by_rows
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2.0**log_scale
+    if bad is not None:
+        g.view(-1)[seed % g.numel()] = bad
+    g = g.to(dtype)
+    got = frobenius_norm_by_rows(g, torch.bfloat16)
+    ref = torch.linalg.vector_norm(g.double(), dim=(-2, -1), keepdim=True)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.equal(torch.isfinite(got), torch.isfinite(frobenius_norm(g, torch.bfloat16)))
+    finite = torch.isfinite(ref)
+    assert torch.allclose(got.double()[finite], ref[finite], rtol=1e-6, atol=0)
+    # control: a norm over the rows only is not it
+    rows_only = torch.linalg.vector_norm(g.double(), dim=-1, keepdim=True).amax(-2, keepdim=True)
+    if bad is None and shape[-2] > 1:
+        assert not torch.allclose(rows_only, ref, rtol=1e-6, atol=0)
+
+
 def test_a_norm_of_the_wrong_shape_is_refused():
     g = torch.randn(3, 4, 6)
     with pytest.raises(ValueError, match=r"expected \(3, 1, 1\)"):
