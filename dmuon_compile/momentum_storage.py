@@ -94,6 +94,12 @@ def resolve_momentum_dtype(value) -> torch.dtype | None:
 
 def check_offload(value) -> str | None:
     """``offload``'s value, or a ``ValueError`` naming the choices."""
+    if value == "state":
+        raise ValueError(
+            "offload='state' (the owners' master weights in host memory as well) is not built "
+            "yet: offload='momentum' takes the momentum off the GPU, and momentum_dtype='int8' "
+            "or 'bf16' shrinks it (docs/memory.md)"
+        )
     if value not in OFFLOADS:
         raise ValueError(
             f"offload={value!r}: choose None (the momentum stays on the parameter's device) or "
