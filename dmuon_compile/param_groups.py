@@ -401,12 +401,14 @@ def _refuse_cpu_offloaded(model: nn.Module, muon: list[tuple[str, Tensor]]) -> N
     names = [name for name, p in muon if id(p) in offloaded]
     if names:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        modules = sorted({offloaded[id(p)] for _, p in muon if id(p) in offloaded})
+        where = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if modules[3:] else "")
         raise ValueError(
             f"Muon: FSDP2 CPU offload (fully_shard(offload_policy=CPUOffloadPolicy()), "
             f"torchtitan's training.enable_cpu_offload) keeps {len(names)} Muon matrices in "
             f"host memory ({shown}), where their Newton-Schulz would run on the CPU. Turn the "
-            "offload policy off for the modules holding them; to save the optimizer's memory, "
-            "keep the momentum in host memory instead (Muon(offload='momentum'), streamed in "
-            "for the step) and/or in a smaller dtype (momentum_dtype=torch.bfloat16 or "
-            "torch.int8)."
+            f"offload policy off for the fully_shard modules holding them ({where}); to save "
+            "the optimizer's memory, keep the momentum in host memory instead "
+            "(Muon(offload='momentum'), streamed in for the step) and/or in a smaller dtype "
+            "(momentum_dtype=torch.bfloat16 or torch.int8)."
         )

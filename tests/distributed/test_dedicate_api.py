@@ -133,6 +133,8 @@ def test_api_checks_two_ranks():
     assert isinstance(err, str) and "FSDP2 CPU offload" in err, err
     assert "keeps 6 Muon matrices in host memory (layers.0.experts.w1" in err, err
     assert "Muon(offload='momentum')" in err and "and 3 more" in err, err
+    # the fully_shard modules whose policy to turn off, by path
+    assert "holding them (layers.0.experts, layers.1.experts)" in err, err
     assert r["kept"] == 2, r["kept"]  # the control: Muon and AdamW groups
     assert r["tp_error"] is not None and r["tp_error"].startswith(
         "DMuon requires named DeviceMesh for TP detection"
