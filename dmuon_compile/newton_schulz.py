@@ -240,29 +240,25 @@ def matrix_view(t: Tensor) -> Tensor:
     return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
 
 
-def frobenius_norm(g: Tensor, work_dtype: torch.dtype) -> Tensor:
+def frobenius_norm(g: Tensor, work_dtype: torch.dtype, by_rows: bool = False) -> Tensor:
     """Per-matrix Frobenius norm of ``g`` (2-D, or a 3-D stack), kept as ``(…, 1, 1)``, in fp32
     (fp64 for an fp64 work dtype): the norm :func:`normalize` divides by. The compiled step
     also takes its finite flags from it (``functional.muon_directions``) and hands the same
-    tensor to :class:`NewtonSchulz`: one reduction in the graph, not two."""
+    tensor to :class:`NewtonSchulz`: one reduction in the graph, not two.
+
+    ``by_rows``: as two reductions, each row's norm, then the norm of those. Traced over a large
+    matrix or stack the first is an inner reduction of contiguous rows and the second a small
+    one; one reduction per whole matrix has few outputs, which Inductor splits and runs below
+    the memory bandwidth. Equal up to rounding; it overflows where the other does (a sum of
+    squares past the fp32 range)."""
     compute = torch.float64 if work_dtype == torch.float64 else torch.float32
     if g.dtype not in (torch.float16, torch.bfloat16):
         g = g.to(compute)
     # Half inputs: the reduction upcasts in-kernel; no fp32 copy of g is written for the norm.
+    if by_rows:
+        rows = torch.linalg.vector_norm(g, dim=-1, keepdim=True, dtype=compute)
+        return torch.linalg.vector_norm(rows, dim=-2, keepdim=True)
     return torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True, dtype=compute)
-
-
-def frobenius_norm_by_rows(g: Tensor, work_dtype: torch.dtype) -> Tensor:
-    """:func:`frobenius_norm` as two reductions: each row's norm, then the norm of those.
-    Traced over a large matrix or stack, the first is an inner reduction of contiguous rows
-    and the second a small one; one reduction per whole matrix has few outputs, which Inductor
-    splits and runs below the memory bandwidth. Equal to :func:`frobenius_norm` up to
-    rounding; it overflows where that does (a sum of squares past the fp32 range)."""
-    compute = torch.float64 if work_dtype == torch.float64 else torch.float32
-    if g.dtype not in (torch.float16, torch.bfloat16):
-        g = g.to(compute)
-    rows = torch.linalg.vector_norm(g, dim=-1, keepdim=True, dtype=compute)
-    return torch.linalg.vector_norm(rows, dim=-2, keepdim=True)
 
 
 def normalize(
@@ -630,7 +626,7 @@ class NewtonSchulz:
         work_dtype = self.work_dtype_for(first.device)
         xs, norms = [], []
         for m in mats:
-            norm = frobenius_norm_by_rows(m, work_dtype)
+            norm = frobenius_norm(m, work_dtype, by_rows=True)
             x = normalize(m, work_dtype, self.eps, transpose=transposed, norm=norm)
             xs.append(x if x.dim() == 3 else x.unsqueeze(0))
             norms.append(norm.reshape(-1, 1, 1))

@@ -392,6 +392,11 @@ def _check_nonneg(name: str, value: float) -> None:
         raise ValueError(f"Muon: {name} must be a finite number >= 0, got {value}")
 
 
+def _first_three(items: list[str]) -> str:
+    """``"a, b, c and 4 more"``: a list for an error message."""
+    return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if items[3:] else "")
+
+
 def _refuse_cpu_offloaded(model: nn.Module, muon: list[tuple[str, Tensor]]) -> None:
     """Raise if FSDP2 keeps any Muon matrix of ``model`` in host memory: its Newton–Schulz
     would run on the CPU, hundreds of times slower than on the GPU, with nothing to tell."""
@@ -400,9 +405,8 @@ def _refuse_cpu_offloaded(model: nn.Module, muon: list[tuple[str, Tensor]]) -> N
     offloaded = cpu_offloaded(model)
     names = [name for name, p in muon if id(p) in offloaded]
     if names:
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         modules = sorted({offloaded[id(p)] for _, p in muon if id(p) in offloaded})
-        where = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if modules[3:] else "")
+        shown, where = _first_three(names), _first_three(modules)
         raise ValueError(
             f"Muon: FSDP2 CPU offload (fully_shard(offload_policy=CPUOffloadPolicy()), "
             f"torchtitan's training.enable_cpu_offload) keeps {len(names)} Muon matrices in "

@@ -297,16 +297,16 @@ def test_a_given_norm_gives_the_same_result(shape, backend, seed):
     seed=st.integers(0, 2**16),
 )
 def test_the_norm_by_rows_is_the_frobenius_norm(shape, dtype, log_scale, bad, seed):
-    """``frobenius_norm_by_rows`` (the compiled step's norm of large inputs) equals the float64
-    Frobenius norm of each matrix to fp32 rounding, over scales from 1e-9 to 1e9, and is
-    non-finite exactly where ``frobenius_norm`` is (the step's finite flags)."""
-    from dmuon_compile.newton_schulz import frobenius_norm, frobenius_norm_by_rows
+    """``frobenius_norm(by_rows=True)`` (the compiled step's norm of large inputs) equals the
+    float64 Frobenius norm of each matrix to fp32 rounding, over scales from 1e-9 to 1e9, and
+    is non-finite exactly where the one-reduction norm is (the step's finite flags)."""
+    from dmuon_compile.newton_schulz import frobenius_norm
 
     g = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2.0**log_scale
     if bad is not None:
         g.view(-1)[seed % g.numel()] = bad
     g = g.to(dtype)
-    got = frobenius_norm_by_rows(g, torch.bfloat16)
+    got = frobenius_norm(g, torch.bfloat16, by_rows=True)
     ref = torch.linalg.vector_norm(g.double(), dim=(-2, -1), keepdim=True)
     assert got.dtype == torch.float32 and got.shape == ref.shape
     assert torch.equal(torch.isfinite(got), torch.isfinite(frobenius_norm(g, torch.bfloat16)))
