@@ -27,7 +27,9 @@ copy of the parameters:
    — our eager step on cuBLAS, the reference of the compiled step's 1.3× target;
    ``ours_eager``: ``dmuon.Muon(compile=False)`` (Gram NS, default kernels: Triton where tuned);
 4. ``ours_compiled``: ``dmuon.Muon(compile=True)`` (one compiled graph + the NS-chain pass);
-5. ``ours_compiled_cudagraphs`` (CUDA only): ``compile_mode="reduce-overhead"``.
+5. ``ours_compiled_cudagraphs`` (CUDA only): ``compile_mode="reduce-overhead"``;
+   ``ours_compiled_kept`` (only when named): ``keep_new_momentum=True`` (buf′ kept from the
+   directions and swapped in at the commit).
 
 Peers that take the expert stacks whole (3-D, one Newton–Schulz per expert, as ours), each run
 with its own code, on one device without communication (issue 49):
@@ -111,7 +113,7 @@ DEFAULT_CONFIGS = (  # what runs without --configs
     "ours_compiled_cudagraphs",
 )
 PEERS = ("dion_muon", "dion_muon_triton", "titan_distmuon")  # only when named in --configs
-CONFIGS = DEFAULT_CONFIGS + PEERS
+CONFIGS = DEFAULT_CONFIGS + ("ours_compiled_kept",) + PEERS
 CUDA_ONLY = ("ours_compiled_cudagraphs", "dion_muon_triton")
 DION_INSTALL = (
     "microsoft/dion is not installed: build its wheel and install it "
@@ -207,6 +209,8 @@ def build(config: str, params):
         return dmuon.Muon(params, lr=LR, compile=False, **OURS)
     if config == "ours_compiled":
         return dmuon.Muon(params, lr=LR, compile=True, **OURS)
+    if config == "ours_compiled_kept":
+        return dmuon.Muon(params, lr=LR, compile=True, keep_new_momentum=True, **OURS)
     if config == "ours_compiled_cudagraphs":
         return dmuon.Muon(params, lr=LR, compile=True, compile_mode="reduce-overhead", **OURS)
     if config.startswith("dion_muon"):
@@ -394,6 +398,13 @@ def run_config(
     times = timed_steps(opt, device, repeats)
     row["median_ms"] = statistics.median(times)
     row["min_ms"] = min(times)
+    if device.type == "cuda":  # one more step: what it allocates above what lives between steps
+        sync(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        opt.step()
+        sync(device)
+        row["step_extra_gib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**30
     if profile_dir is not None:
         save = (
             os.path.join(profile_dir, f"trace_step_{model}_{config}.json.gz")
@@ -426,9 +437,10 @@ def markdown(rows: list[dict], header: str) -> str:
         "",
         (
             "| model | configuration | median step ms | min ms | first step s | "
-            "warm first step s | × torch.optim.Muon | × ours eager | × ours eager-cuBLAS |"
+            "warm first step s | × torch.optim.Muon | × ours eager | × ours eager-cuBLAS | "
+            "step extra GiB |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = next(
@@ -447,7 +459,8 @@ def markdown(rows: list[dict], header: str) -> str:
         warm = f"{r['warm_first_step_s']:.1f}" if "warm_first_step_s" in r else "–"
         lines.append(
             f"| {r['model']} | {r['config']} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
-            f"{r['first_step_s']:.1f} | {warm} | {vs_base} | {vs_eager} | {vs_ecub} |"
+            f"{r['first_step_s']:.1f} | {warm} | {vs_base} | {vs_eager} | {vs_ecub} | "
+            + (f"{r['step_extra_gib']:.2f} |" if "step_extra_gib" in r else "– |")
         )
     ns = sorted({r["ns"] for r in rows if "ns" in r})
     if ns:

@@ -343,16 +343,18 @@ class CompiledMuonStep:
         layouts=None,
         second_moments=None,
         normuon=None,
+        keep_momentum: bool = False,
     ):
         """``functional.muon_directions`` in the compiled graph: NS(u) of every matrix, no
         state written (``Muon.step`` agrees across ranks, then commits). ``finite_flags=True``
         returns ``(directions, flags)``: each matrix's finite flag from the norm NS takes
         anyway (``Muon.step``'s gradient check for these matrices, at no extra read).
         ``second_moments`` (NorMuon; ``normuon``: its ``NorMuon`` hyper-parameters): the
-        directions normalised per row, and the new moments returned last."""
+        directions normalised per row, and the new moments after them. ``keep_momentum``:
+        each matrix's buf′ returned last (``Muon(keep_new_momentum=True)``)."""
         if not grads:
             out = ([], None) if finite_flags else ([],)  # as muon_directions returns
-            out += () if second_moments is None else ([],)
+            out += (() if second_moments is None else ([],)) + (([],) if keep_momentum else ())
             return out if len(out) > 1 else []
         devices = {g.device for g in grads}
         if len(devices) != 1:
@@ -375,6 +377,7 @@ class CompiledMuonStep:
                 layouts=None if layouts is None else tuple(layouts),  # constants: no guard churn
                 second_moments=None if second_moments is None else list(second_moments),
                 normuon=normuon,
+                keep_momentum=bool(keep_momentum),
             )
 
     @contextlib.contextmanager

@@ -423,6 +423,7 @@ def muon_directions(
     layouts: Sequence[Layout] | None = None,
     second_moments: list[Tensor] | None = None,
     normuon: NorMuon | None = None,
+    keep_momentum: bool = False,
 ) -> list[Tensor] | tuple:
     """The first half of a Muon step: NS(u) for every matrix, writing nothing.
 
@@ -446,17 +447,25 @@ def muon_directions(
     default ``NorMuon()``): each matrix's per-row second moment ``v``; every direction is then
     normalised row by row, bucket by bucket, and the result gets one more element last, the
     new moments ``v′`` (out of place: :func:`commit_muon_step` stores them), whose finiteness
-    joins the flags. Returns ``directions``, ``(directions, flags)``, ``(directions, v′)`` or
-    ``(directions, flags, v′)``.
+    joins the flags. ``keep_momentum=True``: each matrix's buf′ as well, in its buffer's dtype
+    (:func:`nesterov_input_kept`), last. Returns ``directions``, then after it, each where asked
+    for and in this order: the flags, ``v′``, buf′ (a tuple when any is).
     """
     momentum = hyper(momentum)
     lays = layouts_of(grads, layouts)
     out: list[Tensor | None] = [None] * len(grads)
     moments: list | None = None if second_moments is None else [None] * len(grads)
+    kept: list | None = [None] * len(grads) if keep_momentum else None
     order: list[int] = []  # the matrices in bucket order: the order of the flags' pieces
     pieces: list[Tensor] = []
     for idx in shape_buckets(grads, lays, ns.stack_bytes):
-        bucket = nesterov_input([grads[i] for i in idx], [bufs[i] for i in idx], momentum, nesterov)
+        mine_g, mine_b = [grads[i] for i in idx], [bufs[i] for i in idx]
+        if kept is None:
+            bucket = nesterov_input(mine_g, mine_b, momentum, nesterov)
+        else:
+            bucket, new_bufs = nesterov_input_kept(mine_g, mine_b, momentum, nesterov)
+            for i, b in zip(idx, new_bufs):
+                kept[i] = b
         finite: list | None = [] if finite_flags else None
         bucket_lays = [lays[i] for i in idx]
         results = orthogonalize(bucket, ns, release=True, finite=finite, layouts=bucket_lays)
@@ -470,7 +479,7 @@ def muon_directions(
         for piece_idx, piece in finite or ():
             order += [idx[j] for j in piece_idx]
             pieces.append(piece)
-    extra = () if moments is None else (moments,)
+    extra = (() if moments is None else (moments,)) + (() if kept is None else (kept,))
     if not finite_flags:
         return (out, *extra) if extra else out  # type: ignore[return-value]
     if not grads:
@@ -524,6 +533,28 @@ def nesterov_input(
         torch._foreach_mul_(u, momentum)
         torch._foreach_add_(u, grads)
     return list(u)  # a list (foreach ops may return a tuple): consumed bucket by bucket
+
+
+def nesterov_input_kept(
+    grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor, nesterov: bool
+) -> tuple[list[Tensor], list[Tensor]]:
+    """:func:`nesterov_input` and the new momentum buf′ it is made of, kept: ``(u, buf′)``,
+    buf′ in the buffers' dtype (rounded once, as :func:`store_momentum` stores it), by the
+    same operations as those two functions (so the same bits). ``Muon(keep_new_momentum=True)``
+    holds buf′ until the commit, which then takes it in place of computing it again."""
+    if not grads:
+        return [], []
+    if _computed_where_read(grads):  # per tensor: buf′ written where its bucket's norm reads it
+        new = [b.to(g.dtype) * momentum + g for g, b in zip(grads, bufs)]
+        u = [v * momentum + g for g, v in zip(grads, new)] if nesterov else list(new)
+    else:
+        new = new_momentum(grads, bufs, momentum)
+        u = list(new)
+        if nesterov:
+            u = list(torch._foreach_mul(new, momentum))
+            torch._foreach_add_(u, grads)
+    kept = [v if v.dtype == b.dtype else v.to(b.dtype) for v, b in zip(new, bufs)]
+    return u, kept
 
 
 def commit_muon_step(

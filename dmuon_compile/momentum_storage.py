@@ -236,6 +236,45 @@ def compiled_store_momentum():
     )
 
 
+# ---------------------------------------------------------------------------- kept buf′
+def _owns_storage(t: Tensor) -> bool:
+    """Whether ``t`` is the whole of its storage, densely (a view or a slice of a larger
+    buffer is not: swapping it would detach it from that buffer, or save the buffer whole)."""
+    return (
+        t._base is None
+        and t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+def take_kept_momentum(bufs: list[Tensor], kept: list[Tensor], commit_if=None) -> None:
+    """The commit of ``Muon(keep_new_momentum=True)``: each momentum buffer of ``bufs`` (the
+    state's own tensors: their objects stay, wrappers and state entries see the change) takes
+    its buf′ from ``kept``, computed by the directions. Where both own their storage whole, the
+    buffer's storage is swapped for buf′'s: no bytes move and the old storage is freed; else
+    buf′ is copied in. ``commit_if`` (a deferred verdict on the device): where it turns out
+    false the old values are copied back (``kernels/copy_unless.py``: on CUDA nothing is read
+    when it is true)."""
+    from dmuon_compile.kernels.copy_unless import copy_unless
+
+    for buf, new in zip(bufs, kept):
+        swap = (
+            new.shape == buf.shape
+            and new.dtype == buf.dtype
+            and new.device == buf.device
+            and _owns_storage(buf)
+            and _owns_storage(new)
+        )
+        if not swap:
+            buf.copy_(new if commit_if is None else torch.where(commit_if, new, buf))
+            continue
+        old = buf.detach()  # the old storage, held until the undo below is queued
+        buf.set_(new)
+        if commit_if is not None:
+            copy_unless(commit_if.to(buf.device, non_blocking=True), buf, old)
+
+
 # ---------------------------------------------------------------------------- the storage
 class Streamed:
     """A Muon matrix whose stored momentum the step materialises with its shape bucket: what a

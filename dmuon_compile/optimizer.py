@@ -31,7 +31,13 @@ from dmuon_compile.distributed._owner.tensor import OwnerTensor, local_of
 from dmuon_compile.distributed.stages import MuonJob, StepHalf, StepNS, StepStage, local_job
 from dmuon_compile.distributed.step_plan import EXPERT_NS, PLAIN_STEP, StepPlan, expert_stage
 from dmuon_compile.layouts import Layout, needs_reshard, whole_expert_shards
-from dmuon_compile.momentum_storage import IN_FLIGHT, STORED_KEYS, MomentumStorage, is_streamed
+from dmuon_compile.momentum_storage import (
+    IN_FLIGHT,
+    STORED_KEYS,
+    MomentumStorage,
+    is_streamed,
+    take_kept_momentum,
+)
 from dmuon_compile.newton_schulz import resolve_ns_backend, set_active_ns
 from dmuon_compile.normuon_state import second_moment
 from dmuon_compile.param_groups import (
@@ -155,6 +161,16 @@ class Muon(torch.optim.Optimizer):
             all-gather over the replicate dim (in NS's output dtype) gives each all the
             results; per-rank expert NS falls R×, for that all-gather's bytes (docs/moe.md).
             No effect without expert stacks replicated over a mesh dim.
+        keep_new_momentum: ``False`` (default) or ``True``: the step keeps each matrix's new
+            momentum buf′ = μ·buf + g from where its Newton–Schulz input is computed until the
+            commit, which then swaps it in as the momentum (no copy) instead of reading the
+            momentum and the gradient again: 8 fewer bytes per fp32 Muon value per step, for
+            one more momentum's worth of memory (4 B per value, fp32) held from the Newton–
+            Schulz to the commit. The same bits either way. For the in-place momentum (not
+            with ``momentum_dtype="int8"`` or ``offload``, nor ``compile_mode=
+            "reduce-overhead"``: a ``ValueError`` names them); a step traced by the user's
+            ``torch.compile`` and the matrices a stage steps (tensor parallelism, split NS,
+            the expert reshard) compute buf′ in the commit as without it (docs/memory.md).
         qk_clip: ``None`` (default) or τ > 0: QK-clip (MuonClip) after every step, the heads
             whose max attention logit in the last forward exceeded τ get W_q and W_k scaled
             back to τ (``dmuon.QKClip``; needs ``Muon(model)``). The clip is
@@ -199,6 +215,7 @@ class Muon(torch.optim.Optimizer):
         per_head: bool = False,
         expert_ns: str = "per_replica",
         momentum_in_flight: int | None = IN_FLIGHT,
+        keep_new_momentum: bool = False,
     ) -> None:
         _check_nonneg("lr", lr)
         _check_nonneg("weight_decay", weight_decay)
@@ -231,6 +248,10 @@ class Muon(torch.optim.Optimizer):
         # in place (the default, bf16), or a stored copy (8-bit, host memory) that each step
         # materialises as working buffers, bucket by bucket (streamed) or all at once.
         self._storage = MomentumStorage(momentum_dtype, offload, momentum_in_flight)
+        if not isinstance(keep_new_momentum, bool):
+            raise ValueError(f"keep_new_momentum={keep_new_momentum!r}: give True or False")
+        self.keep_new_momentum = keep_new_momentum
+        _check_kept_momentum(keep_new_momentum, self._storage, compile_mode)
         self._working: list[tuple[dict, Tensor, str, Tensor]] = []  # all at once: for keep
         self._streams_momentum = False  # this step streams its stored momentum (_prepare)
         # The streamed step's compiled buf′ = μ·buf + g, one graph per bucket (StepKey).
@@ -348,9 +369,10 @@ class Muon(torch.optim.Optimizer):
 
     @momentum_dtype.setter
     def momentum_dtype(self, value) -> None:
+        storage = MomentumStorage(value, self._storage.offload, self._storage.in_flight)
+        _check_kept_momentum(self.keep_new_momentum, storage, self.compile_mode)
         self._storage.synchronize()  # write-backs in flight land in the old form first
-        storage = self._storage
-        self._storage = MomentumStorage(value, storage.offload, storage.in_flight)
+        self._storage = storage
 
     @property
     def offload(self) -> str | None:
@@ -359,8 +381,10 @@ class Muon(torch.optim.Optimizer):
 
     @offload.setter
     def offload(self, value) -> None:
+        storage = MomentumStorage(self._storage.dtype, value, self._storage.in_flight)
+        _check_kept_momentum(self.keep_new_momentum, storage, self.compile_mode)
         self._storage.synchronize()
-        self._storage = MomentumStorage(self._storage.dtype, value, self._storage.in_flight)
+        self._storage = storage
 
     @property
     def momentum_in_flight(self) -> int | None:
@@ -735,19 +759,23 @@ class Muon(torch.optim.Optimizer):
             compiled = half.compiled = compiled_step_for(self, group, params, part=part)
             if is_streamed(bufs):  # a stored momentum, bucket by bucket
                 return self._streamed_directions(half, part)
+            keep = self.keep_new_momentum and not torch.compiler.is_compiling()
             hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"], layouts=layouts)
-            if half.moments is not None:  # NorMuon: normalised per row; v′ comes back last
+            if half.moments is not None:  # NorMuon: normalised per row; v′ comes after
                 hypers.update(second_moments=half.moments, normuon=self.normuon)
             with label(NS):
                 if compiled is not None:
                     ortho, half.finite, *new = compiled.directions(
-                        grads, bufs, finite_flags=True, **hypers
+                        grads, bufs, finite_flags=True, keep_momentum=keep, **hypers
                     )
+                    half.new_bufs = new.pop() if keep else None
                     half.new_moments = new[0] if new else None
                     return ortho
-                ortho = F.muon_directions(grads, bufs, ns=self.ns, **hypers)
-                if half.moments is not None:
-                    ortho, half.new_moments = ortho
+                ortho = F.muon_directions(grads, bufs, ns=self.ns, keep_momentum=keep, **hypers)
+                if isinstance(ortho, tuple):  # (directions, [v′], [buf′])
+                    ortho, *new = ortho
+                    half.new_bufs = new.pop() if keep else None
+                    half.new_moments = new[0] if new else None
                 # NS's output is NaN wherever g or the momentum held a NaN/Inf: one norm of it
                 # checks both, in place of the gradients' read in ``check_finite``.
                 half.finite = directions_finite(ortho)
@@ -774,7 +802,9 @@ class Muon(torch.optim.Optimizer):
         group = half.group
         commit = F.commit_muon_step if half.compiled is None else half.compiled.commit
         grads, bufs = half.grads, half.bufs
-        if is_streamed(bufs):  # buf′ is in its shadows (_streamed_directions): weights only
+        # buf′ is in its shadows (_streamed_directions) or kept (keep_new_momentum): the
+        # commit writes the weights only
+        if is_streamed(bufs) or half.new_bufs is not None:
             grads, bufs = _scratch_momentum(grads[0])
         commit(
             half.params,
@@ -790,6 +820,9 @@ class Muon(torch.optim.Optimizer):
             **({"matrix_shapes": half.matrix_shapes} if half.matrix_shapes else {}),
             **half.normuon_commit(),
         )
+        if half.new_bufs is not None:
+            take_kept_momentum(half.bufs, half.new_bufs, commit_if)
+            half.new_bufs = None
 
     def _streamed_directions(self, half: StepHalf, part: str) -> list[Tensor]:
         """``_directions``' math for a half whose stored momentum streams
@@ -988,6 +1021,24 @@ class Muon(torch.optim.Optimizer):
         # Saved floats go back into the groups' own 0-d tensors (the same ones as before the
         # load): a user-compiled step sees a new value, not a new input, and never recompiles.
         restore_hypers(self.param_groups, before)
+
+
+def _check_kept_momentum(keep: bool, storage: MomentumStorage, compile_mode) -> None:
+    """``keep_new_momentum=True`` needs the in-place momentum and no CUDA graphs, or raises."""
+    if not keep:
+        return
+    if storage.stored:
+        raise ValueError(
+            "keep_new_momentum=True keeps buf′ beside the momentum stored in place; with "
+            f"momentum_dtype={storage.dtype} and offload={storage.offload!r} the step works on "
+            "a materialised copy instead: turn one of them off"
+        )
+    if compile_mode == "reduce-overhead":
+        raise ValueError(
+            "keep_new_momentum=True swaps each momentum buffer's storage at the commit, and "
+            "compile_mode='reduce-overhead' (CUDA graphs) needs the momentum at fixed "
+            "addresses: turn one of them off"
+        )
 
 
 def _scratch_momentum(grad: Tensor) -> tuple[list[Tensor], list[Tensor]]:

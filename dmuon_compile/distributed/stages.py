@@ -97,6 +97,9 @@ class StepHalf:
     path: str | None = None  # who took ``finite``, when not the half's own NS (SPLIT)
     moments: list | None = None  # NorMuon's second moments (the state), per matrix
     new_moments: list | None = None  # their v′ from the directions, stored by the commit
+    # buf′ of each matrix kept from the directions (``Muon(keep_new_momentum=True)``): the
+    # commit takes it as the momentum instead of computing it again (``take_kept_momentum``)
+    new_bufs: list | None = None
     stage: StepStage | None = None  # the stage that commits or aborts ``stage_half``
     stage_half: Any = None
 

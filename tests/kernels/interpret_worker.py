@@ -9,7 +9,8 @@ NaN); the worker runs the kernel into ``out``, saves it and answers ``ok tma`` o
 (which loads the launch used: TMA descriptors or pointers; ``+cp`` / ``+ct`` when C was read
 by TMA into the accumulator / in the epilogue, ``TileConfig.c_load``) or ``error: ...``.
 A case with ``kind="mirror"`` runs ``mirror_lower_inplace(p, block)`` instead, and one with
-``kind="scale_cast"`` runs ``kernels/scale_cast.py``'s kernel on ``g, denom, dtype``.
+``kind="scale_cast"`` runs ``kernels/scale_cast.py``'s kernel on ``g, denom, dtype``, and one
+with ``kind="copy_unless"`` ``kernels/copy_unless.py``'s on ``flag, dst, src``.
 """
 
 import os
@@ -20,6 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("interpret_worker.py must run with TRITON_INTERPRET=1")
 
 import torch  # noqa: E402
+from dmuon_compile.kernels.copy_unless import copy_unless  # noqa: E402
 from dmuon_compile.kernels.lower_tiles import TileConfig  # noqa: E402
 from dmuon_compile.kernels.mirror import mirror_lower_inplace  # noqa: E402
 from dmuon_compile.kernels.scale_cast import scale_cast  # noqa: E402
@@ -46,6 +48,11 @@ def main() -> None:
                 continue
             if case.get("kind") == "scale_cast":
                 torch.save(scale_cast(case["g"], case["denom"], case["dtype"]), out_path)
+                print("ok", flush=True)
+                continue
+            if case.get("kind") == "copy_unless":
+                out = copy_unless(case["flag"], case["dst"], case["src"])
+                torch.save(out, out_path)
                 print("ok", flush=True)
                 continue
             config = TileConfig(**case["config"])

@@ -114,6 +114,11 @@ class InterpretedKernel:
             {"kind": "scale_cast", "g": g, "denom": denom, "dtype": dtype}, "scale_cast kernel"
         )
 
+    def copy_unless(self, flag, dst, src) -> torch.Tensor:
+        return self._request(
+            {"kind": "copy_unless", "flag": flag, "dst": dst, "src": src}, "copy_unless kernel"
+        )
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
@@ -559,3 +564,26 @@ def test_scale_cast_kernel_matches_reference_bitwise(
     else:  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest: test_syrk_gpu.py)
         ulp = want.float().abs() * 2.0**-7 + 1e-38
         assert bool(((out.float() - want.float()).abs() <= ulp).all())
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    numel=st.sampled_from([1, 7, 4095, 4096, 4097, 3 * 4096 + 5, 9 * 4096 + 1]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    flag=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_copy_unless_kernel_copies_exactly_when_the_flag_is_false(kernel, numel, dtype, flag, seed):
+    """The kept momentum's undo: the source's bits everywhere when the flag is false (sizes
+    past several persistent-loop iterations of one program, not multiples of the block), the
+    destination untouched when true. Control: the reference of the other flag differs."""
+    from dmuon_compile.kernels.copy_unless import copy_unless_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    dst = torch.randn(numel, generator=gen).to(dtype)
+    src = torch.randn(numel, generator=gen).to(dtype)
+    ok = torch.tensor(flag)
+    out = kernel.copy_unless(ok, dst.clone(), src)
+    assert torch.equal(out, copy_unless_reference(ok, dst.clone(), src))
+    assert torch.equal(out, dst if flag else src)
+    assert not torch.equal(out, copy_unless_reference(~ok, dst.clone(), src))
