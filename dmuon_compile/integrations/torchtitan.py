@@ -527,6 +527,10 @@ class MuonOptimizers(OptimizersContainer):
         momentum_in_flight: int | None = IN_FLIGHT
         """``Muon(momentum_in_flight=...)``: with an 8-bit or offloaded momentum, the shape
         buckets the step materialises at once (``None``: all)."""
+        keep_new_momentum: bool = False
+        """``Muon(keep_new_momentum=...)``: the new momentum kept from the directions and
+        swapped in at the commit (fewer bytes per step, one more momentum's worth of memory
+        during it)."""
         per_head: bool = False
         """``dmuon.set_head_layouts`` on every model part first: q, k, v and o per head (give
         ``dedicating(..., per_head=True)`` too: the owner plan then prices per-head NS)."""
@@ -568,6 +572,7 @@ class MuonOptimizers(OptimizersContainer):
                 momentum_dtype=config.momentum_dtype,
                 offload=config.offload,
                 momentum_in_flight=config.momentum_in_flight,
+                keep_new_momentum=config.keep_new_momentum,
                 normuon=config.normuon,
                 qk_clip=config.qk_clip,
                 expert_ns=config.expert_ns,

@@ -62,6 +62,23 @@ def test_normuon_and_qk_clip_reach_muon():
     assert opt.normuon is not None and opt.qk_clip.tau == 50.0
 
 
+def test_keep_new_momentum_reaches_muon_and_its_conflicts_raise():
+    from dmuon_compile.integrations import torchtitan as dmuon_tt
+
+    model = _model()
+    config = dmuon_tt.MuonOptimizers.Config(keep_new_momentum=True, compile=False)
+    (opt,) = config.build(model_parts=[model]).optimizers
+    assert opt.keep_new_momentum is True
+    (default,) = (
+        dmuon_tt.MuonOptimizers.Config(compile=False).build(model_parts=[_model()]).optimizers
+    )
+    assert default.keep_new_momentum is False
+    with pytest.raises(ValueError, match="keep_new_momentum"):
+        dmuon_tt.MuonOptimizers.Config(keep_new_momentum=True, momentum_dtype="int8").build(
+            model_parts=[_model()]
+        )
+
+
 def test_a_bad_offload_names_the_choices():
     from dmuon_compile.integrations import torchtitan as dmuon_tt
 
