@@ -2,6 +2,8 @@
 
 - An offloaded momentum trains bit for bit like the one on the parameter's device: dedicated
   weights (1-D), HSDP 2×1, expert stacks (dedicated) and TP 2, 2 gloo ranks each.
+- ``keep_new_momentum=True`` trains bit for bit like the default: dedicated weights, HSDP 2×1
+  and dedicated expert stacks.
 - DCP: a checkpoint saved with one setting (8-bit, offloaded) and loaded into an optimizer of
   another (offloaded, fp32) resumes exactly as the same state handed over by the optimizer's own
   ``state_dict``/``load_state_dict`` on the same ranks.
@@ -58,16 +60,28 @@ def _batches(kind: str, world: int):
 
 def _train(rank, world, kind, settings, device="cpu"):
     import dmuon_compile as dmuon
+    from dmuon_compile import optimizer
 
     from .harness import local_device
 
-    model, dp_rank, dp = _build(kind, rank, world, device)
-    opt = dmuon.Muon(model, compile=False, **settings)
-    batches = _batches(kind, dp)
-    losses = train_steps(model, opt, batches, dp_rank, dp, device=local_device(device))
+    taken = []  # keep_new_momentum: the buffers each commit swapped buf′ into
+    real = optimizer.take_kept_momentum
+
+    def counted(bufs, kept, commit_if=None):
+        taken.append(len(bufs))
+        return real(bufs, kept, commit_if)
+
+    optimizer.take_kept_momentum = counted
+    try:
+        model, dp_rank, dp = _build(kind, rank, world, device)
+        opt = dmuon.Muon(model, compile=False, **settings)
+        batches = _batches(kind, dp)
+        losses = train_steps(model, opt, batches, dp_rank, dp, device=local_device(device))
+    finally:
+        optimizer.take_kept_momentum = real
     stored = sorted({k for s in opt.state.values() for k in s if k.startswith("momentum")})
     state = {k: v.detach().cpu().clone() for k, v in full_state(model).items()}
-    return {"losses": losses, "state": state, "keys": stored}
+    return {"losses": losses, "state": state, "keys": stored, "taken": sum(taken)}
 
 
 @pytest.mark.parametrize("kind", ["dense", "hsdp", "moe", "tp"])
@@ -89,6 +103,20 @@ def check_offloaded_equals_on_device(kind: str, device: str = "cpu") -> None:
         settings = {"offload": "momentum", "momentum": 0.5}
         other = run_ranks(_train, world, kind, settings, device, device=device)[0]
         assert any(not torch.equal(other["state"][k], v) for k, v in on[0]["state"].items())
+
+
+@pytest.mark.parametrize("kind", ["dense", "hsdp", "moe"])
+def test_the_kept_new_momentum_trains_bit_for_bit_like_the_default(kind):
+    """2 ranks, ``keep_new_momentum=True``: each owner's buf′ swapped in at the commit (counted:
+    the control that the kept path ran on every rank) gives the default's losses and weights."""
+    world = 2
+    ref = run_ranks(_train, world, kind, {})
+    got = run_ranks(_train, world, kind, {"keep_new_momentum": True})
+    assert all(r["taken"] == 0 for r in ref) and all(r["taken"] > 0 for r in got)
+    for a, b in zip(ref, got):
+        assert a["losses"] == b["losses"]
+        for name, want in a["state"].items():
+            torch.testing.assert_close(b["state"][name], want, rtol=0, atol=0, msg=name)
 
 
 def _resume(rank, world, path, first, second, how):
