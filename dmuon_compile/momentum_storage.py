@@ -119,6 +119,29 @@ def check_in_flight(value) -> int | None:
     )
 
 
+def check_kept_momentum(keep, dtype, offload, compile_mode=None) -> bool:
+    """``keep_new_momentum``'s value (a bool) checked against the storage it needs: the
+    momentum in place (``dtype`` not 8-bit, no ``offload``) and no CUDA graphs; else a
+    ``ValueError`` naming the pair."""
+    if not isinstance(keep, bool):
+        raise ValueError(f"keep_new_momentum={keep!r}: give True or False")
+    if not keep:
+        return keep
+    if resolve_momentum_dtype(dtype) == torch.int8 or check_offload(offload) is not None:
+        raise ValueError(
+            "keep_new_momentum=True keeps buf′ beside the momentum stored in place; with "
+            f"momentum_dtype={resolve_momentum_dtype(dtype)} and offload={offload!r} the step "
+            "works on a materialised copy instead: turn one of them off"
+        )
+    if compile_mode == "reduce-overhead":
+        raise ValueError(
+            "keep_new_momentum=True swaps each momentum buffer's storage at the commit, and "
+            "compile_mode='reduce-overhead' (CUDA graphs) needs the momentum at fixed "
+            "addresses: turn one of them off"
+        )
+    return keep
+
+
 # ---------------------------------------------------------------------------- 8-bit format
 MASK32 = 0xFFFFFFFF
 

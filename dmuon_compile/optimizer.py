@@ -35,6 +35,7 @@ from dmuon_compile.momentum_storage import (
     IN_FLIGHT,
     STORED_KEYS,
     MomentumStorage,
+    check_kept_momentum,
     is_streamed,
     take_kept_momentum,
 )
@@ -248,10 +249,9 @@ class Muon(torch.optim.Optimizer):
         # in place (the default, bf16), or a stored copy (8-bit, host memory) that each step
         # materialises as working buffers, bucket by bucket (streamed) or all at once.
         self._storage = MomentumStorage(momentum_dtype, offload, momentum_in_flight)
-        if not isinstance(keep_new_momentum, bool):
-            raise ValueError(f"keep_new_momentum={keep_new_momentum!r}: give True or False")
-        self.keep_new_momentum = keep_new_momentum
-        _check_kept_momentum(keep_new_momentum, self._storage, compile_mode)
+        self.keep_new_momentum = check_kept_momentum(
+            keep_new_momentum, momentum_dtype, offload, compile_mode
+        )
         self._working: list[tuple[dict, Tensor, str, Tensor]] = []  # all at once: for keep
         self._streams_momentum = False  # this step streams its stored momentum (_prepare)
         # The streamed step's compiled buf′ = μ·buf + g, one graph per bucket (StepKey).
@@ -370,7 +370,7 @@ class Muon(torch.optim.Optimizer):
     @momentum_dtype.setter
     def momentum_dtype(self, value) -> None:
         storage = MomentumStorage(value, self._storage.offload, self._storage.in_flight)
-        _check_kept_momentum(self.keep_new_momentum, storage, self.compile_mode)
+        check_kept_momentum(self.keep_new_momentum, value, storage.offload, self.compile_mode)
         self._storage.synchronize()  # write-backs in flight land in the old form first
         self._storage = storage
 
@@ -382,7 +382,7 @@ class Muon(torch.optim.Optimizer):
     @offload.setter
     def offload(self, value) -> None:
         storage = MomentumStorage(self._storage.dtype, value, self._storage.in_flight)
-        _check_kept_momentum(self.keep_new_momentum, storage, self.compile_mode)
+        check_kept_momentum(self.keep_new_momentum, storage.dtype, value, self.compile_mode)
         self._storage.synchronize()
         self._storage = storage
 
@@ -759,7 +759,9 @@ class Muon(torch.optim.Optimizer):
             compiled = half.compiled = compiled_step_for(self, group, params, part=part)
             if is_streamed(bufs):  # a stored momentum, bucket by bucket
                 return self._streamed_directions(half, part)
-            keep = self.keep_new_momentum and not torch.compiler.is_compiling()
+            # (compile_mode is an attribute: set to CUDA graphs since, the check raises)
+            keep = check_kept_momentum(self.keep_new_momentum, None, None, self.compile_mode)
+            keep = keep and not torch.compiler.is_compiling()
             hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"], layouts=layouts)
             if half.moments is not None:  # NorMuon: normalised per row; v′ comes after
                 hypers.update(second_moments=half.moments, normuon=self.normuon)
@@ -1021,24 +1023,6 @@ class Muon(torch.optim.Optimizer):
         # Saved floats go back into the groups' own 0-d tensors (the same ones as before the
         # load): a user-compiled step sees a new value, not a new input, and never recompiles.
         restore_hypers(self.param_groups, before)
-
-
-def _check_kept_momentum(keep: bool, storage: MomentumStorage, compile_mode) -> None:
-    """``keep_new_momentum=True`` needs the in-place momentum and no CUDA graphs, or raises."""
-    if not keep:
-        return
-    if storage.stored:
-        raise ValueError(
-            "keep_new_momentum=True keeps buf′ beside the momentum stored in place; with "
-            f"momentum_dtype={storage.dtype} and offload={storage.offload!r} the step works on "
-            "a materialised copy instead: turn one of them off"
-        )
-    if compile_mode == "reduce-overhead":
-        raise ValueError(
-            "keep_new_momentum=True swaps each momentum buffer's storage at the commit, and "
-            "compile_mode='reduce-overhead' (CUDA graphs) needs the momentum at fixed "
-            "addresses: turn one of them off"
-        )
 
 
 def _scratch_momentum(grad: Tensor) -> tuple[list[Tensor], list[Tensor]]:

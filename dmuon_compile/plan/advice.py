@@ -112,12 +112,23 @@ def _storage_tries(momentum: MomentumCost) -> list[tuple[dict, str]]:
     """The momentum storages one setting away from the job's: bf16 and 8-bit from the weights'
     dtype, offload from the GPU. 8-bit and offload hand every stepped matrix's momentum back
     to the step as working buffers, so they lower the *step's* peak only where a rank's
-    matrices do not all step at once (pipeline stages step in turn)."""
+    matrices do not all step at once (pipeline stages step in turn). With a kept buf′
+    (``keep_new_momentum``): first the job without it, then 8-bit and offload without it."""
     free = {
         "momentum_dtype": momentum.dtype in (None, torch.float32),
         "offload": momentum.offload is None,
     }
-    return [(changes, words) for changes, words in _STORAGES if free[next(iter(changes))]]
+    tries = [(changes, words) for changes, words in _STORAGES if free[next(iter(changes))]]
+    if not momentum.keep_new:
+        return tries
+    off = {"keep_new_momentum": False}
+    out = [(off, "keep_new_momentum=False (drop --keep-new-momentum)")]
+    for changes, words in tries:
+        stored = changes.get("momentum_dtype") == torch.int8 or "offload" in changes
+        if stored:  # Muon refuses a kept buf′ beside a stored momentum
+            changes, words = {**changes, **off}, f"{words} without --keep-new-momentum"
+        out.append((changes, words))
+    return out
 
 
 def _memory_note(report: DryRunReport, rerun, peak: int, split_size: int, momentum) -> str:

@@ -14,7 +14,7 @@ from dmuon_compile.distributed.step_plan import EXPERT_NS
 from dmuon_compile.momentum_storage import IN_FLIGHT
 from dmuon_compile.ns_rates import H200, NSRates
 from dmuon_compile.plan.advice import advise as add_notes
-from dmuon_compile.plan.momentum import momentum_cost, storage_note
+from dmuon_compile.plan.momentum import kept_note, momentum_cost, storage_note
 from dmuon_compile.plan.pipeline import _pipeline_run
 from dmuon_compile.plan.report import DryRunReport, GiB
 from dmuon_compile.plan.run import _run_group
@@ -36,6 +36,7 @@ def dry_run(
     offload: str | None = None,
     host_link_gbps: float | None = None,
     momentum_in_flight: int | None = IN_FLIGHT,
+    keep_new_momentum: bool = False,
     reshard_after_forward: bool | None = None,
     compiled: bool = True,
     rates: NSRates = H200,
@@ -72,6 +73,12 @@ def dry_run(
     buckets the step materialises at once (their copy-in under the NS before them; ``None``:
     every working buffer at once, the copy-in waited for; a step with TP, split NS or the
     expert reshard materialises all at once whatever this says).
+    ``keep_new_momentum``: ``Muon(keep_new_momentum=True)``: each rank holds buf′, the new
+    momentum in its storage dtype, of every Muon matrix it steps itself (its dedicated weights,
+    a TP model's plain ones on TP rank 0, its whole experts; not the matrices TP, split NS or
+    the expert reshard step) from the Newton–Schulz to the commit, in ``step_extra_bytes``; the
+    commit's elementwise bytes it saves come off ``step_ms``. Not with an 8-bit or offloaded
+    momentum (``ValueError``, as ``Muon``).
     ``reshard_after_forward``: of FSDP2 and the dedicated groups (two all-gathers per step, or
     one); ``None``: torchtitan's "default" policy, True without ``pp`` and False with it.
     ``compiled``: the step's working set (``Muon(compile=True)`` holds one stack, eager about
@@ -119,7 +126,9 @@ def dry_run(
             f"dry_run: expert_ns={expert_ns!r}: choose one of {', '.join(EXPERT_NS)} "
             "(as Muon(expert_ns=...), --expert-ns)"
         )
-    momentum = momentum_cost(momentum_dtype, offload, host_link_gbps, momentum_in_flight)
+    momentum = momentum_cost(
+        momentum_dtype, offload, host_link_gbps, momentum_in_flight, keep_new_momentum
+    )
     if stack_bytes is not None and (
         isinstance(stack_bytes, bool) or not isinstance(stack_bytes, int) or stack_bytes < 1
     ):
@@ -137,6 +146,7 @@ def dry_run(
         "offload",
         "host_link_gbps",
         "momentum_in_flight",
+        "keep_new_momentum",
     )
     report = _dry_run(**{k: v for k, v in arguments.items() if k not in skip}, momentum=momentum)
     note = storage_note(report, momentum)
@@ -155,6 +165,9 @@ def dry_run(
             return dry_run(**{**arguments, **changes, "gpu_memory_gib": memory, "advise": False})
 
         add_notes(report, rerun, split_size, momentum)
+    note = kept_note(report, momentum)  # last: what the setting costs and saves, in one line
+    if note:
+        report.notes.append(note)
     return report
 
 

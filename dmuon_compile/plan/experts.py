@@ -109,6 +109,8 @@ def _ep_stack(ctx: _EPContext, fqn, p, layout, shard_dim, unshards, citem, ritem
         ps.add_range("sharded_muon_bytes", lo, hi, n * rows_f * b * item)
         if n * rows_f:
             ctx.momentum.charge(ps.adder(lo, hi), "sharded_muon_bytes", n * rows_f * b, item)
+            if dim == 0 and not ctx.once:  # whole experts stepped where they lie
+                ctx.momentum.charge_kept(ps.adder(lo, hi), n * rows_f * b, item)
         if dim == 0 and n:  # whole local experts: NS where they lie
             count = layout.count((n, *p.shape[1:]))
             for s in range(lo, hi):

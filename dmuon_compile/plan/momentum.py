@@ -10,6 +10,12 @@ buckets at a time, each next one's copy-in under the previous one's NS, the new 
 in a shadow of the stored form until the commit (8-bit on the GPU: new codes beside the old;
 offloaded: a second host copy). All at once (``None``, or a step with stages: TP, split NS,
 the expert reshard): every buffer before the first NS call, the copy-in waited for.
+
+Kept (``Muon(keep_new_momentum=True)``, the in-place momentum only): each matrix the rank steps
+itself (not one a stage steps) holds its new momentum buf′ in the storage dtype from its
+Newton–Schulz to the commit, one more momentum in the step's peak; the commit then reads the
+momentum and the gradient and writes the momentum no more, buf′ written once where NS's input
+is computed (8 B fewer per fp32 value per step).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dmuon_compile.momentum_storage import (
     BLOCK,
     IN_FLIGHT,
     check_in_flight,
+    check_kept_momentum,
     check_offload,
     resolve_momentum_dtype,
 )
@@ -34,6 +41,10 @@ from dmuon_compile.momentum_storage import (
 # ``--host-link-gbps`` / ``dry_run(host_link_gbps=...)``: what your machine moves.
 HOST_LINK_GBPS = 25.0
 SCALE_BYTES = 4  # the 8-bit format's fp32 absolute maximum per block of BLOCK values
+# The bytes per matrix element that ``NSRates.elementwise_ps`` stands for (ns_rates: the
+# momentum, Nesterov input, norms, casts and commit move ~44 B per element at HBM speed): a
+# kept buf′ takes its saved bytes off the step's elementwise time in this proportion.
+ELEMENTWISE_BYTES = 44
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -46,7 +57,8 @@ class MomentumCost:
     :func:`~dmuon_compile.momentum_storage.resolve_momentum_dtype` gives it (``None``: the
     weight's); ``offload``: ``None`` or ``"momentum"``; ``host_link_gbps``: the pinned
     host-to-device rate (GB/s, 1e9 bytes) the copy-in is timed at; ``in_flight``: the shape
-    buckets a streamed step materialises at once (``None``: all at once).
+    buckets a streamed step materialises at once (``None``: all at once); ``keep_new``:
+    ``Muon(keep_new_momentum=True)``, buf′ kept from the directions to the commit.
 
     Example::
 
@@ -58,6 +70,7 @@ class MomentumCost:
     offload: str | None = None
     host_link_gbps: float = HOST_LINK_GBPS
     in_flight: int | None = IN_FLIGHT
+    keep_new: bool = False
 
     @property
     def stored(self) -> bool:
@@ -96,6 +109,20 @@ class MomentumCost:
         add("step_extra_bytes", working)
         add("_momentum_working_bytes", working)
 
+    def charge_kept(self, add, numel: int, item: int) -> None:
+        """Add the buf′ of one tensor the rank steps itself (not in a stage) through
+        ``add(field, bytes)``: its bytes in the storage dtype to ``step_extra_bytes`` (held from
+        its Newton–Schulz to the commit) and ``_kept_bytes``; the elementwise bytes it saves per
+        step to ``_kept_saved_bytes``: the commit's reads of the momentum and the gradient (the
+        weight's dtype) and its write of the momentum, less buf′ written once where NS's input
+        is computed. Nothing without ``keep_new``."""
+        if not self.keep_new:
+            return
+        kept = self.stored_bytes(numel, item)
+        add("step_extra_bytes", kept)
+        add("_kept_bytes", kept)
+        add("_kept_saved_bytes", kept + numel * item)
+
     def copy_in_ms(self, host_bytes: int) -> float:
         """The copy-in of ``host_bytes`` at :attr:`host_link_gbps`, in ms (the step waits for
         all of it before its first kernel; the write-back overlaps the next forward)."""
@@ -113,11 +140,17 @@ class MomentumCost:
             out["offload"] = f"{self.offload} (pinned host memory, {self.host_link_gbps:g} GB/s)"
         if self.stored:
             out["momentum in flight"] = "all" if self.in_flight is None else self.in_flight
+        if self.keep_new:
+            out["keep new momentum"] = True
         return out
 
 
 def momentum_cost(
-    momentum_dtype, offload, host_link_gbps, in_flight: int | None = IN_FLIGHT
+    momentum_dtype,
+    offload,
+    host_link_gbps,
+    in_flight: int | None = IN_FLIGHT,
+    keep_new: bool = False,
 ) -> MomentumCost:
     """:class:`MomentumCost` of ``dry_run``'s arguments, checked as ``Muon`` checks them; a bad
     value raises ``ValueError`` naming the choices."""
@@ -125,10 +158,11 @@ def momentum_cost(
         dtype = resolve_momentum_dtype(momentum_dtype)
         check_offload(offload)
         check_in_flight(in_flight)
+        check_kept_momentum(keep_new, dtype, offload)
     except ValueError as e:
         raise ValueError(f"dry_run: {e}") from None
     if host_link_gbps is None:
-        return MomentumCost(dtype, offload, in_flight=in_flight)
+        return MomentumCost(dtype, offload, in_flight=in_flight, keep_new=keep_new)
     if offload is None:
         raise ValueError(
             f"dry_run: host_link_gbps={host_link_gbps!r} needs offload='momentum' (--offload "
@@ -143,7 +177,7 @@ def momentum_cost(
             f"dry_run: host_link_gbps={host_link_gbps!r}: give the pinned host-to-device rate "
             f"in GB/s, a number > 0 (default {HOST_LINK_GBPS:g}, PCIe 5.0 x16)"
         )
-    return MomentumCost(dtype, offload, float(host_link_gbps), in_flight)
+    return MomentumCost(dtype, offload, float(host_link_gbps), in_flight, keep_new)
 
 
 def finish_rows(rows, cost: MomentumCost, streams: bool = False, stack_cap: int = 0) -> None:
@@ -169,6 +203,15 @@ def finish_rows(rows, cost: MomentumCost, streams: bool = False, stack_cap: int 
         if cost.offload:
             row.host_link_bytes = 2 * row.host_bytes
             row.step_ms += cost.copy_in_ms(exposed)
+
+
+def finish_kept(rows, rates) -> None:
+    """Per rank that keeps buf′: the elementwise time its saved bytes took, off ``step_ms`` (at
+    the rate ``rates.elementwise_ps`` prices :data:`ELEMENTWISE_BYTES` per element)."""
+    for row in rows:
+        if row._kept_saved_bytes and row.step_ms:
+            row._kept_saved_ms = rates.elementwise_ms(row._kept_saved_bytes / ELEMENTWISE_BYTES)
+            row.step_ms -= row._kept_saved_ms
 
 
 def _bucket_bytes(row, total: int, stack_cap: int) -> list[int]:
@@ -236,6 +279,37 @@ def storage_note(report, cost: MomentumCost) -> str | None:
     return text
 
 
+def kept_note(report, cost: MomentumCost) -> str | None:
+    """The note on ``keep_new_momentum``: what buf′ adds to the largest peak and to any rank's,
+    and the elementwise traffic and time it saves there. ``None`` without it."""
+    if not cost.keep_new or not report.rows:
+        return None
+    gib = 1 << 30
+    top = max(report.rows, key=lambda r: (r.peak_bytes, -r.rank))
+    most = max(report.rows, key=lambda r: (r._kept_bytes, -r.rank))
+    staged = (
+        report.tp_size > 1
+        or bool(report.split)
+        or report.expert_ns is not None
+        or bool((report.expert_layout or {}).get("resharded_stacks"))
+    )
+    text = (
+        "keep_new_momentum: each rank keeps buf′, the new momentum of every Muon matrix it "
+        "steps itself"
+        + (" (none of those a stage steps: TP, split NS, the expert reshard)" if staged else "")
+        + f", from its Newton-Schulz to the commit ('step extra'): the largest peak, rank "
+        f"{top.rank}'s, grows by {top._kept_bytes / gib:.2f} GiB"
+    )
+    if most._kept_bytes > top._kept_bytes:
+        text += f" (rank {most.rank}'s by {most._kept_bytes / gib:.2f} GiB)"
+    return text + (
+        "; the commit no longer reads the momentum and the gradient nor writes the momentum: "
+        "~8 B per fp32 value less elementwise traffic per step (6 B with a bf16 momentum), "
+        f"{top._kept_saved_bytes / 1e9:.2f} GB and {top._kept_saved_ms:.2f} ms of 'step ms' on "
+        f"rank {top.rank}"
+    )
+
+
 def _working_dtype(cost: MomentumCost) -> str:
     if cost.dtype in (None, torch.int8):
         return "the weights' dtype"
@@ -253,7 +327,9 @@ def _peak_words(lower: int) -> str:
 __all__ = [
     "HOST_LINK_GBPS",
     "MomentumCost",
+    "finish_kept",
     "finish_rows",
+    "kept_note",
     "momentum_cost",
     "storage_note",
 ]

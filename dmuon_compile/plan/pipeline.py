@@ -35,6 +35,8 @@ _SUMMED = (  # RankRow fields a PP rank adds up over its stages (each stage's ow
     "host_link_bytes",
     "_momentum_gpu_bytes",
     "_momentum_working_bytes",
+    "_kept_saved_bytes",
+    "_kept_saved_ms",
 )
 
 
@@ -191,8 +193,13 @@ def _pipeline_run(model_or_config, world_size, pp, per_rank, less, options) -> D
                 row = rows[base + d]
                 for f in _SUMMED:
                     setattr(row, f, getattr(row, f) + getattr(r, f))
-                # each stage's optimizer steps in turn: one stage's working set at a time
+                # each stage's optimizer steps in turn: one stage's working set at a time; what
+                # kept buf′s add to the largest is the largest with them less the largest without
+                without = max(
+                    row.step_extra_bytes - row._kept_bytes, r.step_extra_bytes - r._kept_bytes
+                )
                 row.step_extra_bytes = max(row.step_extra_bytes, r.step_extra_bytes)
+                row._kept_bytes = row.step_extra_bytes - without
                 row._momentum_step_bytes = max(row._momentum_step_bytes, r._momentum_step_bytes)
             owners.update({fqn: base + o for fqn, o in report.owners.items()})
             for s in report.split:

@@ -25,7 +25,8 @@ class RankRow:
     sharded_muon_bytes: int = 0  # FSDP2-sharded Muon weights (expert stacks) + momentum
     adamw_bytes: int = 0  # FSDP2-sharded AdamW weights + exp_avg + exp_avg_sq
     grad_bytes: int = 0  # gradients of what this rank steps
-    # directions + one stack's working set (+ the momentum's working buffers, 8-bit/offload)
+    # directions + one stack's working set (+ the momentum's working buffers, 8-bit/offload;
+    # + buf′ of the matrices it steps itself, keep_new_momentum)
     step_extra_bytes: int = 0
     ns_ms: float = 0.0
     step_ms: float = 0.0
@@ -61,6 +62,11 @@ class RankRow:
     _momentum_gpu_bytes: int = field(default=0, repr=False)
     _momentum_working_bytes: int = field(default=0, repr=False)
     _momentum_step_bytes: int = field(default=0, repr=False)
+    # Muon(keep_new_momentum=True): the buf′ bytes in ``step_extra_bytes`` (with PP what they
+    # add to the largest stage's), the elementwise bytes they save per step and that time
+    _kept_bytes: int = field(default=0, repr=False)
+    _kept_saved_bytes: int = field(default=0, repr=False)
+    _kept_saved_ms: float = field(default=0.0, repr=False)
 
     @property
     def peak_bytes(self) -> int:

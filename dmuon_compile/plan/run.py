@@ -21,7 +21,7 @@ from dmuon_compile.plan.experts import (
     whole_experts_once,
 )
 from dmuon_compile.plan.models import build_model
-from dmuon_compile.plan.momentum import MomentumCost, finish_rows
+from dmuon_compile.plan.momentum import MomentumCost, finish_kept, finish_rows
 from dmuon_compile.plan.report import (
     NS_WORK_ITEMSIZE,
     WORKING_SET_FACTOR,
@@ -199,6 +199,8 @@ def _run_group(
         if T == 1:  # the owner DTensor's one-rank mesh, as the expert stage reads it
             ns_loads[e.owner] = ns_loads.get(e.owner, 0) + ns_cost(shape) * count
         split = tuple(e.split_ranks)
+        if not split and not tp:  # stepped by the optimizer itself: the owner (TP: TP rank 0)
+            momentum.charge_kept(_adder(rows[gpu(e.owner, 0)]), local, item)
         if split:  # NS over the aligned block of data-parallel ranks, owner first
             share = (
                 rates.call_ms
@@ -296,6 +298,8 @@ def _run_group(
             per_shard.add_range(state, lo, hi, n_rows * rest * (item if muon else 3 * item))
             if muon and lo < hi:
                 momentum.charge(per_shard.adder(lo, hi), state, n_rows * rest, item)
+                if not ctx.once:  # whole experts stepped where they lie, not in the stage
+                    momentum.charge_kept(per_shard.adder(lo, hi), n_rows * rest, item)
                 matrices = layout.count((n_rows, *p.shape[1:]))
                 shape = layout.stacked_shape(p.shape)
                 for s in range(lo, min(hi, S)):
@@ -394,6 +398,7 @@ def _run_group(
             row.expert_ns_ms += rates.bucket_ms(shape, count, stack_cap, rate_ns)
         if row.ns_ms:
             row.step_ms = row.ns_ms + rates.elementwise_ms(row._elements) + rates.start_ms
+    finish_kept(rows, rates)
     # A plan with stages (TP, split NS, the expert reshard) materialises the momentum at once.
     staged = T > 1 or bool(split_rows) or ctx.once or any(d for _, _, d in ep_stacks)
     finish_rows(rows, momentum, streams=not staged, stack_cap=stack_cap)
