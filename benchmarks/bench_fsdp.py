@@ -38,6 +38,7 @@ Configurations (all built up front, then run interleaved iteration by iteration)
   shard), runs NS on the whole matrix and keeps its rows; AdamW for the rest;
 - ``ours_eager``: ``dmuon.dedicate_params`` (all *_proj weights) + FSDP2 + ``dmuon.Muon``;
 - ``ours_compiled``: the same with ``Muon(compile=True)`` (CUDA only, when Muon has it);
+  ``ours_compiled_kept``: and ``keep_new_momentum=True``;
 - ``ours_eager_sync``: ``ours_eager`` with ``Muon(replicate_async=False)`` (HSDP runs only).
 
 ``--replicate R`` (or ``--hsdp``) runs every configuration on the HSDP mesh
@@ -494,7 +495,9 @@ def build(config, args, meshes, device):
     else:
         kw = {}
         if "compile" in inspect.signature(dmuon.Muon).parameters:
-            kw["compile"] = config == "ours_compiled"
+            kw["compile"] = config.startswith("ours_compiled")
+        if config == "ours_compiled_kept":
+            kw["keep_new_momentum"] = True
         opt = dmuon.Muon(
             model, lr=0.02, ns_backend=ns, replicate_async=config != "ours_eager_sync", **kw
         )
