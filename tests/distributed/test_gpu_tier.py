@@ -546,6 +546,16 @@ def test_an_offloaded_momentum_trains_bit_for_bit_like_the_one_on_the_device(tie
     check_offloaded_equals_on_device(kind, tier_device)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_kept_new_momentum_trains_bit_for_bit_like_the_default(tier_device, compiled):
+    """``Muon(keep_new_momentum=True)`` on 2 ranks sharing the GPU: each owner's buf′ swapped
+    in at the commit (compiled: the verdict left on the device, the undo queued behind) trains
+    bit for bit like the default step."""
+    from .test_momentum_storage_dist import check_kept_equals_default
+
+    check_kept_equals_default("dense", tier_device, compile=compiled)
+
+
 # ---------------------------------------------------------------------------------- GQA
 def _gqa_counted(rank, world, device):
     """GQA training with every unshard's and reduce's collectives counted; the padding

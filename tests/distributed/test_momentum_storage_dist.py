@@ -74,7 +74,8 @@ def _train(rank, world, kind, settings, device="cpu"):
     optimizer.take_kept_momentum = counted
     try:
         model, dp_rank, dp = _build(kind, rank, world, device)
-        opt = dmuon.Muon(model, compile=False, **settings)
+        settings = dict(settings)
+        opt = dmuon.Muon(model, compile=settings.pop("compile", False), **settings)
         batches = _batches(kind, dp)
         losses = train_steps(model, opt, batches, dp_rank, dp, device=local_device(device))
     finally:
@@ -109,9 +110,16 @@ def check_offloaded_equals_on_device(kind: str, device: str = "cpu") -> None:
 def test_the_kept_new_momentum_trains_bit_for_bit_like_the_default(kind):
     """2 ranks, ``keep_new_momentum=True``: each owner's buf′ swapped in at the commit (counted:
     the control that the kept path ran on every rank) gives the default's losses and weights."""
+    check_kept_equals_default(kind)
+
+
+def check_kept_equals_default(kind: str, device: str = "cpu", compile: bool = False) -> None:
+    """2 ranks: ``keep_new_momentum=True`` against the default, bit for bit (``compile``: the
+    compiled step, whose deferred verdict the swap's undo reads on the device)."""
     world = 2
-    ref = run_ranks(_train, world, kind, {})
-    got = run_ranks(_train, world, kind, {"keep_new_momentum": True})
+    ref = run_ranks(_train, world, kind, {"compile": compile}, device, device=device)
+    kept = {"compile": compile, "keep_new_momentum": True}
+    got = run_ranks(_train, world, kind, kept, device, device=device)
     assert all(r["taken"] == 0 for r in ref) and all(r["taken"] > 0 for r in got)
     for a, b in zip(ref, got):
         assert a["losses"] == b["losses"]
