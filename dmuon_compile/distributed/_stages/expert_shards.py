@@ -533,19 +533,20 @@ def _moments_to_pieces(vs, cuts, shares, lays) -> list[Tensor]:
 @dataclass
 class _Flight:
     """A batch of stacks between :func:`_start` and :func:`_finish`: its Newton–Schulz has run
-    and, split over replicas, the all-gather of the results is in flight (``gathered`` waits
+    and, split over replicas, the all-gather of the results is in flight (``gather`` waits
     for it), so the next batch's all-to-all and Newton–Schulz run under it."""
 
     idx: list[int]
-    xs: list[Tensor] | Callable[[], list[Tensor]]  # whole experts, or what gathers them
+    xs: list[Tensor] | None  # the whole experts' results (None: ``gather`` gives them)
     vs: list[Tensor] | None
     lays: list[Layout]
     undo: list  # (cuts, shares) per cut depth, to go back through in reverse
+    gather: Callable[[], list[Tensor]] | None = None  # waits for the all-gather, returns them
 
     @property
     def in_flight(self) -> bool:
         """Whether its all-gather over the replicas may still be running."""
-        return callable(self.xs)
+        return self.gather is not None
 
 
 def _start(
@@ -578,16 +579,15 @@ def _start(
     if reps is None:
         return _Flight(list(idx), _orthogonalize_some(xs, lays, orthogonalize), vs, lays, undo)
     gathered = _over_replicas(xs, lays, costs, reps, walk, orthogonalize, gather_dtype)
-    return _Flight(list(idx), gathered, vs, lays, undo)
+    return _Flight(list(idx), None, vs, lays, undo, gather=gathered)
 
 
 def _finish(flight: _Flight, params, norm=None) -> tuple[list[Tensor], list[Tensor] | None]:
     """A batch's results back in the local shards: the gathered results waited for, NorMuon's
     normalisation (``norm``) of the whole experts, and the all-to-alls back. Returns the
     directions and ``v′`` (``None`` without ``norm``)."""
-    xs, vs, lays, undo = flight.xs, flight.vs, flight.lays, flight.undo
-    if flight.in_flight:
-        xs = xs()
+    vs, lays, undo = flight.vs, flight.lays, flight.undo
+    xs = flight.gather() if flight.in_flight else flight.xs
     if vs is not None:  # every replica normalises all the whole experts: the same v′ on each
         xs, vs = _normalize_some(xs, vs, lays, norm.normalize)
     if not undo:  # whole experts stay in NS's output dtype until the commit (less memory)
