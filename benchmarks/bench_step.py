@@ -491,6 +491,21 @@ def markdown(rows: list[dict], header: str) -> str:
                 + " | ".join(f"{p['breakdown_ms_per_step'][c]:.2f}" for c in cats)
                 + " |"
             )
+    for r in profiled:
+        top = r["profile"].get("top_kernels") or []
+        if top:
+            lines += [
+                "",
+                f"Top kernels, {r['model']} / {r['config']} (ms and launches per step):",
+                "",
+                "| kernel | category | ms | launches |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| `{k['name'][:90]}` | {k['category']} | {k['ms_per_step']:.2f} | "
+                f"{k['count_per_step']:.0f} |"
+                for k in top
+            ]
     if not all(r["finite"] for r in rows):
         lines += [
             "",
