@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(copied in for each step, written back behind it; the same math bit for bit)",
     )
     p.add_argument(
+        "--keep-new-momentum",
+        action="store_true",
+        help="dmuon.Muon(keep_new_momentum=True): the new momentum kept from the Newton-Schulz "
+        "input to the commit and swapped in (fewer bytes per step, one more momentum's memory "
+        "during it; the same math bit for bit; not with --momentum-dtype int8 or --offload)",
+    )
+    p.add_argument(
         "--compile-model",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -348,6 +355,7 @@ def config_from_args(args: argparse.Namespace, device: torch.device) -> TrainCon
         log_every=args.log_every,
         momentum_dtype=args.momentum_dtype,
         offload=args.offload,
+        keep_new_momentum=args.keep_new_momentum,
     )
 
 

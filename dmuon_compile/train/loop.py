@@ -53,6 +53,7 @@ class TrainConfig:
     compile_model: bool = False  # per-block torch.compile
     momentum_dtype: str = "fp32"  # the Muon momentum's storage: fp32, bf16 or int8 (Muon's)
     offload: str | None = None  # "momentum": kept in host memory between steps (Muon's)
+    keep_new_momentum: bool = False  # buf′ kept to the commit and swapped in (Muon's)
 
 
 def model_sizes(cfg) -> dict:
@@ -148,6 +149,7 @@ def build_optimizer(
             ns_backend=ns,
             momentum_dtype=cfg.momentum_dtype,
             offload=cfg.offload,
+            keep_new_momentum=cfg.keep_new_momentum,
         )
     if name == "adamw":
         return torch.optim.AdamW(

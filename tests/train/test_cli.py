@@ -151,6 +151,21 @@ def test_momentum_dtype_and_offload_reach_the_optimizer(flag, dtype, offload):
     assert opt.momentum_dtype is dtype and opt.offload == offload
 
 
+def test_keep_new_momentum_reaches_the_optimizer_and_its_conflict_is_refused():
+    from dmuon_compile.train.loop import build_optimizer
+
+    model = torch.nn.Module()
+    model.q_proj = torch.nn.Linear(4, 4, bias=False)
+    for argv, want in (([], False), (["--keep-new-momentum"], True)):
+        args, _ = cli.parse_args(argv)
+        cfg = cli.config_from_args(args, torch.device("cpu"))
+        assert build_optimizer("dmuon", model, cfg, torch.device("cpu")).keep_new_momentum is want
+    args, _ = cli.parse_args(["--keep-new-momentum", "--momentum-dtype", "int8"])
+    cfg = cli.config_from_args(args, torch.device("cpu"))
+    with pytest.raises(ValueError, match="keep_new_momentum"):
+        build_optimizer("dmuon", model, cfg, torch.device("cpu"))
+
+
 def test_an_unknown_momentum_dtype_is_refused(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--momentum-dtype", "fp8"])
