@@ -773,7 +773,9 @@ class Muon(torch.optim.Optimizer):
                     half.new_bufs = new.pop() if keep else None
                     half.new_moments = new[0] if new else None
                     return ortho
-                ortho = F.muon_directions(grads, bufs, ns=self.ns, keep_momentum=keep, **hypers)
+                if keep:  # asked for only when kept: the call is otherwise the plain one
+                    hypers["keep_momentum"] = True
+                ortho = F.muon_directions(grads, bufs, ns=self.ns, **hypers)
                 if isinstance(ortho, tuple):  # (directions, [v′], [buf′])
                     ortho, *new = ortho
                     half.new_bufs = new.pop() if keep else None
