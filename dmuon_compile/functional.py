@@ -448,8 +448,8 @@ def muon_directions(
     normalised row by row, bucket by bucket, and the result gets one more element last, the
     new moments ``v′`` (out of place: :func:`commit_muon_step` stores them), whose finiteness
     joins the flags. ``keep_momentum=True``: each matrix's buf′ as well, in its buffer's dtype
-    (:func:`nesterov_input_kept`), last. Returns ``directions``, then after it, each where asked
-    for and in this order: the flags, ``v′``, buf′ (a tuple when any is).
+    (:func:`nesterov_input` with ``keep``), last. Returns ``directions``, then after it, each
+    where asked for and in this order: the flags, ``v′``, buf′ (a tuple when any is).
     """
     momentum = hyper(momentum)
     lays = layouts_of(grads, layouts)
@@ -463,7 +463,7 @@ def muon_directions(
         if kept is None:
             bucket = nesterov_input(mine_g, mine_b, momentum, nesterov)
         else:
-            bucket, new_bufs = nesterov_input_kept(mine_g, mine_b, momentum, nesterov)
+            bucket, new_bufs = nesterov_input(mine_g, mine_b, momentum, nesterov, keep=True)
             for i, b in zip(idx, new_bufs):
                 kept[i] = b
         finite: list | None = [] if finite_flags else None
@@ -515,46 +515,39 @@ def store_momentum(grads: list[Tensor], bufs: list[Tensor], momentum: float | Te
 
 
 def nesterov_input(
-    grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor, nesterov: bool
-) -> list[Tensor]:
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    momentum: float | Tensor,
+    nesterov: bool,
+    keep: bool = False,
+) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
     """The Newton–Schulz input ``u`` of a step, ``bufs`` left unchanged: buf' = μ·buf + g
     (what :func:`commit_muon_step` stores, by the same operations, in the gradients' dtype);
     u = g + μ·buf' (Nesterov) or buf'. One new tensor per matrix (eager: buf' becomes u in
-    place, by ``foreach`` operations)."""
+    place, by ``foreach`` operations). ``keep=True`` (``Muon(keep_new_momentum=True)``):
+    returns ``(u, buf')`` with buf' kept apart from u, in the buffers' dtype (rounded once, as
+    :func:`store_momentum` stores it), for the commit to take instead of computing it again."""
     if not grads:
-        return []
+        return ([], []) if keep else []
     if _computed_where_read(grads):
         # Per tensor, not foreach: Inductor writes a foreach op's outputs whole on GPUs, and u is
-        # best computed where its bucket's norm and scaled cast read it, never written.
-        u = [b.to(g.dtype) * momentum + g for g, b in zip(grads, bufs)]
-        return [v * momentum + g for g, v in zip(grads, u)] if nesterov else u
-    u = new_momentum(grads, bufs, momentum)
-    if nesterov:
-        torch._foreach_mul_(u, momentum)
-        torch._foreach_add_(u, grads)
-    return list(u)  # a list (foreach ops may return a tuple): consumed bucket by bucket
-
-
-def nesterov_input_kept(
-    grads: list[Tensor], bufs: list[Tensor], momentum: float | Tensor, nesterov: bool
-) -> tuple[list[Tensor], list[Tensor]]:
-    """:func:`nesterov_input` and the new momentum buf′ it is made of, kept: ``(u, buf′)``,
-    buf′ in the buffers' dtype (rounded once, as :func:`store_momentum` stores it), by the
-    same operations as those two functions (so the same bits). ``Muon(keep_new_momentum=True)``
-    holds buf′ until the commit, which then takes it in place of computing it again."""
-    if not grads:
-        return [], []
-    if _computed_where_read(grads):  # per tensor: buf′ written where its bucket's norm reads it
+        # best computed where its bucket's norm and scaled cast read it, never written (kept:
+        # buf' written by the kernel that reads it).
         new = [b.to(g.dtype) * momentum + g for g, b in zip(grads, bufs)]
         u = [v * momentum + g for g, v in zip(grads, new)] if nesterov else list(new)
     else:
         new = new_momentum(grads, bufs, momentum)
-        u = list(new)
+        u = new
         if nesterov:
-            u = list(torch._foreach_mul(new, momentum))
+            if keep:  # out of place: buf' stays as it is
+                u = torch._foreach_mul(new, momentum)
+            else:
+                torch._foreach_mul_(u, momentum)
             torch._foreach_add_(u, grads)
-    kept = [v if v.dtype == b.dtype else v.to(b.dtype) for v, b in zip(new, bufs)]
-    return u, kept
+        u = list(u)  # a list (foreach ops may return a tuple): consumed bucket by bucket
+    if not keep:
+        return u
+    return u, [v if v.dtype == b.dtype else v.to(b.dtype) for v, b in zip(new, bufs)]
 
 
 def commit_muon_step(
