@@ -50,13 +50,16 @@ NS_SHAPES = [
 QUICK_NS_SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (14336, 4096), (32, 2048, 5632)]
 SYRK_BATCH = {1024: 16, 2048: 8, 4096: 4, 8192: 2}
 # Shape classes of the NaN/Inf stress (section N): (rows, cols, stack) — every class runs the
-# production kernels (Triton where autotune picks it: m >= 4096, or stacks of 2048-row matrices).
+# production kernels (Triton or Gluon where the choice picks them: m >= 4096, stacks of 2048-row
+# matrices, the expert stacks past the size gate).
 STRESS_CLASSES = {
     "square 4096×4096 (direct NS)": (4096, 4096, 4),
     "wide 4096×14336 (Gram NS)": (4096, 14336, 2),
     "tall 14336×4096 (Gram NS, transposed)": (14336, 4096, 2),
     "stacked 2048×5632": (2048, 5632, 8),
     "small 1024×4096 (cuBLAS)": (1024, 4096, 16),
+    "expert stack 64×768×2048 (Gram NS, model E's)": (768, 2048, 64),
+    "expert stack 16×1536×4096 (Gram NS, Qwen3-MoE-like)": (1536, 4096, 16),
 }
 INPUT_KINDS = (
     "gaussian",

@@ -5,21 +5,22 @@
 - **In place** (``momentum_dtype`` ``None``, ``torch.float32`` or ``torch.bfloat16``, no
   offload): ``state["momentum_buffer"]`` is the tensor the step reads and writes, as in every
   torch optimizer. Nothing here runs during a step.
-- **Stored** (``momentum_dtype=torch.int8`` — blockwise 8-bit —, or ``offload="momentum"``):
-  the state holds a compact or host-side copy; the step materialises a *working* buffer on the
+- **Stored** (``momentum_dtype=torch.int8`` — blockwise 8-bit —, or ``offload="momentum"``): the
+  state holds a compact or host-side copy; the step materialises a *working* buffer on the
   parameter's device in the compute dtype and runs the unchanged math on it. Streamed (the
   default, :meth:`MomentumStorage.stream`): shape bucket by shape bucket, the buckets of
-  ``NewtonSchulz.stack_bytes`` the step already walks for Newton–Schulz, at most ``in_flight``
-  buckets materialised at once (the next ones copied in or decoded on a side stream under the
-  current one's Newton–Schulz); each bucket's new momentum buf′ goes to a *shadow* of the
-  stored form (new 8-bit codes, a new host copy) and its working buffers are freed; the commit,
-  after the step's verdict, puts the shadows in the state (:meth:`MomentumStorage.commit_staged`).
-  All at once (``in_flight=None``; also where the step cannot stream: a plan with stages —
-  tensor parallelism, split NS, the expert reshard — or a step traced by the user's
-  ``torch.compile``): every working buffer before the first Newton–Schulz
-  (:meth:`MomentumStorage.working`), written back after the commit
-  (:meth:`MomentumStorage.keep`). Either way a step that does not commit writes nothing, so
-  the stored copy is exactly what the last committed step left. Between steps (the forward and
+  ``NewtonSchulz.stack_bytes`` the step already walks for Newton–Schulz (offloaded: cut to
+  :data:`OFFLOAD_BUCKET_BYTES` at most, so that the copy the step waits for is small), at most
+  ``in_flight`` buckets materialised at once (the next ones copied in or decoded on a side
+  stream under the current one's Newton–Schulz); each bucket's new momentum buf′ goes to a
+  *shadow* of the stored form (new 8-bit codes, a new host copy) and its working buffers are
+  freed; the commit, after the step's verdict, puts the shadows in the state
+  (:meth:`MomentumStorage.commit_staged`). All at once (``in_flight=None``; also where the step
+  cannot stream: a plan with stages — tensor parallelism, split NS, the expert reshard — or a
+  step traced by the user's ``torch.compile``): every working buffer before the first
+  Newton–Schulz (:meth:`MomentumStorage.working`), written back after the commit
+  (:meth:`MomentumStorage.keep`). Either way a step that does not commit writes nothing, so the
+  stored copy is exactly what the last committed step left. Between steps (the forward and
   backward, where activations peak) the GPU holds no momentum (offload) or a quarter of it
   (8-bit).
 
@@ -74,6 +75,20 @@ OFFLOADS = (None, "momentum")
 # Streamed stored momentum: the shape buckets whose working buffers exist at once (the one
 # stepped and the next, copied in or decoded under its Newton–Schulz). ``None``: every matrix's.
 IN_FLIGHT = 2
+# Offloaded and streamed: the most bytes of gradient (= working momentum) one shape bucket holds,
+# below ``NewtonSchulz.stack_bytes`` (4 GiB). The first bucket's copy-in and the last one's
+# write-back run under no Newton–Schulz, so the bucket's size is what the step waits for; the
+# buckets between hide theirs as long as one bucket's copy takes less than its NS.
+OFFLOAD_BUCKET_BYTES = 1 << 30
+
+
+def stream_bucket_bytes(stack_bytes: int | None, offload: str | None) -> int | None:
+    """The byte cap of a streamed step's shape buckets: ``stack_bytes`` (NS's), and at most
+    :data:`OFFLOAD_BUCKET_BYTES` where the momentum is offloaded. The optimizer cuts its
+    buckets by it and the dry run prices them by it."""
+    if offload is None:
+        return stack_bytes
+    return OFFLOAD_BUCKET_BYTES if stack_bytes is None else min(stack_bytes, OFFLOAD_BUCKET_BYTES)
 
 
 def resolve_momentum_dtype(value) -> torch.dtype | None:
@@ -354,6 +369,10 @@ class MomentumStorage:
     def streaming(self) -> bool:
         """Whether a step may materialise the stored momentum bucket by bucket."""
         return self.stored and self.in_flight is not None
+
+    def bucket_bytes(self, stack_bytes: int | None) -> int | None:
+        """The byte cap of this storage's streamed shape buckets (:func:`stream_bucket_bytes`)."""
+        return stream_bucket_bytes(stack_bytes, self.offload)
 
     def working_dtype(self, p: Tensor) -> torch.dtype:
         """The dtype the step computes the momentum in: the storage dtype, or the parameter's

@@ -838,7 +838,7 @@ class Muon(torch.optim.Optimizer):
         matrix as the step that materialises everything; the commit then writes the weights."""
         group, grads, lays, moments = half.group, half.grads, half.layouts, half.moments
         mu = group["momentum"]
-        buckets = F.shape_buckets(grads, lays, self.ns.stack_bytes)
+        buckets = F.shape_buckets(grads, lays, self._storage.bucket_bytes(self.ns.stack_bytes))
         stream = self._storage.stream(half.bufs, buckets)
         ortho: list = [None] * len(grads)
         new_moments = None if moments is None else [None] * len(grads)

@@ -182,6 +182,28 @@ def test_control_a_budget_of_everything_holds_every_matrix(setting, in_flight):
     assert peak == sum(sizes)
 
 
+def test_an_offloaded_stream_cuts_its_buckets_to_the_offload_cap(monkeypatch):
+    """Offloaded, the streamed buckets are cut to ``OFFLOAD_BUCKET_BYTES`` (the first bucket's
+    copy-in is what the step waits for): with the cap at one matrix the peak is in_flight
+    matrices, not in_flight buckets, and the result equals the all-at-once step bit for bit.
+    Control: the 8-bit momentum on the GPU keeps NS's buckets."""
+    one = max(4 * torch.Size(s).numel() for s in MANY)
+    monkeypatch.setattr(S, "OFFLOAD_BUCKET_BYTES", one)
+    assert S.stream_bucket_bytes(None, "momentum") == one
+    assert S.stream_bucket_bytes(10 * one, "momentum") == one
+    assert S.stream_bucket_bytes(one // 2, "momentum") == one // 2  # NS's own cap is smaller
+    assert S.stream_bucket_bytes(10 * one, None) == 10 * one
+    peak, sizes = _working_peak("offload", 2)
+    assert min(sizes) > one  # NS's buckets hold two matrices each
+    assert peak <= 2 * one < sum(sorted(sizes)[-2:])
+    control, _ = _working_peak("int8", 2)
+    assert control > 2 * one
+    weights, grads = _data(MANY, 3, seed=2)
+    ref, ref_opt = _run(weights, grads, momentum_in_flight=None, offload="momentum")
+    got, got_opt = _run(weights, grads, momentum_in_flight=2, offload="momentum")
+    _assert_same(ref, ref_opt, got, got_opt)
+
+
 def _allocator_peak(in_flight) -> tuple[int, int, int]:
     weights, grads = _data(MANY, 1)
     params, opt = _run(weights, grads, momentum_in_flight=in_flight, momentum_dtype=torch.int8)

@@ -11,6 +11,7 @@ from torch import nn
 
 from dmuon_compile.distributed._stages.expert_shards import ExpertWalk, ns_cost
 from dmuon_compile.distributed._stages.tp.plan import local_shard_layouts
+from dmuon_compile.momentum_storage import stream_bucket_bytes
 from dmuon_compile.ns_rates import NSRates, TargetFlops, default_stack_bytes, useful_flops
 from dmuon_compile.plan.experts import (
     _check_ep,
@@ -401,7 +402,12 @@ def _run_group(
     finish_kept(rows, rates)
     # A plan with stages (TP, split NS, the expert reshard) materialises the momentum at once.
     staged = T > 1 or bool(split_rows) or ctx.once or any(d for _, _, d in ep_stacks)
-    finish_rows(rows, momentum, streams=not staged, stack_cap=stack_cap)
+    finish_rows(
+        rows,
+        momentum,
+        streams=not staged,
+        stack_cap=stream_bucket_bytes(stack_cap, momentum.offload),
+    )
     if plan is None and keep is None:
         notes.append("nothing matched the predicate: every parameter stays on FSDP2")
     report = DryRunReport(
