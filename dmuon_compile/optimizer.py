@@ -249,7 +249,7 @@ class Muon(torch.optim.Optimizer):
         # in place (the default, bf16), or a stored copy (8-bit, host memory) that each step
         # materialises as working buffers, bucket by bucket (streamed) or all at once.
         self._storage = MomentumStorage(momentum_dtype, offload, momentum_in_flight)
-        self.keep_new_momentum = check_kept_momentum(
+        self._keep_new_momentum = check_kept_momentum(
             keep_new_momentum, momentum_dtype, offload, compile_mode
         )
         self._working: list[tuple[dict, Tensor, str, Tensor]] = []  # all at once: for keep
@@ -265,7 +265,7 @@ class Muon(torch.optim.Optimizer):
         from dmuon_compile.compiled_step import check_compile_args  # late: loads the passes
 
         check_compile_args(compile, compile_mode)
-        self.compile, self.compile_mode = compile, compile_mode
+        self.compile, self._compile_mode = compile, compile_mode
         # The compiled Muon steps, one graph each, by StepKey(group position, part): positions
         # survive load_state_dict (it replaces the group dicts, not this attribute).
         self.compiled_steps: dict[StepKey, CompiledMuonStep] = {}
@@ -360,6 +360,35 @@ class Muon(torch.optim.Optimizer):
             new = self.param_groups[-1]
             _tensor_hypers([new], taken=self.param_groups[:-1])
             self._between.add_group(new["params"], self._routing.group_layouts(new))
+
+    @property
+    def compile_mode(self) -> str | None:
+        """The compiled step's ``torch.compile`` mode; settable between steps (the next step
+        compiles again), checked as the constructor checks it."""
+        return self._compile_mode
+
+    @compile_mode.setter
+    def compile_mode(self, value) -> None:
+        from dmuon_compile.compiled_step import check_compile_args
+
+        check_compile_args(self.compile, value)
+        storage = self._storage
+        check_kept_momentum(self.keep_new_momentum, storage.dtype, storage.offload, value)
+        self._compile_mode = value
+
+    @property
+    def keep_new_momentum(self) -> bool:
+        """Whether the step keeps buf′ from its directions to the commit
+        (``Muon(keep_new_momentum=...)``); settable between steps, checked as the constructor
+        checks it."""
+        return self._keep_new_momentum
+
+    @keep_new_momentum.setter
+    def keep_new_momentum(self, value) -> None:
+        storage = self._storage
+        self._keep_new_momentum = check_kept_momentum(
+            value, storage.dtype, storage.offload, self.compile_mode
+        )
 
     @property
     def momentum_dtype(self) -> torch.dtype | None:
@@ -759,9 +788,7 @@ class Muon(torch.optim.Optimizer):
             compiled = half.compiled = compiled_step_for(self, group, params, part=part)
             if is_streamed(bufs):  # a stored momentum, bucket by bucket
                 return self._streamed_directions(half, part)
-            # (compile_mode is an attribute: set to CUDA graphs since, the check raises)
-            keep = check_kept_momentum(self.keep_new_momentum, None, None, self.compile_mode)
-            keep = keep and not torch.compiler.is_compiling()
+            keep = self.keep_new_momentum and not torch.compiler.is_compiling()
             hypers = dict(momentum=group["momentum"], nesterov=group["nesterov"], layouts=layouts)
             if half.moments is not None:  # NorMuon: normalised per row; v′ comes after
                 hypers.update(second_moments=half.moments, normuon=self.normuon)

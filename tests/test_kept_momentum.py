@@ -174,10 +174,16 @@ def test_settings_the_kept_momentum_cannot_combine_with_raise(kwargs, match):
         dmuon.Muon(model, predicate=_route, keep_new_momentum=True, **kwargs)
     opt = dmuon.Muon(model, predicate=_route, keep_new_momentum=True)
     key, value = next(iter(kwargs.items()))
-    if key != "compile_mode":  # the live setters check too, and leave the setting as it was
-        with pytest.raises(ValueError, match="keep_new_momentum"):
-            setattr(opt, key, value)
-        assert opt.momentum_dtype is None and opt.offload is None
+    # the live setters check too, and leave the setting as it was
+    with pytest.raises(ValueError, match="keep_new_momentum"):
+        setattr(opt, key, value)
+    assert opt.momentum_dtype is None and opt.offload is None and opt.compile_mode is None
+    # and the other way round: keep_new_momentum turned on beside the setting
+    plain = dmuon.Muon(model, predicate=_route, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        plain.keep_new_momentum = True
+    assert plain.keep_new_momentum is False
+    plain.keep_new_momentum = False  # control: turning it off is always allowed
     with pytest.raises(ValueError, match="True or False"):
         dmuon.Muon(model, predicate=_route, keep_new_momentum="yes")
 
