@@ -95,6 +95,8 @@ def model_shapes(name: str) -> list[tuple[int, ...]]:
 
 
 def make_params(shapes, device, seed: int = 0) -> list[torch.nn.Parameter]:
+    import dmuon_compile as dmuon
+
     g = torch.Generator(device="cpu").manual_seed(seed)
     params = []
     for shape in shapes:
