@@ -70,7 +70,15 @@ SHORTLIST: tuple[TileConfig, ...] = (
 # Gram-space products (sym_mm, with or without C) and products with a beta·C term, where the
 # warp-specialised kernel beats the best Triton candidate. Plain SYRKs (X·Xᵀ, k ≠ m) leave it
 # out: there the Triton strips win, and each candidate is a compile of a cold first step.
-GLUON_SHORTLIST_FIELDS: tuple[dict, ...] = ({"split": 1, "stages": 4},)
+GLUON_SHORTLIST_FIELDS: tuple[dict, ...] = (
+    {"split": 1, "stages": 4},
+    {"split": 2, "block_k": 32, "stages": 4, "c_slots": 1, "wide": True},
+    {"split": 2, "block_k": 64, "stages": 2, "c_slots": 1, "wide": True},
+)
+# The wide (128×256) entries are timed on matrices of at least this many rows: they won on the
+# 4096-row Gram products (model M's step, benchmarks/RESULTS.md §32) and were not seen to win
+# below, where each would be two more compiles of a cold first step.
+GLUON_WIDE_MIN_ROWS = 4096
 # The Gluon configurations timed for plain SYRKs (X·Xᵀ, no C): the ping-pong of two 4-warp
 # consumers with a 4-deep operand ring (it fits shared memory only without C), which beats
 # cuBLAS and every Triton candidate on the expert stacks' X·Xᵀ (512×768×2048,
@@ -81,8 +89,9 @@ GLUON_SYRK_SHORTLIST_FIELDS: tuple[dict, ...] = (
 
 
 def gluon_candidates(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple:
-    """The Gluon configurations worth timing for these operands: ``GLUON_SHORTLIST_FIELDS``, or
-    for a plain SYRK (no ``b``, no ``beta·C``) ``GLUON_SYRK_SHORTLIST_FIELDS``; none on anything
+    """The Gluon configurations worth timing for these operands: ``GLUON_SHORTLIST_FIELDS`` (its
+    wide tiles from ``GLUON_WIDE_MIN_ROWS`` rows), or for a plain SYRK (no ``b``, no ``beta·C``)
+    ``GLUON_SYRK_SHORTLIST_FIELDS``; none on anything
     but SM90, on layouts the Gluon kernel cannot read, or without Gluon in this Triton; a
     configuration whose shared memory would not fit these operands' dtypes is left out."""
     shortlist = GLUON_SYRK_SHORTLIST_FIELDS if b is None and c is None else GLUON_SHORTLIST_FIELDS
@@ -95,7 +104,12 @@ def gluon_candidates(a: Tensor, b: Tensor | None, c: Tensor | None) -> tuple:
     if not gluon_supported(a, b, c):
         return ()
     size, c_size = a.element_size(), None if c is None else c.element_size()
-    configs = (GluonConfig(**fields) for fields in shortlist)
+    rows = a.shape[-2]
+    configs = (
+        GluonConfig(**fields)
+        for fields in shortlist
+        if not fields.get("wide") or rows >= GLUON_WIDE_MIN_ROWS
+    )
     return tuple(cfg for cfg in configs if cfg.smem_bytes(size, c_size, size) <= SMEM_LIMIT)
 
 

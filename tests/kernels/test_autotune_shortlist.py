@@ -106,11 +106,30 @@ def test_gluon_configs_that_would_not_fit_the_operands_are_not_timed(monkeypatch
     small = {"split": 1, "stages": 3, "c_slots": 1}
     wide = {"split": 2, "block_k": 32, "stages": 4, "c_slots": 1, "wide": True}
     monkeypatch.setattr(syrk, "GLUON_SHORTLIST_FIELDS", (small, wide))
+    monkeypatch.setattr(syrk, "GLUON_WIDE_MIN_ROWS", 0)
     a = torch.empty(2, 256, 256, dtype=torch.bfloat16)
     both = syrk.gluon_candidates(a, a, a.clone())
     assert [c.wide for c in both] == [False, True]
     fp32_c = syrk.gluon_candidates(a, a, torch.empty(2, 256, 256))
     assert [c.wide for c in fp32_c] == [False]
+
+
+def test_the_wide_gluon_tiles_are_timed_on_large_matrices_only(monkeypatch):
+    """The default shortlist's wide 128×256 tiles are candidates from ``GLUON_WIDE_MIN_ROWS``
+    rows (the 4096-row Gram products where they won); smaller matrices time the narrow tile
+    only. Control: with the threshold lowered the small matrix gets them too."""
+    pytest.importorskip("triton.experimental.gluon")
+    from dmuon_compile.kernels import syrk_gluon
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(syrk_gluon, "gluon_supported", lambda a, b, c=None: True)
+    big = torch.empty(1, syrk.GLUON_WIDE_MIN_ROWS, 8, dtype=torch.bfloat16).expand(1, -1, -1)
+    small = torch.empty(4, syrk.GLUON_WIDE_MIN_ROWS // 2, 8, dtype=torch.bfloat16)
+    wide_big = [g.wide for g in syrk.gluon_candidates(big, big, None)]
+    assert wide_big.count(True) == 2 and wide_big.count(False) == 1
+    assert [g.wide for g in syrk.gluon_candidates(small, small, None)] == [False]
+    monkeypatch.setattr(syrk, "GLUON_WIDE_MIN_ROWS", small.shape[-2])
+    assert [g.wide for g in syrk.gluon_candidates(small, small, None)].count(True) == 2
 
 
 def test_a_gluon_verdict_checks_the_layout_once_per_key(monkeypatch):
