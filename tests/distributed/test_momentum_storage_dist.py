@@ -4,9 +4,11 @@
   weights (1-D), HSDP 2×1, expert stacks (dedicated) and TP 2, 2 gloo ranks each.
 - ``keep_new_momentum=True`` trains bit for bit like the default: dedicated weights, HSDP 2×1
   and dedicated expert stacks.
+- HSDP 2×2 (4 ranks): the offloaded momentum trains bit for bit like the one on the device.
 - DCP: a checkpoint saved with one setting (8-bit, offloaded) and loaded into an optimizer of
   another (offloaded, fp32) resumes exactly as the same state handed over by the optimizer's own
-  ``state_dict``/``load_state_dict`` on the same ranks.
+  ``state_dict``/``load_state_dict`` on the same ranks; an 8-bit checkpoint of 2 ranks resumes
+  on 4, offloaded and in place, to the same bits.
 
 Controls: a run with another μ ends elsewhere (the comparison sees the momentum); a resumed run
 whose optimizer loaded nothing ends elsewhere (the comparison sees the loaded state).
@@ -31,6 +33,23 @@ def _build(kind: str, rank: int, world: int, device: str = "cpu"):
         return models.build_dedicated(world, device=device)[0], rank, world
     if kind == "hsdp":
         return models.build_dedicated(world, hsdp=True, device=device)[0], rank, world
+    if kind == "hsdp22":  # replicate 2 × shard 2
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        import dmuon_compile as dmuon
+
+        from .harness import local_device
+
+        model = models.build_llama().to(local_device(device))
+        mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        dmuon.dedicate_params(
+            model, mesh["shard"], predicate=models.proj_predicate, replicate_mesh=mesh["replicate"]
+        )
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, rank, world
     if kind == "tp":
         from .test_tp import build_tp
 
@@ -90,9 +109,15 @@ def test_an_offloaded_momentum_trains_bit_for_bit_like_the_one_on_the_device(kin
     check_offloaded_equals_on_device(kind)
 
 
-def check_offloaded_equals_on_device(kind: str, device: str = "cpu") -> None:
-    """2 ranks: the streamed, offloaded momentum against the one on the device, bit for bit."""
-    world = 2
+def test_on_four_ranks_hsdp_2x2_offloaded_trains_bit_for_bit_like_on_the_device():
+    """HSDP with two replicas of two shards: the owners' offloaded momentum (one global owner
+    per matrix, its replica column refreshed by the broadcast) equals the one on the device."""
+    check_offloaded_equals_on_device("hsdp22", world=4)
+
+
+def check_offloaded_equals_on_device(kind: str, device: str = "cpu", world: int = 2) -> None:
+    """``world`` ranks (2 by default): the streamed, offloaded momentum against the one on the
+    device, bit for bit."""
     on = run_ranks(_train, world, kind, {}, device, device=device)
     off = run_ranks(_train, world, kind, {"offload": "momentum"}, device, device=device)
     assert on[0]["keys"] == ["momentum_buffer"] and off[0]["keys"] == ["momentum_host"]
@@ -100,7 +125,7 @@ def check_offloaded_equals_on_device(kind: str, device: str = "cpu") -> None:
         assert a["losses"] == b["losses"]
         for name, ref in a["state"].items():
             torch.testing.assert_close(b["state"][name], ref, rtol=0, atol=0, msg=name)
-    if kind == "dense":  # control: another μ moves the weights elsewhere
+    if kind in ("dense", "hsdp22"):  # control: another μ moves the weights elsewhere
         settings = {"offload": "momentum", "momentum": 0.5}
         other = run_ranks(_train, world, kind, settings, device, device=device)[0]
         assert any(not torch.equal(other["state"][k], v) for k, v in on[0]["state"].items())
@@ -173,3 +198,51 @@ def test_dcp_resume_across_storage_settings(tmp_path, first, second):
     if "momentum_dtype" in first:  # control (once): a resume that loads nothing ends elsewhere
         none = run_ranks(_resume, world, "", first, second, "none")[0]
         assert any(not torch.equal(none[k], v) for k, v in local[0].items())
+
+
+def _reshard(rank, world, path, setting, how):
+    """``how``: "save": two steps on these ranks with an 8-bit momentum, saved by DCP; "load"
+    or "model_only": a new model and an optimizer with ``setting`` on these ranks, the
+    checkpoint loaded (or only its model: the control), two more steps. Returns the full
+    weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import dmuon_compile as dmuon
+
+    xs = models.batches(4, world)
+    if how == "save":
+        model = models.build_dedicated(world, seed=0)[0]
+        opt = dmuon.Muon(model, compile=False, momentum_dtype=torch.int8)
+        train_steps(model, opt, xs[:2], rank, world)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        return None
+    model = models.build_dedicated(world, seed=5)[0]
+    opt = dmuon.Muon(model, compile=False, **setting)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    if how == "model_only":
+        state = {"model": model_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model, opt, model_state_dict=state["model"], optim_state_dict=state.get("optim", optim_sd)
+    )
+    train_steps(model, opt, xs[2:], rank, world)
+    return {k: v.detach().cpu().clone() for k, v in full_state(model).items()}
+
+
+def test_an_8bit_checkpoint_of_2_ranks_resumes_offloaded_on_4_like_in_place(tmp_path):
+    """DCP resharding across settings: saved on 2 ranks with the 8-bit momentum, loaded on 4
+    with the offloaded momentum and with the momentum in place (fp32), both resume to the same
+    bits (the checkpoint holds the dequantised momentum, which both then store exactly).
+    Control: the same 4 ranks loading the model but not the optimizer end elsewhere."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(_reshard, 2, path, {}, "save")
+    offloaded = run_ranks(_reshard, 4, path, {"offload": "momentum"}, "load")
+    in_place = run_ranks(_reshard, 4, path, {}, "load")
+    for a, b in zip(offloaded, in_place):
+        for name, ref in b.items():
+            torch.testing.assert_close(a[name], ref, rtol=0, atol=0, msg=name)
+    fresh = run_ranks(_reshard, 4, path, {"offload": "momentum"}, "model_only")[0]
+    assert any(not torch.equal(fresh[k], v) for k, v in in_place[0].items())
