@@ -142,10 +142,13 @@ class OutputModel(nn.Module):
         return outs
 
 
-def build_dedicated(world: int, seed: int = 0, hsdp: bool = False, device: str = "cpu"):
+def build_dedicated(
+    world: int, seed: int = 0, hsdp: bool = False, device: str = "cpu", shards: int = 1
+):
     """The Llama-like model with its ``*_proj`` matrices dedicated and FSDP2 on the rest.
 
-    ``hsdp=True`` builds ``world`` replicas of one shard each (``replicate_mesh`` of size world).
+    ``hsdp=True`` builds ``world // shards`` replicas of ``shards`` shards each (one by default:
+    a ``replicate_mesh`` of size world).
     Returns ``(model, owners)``. Call inside an initialised gloo process group; ``device``: the
     harness's (``"cuda"``: this rank's current CUDA device).
     """
@@ -158,7 +161,9 @@ def build_dedicated(world: int, seed: int = 0, hsdp: bool = False, device: str =
 
     model = build_llama(seed=seed).to(local_device(device))
     if hsdp:
-        mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device, (world // shards, shards), mesh_dim_names=("replicate", "shard")
+        )
         owners = dmuon.dedicate_params(
             model, mesh["shard"], predicate=proj_predicate, replicate_mesh=mesh["replicate"]
         )

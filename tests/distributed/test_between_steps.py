@@ -70,10 +70,6 @@ def reference(dp: int, steps: int = STEPS):
 
 def _build(rank, world, layout):
     """``(model, dp size, dp rank)`` for ``layout``."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import dmuon_compile as dmuon
 
     if layout == "1d":
         model, _ = models.build_dedicated(world)
@@ -83,14 +79,7 @@ def _build(rank, world, layout):
 
         model, dp_rank = build_tp(rank, world, 1, world)
         return model, 1, dp_rank
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    model = models.build_llama()
-    dmuon.dedicate_params(
-        model, mesh["shard"], predicate=models.proj_predicate, replicate_mesh=mesh["replicate"]
-    )
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = models.build_dedicated(world, hsdp=True, shards=world // 2)[0]
     return model, world, rank
 
 

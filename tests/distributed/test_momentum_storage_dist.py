@@ -34,21 +34,7 @@ def _build(kind: str, rank: int, world: int, device: str = "cpu"):
     if kind == "hsdp":
         return models.build_dedicated(world, hsdp=True, device=device)[0], rank, world
     if kind == "hsdp22":  # replicate 2 × shard 2
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        import dmuon_compile as dmuon
-
-        from .harness import local_device
-
-        model = models.build_llama().to(local_device(device))
-        mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        dmuon.dedicate_params(
-            model, mesh["shard"], predicate=models.proj_predicate, replicate_mesh=mesh["replicate"]
-        )
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = models.build_dedicated(world, hsdp=True, device=device, shards=2)[0]
         return model, rank, world
     if kind == "tp":
         from .test_tp import build_tp
