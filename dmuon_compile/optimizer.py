@@ -256,6 +256,9 @@ class Muon(torch.optim.Optimizer):
         self._streams_momentum = False  # this step streams its stored momentum (_prepare)
         # The streamed step's compiled buf′ = μ·buf + g, one graph per bucket (StepKey).
         self._momentum_graphs: dict[StepKey, Callable] = {}
+        # The streamed step's kinds of bucket (group, part, shapes, dtypes, layouts) → their
+        # number in the StepKey: alike buckets share one compiled graph.
+        self._bucket_kinds: dict[tuple, int] = {}
         self.ns = resolve_ns_backend(ns_backend)
         set_active_ns(self.ns)
         self.nonfinite_grads = nonfinite_grads
@@ -904,18 +907,30 @@ class Muon(torch.optim.Optimizer):
         return ortho
 
     def _bucket_directions(self, half: StepHalf, part: str, k: int, idx, work, hypers):
-        """One bucket of ``_streamed_directions``, compiled: its own ``CompiledMuonStep``
-        (``StepKey(group, "<part>/momentum bucket <k>")``: one graph per bucket, each with its
+        """One bucket of ``_streamed_directions``, compiled: the ``CompiledMuonStep`` of its
+        kind (``StepKey(group, "<part>/momentum bucket <n>")``, ``n`` numbering the distinct
+        buckets — shapes, dtypes, layouts — in first-seen order: buckets alike share one graph,
+        compiled once, as a 70B job's many buckets of one matrix shape are; each kind has its
         own recompile budget), then buf′ by a compiled ``store_momentum`` of the bucket.
         Returns ``(directions, finite flags, NorMuon's v′ or None)``."""
         from dmuon_compile.compiled_step import StepKey, compiled_step_for
 
         group = half.group
-        name = f"{part}/momentum bucket {k}"
-        step = compiled_step_for(self, group, [half.params[i] for i in idx], part=name)
         mine = [half.grads[i] for i in idx]
+        position = next(i for i, g in enumerate(self.param_groups) if g is group)
+        kind = (
+            position,
+            part,
+            tuple((tuple(g.shape), g.dtype, g.device) for g in mine),
+            tuple(w.dtype for w in work),
+            tuple(hypers["layouts"]),
+            "second_moments" in hypers,
+        )
+        number = self._bucket_kinds.setdefault(kind, len(self._bucket_kinds))
+        name = f"{part}/momentum bucket {number}"
+        step = compiled_step_for(self, group, [half.params[i] for i in idx], part=name)
         out, finite, *new = step.directions(mine, work, finite_flags=True, **hypers)
-        key = StepKey(next(i for i, g in enumerate(self.param_groups) if g is group), name)
+        key = StepKey(position, name)
         graph = self._momentum_graphs.get(key)
         if graph is None:
             from dmuon_compile.momentum_storage import compiled_store_momentum
