@@ -20,6 +20,7 @@ duration includes waiting on the slowest rank; exposed time is an upper bound on
 wire itself costs.
 
     python benchmarks/trace_analysis.py trace.json.gz --iterations 3   # summary + JSON
+    python benchmarks/trace_analysis.py ours.json.gz --against adamw.json.gz --iterations 3
 
 ``profile_calls(fn, calls, device)`` profiles a callable and returns this module's summary of it
 per call; ``where_the_time_goes`` prints that (bench_step.py: per optimizer step; bench_kernels.py
@@ -608,6 +609,54 @@ def where_the_time_goes(profile: dict, top: int = 5, unit: str = "step") -> list
     return lines
 
 
+def compare(base, other, iterations: int = 1, device=None, top: int = 25) -> dict:
+    """Two traces of the same iterations side by side (``base``: e.g. AdamW's, ``other``:
+    ours): per iteration, the window, GPU work and idle of each, and the ``top`` kernel names
+    by how much more GPU time ``other`` spends in them than ``base`` (then the ``top // 3``
+    ``other`` spends least), as ``(name, other_ms, base_ms, delta_ms)``."""
+    n = max(int(iterations), 1)
+    sides = {}
+    for tag, path in (("base", base), ("other", other)):
+        records = _records(path, device)
+        per_name: dict = defaultdict(float)
+        for r in records:
+            per_name[r["name"][:NAME_CHARS]] += (r["end"] - r["start"]) / 1e3 / n
+        window = _exposed(records)["window_us"] if records else 0.0
+        sides[tag] = {
+            "window_ms": window / 1e3 / n,
+            "gpu_ms": sum(per_name.values()),
+            "idle_ms": gpu_idle_us(records) / 1e3 / n if records else 0.0,
+            "per_name": per_name,
+        }
+    a, b = sides["base"]["per_name"], sides["other"]["per_name"]
+    rows = []
+    for name in set(a) | set(b):
+        mine, theirs = b.get(name, 0.0), a.get(name, 0.0)
+        rows.append((name, mine, theirs, mine - theirs))
+    rows.sort(key=lambda row: (-row[3], row[0]))
+    summary = {
+        tag: {k: v for k, v in side.items() if k != "per_name"} for tag, side in sides.items()
+    }
+    return {**summary, "more": rows[:top], "less": rows[::-1][: max(top // 3, 1)]}
+
+
+def format_compare(result: dict) -> list[str]:
+    lines = []
+    for tag in ("base", "other"):
+        side = result[tag]
+        lines.append(
+            f"{tag}: window {side['window_ms']:.2f} ms per iteration, GPU work (sum over streams) "
+            f"{side['gpu_ms']:.2f}, GPU idle {side['idle_ms']:.2f}"
+        )
+    lines.append("kernels, other − base (ms per iteration): delta, other, base, name")
+    for name, mine, theirs, delta in result["more"]:
+        lines.append(f"  {delta:+8.3f}  {mine:8.3f}  {theirs:8.3f}  {name}")
+    lines.append("least:")
+    for name, mine, theirs, delta in result["less"]:
+        lines.append(f"  {delta:+8.3f}  {mine:8.3f}  {theirs:8.3f}  {name}")
+    return lines
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -619,20 +668,33 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--gaps", action="store_true", help="also: GPU idle gaps and the host event charged"
     )
+    ap.add_argument(
+        "--against",
+        default=None,
+        metavar="BASE",
+        help="compare with this trace of the same iterations (e.g. AdamW's): where the extra "
+        "GPU time and idle go, kernel by kernel",
+    )
     args = ap.parse_args(argv)
-    summary = summarize(args.trace, args.iterations, args.device)
-    print("\n".join(format_summary(summary)))
-    if args.gaps:
-        gaps = idle_gaps(args.trace, args.device)
+    traces = [args.trace]
+    if args.against:
+        result = compare(args.against, args.trace, args.iterations, args.device)
+        print("\n".join(format_compare(result)))
+        traces = [args.against, args.trace]
+    else:
+        summary = summarize(args.trace, args.iterations, args.device)
+        print("\n".join(format_summary(summary)))
+    for path in traces if args.gaps else []:
+        gaps = idle_gaps(path, args.device)
         per = max(args.iterations, 1)
         print(
-            f"GPU idle: {gaps['idle_us'] / 1e3 / per:.3f} ms per iteration in "
+            f"GPU idle in {path}: {gaps['idle_us'] / 1e3 / per:.3f} ms per iteration in "
             f"{gaps['gaps'] / per:.0f} gaps; charged to the host event open when each began:"
         )
         for name, us, n in gaps["by_host"]:
             print(f"  {us / 1e3 / per:8.3f} ms  {n / per:6.1f} gaps  {name}")
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(result if args.against else summary, indent=2))
     return 0
 
 

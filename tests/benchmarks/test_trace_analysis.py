@@ -454,3 +454,33 @@ def test_idle_gaps_are_charged_to_the_innermost_host_event():
         ("dmuon::syrk > cudaLaunchKernel", pytest.approx(5.0), 1),
     ]
     assert ta.idle_gaps(trace(), min_gap_us=2.0) == {"idle_us": 0.0, "gaps": 0, "by_host": []}
+
+
+def test_compare_two_traces_kernel_by_kernel(tmp_path):
+    """``compare``: per iteration, each trace's window, GPU work and idle, and the kernels by
+    how much more time the second trace spends in them (exact numbers on hand-built traces);
+    the CLI's ``--against`` prints the same."""
+    base = trace(ev(GEMM, 0, 100), ev(ELT, 100, 60), ev(GEMM, 300, 100))  # 2 iterations
+    other = trace(
+        ev(GEMM, 0, 100), ev(ELT, 100, 20), ev(AG, 150, 200, stream=20), ev(GEMM, 400, 100)
+    )
+    got = ta.compare(base, other, iterations=2, top=3)
+    assert got["base"] == pytest.approx({"window_ms": 0.2, "gpu_ms": 0.13, "idle_ms": 0.07})
+    assert got["other"] == pytest.approx({"window_ms": 0.25, "gpu_ms": 0.21, "idle_ms": 0.04})
+    names = [row[0] for row in got["more"]]
+    assert names[0] == AG[: ta.NAME_CHARS]
+    assert got["more"][0][1:] == pytest.approx((0.1, 0.0, 0.1))
+    assert got["less"][0][0] == ELT[: ta.NAME_CHARS]
+    assert got["less"][0][3] == pytest.approx(-0.02)
+    a, b = tmp_path / "base.json", tmp_path / "other.json"
+    a.write_text(json.dumps(base))
+    b.write_text(json.dumps(other))
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert ta.main([str(b), "--against", str(a), "--iterations", "2", "--gaps"]) == 0
+    assert "+0.100     0.100     0.000  ncclDevKernel_AllGather" in out.getvalue()
+    assert "GPU idle 0.07" in out.getvalue()
+    assert f"GPU idle in {a}: 0.070 ms" in out.getvalue()
