@@ -1142,3 +1142,28 @@ def test_momentum_in_flight_on_the_command_line(value, ok, capsys):
         assert "shape buckets >= 1, or all" in capsys.readouterr().err
     with pytest.raises(ValueError, match="^dry_run: momentum_in_flight=0"):
         dry_run("tiny", 2, offload="momentum", momentum_in_flight=0)
+
+
+def test_an_offloaded_stream_is_priced_in_buckets_of_the_offload_cap():
+    """Offloaded, the streamed buckets are cut to ``OFFLOAD_BUCKET_BYTES`` whatever the stack
+    cap (4 GiB by default), as the optimizer cuts them; control: the 8-bit momentum on the GPU
+    keeps NS's 4 GiB buckets (each of 70B's 0.94 GiB matrices joins three more)."""
+    from dmuon_compile.momentum_storage import OFFLOAD_BUCKET_BYTES
+
+    kw = dict(momentum_in_flight=1, advise=False)
+    off = dry_run("llama3-70b", 8, offload="momentum", **kw)
+    int8 = dry_run("llama3-70b", 8, momentum_dtype="int8", **kw)
+    for a, b in zip(off.rows, int8.rows):
+        assert 0 < a._momentum_step_bytes <= OFFLOAD_BUCKET_BYTES
+        assert b._momentum_step_bytes - b._momentum_gpu_bytes > 2 * OFFLOAD_BUCKET_BYTES
+
+
+def test_a_link_bound_offload_says_the_host_link_sets_the_pace():
+    """Model E on one GPU (small expert matrices: NS covers a quarter of the copy) gets the
+    note; Llama-3 70B on 8 (NS covers the copy but its first bucket) does not."""
+    e = dry_run("E", 1, offload="momentum", advise=False)
+    assert "the host link sets this step's pace" in e.notes[-1]
+    share = e.rows[0]._copy_in_ms / e.rows[0].step_ms
+    assert f"{share:.0%} of its 'step ms'" in e.notes[-1]
+    big = dry_run("llama3-70b", 8, offload="momentum", advise=False)
+    assert "bucket by bucket" in big.notes[-1] and "sets this step's pace" not in big.notes[-1]

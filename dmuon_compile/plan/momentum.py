@@ -45,6 +45,9 @@ SCALE_BYTES = 4  # the 8-bit format's fp32 absolute maximum per block of BLOCK v
 # momentum, Nesterov input, norms, casts and commit move ~44 B per element at HBM speed): a
 # kept buf′ takes its saved bytes off the step's elementwise time in this proportion.
 ELEMENTWISE_BYTES = 44
+# An offloaded step whose copy-in NS does not cover is more than this share of its 'step ms'
+# gets a note saying so (the host link, not Newton-Schulz, sets its pace).
+LINK_BOUND_SHARE = 0.1
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -202,7 +205,8 @@ def finish_rows(rows, cost: MomentumCost, streams: bool = False, stack_cap: int 
             exposed = first + max(0.0, (row.host_bytes - first) - _hidden_bytes(row, cost))
         if cost.offload:
             row.host_link_bytes = 2 * row.host_bytes
-            row.step_ms += cost.copy_in_ms(exposed)
+            row._copy_in_ms = cost.copy_in_ms(exposed)
+            row.step_ms += row._copy_in_ms
 
 
 def finish_kept(rows, rates) -> None:
@@ -270,6 +274,15 @@ def storage_note(report, cost: MomentumCost) -> str | None:
             "bucket, under the Newton-Schulz of the bucket before (the first bucket's copy and "
             "what NS does not cover are in 'step ms'); the write-back overlaps the next forward"
         )
+        slow = max(report.rows, key=lambda r: (r._copy_in_ms, -r.rank))
+        if slow.step_ms and slow._copy_in_ms > LINK_BOUND_SHARE * slow.step_ms:
+            text += (
+                f"; the host link sets this step's pace: on rank {slow.rank} the copy-in adds "
+                f"{slow._copy_in_ms:.2f} ms, {slow._copy_in_ms / slow.step_ms:.0%} of its "
+                "'step ms' (Newton-Schulz covers "
+                f"{max(0.0, 1 - slow._copy_in_ms / cost.copy_in_ms(slow.host_bytes)):.0%} of "
+                "the copy); --momentum-dtype int8 or bf16 on the GPU saves memory without it"
+            )
     elif cost.offload:
         text += (
             f"; the step first copies its {top.host_bytes / gib:.2f} GiB in from host memory at "

@@ -62,6 +62,8 @@ class RankRow:
     _momentum_gpu_bytes: int = field(default=0, repr=False)
     _momentum_working_bytes: int = field(default=0, repr=False)
     _momentum_step_bytes: int = field(default=0, repr=False)
+    # offload: the copy-in's ms in ``step_ms`` (what the rank's NS does not cover)
+    _copy_in_ms: float = field(default=0.0, repr=False)
     # Muon(keep_new_momentum=True): the buf′ bytes in ``step_extra_bytes`` (with PP what they
     # add to the largest stage's), the elementwise bytes they save per step and that time
     _kept_bytes: int = field(default=0, repr=False)
