@@ -254,7 +254,7 @@ class Muon(torch.optim.Optimizer):
         )
         self._working: list[tuple[dict, Tensor, str, Tensor]] = []  # all at once: for keep
         self._streams_momentum = False  # this step streams its stored momentum (_prepare)
-        # The streamed step's compiled buf′ = μ·buf + g, one graph per bucket (StepKey).
+        # The streamed step's compiled buf′ = μ·buf + g, one graph per kind of bucket (StepKey).
         self._momentum_graphs: dict[StepKey, Callable] = {}
         # The streamed step's kinds of bucket (group, part, shapes, dtypes, layouts) → their
         # number in the StepKey: alike buckets share one compiled graph.
