@@ -205,6 +205,16 @@ def test_compile_arguments_are_checked():
     with pytest.raises(TypeError, match="compile must be True, False or None"):
         dmuon.Muon(p, compile="yes")
     assert dmuon.Muon(p).compile is None  # auto: compiled on CUDA only
+    # set on a live optimizer: the same checks, the setting left as it was
+    live = dmuon.Muon(p, compile=False)
+    with pytest.raises(ValueError, match="compile_mode='reduce-overhead' needs compile=True"):
+        live.compile_mode = "reduce-overhead"
+    assert live.compile_mode is None
+    auto = dmuon.Muon(p)
+    with pytest.raises(ValueError, match="compile_mode='fast'"):
+        auto.compile_mode = "fast"
+    auto.compile_mode = "reduce-overhead"  # control: a valid mode is taken
+    assert auto.compile_mode == "reduce-overhead"
     ro = default_compile_options("reduce-overhead")
     assert ro["triton.cudagraphs"] is True and isinstance(
         ro["post_grad_custom_pre_pass"], NSChainPass
