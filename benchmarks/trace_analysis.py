@@ -413,18 +413,26 @@ def breakdown(trace, device=None) -> dict:
     return _breakdown(_records(trace, device))
 
 
-def _breakdown(records) -> dict:
-    ms = {c: 0.0 for c in CATEGORIES}
+def _by_name(records) -> dict:
+    """GPU milliseconds, launches and category per event name (sum of durations)."""
     per_name = {}
     for r in records:
-        cat = category(r["name"], r["cat"])
-        dur = (r["end"] - r["start"]) / 1e3
-        ms[cat] += dur
-        entry = per_name.setdefault(
-            r["name"], {"name": r["name"][:NAME_CHARS], "category": cat, "count": 0, "ms": 0.0}
-        )
+        entry = per_name.get(r["name"])
+        if entry is None:
+            cat = category(r["name"], r["cat"])
+            entry = per_name[r["name"]] = {
+                "name": r["name"][:NAME_CHARS], "category": cat, "count": 0, "ms": 0.0
+            }  # fmt: skip
         entry["count"] += 1
-        entry["ms"] += dur
+        entry["ms"] += (r["end"] - r["start"]) / 1e3
+    return per_name
+
+
+def _breakdown(records) -> dict:
+    ms = {c: 0.0 for c in CATEGORIES}
+    per_name = _by_name(records)
+    for entry in per_name.values():
+        ms[entry["category"]] += entry["ms"]
     top = sorted(per_name.values(), key=lambda e: -e["ms"])[:TOP_KERNELS]
     return {"ms": ms, "total_ms": sum(ms.values()), "top_kernels": top}
 
@@ -618,9 +626,9 @@ def compare(base, other, iterations: int = 1, device=None, top: int = 25) -> dic
     sides = {}
     for tag, path in (("base", base), ("other", other)):
         records = _records(path, device)
-        per_name: dict = defaultdict(float)
-        for r in records:
-            per_name[r["name"][:NAME_CHARS]] += (r["end"] - r["start"]) / 1e3 / n
+        per_name: dict = defaultdict(float)  # by the printed (cut) name
+        for entry in _by_name(records).values():
+            per_name[entry["name"]] += entry["ms"] / n
         window = _exposed(records)["window_us"] if records else 0.0
         sides[tag] = {
             "window_ms": window / 1e3 / n,
