@@ -1158,6 +1158,25 @@ def test_an_offloaded_stream_is_priced_in_buckets_of_the_offload_cap():
         assert b._momentum_step_bytes - b._momentum_gpu_bytes > 2 * OFFLOAD_BUCKET_BYTES
 
 
+def test_an_offloaded_streams_newton_schulz_is_priced_in_the_buckets_it_runs_in():
+    """The streamed offloaded step runs NS in the buckets it cuts at ``OFFLOAD_BUCKET_BYTES``
+    (one of 70B's 0.94 GiB matrices each, not four): the dry run prices NS there, so its NS ms
+    differ from the in-place step's; control: offloaded all at once, NS runs in the stack
+    cap's buckets and costs what the in-place step's does."""
+    from dmuon_compile.momentum_storage import OFFLOAD_BUCKET_BYTES
+    from dmuon_compile.ns_rates import H200
+
+    base = dry_run("llama3-70b", 8, advise=False)
+    off = dry_run("llama3-70b", 8, offload="momentum", advise=False)
+    whole = dry_run("llama3-70b", 8, offload="momentum", momentum_in_flight=None, advise=False)
+    for b, o, w in zip(base.rows, off.rows, whole.rows):
+        cap = OFFLOAD_BUCKET_BYTES
+        capped = sum(H200.bucket_ms(shape, n, cap) for shape, n in b._buckets.items())
+        assert o.ns_ms == pytest.approx(capped)
+        assert o.ns_ms != pytest.approx(b.ns_ms)
+        assert w.ns_ms == pytest.approx(b.ns_ms)
+
+
 def test_a_link_bound_offload_says_the_host_link_sets_the_pace():
     """Model E on one GPU (small expert matrices: NS covers a quarter of the copy) gets the
     note; Llama-3 70B on 8 (NS covers the copy but its first bucket) does not."""

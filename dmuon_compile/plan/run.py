@@ -384,30 +384,28 @@ def _run_group(
     # -- NS ms, step ms and the step's working set from each rank's shape buckets
     finish_replica_gathers(ctx)
     finish_reshard_ns(rows, rates, stack_cap, rate_ns)
+    # A plan with stages (TP, split NS, the expert reshard) materialises the momentum at once;
+    # otherwise a stored momentum streams, an offloaded stream in buckets cut at the offload cap.
+    staged = T > 1 or bool(split_rows) or ctx.once or any(d for _, _, d in ep_stacks)
+    streamed = not staged and momentum.streaming
+    ns_cap = stream_bucket_bytes(stack_cap, momentum.offload) if streamed else stack_cap
     factor = WORKING_SET_FACTOR["compiled" if compiled else "eager"]
     for row in rows:
         widest = 0
         for shape, count in row._buckets.items():
-            row.ns_ms += rates.bucket_ms(shape, count, stack_cap, rate_ns)
+            row.ns_ms += rates.bucket_ms(shape, count, ns_cap, rate_ns)
             row._elements += count * shape[0] * shape[1]
             one = 4 * shape[0] * shape[1]
-            per_stack = max(one, stack_cap // one * one)
+            per_stack = max(one, ns_cap // one * one)
             widest = max(widest, min(count * one, per_stack))
             row.step_extra_bytes += count * shape[0] * shape[1] * NS_WORK_ITEMSIZE
         row.step_extra_bytes += max(int(factor * widest), row._reshard_peak)
         for shape, count in row._expert_buckets.items():  # the experts' NS alone
-            row.expert_ns_ms += rates.bucket_ms(shape, count, stack_cap, rate_ns)
+            row.expert_ns_ms += rates.bucket_ms(shape, count, ns_cap, rate_ns)
         if row.ns_ms:
             row.step_ms = row.ns_ms + rates.elementwise_ms(row._elements) + rates.start_ms
     finish_kept(rows, rates)
-    # A plan with stages (TP, split NS, the expert reshard) materialises the momentum at once.
-    staged = T > 1 or bool(split_rows) or ctx.once or any(d for _, _, d in ep_stacks)
-    finish_rows(
-        rows,
-        momentum,
-        streams=not staged,
-        stack_cap=stream_bucket_bytes(stack_cap, momentum.offload),
-    )
+    finish_rows(rows, momentum, streams=not staged, stack_cap=ns_cap)
     if plan is None and keep is None:
         notes.append("nothing matched the predicate: every parameter stays on FSDP2")
     report = DryRunReport(
