@@ -39,7 +39,13 @@ Configurations (all built up front, then run interleaved iteration by iteration)
 - ``ours_eager``: ``dmuon.dedicate_params`` (all *_proj weights) + FSDP2 + ``dmuon.Muon``;
 - ``ours_compiled``: the same with ``Muon(compile=True)`` (CUDA only, when Muon has it);
   ``ours_compiled_kept``: and ``keep_new_momentum=True``;
-- ``ours_eager_sync``: ``ours_eager`` with ``Muon(replicate_async=False)`` (HSDP runs only).
+- ``ours_eager_sync``: ``ours_eager`` with ``Muon(replicate_async=False)`` (HSDP runs only);
+- peers that step expert stacks whole (the 1-D mesh only, named ``dp``; their wheels carried as
+  benchmarks/README.md §B1 says): ``dion_muon``, microsoft/dion's ``Muon`` with
+  ``distributed_mesh`` = FSDP2's mesh, ``flatten=False``, Polar Express, its AdamW for the rest;
+  ``titan_distmuon``, torchtitan's ``DistMuon`` (2-D matrices ``Owned``, stacks ``Shard(0)``)
+  plus ``torch.optim.AdamW``. Both at bench_step.py's settings (Nesterov, μ = 0.95, lr 0.02 at
+  the AdamW-matched rule).
 
 ``--replicate R`` (or ``--hsdp``) runs every configuration on the HSDP mesh
 ``init_device_mesh(dev, (R, world // R), mesh_dim_names=("replicate", "shard"))``:
@@ -488,6 +494,8 @@ def build(config, args, meshes, device):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     ns = dmuon.NewtonSchulz()
+    if config in PEERS:
+        return model, build_peer(config, model, mesh, cuda)
     if config == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True if cuda else None)
     elif config == "naive_muon":
@@ -502,6 +510,78 @@ def build(config, args, meshes, device):
             model, lr=0.02, ns_backend=ns, replicate_async=config != "ours_eager_sync", **kw
         )
     return model, opt
+
+
+# Peers that step expert stacks whole, each through its own code on FSDP2's sharded DTensors
+# (the 1-D mesh only; both are configured as in bench_step.py, whose helpers build them).
+PEERS = ("dion_muon", "titan_distmuon")
+
+
+def muon_params(model) -> tuple[list, list]:
+    """(name, parameter) of what Muon steps (the projections and expert stacks), and the rest."""
+    muon, rest = [], []
+    for name, p in model.named_parameters():
+        (muon if is_proj(name, p) or is_expert_stack(name, p) else rest).append((name, p))
+    return muon, rest
+
+
+class WithAdamW:
+    """A Muon that steps only the matrices, beside AdamW for the rest: one ``step``."""
+
+    def __init__(self, muon, adamw):
+        self.muon, self.adamw = muon, adamw
+
+    def step(self):
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.muon.zero_grad(set_to_none=set_to_none)
+        self.adamw.zero_grad(set_to_none=set_to_none)
+
+
+def build_peer(config, model, mesh, cuda):
+    """``dion_muon``: microsoft/dion's ``Muon`` with ``distributed_mesh`` = FSDP2's mesh, its
+    AdamW (``algorithm="adamw"`` group) for the rest; ``titan_distmuon``: torchtitan's
+    ``DistMuon`` over the named ``dp`` mesh plus ``torch.optim.AdamW``. Their Muon options are
+    bench_step.py's (Nesterov, μ = 0.95, lr 0.02 at the AdamW-matched rule, no decay)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import bench_step
+
+    if mesh.ndim != 1:
+        raise ValueError(f"{config} runs on the 1-D mesh only (no --replicate/--hsdp/--tp)")
+    muon, rest = muon_params(model)
+    if config == "dion_muon":
+        try:
+            from dion import Muon as DionMuon
+        except ImportError as e:
+            raise bench_step.PeerMissing(f"{bench_step.DION_INSTALL} ({e})") from e
+        groups = [
+            {"params": [p for _, p in muon]},
+            {"params": [p for _, p in rest], "algorithm": "adamw", "lr": 3e-4},
+        ]
+        return DionMuon(
+            groups,
+            distributed_mesh=mesh,
+            lr=bench_step.LR,
+            mu=0.95,
+            weight_decay=0.0,
+            nesterov=True,
+            adjust_lr="rms_norm",
+            flatten=False,
+            use_polar_express=True,
+        )
+    flex = bench_step.titan_modules()
+    if mesh.mesh_dim_names != ("dp",):
+        raise ValueError(f"titan_distmuon needs the FSDP2 mesh named ('dp',), got {mesh}")
+    names, params = [n for n, _ in muon], [p for _, p in muon]
+    kwargs = bench_step.titan_kwargs(flex, names, params)
+    groups = [{"params": params, "param_names": names}]
+    device = params[0].device
+    adamw = torch.optim.AdamW([p for _, p in rest], lr=3e-4, fused=True if cuda else None)
+    return WithAdamW(bench_step.titan_dist_muon(flex.dist_muon, groups, device, kwargs), adamw)
 
 
 def routed(opt):
@@ -674,7 +754,8 @@ def main(argv=None):
         )
         meshes = (mesh, mesh["shard"], mesh["replicate"], None)
     else:
-        mesh = init_device_mesh(device.type, (world,))
+        # named: torchtitan's DistMuon (titan_distmuon) reads its layouts by mesh axis name
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
         meshes = (mesh, mesh, None, None)
     configs = [c for c in args.configs.split(",") if c]
     if (

@@ -279,6 +279,16 @@ def build_titan(params):
     """torchtitan's DistMuon on one rank (configuration 7 of the module docstring): each
     parameter becomes a DTensor ``Shard(0)`` on a 1-device mesh, holding the same storage (its
     updates land in ``params``), with a DTensor gradient over the same gradient storage."""
+    flex = titan_modules()
+    try:
+        return _build_titan(params, flex)
+    except BaseException:
+        release_group()
+        raise
+
+
+def titan_modules():
+    """torchtitan's ``flex_shard`` (DistMuon and its layouts), or :class:`PeerMissing`."""
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
@@ -286,21 +296,37 @@ def build_titan(params):
 
     _torchtitan_on_this_torch()  # torchtitan 0.3.0 on torch < 2.12
     try:
-        from torchtitan.distributed.flex_shard import BucketConfig, ComputeLayout, Owned, dist_muon
+        from torchtitan.distributed import flex_shard
     except ImportError as e:
         raise PeerMissing(
             "torchtitan's DistMuon (torchtitan >= 0.3.0, torchtitan.distributed.flex_shard) is "
             f"not importable: {e}; carry its wheels (benchmarks/README.md §B1 'peers')"
         ) from e
-
-    try:
-        return _build_titan(params, dist_muon, BucketConfig, ComputeLayout, Owned)
-    except BaseException:
-        release_group()
-        raise
+    return flex_shard
 
 
-def _build_titan(params, dist_muon, BucketConfig, ComputeLayout, Owned):
+def titan_kwargs(flex, names, params, lr: float = LR) -> dict:
+    """DistMuon's options for these parameters: a 2-D matrix whole on one owner (``Owned``), a
+    3-D stack ``[E, R, C]`` as whole experts over the ``dp`` ranks (``Shard(0)``: one batched NS
+    per rank), one bucket, Nesterov, our learning-rate rule (``match_rms_adamw``)."""
+    from torch.distributed.tensor import Shard
+
+    layouts = {
+        name: flex.ComputeLayout({"dp": Shard(0) if p.ndim == 3 else flex.Owned()})
+        for name, p in zip(names, params)
+    }
+    return dict(
+        compute_sharding_by_fqn=layouts,
+        bucket_configs=[flex.BucketConfig(patterns=("*",), name="all")],
+        lr=lr,
+        weight_decay=0.0,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
+
+
+def _build_titan(params, flex):
     from torch.distributed.tensor import DTensor, Shard
 
     device = params[0].device
@@ -311,37 +337,30 @@ def _build_titan(params, dist_muon, BucketConfig, ComputeLayout, Owned):
         d = torch.nn.Parameter(DTensor.from_local(p.detach(), mesh, [Shard(0)], run_check=False))
         d.grad = DTensor.from_local(p.grad, mesh, [Shard(0)], run_check=False)
         dparams.append(d)
-    layouts = {
-        # A 2-D matrix: whole-matrix compute on one owner; a 3-D stack [E, R, C]: whole
-        # experts sharded over the ranks (Shard(0)), one batched NS per rank.
-        name: ComputeLayout({"dp": Shard(0) if p.ndim == 3 else Owned()})
-        for name, p in zip(names, params)
-    }
-    kwargs = dict(
-        compute_sharding_by_fqn=layouts,
-        bucket_configs=[BucketConfig(patterns=("*",), name="all")],
-        lr=LR,
-        weight_decay=0.0,
-        momentum=0.95,
-        nesterov=True,
-        adjust_lr_fn="match_rms_adamw",
-    )
+    kwargs = titan_kwargs(flex, names, params)
     groups = [{"params": dparams, "param_names": names}]
-    if device.type == "cuda":
-        opt = dist_muon.build_dist_muon(groups, **kwargs)
-    else:
-        # DistMuon checks for one CUDA device per process; the CPU smoke run accepts the CPU.
-        class CPUDistMuon(dist_muon.DistMuon):
-            def _validate_parameter_storage(self):
-                for group in self.param_groups:
-                    for param in group["params"]:
-                        if not isinstance(param, DTensor):
-                            raise TypeError("DistMuon requires DTensor parameters")
-                return device
-
-        opt = CPUDistMuon(dist_muon._normalize_param_groups(groups), **kwargs)
+    opt = titan_dist_muon(flex.dist_muon, groups, device, kwargs)
     opt.dtensor_params = dparams  # keeps the DTensor views alive with the optimizer
     return opt
+
+
+def titan_dist_muon(dist_muon, groups, device, kwargs):
+    """``dist_muon.build_dist_muon(groups, **kwargs)`` on CUDA; on CPU (the smoke runs) the same
+    optimizer, its one-CUDA-device-per-process check replaced by a DTensor check."""
+    from torch.distributed.tensor import DTensor
+
+    if device.type == "cuda":
+        return dist_muon.build_dist_muon(groups, **kwargs)
+
+    class CPUDistMuon(dist_muon.DistMuon):
+        def _validate_parameter_storage(self):
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if not isinstance(param, DTensor):
+                        raise TypeError("DistMuon requires DTensor parameters")
+            return device
+
+    return CPUDistMuon(dist_muon._normalize_param_groups(groups), **kwargs)
 
 
 def sync(device) -> None:

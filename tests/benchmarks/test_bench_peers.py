@@ -138,3 +138,47 @@ def test_dion_missing_names_the_wheel_and_the_others_run(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "dion_muon: NOT RUN: microsoft/dion is not installed" in out
     assert "| tiny_E | ours_eager |" in out and "| tiny_E | dion_muon |" not in out
+
+
+bench_fsdp = load_benchmark("bench_fsdp")
+
+
+@pytest.mark.parametrize(
+    "config, band",
+    [("titan_distmuon", (0.6, 1.25)), pytest.param("dion_muon", (0.75, 1.2), marks=needs_dion)],
+)
+def test_fsdp_peer_steps_the_matrices_with_muon_and_the_rest_with_adamw(config, band):
+    """bench_fsdp.py's peers on FSDP2 (one gloo rank, model E's tiny MoE): one step moves each
+    projection and each expert by an orthogonalised update at the AdamW-matched rule (its
+    largest singular value in the NS band, its values uneven) and every other weight by AdamW's
+    first step (±lr per value, the test's control of the matrices' check)."""
+    import types
+
+    args = types.SimpleNamespace(model="quick_E", moe_impl="dense")
+    try:
+        mesh = bench_step.one_rank_mesh(CPU)
+        model, opt = bench_fsdp.build(config, args, (mesh, mesh, None, None), CPU)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 16, bench_fsdp.MODELS["quick_E"][0], generator=gen)
+        model(x).float().square().mean().backward()
+        before = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        with _eager_stance():
+            opt.step()
+        # what Muon should step: the projections and the expert stacks (w1, w2, w3)
+        muon = {n for n, p in model.named_parameters() if n.endswith("_proj.weight") or p.ndim == 3}
+        assert sum(n.endswith(".experts.w1") for n in muon) == bench_fsdp.MODELS["quick_E"][2]
+        for name, p in model.named_parameters():
+            delta = (before[name] - p.full_tensor().detach()).double()
+            if name not in muon:
+                size = delta.abs()
+                assert size.max() < 3e-4 * 1.01 and size.median() > 3e-4 * 0.99, name
+                continue
+            rows, cols = p.shape[-2:]
+            scale = bench_step.LR * 0.2 * math.sqrt(max(rows, cols))
+            for matrix in delta / scale if delta.ndim == 3 else [delta / scale]:
+                top = torch.linalg.matrix_norm(matrix, ord=2)
+                assert band[0] < top < band[1], (config, name, float(top))
+                # not AdamW's first step, ±lr everywhere: an orthogonalised update's values vary
+                assert matrix.abs().std() > 0.2 * matrix.abs().mean(), name
+    finally:
+        bench_step.release_group()
