@@ -110,7 +110,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dmuon_compile as dmuon
-from dmuon_compile.newton_schulz import direct_ns_flops, gram_ns_flops
+from dmuon_compile.newton_schulz import direct_ns_products, gram_ns_products
 
 MODELS = {  # D, F, layers (a MoE model: F is its shared expert's hidden width)
     "S": (2048, 5632, 8),
@@ -142,6 +142,9 @@ GROUP_ALIGN = 16
 KV_GROUPS = {"G": 4}
 HEAD_DIM = 128
 PEAK_FLOPS = 700e12  # ~H200 dense bf16/fp16 as in §B
+# HBM bytes per second of the products' roofline (``ns_roofline_ms``): an H100's, as its
+# elementwise kernels reached (benchmarks/RESULTS.md §30); an H200's HBM is ~1.4× faster.
+HBM_BYTES_PER_S = 3.1e12
 
 
 class RMSNorm(nn.Module):
@@ -429,27 +432,46 @@ class NaiveMuon:
         self.adamw.zero_grad()
 
 
-def ns_floor_ms(dim, ffn, layers, world, kv_groups=1, moe=None):
-    """§B floor: Gram NS (one restart, symmetric) where α ≥ 2, direct symmetric otherwise.
-
-    The same with ``--tp``: NS runs once per whole matrix in the job (on its TP owner), so the
-    per-matrix work is divided over all ``world`` ranks, as on the 1-D mesh. ``moe``
-    (experts, hidden, top_k): ``ffn`` is the shared expert's, and each layer adds its experts'
-    matrices, E of (hidden, D) twice and E of (D, hidden) (Muon per expert)."""
+def ns_products(dim, ffn, layers, kv_groups=1, moe=None) -> list:
+    """Every NS product of one step over the model's Muon matrices (``NSProduct``s, in the
+    job: Gram NS with one restart where α ≥ 2, direct symmetric otherwise). ``moe`` (experts,
+    hidden, top_k): ``ffn`` is the shared expert's, and each layer adds its experts' matrices, E
+    of (hidden, D) twice and E of (D, hidden) (Muon per expert)."""
     kv = (dim // kv_groups, dim)
     shapes = [(dim, dim), kv, kv, (dim, dim)] + [(ffn, dim)] * 2 + [(dim, ffn)]
     if moe is not None:
         experts, hidden, _top_k = moe
         shapes += [(hidden, dim)] * (2 * experts) + [(dim, hidden)] * experts
-    total = 0.0
+    products = []
     for m, n in shapes * layers:
         small, large = min(m, n), max(m, n)
-        total += (
-            gram_ns_flops(small, large, 5, 1)
+        products += (
+            gram_ns_products(small, large, 5, 1)
             if large >= 2 * small
-            else direct_ns_flops(small, large, 5)
+            else direct_ns_products(small, large, 5)
         )
+    return products
+
+
+def ns_floor_ms(dim, ffn, layers, world, kv_groups=1, moe=None):
+    """§B floor: the FLOPs of :func:`ns_products` at ``PEAK_FLOPS``, per rank.
+
+    The same with ``--tp``: NS runs once per whole matrix in the job (on its TP owner), so the
+    per-matrix work is divided over all ``world`` ranks, as on the 1-D mesh."""
+    total = sum(p.count * p.flops for p in ns_products(dim, ffn, layers, kv_groups, moe))
     return total / world / PEAK_FLOPS * 1e3
+
+
+def ns_roofline_ms(dim, ffn, layers, world, kv_groups=1, moe=None, bytes_per_s=HBM_BYTES_PER_S):
+    """The products' roofline: each product at the slower of its FLOPs at ``PEAK_FLOPS`` and its
+    fewest bytes at ``bytes_per_s``, per rank. Above :func:`ns_floor_ms` where products move
+    more bytes per FLOP than the GPU's ratio (the Gram-space products of 768-row experts); the
+    step's elementwise passes over its state come on top of both."""
+    total = sum(
+        p.count * max(p.flops / PEAK_FLOPS, p.bytes / bytes_per_s)
+        for p in ns_products(dim, ffn, layers, kv_groups, moe)
+    )
+    return total / world * 1e3
 
 
 def build(config, args, meshes, device):
@@ -948,7 +970,9 @@ def main(argv=None):
             del inputs
 
     dim_, ffn, layers = MODELS[args.model]
-    floor = ns_floor_ms(dim_, ffn, layers, world, KV_GROUPS.get(args.model, 1), MOE.get(args.model))
+    shape_args = (dim_, ffn, layers, world, KV_GROUPS.get(args.model, 1), MOE.get(args.model))
+    floor = ns_floor_ms(*shape_args)
+    roofline = ns_roofline_ms(*shape_args)
     flops = iteration_flops(args.model, batch, seq)  # per rank (per TP group with --tp)
     results = {}
     for c in configs:
@@ -1019,6 +1043,7 @@ def main(argv=None):
         "iters": iters,
         "warmup": warmup,
         "ns_floor_ms": floor,
+        "ns_roofline_ms": roofline,
         "results": results,
         "skipped": skipped,
         "errors": errors,
@@ -1045,6 +1070,11 @@ def main(argv=None):
         print(
             f"model {args.model}: {flops / 1e12:.3g} TFLOP per iteration per rank "
             f"({batch}×{seq} tokens, forward + backward matmuls){experts}"
+        )
+        print(
+            f"NS floor {floor:.3g} ms per rank (FLOPs at {PEAK_FLOPS / 1e12:.0f} TF/s); the "
+            f"products' roofline {roofline:.3g} ms (and their fewest bytes at "
+            f"{HBM_BYTES_PER_S / 1e12:.2g} TB/s)"
         )
         print(
             "| config | iter ms | step ms | back-to-back ms | exposed comm % | peak GiB "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -344,23 +345,59 @@ def gram_ns(
     return ops.apply_left(x, q, x, beta=0.0)  # X ← Q·X
 
 
-def gram_ns_flops(m: int, n: int, steps: int, restarts: int, symmetric: bool = True) -> float:
-    """FLOPs of Gram NS on one (m, n) matrix, m ≤ n (symmetric products counted at half cost)."""
+class NSProduct(NamedTuple):
+    """One kind of matrix product (or pass) of Newton–Schulz on one matrix: how many times it runs,
+    its FLOPs and the fewest bytes it moves each time (operands read once, its output written
+    once, in the work dtype: a symmetric output written whole, a ``beta·C`` term read as its
+    lower triangle). FLOPs against bytes say whether a product can reach the GPU's FLOP rate:
+    Gram-space products of a few hundred rows cannot (``m / 7`` FLOPs per byte in 16 bits: 110
+    at m = 768, against an H100's ~225 FLOPs per byte of HBM)."""
+
+    kind: str
+    count: int
+    flops: float
+    bytes: float
+
+
+def gram_ns_products(
+    m: int, n: int, steps: int, restarts: int, symmetric: bool = True, itemsize: int = 2
+) -> list[NSProduct]:
+    """:func:`gram_ns`' products on one (m, n) matrix, m ≤ n (symmetric ones at half cost)."""
     half = 0.5 if symmetric else 1.0
     segments = restarts + 1
-    gram_products = segments * half * 2 * m * m * n  # X·Xᵀ per segment
-    apply_products = segments * 2 * m * m * n  # Q·X per segment
     # Per step: Z (1 product) and Q (1, none on a segment's first step) and R (2, none on a
-    # segment's last step).
+    # segment's last step); a segment's first Q is Z + a·I (a pass, no product).
     small = steps + 3 * (steps - segments)
-    return gram_products + apply_products + small * half * 2 * m**3
+    square, wide = m * m, m * n
+    return [
+        NSProduct("X·Xᵀ", segments, half * 2 * square * n, itemsize * (wide + square)),
+        NSProduct("Q·X", segments, 2 * square * n, itemsize * (square + 2 * wide)),
+        NSProduct("m×m with C", small, half * 2 * m**3, itemsize * 3.5 * square),
+        NSProduct("Z + a·I", segments, 0.0, itemsize * 2 * square),
+    ]
+
+
+def direct_ns_products(
+    m: int, n: int, steps: int, symmetric: bool = True, itemsize: int = 2
+) -> list[NSProduct]:
+    """:func:`direct_ns`' products on one (m, n) matrix, m ≤ n."""
+    half = 0.5 if symmetric else 1.0
+    square, wide = m * m, m * n
+    return [
+        NSProduct("X·Xᵀ", steps, half * 2 * square * n, itemsize * (wide + square)),
+        NSProduct("m×m with C", steps, half * 2 * m**3, itemsize * 3.5 * square),
+        NSProduct("(B + a·I)·X", steps, 2 * square * n, itemsize * (square + 2 * wide)),
+    ]
+
+
+def gram_ns_flops(m: int, n: int, steps: int, restarts: int, symmetric: bool = True) -> float:
+    """FLOPs of Gram NS on one (m, n) matrix, m ≤ n (symmetric products counted at half cost)."""
+    return sum(p.count * p.flops for p in gram_ns_products(m, n, steps, restarts, symmetric))
 
 
 def direct_ns_flops(m: int, n: int, steps: int, symmetric: bool = True) -> float:
     """FLOPs of direct NS on one (m, n) matrix, m ≤ n."""
-    half = 0.5 if symmetric else 1.0
-    per_step = half * 2 * m * m * n + half * 2 * m**3 + 2 * m * m * n
-    return steps * per_step
+    return sum(p.count * p.flops for p in direct_ns_products(m, n, steps, symmetric))
 
 
 # ----------------------------------------------------------------------------- public class

@@ -7,7 +7,12 @@ from hypothesis import strategies as st
 
 import dmuon_compile as dmuon
 from dmuon_compile import coefficients as C
-from dmuon_compile.newton_schulz import NewtonSchulz, normalize, singular_value_band
+from dmuon_compile.newton_schulz import (
+    NewtonSchulz,
+    TorchPrimitives,
+    normalize,
+    singular_value_band,
+)
 
 # Relative Frobenius error of a work-dtype run against the float64 run of the same iteration.
 # Measured worst cases on CPU over the shapes below: bf16 gram 0.065, fp16 gram 0.015,
@@ -160,6 +165,73 @@ def test_near_square_uses_direct_and_wide_uses_gram():
     ns = NewtonSchulz(backend="gram")
     assert not ns.uses_gram(64, 64) and ns.uses_gram(64, 256)
     assert not NewtonSchulz(backend="direct").uses_gram(64, 256)
+
+
+class _CountingOps:
+    """TorchPrimitives that record each product's kind, FLOPs (symmetric outputs at half cost)
+    and fewest bytes (bf16: operands read once, output written once, a C term's lower
+    triangle), from the operands each call actually gets."""
+
+    def __init__(self, direct: bool):
+        self.apply_kind = "(B + a·I)·X" if direct else "Q·X"
+        self.calls: list[tuple[str, float, float]] = []
+
+    def gram(self, x):
+        m, n = x.shape[-2:]
+        self.calls.append(("X·Xᵀ", m * m * n, 2 * (m * n + m * m)))
+        return TorchPrimitives.gram(x)
+
+    def sym_addmm(self, c, a, b, beta, alpha, gamma=0.0):
+        m, k = a.shape[-2:]
+        self.calls.append(("m×m with C", m * m * k, 2 * (2 * m * k + m * m / 2 + m * m)))
+        return TorchPrimitives.sym_addmm(c, a, b, beta, alpha, gamma)
+
+    def add_identity(self, z, a):
+        self.calls.append(("Z + a·I", 0.0, 2 * 2 * z.shape[-1] ** 2))
+        return TorchPrimitives.add_identity(z, a)
+
+    def apply_left(self, c, q, x, beta):
+        m, n = x.shape[-2:]
+        self.calls.append((self.apply_kind, 2 * m * m * n, 2 * (m * m + 2 * m * n)))
+        return TorchPrimitives.apply_left(c, q, x, beta)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    m=st.integers(2, 12),
+    extra=st.integers(0, 20),
+    steps=st.integers(2, 6),
+    restarts=st.sets(st.integers(1, 5), max_size=2),
+    direct=st.booleans(),
+)
+def test_ns_products_are_the_products_the_iteration_runs(m, extra, steps, restarts, direct):
+    """``gram_ns_products`` / ``direct_ns_products`` (the FLOP floor and the bytes a roofline
+    reads) list the products ``gram_ns`` / ``direct_ns`` run: counted call by call from their
+    operands, the same kinds, counts, FLOPs and bytes."""
+    from collections import Counter
+
+    from dmuon_compile.newton_schulz import (
+        direct_ns,
+        direct_ns_products,
+        gram_ns,
+        gram_ns_products,
+    )
+
+    n = m + extra
+    table = [(3.4445, -4.7750, 2.0315)] * steps
+    restarts = sorted(r for r in restarts if r < steps)
+    ops = _CountingOps(direct)
+    x = torch.randn(m, n) / (m * n) ** 0.5
+    if direct:
+        direct_ns(x, table, ops=ops)
+        listed = direct_ns_products(m, n, steps)
+    else:
+        gram_ns(x, table, restarts, ops=ops)
+        listed = gram_ns_products(m, n, steps, len(restarts))
+    ran = Counter(kind for kind, _, _ in ops.calls)
+    assert ran == Counter({p.kind: p.count for p in listed if p.count})
+    assert sum(f for _, f, _ in ops.calls) == pytest.approx(sum(p.count * p.flops for p in listed))
+    assert sum(b for _, _, b in ops.calls) == pytest.approx(sum(p.count * p.bytes for p in listed))
 
 
 def test_flop_formulas_match_architecture():

@@ -140,3 +140,22 @@ def test_bench_fsdp_model_e_one_iteration_on_cpu(tmp_path):
     # The expert stacks stayed with FSDP2 and Muon orthogonalises them per expert.
     assert res["ours_eager"]["routed"] == {"matrix": 14, "experts": 6, "adamw": 6}
     assert "model quick_E:" in proc.stdout and "| ours_eager |" in proc.stdout
+
+
+def test_the_products_roofline_bounds_model_e_above_its_flop_floor():
+    """``ns_roofline_ms`` prices each NS product at the slower of its FLOPs and its fewest
+    bytes: never below the FLOP floor, equal to it with unbounded bandwidth, and for model E
+    well above it (its 768-row experts' Gram-space products do ~110 FLOPs per byte, half the
+    GPU's ratio) while
+    the dense models' large products stay compute-bound (within 5%)."""
+    for model in ("S", "M", "E"):
+        dim, ffn, layers = bench_fsdp.MODELS[model]
+        args = (dim, ffn, layers, 1, bench_fsdp.KV_GROUPS.get(model, 1), bench_fsdp.MOE.get(model))
+        floor = bench_fsdp.ns_floor_ms(*args)
+        roof = bench_fsdp.ns_roofline_ms(*args)
+        assert roof >= floor
+        assert bench_fsdp.ns_roofline_ms(*args, bytes_per_s=math.inf) == pytest.approx(floor)
+        if model == "E":
+            assert roof > 1.3 * floor
+        else:
+            assert roof < 1.05 * floor
