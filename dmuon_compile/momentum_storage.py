@@ -1,6 +1,8 @@
 """Where and in what form Muon keeps each matrix's momentum between steps.
 
-``Muon(momentum_dtype=..., offload=...)`` picks it. Two kinds of storage:
+``Muon(momentum_dtype=..., offload=...)`` picks it (``offload="state"`` stores the momentum as
+``"momentum"`` does, and moves the owners' masters too: ``distributed/_owner/host_masters.py``).
+Two kinds of storage:
 
 - **In place** (``momentum_dtype`` ``None``, ``torch.float32`` or ``torch.bfloat16``, no
   offload): ``state["momentum_buffer"]`` is the tensor the step reads and writes, as in every
@@ -71,7 +73,9 @@ MOMENTUM_DTYPES: dict[str, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "int8": torch.int8,
 }
-OFFLOADS = (None, "momentum")
+# "state": the momentum and, for the dedicated weights this rank owns, their masters
+# (``distributed/_owner/host_masters.py``); the momentum is stored alike.
+OFFLOADS = (None, "momentum", "state")
 # Streamed stored momentum: the shape buckets whose working buffers exist at once (the one
 # stepped and the next, copied in or decoded under its Newton–Schulz). ``None``: every matrix's.
 IN_FLIGHT = 2
@@ -109,16 +113,11 @@ def resolve_momentum_dtype(value) -> torch.dtype | None:
 
 def check_offload(value) -> str | None:
     """``offload``'s value, or a ``ValueError`` naming the choices."""
-    if value == "state":
-        raise ValueError(
-            "offload='state' (the owners' master weights in host memory as well) is not built "
-            "yet: offload='momentum' takes the momentum off the GPU, and momentum_dtype='int8' "
-            "or 'bf16' shrinks it (docs/memory.md)"
-        )
     if value not in OFFLOADS:
         raise ValueError(
-            f"offload={value!r}: choose None (the momentum stays on the parameter's device) or "
-            "'momentum' (kept in host memory between steps, streamed in for the step)"
+            f"offload={value!r}: choose None (the momentum stays on the parameter's device), "
+            "'momentum' (kept in host memory between steps, streamed in for the step) or "
+            "'state' (the momentum and the owners' master weights in host memory)"
         )
     return value
 

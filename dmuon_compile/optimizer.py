@@ -141,7 +141,14 @@ class Muon(torch.optim.Optimizer):
             memory (pinned) between steps; each step copies it in on a side stream, bucket by
             bucket (``momentum_in_flight``), and the commit keeps the new momentum copied out,
             so the forward and backward run with none of it on the GPU. The same math as on
-            the GPU, bit for bit. Combines with ``momentum_dtype``.
+            the GPU, bit for bit. Combines with ``momentum_dtype``. ``"state"``: the momentum
+            so, and the masters of the dedicated weights this rank owns in pinned host memory
+            between steps too; the GPU keeps their cast to the forward's dtype (what the
+            unshard sends), each step copies the masters in and the new ones out around its
+            commit. Needs ``Muon(model)`` with dedicated weights computing in a lower dtype than
+            their masters (``ParamPolicy(param_dtype=torch.bfloat16)``), on a 1-D or expert
+            layout (not HSDP, tensor parallelism, split NS or ``qk_clip``: a ``ValueError``
+            says so); the same bits as on the GPU (docs/memory.md).
             A checkpoint of any of these settings loads into any other (converted at the
             next step): checkpoints hold ``momentum_buffer`` in the parameter's dtype.
         momentum_in_flight: with a stored momentum (8-bit or offloaded): how many shape
@@ -327,6 +334,26 @@ class Muon(torch.optim.Optimizer):
         # (``restore_dedicated``); an unknown ≥3-D layout raises here, not at step().
         for group in self.param_groups:
             self._between.add_group(group["params"], self._routing.group_layouts(group))
+        # offload="state": the owners' masters in host memory between steps (last: every check
+        # above passed before any master moves).
+        self._host_masters = None
+        self._host_masters = self._masters_for(self._storage.offload)
+
+    def _masters_for(self, offload: str | None):
+        """The ``HostMasters`` of ``offload="state"`` (offloaded; the ones held already if any),
+        else ``None``; raises ``ValueError`` where the model cannot hold them so."""
+        if offload != "state":
+            return None
+        if self._host_masters is not None:
+            return self._host_masters
+        from dmuon_compile.dedicated_registry import runtime_of
+        from dmuon_compile.distributed._owner.host_masters import HostMasters, check_supported
+
+        runtime = None if self.model is None else runtime_of(self.model)
+        check_supported(runtime, self.qk_clip)
+        masters = HostMasters(runtime)
+        masters.offload()
+        return masters
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict) -> None:
@@ -408,14 +435,20 @@ class Muon(torch.optim.Optimizer):
 
     @property
     def offload(self) -> str | None:
-        """Where the momentum lives between steps: ``None`` (its device) or ``"momentum"``."""
+        """Where the momentum lives between steps: ``None`` (its device), ``"momentum"`` or
+        ``"state"`` (with the owners' masters). Settable between steps: the masters move at
+        once, the momentum at the next step."""
         return self._storage.offload
 
     @offload.setter
     def offload(self, value) -> None:
         storage = MomentumStorage(self._storage.dtype, value, self._storage.in_flight)
         check_kept_momentum(self.keep_new_momentum, storage.dtype, value, self.compile_mode)
+        masters = self._masters_for(storage.offload)  # raises before anything moved
         self._storage.synchronize()
+        if self._host_masters is not None and masters is None:
+            self._host_masters.restore()
+        self._host_masters = masters
         self._storage = storage
 
     @property
@@ -569,6 +602,21 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        masters = self._host_masters  # offload="state": the masters on the GPU for the step
+        if masters is None:
+            self._step_on(plan)
+            return loss
+        masters.swap_in()
+        committed = False
+        try:
+            committed = self._step_on(plan)
+        finally:
+            masters.swap_out(committed)  # a step that did not commit keeps the host masters
+        return loss
+
+    def _step_on(self, plan: StepPlan) -> bool:
+        """The step after the closure; whether it committed (``False``: skipped; a deferred
+        verdict counts as committed: its commit selects on the device)."""
         # Two halves with one agreement between them: first every Muon matrix's update is
         # computed (the plan's stages, then the local math; nothing written; a failure on this
         # rank is recorded in ``failure`` and the step's collectives still go out), then all
@@ -586,14 +634,16 @@ class Muon(torch.optim.Optimizer):
         self._agreement.check_finite(_finite_flags(halves), failure)
         verdict = self._agree(failure, unsent, self._defers(plan))
         if verdict is False:
-            return loss  # skipped (nonfinite_grads="skip")
+            return False  # skipped (nonfinite_grads="skip")
         # A deferred verdict stays on the device: the commit and AdamW select on it and the
         # host reads it at the next step() (``settle``), never waiting for this step's kernels.
         pending = None if isinstance(verdict, bool) else verdict  # else a PendingVerdict
+        if self._host_masters is not None:  # offload="state": the masters copied in by now
+            self._host_masters.ready()
         self._commit_all(plan, halves, adamw, pending)
         if pending is not None:
             self._agreement.hold(pending)
-        return loss
+        return True
 
     def _commit_all(self, plan: StepPlan, halves: list, adamw: list, pending) -> None:
         """The second half, after the agreement: the plan's parts in order, each part's local

@@ -227,7 +227,7 @@ def test_a_skipped_step_leaves_the_stored_momentum_untouched():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"offload": "state"}, "offload='state'.*not built yet.*offload='momentum'"),
+        ({"offload": "state"}, "offload='state'.*dedicate_params.*offload='momentum'"),
         ({"offload": True}, "'momentum'"),
         ({"momentum_dtype": "fp8"}, "int8"),
     ],

@@ -170,11 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--offload",
-        choices=["momentum"],
+        choices=["momentum", "state"],
         default=None,
         help="Muon(offload='momentum'): the momentum in pinned host memory between steps "
         "('host' columns), copied in before each step (in 'step ms') and written back under "
-        "the next forward",
+        "the next forward; 'state': the owned dedicated masters too (the GPU keeps their "
+        "compute-dtype copies)",
     )
     ap.add_argument(
         "--momentum-in-flight",

@@ -58,7 +58,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 class MomentumCost:
     """What one momentum setting costs per tensor. ``dtype``: the storage dtype as
     :func:`~dmuon_compile.momentum_storage.resolve_momentum_dtype` gives it (``None``: the
-    weight's); ``offload``: ``None`` or ``"momentum"``; ``host_link_gbps``: the pinned
+    weight's); ``offload``: ``None``, ``"momentum"`` or ``"state"`` (the owned masters too:
+    ``charge_master``); ``host_link_gbps``: the pinned
     host-to-device rate (GB/s, 1e9 bytes) the copy-in is timed at; ``in_flight``: the shape
     buckets a streamed step materialises at once (``None``: all at once); ``keep_new``:
     ``Muon(keep_new_momentum=True)``, buf′ kept from the directions to the commit.
@@ -111,6 +112,18 @@ class MomentumCost:
         working = self.working_bytes(numel, item)
         add("step_extra_bytes", working)
         add("_momentum_working_bytes", working)
+
+    def charge_master(self, add, numel: int, item: int, compute_item: int) -> None:
+        """Add one owned dedicated master through ``add(field, bytes)``: on the GPU between
+        steps (``dedicated_bytes``), itself, or with ``offload="state"`` its compute copy, the
+        master then in ``host_bytes`` and, copied in for the step, in ``step_extra_bytes``."""
+        if self.offload != "state":
+            add("dedicated_bytes", numel * item)
+            return
+        add("dedicated_bytes", numel * compute_item)
+        add("host_bytes", numel * item)
+        add("_master_host_bytes", numel * item)
+        add("step_extra_bytes", numel * item)
 
     def charge_kept(self, add, numel: int, item: int) -> None:
         """Add the buf′ of one tensor the rank steps itself (not in a stage) through
@@ -168,8 +181,8 @@ def momentum_cost(
         return MomentumCost(dtype, offload, in_flight=in_flight, keep_new=keep_new)
     if offload is None:
         raise ValueError(
-            f"dry_run: host_link_gbps={host_link_gbps!r} needs offload='momentum' (--offload "
-            "momentum): without offload nothing crosses the host link"
+            f"dry_run: host_link_gbps={host_link_gbps!r} needs offload='momentum' or 'state' "
+            "(--offload momentum|state): without offload nothing crosses the host link"
         )
     if (
         isinstance(host_link_gbps, bool)
@@ -194,6 +207,10 @@ def finish_rows(rows, cost: MomentumCost, streams: bool = False, stack_cap: int 
         total = row._momentum_working_bytes
         row._momentum_step_bytes = total
         exposed = row.host_bytes
+        # offload="state": the masters' copy-in runs on a side stream under NS, sharing the link
+        # with the momentum's; only the commit waits for it.
+        masters = row._master_host_bytes
+        momentum_host = row.host_bytes - masters
         if streams and cost.streaming and total:
             largest = _bucket_bytes(row, total, stack_cap)[: cost.in_flight]
             held = min(total, sum(largest))
@@ -201,8 +218,11 @@ def finish_rows(rows, cost: MomentumCost, streams: bool = False, stack_cap: int 
             shadow = 0 if cost.offload else row._momentum_gpu_bytes
             row.step_extra_bytes += held + shadow - total
             row._momentum_step_bytes = held + shadow
-            first = row.host_bytes * largest[0] // total if largest else 0
-            exposed = first + max(0.0, (row.host_bytes - first) - _hidden_bytes(row, cost))
+            first = momentum_host * largest[0] // total if largest else 0
+            rest = momentum_host - first + masters
+            exposed = first + max(0.0, rest - _hidden_bytes(row, cost))
+        elif masters:
+            exposed = momentum_host + max(0.0, masters - _hidden_bytes(row, cost))
         if cost.offload:
             row.host_link_bytes = 2 * row.host_bytes
             row._copy_in_ms = cost.copy_in_ms(exposed)
@@ -288,6 +308,16 @@ def storage_note(report, cost: MomentumCost) -> str | None:
             f"; the step first copies its {top.host_bytes / gib:.2f} GiB in from host memory at "
             f"{cost.host_link_gbps:g} GB/s ({cost.copy_in_ms(top.host_bytes):.2f} ms, in 'step "
             "ms'); the write-back, as much again, overlaps the next forward (not in 'step ms')"
+        )
+    masters = top._master_host_bytes
+    if masters:
+        text += (
+            f"; offload='state': rank {top.rank} also keeps its {masters / gib:.2f} GiB of owned "
+            "masters in host memory between steps (their compute-dtype copies on the GPU instead, "
+            "in 'dedicated') and copies them in for the step under its Newton-Schulz, all at "
+            f"once (in 'step extra'), so the step's peak is higher than with offload='momentum' "
+            "by the compute copies while the forward and backward hold that much less; the host "
+            "link figures above count the masters too"
         )
     return text
 

@@ -35,6 +35,7 @@ _SUMMED = (  # RankRow fields a PP rank adds up over its stages (each stage's ow
     "host_link_bytes",
     "_momentum_gpu_bytes",
     "_momentum_working_bytes",
+    "_master_host_bytes",
     "_kept_saved_bytes",
     "_kept_saved_ms",
 )

@@ -44,8 +44,9 @@ class RankRow:
     # ``expert_ns="once"`` under HSDP: the all-gather of the replicas' shares of the whole
     # experts' NS results (part of ``replicate_comm_bytes``; JSON only with "once").
     expert_gather_comm_bytes: int = 0
-    # offload="momentum": the Muon momentum this rank keeps in pinned host memory (out of the
-    # columns above), and what crosses the host link per step (copied in + written back).
+    # offload: the Muon momentum this rank keeps in pinned host memory (out of the columns
+    # above; "state": its owned masters too), and what crosses the host link per step (copied
+    # in + written back).
     host_bytes: int = 0
     host_link_bytes: int = 0
     _elements: int = field(default=0, repr=False)
@@ -64,6 +65,9 @@ class RankRow:
     _momentum_step_bytes: int = field(default=0, repr=False)
     # offload: the copy-in's ms in ``step_ms`` (what the rank's NS does not cover)
     _copy_in_ms: float = field(default=0.0, repr=False)
+    # offload="state": the owned masters in ``host_bytes`` (their compute copies stay in
+    # ``dedicated_bytes``; the masters are on the GPU during the step, in ``step_extra_bytes``)
+    _master_host_bytes: int = field(default=0, repr=False)
     # Muon(keep_new_momentum=True): the buf′ bytes in ``step_extra_bytes`` (with PP what they
     # add to the largest stage's), the elementwise bytes they save per step and that time
     _kept_bytes: int = field(default=0, repr=False)

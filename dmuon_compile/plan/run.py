@@ -161,6 +161,9 @@ def _run_group(
             b = rows[g]._expert_buckets
             b[shape] = b.get(shape, 0) + count
 
+    if momentum.offload == "state":  # as Muon refuses it (distributed/_owner/host_masters.py)
+        _check_state_offload(R, T, split_size, planned, policy)
+
     # -- dedicated weights: owned state, NS and the hook groups' collectives
     specs = {s.fqn: s for s in planned.specs}
     params = dict(planned.selected)
@@ -187,7 +190,7 @@ def _run_group(
         col[(s_owner, rep_owner)] = col.get((s_owner, rep_owner), 0) + local
         for t in range(T):  # TP: every rank of the owner's TP group holds its shard (or copy)
             g = gpu(e.owner, t)
-            rows[g].dedicated_bytes += local * item
+            momentum.charge_master(_adder(rows[g]), local, item, citem)
             momentum.charge(_adder(rows[g]), "dedicated_bytes", local, item)
             rows[g].grad_bytes += local * item
             if R > 1:  # the owner column's copies: one per other replica
@@ -460,6 +463,35 @@ def _tp_shard_dims(model: nn.Module) -> dict[str, int]:
             module = name.split(".")[-2] if "." in name else ""
             dims[name] = 1 if module in _ROW_PARALLEL else 0
     return dims
+
+
+def _check_state_offload(R: int, T: int, split_size: int, planned, policy) -> None:
+    """``offload="state"`` where ``Muon`` takes it: no HSDP, TP or split NS, every dedicated
+    weight computing in a narrower dtype than its master; else ``ValueError``."""
+    reasons = [
+        why
+        for why, bad in (
+            ("HSDP (--hsdp > 1)", R > 1),
+            ("tensor parallelism (--tp > 1)", T > 1),
+            ("split Newton-Schulz (--split-size > 1)", split_size > 1),
+        )
+        if bad
+    ]
+    from dmuon_compile.distributed.policy import resolve_dtypes
+
+    same = [
+        fqn
+        for fqn, p in planned.selected
+        if _itemsize(resolve_dtypes(p.dtype, policy, None)[0]) >= _itemsize(p.dtype)
+    ]
+    if same:
+        reasons.append(f"{same[0]} computes in its master's dtype (give a bf16 --param-dtype)")
+    if reasons:
+        raise ValueError(
+            "dry_run: offload='state' is not available with "
+            + "; ".join(reasons)
+            + ": Muon refuses it there; use offload='momentum'"
+        )
 
 
 def _adder(row: RankRow):

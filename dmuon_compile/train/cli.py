@@ -172,10 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--offload",
-        choices=("momentum",),
+        choices=("momentum", "state"),
         default=None,
-        help="dmuon.Muon(offload=...): keep the Muon momentum in host memory between steps "
-        "(copied in for each step, written back behind it; the same math bit for bit)",
+        help="dmuon.Muon(offload=...): keep the Muon momentum ('momentum'), and with 'state' "
+        "the dedicated weights' fp32 masters too, in host memory between steps (copied in for "
+        "each step, written back behind it; the same math bit for bit)",
     )
     p.add_argument(
         "--keep-new-momentum",

@@ -83,7 +83,7 @@ def test_a_bad_offload_names_the_choices():
     from dmuon_compile.integrations import torchtitan as dmuon_tt
 
     with pytest.raises(ValueError, match="'momentum'"):
-        dmuon_tt.MuonOptimizers.Config(offload="state").build(model_parts=[_model()])
+        dmuon_tt.MuonOptimizers.Config(offload="host").build(model_parts=[_model()])
 
 
 def test_the_defaults_keep_fp32_and_whole_matrices():

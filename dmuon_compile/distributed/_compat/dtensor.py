@@ -93,6 +93,12 @@ def local_tensor(t: DTensor):
     return t._local_tensor
 
 
+def set_local_tensor(t: DTensor, local) -> None:
+    """``t._local_tensor = local``: the same DTensor (its spec, its wrapper's device, its
+    identity as a parameter) over another tensor of the same shape and dtype."""
+    t._local_tensor = local
+
+
 def spec(t: DTensor):
     """``t._spec``: the ``DTensorSpec`` (mesh, placements, global shape) of ``t``."""
     return t._spec

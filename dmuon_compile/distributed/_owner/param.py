@@ -20,6 +20,10 @@ FSDP2 must not shard ``param``: ``fully_shard`` collects ``module.named_paramete
 and the holder module's class (``_owner/holder.py``) leaves dedicated names out of that one call
 when FSDP2 makes it.
 
+``Muon(offload="state")`` (``_owner/host_masters.py``): between steps the owner's master lives
+in pinned host memory (``host_master``, then also ``param``'s local tensor) and the GPU keeps
+``compute_copy``, the master cast to the compute dtype: what the unshard sends.
+
 HSDP (replicate × shard): ``owner`` is the shard rank of the *owner column* (that shard
 coordinate in every replica) and ``replica_owner`` the replica whose column member is the
 *global owner*. Only the global owner holds the master (one Newton–Schulz per matrix in the
@@ -54,6 +58,12 @@ class DedicatedParam:
     offset: int = 0  # element offset inside the group's flat buffer
     replica_owner: int = 0  # HSDP: replicate rank of the global owner
     replica: Tensor | None = None  # HSDP: the non-owning column members' copy of the weight
+    # offload="state" (``_owner/host_masters.py``), on the owner: the master in host memory and
+    # its cast to the compute dtype on the GPU; ``host_version``: the host master's version
+    # counter when the compute copy was last cast from it (a write since is seen by it).
+    host_master: Tensor | None = None
+    compute_copy: Tensor | None = None
+    host_version: int = -1
 
     @property
     def master(self) -> Tensor | None:
@@ -65,6 +75,17 @@ class DedicatedParam:
     def source(self) -> Tensor | None:
         """The whole weight this rank holds (master or replica), ``None`` off the owner column."""
         return self.master if self.master is not None else self.replica
+
+    def unshard_source(self) -> Tensor | None:
+        """What this rank sends when its shard group unshards the weight: :attr:`source`, or with
+        the master in host memory its compute copy (cast again first where the host master was
+        written since: an ``nn.init`` or a load between steps)."""
+        if self.compute_copy is None:
+            return self.source
+        if self.host_master._version != self.host_version:
+            self.compute_copy.copy_(self.host_master)
+            self.host_version = self.host_master._version
+        return self.compute_copy
 
     @property
     def numel(self) -> int:
@@ -122,4 +143,7 @@ class DedicatedParam:
 
     @property
     def master_device(self) -> torch.device:
+        """The device the master steps on (with the master in host memory: its compute copy's)."""
+        if self.compute_copy is not None:
+            return self.compute_copy.device
         return local_of(self.param).device

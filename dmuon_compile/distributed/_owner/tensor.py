@@ -447,6 +447,8 @@ def full_tensor(t: Tensor) -> Tensor:
         return t.full_tensor()
     _pending.before_access(write=False)  # the weight with every pending update applied
     local = local_of(t)
+    if local.device.type != t.device_mesh.device_type:  # a master in host memory (offload)
+        local = local.to(mesh_device(t.device_mesh))
     placement = t.placements[0]
     if placement.is_partial() and placement.reduce_op not in ("sum", "avg"):
         raise NotImplementedError(

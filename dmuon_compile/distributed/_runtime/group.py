@@ -181,7 +181,7 @@ class DedicatedGroup:
         # ``flat``, which is the collective's input (as FSDP2 gathers: no send buffer to fill
         # and copy). An ``all_gather`` chunk's padding is gathered unset: no weight views it.
         for p in self.params_of(self.rank):
-            flat[p.offset : p.offset + p.numel].copy_(p.source.detach().reshape(-1))
+            flat[p.offset : p.offset + p.numel].copy_(p.unshard_source().detach().reshape(-1))
         if self.world == 1:  # its chunk is the whole buffer: nothing to gather
             self.works = []
         elif self.mode == "all_gather":

@@ -1,0 +1,209 @@
+"""``Muon(offload="state")``: the owners' masters in host memory between steps.
+
+Between steps each dedicated weight this rank owns keeps
+
+- its **master** (the original dtype, fp32 in mixed precision) in pinned host memory, as the
+  registered parameter's local tensor: ``state_dict()``, DCP, ``full_tensor()`` and the user
+  read and write it there. The parameter stays the same object and its wrapper keeps its device,
+  so gradients (on the GPU) are set on it as before;
+- its **compute copy** on the GPU: the master cast to the forward's dtype, which is what the
+  unshard would cast it to, so the forward sees the same bits. The unshard sends it
+  (``DedicatedParam.unshard_source``); a write to the host master between steps (``nn.init``, a
+  load) bumps its version counter, and the next unshard casts it again first.
+
+So the GPU holds the compute dtype's bytes of the weight (bf16: 2 per value) instead of the
+master's (fp32: 4) through forward and backward, and with the momentum offloaded as well none of
+the owners' optimizer state.
+
+A step swaps a GPU copy of each master in (:meth:`HostMasters.swap_in`), the step runs unchanged
+on it, and after the commit (:meth:`HostMasters.swap_out`) the new master is copied out to the
+host and cast into the compute copy; a step that did not commit only swaps the host master back,
+so it changed nothing. Only the commit reads a master, so on CUDA the copy in runs on a side
+stream under the step's Newton–Schulz and the step's stream waits for it just before the commit
+(:meth:`HostMasters.ready`); the copy out runs on a second side stream under the next forward.
+Host reads of a master wait for the copy out (an entry of the runtime's pending updates, which
+every read or write through a registered parameter applies first).
+
+The offloaded step needs its verdict before the commit, which a stored momentum gives (the
+optimizer offloads the momentum too), and the masters whole on one rank outside any stage:
+HSDP's masters are views of the replicate broadcast buffer and tensor parallelism and split
+Newton–Schulz update them in their stages, so those layouts are refused (:func:`check_supported`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from dmuon_compile.distributed._compat import dtensor as _dt
+from dmuon_compile.distributed._owner.param import DedicatedParam
+
+
+class _CopiedOut:
+    """A pending update (``_comm/pending.py``): the last step's masters copied out to host
+    memory on the step's stream; host reads wait for it."""
+
+    collectives = 0
+
+    def __init__(self, event) -> None:
+        self.event = event
+
+    def apply(self, forward: bool) -> None:  # noqa: ARG002 - PendingUpdates' signature
+        self.event.synchronize()
+
+
+def check_supported(runtime, qk_clip) -> None:
+    """Raise ``ValueError`` naming the fix where ``offload="state"`` cannot hold the masters in
+    host memory (module docstring); the same verdict on every rank (from the plan alone)."""
+    fix = "use offload='momentum' (the momentum in host memory, the masters on the GPU)"
+    if runtime is None:
+        raise ValueError(
+            "Muon(offload='state') keeps the masters of dedicated weights in host memory: build "
+            "it as Muon(model) on a model given to dmuon.dedicate_params, or " + fix
+        )
+    reasons = []
+    if runtime.replicate_mesh is not None:
+        reasons.append("HSDP (a replicate mesh): its masters are the replicate broadcast buffer")
+    if runtime.tp is not None:
+        reasons.append("tensor parallelism: its stage updates the masters")
+    if runtime.split:
+        reasons.append("split Newton-Schulz: its stage updates the masters")
+    if qk_clip is not None:
+        reasons.append("qk_clip: it scales the masters after the step")
+    same = [dp.fqn for dp in runtime.params if dp.compute_dtype.itemsize >= dp.orig_dtype.itemsize]
+    if same:
+        reasons.append(
+            f"{len(same)} dedicated weight(s) ({same[0]}, ...) compute in their master's dtype, "
+            "so a compute copy would take as much GPU memory as the master: give "
+            "dedicate_params(..., param_policy=dmuon.ParamPolicy(param_dtype=torch.bfloat16))"
+        )
+    if reasons:
+        raise ValueError(
+            "Muon(offload='state') is not available here: " + "; ".join(reasons) + ". Else " + fix
+        )
+
+
+class HostMasters:
+    """The masters of one runtime's dedicated weights owned by this rank, in host memory
+    between steps (module docstring)."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self.params: list[DedicatedParam] = [dp for dp in runtime.params if dp.owns]
+        self.offloaded = False
+        self._swapped_in = False
+        self._streams: dict[torch.device, list] = {}  # per device: the copies in, out
+        self._pending_in = None  # CUDA: the event after this step's copies in
+
+    def host_bytes(self) -> int:
+        """Bytes of masters this rank keeps in host memory."""
+        return sum(dp.numel * dp.orig_dtype.itemsize for dp in self.params)
+
+    @torch.no_grad()
+    def offload(self) -> None:
+        """Move every owned master to pinned host memory (waits for it) and make its compute
+        copy; the GPU copy of the master is freed."""
+        if self.offloaded:
+            return
+        self.runtime.wait_all()  # nothing in flight reads or writes a master
+        for dp in self.params:
+            master = dp.master
+            pin = master.device.type == "cuda"
+            host = torch.empty(master.shape, dtype=master.dtype, device="cpu", pin_memory=pin)
+            host.copy_(master)
+            dp.compute_copy = master.to(dp.compute_dtype, copy=True)
+            dp.host_master = host
+            dp.host_version = host._version
+            _dt.set_local_tensor(dp.param, host)
+        if self.params and self.params[0].compute_copy.device.type == "cuda":
+            self.runtime.comm.watch()  # host reads wait for a step's copies out (_CopiedOut)
+        self.offloaded = True
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """The masters back on the GPU (the parameter's local tensor again), as before
+        :meth:`offload`."""
+        if not self.offloaded:
+            return
+        self.runtime.pending.drain()
+        for dp in self.params:
+            master = dp.host_master.to(dp.compute_copy.device, copy=True)
+            _dt.set_local_tensor(dp.param, master)
+            dp.host_master = dp.compute_copy = None
+            dp.host_version = -1
+        self.offloaded = False
+
+    def _side(self, device: torch.device, which: int):
+        """``device``'s side stream for the copies in (0) or out (1); ``None`` off CUDA."""
+        if device.type != "cuda":
+            return None
+        streams = self._streams.setdefault(device, [])
+        while len(streams) <= which:
+            streams.append(torch.cuda.Stream(device))
+        return streams[which]
+
+    @torch.compiler.disable  # host copies: eager, also under the user's torch.compile(opt.step)
+    @torch.no_grad()
+    def swap_in(self) -> None:
+        """A step starts: each master copied to the GPU becomes the parameter's local tensor
+        until :meth:`swap_out`. On CUDA the copies run on a side stream (after the last step's
+        copies out); :meth:`ready` makes the step's stream wait for them."""
+        if not self.offloaded or self._swapped_in:
+            return
+        self._swapped_in = True
+        self._pending_in = None
+        if not self.params:
+            return
+        device = self.params[0].compute_copy.device
+        side = self._side(device, 0)
+        if side is not None:  # the buffers are the step stream's: the side writes after it
+            side.wait_stream(torch.cuda.current_stream(device))
+            side.wait_stream(self._side(device, 1))
+        for dp in self.params:
+            work = torch.empty_like(dp.host_master, device=device)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                work.copy_(dp.host_master, non_blocking=True)
+            _dt.set_local_tensor(dp.param, work)
+        if side is not None:
+            self._pending_in = torch.cuda.Event()
+            self._pending_in.record(side)
+
+    def ready(self) -> None:
+        """Before the commit writes the masters: the step's stream waits for the copies in."""
+        if self._pending_in is not None:
+            torch.cuda.current_stream(self.params[0].compute_copy.device).wait_event(
+                self._pending_in
+            )
+            self._pending_in = None
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def swap_out(self, committed: bool) -> None:
+        """After the step: where it ``committed``, each new master cast into its compute copy and
+        copied out to its host master (CUDA: on a side stream, after the commit); either way the
+        host master is the parameter's local tensor again and the GPU copy is released."""
+        if not self._swapped_in:
+            return
+        self._swapped_in = False
+        self.ready()  # a step that raised before its commit: nothing reads its copies after this
+        out = None
+        if committed and self.params:
+            device = self.params[0].compute_copy.device
+            out = self._side(device, 1)
+            if out is not None:
+                out.wait_stream(torch.cuda.current_stream(device))
+        for dp in self.params:
+            work = _dt.local_tensor(dp.param)
+            if committed:
+                dp.compute_copy.copy_(work)
+                with torch.cuda.stream(out) if out is not None else contextlib.nullcontext():
+                    dp.host_master.copy_(work, non_blocking=True)
+                if out is not None:
+                    work.record_stream(out)  # freed once the copy out has read it
+            _dt.set_local_tensor(dp.param, dp.host_master)
+            dp.host_version = dp.host_master._version
+        if out is not None:
+            event = torch.cuda.Event()
+            event.record(out)
+            self.runtime.pending.add(id(self), _CopiedOut(event))

@@ -1,0 +1,233 @@
+"""``Muon(offload="state")``: the owners' masters in host memory between steps, on real ranks.
+
+- 2 gloo ranks, bf16 compute (dmuon's ``ParamPolicy`` and FSDP2's ``MixedPrecisionPolicy``):
+  training with the masters offloaded gives the losses and weights of training with them on the
+  device, bit for bit, and with the momentum offloaded alone too; between steps each owner's
+  registered weight holds its master in host memory (the same object, its values current) and
+  the compute copy is the master's bf16 cast.
+- An in-place write to a master between steps (on every rank, as the user runs the same code)
+  reaches the next forward; a checkpoint (``state_dict``) of offloaded masters loads into a
+  model without offload and trains on to the same bits; the setting switches on a live
+  optimizer both ways.
+- Where it cannot hold the masters so, ``Muon`` raises naming the fix (no dedicated weights,
+  fp32 compute, HSDP).
+
+Controls: a forward that kept the stale compute copy after a step (its refresh skipped) ends
+elsewhere; training with another learning rate ends elsewhere.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from . import models
+from .harness import full_state, run_ranks, train_steps
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+STEPS = 4
+HYPER = {"lr": 0.02, "momentum": 0.9, "adamw_lr": 1e-2, "weight_decay": 0.01, "compile": False}
+
+
+def _build(world: int, bf16: bool = True):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import dmuon_compile as dmuon
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = models.build_llama()
+    kw, mp = {}, {}
+    if bf16:
+        kw["param_policy"] = dmuon.ParamPolicy(
+            defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        )
+        mp["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate, **kw)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, **mp)
+    fully_shard(model, mesh=mesh, **mp)
+    return model
+
+
+def _loss(model, x):
+    return model(x).float().square().mean()
+
+
+def _train(rank, world, settings, stale=False, switch=None):
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import dedicated_runtime
+    from dmuon_compile.distributed._owner import host_masters
+
+    model = _build(world)
+    settings = {**HYPER, **settings}
+    opt = dmuon.Muon(model, **settings)
+    runtime = dedicated_runtime(model)
+    seen = {}
+
+    def between(i):
+        owned = [dp for dp in runtime.params if dp.owns]
+        seen.setdefault("host", []).append(
+            bool(owned)
+            and all(
+                dp.host_master is not None
+                and dp.param.to_local().data_ptr() == dp.host_master.data_ptr()
+                for dp in owned
+            )
+        )
+        if owned and owned[0].compute_copy is not None:
+            dp = owned[0]  # the compute copy is the master's cast, the registered value current
+            seen.setdefault("cast", []).append(
+                torch.equal(dp.compute_copy, dp.param.to_local().to(torch.bfloat16))
+            )
+        if switch is not None and i == 1:
+            opt.offload = None if switch == "none" else switch
+
+    real = host_masters.HostMasters.swap_out
+    if stale:  # the control: the new masters reach the host but not the compute copies
+
+        def swap_out_keeping_compute(self, committed):
+            kept = [dp.compute_copy.clone() for dp in self.params]
+            real(self, committed)
+            for dp, old in zip(self.params, kept):
+                dp.compute_copy.copy_(old)
+
+        host_masters.HostMasters.swap_out = swap_out_keeping_compute
+    try:
+        losses = train_steps(
+            model,
+            opt,
+            models.batches(STEPS, world),
+            rank,
+            world,
+            loss_fn=_loss,
+            between=between,
+        )
+    finally:
+        host_masters.HostMasters.swap_out = real
+    state = {k: v.detach().cpu().clone() for k, v in full_state(model).items()}
+    return {"losses": losses, "state": state, "seen": seen}
+
+
+def _assert_same(a, b) -> None:
+    assert a["losses"] == b["losses"]
+    for name, ref in a["state"].items():
+        torch.testing.assert_close(b["state"][name], ref, rtol=0, atol=0, msg=name)
+
+
+def _differs(a, b) -> bool:
+    return any(not torch.equal(b["state"][k], v) for k, v in a["state"].items())
+
+
+def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device():
+    on = run_ranks(_train, 2, {})
+    off = run_ranks(_train, 2, {"offload": "state"})
+    momentum_only = run_ranks(_train, 2, {"offload": "momentum"})
+    for a, b, c in zip(on, off, momentum_only):
+        _assert_same(a, b)
+        _assert_same(a, c)
+        assert b["seen"]["host"] == [True] * STEPS and b["seen"]["cast"] == [True] * STEPS
+        assert a["seen"]["host"] == [False] * STEPS
+    # Controls: stale compute copies (the forward never sees the new masters), another lr.
+    stale = run_ranks(_train, 2, {"offload": "state"}, True)
+    assert stale[0]["losses"][1:] != on[0]["losses"][1:] and _differs(on[0], stale[0])
+    other = run_ranks(_train, 2, {"offload": "state", "lr": 0.01})
+    assert _differs(on[0], other[0])
+
+
+def test_offload_switches_on_a_live_optimizer_both_ways():
+    on = run_ranks(_train, 2, {})
+    to_host = run_ranks(_train, 2, {}, False, "state")
+    to_device = run_ranks(_train, 2, {"offload": "state"}, False, "none")
+    for a, b, c in zip(on, to_host, to_device):
+        _assert_same(a, b)
+        _assert_same(a, c)
+    assert to_host[0]["seen"]["host"] == [False, False, True, True]
+    assert to_device[0]["seen"]["host"] == [True, True, False, False]
+
+
+def _write_and_checkpoint(rank, world):
+    """Train 2 steps with offloaded masters, scale a dedicated weight in place between steps
+    (every rank), save ``state_dict()``s, then load them into a model without offload (and one
+    with) and train both 2 more steps."""
+    import dmuon_compile as dmuon
+
+    batches = models.batches(STEPS, world)
+    model = _build(world)
+    opt = dmuon.Muon(model, offload="state", **HYPER)
+    train_steps(model, opt, batches[:2], rank, world, loss_fn=_loss)
+    weight = model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        weight.mul_(0.5)  # between steps: on every rank (those without the master: a no-op)
+    x = batches[2][rank * 2 : rank * 2 + 2]
+    with torch.no_grad():
+        after_write = _loss(model, x).item()
+    model_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt_sd = opt.state_dict()
+    owned = [dp for dp in dmuon.distributed.dedicated_runtime(model).params if dp.owns]
+    out = {"after_write": after_write, "offloaded": all(dp.host_master is not None for dp in owned)}
+    for offload in (None, "state"):
+        resumed = _build(world)
+        resumed.load_state_dict(model_sd)
+        ropt = dmuon.Muon(resumed, **HYPER, **({"offload": offload} if offload else {}))
+        ropt.load_state_dict(copy.deepcopy(opt_sd))  # the first resume steps its tensors
+        with torch.no_grad():
+            out[f"loaded_{offload}"] = _loss(resumed, x).item()
+        losses = train_steps(resumed, ropt, batches[2:], rank, world, loss_fn=_loss)
+        out[f"losses_{offload}"] = losses
+        out[f"state_{offload}"] = {k: v.cpu() for k, v in full_state(resumed).items()}
+    return out
+
+
+def test_a_write_between_steps_and_a_checkpoint_reach_the_forward():
+    r = run_ranks(_write_and_checkpoint, 2)
+    for out in r:
+        assert out["offloaded"]
+        # the loaded models see the written weight, as the offloaded one did
+        assert out["loaded_None"] == out["after_write"] == out["loaded_state"]
+        assert out["losses_None"] == out["losses_state"]
+        for name, ref in out["state_None"].items():
+            torch.testing.assert_close(out["state_state"][name], ref, rtol=0, atol=0, msg=name)
+
+
+def _refusals(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon_compile as dmuon
+
+    errors = {}
+    for case in ("plain", "fp32", "hsdp"):
+        if case == "plain":
+            target = models.build_llama()
+        elif case == "fp32":
+            target = _build(world, bf16=False)
+        else:
+            mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+            target = models.build_llama()
+            dmuon.dedicate_params(
+                target,
+                mesh["shard"],
+                predicate=models.proj_predicate,
+                replicate_mesh=mesh["replicate"],
+                param_policy=dmuon.ParamPolicy(
+                    defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16)
+                ),
+            )
+        try:
+            dmuon.Muon(target, offload="state", compile=False)
+            errors[case] = None
+        except ValueError as exc:
+            errors[case] = str(exc)
+    return errors
+
+
+def test_offloaded_masters_are_refused_where_they_cannot_be_held_so():
+    errors = run_ranks(_refusals, 2)[0]
+    assert "dedicate_params" in errors["plain"] and "offload='momentum'" in errors["plain"]
+    assert "param_dtype=torch.bfloat16" in errors["fp32"]
+    assert "HSDP" in errors["hsdp"] and "offload='momentum'" in errors["hsdp"]
