@@ -38,7 +38,10 @@ Configurations (all built up front, then run interleaved iteration by iteration)
   shard), runs NS on the whole matrix and keeps its rows; AdamW for the rest;
 - ``ours_eager``: ``dmuon.dedicate_params`` (all *_proj weights) + FSDP2 + ``dmuon.Muon``;
 - ``ours_compiled``: the same with ``Muon(compile=True)`` (CUDA only, when Muon has it);
-  ``ours_compiled_kept``: and ``keep_new_momentum=True``;
+  ``ours_compiled_kept``: and ``keep_new_momentum=True``; ``ours_compiled_offload``: and
+  ``offload="momentum"``; ``ours_compiled_state``: and ``offload="state"`` (the owned masters in
+  host memory too: the 1-D mesh; the peaks of forward+backward and of the step are printed
+  apart);
 - ``ours_eager_sync``: ``ours_eager`` with ``Muon(replicate_async=False)`` (HSDP runs only);
 - peers that step expert stacks whole (the 1-D mesh only, named ``dp``; their wheels carried as
   benchmarks/README.md §B1 says): ``dion_muon``, microsoft/dion's ``Muon`` with
@@ -528,11 +531,16 @@ def build(config, args, meshes, device):
             kw["compile"] = config.startswith("ours_compiled")
         if config == "ours_compiled_kept":
             kw["keep_new_momentum"] = True
+        if config in OFFLOADED:  # the momentum, or with "state" the owned masters too
+            kw["offload"] = OFFLOADED[config]
         opt = dmuon.Muon(
             model, lr=0.02, ns_backend=ns, replicate_async=config != "ours_eager_sync", **kw
         )
     return model, opt
 
+
+# Our compiled step with the Muon state in host memory between steps (Muon(offload=...)).
+OFFLOADED = {"ours_compiled_offload": "momentum", "ours_compiled_state": "state"}
 
 # Peers that step expert stacks whole, each through its own code on FSDP2's sharded DTensors
 # (the 1-D mesh only; both are configured as in bench_step.py, whose helpers build them).
@@ -822,7 +830,8 @@ def main(argv=None):
             errors[c] = f"build: {type(exc).__name__}: {exc}"
         resident[c] = before
     gen = torch.Generator(device="cpu").manual_seed(1234 + dp_rank)
-    times = {c: {"iter": [], "step": [], "peak": []} for c in configs}
+    fields = ("iter", "step", "peak", "peak_fb", "peak_step")
+    times = {c: {f: [] for f in fields} for c in configs}
 
     def run(c, timed):
         model, opt = built[c]
@@ -834,6 +843,9 @@ def main(argv=None):
         model(x).float().square().mean().backward()
         sync(device)
         t1 = time.perf_counter()
+        if device.type == "cuda":  # forward and backward apart from the step
+            peak_fb = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         opt.step()
         opt.zero_grad()
         sync(device)
@@ -842,7 +854,10 @@ def main(argv=None):
             times[c]["iter"].append(t2 - t0)
             times[c]["step"].append(t2 - t1)
             if device.type == "cuda":
-                times[c]["peak"].append(torch.cuda.max_memory_allocated(device))
+                peak_step = torch.cuda.max_memory_allocated(device)
+                times[c]["peak"].append(max(peak_fb, peak_step))
+                times[c]["peak_fb"].append(peak_fb)
+                times[c]["peak_step"].append(peak_step)
 
     for i in range(warmup + iters):
         for c in list(configs):  # interleaved: drift and thermals hit every configuration alike
@@ -991,6 +1006,8 @@ def main(argv=None):
             "model_tflop_per_s": flops / statistics.median(it.cpu().tolist()) / 1e9,
             "step_ms": statistics.median(st.cpu().tolist()),
             "peak_mem_gib": max(times[c]["peak"]) / 2**30 if times[c]["peak"] else None,
+            "peak_fwd_bwd_gib": max(times[c]["peak_fb"]) / 2**30 if times[c]["peak_fb"] else None,
+            "peak_step_gib": max(times[c]["peak_step"]) / 2**30 if times[c]["peak_step"] else None,
             "step_ms_per_rank": per_rank_ms,
             "step_balance": max(per_rank_ms) / (sum(per_rank_ms) / len(per_rank_ms)),
         }
@@ -1098,6 +1115,11 @@ def main(argv=None):
                 f"| {c} | {r['iter_ms']:.2f} | {r['step_ms']:.2f} | {b2b} | {exposed} | {peak} "
                 f"| {tax} | {ratio} | {b2b_tax} | {b2b_ratio} |"
             )
+            if r.get("peak_fwd_bwd_gib") is not None:
+                print(
+                    f"  {c} peak GiB: forward+backward {r['peak_fwd_bwd_gib']:.2f}, step "
+                    f"{r['peak_step_gib']:.2f}"
+                )
             if "replicate_profile" in r:
                 print(f"  {c} replicate stage: {json.dumps(r['replicate_profile'])}")
             if "tp_owners" in r:

@@ -546,6 +546,15 @@ def test_an_offloaded_momentum_trains_bit_for_bit_like_the_one_on_the_device(tie
     check_offloaded_equals_on_device(kind, tier_device)
 
 
+def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device(tier_device):
+    """``Muon(offload="state")`` on 2 ranks sharing the GPU, bf16 compute: the masters in pinned
+    host memory, copied in on a side stream under Newton–Schulz and out on another after the
+    commit, train bit for bit like the masters on the device."""
+    from .test_host_masters import check_offloaded_masters_equal_on_device
+
+    check_offloaded_masters_equal_on_device(tier_device)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_the_kept_new_momentum_trains_bit_for_bit_like_the_default(tier_device, compiled):
     """``Muon(keep_new_momentum=True)`` on 2 ranks sharing the GPU: each owner's buf′ swapped

@@ -32,14 +32,16 @@ STEPS = 4
 HYPER = {"lr": 0.02, "momentum": 0.9, "adamw_lr": 1e-2, "weight_decay": 0.01, "compile": False}
 
 
-def _build(world: int, bf16: bool = True):
+def _build(world: int, bf16: bool = True, device: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dmuon_compile as dmuon
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = models.build_llama()
+    from .harness import local_device
+
+    mesh = init_device_mesh(device, (world,))
+    model = models.build_llama().to(local_device(device))
     kw, mp = {}, {}
     if bf16:
         kw["param_policy"] = dmuon.ParamPolicy(
@@ -59,12 +61,14 @@ def _loss(model, x):
     return model(x).float().square().mean()
 
 
-def _train(rank, world, settings, stale=False, switch=None):
+def _train(rank, world, settings, stale=False, switch=None, device="cpu"):
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
     from dmuon_compile.distributed._owner import host_masters
 
-    model = _build(world)
+    from .harness import local_device
+
+    model = _build(world, device=device)
     settings = {**HYPER, **settings}
     opt = dmuon.Muon(model, **settings)
     runtime = dedicated_runtime(model)
@@ -82,8 +86,11 @@ def _train(rank, world, settings, stale=False, switch=None):
         )
         if owned and owned[0].compute_copy is not None:
             dp = owned[0]  # the compute copy is the master's cast, the registered value current
+            host = dp.param.to_local()
             seen.setdefault("cast", []).append(
-                torch.equal(dp.compute_copy, dp.param.to_local().to(torch.bfloat16))
+                torch.equal(dp.compute_copy.cpu(), host.to(torch.bfloat16).cpu())
+                and host.device.type == "cpu"
+                and (device == "cpu" or host.is_pinned())
             )
         if switch is not None and i == 1:
             opt.offload = None if switch == "none" else switch
@@ -105,6 +112,7 @@ def _train(rank, world, settings, stale=False, switch=None):
             models.batches(STEPS, world),
             rank,
             world,
+            device=local_device(device),
             loss_fn=_loss,
             between=between,
         )
@@ -125,19 +133,26 @@ def _differs(a, b) -> bool:
 
 
 def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device():
-    on = run_ranks(_train, 2, {})
-    off = run_ranks(_train, 2, {"offload": "state"})
-    momentum_only = run_ranks(_train, 2, {"offload": "momentum"})
+    check_offloaded_masters_equal_on_device("cpu")
+
+
+def check_offloaded_masters_equal_on_device(device: str) -> None:
+    """2 ranks on ``device`` (``"cuda"``: both on the one GPU, the copies on side streams)."""
+    on, off, momentum_only = (
+        run_ranks(_train, 2, settings, False, None, device, device=device)
+        for settings in ({}, {"offload": "state"}, {"offload": "momentum"})
+    )
     for a, b, c in zip(on, off, momentum_only):
         _assert_same(a, b)
         _assert_same(a, c)
         assert b["seen"]["host"] == [True] * STEPS and b["seen"]["cast"] == [True] * STEPS
         assert a["seen"]["host"] == [False] * STEPS
     # Controls: stale compute copies (the forward never sees the new masters), another lr.
-    stale = run_ranks(_train, 2, {"offload": "state"}, True)
+    stale = run_ranks(_train, 2, {"offload": "state"}, True, None, device, device=device)
     assert stale[0]["losses"][1:] != on[0]["losses"][1:] and _differs(on[0], stale[0])
-    other = run_ranks(_train, 2, {"offload": "state", "lr": 0.01})
-    assert _differs(on[0], other[0])
+    if device == "cpu":
+        other = run_ranks(_train, 2, {"offload": "state", "lr": 0.01})
+        assert _differs(on[0], other[0])
 
 
 def test_offload_switches_on_a_live_optimizer_both_ways():
