@@ -1096,6 +1096,28 @@ class Muon(torch.optim.Optimizer):
                     state["state"][i] = {**kept, "momentum_buffer": form}
         return state
 
+    @torch.no_grad()
+    def to_checkpoint_form(self) -> None:
+        """Put each stored momentum (8-bit, offloaded) back in the state as its checkpoint form,
+        ``momentum_buffer`` (a tensor like the parameter, in its dtype); the next step stores
+        it again. ``state_dict()`` gives that form by itself; call this before loading a
+        *flattened* optimizer state dict (``torch.distributed.checkpoint.state_dict.
+        set_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=
+        True))``, torchtitan's checkpointer), which takes from the dict only the keys the live
+        state has: without it the stored momentum would not be loaded.
+        ``dmuon_compile.integrations.torchtitan.MuonOptimizers`` calls it before every load."""
+        if not self._storage.stored:
+            return
+        self._storage.synchronize()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p in params:
+            entry = self.state.get(p)
+            if entry and any(key in entry for key in STORED_KEYS):
+                form = self._storage.checkpoint_form(entry, p)
+                for key in STORED_KEYS:
+                    entry.pop(key, None)
+                entry["momentum_buffer"] = form
+
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict`` after checking that the state fits.
 
@@ -1111,12 +1133,29 @@ class Muon(torch.optim.Optimizer):
             opt.load_state_dict(opt.state_dict())  # same run, same ranks
         """
         self._between.check_loadable(state_dict, self.param_groups, self.param_name)
+        _check_no_lost_momentum(state_dict)
         self._agreement.drop()  # a last step's verdict not read yet: the loaded state replaces it
         before = list(self.param_groups)
         super().load_state_dict(state_dict)
         # Saved floats go back into the groups' own 0-d tensors (the same ones as before the
         # load): a user-compiled step sees a new value, not a new input, and never recompiles.
         restore_hypers(self.param_groups, before)
+
+
+def _check_no_lost_momentum(state_dict: dict) -> None:
+    """Raise ``ValueError`` where a loaded entry holds a stored-momentum key without a tensor:
+    what an unflattened state dict gives when the live state showed its stored keys (the
+    checkpoint holds ``momentum_buffer``), so loading it would lose the momentum."""
+    for i, entry in state_dict.get("state", {}).items():
+        lost = [k for k in STORED_KEYS[:3] if k in entry and not torch.is_tensor(entry[k])]
+        if lost:
+            raise ValueError(
+                f"Muon.load_state_dict: the state of parameter {i} holds {lost[0]!r} without a "
+                "tensor: a flattened optimizer state dict (set_optimizer_state_dict(..., "
+                "flatten_optimizer_state_dict=True)) read the live state's stored-momentum keys, "
+                "not the checkpoint's 'momentum_buffer'; call opt.to_checkpoint_form() before "
+                "loading it. Nothing was loaded."
+            )
 
 
 def _scratch_momentum(grad: Tensor) -> tuple[list[Tensor], list[Tensor]]:

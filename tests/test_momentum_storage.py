@@ -314,3 +314,50 @@ def test_a_failing_compiled_codec_falls_back_to_the_eager_ops(monkeypatch):
     assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
     assert S._COMPILED["quantize"] is False  # from then on: eager, no warning
     assert S._on_device("quantize", S._quantize, CudaLike()) is S._quantize
+
+
+@pytest.mark.parametrize("stored", [{"offload": "momentum"}, {"momentum_dtype": "int8"}])
+def test_a_flattened_optimizer_state_dict_loads_after_to_checkpoint_form(stored):
+    """torch's ``set_optimizer_state_dict(flatten_optimizer_state_dict=True)`` (torchtitan's
+    checkpoint layout) takes from the dict only the keys the live state has:
+    ``Muon.to_checkpoint_form()`` first shows the stored momentum's ``momentum_buffer`` key, and
+    the saved momentum comes back. Without it the unflattened dict holds no momentum, and
+    ``load_state_dict`` refuses it, naming the fix, with the state unchanged."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4))
+    opt = dmuon.Muon(model, compile=False, **stored)
+
+    def step():
+        model(torch.randn(3, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def momentum():
+        return opt.state_dict()["state"][0]["momentum_buffer"].clone()
+
+    step()
+    saved = {
+        k: v.clone() if torch.is_tensor(v) else v
+        for k, v in get_optimizer_state_dict(model, opt, options=flat).items()
+    }
+    want = momentum()
+    step()
+    assert not torch.equal(momentum(), want)
+    before = momentum()
+    with pytest.raises(ValueError, match=r"opt\.to_checkpoint_form\(\) before"):
+        set_optimizer_state_dict(model, opt, dict(saved), options=flat)
+    assert torch.equal(momentum(), before)
+    opt.to_checkpoint_form()
+    set_optimizer_state_dict(model, opt, dict(saved), options=flat)
+    assert torch.equal(momentum(), want)
+    step()  # and the next step stores it again
+    assert any(
+        k.startswith("momentum_") and k != "momentum_buffer" for k in opt.state[model[0].weight]
+    )

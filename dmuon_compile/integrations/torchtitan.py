@@ -128,8 +128,9 @@ CPU_OFFLOAD_ERROR = (
     "dedicated weights: each lives whole on its owner's GPU, where its Newton-Schulz runs, and "
     "torchtitan's offload builds the model in host memory. Set training.enable_cpu_offload = "
     "false; to save the optimizer's memory, keep the Muon momentum in host memory "
-    '(MuonOptimizers.Config(offload="momentum"), streamed in for the step) and/or in a smaller '
-    'dtype (momentum_dtype="bf16" or "int8").'
+    '(MuonOptimizers.Config(offload="momentum"), streamed in for the step), with the owners\' '
+    'fp32 master weights too (offload="state": the GPU keeps their bf16 copies for the forward) '
+    'and/or in a smaller dtype (momentum_dtype="bf16" or "int8").'
 )
 
 
@@ -523,7 +524,8 @@ class MuonOptimizers(OptimizersContainer):
         """``Muon(momentum_dtype=...)``: ``"fp32"`` (the weights' dtype), ``"bf16"`` or
         ``"int8"`` (blockwise 8-bit)."""
         offload: str | None = None
-        """``Muon(offload=...)``: ``"momentum"`` keeps the Muon momentum in host memory."""
+        """``Muon(offload=...)``: ``"momentum"`` keeps the Muon momentum in host memory,
+        ``"state"`` the owners' master weights too (needs a bf16 ``mixed_precision_param``)."""
         momentum_in_flight: int | None = IN_FLIGHT
         """``Muon(momentum_in_flight=...)``: with an 8-bit or offloaded momentum, the shape
         buckets the step materialises at once (``None``: all)."""
@@ -590,6 +592,10 @@ class MuonOptimizers(OptimizersContainer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_state_exists("load")
+        # torchtitan's unflatten takes the keys the live state has: a stored momentum (8-bit,
+        # offloaded) shows its checkpoint key again first, or it would load nothing.
+        for opt in self.optimizers:
+            opt.to_checkpoint_form()
         super().load_state_dict(state_dict)
 
     def _check_state_exists(self, what: str) -> None:

@@ -108,7 +108,7 @@ def parallelize_on_cpu(parallelize, model, dims, parallelism, folder, **configs)
     model = parallelize(
         model,
         parallel_dims=dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
+        training=TrainingConfig(mixed_precision_param=configs.get("precision", "float32")),
         parallelism=parallelism,
         compile_config=configs.get("compile_config", CompileConfig()),
         ac_config=configs.get("ac_config"),
@@ -119,10 +119,19 @@ def parallelize_on_cpu(parallelize, model, dims, parallelism, folder, **configs)
 
 
 def _train_torchtitan(
-    rank, world, folder, replicate=1, tp=1, sequence_parallel=True, checkpoint=False
+    rank,
+    world,
+    folder,
+    replicate=1,
+    tp=1,
+    sequence_parallel=True,
+    checkpoint=False,
+    precision="float32",
+    offload=None,
 ):
     """``STEPS`` trainer steps of torchtitan's model on its ``ParallelDims`` (``replicate`` ×
-    fsdp × ``tp``); with ``checkpoint``, a save, one more step, a resume and that step again."""
+    fsdp × ``tp``); with ``checkpoint``, a save, one more step, a resume and that step again.
+    ``precision``: ``training.mixed_precision_param``; ``offload``: ``MuonOptimizers.Config``'s."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import ParallelismConfig
@@ -143,12 +152,14 @@ def _train_torchtitan(
     dp, dp_rank = (1, 0) if batch_mesh is None else (batch_mesh.size(), batch_mesh.get_local_rank())
     spec, model = build_debug_model(sequence_parallel)
     parallelize = dmuon_tt.dedicating(spec.parallelize_fn)
-    model = parallelize_on_cpu(parallelize, model, dims, parallelism, folder)
+    model = parallelize_on_cpu(parallelize, model, dims, parallelism, folder, precision=precision)
     # HSDP: the other replicas get the global owners' initial values at the first forward;
     # publish now to read them from any rank.
     dedicated_runtime(model).publish(wait=True)
     initial = _whole_state(model) if tp > 1 else full_state(model)
-    optimizers = dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=[model])
+    optimizers = dmuon_tt.MuonOptimizers.Config(lr=0.02, adamw_lr=3e-3, offload=offload).build(
+        model_parts=[model]
+    )
 
     def step(i):
         batch = tokens(i, dp)[dp_rank * PER_RANK : (dp_rank + 1) * PER_RANK]
@@ -240,6 +251,41 @@ def test_torchtitan_llama_fsdp_and_tp_train_like_one_process_and_resume(tmp_path
             torch.testing.assert_close(r["resumed_state"][name], want, rtol=1e-6, atol=1e-7)
     assert results[0]["tp"]["groups"] == r0["groups"]
     _check_against_one_process([r["tp"] for r in results], 1)
+
+
+@pytest.mark.distributed  # spawns 2 gloo ranks
+def test_torchtitan_checkpointer_resumes_offloaded_state_like_state_on_the_device(tmp_path):
+    """bf16 training (``mixed_precision_param="bfloat16"``) on 2 ranks, through torchtitan's
+    ``parallelize_llama`` and its DCP ``CheckpointManager`` (flattened optimizer state): with
+    the momentum (``offload="momentum"``) or the owners' fp32 masters and momentum
+    (``offload="state"``) in host memory between steps, the losses, the step after the save, the
+    resumed step and the weights after it equal those of the state on the device, bit for bit.
+    The resume is checked by the weights after the resumed step: before ``MuonOptimizers``
+    showed the stored momentum's checkpoint key to torchtitan's unflatten, the offloaded
+    momentum did not load and they differed (the control the device run gives: its resumed
+    step repeats the step after the save)."""
+    pytest.importorskip("torchtitan")
+    bf16 = {"checkpoint": True, "precision": "bfloat16"}
+    # One process set each: a second scenario in the same processes starts from other bf16
+    # losses (process state torchtitan's model keeps), offloaded or not.
+    runs = {
+        offload: run_ranks(
+            _scenarios, 2, f"{tmp_path}/{offload}", {"r": {**bf16, "offload": offload}}, timeout=180
+        )
+        for offload in (None, "momentum", "state")
+    }
+    for rank, on in enumerate(r["r"] for r in runs[None]):
+        assert on["after_save"] != on["losses"][-1] and on["resumed"] == on["after_save"]
+        for name, want in on["after_save_state"].items():
+            torch.testing.assert_close(on["resumed_state"][name], want, rtol=0, atol=0)
+        for offload in ("momentum", "state"):
+            off = runs[offload][rank]["r"]
+            assert off["losses"] == on["losses"], offload
+            assert (off["after_save"], off["resumed"]) == (on["after_save"], on["resumed"])
+            for name, want in on["resumed_state"].items():
+                torch.testing.assert_close(
+                    off["resumed_state"][name], want, rtol=0, atol=0, msg=f"{offload}: {name}"
+                )
 
 
 @pytest.mark.distributed  # spawns 4 gloo ranks

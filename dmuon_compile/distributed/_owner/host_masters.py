@@ -8,8 +8,9 @@ Between steps each dedicated weight this rank owns keeps
   so gradients (on the GPU) are set on it as before;
 - its **compute copy** on the GPU: the master cast to the forward's dtype, which is what the
   unshard would cast it to, so the forward sees the same bits. The unshard sends it
-  (``DedicatedParam.unshard_source``); a write to the host master between steps (``nn.init``, a
-  load) bumps its version counter, and the next unshard casts it again first.
+  (``DedicatedParam.unshard_source``); a write to the host master between steps (``nn.init``,
+  ``mul_``: its version counter moves; a ``load_state_dict``, which DCP's and torchtitan's loads
+  end with: a hook) makes the next unshard cast it again first.
 
 So the GPU holds the compute dtype's bytes of the weight (bf16: 2 per value) instead of the
 master's (fp32: 4) through forward and backward, and with the momentum offloaded as well none of
@@ -95,6 +96,7 @@ class HostMasters:
         self._swapped_in = False
         self._streams: dict[torch.device, list] = {}  # per device: the copies in, out
         self._pending_in = None  # CUDA: the event after this step's copies in
+        self._load_hook = None  # offloaded: the model's load_state_dict post-hook
 
     def host_bytes(self) -> int:
         """Bytes of masters this rank keeps in host memory."""
@@ -118,7 +120,15 @@ class HostMasters:
             _dt.set_local_tensor(dp.param, host)
         if self.params and self.params[0].compute_copy.device.type == "cuda":
             self.runtime.comm.watch()  # host reads wait for a step's copies out (_CopiedOut)
+        # A load may write the host masters without their version counters (DCP loads in
+        # place through its own views): after any load_state_dict every compute copy is cast
+        # again at its next unshard.
+        self._load_hook = self.runtime.model.register_load_state_dict_post_hook(self._loaded)
         self.offloaded = True
+
+    def _loaded(self, _module, _incompatible) -> None:
+        for dp in self.params:
+            dp.host_version = -1
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -127,6 +137,7 @@ class HostMasters:
         if not self.offloaded:
             return
         self.runtime.pending.drain()
+        self._load_hook.remove()
         for dp in self.params:
             master = dp.host_master.to(dp.compute_copy.device, copy=True)
             _dt.set_local_tensor(dp.param, master)
