@@ -146,9 +146,9 @@ class Muon(torch.optim.Optimizer):
             between steps too; the GPU keeps their cast to the forward's dtype (what the
             unshard sends), each step copies the masters in and the new ones out around its
             commit. Needs ``Muon(model)`` with dedicated weights computing in a lower dtype than
-            their masters (``ParamPolicy(param_dtype=torch.bfloat16)``), on a 1-D or expert
-            layout (not HSDP, tensor parallelism, split NS or ``qk_clip``: a ``ValueError``
-            says so); the same bits as on the GPU (docs/memory.md).
+            their masters (``ParamPolicy(param_dtype=torch.bfloat16)``), 1-D or HSDP (not
+            tensor parallelism, split NS or ``qk_clip``: a ``ValueError`` says so); the same
+            bits as on the GPU (docs/memory.md).
             A checkpoint of any of these settings loads into any other (converted at the
             next step): checkpoints hold ``momentum_buffer`` in the parameter's dtype.
         momentum_in_flight: with a stored momentum (8-bit or offloaded): how many shape

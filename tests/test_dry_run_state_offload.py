@@ -45,7 +45,7 @@ def test_offloaded_masters_move_to_host_memory_and_back_on_the_step():
 @pytest.mark.parametrize(
     "kw, words",
     [
-        ({"replicate_size": 2}, "HSDP"),
+        ({"split_size": 2}, "split Newton-Schulz"),
         ({"tp_size": 2}, "tensor parallelism"),
         ({"param_dtype": torch.float32}, "computes in its master's dtype"),
     ],
@@ -54,6 +54,17 @@ def test_offloaded_masters_are_refused_where_muon_refuses_them(kw, words):
     with pytest.raises(ValueError, match=f"offload='state' is not available with .*{words}"):
         dry_run("tiny", 4, offload="state", **kw)
     dry_run("tiny", 4, advise=False, offload="momentum", **kw)  # control: the momentum alone
+
+
+def test_hsdp_offloads_the_global_owners_masters():
+    """2 replicas of 2 shards: each global owner's masters go to host memory (its column buffer
+    for the publish stays, in ``replica``)."""
+    momentum = dry_run("tiny", 4, advise=False, replicate_size=2, offload="momentum")
+    state = dry_run("tiny", 4, advise=False, replicate_size=2, offload="state")
+    for a, b in zip(momentum.rows, state.rows):
+        assert b.host_bytes - a.host_bytes == 2 * (a.dedicated_bytes - b.dedicated_bytes)
+        assert b.replica_bytes == a.replica_bytes
+    assert sum(b.host_bytes - a.host_bytes for a, b in zip(momentum.rows, state.rows)) > 0
 
 
 def test_offload_state_on_the_command_line(capsys):

@@ -162,7 +162,7 @@ def _run_group(
             b[shape] = b.get(shape, 0) + count
 
     if momentum.offload == "state":  # as Muon refuses it (distributed/_owner/host_masters.py)
-        _check_state_offload(R, T, split_size, planned, policy)
+        _check_state_offload(T, split_size, planned, policy)
 
     # -- dedicated weights: owned state, NS and the hook groups' collectives
     specs = {s.fqn: s for s in planned.specs}
@@ -465,13 +465,12 @@ def _tp_shard_dims(model: nn.Module) -> dict[str, int]:
     return dims
 
 
-def _check_state_offload(R: int, T: int, split_size: int, planned, policy) -> None:
-    """``offload="state"`` where ``Muon`` takes it: no HSDP, TP or split NS, every dedicated
+def _check_state_offload(T: int, split_size: int, planned, policy) -> None:
+    """``offload="state"`` where ``Muon`` takes it: no TP or split NS, every dedicated
     weight computing in a narrower dtype than its master; else ``ValueError``."""
     reasons = [
         why
         for why, bad in (
-            ("HSDP (--hsdp > 1)", R > 1),
             ("tensor parallelism (--tp > 1)", T > 1),
             ("split Newton-Schulz (--split-size > 1)", split_size > 1),
         )

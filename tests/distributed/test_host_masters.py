@@ -9,8 +9,9 @@
   reaches the next forward; a checkpoint (``state_dict``) of offloaded masters loads into a
   model without offload and trains on to the same bits; the setting switches on a live
   optimizer both ways.
+- HSDP (2 replicas of one shard): the global owners' masters offloaded, bit for bit as well.
 - Where it cannot hold the masters so, ``Muon`` raises naming the fix (no dedicated weights,
-  fp32 compute, HSDP).
+  fp32 compute, ``qk_clip``).
 
 Controls: a forward that kept the stale compute copy after a step (its refresh skipped) ends
 elsewhere; training with another learning rate ends elsewhere.
@@ -32,7 +33,7 @@ STEPS = 4
 HYPER = {"lr": 0.02, "momentum": 0.9, "adamw_lr": 1e-2, "weight_decay": 0.01, "compile": False}
 
 
-def _build(world: int, bf16: bool = True, device: str = "cpu"):
+def _build(world: int, bf16: bool = True, device: str = "cpu", hsdp: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -40,9 +41,14 @@ def _build(world: int, bf16: bool = True, device: str = "cpu"):
 
     from .harness import local_device
 
-    mesh = init_device_mesh(device, (world,))
     model = models.build_llama().to(local_device(device))
-    kw, mp = {}, {}
+    if hsdp:  # world replicas of one shard: every matrix has one global owner in the job
+        mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
+        kw, shard = {"replicate_mesh": mesh["replicate"]}, mesh["shard"]
+    else:
+        mesh = init_device_mesh(device, (world,))
+        kw, shard = {}, mesh
+    mp = {}
     if bf16:
         kw["param_policy"] = dmuon.ParamPolicy(
             defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -50,7 +56,7 @@ def _build(world: int, bf16: bool = True, device: str = "cpu"):
         mp["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    dmuon.dedicate_params(model, mesh, predicate=models.proj_predicate, **kw)
+    dmuon.dedicate_params(model, shard, predicate=models.proj_predicate, **kw)
     for block in model.layers:
         fully_shard(block, mesh=mesh, **mp)
     fully_shard(model, mesh=mesh, **mp)
@@ -61,14 +67,14 @@ def _loss(model, x):
     return model(x).float().square().mean()
 
 
-def _train(rank, world, settings, stale=False, switch=None, device="cpu"):
+def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=False):
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
     from dmuon_compile.distributed._owner import host_masters
 
     from .harness import local_device
 
-    model = _build(world, device=device)
+    model = _build(world, device=device, hsdp=hsdp)
     settings = {**HYPER, **settings}
     opt = dmuon.Muon(model, **settings)
     runtime = dedicated_runtime(model)
@@ -118,7 +124,7 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu"):
         )
     finally:
         host_masters.HostMasters.swap_out = real
-    state = {k: v.detach().cpu().clone() for k, v in full_state(model).items()}
+    state = {k: v.detach().cpu().float() for k, v in full_state(model).items()}  # replicas: bf16
     return {"losses": losses, "state": state, "seen": seen}
 
 
@@ -132,14 +138,17 @@ def _differs(a, b) -> bool:
     return any(not torch.equal(b["state"][k], v) for k, v in a["state"].items())
 
 
-def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device():
-    check_offloaded_masters_equal_on_device("cpu")
+@pytest.mark.parametrize("hsdp", [False, True], ids=["1d", "hsdp"])
+def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device(hsdp):
+    check_offloaded_masters_equal_on_device("cpu", hsdp)
 
 
-def check_offloaded_masters_equal_on_device(device: str) -> None:
-    """2 ranks on ``device`` (``"cuda"``: both on the one GPU, the copies on side streams)."""
+def check_offloaded_masters_equal_on_device(device: str, hsdp: bool = False) -> None:
+    """2 ranks on ``device`` (``"cuda"``: both on the one GPU, the copies on side streams);
+    ``hsdp``: 2 replicas of one shard (the global owners' masters offloaded, the publish from
+    the master on the GPU inside the step and from the compute copy after it)."""
     on, off, momentum_only = (
-        run_ranks(_train, 2, settings, False, None, device, device=device)
+        run_ranks(_train, 2, settings, False, None, device, hsdp, device=device)
         for settings in ({}, {"offload": "state"}, {"offload": "momentum"})
     )
     for a, b, c in zip(on, off, momentum_only):
@@ -148,9 +157,9 @@ def check_offloaded_masters_equal_on_device(device: str) -> None:
         assert b["seen"]["host"] == [True] * STEPS and b["seen"]["cast"] == [True] * STEPS
         assert a["seen"]["host"] == [False] * STEPS
     # Controls: stale compute copies (the forward never sees the new masters), another lr.
-    stale = run_ranks(_train, 2, {"offload": "state"}, True, None, device, device=device)
+    stale = run_ranks(_train, 2, {"offload": "state"}, True, None, device, hsdp, device=device)
     assert stale[0]["losses"][1:] != on[0]["losses"][1:] and _differs(on[0], stale[0])
-    if device == "cpu":
+    if device == "cpu" and not hsdp:
         other = run_ranks(_train, 2, {"offload": "state", "lr": 0.01})
         assert _differs(on[0], other[0])
 
@@ -211,30 +220,20 @@ def test_a_write_between_steps_and_a_checkpoint_reach_the_forward():
 
 
 def _refusals(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon_compile as dmuon
 
     errors = {}
-    for case in ("plain", "fp32", "hsdp"):
+    for case in ("plain", "fp32", "qk_clip"):
         if case == "plain":
             target = models.build_llama()
         elif case == "fp32":
             target = _build(world, bf16=False)
         else:
-            mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
-            target = models.build_llama()
-            dmuon.dedicate_params(
-                target,
-                mesh["shard"],
-                predicate=models.proj_predicate,
-                replicate_mesh=mesh["replicate"],
-                param_policy=dmuon.ParamPolicy(
-                    defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16)
-                ),
-            )
+            target = _build(world)
         try:
-            dmuon.Muon(target, offload="state", compile=False)
+            kw = {"qk_clip": 50.0} if case == "qk_clip" else {}
+            dmuon.Muon(target, offload="state", compile=False, **kw)
             errors[case] = None
         except ValueError as exc:
             errors[case] = str(exc)
@@ -245,4 +244,4 @@ def test_offloaded_masters_are_refused_where_they_cannot_be_held_so():
     errors = run_ranks(_refusals, 2)[0]
     assert "dedicate_params" in errors["plain"] and "offload='momentum'" in errors["plain"]
     assert "param_dtype=torch.bfloat16" in errors["fp32"]
-    assert "HSDP" in errors["hsdp"] and "offload='momentum'" in errors["hsdp"]
+    assert "qk_clip" in errors["qk_clip"] and "offload='momentum'" in errors["qk_clip"]

@@ -25,10 +25,14 @@ stream under the step's Newton–Schulz and the step's stream waits for it just 
 Host reads of a master wait for the copy out (an entry of the runtime's pending updates, which
 every read or write through a registered parameter applies first).
 
+HSDP: the global owners' masters go to host memory; the replicate publish rounds the master
+into the broadcast buffer as before (inside the step, from the master on the GPU; after it,
+from the compute copy, the same bits), and the other column members keep their replicas.
+
 The offloaded step needs its verdict before the commit, which a stored momentum gives (the
 optimizer offloads the momentum too), and the masters whole on one rank outside any stage:
-HSDP's masters are views of the replicate broadcast buffer and tensor parallelism and split
-Newton–Schulz update them in their stages, so those layouts are refused (:func:`check_supported`).
+tensor parallelism and split Newton–Schulz update them in their stages, so those layouts are
+refused (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -64,8 +68,6 @@ def check_supported(runtime, qk_clip) -> None:
             "it as Muon(model) on a model given to dmuon.dedicate_params, or " + fix
         )
     reasons = []
-    if runtime.replicate_mesh is not None:
-        reasons.append("HSDP (a replicate mesh): its masters are the replicate broadcast buffer")
     if runtime.tp is not None:
         reasons.append("tensor parallelism: its stage updates the masters")
     if runtime.split:

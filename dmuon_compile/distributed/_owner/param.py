@@ -77,11 +77,16 @@ class DedicatedParam:
         return self.master if self.master is not None else self.replica
 
     def unshard_source(self) -> Tensor | None:
-        """What this rank sends when its shard group unshards the weight: :attr:`source`, or with
-        the master in host memory its compute copy (cast again first where the host master was
-        written since: an ``nn.init`` or a load between steps)."""
+        """What this rank sends when its shard group unshards the weight or its replicate group
+        publishes it (both cast it to the compute dtype): :attr:`source`; with the master in
+        host memory its compute copy (cast again first where the host master was written since:
+        an ``nn.init`` or a load between steps), or during a step the master on the GPU (an
+        HSDP publish inside the step, before the compute copy is cast)."""
         if self.compute_copy is None:
             return self.source
+        master = local_of(self.param)
+        if master is not self.host_master:  # swapped in for the step
+            return master
         if self.host_master._version != self.host_version:
             self.compute_copy.copy_(self.host_master)
             self.host_version = self.host_master._version

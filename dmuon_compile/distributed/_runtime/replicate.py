@@ -175,7 +175,7 @@ class ReplicateStage:
         caller has applied this group's earlier entries (a previous publish still in flight)."""
         with label(PUBLISH, self.name or None):
             for p, view in self.copy_in:
-                view.copy_(p.master)
+                view.copy_(p.unshard_source())  # the master, or its compute copy (offload)
             works = [
                 C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg)
                 for s in self.segments
