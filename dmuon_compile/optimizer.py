@@ -340,18 +340,25 @@ class Muon(torch.optim.Optimizer):
         self._host_masters = self._masters_for(self._storage.offload)
 
     def _masters_for(self, offload: str | None):
-        """The ``HostMasters`` of ``offload="state"`` (offloaded; the ones held already if any),
-        else ``None``; raises ``ValueError`` where the model cannot hold them so."""
-        if offload != "state":
-            return None
-        if self._host_masters is not None:
-            return self._host_masters
+        """The ``HostMasters`` of ``offload="state"`` (offloaded; the model's, if another
+        optimizer offloaded them already), else ``None``; raises ``ValueError`` where the model
+        cannot hold them so, or where another optimizer left them in host memory."""
         from dmuon_compile.dedicated_registry import runtime_of
-        from dmuon_compile.distributed._owner.host_masters import HostMasters, check_supported
 
         runtime = None if self.model is None else runtime_of(self.model)
+        held = None if runtime is None else runtime.host_masters
+        if offload != "state":
+            if held is not None and held is not self._host_masters:
+                raise ValueError(
+                    "this model's dedicated masters are in host memory (another optimizer was "
+                    "built with offload='state'): build this one with offload='state' too, or "
+                    "set offload=None on that one first (it moves them back)"
+                )
+            return None
+        from dmuon_compile.distributed._owner.host_masters import HostMasters, check_supported
+
         check_supported(runtime, self.qk_clip)
-        masters = HostMasters(runtime)
+        masters = held if held is not None else HostMasters(runtime)
         masters.offload()
         return masters
 

@@ -237,6 +237,17 @@ def _refusals(rank, world):
             errors[case] = None
         except ValueError as exc:
             errors[case] = str(exc)
+    # A second optimizer of the same model: with offload="state" it shares the host masters;
+    # without, it would step masters in host memory, and is refused.
+    model = _build(world)
+    first = dmuon.Muon(model, offload="state", compile=False)
+    second = dmuon.Muon(model, offload="state", compile=False)
+    errors["shared"] = second._host_masters is first._host_masters
+    try:
+        dmuon.Muon(model, compile=False)
+        errors["second"] = None
+    except ValueError as exc:
+        errors["second"] = str(exc)
     return errors
 
 
@@ -245,3 +256,5 @@ def test_offloaded_masters_are_refused_where_they_cannot_be_held_so():
     assert "dedicate_params" in errors["plain"] and "offload='momentum'" in errors["plain"]
     assert "param_dtype=torch.bfloat16" in errors["fp32"]
     assert "qk_clip" in errors["qk_clip"] and "offload='momentum'" in errors["qk_clip"]
+    assert errors["shared"] is True
+    assert "another optimizer was built with offload='state'" in errors["second"]

@@ -100,10 +100,6 @@ class HostMasters:
         self._pending_in = None  # CUDA: the event after this step's copies in
         self._load_hook = None  # offloaded: the model's load_state_dict post-hook
 
-    def host_bytes(self) -> int:
-        """Bytes of masters this rank keeps in host memory."""
-        return sum(dp.numel * dp.orig_dtype.itemsize for dp in self.params)
-
     @torch.no_grad()
     def offload(self) -> None:
         """Move every owned master to pinned host memory (waits for it) and make its compute
@@ -126,6 +122,7 @@ class HostMasters:
         # place through its own views): after any load_state_dict every compute copy is cast
         # again at its next unshard.
         self._load_hook = self.runtime.model.register_load_state_dict_post_hook(self._loaded)
+        self.runtime.host_masters = self  # one per model: another optimizer finds it
         self.offloaded = True
 
     def _loaded(self, _module, _incompatible) -> None:
@@ -140,6 +137,7 @@ class HostMasters:
             return
         self.runtime.pending.drain()
         self._load_hook.remove()
+        self.runtime.host_masters = None
         for dp in self.params:
             master = dp.host_master.to(dp.compute_copy.device, copy=True)
             _dt.set_local_tensor(dp.param, master)

@@ -150,6 +150,8 @@ class DedicatedRuntime:
         self.dtype_mismatch: str | None = None  # set by check_compute_dtypes
         self._dtypes_checked = False  # the first forward checks when Muon(model) has not
         self.tp = None  # TP stage (``_stages/tp/stage.py``), set by attach_tp
+        # Muon(offload="state"): the owned masters in host memory (``_owner/host_masters.py``)
+        self.host_masters = None
         # split-NS groups (``_stages/split_step.py``), set by dedicate_params
         self.split: tuple = ()
         self._split_stage: SplitStage | None = None  # their stage (``stages``)
