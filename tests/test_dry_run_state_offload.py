@@ -7,18 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_dry_run_kept_momentum import _owned_numel  # tests/ is on sys.path
 
 from dmuon_compile.plan import ModelConfig, build_model, dry_run, main
 
 DENSE = ModelConfig(40, 2, 4, 100, kv_heads=2, vocab=50)
-
-
-def _owned_numel(model, report) -> dict[int, int]:
-    numel = {n: p.numel() for n, p in model.named_parameters()}
-    out = {r.rank: 0 for r in report.rows}
-    for fqn, owner in report.owners.items():
-        out[owner] += numel[fqn]
-    return out
 
 
 def test_offloaded_masters_move_to_host_memory_and_back_on_the_step():
