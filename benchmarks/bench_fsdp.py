@@ -115,6 +115,11 @@ from torch import nn
 import dmuon_compile as dmuon
 from dmuon_compile.newton_schulz import direct_ns_products, gram_ns_products
 
+# benchmarks/ is not a package: sibling modules import by name from this folder.
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
 MODELS = {  # D, F, layers (a MoE model: F is its shared expert's hidden width)
     "S": (2048, 5632, 8),
     "M": (4096, 14336, 4),
@@ -575,34 +580,17 @@ def build_peer(config, model, mesh, cuda):
     AdamW (``algorithm="adamw"`` group) for the rest; ``titan_distmuon``: torchtitan's
     ``DistMuon`` over the named ``dp`` mesh plus ``torch.optim.AdamW``. Their Muon options are
     bench_step.py's (Nesterov, μ = 0.95, lr 0.02 at the AdamW-matched rule, no decay)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
     import bench_step
 
     if mesh.ndim != 1:
         raise ValueError(f"{config} runs on the 1-D mesh only (no --replicate/--hsdp/--tp)")
     muon, rest = muon_params(model)
     if config == "dion_muon":
-        try:
-            from dion import Muon as DionMuon
-        except ImportError as e:
-            raise bench_step.PeerMissing(f"{bench_step.DION_INSTALL} ({e})") from e
         groups = [
             {"params": [p for _, p in muon]},
             {"params": [p for _, p in rest], "algorithm": "adamw", "lr": 3e-4},
         ]
-        return DionMuon(
-            groups,
-            distributed_mesh=mesh,
-            lr=bench_step.LR,
-            mu=0.95,
-            weight_decay=0.0,
-            nesterov=True,
-            adjust_lr="rms_norm",
-            flatten=False,
-            use_polar_express=True,
-        )
+        return bench_step.build_dion(groups, distributed_mesh=mesh)
     flex = bench_step.titan_modules()
     if mesh.mesh_dim_names != ("dp",):
         raise ValueError(f"titan_distmuon needs the FSDP2 mesh named ('dp',), got {mesh}")
@@ -632,9 +620,6 @@ def sync(device):
 
 def trace_analysis():
     """benchmarks/ is not a package: import the sibling module from this file's directory."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
     import trace_analysis as ta
 
     return ta

@@ -88,6 +88,11 @@ import time
 
 import torch
 
+# benchmarks/ is not a package: sibling modules import by name from this folder.
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
 MODELS = {  # D, F, layers (E: F is the shared expert's hidden width)
     "S": (2048, 5632, 8),
     "M": (4096, 14336, 4),
@@ -220,15 +225,17 @@ def build(config: str, params):
     raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
 
 
-def build_dion(params, use_triton: bool = False):
-    """microsoft/dion's Muon on one device (configuration 6 of the module docstring)."""
+def build_dion(params, use_triton: bool = False, distributed_mesh=None):
+    """microsoft/dion's Muon (configuration 6 of the module docstring): on one device
+    (``distributed_mesh=None``: no process group, no communication), or over FSDP2's mesh
+    (bench_fsdp.py's ``dion_muon``). ``params``: tensors or dion's parameter groups."""
     try:
         from dion import Muon as DionMuon
     except ImportError as e:
         raise PeerMissing(f"{DION_INSTALL} ({e})") from e
     return DionMuon(
         params,
-        distributed_mesh=None,  # one device: no process group, no communication
+        distributed_mesh=distributed_mesh,
         lr=LR,
         mu=0.95,
         weight_decay=0.0,
@@ -289,9 +296,6 @@ def build_titan(params):
 
 def titan_modules():
     """torchtitan's ``flex_shard`` (DistMuon and its layouts), or :class:`PeerMissing`."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
     from torchtitan_steps import _torchtitan_on_this_torch
 
     _torchtitan_on_this_torch()  # torchtitan 0.3.0 on torch < 2.12
@@ -396,9 +400,6 @@ def first_step_s(opt, device) -> float:
 
 def trace_analysis():
     """benchmarks/ is not a package: import the sibling module from this file's directory."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
     import trace_analysis as ta
 
     return ta
@@ -635,7 +636,6 @@ def main(argv=None) -> int:
     if args.normuon:
         OURS["normuon"] = True
     if args.size_gate:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_kernels import set_size_gate
 
         set_size_gate(args.size_gate)
@@ -645,8 +645,6 @@ def main(argv=None) -> int:
     ):
         if spec:
             from dmuon_compile.kernels import syrk
-
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             from gluon_probe import parse_configs
 
             configs = [] if spec == "none" else parse_configs(spec)
