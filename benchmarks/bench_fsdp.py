@@ -123,6 +123,9 @@ if HERE not in sys.path:
 MODELS = {  # D, F, layers (a MoE model: F is its shared expert's hidden width)
     "S": (2048, 5632, 8),
     "M": (4096, 14336, 4),
+    # One Llama-3 70B layer (64 query heads of 128, 8 k/v heads): the memory rows of the
+    # offload configurations at that width.
+    "L70": (8192, 28672, 1),
     "G": (2048, 7168, 8),  # Llama-3 8B's layout at S's width: F = 3.5·D, grouped-query k/v
     "E": (2048, 1536, 4),  # mixture of experts: MOE["E"]
     "quick": (64, 128, 2),
@@ -147,7 +150,7 @@ MOE_IMPLS = ("auto", "grouped_mm", "dense")
 # 32-byte aligned too).
 GROUP_ALIGN = 16
 # Query heads per k/v head (grouped-query attention: k/v have D / this rows); 1 elsewhere.
-KV_GROUPS = {"G": 4}
+KV_GROUPS = {"G": 4, "L70": 8}
 HEAD_DIM = 128
 PEAK_FLOPS = 700e12  # ~H200 dense bf16/fp16 as in §B
 # HBM bytes per second of the products' roofline (``ns_roofline_ms``): an H100's, as its
@@ -648,7 +651,7 @@ def profile_iterations(model, opt, inputs, device, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["S", "M", "G", "E"], default="S")
+    ap.add_argument("--model", choices=["S", "M", "G", "E", "L70"], default="S")
     ap.add_argument(
         "--quick",
         action="store_true",
