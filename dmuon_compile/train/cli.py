@@ -287,6 +287,20 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser, world_si
                 parser.error(f"--tp {args.tp}: {what} ({n}) must be a multiple of {args.tp}")
         if args.no_dedicate:
             parser.error("--no-dedicate has no TP version: drop --tp or --no-dedicate")
+    if args.offload == "state":  # Muon refuses it otherwise; say it in the CLI's words
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if args.device != "auto":
+            device = torch.device(args.device)
+        if runtime.resolve_precision(args.precision, device) != "bf16":
+            parser.error(
+                "--offload state keeps the fp32 masters in host memory and bf16 compute copies "
+                "on the device: add --precision bf16 (or use --offload momentum)"
+            )
+        if args.tp > 1 or args.no_dedicate:
+            parser.error(
+                "--offload state moves dedicated weights' masters: not with --tp or "
+                "--no-dedicate (use --offload momentum)"
+            )
     dp = world_size // args.tp  # data-parallel ranks: the batch splits over these
     if args.batch_size % dp:
         lo = max(dp, args.batch_size // dp * dp)

@@ -170,3 +170,16 @@ def test_an_unknown_momentum_dtype_is_refused(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--momentum-dtype", "fp8"])
     assert "--momentum-dtype" in capsys.readouterr().err
+
+
+def test_offload_state_asks_for_bf16_compute(capsys, monkeypatch):
+    """``--offload state`` keeps bf16 compute copies on the device: fp32 (the CPU's default
+    precision), --tp or --no-dedicate are refused naming the fix; with --precision bf16 it
+    passes (control)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "add --precision bf16" in _error(capsys, ["--offload", "state", "--device", "cpu"])
+    tp = ["--offload", "state", "--precision", "bf16", "--tp", "2"]
+    assert "not with --tp" in _error(capsys, tp)
+    parser = cli.build_parser()
+    ok = parser.parse_args(["--offload", "state", "--precision", "bf16"])
+    cli.validate(ok, parser, 2)
