@@ -1091,6 +1091,10 @@ class Muon(torch.optim.Optimizer):
         stay inside: ``param_groups.plain_hypers``), so ``json.dumps(sd["param_groups"])``
         works; :meth:`load_state_dict` puts them back into those tensors."""
         self._agreement.settle()
+        if self._host_masters is not None:
+            # DCP reads (and loads in place into) the model's host masters right after this
+            # call: the last step's copies out land first.
+            self._host_masters.runtime.pending.drain()
         state = super().state_dict()
         state["param_groups"] = plain_hypers(state["param_groups"])
         if self._storage.stored:  # 8-bit or host copies: as momentum_buffer, like p
