@@ -76,7 +76,10 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=F
 
     model = _build(world, device=device, hsdp=hsdp)
     settings = {**HYPER, **settings}
+    traced = settings.pop("user_compile", False)
     opt = dmuon.Muon(model, **settings)
+    if traced:  # the user's torch.compile(opt.step) traces the step (Dynamo, no Inductor)
+        opt.step = torch.compile(opt.step, backend="aot_eager")
     runtime = dedicated_runtime(model)
     seen = {}
 
@@ -162,6 +165,13 @@ def check_offloaded_masters_equal_on_device(device: str, hsdp: bool = False) -> 
     if device == "cpu" and not hsdp:
         other = run_ranks(_train, 2, {"offload": "state", "lr": 0.01})
         assert _differs(on[0], other[0])
+        # under the user's torch.compile(opt.step) too (against the same traced on the device)
+        traced_on, traced_off = (
+            run_ranks(_train, 2, {**settings, "user_compile": True})
+            for settings in ({}, {"offload": "state"})
+        )
+        for a, b in zip(traced_on, traced_off):
+            _assert_same(a, b)
 
 
 def test_offload_switches_on_a_live_optimizer_both_ways():

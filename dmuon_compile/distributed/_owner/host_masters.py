@@ -180,6 +180,7 @@ class HostMasters:
             self._pending_in = torch.cuda.Event()
             self._pending_in.record(side)
 
+    @torch.compiler.disable  # a stream wait: eager under the user's torch.compile(opt.step)
     def ready(self) -> None:
         """Before the commit writes the masters: the step's stream waits for the copies in."""
         if self._pending_in is not None:
