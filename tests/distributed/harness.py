@@ -391,8 +391,8 @@ def full_state(model) -> dict:
     runtime.wait_all()
     for dp in runtime.params:
         device = runtime.groups[0].device
-        buf = (
-            dp.source.detach().clone()
+        buf = (  # on the group's device (an offloaded master lives in host memory)
+            dp.source.detach().to(device, copy=True)
             if dp.source is not None
             else torch.empty(dp.shape, device=device)
         )
