@@ -994,8 +994,8 @@ def test_the_memory_note_tries_the_momentum_storages():
     [
         ({"momentum_dtype": torch.float16}, "torch.int8 (blockwise 8-bit)"),
         ({"momentum_dtype": "fp8"}, "['bf16', 'fp32', 'int8']"),
-        ({"offload": "cpu"}, "or 'momentum'"),
-        ({"offload": True}, "or 'momentum'"),
+        ({"offload": "cpu"}, "or 'state'"),
+        ({"offload": True}, "or 'state'"),
         ({"offload": "momentum", "host_link_gbps": 0}, "a number > 0"),
         ({"offload": "momentum", "host_link_gbps": float("inf")}, "a number > 0"),
         ({"host_link_gbps": 25}, "needs offload='momentum'"),
