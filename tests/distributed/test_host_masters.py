@@ -9,7 +9,8 @@
   reaches the next forward; a checkpoint (``state_dict``) of offloaded masters loads into a
   model without offload and trains on to the same bits; the setting switches on a live
   optimizer both ways.
-- HSDP (2 replicas of one shard): the global owners' masters offloaded, bit for bit as well.
+- HSDP (2 replicas of one shard): the global owners' masters offloaded, bit for bit as well;
+  so are expert stacks dedicated whole (3-D masters).
 - Where it cannot hold the masters so, ``Muon`` raises naming the fix (no dedicated weights,
   fp32 compute, ``qk_clip``).
 
@@ -24,13 +25,61 @@ import copy
 import pytest
 import torch
 
-from . import models
+from . import models, moe_models
 from .harness import full_state, run_ranks, train_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 STEPS = 4
 HYPER = {"lr": 0.02, "momentum": 0.9, "adamw_lr": 1e-2, "weight_decay": 0.01, "compile": False}
+
+
+def _build_moe(world: int):
+    """The tiny MoE with its expert stacks dedicated whole (one owner each), bf16 compute."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import dmuon_compile as dmuon
+
+    model = moe_models.build_moe()
+    mesh = init_device_mesh("cpu", (world,))
+    dmuon.dedicate_params(
+        model,
+        mesh,
+        predicate=lambda n, p: p.ndim == 3 or dmuon.default_muon_predicate(n, p),
+        param_policy=dmuon.ParamPolicy(
+            defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        ),
+    )
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def _train_moe(rank, world, settings):
+    import dmuon_compile as dmuon
+    from dmuon_compile.distributed import dedicated_runtime
+
+    model = _build_moe(world)
+    opt = dmuon.Muon(model, **{**HYPER, **settings})
+    stacks = [dp for dp in dedicated_runtime(model).params if len(dp.shape) == 3]
+    batches = moe_models.expert_batches(moe_models.build_moe(), STEPS, world)
+    losses = train_steps(model, opt, batches, rank, world, loss_fn=_loss)
+    state = {k: v.detach().cpu().float() for k, v in full_state(model).items()}
+    offloaded = [dp.host_master is not None for dp in stacks if dp.owns]
+    return {"losses": losses, "state": state, "stacks": len(stacks), "offloaded": offloaded}
+
+
+def test_offloaded_expert_stacks_train_bit_for_bit_like_on_the_device():
+    """Expert stacks dedicated whole (3-D masters, NS per expert) offloaded with the rest."""
+    on = run_ranks(_train_moe, 2, {})
+    off = run_ranks(_train_moe, 2, {"offload": "state"})
+    assert on[0]["stacks"] == 6 and all(off[0]["offloaded"] + off[1]["offloaded"])
+    assert off[0]["offloaded"] or off[1]["offloaded"]
+    for a, b in zip(on, off):
+        _assert_same(a, b)
 
 
 def _build(world: int, bf16: bool = True, device: str = "cpu", hsdp: bool = False):
