@@ -41,7 +41,7 @@ Configurations (all built up front, then run interleaved iteration by iteration)
   ``ours_compiled_kept``: and ``keep_new_momentum=True``; ``ours_compiled_offload``: and
   ``offload="momentum"``; ``ours_compiled_state``: and ``offload="state"`` (the owned masters in
   host memory too: the 1-D mesh; the peaks of forward+backward and of the step are printed
-  apart);
+  apart); ``ours_compiled_state8``: and the momentum 8-bit (``momentum_dtype="int8"``);
 - ``ours_eager_sync``: ``ours_eager`` with ``Muon(replicate_async=False)`` (HSDP runs only);
 - peers that step expert stacks whole (the 1-D mesh only, named ``dp``; their wheels carried as
   benchmarks/README.md §B1 says): ``dion_muon``, microsoft/dion's ``Muon`` with
@@ -540,7 +540,9 @@ def build(config, args, meshes, device):
         if config == "ours_compiled_kept":
             kw["keep_new_momentum"] = True
         if config in OFFLOADED:  # the momentum, or with "state" the owned masters too
-            kw["offload"] = OFFLOADED[config]
+            kw["offload"], momentum_dtype = OFFLOADED[config]
+            if momentum_dtype is not None:
+                kw["momentum_dtype"] = momentum_dtype
         opt = dmuon.Muon(
             model, lr=0.02, ns_backend=ns, replicate_async=config != "ours_eager_sync", **kw
         )
@@ -548,7 +550,11 @@ def build(config, args, meshes, device):
 
 
 # Our compiled step with the Muon state in host memory between steps (Muon(offload=...)).
-OFFLOADED = {"ours_compiled_offload": "momentum", "ours_compiled_state": "state"}
+OFFLOADED = {
+    "ours_compiled_offload": ("momentum", None),
+    "ours_compiled_state": ("state", None),
+    "ours_compiled_state8": ("state", "int8"),  # and the momentum 8-bit: 5 B per value moved
+}
 
 # Peers that step expert stacks whole, each through its own code on FSDP2's sharded DTensors
 # (the 1-D mesh only; both are configured as in bench_step.py, whose helpers build them).

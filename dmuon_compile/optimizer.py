@@ -613,8 +613,7 @@ class Muon(torch.optim.Optimizer):
         if masters is None:
             self._step_on(plan)
             return loss
-        masters.swap_in()
-        committed = False
+        committed = False  # _prepare swaps the masters in (the step's momentum decides how)
         try:
             committed = self._step_on(plan)
         finally:
@@ -766,6 +765,12 @@ class Muon(torch.optim.Optimizer):
         # (it reads their buffers before the local directions run) or the user's compile traces
         # the directions (host copies per bucket would break its graph): then all at once.
         self._streams_momentum = self._storage.streaming and not plan.stages and not traced
+        if self._host_masters is not None:  # offload="state": the masters' GPU buffers
+            deferred = frozenset()
+            if self._streams_momentum:  # each Muon matrix's copied in behind its bucket's momentum
+                muon = {id(p) for g in self.param_groups if g["use_muon"] for p in g["params"]}
+                deferred = frozenset(id(p) for p in with_grad if id(p) in muon)
+            self._host_masters.swap_in(deferred)
         if fresh:
             self._check_whole_matrices({id(p) for p in fresh})
         jobs: list[list[MuonJob]] = [[] for _ in plan.parts]
@@ -926,7 +931,11 @@ class Muon(torch.optim.Optimizer):
         group, grads, lays, moments = half.group, half.grads, half.layouts, half.moments
         mu = group["momentum"]
         buckets = F.shape_buckets(grads, lays, self._storage.bucket_bytes(self.ns.stack_bytes))
-        stream = self._storage.stream(half.bufs, buckets)
+        masters = self._host_masters  # offload="state": each bucket's masters behind its momentum
+        fetch = None if masters is None else lambda idx, side: masters.fetch(
+            [half.params[i] for i in idx], side
+        )
+        stream = self._storage.stream(half.bufs, buckets, fetch)
         ortho: list = [None] * len(grads)
         new_moments = None if moments is None else [None] * len(grads)
         flags, order = [], []

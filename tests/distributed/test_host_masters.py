@@ -153,6 +153,14 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=F
         if switch is not None and i == 1:
             opt.offload = None if switch == "none" else switch
 
+    real_copy_in = host_masters.HostMasters._copy_in
+    copies = []  # masters per copy in: one batch a step, or one per momentum bucket
+
+    def copy_in(self, pairs, side, device):
+        copies.append(len(pairs))
+        real_copy_in(self, pairs, side, device)
+
+    host_masters.HostMasters._copy_in = copy_in
     real = host_masters.HostMasters.swap_out
     if stale:  # the control: the new masters reach the host but not the compute copies
 
@@ -176,8 +184,10 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=F
         )
     finally:
         host_masters.HostMasters.swap_out = real
+        host_masters.HostMasters._copy_in = real_copy_in
     state = {k: v.detach().cpu().float() for k, v in full_state(model).items()}  # replicas: bf16
-    return {"losses": losses, "state": state, "seen": seen}
+    owned = sum(dp.owns for dp in runtime.params)
+    return {"losses": losses, "state": state, "seen": seen, "copies": copies, "owned": owned}
 
 
 def _assert_same(a, b) -> None:
@@ -208,6 +218,8 @@ def check_offloaded_masters_equal_on_device(device: str, hsdp: bool = False) -> 
         _assert_same(a, c)
         assert b["seen"]["host"] == [True] * STEPS and b["seen"]["cast"] == [True] * STEPS
         assert a["seen"]["host"] == [False] * STEPS
+        # streamed momentum: each bucket's masters copied in behind it, every master each step
+        assert sum(b["copies"]) == STEPS * b["owned"] and len(b["copies"]) > STEPS
     # Controls: stale compute copies (the forward never sees the new masters), another lr.
     stale = run_ranks(_train, 2, {"offload": "state"}, True, None, device, hsdp, device=device)
     assert stale[0]["losses"][1:] != on[0]["losses"][1:] and _differs(on[0], stale[0])
@@ -221,6 +233,7 @@ def check_offloaded_masters_equal_on_device(device: str, hsdp: bool = False) -> 
         )
         for a, b in zip(traced_on, traced_off):
             _assert_same(a, b)
+            assert b["copies"] == [b["owned"]] * STEPS  # traced: all at once, before the step
 
 
 def test_offload_switches_on_a_live_optimizer_both_ways():

@@ -16,14 +16,23 @@ So the GPU holds the compute dtype's bytes of the weight (bf16: 2 per value) ins
 master's (fp32: 4) through forward and backward, and with the momentum offloaded as well none of
 the owners' optimizer state.
 
-A step swaps a GPU copy of each master in (:meth:`HostMasters.swap_in`), the step runs unchanged
-on it, and after the commit (:meth:`HostMasters.swap_out`) the new master is copied out to the
-host and cast into the compute copy; a step that did not commit only swaps the host master back,
-so it changed nothing. Only the commit reads a master, so on CUDA the copy in runs on a side
-stream under the step's Newton–Schulz and the step's stream waits for it just before the commit
-(:meth:`HostMasters.ready`); the copy out runs on a second side stream under the next forward.
-Host reads of a master wait for the copy out (an entry of the runtime's pending updates, which
-every read or write through a registered parameter applies first).
+A step swaps a GPU buffer for each master in (:meth:`HostMasters.swap_in`), the step runs
+unchanged on it, and after the commit (:meth:`HostMasters.swap_out`) the new master is copied out
+to the host and cast into the compute copy; a step that did not commit only swaps the host master
+back, so it changed nothing. Only the commit reads a master, so on CUDA the copies in run on a
+side stream under the step's Newton–Schulz and the step's stream waits for them just before the
+commit (:meth:`HostMasters.ready`); the copy out runs on a second side stream under the next
+forward. Where the momentum streams by shape bucket (``momentum_storage.BucketStream``) the
+masters of each bucket are copied in right behind that bucket's momentum, on its stream
+(:meth:`HostMasters.fetch`): the host link carries the two in the order the step needs them,
+instead of every master ahead of the first bucket's momentum. Host reads of a master wait for
+the copy out (an entry of the runtime's pending updates, which every read or write through a
+registered parameter applies first).
+
+The new masters are written to the host in place after the step's verdict (a step that does not
+commit must change nothing, and the host master's storage stays the one ``state_dict()`` views,
+DCP's and torchtitan's caches hold): so the GPU holds every owned master during the step, and
+the copy out runs after the commit, under the next forward, not under Newton–Schulz.
 
 HSDP: the global owners' masters go to host memory; the replicate publish rounds the master
 into the broadcast buffer as before (inside the step, from the master on the GPU; after it,
@@ -97,7 +106,10 @@ class HostMasters:
         self.offloaded = False
         self._swapped_in = False
         self._streams: dict[torch.device, list] = {}  # per device: the copies in, out
-        self._pending_in = None  # CUDA: the event after this step's copies in
+        self._pending_in: list = []  # CUDA: the events after this step's copies in
+        self._deferred: dict[int, DedicatedParam] = {}  # GPU buffer id -> its master, not copied
+        self._ordered: set = set()  # the streams this step's copies in were ordered on
+        self._copied_out: list = []  # CUDA: the events after the last step's copies out
         self._load_hook = None  # offloaded: the model's load_state_dict post-hook
 
     @torch.no_grad()
@@ -156,38 +168,73 @@ class HostMasters:
 
     @torch.compiler.disable  # host copies: eager, also under the user's torch.compile(opt.step)
     @torch.no_grad()
-    def swap_in(self) -> None:
-        """A step starts: each master copied to the GPU becomes the parameter's local tensor
-        until :meth:`swap_out`. On CUDA the copies run on a side stream (after the last step's
-        copies out); :meth:`ready` makes the step's stream wait for them."""
+    def swap_in(self, deferred: frozenset = frozenset()) -> None:
+        """A step starts: a GPU buffer for each master becomes the parameter's local tensor until
+        :meth:`swap_out`. The masters of the parameters in ``deferred`` (ids) are copied into
+        theirs by :meth:`fetch`, bucket by bucket; the others now. On CUDA the copies run on a
+        side stream (after the last step's copies out); :meth:`ready` makes the step's stream
+        wait for them."""
         if not self.offloaded or self._swapped_in:
             return
         self._swapped_in = True
-        self._pending_in = None
+        self._pending_in, self._deferred, self._ordered = [], {}, set()
         if not self.params:
             return
         device = self.params[0].compute_copy.device
-        side = self._side(device, 0)
-        if side is not None:  # the buffers are the step stream's: the side writes after it
-            side.wait_stream(torch.cuda.current_stream(device))
-            side.wait_stream(self._side(device, 1))
+        now = []
         for dp in self.params:
             work = torch.empty_like(dp.host_master, device=device)
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                work.copy_(dp.host_master, non_blocking=True)
+            if id(dp.param) in deferred:
+                self._deferred[id(work)] = dp
+            else:
+                now.append((work, dp))
             _dt.set_local_tensor(dp.param, work)
+        if now:
+            self._copy_in(now, self._side(device, 0), device)
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def fetch(self, tensors: list, side) -> None:
+        """Copy in the masters of those of ``tensors`` (parameters' local tensors during the step)
+        whose copies :meth:`swap_in` deferred, on ``side`` (a CUDA stream: the momentum's, right
+        behind its bucket; ``None`` off CUDA); the commit waits for them (:meth:`ready`)."""
+        pairs = [(t, self._deferred.pop(id(t))) for t in tensors if id(t) in self._deferred]
+        if pairs:
+            self._copy_in(pairs, side, pairs[0][0].device)
+
+    def _copy_in(self, pairs: list, side, device: torch.device) -> None:
+        """``(GPU buffer, master)`` pairs: each host master copied into its buffer, on ``side``
+        when a CUDA stream (an event for :meth:`ready` after them)."""
+        if side is not None and side not in self._ordered:
+            # The buffers were made on the step's stream; the host masters last written by the
+            # copies out of the step before.
+            self._ordered.add(side)
+            side.wait_stream(torch.cuda.current_stream(device))
+            for event in self._copied_out:
+                side.wait_event(event)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for work, dp in pairs:
+                work.copy_(dp.host_master, non_blocking=True)
         if side is not None:
-            self._pending_in = torch.cuda.Event()
-            self._pending_in.record(side)
+            event = torch.cuda.Event()
+            event.record(side)
+            self._pending_in.append(event)
 
     @torch.compiler.disable  # a stream wait: eager under the user's torch.compile(opt.step)
     def ready(self) -> None:
-        """Before the commit writes the masters: the step's stream waits for the copies in."""
-        if self._pending_in is not None:
-            torch.cuda.current_stream(self.params[0].compute_copy.device).wait_event(
-                self._pending_in
-            )
-            self._pending_in = None
+        """Before the commit writes the masters: any copy still deferred is made now (a bucket
+        the step did not reach), and the step's stream waits for the copies in."""
+        if self._deferred:
+            pairs = [(self._work_of(dp), dp) for dp in self._deferred.values()]
+            self._deferred = {}
+            self._copy_in(pairs, self._side(pairs[0][0].device, 0), pairs[0][0].device)
+        events, self._pending_in = self._pending_in, []
+        for event in events:
+            torch.cuda.current_stream(self.params[0].compute_copy.device).wait_event(event)
+
+    @staticmethod
+    def _work_of(dp: DedicatedParam) -> torch.Tensor:
+        return _dt.local_tensor(dp.param)
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -198,6 +245,7 @@ class HostMasters:
         if not self._swapped_in:
             return
         self._swapped_in = False
+        self._deferred = {}  # never copied in: nothing read or wrote those buffers
         self.ready()  # a step that raised before its commit: nothing reads its copies after this
         out = None
         if committed and self.params:
@@ -218,4 +266,5 @@ class HostMasters:
         if out is not None:
             event = torch.cuda.Event()
             event.record(out)
+            self._copied_out = [event]
             self.runtime.pending.add(id(self), _CopiedOut(event))
