@@ -932,8 +932,10 @@ class Muon(torch.optim.Optimizer):
         mu = group["momentum"]
         buckets = F.shape_buckets(grads, lays, self._storage.bucket_bytes(self.ns.stack_bytes))
         masters = self._host_masters  # offload="state": each bucket's masters behind its momentum
-        fetch = None if masters is None else lambda idx, side: masters.fetch(
-            [half.params[i] for i in idx], side
+        fetch = (
+            None
+            if masters is None
+            else lambda idx, side: masters.fetch([half.params[i] for i in idx], side)
         )
         stream = self._storage.stream(half.bufs, buckets, fetch)
         ortho: list = [None] * len(grads)
