@@ -32,7 +32,10 @@ from dmuon_compile.distributed.stages import MuonJob, StepHalf, StepNS, StepStag
 from dmuon_compile.distributed.step_plan import EXPERT_NS, PLAIN_STEP, StepPlan, expert_stage
 from dmuon_compile.layouts import Layout, needs_reshard, whole_expert_shards
 from dmuon_compile.momentum_storage import (
+    CODES,
+    HOST,
     IN_FLIGHT,
+    SCALES,
     STORED_KEYS,
     MomentumStorage,
     check_kept_momentum,
@@ -146,9 +149,9 @@ class Muon(torch.optim.Optimizer):
             between steps too; the GPU keeps their cast to the forward's dtype (what the
             unshard sends), each step copies the masters in and the new ones out around its
             commit. Needs ``Muon(model)`` with dedicated weights computing in a lower dtype than
-            their masters (``ParamPolicy(param_dtype=torch.bfloat16)``), 1-D or HSDP (not
-            tensor parallelism, split NS or ``qk_clip``: a ``ValueError`` says so); the same
-            bits as on the GPU (docs/memory.md).
+            their masters (``ParamPolicy(defaults=MixedPrecision(param_dtype=torch.bfloat16))``),
+            1-D or HSDP (not tensor parallelism, split NS or ``qk_clip``: a ``ValueError`` says
+            so); the same bits as on the GPU (docs/memory.md).
             A checkpoint of any of these settings loads into any other (converted at the
             next step): checkpoints hold ``momentum_buffer`` in the parameter's dtype.
         momentum_in_flight: with a stored momentum (8-bit or offloaded): how many shape
@@ -1169,7 +1172,7 @@ def _check_no_lost_momentum(state_dict: dict) -> None:
     what an unflattened state dict gives when the live state showed its stored keys (the
     checkpoint holds ``momentum_buffer``), so loading it would lose the momentum."""
     for i, entry in state_dict.get("state", {}).items():
-        lost = [k for k in STORED_KEYS[:3] if k in entry and not torch.is_tensor(entry[k])]
+        lost = [k for k in (HOST, CODES, SCALES) if k in entry and not torch.is_tensor(entry[k])]
         if lost:
             raise ValueError(
                 f"Muon.load_state_dict: the state of parameter {i} holds {lost[0]!r} without a "

@@ -40,7 +40,7 @@ def test_offloaded_masters_move_to_host_memory_and_back_on_the_step():
     [
         ({"split_size": 2}, "split Newton-Schulz"),
         ({"tp_size": 2}, "tensor parallelism"),
-        ({"param_dtype": torch.float32}, "computes in its master's dtype"),
+        ({"param_dtype": torch.float32}, "compute in their master's dtype"),
     ],
 )
 def test_offloaded_masters_are_refused_where_muon_refuses_them(kw, words):

@@ -466,16 +466,9 @@ def _tp_shard_dims(model: nn.Module) -> dict[str, int]:
 
 
 def _check_state_offload(T: int, split_size: int, planned, policy) -> None:
-    """``offload="state"`` where ``Muon`` takes it: no TP or split NS, every dedicated
-    weight computing in a narrower dtype than its master; else ``ValueError``."""
-    reasons = [
-        why
-        for why, bad in (
-            ("tensor parallelism (--tp > 1)", T > 1),
-            ("split Newton-Schulz (--split-size > 1)", split_size > 1),
-        )
-        if bad
-    ]
+    """``offload="state"`` where ``Muon`` takes it (``state_offload_obstacles``: the same
+    rules); else ``ValueError``."""
+    from dmuon_compile.distributed._owner.host_masters import state_offload_obstacles
     from dmuon_compile.distributed.policy import resolve_dtypes
 
     same = [
@@ -483,13 +476,15 @@ def _check_state_offload(T: int, split_size: int, planned, policy) -> None:
         for fqn, p in planned.selected
         if _itemsize(resolve_dtypes(p.dtype, policy, None)[0]) >= _itemsize(p.dtype)
     ]
-    if same:
-        reasons.append(f"{same[0]} computes in its master's dtype (give a bf16 --param-dtype)")
+    reasons = state_offload_obstacles(
+        tp=T > 1, split=split_size > 1, qk_clip=False, same_dtype=same
+    )
     if reasons:
         raise ValueError(
             "dry_run: offload='state' is not available with "
             + "; ".join(reasons)
-            + ": Muon refuses it there; use offload='momentum'"
+            + " (--tp 1, --split-size 1, a bf16 --param-dtype): Muon refuses it there; use "
+            "offload='momentum'"
         )
 
 

@@ -86,7 +86,8 @@ def check_conversion(module: nn.Module, fn) -> None:
                     "device they had at dmuon.dedicate_params: convert the model before "
                     "dedicate_params (model.to(dtype) / model.to(device)), or "
                     "choose the forward/backward dtype with dedicate_params(..., param_policy="
-                    "dmuon.ParamPolicy(param_dtype=...)) and keep the masters as they are."
+                    "dmuon.ParamPolicy(defaults=dmuon.MixedPrecision(param_dtype=...))) and keep "
+                    "the masters as they are."
                 )
 
 

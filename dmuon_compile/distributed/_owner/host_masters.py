@@ -67,28 +67,50 @@ class _CopiedOut:
         self.event.synchronize()
 
 
+def state_offload_obstacles(
+    *, tp: bool, split: bool, qk_clip: bool, same_dtype: list[str]
+) -> list[str]:
+    """Why ``offload="state"`` cannot hold the masters in host memory (module docstring), as
+    ``Muon`` (:func:`check_supported`) and the dry run (``plan/run.py``) both judge it: tensor
+    parallelism or split Newton–Schulz (their stages update the masters), ``qk_clip`` (it scales
+    them after the step), ``same_dtype`` (the dedicated weights computing in their master's
+    dtype: a compute copy would take as much GPU memory as the master). Empty: it can."""
+    reasons = []
+    if tp:
+        reasons.append("tensor parallelism: its stage updates the masters")
+    if split:
+        reasons.append("split Newton-Schulz: its stage updates the masters")
+    if qk_clip:
+        reasons.append("qk_clip: it scales the masters after the step")
+    if same_dtype:
+        reasons.append(
+            f"{len(same_dtype)} dedicated weight(s) ({same_dtype[0]}, ...) compute in their "
+            "master's dtype, so a compute copy would take as much GPU memory as the master"
+        )
+    return reasons
+
+
 def check_supported(runtime, qk_clip) -> None:
     """Raise ``ValueError`` naming the fix where ``offload="state"`` cannot hold the masters in
-    host memory (module docstring); the same verdict on every rank (from the plan alone)."""
+    host memory (:func:`state_offload_obstacles`); the same verdict on every rank (from the plan
+    alone)."""
     fix = "use offload='momentum' (the momentum in host memory, the masters on the GPU)"
     if runtime is None:
         raise ValueError(
             "Muon(offload='state') keeps the masters of dedicated weights in host memory: build "
             "it as Muon(model) on a model given to dmuon.dedicate_params, or " + fix
         )
-    reasons = []
-    if runtime.tp is not None:
-        reasons.append("tensor parallelism: its stage updates the masters")
-    if runtime.split:
-        reasons.append("split Newton-Schulz: its stage updates the masters")
-    if qk_clip is not None:
-        reasons.append("qk_clip: it scales the masters after the step")
     same = [dp.fqn for dp in runtime.params if dp.compute_dtype.itemsize >= dp.orig_dtype.itemsize]
+    reasons = state_offload_obstacles(
+        tp=runtime.tp is not None,
+        split=bool(runtime.split),
+        qk_clip=qk_clip is not None,
+        same_dtype=same,
+    )
     if same:
-        reasons.append(
-            f"{len(same)} dedicated weight(s) ({same[0]}, ...) compute in their master's dtype, "
-            "so a compute copy would take as much GPU memory as the master: give "
-            "dedicate_params(..., param_policy=dmuon.ParamPolicy(param_dtype=torch.bfloat16))"
+        reasons[-1] += (
+            ": give dedicate_params(..., param_policy=dmuon.ParamPolicy("
+            "defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16)))"
         )
     if reasons:
         raise ValueError(
