@@ -433,13 +433,10 @@ class MomentumStorage:
         self._into_own_form(state, p, name)
         return Streamed(state, p, name)
 
-    def stream(self, bufs: list, buckets: list[list[int]], fetch=None) -> BucketStream:
+    def stream(self, bufs: list, buckets: list[list[int]]) -> BucketStream:
         """The working buffers of ``bufs`` (:class:`Streamed` entries, or tensors passed
-        through) by ``buckets`` (indices into ``bufs``), :attr:`in_flight` at a time.
-        ``fetch(indices, side)``: more copies in for a bucket, issued right behind its momentum
-        on the same side stream (``None`` off CUDA), which the bucket's Newton–Schulz does not
-        wait for (``offload="state"``: its masters, read by the commit only)."""
-        return BucketStream(self, bufs, buckets, fetch)
+        through) by ``buckets`` (indices into ``bufs``), :attr:`in_flight` at a time."""
+        return BucketStream(self, bufs, buckets)
 
     def commit_staged(self) -> None:
         """After the commit: each streamed matrix's shadow becomes its stored copy."""
@@ -616,10 +613,8 @@ class BucketStream:
     at once (a host running ahead would otherwise allocate every bucket before the device frees
     any). On a CPU everything runs in order."""
 
-    def __init__(
-        self, storage: MomentumStorage, bufs: list, buckets: list[list[int]], fetch=None
-    ) -> None:
-        self.storage, self.bufs, self.buckets, self.fetch = storage, bufs, buckets, fetch
+    def __init__(self, storage: MomentumStorage, bufs: list, buckets: list[list[int]]) -> None:
+        self.storage, self.bufs, self.buckets = storage, bufs, buckets
         self.limit = storage.in_flight or len(buckets)
         self._issued = 0
         self._work: dict[int, list] = {}  # issued, not yet staged
@@ -668,7 +663,5 @@ class BucketStream:
                 event = torch.cuda.Event()
                 event.record(side)
                 self._ready[k] = (event, device)
-            if self.fetch is not None:  # after the event: this bucket's NS does not wait for it
-                self.fetch(self.buckets[k], side)
             self._work[k] = work
             self._issued += 1

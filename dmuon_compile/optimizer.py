@@ -768,12 +768,12 @@ class Muon(torch.optim.Optimizer):
         # (it reads their buffers before the local directions run) or the user's compile traces
         # the directions (host copies per bucket would break its graph): then all at once.
         self._streams_momentum = self._storage.streaming and not plan.stages and not traced
-        if self._host_masters is not None:  # offload="state": the masters' GPU buffers
-            deferred = frozenset()
-            if self._streams_momentum:  # each Muon matrix's copied in behind its bucket's momentum
+        if self._host_masters is not None:  # offload="state": the masters for the step
+            by_bucket = frozenset()
+            if self._streams_momentum:  # the Muon matrices': committed bucket by bucket
                 muon = {id(p) for g in self.param_groups if g["use_muon"] for p in g["params"]}
-                deferred = frozenset(id(p) for p in with_grad if id(p) in muon)
-            self._host_masters.swap_in(deferred)
+                by_bucket = frozenset(id(p) for p in with_grad if id(p) in muon)
+            self._host_masters.swap_in(by_bucket)
         if fresh:
             self._check_whole_matrices({id(p) for p in fresh})
         jobs: list[list[MuonJob]] = [[] for _ in plan.parts]
@@ -898,6 +898,16 @@ class Muon(torch.optim.Optimizer):
         ``where(commit_if, new, old)``."""
         if not half.params:  # a stage's half only (TP), or nothing of this job here
             return
+        masters = self._host_masters
+        if masters is not None and half.buckets and masters.holds_stand_ins(half.params):
+            # offload="state", streamed: the masters come to the GPU a few buckets at a time
+            masters.commit_by_bucket(
+                half.params,
+                [idx for idx, _ in half.buckets],
+                functools.partial(self._commit_bucket, half),
+                self._storage.in_flight,
+            )
+            return
         group = half.group
         commit = F.commit_muon_step if half.compiled is None else half.compiled.commit
         grads, bufs = half.grads, half.bufs
@@ -923,6 +933,25 @@ class Muon(torch.optim.Optimizer):
             take_kept_momentum(half.bufs, half.new_bufs, commit_if)
             half.new_bufs = None
 
+    def _commit_bucket(self, half: StepHalf, k: int, params: list[Tensor]) -> None:
+        """The commit of shape bucket ``k`` of a streamed half (``half.buckets``) on ``params``
+        (its masters on the GPU; ``HostMasters.commit_by_bucket``), by the bucket's compiled
+        step as its directions ran: the same elementwise math per matrix as the half's."""
+        idx, step = half.buckets[k]
+        sub = StepHalf(
+            half.group,
+            params,
+            [half.grads[i] for i in idx],
+            [half.bufs[i] for i in idx],
+            [half.ortho[i] for i in idx],
+            compiled=step,
+            layouts=[half.layouts[i] for i in idx],
+        )
+        if half.new_moments is not None:  # NorMuon: its v′ is written with the weights
+            sub.moments = [half.moments[i] for i in idx]
+            sub.new_moments = [half.new_moments[i] for i in idx]
+        self._commit(sub)
+
     def _streamed_directions(self, half: StepHalf, part: str) -> list[Tensor]:
         """``_directions``' math for a half whose stored momentum streams
         (``momentum_storage.BucketStream``), one shape bucket of Newton–Schulz at a time (the
@@ -934,13 +963,8 @@ class Muon(torch.optim.Optimizer):
         group, grads, lays, moments = half.group, half.grads, half.layouts, half.moments
         mu = group["momentum"]
         buckets = F.shape_buckets(grads, lays, self._storage.bucket_bytes(self.ns.stack_bytes))
-        masters = self._host_masters  # offload="state": each bucket's masters behind its momentum
-        fetch = (
-            None
-            if masters is None
-            else lambda idx, side: masters.fetch([half.params[i] for i in idx], side)
-        )
-        stream = self._storage.stream(half.bufs, buckets, fetch)
+        stream = self._storage.stream(half.bufs, buckets)
+        half.buckets = []
         ortho: list = [None] * len(grads)
         new_moments = None if moments is None else [None] * len(grads)
         flags, order = [], []
@@ -957,10 +981,12 @@ class Muon(torch.optim.Optimizer):
                     if moments is not None:
                         out, new = out
                     F.store_momentum(mine, work, F.hyper(mu))
+                    step = None
                 else:
-                    out, finite, new = self._bucket_directions(half, part, k, idx, work, hypers)
+                    out, finite, new, step = self._bucket_directions(half, part, idx, work, hypers)
                     flags.append(finite)
                     order += idx
+                half.buckets.append((idx, step))  # offload="state" commits the masters by them
                 stream.stage(k, work)
                 del work  # released: the next buckets may take its memory
             for j, i in enumerate(idx):
@@ -977,13 +1003,13 @@ class Muon(torch.optim.Optimizer):
             half.finite = torch.cat(flags)[where]
         return ortho
 
-    def _bucket_directions(self, half: StepHalf, part: str, k: int, idx, work, hypers):
+    def _bucket_directions(self, half: StepHalf, part: str, idx, work, hypers):
         """One bucket of ``_streamed_directions``, compiled: the ``CompiledMuonStep`` of its
         kind (``StepKey(group, "<part>/momentum bucket <n>")``, ``n`` numbering the distinct
         buckets — shapes, dtypes, layouts — in first-seen order: buckets alike share one graph,
         compiled once, as a 70B job's many buckets of one matrix shape are; each kind has its
         own recompile budget), then buf′ by a compiled ``store_momentum`` of the bucket.
-        Returns ``(directions, finite flags, NorMuon's v′ or None)``."""
+        Returns ``(directions, finite flags, NorMuon's v′ or None, the bucket's step)``."""
         from dmuon_compile.compiled_step import StepKey, compiled_step_for
 
         group = half.group
@@ -1008,7 +1034,7 @@ class Muon(torch.optim.Optimizer):
 
             graph = self._momentum_graphs[key] = compiled_store_momentum()
         graph(mine, work, step.hyper_tensor(mine[0].device, group["momentum"]))
-        return out, finite, new[0] if new else None
+        return out, finite, new[0] if new else None, step
 
     @torch.compiler.disable  # a collective, a host read, the stored momentum's shadows: eager
     def _agree(self, failure: list, unsent: list, defer: bool):

@@ -102,6 +102,9 @@ class StepHalf:
     new_bufs: list | None = None
     stage: StepStage | None = None  # the stage that commits or aborts ``stage_half``
     stage_half: Any = None
+    # A streamed stored momentum's shape buckets, as [(indices, the bucket's compiled step or
+    # None)]: ``Muon(offload="state")`` commits the masters bucket by bucket in them.
+    buckets: list | None = None
 
     def normuon_commit(self) -> dict:
         """The commit's NorMuon arguments (none without it)."""

@@ -153,24 +153,24 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=F
         if switch is not None and i == 1:
             opt.offload = None if switch == "none" else switch
 
-    real_copy_in = host_masters.HostMasters._copy_in
-    copies = []  # masters per copy in: one batch a step, or one per momentum bucket
+    real_bring_in = host_masters.HostMasters._bring_in
+    copies = []  # masters brought in by the commit, per shape bucket (none: all at the start)
 
-    def copy_in(self, pairs, side, device):
-        copies.append(len(pairs))
-        real_copy_in(self, pairs, side, device)
+    def bring_in(self, tensors, idx, side):
+        works, event = real_bring_in(self, tensors, idx, side)
+        copies.append(sum(w is not None for w in works))
+        return works, event
 
-    host_masters.HostMasters._copy_in = copy_in
-    real = host_masters.HostMasters.swap_out
+    host_masters.HostMasters._bring_in = bring_in
+    real = host_masters.HostMasters._copy_out
     if stale:  # the control: the new masters reach the host but not the compute copies
 
-        def swap_out_keeping_compute(self, committed):
-            kept = [dp.compute_copy.clone() for dp in self.params]
-            real(self, committed)
-            for dp, old in zip(self.params, kept):
-                dp.compute_copy.copy_(old)
+        def copy_out_keeping_compute(dp, work, out):
+            kept = dp.compute_copy.clone()
+            real(dp, work, out)
+            dp.compute_copy.copy_(kept)
 
-        host_masters.HostMasters.swap_out = swap_out_keeping_compute
+        host_masters.HostMasters._copy_out = staticmethod(copy_out_keeping_compute)
     try:
         losses = train_steps(
             model,
@@ -183,8 +183,8 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=F
             between=between,
         )
     finally:
-        host_masters.HostMasters.swap_out = real
-        host_masters.HostMasters._copy_in = real_copy_in
+        host_masters.HostMasters._copy_out = staticmethod(real)
+        host_masters.HostMasters._bring_in = real_bring_in
     state = {k: v.detach().cpu().float() for k, v in full_state(model).items()}  # replicas: bf16
     owned = sum(dp.owns for dp in runtime.params)
     return {"losses": losses, "state": state, "seen": seen, "copies": copies, "owned": owned}
@@ -218,7 +218,7 @@ def check_offloaded_masters_equal_on_device(device: str, hsdp: bool = False) -> 
         _assert_same(a, c)
         assert b["seen"]["host"] == [True] * STEPS and b["seen"]["cast"] == [True] * STEPS
         assert a["seen"]["host"] == [False] * STEPS
-        # streamed momentum: each bucket's masters copied in behind it, every master each step
+        # streamed momentum: the commit brings the masters in bucket by bucket, each once a step
         assert sum(b["copies"]) == STEPS * b["owned"] and len(b["copies"]) > STEPS
     # Controls: stale compute copies (the forward never sees the new masters), another lr.
     stale = run_ranks(_train, 2, {"offload": "state"}, True, None, device, hsdp, device=device)
@@ -233,7 +233,7 @@ def check_offloaded_masters_equal_on_device(device: str, hsdp: bool = False) -> 
         )
         for a, b in zip(traced_on, traced_off):
             _assert_same(a, b)
-            assert b["copies"] == [b["owned"]] * STEPS  # traced: all at once, before the step
+            assert b["copies"] == []  # traced: all at once, when the step starts
 
 
 def test_offload_switches_on_a_live_optimizer_both_ways():

@@ -56,15 +56,16 @@ from dmuon_compile.distributed._owner.param import DedicatedParam
 
 class _CopiedOut:
     """A pending update (``_comm/pending.py``): the last step's masters copied out to host
-    memory on the step's stream; host reads wait for it."""
+    memory on side streams (``events``: after them); host reads wait for it."""
 
     collectives = 0
 
-    def __init__(self, event) -> None:
-        self.event = event
+    def __init__(self, events: list) -> None:
+        self.events = events
 
     def apply(self, forward: bool) -> None:  # noqa: ARG002 - PendingUpdates' signature
-        self.event.synchronize()
+        for event in self.events:
+            event.synchronize()
 
 
 def state_offload_obstacles(
@@ -128,10 +129,10 @@ class HostMasters:
         self.offloaded = False
         self._swapped_in = False
         self._streams: dict[torch.device, list] = {}  # per device: the copies in, out
-        self._pending_in: list = []  # CUDA: the events after this step's copies in
-        self._deferred: dict[int, DedicatedParam] = {}  # GPU buffer id -> its master, not copied
-        self._ordered: set = set()  # the streams this step's copies in were ordered on
-        self._copied_out: list = []  # CUDA: the events after the last step's copies out
+        self._pending_in = None  # CUDA: the event after this step's copies in at its start
+        self._stand_ins: dict[int, DedicatedParam] = {}  # stand-in id -> its master's owner
+        self._copied_out: list = []  # CUDA: the events after this step's copies out
+        self._last_out: list = []  # ... and the last step's, which the copies in wait for
         self._load_hook = None  # offloaded: the model's load_state_dict post-hook
 
     @torch.no_grad()
@@ -190,103 +191,170 @@ class HostMasters:
 
     @torch.compiler.disable  # host copies: eager, also under the user's torch.compile(opt.step)
     @torch.no_grad()
-    def swap_in(self, deferred: frozenset = frozenset()) -> None:
-        """A step starts: a GPU buffer for each master becomes the parameter's local tensor until
-        :meth:`swap_out`. The masters of the parameters in ``deferred`` (ids) are copied into
-        theirs by :meth:`fetch`, bucket by bucket; the others now. On CUDA the copies run on a
-        side stream (after the last step's copies out); :meth:`ready` makes the step's stream
-        wait for them."""
+    def swap_in(self, by_bucket: frozenset = frozenset()) -> None:
+        """A step starts. The parameters in ``by_bucket`` (ids: the Muon matrices of a step
+        whose momentum streams by shape bucket) get a *stand-in* as their local tensor until
+        their commit: the master's shape, dtype and device, no memory (the step's first half
+        reads no master), so :meth:`commit_by_bucket` can bring their masters to the GPU a few
+        buckets at a time. Every other master is copied to a GPU buffer now, which stays the
+        parameter's local tensor until :meth:`swap_out` (on CUDA on a side stream, after the
+        last step's copies out; :meth:`ready` makes the step's stream wait for it)."""
         if not self.offloaded or self._swapped_in:
             return
         self._swapped_in = True
-        self._pending_in, self._deferred, self._ordered = [], {}, set()
+        self._last_out, self._copied_out = self._copied_out, []
+        self._pending_in, self._stand_ins = None, {}
         if not self.params:
             return
         device = self.params[0].compute_copy.device
-        now = []
-        for dp in self.params:
-            work = torch.empty_like(dp.host_master, device=device)
-            if id(dp.param) in deferred:
-                self._deferred[id(work)] = dp
-            else:
-                now.append((work, dp))
-            _dt.set_local_tensor(dp.param, work)
-        if now:
-            self._copy_in(now, self._side(device, 0), device)
-
-    @torch.compiler.disable
-    @torch.no_grad()
-    def fetch(self, tensors: list, side) -> None:
-        """Copy in the masters of those of ``tensors`` (parameters' local tensors during the step)
-        whose copies :meth:`swap_in` deferred, on ``side`` (a CUDA stream: the momentum's, right
-        behind its bucket; ``None`` off CUDA); the commit waits for them (:meth:`ready`)."""
-        pairs = [(t, self._deferred.pop(id(t))) for t in tensors if id(t) in self._deferred]
-        if pairs:
-            self._copy_in(pairs, side, pairs[0][0].device)
-
-    def _copy_in(self, pairs: list, side, device: torch.device) -> None:
-        """``(GPU buffer, master)`` pairs: each host master copied into its buffer, on ``side``
-        when a CUDA stream (an event for :meth:`ready` after them)."""
-        if side is not None and side not in self._ordered:
-            # The buffers were made on the step's stream; the host masters last written by the
-            # copies out of the step before.
-            self._ordered.add(side)
+        side = self._side(device, 0)
+        if side is not None:  # the buffers are the step stream's: the side writes after it
             side.wait_stream(torch.cuda.current_stream(device))
-            for event in self._copied_out:
+            for event in self._last_out:
                 side.wait_event(event)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for work, dp in pairs:
-                work.copy_(dp.host_master, non_blocking=True)
+        for dp in self.params:
+            host = dp.host_master
+            if id(dp.param) in by_bucket:
+                local = torch.empty(1, dtype=host.dtype, device=device).expand(host.shape)
+                self._stand_ins[id(local)] = dp
+            else:
+                local = torch.empty_like(host, device=device)
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    local.copy_(host, non_blocking=True)
+            _dt.set_local_tensor(dp.param, local)
         if side is not None:
-            event = torch.cuda.Event()
-            event.record(side)
-            self._pending_in.append(event)
+            self._pending_in = torch.cuda.Event()
+            self._pending_in.record(side)
 
     @torch.compiler.disable  # a stream wait: eager under the user's torch.compile(opt.step)
     def ready(self) -> None:
-        """Before the commit writes the masters: any copy still deferred is made now (a bucket
-        the step did not reach), and the step's stream waits for the copies in."""
-        if self._deferred:
-            pairs = [(self._work_of(dp), dp) for dp in self._deferred.values()]
-            self._deferred = {}
-            self._copy_in(pairs, self._side(pairs[0][0].device, 0), pairs[0][0].device)
-        events, self._pending_in = self._pending_in, []
-        for event in events:
-            torch.cuda.current_stream(self.params[0].compute_copy.device).wait_event(event)
+        """Before the commit writes the masters: the step's stream waits for the copies in."""
+        if self._pending_in is not None:
+            torch.cuda.current_stream(self.params[0].compute_copy.device).wait_event(
+                self._pending_in
+            )
+            self._pending_in = None
+
+    def holds_stand_ins(self, tensors: list) -> bool:
+        """Whether any of ``tensors`` (a job's local tensors) is a stand-in of :meth:`swap_in`:
+        its commit must go through :meth:`commit_by_bucket`."""
+        return any(id(t) in self._stand_ins for t in tensors)
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def commit_by_bucket(self, tensors: list, buckets: list[list[int]], commit, in_flight) -> None:
+        """The commit of a job whose masters are stand-ins (``tensors``: its local tensors),
+        after the step's verdict, bucket by bucket (``buckets``: indices into ``tensors``, the
+        shape buckets its momentum streamed in): each bucket's masters copied to the GPU (on
+        CUDA on a side stream, ``in_flight`` buckets ahead), ``commit(indices, locals)`` writes
+        the new ones in them (``locals``: ``tensors`` at ``indices``, the masters in place of
+        the stand-ins), then each is cast into its compute copy and copied out to its host
+        master in place (CUDA: on the second side stream), and its GPU copy is released. So the
+        GPU holds the masters of ``in_flight`` buckets at most, never all of them."""
+        limit = max(1, in_flight or len(buckets))
+        device = tensors[buckets[0][0]].device if buckets and buckets[0] else None
+        side = None if device is None else self._side(device, 0)  # swap_in ordered it
+        out = None if device is None else self._side(device, 1)
+        issued: dict[int, tuple[list, object]] = {}
+        released: dict[int, object] = {}
+        next_in = 0
+        for k, idx in enumerate(buckets):
+            while next_in < min(k + limit, len(buckets)):
+                freed = released.pop(next_in - limit, None)
+                if freed is not None:  # the host waits: at most ``limit`` buckets on the GPU
+                    freed.synchronize()
+                issued[next_in] = self._bring_in(tensors, buckets[next_in], side)
+                next_in += 1
+            pairs, event = issued.pop(k)
+            if event is not None:
+                torch.cuda.current_stream(device).wait_event(event)
+            commit(k, [work if work is not None else tensors[i] for i, work in zip(idx, pairs)])
+            if out is not None:
+                out.wait_stream(torch.cuda.current_stream(device))
+            for i, work in zip(idx, pairs):
+                if work is None:
+                    continue
+                self._copy_out(self._stand_ins.pop(id(tensors[i])), work, out)
+            if out is not None:
+                released[k] = torch.cuda.Event()
+                released[k].record(out)
+        if out is not None and buckets:
+            self._copied_out.append(released[len(buckets) - 1])
 
     @staticmethod
-    def _work_of(dp: DedicatedParam) -> torch.Tensor:
-        return _dt.local_tensor(dp.param)
+    def _copy_out(dp: DedicatedParam, work: torch.Tensor, out) -> None:
+        """A committed master ``work`` (on the GPU) cast into ``dp``'s compute copy and copied
+        out to its host master in place (on ``out`` when a CUDA stream, ordered after the
+        commit by the caller), which is the parameter's local tensor again."""
+        dp.compute_copy.copy_(work)
+        with torch.cuda.stream(out) if out is not None else contextlib.nullcontext():
+            dp.host_master.copy_(work, non_blocking=True)
+        if out is not None:
+            work.record_stream(out)  # freed once the copy out has read it
+        _dt.set_local_tensor(dp.param, dp.host_master)
+        dp.host_version = dp.host_master._version
+
+    def _bring_in(self, tensors: list, idx: list[int], side) -> tuple[list, object]:
+        """A bucket's masters copied to new GPU buffers (``None`` where ``tensors[i]`` is no
+        stand-in), on ``side`` when a CUDA stream; ``(buffers, the event after them)``."""
+        works = []
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for i in idx:
+                dp = self._stand_ins.get(id(tensors[i]))
+                if dp is None:
+                    works.append(None)
+                    continue
+                work = torch.empty_like(dp.host_master, device=tensors[i].device)
+                work.copy_(dp.host_master, non_blocking=True)
+                works.append(work)
+        if side is None:
+            return works, None
+        current = torch.cuda.current_stream(side.device)
+        for work in works:
+            if work is not None:
+                work.record_stream(current)  # made on the side stream, written by the commit
+        event = torch.cuda.Event()
+        event.record(side)
+        return works, event
 
     @torch.compiler.disable
     @torch.no_grad()
     def swap_out(self, committed: bool) -> None:
-        """After the step: where it ``committed``, each new master cast into its compute copy and
-        copied out to its host master (CUDA: on a side stream, after the commit); either way the
-        host master is the parameter's local tensor again and the GPU copy is released."""
+        """After the step: where it ``committed``, each new master still on the GPU cast into its
+        compute copy and copied out to its host master (CUDA: on a side stream, after the
+        commit); either way the host master is the parameter's local tensor again and the GPU
+        copy is released. Host reads wait for this step's copies out."""
         if not self._swapped_in:
             return
         self._swapped_in = False
-        self._deferred = {}  # never copied in: nothing read or wrote those buffers
         self.ready()  # a step that raised before its commit: nothing reads its copies after this
+        missed = [dp.fqn for dp in self._stand_ins.values()] if committed else []
         out = None
         if committed and self.params:
             device = self.params[0].compute_copy.device
             out = self._side(device, 1)
             if out is not None:
                 out.wait_stream(torch.cuda.current_stream(device))
+        copied = False
         for dp in self.params:
             work = _dt.local_tensor(dp.param)
-            if committed:
-                dp.compute_copy.copy_(work)
-                with torch.cuda.stream(out) if out is not None else contextlib.nullcontext():
-                    dp.host_master.copy_(work, non_blocking=True)
-                if out is not None:
-                    work.record_stream(out)  # freed once the copy out has read it
+            if work is dp.host_master:  # committed by bucket (commit_by_bucket): copied out
+                continue
+            if committed and id(work) not in self._stand_ins:
+                self._copy_out(dp, work, out)
+                copied = True
+                continue
             _dt.set_local_tensor(dp.param, dp.host_master)
             dp.host_version = dp.host_master._version
-        if out is not None:
+        self._stand_ins = {}
+        if out is not None and copied:
             event = torch.cuda.Event()
             event.record(out)
-            self._copied_out = [event]
-            self.runtime.pending.add(id(self), _CopiedOut(event))
+            self._copied_out.append(event)
+        if self._copied_out:
+            self.runtime.pending.add(id(self), _CopiedOut(self._copied_out))
+        if missed:  # an invariant of Muon's commit, checked: never a silently lost update
+            raise RuntimeError(
+                "Muon(offload='state'): the step committed without writing the masters of "
+                + ", ".join(missed)
+            )
