@@ -330,3 +330,68 @@ def test_offloaded_masters_are_refused_where_they_cannot_be_held_so():
     assert "qk_clip" in errors["qk_clip"] and "offload='momentum'" in errors["qk_clip"]
     assert errors["shared"] is True
     assert "another optimizer was built with offload='state'" in errors["second"]
+
+
+def _train_through_a_failure(rank, world, settings, fail_rank):
+    """4 batches; rank ``fail_rank``'s Newton–Schulz raises at batch 1's second shape bucket
+    (a streamed step's first bucket done, its masters not yet committed); every rank catches
+    the step's error and goes on. Returns the losses, the weights, and per step whether every
+    owner's registered weight is its host master again with its compute copy the cast."""
+    import dmuon_compile as dmuon
+    from dmuon_compile import functional as F
+    from dmuon_compile.distributed import dedicated_runtime
+
+    model = _build(world)
+    opt = dmuon.Muon(model, **{**HYPER, **settings})
+    owned = [dp for dp in dedicated_runtime(model).params if dp.owns]
+    step, calls, original = [0], [], F.orthogonalize
+
+    def second_fails(*args, **kwargs):
+        if rank == fail_rank and step[0] == 1:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("simulated Newton-Schulz failure")
+        return original(*args, **kwargs)
+
+    F.orthogonalize = second_fails
+    losses, errors, held = [], [], []
+    try:
+        for i, x in enumerate(models.batches(STEPS, world)):
+            step[0] = i
+            loss = _loss(model, x[rank * 2 : rank * 2 + 2])
+            loss.backward()
+            try:
+                opt.step()
+                errors.append(None)
+            except dmuon.MuonStepError as exc:
+                errors.append(type(exc).__name__)
+            opt.zero_grad()
+            losses.append(loss.item())
+            held.append(
+                all(
+                    dp.param.to_local().data_ptr() == dp.host_master.data_ptr()
+                    and torch.equal(dp.compute_copy, dp.host_master.to(torch.bfloat16))
+                    for dp in owned
+                )
+                if settings.get("offload") == "state"
+                else None
+            )
+    finally:
+        F.orthogonalize = original
+    state = {k: v.detach().cpu().float() for k, v in full_state(model).items()}
+    return {"losses": losses, "state": state, "errors": errors, "held": held}
+
+
+def test_an_offloaded_step_that_fails_on_one_rank_changes_no_master():
+    """A step that fails on rank 1 after its first bucket (every rank raises ``MuonStepError``)
+    leaves every master where and as it was: the run goes on bit for bit like the masters on the
+    device through the same failure. Control: the same failure on no rank ends elsewhere (the
+    failed step would have moved the weights)."""
+    on = run_ranks(_train_through_a_failure, 2, {}, 1)
+    off = run_ranks(_train_through_a_failure, 2, {"offload": "state"}, 1)
+    for a, b in zip(on, off):
+        assert a["errors"] == b["errors"] == [None, "MuonStepError", None, None]
+        assert b["held"] == [True] * STEPS
+        _assert_same(a, b)
+    unfailed = run_ranks(_train_through_a_failure, 2, {"offload": "state"}, -1)
+    assert unfailed[0]["errors"] == [None] * STEPS and _differs(off[0], unfailed[0])
