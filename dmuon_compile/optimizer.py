@@ -647,7 +647,7 @@ class Muon(torch.optim.Optimizer):
         # A deferred verdict stays on the device: the commit and AdamW select on it and the
         # host reads it at the next step() (``settle``), never waiting for this step's kernels.
         pending = None if isinstance(verdict, bool) else verdict  # else a PendingVerdict
-        if self._host_masters is not None:  # offload="state": the masters copied in by now
+        if self._host_masters is not None:  # offload="state": those copied in at the start
             self._host_masters.ready()
         self._commit_all(plan, halves, adamw, pending)
         if pending is not None:

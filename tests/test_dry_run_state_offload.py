@@ -10,25 +10,38 @@ import torch
 from test_dry_run_kept_momentum import _owned_numel  # tests/ is on sys.path
 
 from dmuon_compile.plan import ModelConfig, build_model, dry_run, main
+from dmuon_compile.plan.momentum import HOST_LINK_GBPS
 
 DENSE = ModelConfig(40, 2, 4, 100, kv_heads=2, vocab=50)
 
 
 def test_offloaded_masters_move_to_host_memory_and_back_on_the_step():
     """fp32 masters, bf16 compute: per owned value 4 B leave the GPU's columns for host memory
-    and 2 B of compute copy stay; the step holds the 4 B again; the link moves 8 B more."""
+    and 2 B of compute copy stay; the link moves 8 B more. All at once the step holds the 4 B
+    again, its copy-in under Newton-Schulz; streamed (the default) only the masters of the
+    buckets in flight, as many bytes as their working momentum, their copy-in after NS."""
     model = build_model(DENSE)[1]
-    momentum = dry_run(model, 2, advise=False, offload="momentum")
-    state = dry_run(model, 2, advise=False, offload="state")
-    owned = _owned_numel(model, momentum)
-    assert all(owned.values())
-    for a, b in zip(momentum.rows, state.rows):
-        n = owned[a.rank]
-        assert a.dedicated_bytes - b.dedicated_bytes == (4 - 2) * n
-        assert b.host_bytes - a.host_bytes == 4 * n
-        assert b.host_link_bytes - a.host_link_bytes == 8 * n
-        assert b.step_extra_bytes - a.step_extra_bytes == 4 * n
-        assert b.peak_bytes - a.peak_bytes == 2 * n  # the compute copies beside the masters
+    owned = None
+    for in_flight in (None, 2):
+        kw = dict(advise=False, momentum_in_flight=in_flight)
+        momentum = dry_run(model, 2, offload="momentum", **kw)
+        state = dry_run(model, 2, offload="state", **kw)
+        owned = owned or _owned_numel(model, momentum)
+        assert all(owned.values())
+        for a, b in zip(momentum.rows, state.rows):
+            n = owned[a.rank]
+            assert a.dedicated_bytes - b.dedicated_bytes == (4 - 2) * n
+            assert b.host_bytes - a.host_bytes == 4 * n
+            assert b.host_link_bytes - a.host_link_bytes == 8 * n
+            extra = b.step_extra_bytes - a.step_extra_bytes
+            if in_flight is None:
+                assert extra == 4 * n
+            else:  # fp32 masters: as many bytes as the fp32 working momentum held
+                assert extra == a._momentum_step_bytes < 4 * n
+                link = HOST_LINK_GBPS * 1e9
+                assert b.step_ms - a.step_ms == pytest.approx(4 * n / link * 1e3, rel=1e-6)
+            # the compute copies (2 B) for the masters (4 B), plus the masters in the step
+            assert b.peak_bytes - a.peak_bytes == extra - 2 * n
         assert b.step_ms >= a.step_ms and b.ns_ms == a.ns_ms
     assert "offload=state" in state.table()
     assert "offload='state': rank" in state.notes[-1]

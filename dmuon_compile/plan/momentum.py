@@ -10,6 +10,9 @@ buckets at a time, each next one's copy-in under the previous one's NS, the new 
 in a shadow of the stored form until the commit (8-bit on the GPU: new codes beside the old;
 offloaded: a second host copy). All at once (``None``, or a step with stages: TP, split NS,
 the expert reshard): every buffer before the first NS call, the copy-in waited for.
+``offload="state"`` adds the owned masters: streamed, brought in by the commit after the
+verdict in the same buckets, as many at a time (their copy-in exposed); all at once, copied in
+under Newton–Schulz and all on the GPU for the step.
 
 Kept (``Muon(keep_new_momentum=True)``, the in-place momentum only): each matrix the rank steps
 itself (not one a stage steps) holds its new momentum buf′ in the storage dtype from its
@@ -116,7 +119,8 @@ class MomentumCost:
     def charge_master(self, add, numel: int, item: int, compute_item: int) -> None:
         """Add one owned dedicated master through ``add(field, bytes)``: on the GPU between
         steps (``dedicated_bytes``), itself, or with ``offload="state"`` its compute copy, the
-        master then in ``host_bytes`` and, copied in for the step, in ``step_extra_bytes``."""
+        master then in ``host_bytes`` and, copied in for the step, in ``step_extra_bytes``
+        (a streamed step holds fewer: ``finish_rows``)."""
         if self.offload != "state":
             add("dedicated_bytes", numel * item)
             return
@@ -207,9 +211,7 @@ def finish_rows(rows, cost: MomentumCost, streams: bool = False, stack_cap: int 
         total = row._momentum_working_bytes
         row._momentum_step_bytes = total
         exposed = row.host_bytes
-        # offload="state": the masters' copy-in runs on a side stream under NS, sharing the link
-        # with the momentum's; only the commit waits for it.
-        masters = row._master_host_bytes
+        masters = row._master_host_bytes  # offload="state"
         momentum_host = row.host_bytes - masters
         if streams and cost.streaming and total:
             largest = _bucket_bytes(row, total, stack_cap)[: cost.in_flight]
@@ -219,9 +221,14 @@ def finish_rows(rows, cost: MomentumCost, streams: bool = False, stack_cap: int 
             row.step_extra_bytes += held + shadow - total
             row._momentum_step_bytes = held + shadow
             first = momentum_host * largest[0] // total if largest else 0
-            rest = momentum_host - first + masters
+            rest = momentum_host - first
             exposed = first + max(0.0, rest - _hidden_bytes(row, cost))
-        elif masters:
+            # offload="state": the masters come in after the verdict, the buckets' own
+            # ``in_flight`` at a time (their copies out overlap the next ones' in): on the GPU
+            # only those, and their copy-in under no Newton-Schulz
+            row.step_extra_bytes -= masters - masters * held // total
+            exposed += masters
+        elif masters:  # all at once: their copy-in on a side stream under NS (the commit waits)
             exposed = momentum_host + max(0.0, masters - _hidden_bytes(row, cost))
         if cost.offload:
             row.host_link_bytes = 2 * row.host_bytes
@@ -310,7 +317,16 @@ def storage_note(report, cost: MomentumCost) -> str | None:
             "ms'); the write-back, as much again, overlaps the next forward (not in 'step ms')"
         )
     masters = top._master_host_bytes
-    if masters:
+    if masters and streamed:
+        text += (
+            f"; offload='state': rank {top.rank} also keeps its {masters / gib:.2f} GiB of owned "
+            "masters in host memory between steps (their compute-dtype copies on the GPU instead, "
+            "in 'dedicated'); after the step's verdict the commit brings them in the same "
+            "buckets, the same number at a time (in 'step extra'), their copy-in under no "
+            "Newton-Schulz (in 'step ms') and their write-back beside the next bucket's copy-in; "
+            "the host link figures above count the masters too"
+        )
+    elif masters:
         text += (
             f"; offload='state': rank {top.rank} also keeps its {masters / gib:.2f} GiB of owned "
             "masters in host memory between steps (their compute-dtype copies on the GPU instead, "

@@ -16,23 +16,25 @@ So the GPU holds the compute dtype's bytes of the weight (bf16: 2 per value) ins
 master's (fp32: 4) through forward and backward, and with the momentum offloaded as well none of
 the owners' optimizer state.
 
-A step swaps a GPU buffer for each master in (:meth:`HostMasters.swap_in`), the step runs
-unchanged on it, and after the commit (:meth:`HostMasters.swap_out`) the new master is copied out
-to the host and cast into the compute copy; a step that did not commit only swaps the host master
-back, so it changed nothing. Only the commit reads a master, so on CUDA the copies in run on a
-side stream under the step's Newton–Schulz and the step's stream waits for them just before the
-commit (:meth:`HostMasters.ready`); the copy out runs on a second side stream under the next
-forward. Where the momentum streams by shape bucket (``momentum_storage.BucketStream``) the
-masters of each bucket are copied in right behind that bucket's momentum, on its stream
-(:meth:`HostMasters.fetch`): the host link carries the two in the order the step needs them,
-instead of every master ahead of the first bucket's momentum. Host reads of a master wait for
-the copy out (an entry of the runtime's pending updates, which every read or write through a
-registered parameter applies first).
+A step brings the masters to the GPU for its commit, the only reader, and after it each new
+master is cast into its compute copy and copied out to its host master in place; a step that
+does not commit writes nothing back, so it changes nothing. Where the momentum streams by shape
+bucket (``momentum_storage.BucketStream``, the default), the step's first half runs on
+*stand-ins* (:meth:`HostMasters.swap_in`: each master's shape, dtype and device, no memory),
+and after the verdict :meth:`HostMasters.commit_by_bucket` walks the same buckets, as many at a
+time: each bucket's masters copied in on a side stream (the next ones ahead), committed, cast
+and copied out on a second side stream beside the next bucket's copy in, then released; the GPU
+never holds every master. Else (all at once: ``momentum_in_flight=None``, the user's
+``torch.compile(opt.step)``) every master is copied in when the step starts, on a side stream
+under its Newton–Schulz (the step's stream waits for it just before the commit:
+:meth:`HostMasters.ready`), and copied out after the commit (:meth:`HostMasters.swap_out`),
+under the next forward. Host reads of a master wait for the copies out (an entry of the
+runtime's pending updates, which every read or write through a registered parameter applies
+first).
 
-The new masters are written to the host in place after the step's verdict (a step that does not
-commit must change nothing, and the host master's storage stays the one ``state_dict()`` views,
-DCP's and torchtitan's caches hold): so the GPU holds every owned master during the step, and
-the copy out runs after the commit, under the next forward, not under Newton–Schulz.
+The copy out waits for the verdict and writes the host master in place, never a new buffer:
+the storage stays the one ``state_dict()`` views and DCP's and torchtitan's caches hold. So the
+streamed step's masters cross the host link after its Newton–Schulz, not under it.
 
 HSDP: the global owners' masters go to host memory; the replicate publish rounds the master
 into the broadcast buffer as before (inside the step, from the master on the GPU; after it,
