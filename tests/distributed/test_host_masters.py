@@ -395,3 +395,15 @@ def test_an_offloaded_step_that_fails_on_one_rank_changes_no_master():
         _assert_same(a, b)
     unfailed = run_ranks(_train_through_a_failure, 2, {"offload": "state"}, -1)
     assert unfailed[0]["errors"] == [None] * STEPS and _differs(off[0], unfailed[0])
+
+
+def test_offloaded_masters_with_normuon_train_bit_for_bit_like_on_the_device():
+    """NorMuon's per-row second moments are written by the commit with the weights: bucket by
+    bucket with the masters too. Control: NorMuon off ends elsewhere."""
+    on = run_ranks(_train, 2, {"normuon": True})
+    off = run_ranks(_train, 2, {"normuon": True, "offload": "state"})
+    for a, b in zip(on, off):
+        _assert_same(a, b)
+        assert len(b["copies"]) > STEPS  # committed bucket by bucket
+    plain = run_ranks(_train, 2, {"offload": "state"})
+    assert _differs(off[0], plain[0])
