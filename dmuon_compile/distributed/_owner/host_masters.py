@@ -248,9 +248,9 @@ class HostMasters:
         """The commit of a job whose masters are stand-ins (``tensors``: its local tensors),
         after the step's verdict, bucket by bucket (``buckets``: indices into ``tensors``, the
         shape buckets its momentum streamed in): each bucket's masters copied to the GPU (on
-        CUDA on a side stream, ``in_flight`` buckets ahead), ``commit(indices, locals)`` writes
-        the new ones in them (``locals``: ``tensors`` at ``indices``, the masters in place of
-        the stand-ins), then each is cast into its compute copy and copied out to its host
+        CUDA on a side stream, ``in_flight`` buckets ahead), ``commit(k, locals)`` writes the
+        new ones in them (``locals``: ``tensors`` at bucket ``k``'s indices, the masters in
+        place of the stand-ins), then each is cast into its compute copy and copied out to its host
         master in place (CUDA: on the second side stream), and its GPU copy is released. So the
         GPU holds the masters of ``in_flight`` buckets at most, never all of them."""
         limit = max(1, in_flight or len(buckets))
