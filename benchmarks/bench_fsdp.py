@@ -42,6 +42,7 @@ Configurations (all built up front, then run interleaved iteration by iteration)
   ``offload="momentum"``; ``ours_compiled_state``: and ``offload="state"`` (the owned masters in
   host memory too: the 1-D mesh; the peaks of forward+backward and of the step are printed
   apart); ``ours_compiled_state8``: and the momentum 8-bit (``momentum_dtype="int8"``);
+  ``ours_compiled_state_all``: ``offload="state"`` all at once (``momentum_in_flight=None``);
 - ``ours_eager_sync``: ``ours_eager`` with ``Muon(replicate_async=False)`` (HSDP runs only);
 - peers that step expert stacks whole (the 1-D mesh only, named ``dp``; their wheels carried as
   benchmarks/README.md §B1 says): ``dion_muon``, microsoft/dion's ``Muon`` with
@@ -539,10 +540,7 @@ def build(config, args, meshes, device):
             kw["compile"] = config.startswith("ours_compiled")
         if config == "ours_compiled_kept":
             kw["keep_new_momentum"] = True
-        if config in OFFLOADED:  # the momentum, or with "state" the owned masters too
-            kw["offload"], momentum_dtype = OFFLOADED[config]
-            if momentum_dtype is not None:
-                kw["momentum_dtype"] = momentum_dtype
+        kw.update(OFFLOADED.get(config, {}))  # the momentum, or with "state" the masters too
         opt = dmuon.Muon(
             model, lr=0.02, ns_backend=ns, replicate_async=config != "ours_eager_sync", **kw
         )
@@ -551,9 +549,12 @@ def build(config, args, meshes, device):
 
 # Our compiled step with the Muon state in host memory between steps (Muon(offload=...)).
 OFFLOADED = {
-    "ours_compiled_offload": ("momentum", None),
-    "ours_compiled_state": ("state", None),
-    "ours_compiled_state8": ("state", "int8"),  # and the momentum 8-bit: 5 B per value moved
+    "ours_compiled_offload": {"offload": "momentum"},
+    "ours_compiled_state": {"offload": "state"},
+    # and the momentum 8-bit: 5 B per owned value moved each way instead of 8
+    "ours_compiled_state8": {"offload": "state", "momentum_dtype": "int8"},
+    # every master and momentum on the GPU for the step (copied in under Newton-Schulz)
+    "ours_compiled_state_all": {"offload": "state", "momentum_in_flight": None},
 }
 
 # Peers that step expert stacks whole, each through its own code on FSDP2's sharded DTensors
