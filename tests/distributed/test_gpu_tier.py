@@ -548,8 +548,9 @@ def test_an_offloaded_momentum_trains_bit_for_bit_like_the_one_on_the_device(tie
 
 def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device(tier_device):
     """``Muon(offload="state")`` on 2 ranks sharing the GPU, bf16 compute: the masters in pinned
-    host memory, copied in on a side stream under Newton–Schulz and out on another after the
-    commit, train bit for bit like the masters on the device."""
+    host memory, brought in bucket by bucket by the commit on a side stream and copied out on
+    another (the host waiting for each bucket's copy out), train bit for bit like the masters on
+    the device."""
     from .test_host_masters import check_offloaded_masters_equal_on_device
 
     check_offloaded_masters_equal_on_device(tier_device)
