@@ -67,6 +67,7 @@ from dmuon_compile.step_phases import (  # noqa: F401 - the phases' names, where
     PHASE_CHECK,
     PHASE_COMPILED,
     PHASE_EAGER,
+    PHASE_MASTERS,
     PHASE_SPLIT_NS,
     PHASE_STATE,
     PHASE_TP_MOMENTUM,
@@ -639,6 +640,11 @@ class Muon(torch.optim.Optimizer):
             part_halves += [self._directions(job, failure) for job in part_jobs]
         # Only the stages' halves and (local gradients, flags, path) cross into the agreement
         # (eager): the other halves' groups hold DTensors, whose meshes Dynamo cannot pass out.
+        masters = self._host_masters
+        if masters is not None and not failure:  # offload="state": memory for the commit, now
+            streamed = [(h.params, [i for i, _ in h.buckets or ()]) for hs in halves for h in hs]
+            in_flight = self._storage.in_flight
+            guarded(failure, PHASE_MASTERS, lambda: masters.reserve(streamed, in_flight), None)
         unsent = [(h.stage, h.stage_half) for hs in halves for h in hs if h.stage is not None]
         self._agreement.check_finite(_finite_flags(halves), failure)
         verdict = self._agree(failure, unsent, self._defers(plan))

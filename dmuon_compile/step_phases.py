@@ -17,6 +17,7 @@ PHASE_TP_MOMENTUM = "the TP momentum"
 PHASE_TP_NS_EAGER = "the TP owners' Newton–Schulz (eager)"
 PHASE_TP_NS_COMPILED = "the TP owners' Newton–Schulz (compiled: Dynamo, Inductor/Triton, autotune)"
 PHASE_SPLIT_NS = "the split Newton–Schulz (a matrix orthogonalised by a group of ranks)"
+PHASE_MASTERS = "the GPU memory for the offloaded masters' commit (offload='state')"
 STEP_PHASES = (
     PHASE_STATE,
     PHASE_CHECK,
@@ -26,6 +27,7 @@ STEP_PHASES = (
     PHASE_TP_NS_EAGER,
     PHASE_TP_NS_COMPILED,
     PHASE_SPLIT_NS,
+    PHASE_MASTERS,
 )
 
 

@@ -156,21 +156,15 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=F
     real_bring_in = host_masters.HostMasters._bring_in
     copies = []  # masters brought in by the commit, per shape bucket (none: all at the start)
 
-    def bring_in(self, tensors, idx, side):
-        works, event = real_bring_in(self, tensors, idx, side)
+    def bring_in(self, tensors, idx, side, slot):
+        works, event = real_bring_in(self, tensors, idx, side, slot)
         copies.append(sum(w is not None for w in works))
         return works, event
 
     host_masters.HostMasters._bring_in = bring_in
-    real = host_masters.HostMasters._copy_out
+    real = host_masters.HostMasters._cast
     if stale:  # the control: the new masters reach the host but not the compute copies
-
-        def copy_out_keeping_compute(dp, work, out):
-            kept = dp.compute_copy.clone()
-            real(dp, work, out)
-            dp.compute_copy.copy_(kept)
-
-        host_masters.HostMasters._copy_out = staticmethod(copy_out_keeping_compute)
+        host_masters.HostMasters._cast = staticmethod(lambda dp, work: None)
     try:
         losses = train_steps(
             model,
@@ -183,7 +177,7 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=F
             between=between,
         )
     finally:
-        host_masters.HostMasters._copy_out = staticmethod(real)
+        host_masters.HostMasters._cast = staticmethod(real)
         host_masters.HostMasters._bring_in = real_bring_in
     state = {k: v.detach().cpu().float() for k, v in full_state(model).items()}  # replicas: bf16
     owned = sum(dp.owns for dp in runtime.params)
@@ -332,28 +326,38 @@ def test_offloaded_masters_are_refused_where_they_cannot_be_held_so():
     assert "another optimizer was built with offload='state'" in errors["second"]
 
 
-def _train_through_a_failure(rank, world, settings, fail_rank):
-    """4 batches; rank ``fail_rank``'s Newton–Schulz raises at batch 1's second shape bucket
-    (a streamed step's first bucket done, its masters not yet committed); every rank catches
-    the step's error and goes on. Returns the losses, the weights, and per step whether every
-    owner's registered weight is its host master again with its compute copy the cast."""
+def _train_through_a_failure(rank, world, settings, fail_rank, where="ns"):
+    """4 batches; on rank ``fail_rank`` at batch 1 (``where``) Newton–Schulz raises at the
+    second shape bucket (a streamed step's first bucket done, its masters not yet committed),
+    or ``"reserve"``: the GPU memory for the masters' commit runs out (``HostMasters.reserve``,
+    after every bucket's NS); every rank catches the step's error and goes on. Returns the
+    losses, the weights, the errors, and per step whether every owner's registered weight is
+    its host master again with its compute copy the cast."""
     import dmuon_compile as dmuon
     from dmuon_compile import functional as F
     from dmuon_compile.distributed import dedicated_runtime
+    from dmuon_compile.distributed._owner import host_masters
 
     model = _build(world)
     opt = dmuon.Muon(model, **{**HYPER, **settings})
     owned = [dp for dp in dedicated_runtime(model).params if dp.owns]
     step, calls, original = [0], [], F.orthogonalize
+    reserve = host_masters.HostMasters.reserve
 
     def second_fails(*args, **kwargs):
-        if rank == fail_rank and step[0] == 1:
+        if where == "ns" and rank == fail_rank and step[0] == 1:
             calls.append(1)
             if len(calls) == 2:
                 raise RuntimeError("simulated Newton-Schulz failure")
         return original(*args, **kwargs)
 
+    def reserve_fails(self, jobs, in_flight):
+        if where == "reserve" and rank == fail_rank and step[0] == 1:
+            raise torch.OutOfMemoryError("simulated: out of memory for the masters' commit")
+        return reserve(self, jobs, in_flight)
+
     F.orthogonalize = second_fails
+    host_masters.HostMasters.reserve = reserve_fails
     losses, errors, held = [], [], []
     try:
         for i, x in enumerate(models.batches(STEPS, world)):
@@ -364,7 +368,7 @@ def _train_through_a_failure(rank, world, settings, fail_rank):
                 opt.step()
                 errors.append(None)
             except dmuon.MuonStepError as exc:
-                errors.append(type(exc).__name__)
+                errors.append("memory" if "masters' commit" in str(exc) else "ns")
             opt.zero_grad()
             losses.append(loss.item())
             held.append(
@@ -378,21 +382,27 @@ def _train_through_a_failure(rank, world, settings, fail_rank):
             )
     finally:
         F.orthogonalize = original
+        host_masters.HostMasters.reserve = reserve
     state = {k: v.detach().cpu().float() for k, v in full_state(model).items()}
     return {"losses": losses, "state": state, "errors": errors, "held": held}
 
 
 def test_an_offloaded_step_that_fails_on_one_rank_changes_no_master():
-    """A step that fails on rank 1 after its first bucket (every rank raises ``MuonStepError``)
-    leaves every master where and as it was: the run goes on bit for bit like the masters on the
-    device through the same failure. Control: the same failure on no rank ends elsewhere (the
-    failed step would have moved the weights)."""
+    """A step that fails on rank 1 after its first bucket, or whose commit finds no GPU memory
+    for the masters on rank 1 (every rank raises ``MuonStepError`` naming it), leaves every
+    master where and as it was: the run goes on bit for bit like the masters on the device
+    through the same (Newton–Schulz) failure. Control: the same failure on no rank ends
+    elsewhere (the failed step would have moved the weights)."""
     on = run_ranks(_train_through_a_failure, 2, {}, 1)
     off = run_ranks(_train_through_a_failure, 2, {"offload": "state"}, 1)
-    for a, b in zip(on, off):
-        assert a["errors"] == b["errors"] == [None, "MuonStepError", None, None]
-        assert b["held"] == [True] * STEPS
+    # the commit's GPU memory runs out on rank 1: before the verdict, so the same
+    short = run_ranks(_train_through_a_failure, 2, {"offload": "state"}, 1, "reserve")
+    for a, b, c in zip(on, off, short):
+        assert a["errors"] == b["errors"] == [None, "ns", None, None]
+        assert c["errors"] == [None, "memory", None, None]
+        assert b["held"] == c["held"] == [True] * STEPS
         _assert_same(a, b)
+        _assert_same(a, c)
     unfailed = run_ranks(_train_through_a_failure, 2, {"offload": "state"}, -1)
     assert unfailed[0]["errors"] == [None] * STEPS and _differs(off[0], unfailed[0])
 

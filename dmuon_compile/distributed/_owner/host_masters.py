@@ -55,6 +55,12 @@ import torch
 from dmuon_compile.distributed._compat import dtensor as _dt
 from dmuon_compile.distributed._owner.param import DedicatedParam
 
+_ALIGN = 256  # bytes: where each master's view in a slot starts
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
 
 class _CopiedOut:
     """A pending update (``_comm/pending.py``): the last step's masters copied out to host
@@ -135,6 +141,7 @@ class HostMasters:
         self._stand_ins: dict[int, DedicatedParam] = {}  # stand-in id -> its master's owner
         self._copied_out: list = []  # CUDA: the events after this step's copies out
         self._last_out: list = []  # ... and the last step's, which the copies in wait for
+        self._slots: list = []  # during a streamed step: the GPU memory of reserve()
         self._load_hook = None  # offloaded: the model's load_state_dict post-hook
 
     @torch.no_grad()
@@ -242,6 +249,34 @@ class HostMasters:
         its commit must go through :meth:`commit_by_bucket`."""
         return any(id(t) in self._stand_ins for t in tensors)
 
+    def _bucket_bytes(self, tensors: list, idx: list[int]) -> int:
+        """The bytes a bucket's masters take in a slot (each start aligned to ``_ALIGN``)."""
+        total = 0
+        for i in idx:
+            dp = self._stand_ins.get(id(tensors[i]))
+            if dp is not None:
+                total += _aligned(dp.host_master.numel() * dp.host_master.element_size())
+        return total
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def reserve(self, jobs: list[tuple[list, list[list[int]]]], in_flight) -> None:
+        """Before the step's verdict: the GPU memory :meth:`commit_by_bucket` brings the masters
+        into, ``in_flight`` slots each as large as the largest bucket's masters (``jobs``: each
+        streamed job's local tensors and shape buckets). The commit then allocates nothing: a
+        step that runs out of memory does so here, before anything is written, and the
+        agreement makes every rank raise (``PHASE_MASTERS``)."""
+        need, device = 0, None
+        for tensors, buckets in jobs:
+            for idx in buckets:
+                size = self._bucket_bytes(tensors, idx)
+                if size:
+                    need, device = max(need, size), tensors[idx[0]].device
+        if not need:
+            return
+        limit = max(1, in_flight or len(max((b for _, b in jobs), key=len)))
+        self._slots = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(limit)]
+
     @torch.compiler.disable
     @torch.no_grad()
     def commit_by_bucket(self, tensors: list, buckets: list[list[int]], commit, in_flight) -> None:
@@ -253,30 +288,39 @@ class HostMasters:
         place of the stand-ins), then each is cast into its compute copy and copied out to its host
         master in place (CUDA: on the second side stream), and its GPU copy is released. So the
         GPU holds the masters of ``in_flight`` buckets at most, never all of them."""
-        limit = max(1, in_flight or len(buckets))
+        slots = self._slots
+        limit = len(slots)
         device = tensors[buckets[0][0]].device if buckets and buckets[0] else None
-        side = None if device is None else self._side(device, 0)  # swap_in ordered it
+        side = None if device is None else self._side(device, 0)
         out = None if device is None else self._side(device, 1)
+        if side is not None:  # the slots were made on the step's stream
+            side.wait_stream(torch.cuda.current_stream(device))
         issued: dict[int, tuple[list, object]] = {}
         released: dict[int, object] = {}
         next_in = 0
         for k, idx in enumerate(buckets):
             while next_in < min(k + limit, len(buckets)):
                 freed = released.pop(next_in - limit, None)
-                if freed is not None:  # the host waits: at most ``limit`` buckets on the GPU
+                if freed is not None:  # the host waits: the slot's last bucket copied out
                     freed.synchronize()
-                issued[next_in] = self._bring_in(tensors, buckets[next_in], side)
+                slot = slots[next_in % limit]
+                issued[next_in] = self._bring_in(tensors, buckets[next_in], side, slot)
                 next_in += 1
             pairs, event = issued.pop(k)
             if event is not None:
                 torch.cuda.current_stream(device).wait_event(event)
             commit(k, [work if work is not None else tensors[i] for i, work in zip(idx, pairs)])
-            if out is not None:
+            done = [
+                (self._stand_ins.pop(id(tensors[i])), w)
+                for i, w in zip(idx, pairs)
+                if w is not None
+            ]
+            for dp, work in done:
+                self._cast(dp, work)
+            if out is not None:  # after the commit and the casts: the slot is free after this
                 out.wait_stream(torch.cuda.current_stream(device))
-            for i, work in zip(idx, pairs):
-                if work is None:
-                    continue
-                self._copy_out(self._stand_ins.pop(id(tensors[i])), work, out)
+            for dp, work in done:
+                self._copy_out(dp, work, out)
             if out is not None:
                 released[k] = torch.cuda.Event()
                 released[k].record(out)
@@ -284,11 +328,16 @@ class HostMasters:
             self._copied_out.append(released[len(buckets) - 1])
 
     @staticmethod
-    def _copy_out(dp: DedicatedParam, work: torch.Tensor, out) -> None:
-        """A committed master ``work`` (on the GPU) cast into ``dp``'s compute copy and copied
-        out to its host master in place (on ``out`` when a CUDA stream, ordered after the
-        commit by the caller), which is the parameter's local tensor again."""
+    def _cast(dp: DedicatedParam, work: torch.Tensor) -> None:
+        """A committed master ``work`` (on the GPU) cast into ``dp``'s compute copy, on the
+        step's stream: what the next unshard sends."""
         dp.compute_copy.copy_(work)
+
+    @staticmethod
+    def _copy_out(dp: DedicatedParam, work: torch.Tensor, out) -> None:
+        """A committed master ``work`` (on the GPU) copied out to ``dp``'s host master in place
+        (on ``out`` when a CUDA stream, ordered after the commit by the caller), which is the
+        parameter's local tensor again."""
         with torch.cuda.stream(out) if out is not None else contextlib.nullcontext():
             dp.host_master.copy_(work, non_blocking=True)
         if out is not None:
@@ -296,25 +345,24 @@ class HostMasters:
         _dt.set_local_tensor(dp.param, dp.host_master)
         dp.host_version = dp.host_master._version
 
-    def _bring_in(self, tensors: list, idx: list[int], side) -> tuple[list, object]:
-        """A bucket's masters copied to new GPU buffers (``None`` where ``tensors[i]`` is no
-        stand-in), on ``side`` when a CUDA stream; ``(buffers, the event after them)``."""
-        works = []
+    def _bring_in(self, tensors: list, idx: list[int], side, slot) -> tuple[list, object]:
+        """A bucket's masters copied into views of ``slot`` (``None`` where ``tensors[i]`` is no
+        stand-in), on ``side`` when a CUDA stream; ``(views, the event after them)``."""
+        works, offset = [], 0
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for i in idx:
                 dp = self._stand_ins.get(id(tensors[i]))
                 if dp is None:
                     works.append(None)
                     continue
-                work = torch.empty_like(dp.host_master, device=tensors[i].device)
-                work.copy_(dp.host_master, non_blocking=True)
+                host = dp.host_master
+                nbytes = host.numel() * host.element_size()
+                work = slot[offset : offset + nbytes].view(host.dtype).view(host.shape)
+                offset += _aligned(nbytes)
+                work.copy_(host, non_blocking=True)
                 works.append(work)
         if side is None:
             return works, None
-        current = torch.cuda.current_stream(side.device)
-        for work in works:
-            if work is not None:
-                work.record_stream(current)  # made on the side stream, written by the commit
         event = torch.cuda.Event()
         event.record(side)
         return works, event
@@ -343,12 +391,17 @@ class HostMasters:
             if work is dp.host_master:  # committed by bucket (commit_by_bucket): copied out
                 continue
             if committed and id(work) not in self._stand_ins:
+                self._cast(dp, work)
                 self._copy_out(dp, work, out)
                 copied = True
                 continue
             _dt.set_local_tensor(dp.param, dp.host_master)
             dp.host_version = dp.host_master._version
         self._stand_ins = {}
+        slots, self._slots = self._slots, []
+        for slot in slots:  # released once the side streams' copies are done with them
+            for stream in self._streams.get(slot.device, []):
+                slot.record_stream(stream)
         if out is not None and copied:
             event = torch.cuda.Event()
             event.record(out)
