@@ -142,6 +142,7 @@ class HostMasters:
         self._copied_out: list = []  # CUDA: the events after this step's copies out
         self._last_out: list = []  # ... and the last step's, which the copies in wait for
         self._slots: list = []  # during a streamed step: the GPU memory of reserve()
+        self._slot_freed: list = []  # ... and per slot the event after its last copy out
         self._load_hook = None  # offloaded: the model's load_state_dict post-hook
 
     @torch.no_grad()
@@ -276,18 +277,20 @@ class HostMasters:
             return
         limit = max(1, in_flight or len(max((b for _, b in jobs), key=len)))
         self._slots = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(limit)]
+        self._slot_freed = [None] * limit
 
     @torch.compiler.disable
     @torch.no_grad()
     def commit_by_bucket(self, tensors: list, buckets: list[list[int]], commit, in_flight) -> None:
         """The commit of a job whose masters are stand-ins (``tensors``: its local tensors),
         after the step's verdict, bucket by bucket (``buckets``: indices into ``tensors``, the
-        shape buckets its momentum streamed in): each bucket's masters copied to the GPU (on
-        CUDA on a side stream, ``in_flight`` buckets ahead), ``commit(k, locals)`` writes the
-        new ones in them (``locals``: ``tensors`` at bucket ``k``'s indices, the masters in
-        place of the stand-ins), then each is cast into its compute copy and copied out to its host
-        master in place (CUDA: on the second side stream), and its GPU copy is released. So the
-        GPU holds the masters of ``in_flight`` buckets at most, never all of them."""
+        shape buckets its momentum streamed in): each bucket's masters copied into a slot of
+        :meth:`reserve` (on CUDA on a side stream, the next slots' buckets ahead),
+        ``commit(k, locals)`` writes the new ones in them (``locals``: ``tensors`` at bucket
+        ``k``'s indices, the masters in place of the stand-ins), then each is cast into its
+        compute copy and copied out to its host master in place (CUDA: on the second side
+        stream), which frees the slot. So the GPU holds the masters of ``in_flight`` buckets at
+        most, never all of them, and allocates nothing after the verdict."""
         slots = self._slots
         limit = len(slots)
         device = tensors[buckets[0][0]].device if buckets and buckets[0] else None
@@ -296,15 +299,15 @@ class HostMasters:
         if side is not None:  # the slots were made on the step's stream
             side.wait_stream(torch.cuda.current_stream(device))
         issued: dict[int, tuple[list, object]] = {}
-        released: dict[int, object] = {}
+        freed = self._slot_freed  # per slot: the event after its last bucket's copy out
         next_in = 0
         for k, idx in enumerate(buckets):
             while next_in < min(k + limit, len(buckets)):
-                freed = released.pop(next_in - limit, None)
-                if freed is not None:  # the host waits: the slot's last bucket copied out
-                    freed.synchronize()
-                slot = slots[next_in % limit]
-                issued[next_in] = self._bring_in(tensors, buckets[next_in], side, slot)
+                j = next_in % limit
+                if freed[j] is not None:  # the host waits: the slot's last bucket copied out
+                    freed[j].synchronize()
+                    freed[j] = None
+                issued[next_in] = self._bring_in(tensors, buckets[next_in], side, slots[j])
                 next_in += 1
             pairs, event = issued.pop(k)
             if event is not None:
@@ -322,10 +325,10 @@ class HostMasters:
             for dp, work in done:
                 self._copy_out(dp, work, out)
             if out is not None:
-                released[k] = torch.cuda.Event()
-                released[k].record(out)
+                freed[k % limit] = torch.cuda.Event()
+                freed[k % limit].record(out)
         if out is not None and buckets:
-            self._copied_out.append(released[len(buckets) - 1])
+            self._copied_out.append(freed[(len(buckets) - 1) % limit])
 
     @staticmethod
     def _cast(dp: DedicatedParam, work: torch.Tensor) -> None:
