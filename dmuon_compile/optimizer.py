@@ -907,12 +907,8 @@ class Muon(torch.optim.Optimizer):
         masters = self._host_masters
         if masters is not None and half.buckets and masters.holds_stand_ins(half.params):
             # offload="state", streamed: the masters come to the GPU a few buckets at a time
-            masters.commit_by_bucket(
-                half.params,
-                [idx for idx, _ in half.buckets],
-                functools.partial(self._commit_bucket, half),
-                self._storage.in_flight,
-            )
+            commit = functools.partial(self._commit_bucket, half)
+            masters.commit_by_bucket(half.params, [idx for idx, _ in half.buckets], commit)
             return
         group = half.group
         commit = F.commit_muon_step if half.compiled is None else half.compiled.commit

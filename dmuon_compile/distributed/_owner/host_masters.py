@@ -281,11 +281,12 @@ class HostMasters:
 
     @torch.compiler.disable
     @torch.no_grad()
-    def commit_by_bucket(self, tensors: list, buckets: list[list[int]], commit, in_flight) -> None:
+    def commit_by_bucket(self, tensors: list, buckets: list[list[int]], commit) -> None:
         """The commit of a job whose masters are stand-ins (``tensors``: its local tensors),
         after the step's verdict, bucket by bucket (``buckets``: indices into ``tensors``, the
         shape buckets its momentum streamed in): each bucket's masters copied into a slot of
-        :meth:`reserve` (on CUDA on a side stream, the next slots' buckets ahead),
+        :meth:`reserve` (on CUDA on a side stream, the next slots' buckets ahead: as many in
+        flight as there are slots),
         ``commit(k, locals)`` writes the new ones in them (``locals``: ``tensors`` at bucket
         ``k``'s indices, the masters in place of the stand-ins), then each is cast into its
         compute copy and copied out to its host master in place (CUDA: on the second side
@@ -293,6 +294,8 @@ class HostMasters:
         most, never all of them, and allocates nothing after the verdict."""
         slots = self._slots
         limit = len(slots)
+        if not limit:  # reserve() runs before every verdict that lets a commit through
+            raise RuntimeError("Muon(offload='state'): the commit found no memory reserved")
         device = tensors[buckets[0][0]].device if buckets and buckets[0] else None
         side = None if device is None else self._side(device, 0)
         out = None if device is None else self._side(device, 1)
