@@ -148,8 +148,8 @@ class Muon(torch.optim.Optimizer):
             the GPU, bit for bit. Combines with ``momentum_dtype``. ``"state"``: the momentum
             so, and the masters of the dedicated weights this rank owns in pinned host memory
             between steps too; the GPU keeps their cast to the forward's dtype (what the
-            unshard sends), each step copies the masters in and the new ones out around its
-            commit. Needs ``Muon(model)`` with dedicated weights computing in a lower dtype than
+            unshard sends), and the commit brings the masters in (streamed: bucket by
+            bucket, after the verdict) and copies the new ones out in place. Needs ``Muon(model)`` with dedicated weights computing in a lower dtype than
             their masters (``ParamPolicy(defaults=MixedPrecision(param_dtype=torch.bfloat16))``),
             1-D or HSDP (not tensor parallelism, split NS or ``qk_clip``: a ``ValueError`` says
             so); the same bits as on the GPU (docs/memory.md).
