@@ -149,8 +149,8 @@ class Muon(torch.optim.Optimizer):
             so, and the masters of the dedicated weights this rank owns in pinned host memory
             between steps too; the GPU keeps their cast to the forward's dtype (what the
             unshard sends), and the commit brings the masters in (streamed: bucket by
-            bucket, after the verdict) and copies the new ones out in place. Needs ``Muon(model)`` with dedicated weights computing in a lower dtype than
-            their masters (``ParamPolicy(defaults=MixedPrecision(param_dtype=torch.bfloat16))``),
+            bucket, after the verdict) and copies the new ones out in place. Needs
+            ``Muon(model)`` with dedicated weights computing in a lower dtype than their masters (``ParamPolicy(defaults=MixedPrecision(param_dtype=torch.bfloat16))``),
             1-D or HSDP (not tensor parallelism, split NS or ``qk_clip``: a ``ValueError`` says
             so); the same bits as on the GPU (docs/memory.md).
             A checkpoint of any of these settings loads into any other (converted at the
