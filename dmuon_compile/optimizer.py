@@ -150,9 +150,10 @@ class Muon(torch.optim.Optimizer):
             between steps too; the GPU keeps their cast to the forward's dtype (what the
             unshard sends), and the commit brings the masters in (streamed: bucket by
             bucket, after the verdict) and copies the new ones out in place. Needs
-            ``Muon(model)`` with dedicated weights computing in a lower dtype than their masters (``ParamPolicy(defaults=MixedPrecision(param_dtype=torch.bfloat16))``),
-            1-D or HSDP (not tensor parallelism, split NS or ``qk_clip``: a ``ValueError`` says
-            so); the same bits as on the GPU (docs/memory.md).
+            ``Muon(model)`` with dedicated weights computing in a lower dtype than their masters
+            (``ParamPolicy(defaults=MixedPrecision(param_dtype=torch.bfloat16))``), 1-D or HSDP
+            (not tensor parallelism, split NS or ``qk_clip``: a ``ValueError`` says so); the
+            same bits as on the GPU (docs/memory.md).
             A checkpoint of any of these settings loads into any other (converted at the
             next step): checkpoints hold ``momentum_buffer`` in the parameter's dtype.
         momentum_in_flight: with a stored momentum (8-bit or offloaded): how many shape
