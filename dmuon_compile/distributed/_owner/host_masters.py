@@ -275,7 +275,7 @@ class HostMasters:
                     need, device = max(need, size), tensors[idx[0]].device
         if not need:
             return
-        limit = max(1, in_flight or len(max((b for _, b in jobs), key=len)))
+        limit = max(1, in_flight or 1)  # stand-ins exist only where the momentum streams
         self._slots = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(limit)]
         self._slot_freed = [None] * limit
 
