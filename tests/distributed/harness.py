@@ -391,10 +391,12 @@ def full_state(model) -> dict:
     runtime.wait_all()
     for dp in runtime.params:
         device = runtime.groups[0].device
-        buf = (  # on the group's device (an offloaded master lives in host memory)
-            dp.source.detach().to(device, copy=True)
+        # On the group's device (an offloaded master lives in host memory), in the master's
+        # dtype on every rank (an HSDP replica is in the compute dtype).
+        buf = (
+            dp.source.detach().to(device, dp.orig_dtype, copy=True)
             if dp.source is not None
-            else torch.empty(dp.shape, device=device)
+            else torch.empty(dp.shape, device=device, dtype=dp.orig_dtype)
         )
         dist.broadcast(
             buf,

@@ -546,16 +546,16 @@ def test_an_offloaded_momentum_trains_bit_for_bit_like_the_one_on_the_device(tie
     check_offloaded_equals_on_device(kind, tier_device)
 
 
-@pytest.mark.parametrize("hsdp", [False, True], ids=["1d", "hsdp"])
-def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device(tier_device, hsdp):
-    """``Muon(offload="state")`` on 2 ranks sharing the GPU, bf16 compute: the masters in pinned
-    host memory, brought in bucket by bucket by the commit on a side stream and copied out on
+@pytest.mark.parametrize("hsdp, world", [(0, 2), (2, 2), (2, 4)], ids=["1d", "hsdp2x1", "hsdp2x2"])
+def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device(tier_device, hsdp, world):
+    """``Muon(offload="state")`` on 2 (or 4) ranks sharing the GPU, bf16 compute: the masters in
+    pinned host memory, brought in bucket by bucket by the commit on a side stream and copied out on
     another (the host waiting for each bucket's copy out), train bit for bit like the masters on
     the device. HSDP (2 replicas): two jobs a step (the first forward group's matrices first),
-    their masters through the same slots."""
+    their masters through the same slots; 2×2: a column's two owners."""
     from .test_host_masters import check_offloaded_masters_equal_on_device
 
-    check_offloaded_masters_equal_on_device(tier_device, hsdp)
+    check_offloaded_masters_equal_on_device(tier_device, hsdp, world)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

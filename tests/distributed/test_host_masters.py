@@ -82,7 +82,7 @@ def test_offloaded_expert_stacks_train_bit_for_bit_like_on_the_device():
         _assert_same(a, b)
 
 
-def _build(world: int, bf16: bool = True, device: str = "cpu", hsdp: bool = False):
+def _build(world: int, bf16: bool = True, device: str = "cpu", hsdp: int = 0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -91,8 +91,10 @@ def _build(world: int, bf16: bool = True, device: str = "cpu", hsdp: bool = Fals
     from .harness import local_device
 
     model = models.build_llama().to(local_device(device))
-    if hsdp:  # world replicas of one shard: every matrix has one global owner in the job
-        mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
+    if hsdp:  # ``hsdp`` replicas of world // hsdp shards: one global owner per matrix in the job
+        mesh = init_device_mesh(
+            device, (hsdp, world // hsdp), mesh_dim_names=("replicate", "shard")
+        )
         kw, shard = {"replicate_mesh": mesh["replicate"]}, mesh["shard"]
     else:
         mesh = init_device_mesh(device, (world,))
@@ -116,7 +118,7 @@ def _loss(model, x):
     return model(x).float().square().mean()
 
 
-def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=False):
+def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=0):
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
     from dmuon_compile.distributed._owner import host_masters
@@ -194,28 +196,32 @@ def _differs(a, b) -> bool:
     return any(not torch.equal(b["state"][k], v) for k, v in a["state"].items())
 
 
-@pytest.mark.parametrize("hsdp", [False, True], ids=["1d", "hsdp"])
-def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device(hsdp):
-    check_offloaded_masters_equal_on_device("cpu", hsdp)
+@pytest.mark.parametrize("hsdp, world", [(0, 2), (2, 2), (2, 4)], ids=["1d", "hsdp2x1", "hsdp2x2"])
+def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device(hsdp, world):
+    check_offloaded_masters_equal_on_device("cpu", hsdp, world)
 
 
-def check_offloaded_masters_equal_on_device(device: str, hsdp: bool = False) -> None:
-    """2 ranks on ``device`` (``"cuda"``: both on the one GPU, the copies on side streams);
-    ``hsdp``: 2 replicas of one shard (the global owners' masters offloaded, the publish from
-    the master on the GPU inside the step and from the compute copy after it)."""
-    on, off, momentum_only = (
-        run_ranks(_train, 2, settings, False, None, device, hsdp, device=device)
-        for settings in ({}, {"offload": "state"}, {"offload": "momentum"})
+def check_offloaded_masters_equal_on_device(device: str, hsdp: int = 0, world: int = 2) -> None:
+    """``world`` ranks on ``device`` (``"cuda"``: all on the one GPU, the copies on side
+    streams); ``hsdp``: that many replicas of ``world // hsdp`` shards (the global owners'
+    masters offloaded, the publish from the master on the GPU inside the step and from the
+    compute copy after it; with 2 shards the owners of a column differ per matrix)."""
+    settings_list = ({}, {"offload": "state"}) + (({"offload": "momentum"},) if world == 2 else ())
+    on, off, *momentum_only = (
+        run_ranks(_train, world, settings, False, None, device, hsdp, device=device)
+        for settings in settings_list
     )
-    for a, b, c in zip(on, off, momentum_only):
+    for a, b in zip(on, off):
         _assert_same(a, b)
-        _assert_same(a, c)
         assert b["seen"]["host"] == [True] * STEPS and b["seen"]["cast"] == [True] * STEPS
         assert a["seen"]["host"] == [False] * STEPS
         # streamed momentum: the commit brings the masters in bucket by bucket, each once a step
         assert sum(b["copies"]) == STEPS * b["owned"] and len(b["copies"]) > STEPS
+    for run in momentum_only:
+        for a, c in zip(on, run):
+            _assert_same(a, c)
     # Controls: stale compute copies (the forward never sees the new masters), another lr.
-    stale = run_ranks(_train, 2, {"offload": "state"}, True, None, device, hsdp, device=device)
+    stale = run_ranks(_train, world, {"offload": "state"}, True, None, device, hsdp, device=device)
     assert stale[0]["losses"][1:] != on[0]["losses"][1:] and _differs(on[0], stale[0])
     if device == "cpu" and not hsdp:
         other = run_ranks(_train, 2, {"offload": "state", "lr": 0.01})
