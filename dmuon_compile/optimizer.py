@@ -151,9 +151,9 @@ class Muon(torch.optim.Optimizer):
             unshard sends), and the commit brings the masters in (streamed: bucket by
             bucket, after the verdict) and copies the new ones out in place. Needs
             ``Muon(model)`` with dedicated weights computing in a lower dtype than their masters
-            (``ParamPolicy(defaults=MixedPrecision(param_dtype=torch.bfloat16))``), 1-D or HSDP
-            (not tensor parallelism, split NS or ``qk_clip``: a ``ValueError`` says so); the
-            same bits as on the GPU (docs/memory.md).
+            (``ParamPolicy(defaults=MixedPrecision(param_dtype=torch.bfloat16))``), 1-D, HSDP,
+            TP or split NS (TP and split: the masters copied in all at once; not ``qk_clip``:
+            a ``ValueError`` says so); the same bits as on the GPU (docs/memory.md).
             A checkpoint of any of these settings loads into any other (converted at the
             next step): checkpoints hold ``momentum_buffer`` in the parameter's dtype.
         momentum_in_flight: with a stored momentum (8-bit or offloaded): how many shape
@@ -671,12 +671,15 @@ class Muon(torch.optim.Optimizer):
         is known to be false: it writes nothing, its actions' collectives still go out."""
         write = pending is None or not pending.failure
         commit_if = None if pending is None else pending.ok
+        # Offloaded masters are copied out right after the step: a stage's updates are applied
+        # now, not queued for the next forward (TP's scatters).
+        defer = self.replicate_async and self._host_masters is None
         for part, part_halves in zip(plan.parts, halves):
             for half in part_halves if write else ():
                 self._commit(half, commit_if)
             for half in part_halves if write else ():
                 if half.stage is not None:
-                    half.stage.commit(half.stage_half, self.replicate_async)
+                    half.stage.commit(half.stage_half, defer)
             if part.after is not None:
                 part.after()
         if self._storage.stored:  # a stored momentum (8-bit, offloaded): the committed values

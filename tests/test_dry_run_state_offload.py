@@ -48,18 +48,26 @@ def test_offloaded_masters_move_to_host_memory_and_back_on_the_step():
     assert "offload='state'" not in momentum.notes[-1]  # control
 
 
-@pytest.mark.parametrize(
-    "kw, words",
-    [
-        ({"split_size": 2}, "split Newton-Schulz"),
-        ({"tp_size": 2}, "tensor parallelism"),
-        ({"param_dtype": torch.float32}, "compute in their master's dtype"),
-    ],
-)
-def test_offloaded_masters_are_refused_where_muon_refuses_them(kw, words):
+def test_offloaded_masters_are_refused_where_muon_refuses_them():
+    words = "compute in their master's dtype"
     with pytest.raises(ValueError, match=f"offload='state' is not available with .*{words}"):
-        dry_run("tiny", 4, offload="state", **kw)
-    dry_run("tiny", 4, advise=False, offload="momentum", **kw)  # control: the momentum alone
+        dry_run("tiny", 4, offload="state", param_dtype=torch.float32)
+    # control: the momentum alone
+    dry_run("tiny", 4, advise=False, offload="momentum", param_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kw", [{"split_size": 2}, {"tp_size": 2}], ids=["split", "tp"])
+def test_tp_and_split_offload_the_masters(kw):
+    """Planned as ``Muon`` takes them; TP's stage takes its matrices, so their masters come in
+    all at once (the step holds all of them), as with ``momentum_in_flight=None``."""
+    momentum = dry_run("tiny", 4, advise=False, offload="momentum", **kw)
+    state = dry_run("tiny", 4, advise=False, offload="state", **kw)
+    whole = dry_run("tiny", 4, advise=False, offload="state", momentum_in_flight=None, **kw)
+    for a, b, c in zip(momentum.rows, state.rows, whole.rows):
+        assert b.host_bytes - a.host_bytes == 2 * (a.dedicated_bytes - b.dedicated_bytes)
+        if "tp_size" in kw:
+            assert b.step_extra_bytes == c.step_extra_bytes  # all at once either way
+    assert sum(b.host_bytes - a.host_bytes for a, b in zip(momentum.rows, state.rows)) > 0
 
 
 def test_hsdp_offloads_the_global_owners_masters():

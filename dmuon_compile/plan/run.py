@@ -162,7 +162,7 @@ def _run_group(
             b[shape] = b.get(shape, 0) + count
 
     if momentum.offload == "state":  # as Muon refuses it (distributed/_owner/host_masters.py)
-        _check_state_offload(T, split_size, planned, policy)
+        _check_state_offload(planned, policy)
 
     # -- dedicated weights: owned state, NS and the hook groups' collectives
     specs = {s.fqn: s for s in planned.specs}
@@ -465,7 +465,7 @@ def _tp_shard_dims(model: nn.Module) -> dict[str, int]:
     return dims
 
 
-def _check_state_offload(T: int, split_size: int, planned, policy) -> None:
+def _check_state_offload(planned, policy) -> None:
     """``offload="state"`` where ``Muon`` takes it (``state_offload_obstacles``: the same
     rules); else ``ValueError``."""
     from dmuon_compile.distributed._owner.host_masters import state_offload_obstacles
@@ -476,14 +476,12 @@ def _check_state_offload(T: int, split_size: int, planned, policy) -> None:
         for fqn, p in planned.selected
         if _itemsize(resolve_dtypes(p.dtype, policy, None)[0]) >= _itemsize(p.dtype)
     ]
-    reasons = state_offload_obstacles(
-        tp=T > 1, split=split_size > 1, qk_clip=False, same_dtype=same
-    )
+    reasons = state_offload_obstacles(qk_clip=False, same_dtype=same)
     if reasons:
         raise ValueError(
             "dry_run: offload='state' is not available with "
             + "; ".join(reasons)
-            + " (--tp 1, --split-size 1, a bf16 --param-dtype): Muon refuses it there; use "
+            + " (a bf16 --param-dtype): Muon refuses it there; use "
             "offload='momentum'"
         )
 

@@ -558,6 +558,14 @@ def test_offloaded_masters_train_bit_for_bit_like_masters_on_the_device(tier_dev
     check_offloaded_masters_equal_on_device(tier_device, hsdp, world)
 
 
+def test_offloaded_tp_masters_train_bit_for_bit_like_masters_on_the_device(tier_device):
+    """``Muon(offload="state")`` with TP 2 on 2 ranks sharing the GPU: each member's shards
+    copied in all at once on a side stream, the scattered updates applied at the commit."""
+    from .test_host_masters import check_offloaded_tp_masters_equal_on_device
+
+    check_offloaded_tp_masters_equal_on_device(tier_device)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_the_kept_new_momentum_trains_bit_for_bit_like_the_default(tier_device, compiled):
     """``Muon(keep_new_momentum=True)`` on 2 ranks sharing the GPU: each owner's buf′ swapped

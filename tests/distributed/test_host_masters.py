@@ -9,8 +9,10 @@
   reaches the next forward; a checkpoint (``state_dict``) of offloaded masters loads into a
   model without offload and trains on to the same bits; the setting switches on a live
   optimizer both ways.
-- HSDP (2 replicas of one shard): the global owners' masters offloaded, bit for bit as well;
-  so are expert stacks dedicated whole (3-D masters).
+- HSDP (2 replicas of one shard, and of two shards on 4 ranks): the global owners' masters
+  offloaded, bit for bit as well; so are expert stacks dedicated whole (3-D masters), TP 2 (each
+  member's shards, the scattered updates applied at the commit) and split Newton-Schulz on 4
+  ranks.
 - Where it cannot hold the masters so, ``Muon`` raises naming the fix (no dedicated weights,
   fp32 compute, ``qk_clip``).
 
@@ -82,7 +84,7 @@ def test_offloaded_expert_stacks_train_bit_for_bit_like_on_the_device():
         _assert_same(a, b)
 
 
-def _build(world: int, bf16: bool = True, device: str = "cpu", hsdp: int = 0):
+def _build(world: int, bf16: bool = True, device: str = "cpu", hsdp: int = 0, split: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -90,15 +92,21 @@ def _build(world: int, bf16: bool = True, device: str = "cpu", hsdp: int = 0):
 
     from .harness import local_device
 
-    model = models.build_llama().to(local_device(device))
+    # split: FFN matrices of 1024 rows, each more Newton-Schulz than a rank's share, split over
+    # pairs of ranks (the test of split NS's shape)
+    kw: dict = {}
+    model = models.build_llama(**({"layers": 1, "ffn": 1024} if split else {}))
+    model = model.to(local_device(device))
+    if split:
+        kw["split_size"] = 2
     if hsdp:  # ``hsdp`` replicas of world // hsdp shards: one global owner per matrix in the job
         mesh = init_device_mesh(
             device, (hsdp, world // hsdp), mesh_dim_names=("replicate", "shard")
         )
-        kw, shard = {"replicate_mesh": mesh["replicate"]}, mesh["shard"]
+        kw["replicate_mesh"], shard = mesh["replicate"], mesh["shard"]
     else:
         mesh = init_device_mesh(device, (world,))
-        kw, shard = {}, mesh
+        shard = mesh
     mp = {}
     if bf16:
         kw["param_policy"] = dmuon.ParamPolicy(
@@ -118,14 +126,22 @@ def _loss(model, x):
     return model(x).float().square().mean()
 
 
-def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=0):
+def _train(
+    rank, world, settings, stale=False, switch=None, device="cpu", hsdp=0, tp=False, split=False
+):
     import dmuon_compile as dmuon
     from dmuon_compile.distributed import dedicated_runtime
     from dmuon_compile.distributed._owner import host_masters
 
     from .harness import local_device
 
-    model = _build(world, device=device, hsdp=hsdp)
+    dp_rank, dp = rank, world
+    if tp:  # TP over every rank: each matrix's shards on its owner's TP group
+        from .test_tp import build_tp
+
+        (model, dp_rank), dp = build_tp(rank, world, 1, world, device=device, bf16=True), 1
+    else:
+        model = _build(world, device=device, hsdp=hsdp, split=split)
     settings = {**HYPER, **settings}
     traced = settings.pop("user_compile", False)
     opt = dmuon.Muon(model, **settings)
@@ -171,9 +187,9 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=0
         losses = train_steps(
             model,
             opt,
-            models.batches(STEPS, world),
-            rank,
-            world,
+            models.batches(STEPS, dp),
+            dp_rank,
+            dp,
             device=local_device(device),
             loss_fn=_loss,
             between=between,
@@ -183,7 +199,8 @@ def _train(rank, world, settings, stale=False, switch=None, device="cpu", hsdp=0
         host_masters.HostMasters._bring_in = real_bring_in
     state = {k: v.detach().cpu().float() for k, v in full_state(model).items()}  # replicas: bf16
     owned = sum(dp.owns for dp in runtime.params)
-    return {"losses": losses, "state": state, "seen": seen, "copies": copies, "owned": owned}
+    out = {"losses": losses, "state": state, "seen": seen, "copies": copies, "owned": owned}
+    return {**out, "split": len(runtime.split or ())}
 
 
 def _assert_same(a, b) -> None:
@@ -234,6 +251,41 @@ def check_offloaded_masters_equal_on_device(device: str, hsdp: int = 0, world: i
         for a, b in zip(traced_on, traced_off):
             _assert_same(a, b)
             assert b["copies"] == []  # traced: all at once, when the step starts
+
+
+def test_offloaded_tp_masters_train_bit_for_bit_like_masters_on_the_device():
+    check_offloaded_tp_masters_equal_on_device("cpu")
+
+
+def check_offloaded_tp_masters_equal_on_device(device: str) -> None:
+    """TP 2: each rank's shards of the TP matrices offloaded (the TP owner gathers the inputs,
+    scatters the update, which each member applies to its master on the GPU at the commit,
+    not in the next forward), bit for bit like the masters on the device; control: a stale
+    compute copy ends elsewhere."""
+    on, off = (
+        run_ranks(_train, 2, settings, False, None, device, 0, True, device=device)
+        for settings in ({}, {"offload": "state"})
+    )
+    for a, b in zip(on, off):
+        _assert_same(a, b)
+        assert b["owned"] > 0 and b["seen"]["host"] == [True] * STEPS
+        assert b["copies"] == []  # a stage takes the matrices: all at once, at the start
+    stale = run_ranks(_train, 2, {"offload": "state"}, True, None, device, 0, True, device=device)
+    assert stale[0]["losses"][1:] != on[0]["losses"][1:] and _differs(on[0], stale[0])
+
+
+def test_offloaded_masters_of_split_newton_schulz_train_bit_for_bit_like_on_the_device():
+    """Split Newton-Schulz on 4 ranks (each FFN matrix orthogonalised by a pair, its owner
+    committing it like any other): offloaded masters bit for bit like on the device; control:
+    a stale compute copy ends elsewhere."""
+    args = (False, None, "cpu", 0, False, True)
+    on, off = (run_ranks(_train, 4, settings, *args) for settings in ({}, {"offload": "state"}))
+    assert on[0]["split"] > 0  # the planner split matrices: the split stage ran
+    for a, b in zip(on, off):
+        _assert_same(a, b)
+        assert b["seen"]["host"] == [b["owned"] > 0] * STEPS
+    stale = run_ranks(_train, 4, {"offload": "state"}, True, None, "cpu", 0, False, True)
+    assert stale[0]["losses"][1:] != on[0]["losses"][1:] and _differs(on[0], stale[0])
 
 
 def test_offload_switches_on_a_live_optimizer_both_ways():

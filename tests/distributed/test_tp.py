@@ -102,20 +102,37 @@ def _whole_state(model) -> dict:
 
 
 def build_tp(
-    rank, world, dp, tp, replicas=1, attention=True, device="cpu", predicate=models.proj_predicate
+    rank,
+    world,
+    dp,
+    tp,
+    replicas=1,
+    attention=True,
+    device="cpu",
+    predicate=models.proj_predicate,
+    bf16=False,
 ):
-    """The model on a (dp, tp) or (replicate, shard, tp) mesh in the documented order."""
+    """The model on a (dp, tp) or (replicate, shard, tp) mesh in the documented order
+    (``bf16``: computing in bf16, fp32 masters, in FSDP2 and the dedicated weights alike)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     import dmuon_compile as dmuon
 
+    kw, mp = {}, {}
+    if bf16:
+        kw["param_policy"] = dmuon.ParamPolicy(
+            defaults=dmuon.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        )
+        mp["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     model = models.build_llama().to(local_device(device))
     if replicas == 1:
         mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], tp_owners(attention=attention))
-        dmuon.dedicate_params(model, mesh["dp"], predicate=predicate)
+        dmuon.dedicate_params(model, mesh["dp"], predicate=predicate, **kw)
         fsdp_mesh, dp_rank = mesh["dp"], mesh["dp"].get_local_rank()
     else:
         mesh = init_device_mesh(
@@ -127,14 +144,15 @@ def build_tp(
             mesh["shard"],
             predicate=predicate,
             replicate_mesh=mesh["replicate"],
+            **kw,
         )
         fsdp_mesh = mesh["replicate", "shard"]
         dp_rank = (
             mesh["replicate"].get_local_rank() * (dp // replicas) + mesh["shard"].get_local_rank()
         )
     for block in model.layers:
-        fully_shard(block, mesh=fsdp_mesh)
-    fully_shard(model, mesh=fsdp_mesh)
+        fully_shard(block, mesh=fsdp_mesh, **mp)
+    fully_shard(model, mesh=fsdp_mesh, **mp)
     return model, dp_rank
 
 

@@ -40,10 +40,14 @@ HSDP: the global owners' masters go to host memory; the replicate publish rounds
 into the broadcast buffer as before (inside the step, from the master on the GPU; after it,
 from the compute copy, the same bits), and the other column members keep their replicas.
 
+Tensor parallelism: each member's shards of its TP matrices are its masters; the step's
+stages take those matrices, so their masters are copied in all at once, and the updates the TP
+owners scatter are applied at the commit, not queued for the next forward (the copies out
+follow the commit). Split Newton–Schulz: the owner commits the matrix like any other.
+
 The offloaded step needs its verdict before the commit, which a stored momentum gives (the
-optimizer offloads the momentum too), and the masters whole on one rank outside any stage:
-tensor parallelism and split Newton–Schulz update them in their stages, so those layouts are
-refused (:func:`check_supported`).
+optimizer offloads the momentum too); ``qk_clip`` (it scales the masters after the step) and
+dedicated weights computing in their masters' dtype are refused (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -76,19 +80,13 @@ class _CopiedOut:
             event.synchronize()
 
 
-def state_offload_obstacles(
-    *, tp: bool, split: bool, qk_clip: bool, same_dtype: list[str]
-) -> list[str]:
+def state_offload_obstacles(*, qk_clip: bool, same_dtype: list[str]) -> list[str]:
     """Why ``offload="state"`` cannot hold the masters in host memory (module docstring), as
-    ``Muon`` (:func:`check_supported`) and the dry run (``plan/run.py``) both judge it: tensor
-    parallelism or split Newton–Schulz (their stages update the masters), ``qk_clip`` (it scales
-    them after the step), ``same_dtype`` (the dedicated weights computing in their master's
-    dtype: a compute copy would take as much GPU memory as the master). Empty: it can."""
+    ``Muon`` (:func:`check_supported`) and the dry run (``plan/run.py``) both judge it:
+    ``qk_clip`` (it scales them after the step), ``same_dtype`` (the dedicated weights computing
+    in their master's dtype: a compute copy would take as much GPU memory as the master).
+    Empty: it can."""
     reasons = []
-    if tp:
-        reasons.append("tensor parallelism: its stage updates the masters")
-    if split:
-        reasons.append("split Newton-Schulz: its stage updates the masters")
     if qk_clip:
         reasons.append("qk_clip: it scales the masters after the step")
     if same_dtype:
@@ -110,12 +108,7 @@ def check_supported(runtime, qk_clip) -> None:
             "it as Muon(model) on a model given to dmuon.dedicate_params, or " + fix
         )
     same = [dp.fqn for dp in runtime.params if dp.compute_dtype.itemsize >= dp.orig_dtype.itemsize]
-    reasons = state_offload_obstacles(
-        tp=runtime.tp is not None,
-        split=bool(runtime.split),
-        qk_clip=qk_clip is not None,
-        same_dtype=same,
-    )
+    reasons = state_offload_obstacles(qk_clip=qk_clip is not None, same_dtype=same)
     if same:
         reasons[-1] += (
             ": give dedicate_params(..., param_policy=dmuon.ParamPolicy("
