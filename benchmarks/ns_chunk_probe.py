@@ -9,6 +9,7 @@ result is its own tensor) against one call on the whole stack, after the autotun
 chunk's shape, and the error of both against float64 on the same inputs:
 
     python benchmarks/ns_chunk_probe.py --shapes 64x768x2048,16x1536x4096 --chunks 64,32,16,8,4
+    python benchmarks/ns_chunk_probe.py --size-gate 512,1,512,1   # small chunks on our kernels
 
 Needs a CUDA GPU. A measurement, not a test: RESULTS.md records what a run found.
 """
@@ -30,11 +31,22 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="64x768x2048,16x1536x4096")
     ap.add_argument("--chunks", default="64,32,16,8,4", help="experts per call")
     ap.add_argument("--kernel", default="triton", help="NewtonSchulz(kernel=...)")
+    ap.add_argument(
+        "--size-gate",
+        metavar="ROWS,BATCH[,LARGE_ROWS,LARGE_BATCH]",
+        help="as bench_kernels.py's: let smaller chunks run the symmetric kernels (else a "
+        "chunk below the gate runs cuBLAS), e.g. 512,1,512,1",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ns_chunk_probe.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton.testing
+
+    if args.size_gate:
+        from bench_kernels import set_size_gate
+
+        set_size_gate(args.size_gate)
 
     from dmuon_compile import NewtonSchulz
 
