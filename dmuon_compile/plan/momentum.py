@@ -116,15 +116,19 @@ class MomentumCost:
         add("step_extra_bytes", working)
         add("_momentum_working_bytes", working)
 
-    def charge_master(self, add, numel: int, item: int, compute_item: int) -> None:
+    def charge_master(
+        self, add, numel: int, item: int, compute_item: int, column: bool = False
+    ) -> None:
         """Add one owned dedicated master through ``add(field, bytes)``: on the GPU between
         steps (``dedicated_bytes``), itself, or with ``offload="state"`` its compute copy, the
         master then in ``host_bytes`` and, copied in for the step, in ``step_extra_bytes``
-        (a streamed step holds fewer: ``finish_rows``)."""
+        (a streamed step holds fewer: ``finish_rows``). ``column``: an HSDP global owner whose
+        column buffer (counted as a replica) is then its compute copy."""
         if self.offload != "state":
             add("dedicated_bytes", numel * item)
             return
-        add("dedicated_bytes", numel * compute_item)
+        if not column:
+            add("dedicated_bytes", numel * compute_item)
         add("host_bytes", numel * item)
         add("_master_host_bytes", numel * item)
         add("step_extra_bytes", numel * item)

@@ -190,14 +190,15 @@ def _run_group(
         col[(s_owner, rep_owner)] = col.get((s_owner, rep_owner), 0) + local
         for t in range(T):  # TP: every rank of the owner's TP group holds its shard (or copy)
             g = gpu(e.owner, t)
-            momentum.charge_master(_adder(rows[g]), local, item, citem)
+            column = R > 1 and cdt != p.dtype  # the owner's column buffer, beside its master
+            momentum.charge_master(_adder(rows[g]), local, item, citem, column)
             momentum.charge(_adder(rows[g]), "dedicated_bytes", local, item)
             rows[g].grad_bytes += local * item
             if R > 1:  # the owner column's copies: one per other replica
                 for r in range(R):
                     if r != rep_owner:
                         rows[gpu(r * S + s_owner, t)].replica_bytes += local * citem
-                if cdt != p.dtype:  # the owner's column buffer next to its own master
+                if column:  # (offload="state": it is the compute copy)
                     rows[g].replica_bytes += local * citem
         shape, count = spec.matrix_shape, spec.matrix_count
         if T == 1:  # the owner DTensor's one-rank mesh, as the expert stage reads it

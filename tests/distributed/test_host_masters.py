@@ -168,6 +168,16 @@ def _train(
                 and host.device.type == "cpu"
                 and (device == "cpu" or host.is_pinned())
             )
+        if hsdp and owned and owned[0].compute_copy is not None:  # one buffer, not two
+            columns = {
+                id(p): view
+                for g in runtime.groups
+                if g.replicate is not None
+                for p, view in g.replicate.copy_in
+            }
+            seen.setdefault("column", []).append(
+                all(dp.compute_copy is columns.get(id(dp)) for dp in owned)
+            )
         if switch is not None and i == 1:
             opt.offload = None if switch == "none" else switch
 
@@ -234,9 +244,19 @@ def check_offloaded_masters_equal_on_device(device: str, hsdp: int = 0, world: i
         assert a["seen"]["host"] == [False] * STEPS
         # streamed momentum: the commit brings the masters in bucket by bucket, each once a step
         assert sum(b["copies"]) == STEPS * b["owned"] and len(b["copies"]) > STEPS
+        if hsdp and b["owned"]:  # the global owner's compute copy is its column buffer
+            assert b["seen"]["column"] == [True] * STEPS
     for run in momentum_only:
         for a, c in zip(on, run):
             _assert_same(a, c)
+    if hsdp and world > 2:  # all at once: the early publish casts into the compute copy
+        whole = {"offload": "state", "momentum_in_flight": None}
+        for a, c in zip(
+            on, run_ranks(_train, world, whole, False, None, device, hsdp, device=device)
+        ):
+            _assert_same(a, c)
+            assert c["copies"] == []
+            assert not c["owned"] or c["seen"]["column"] == [True] * STEPS
     # Controls: stale compute copies (the forward never sees the new masters), another lr.
     stale = run_ranks(_train, world, {"offload": "state"}, True, None, device, hsdp, device=device)
     assert stale[0]["losses"][1:] != on[0]["losses"][1:] and _differs(on[0], stale[0])

@@ -39,6 +39,8 @@ streamed step's masters cross the host link after its Newton–Schulz, not under
 HSDP: the global owners' masters go to host memory; the replicate publish rounds the master
 into the broadcast buffer as before (inside the step, from the master on the GPU; after it,
 from the compute copy, the same bits), and the other column members keep their replicas.
+The global owner's compute copy is its column buffer (both are the master's cast to the
+compute dtype): one buffer, not two.
 
 Tensor parallelism: each member's shards of its TP matrices are its masters; the step's
 stages take those matrices, so their masters are copied in all at once, and the updates the TP
@@ -145,12 +147,23 @@ class HostMasters:
         if self.offloaded:
             return
         self.runtime.wait_all()  # nothing in flight reads or writes a master
+        columns = {  # HSDP: the global owners' column buffers (the publish's source)
+            id(p): view
+            for g in self.runtime.groups
+            if g.replicate is not None
+            for p, view in g.replicate.copy_in
+        }
         for dp in self.params:
             master = dp.master
             pin = master.device.type == "cuda"
             host = torch.empty(master.shape, dtype=master.dtype, device="cpu", pin_memory=pin)
             host.copy_(master)
-            dp.compute_copy = master.to(dp.compute_dtype, copy=True)
+            column = columns.get(id(dp))
+            if column is not None and column.dtype == dp.compute_dtype:
+                column.copy_(master)  # one buffer: the unshard's cast, the publish's source
+                dp.compute_copy = column
+            else:
+                dp.compute_copy = master.to(dp.compute_dtype, copy=True)
             dp.host_master = host
             dp.host_version = host._version
             _dt.set_local_tensor(dp.param, host)
@@ -329,7 +342,12 @@ class HostMasters:
     @staticmethod
     def _cast(dp: DedicatedParam, work: torch.Tensor) -> None:
         """A committed master ``work`` (on the GPU) cast into ``dp``'s compute copy, on the
-        step's stream: what the next unshard sends."""
+        step's stream: what the next unshard sends. Not again where an HSDP publish inside the
+        step cast it into its broadcast buffer, which is this compute copy (its broadcast may
+        still be reading it)."""
+        if dp.compute_cast:
+            dp.compute_cast = False
+            return
         dp.compute_copy.copy_(work)
 
     @staticmethod
@@ -396,6 +414,8 @@ class HostMasters:
                 continue
             _dt.set_local_tensor(dp.param, dp.host_master)
             dp.host_version = dp.host_master._version
+        for dp in self.params:  # a step that did not commit: its publish cast nothing kept
+            dp.compute_cast = False
         self._stand_ins = {}
         slots, self._slots = self._slots, []
         for slot in slots:  # released once the side streams' copies are done with them

@@ -64,6 +64,9 @@ class DedicatedParam:
     host_master: Tensor | None = None
     compute_copy: Tensor | None = None
     host_version: int = -1
+    # HSDP global owner with offload="state": the compute copy is the replicate column buffer,
+    # and an HSDP publish inside the step has already cast this step's master into it.
+    compute_cast: bool = False
 
     @property
     def master(self) -> Tensor | None:

@@ -25,7 +25,9 @@ master dtype is the compute dtype, the global owner's master is a view into ``fl
 (the optimizer's in-place update writes straight into the broadcast's source); otherwise
 (``param_policy`` with e.g. bf16 compute and fp32 masters) the owner rounds its masters into
 ``flat`` right before the broadcast — half the bytes, and the same bf16 values its own unshard
-would produce from the fp32 master, so every replica computes with identical weights.
+would produce from the fp32 master, so every replica computes with identical weights. With
+the masters in host memory (``offload="state"``) that view *is* the owner's compute copy: the
+cast the unshard sends and the broadcast's source are one buffer.
 
 Every member of a replicate group holds the same column chunk (the plan is identical on every
 rank), so all issue the same collectives in the same order: SPMD, no per-rank branches.
@@ -175,7 +177,12 @@ class ReplicateStage:
         caller has applied this group's earlier entries (a previous publish still in flight)."""
         with label(PUBLISH, self.name or None):
             for p, view in self.copy_in:
-                view.copy_(p.unshard_source())  # the master, or its compute copy (offload)
+                source = p.unshard_source()  # the master, or its compute copy (offload)
+                if source is view:  # offload="state": the compute copy is this buffer
+                    continue
+                view.copy_(source)
+                if p.compute_copy is view:  # the step's master, cast: the commit need not
+                    p.compute_cast = True
             works = [
                 C.broadcast(self.flat[s.start : s.start + s.numel], s.root, self.pg)
                 for s in self.segments
