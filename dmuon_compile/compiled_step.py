@@ -61,6 +61,7 @@ import itertools
 import logging
 import time
 import types
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -225,6 +226,7 @@ class CompiledMuonStep:
             dynamic=False,
             options=default_compile_options(None, rewrite=False),
         )
+        self._commit_eager = False  # the compiled commit failed to compile: the eager one
         self._orthogonalize = None  # compiled on first use: TP owners' NS (``orthogonalize``)
         self._hypers: dict[tuple[str, torch.device], Tensor] = {}
         self._static_marked: set[int] = set()
@@ -317,11 +319,8 @@ class CompiledMuonStep:
         lr_t = self.hyper_tensor(device, lr, "lr")
         wd_t = self.hyper_tensor(device, weight_decay, "weight_decay")
         mu_t = self.hyper_tensor(device, momentum, "momentum")
-        self._commit(
-            list(params),
-            list(grads),
-            list(bufs),
-            list(ortho),
+        args = (list(params), list(grads), list(bufs), list(ortho))
+        kwargs = dict(
             lr=lr_t,
             weight_decay=wd_t,
             momentum=mu_t,
@@ -331,6 +330,26 @@ class CompiledMuonStep:
             second_moments=None if second_moments is None else list(second_moments),
             new_second_moments=None if new_second_moments is None else list(new_second_moments),
         )
+        if self._commit_eager:
+            F.commit_muon_step(*args, **kwargs)
+            return
+        try:
+            self._commit(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            # The commit runs after the step's verdict: raising here would leave the job's
+            # other commits written and this one not, on this rank only. Compiling writes
+            # nothing, so the eager reference commits instead, now and from here on.
+            self._commit_eager = True
+            warnings.warn(
+                f"dmuon_compile: the compiled Muon commit failed to compile "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "this and later commits of this group run the eager reference (the same "
+                "math, several kernels per matrix). Muon(compile=False) skips compiling; "
+                "TORCH_LOGS=dynamo,inductor shows the failure.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            F.commit_muon_step(*args, **kwargs)
 
     def directions(
         self,

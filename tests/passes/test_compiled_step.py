@@ -325,3 +325,45 @@ def test_a_buckets_fp32_inputs_are_never_written_whole(normalize_each, device, m
     pattern = rf"empty_strided_{device}\(\(12, 24, 40\), \([^)]*\), torch\.(\w+)\)"
     whole = re.findall(pattern, code)
     assert ("float32" in whole) is not normalize_each, whole
+
+
+def test_a_commit_that_fails_to_compile_commits_eager_and_warns(monkeypatch):
+    """The commit runs after the step's verdict, so a compile failure there must not raise: the
+    eager reference commits (now and later), with a warning naming the fallback. Control: the
+    failing compiled commit was called (once: later steps go eager straight away)."""
+    from dmuon_compile import compiled_step
+
+    class CompileFailed(torch._dynamo.exc.TorchDynamoException):
+        pass
+
+    calls = []
+
+    def failing_commit(*args, **kwargs):
+        calls.append(1)
+        raise CompileFailed("backend compiler failed (injected)")
+
+    real_init = compiled_step.CompiledMuonStep.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self._commit = failing_commit
+
+    monkeypatch.setattr(compiled_step.CompiledMuonStep, "__init__", init)
+    torch._dynamo.reset()
+    shapes = [(8, 24), (12, 12)]
+    ps_c, ps_e = _params(shapes, torch.float32, 3), _params(shapes, torch.float32, 3)
+    ns = NewtonSchulz(kernel="auto", work_dtype=torch.float32)
+    kw = {"lr": 0.02, "weight_decay": 0.1, "ns_backend": ns}
+    opt_c, opt_e = dmuon.Muon(ps_c, compile=True, **kw), dmuon.Muon(ps_e, compile=False, **kw)
+    for step in range(3):
+        _set_grads(ps_c, ps_e, 10 + step)
+        if step == 0:
+            with pytest.warns(RuntimeWarning, match="failed to compile.*eager reference"):
+                opt_c.step()
+        else:
+            opt_c.step()
+        opt_e.step()
+    assert calls == [1]
+    for p, q, p0 in zip(ps_c, ps_e, _params(shapes, torch.float32, 3)):
+        assert (p - p0).abs().max() > 1e-3  # the steps moved the weights
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0)
