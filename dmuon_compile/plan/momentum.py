@@ -325,7 +325,8 @@ def storage_note(report, cost: MomentumCost) -> str | None:
         text += (
             f"; offload='state': rank {top.rank} also keeps its {masters / gib:.2f} GiB of owned "
             "masters in host memory between steps (their compute-dtype copies on the GPU instead, "
-            "in 'dedicated'); after the step's verdict the commit brings them in the same "
+            "in 'dedicated'; an HSDP global owner's is its column buffer, in 'replica'); "
+            "after the step's verdict the commit brings them in the same "
             "buckets, the same number at a time (in 'step extra'), their copy-in under no "
             "Newton-Schulz (in 'step ms') and their write-back beside the next bucket's copy-in; "
             "the host link figures above count the masters too"
@@ -334,7 +335,8 @@ def storage_note(report, cost: MomentumCost) -> str | None:
         text += (
             f"; offload='state': rank {top.rank} also keeps its {masters / gib:.2f} GiB of owned "
             "masters in host memory between steps (their compute-dtype copies on the GPU instead, "
-            "in 'dedicated') and copies them in for the step under its Newton-Schulz, all at "
+            "in 'dedicated'; an HSDP global owner's is its column buffer, in 'replica') "
+            "and copies them in for the step under its Newton-Schulz, all at "
             f"once (in 'step extra'), so the step's peak is higher than with offload='momentum' "
             "by the compute copies while the forward and backward hold that much less; the host "
             "link figures above count the masters too"
