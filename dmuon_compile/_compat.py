@@ -136,6 +136,9 @@ _DETECT_FAKE_MODE = PrivateAPI(
 _MARK_STATIC = PrivateAPI(
     "torch._dynamo", "mark_static_address", "the compiled step's static state"
 )
+_DYNAMO_EXCEPTION = PrivateAPI(
+    "torch._dynamo.exc", "TorchDynamoException", "the compiled commit's eager fallback"
+)
 _REGISTER_LOG = PrivateAPI(
     "torch._logging._internal", "register_log", "the TORCH_LOGS alias 'dmuon'"
 )
@@ -227,6 +230,13 @@ def mark_static_address(t) -> None:
     """``torch._dynamo.mark_static_address``: the compiled step's state keeps its address, so
     CUDA graphs and guards never copy or recompile for it."""
     _MARK_STATIC.get()(t)
+
+
+def compile_error_type() -> type:
+    """``torch._dynamo.exc.TorchDynamoException``: the base of what ``torch.compile`` raises when
+    tracing or compiling fails (``BackendCompilerFailed``, ``Unsupported``, Inductor's errors),
+    before the compiled code runs."""
+    return _DYNAMO_EXCEPTION.get()
 
 
 def register_torch_log(name: str, qualified_name: str) -> None:

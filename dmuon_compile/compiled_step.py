@@ -70,6 +70,7 @@ from torch import Tensor
 from dmuon_compile import env
 from dmuon_compile import functional as F
 from dmuon_compile._compat import (
+    compile_error_type,
     inductor_mode_options,
     mark_static_address,
     parse_version,
@@ -335,7 +336,7 @@ class CompiledMuonStep:
             return
         try:
             self._commit(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as exc:
+        except compile_error_type() as exc:
             # The commit runs after the step's verdict: raising here would leave the job's
             # other commits written and this one not, on this rank only. Compiling writes
             # nothing, so the eager reference commits instead, now and from here on.
