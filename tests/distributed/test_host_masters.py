@@ -136,10 +136,11 @@ def _train(
     from .harness import local_device
 
     dp_rank, dp = rank, world
-    if tp:  # TP over every rank: each matrix's shards on its owner's TP group
+    if tp:  # TP 2: each matrix's shards on its owner's TP group (hsdp: 2 replicas of 1 shard)
         from .test_tp import build_tp
 
-        (model, dp_rank), dp = build_tp(rank, world, 1, world, device=device, bf16=True), 1
+        dp = world // 2
+        model, dp_rank = build_tp(rank, world, dp, 2, replicas=hsdp or 1, device=device, bf16=True)
     else:
         model = _build(world, device=device, hsdp=hsdp, split=split)
     settings = {**HYPER, **settings}
@@ -273,24 +274,32 @@ def check_offloaded_masters_equal_on_device(device: str, hsdp: int = 0, world: i
             assert b["copies"] == []  # traced: all at once, when the step starts
 
 
-def test_offloaded_tp_masters_train_bit_for_bit_like_masters_on_the_device():
-    check_offloaded_tp_masters_equal_on_device("cpu")
+@pytest.mark.parametrize("hsdp", [0, 2], ids=["tp2", "hsdp2x1_tp2"])
+def test_offloaded_tp_masters_train_bit_for_bit_like_masters_on_the_device(hsdp):
+    check_offloaded_tp_masters_equal_on_device("cpu", hsdp)
 
 
-def check_offloaded_tp_masters_equal_on_device(device: str) -> None:
+def check_offloaded_tp_masters_equal_on_device(device: str, hsdp: int = 0) -> None:
     """TP 2: each rank's shards of the TP matrices offloaded (the TP owner gathers the inputs,
     scatters the update, which each member applies to its master on the GPU at the commit,
-    not in the next forward), bit for bit like the masters on the device; control: a stale
-    compute copy ends elsewhere."""
+    not in the next forward), bit for bit like the masters on the device; ``hsdp``: 2 replicas
+    of that (4 ranks; the global owners' column buffers are their compute copies). Control: a
+    stale compute copy ends elsewhere."""
+    world = 4 if hsdp else 2
+    args = (False, None, device, hsdp, True)
     on, off = (
-        run_ranks(_train, 2, settings, False, None, device, 0, True, device=device)
+        run_ranks(_train, world, settings, *args, device=device)
         for settings in ({}, {"offload": "state"})
     )
     for a, b in zip(on, off):
         _assert_same(a, b)
-        assert b["owned"] > 0 and b["seen"]["host"] == [True] * STEPS
+        assert b["seen"]["host"] == [b["owned"] > 0] * STEPS
         assert b["copies"] == []  # a stage takes the matrices: all at once, at the start
-    stale = run_ranks(_train, 2, {"offload": "state"}, True, None, device, 0, True, device=device)
+        if hsdp and b["owned"]:
+            assert b["seen"]["column"] == [True] * STEPS
+    assert any(b["owned"] for b in off)
+    stale_args = (True, None, device, hsdp, True)
+    stale = run_ranks(_train, world, {"offload": "state"}, *stale_args, device=device)
     assert stale[0]["losses"][1:] != on[0]["losses"][1:] and _differs(on[0], stale[0])
 
 
