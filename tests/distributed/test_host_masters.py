@@ -11,8 +11,8 @@
   optimizer both ways.
 - HSDP (2 replicas of one shard, and of two shards on 4 ranks): the global owners' masters
   offloaded, bit for bit as well; so are expert stacks dedicated whole (3-D masters), TP 2 (each
-  member's shards, the scattered updates applied at the commit) and split Newton-Schulz on 4
-  ranks.
+  member's shards, the scattered updates applied at the commit), 2 replicas of TP 2 and split
+  Newton-Schulz on 4 ranks.
 - Where it cannot hold the masters so, ``Muon`` raises naming the fix (no dedicated weights,
   fp32 compute, ``qk_clip``).
 
